@@ -1,0 +1,69 @@
+"""Request state (pure Python + the request's recorded tensors); owned by the engine."""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+_ids = itertools.count()
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings. ``temperature == 0`` is greedy (lossless vs the target's
+    greedy output). ``stop_token_ids`` default to the target's EOS ids."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """One generation. Token bookkeeping: ``all_ids = prompt_ids + output_ids``; the target KV cache
+    and ``features`` cover positions ``0 .. num_tokens-2``; the last token is the next anchor."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    slot: int | None = None
+    draft_lens: list[int] = field(default_factory=list)
+    num_accepted: list[int] = field(default_factory=list)
+    step_versions: list[int] = field(default_factory=list)
+    feature_chunks: list[torch.Tensor] = field(default_factory=list)
+    hidden_chunks: list[torch.Tensor] = field(default_factory=list)
+    first_version: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.output_ids)

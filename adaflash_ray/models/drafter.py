@@ -1,0 +1,326 @@
+"""The DFlash block-diffusion drafter (ALGORITHMS.md §1; z-lab/dflash, SpecForge's DFlash trainer).
+
+One forward proposes ``block_size - 1`` draft tokens: the block ``[anchor, MASK x (block_size-1)]``
+attends (bidirectionally inside the block) to the committed context, which enters every layer
+as extra K/V projected from the target's hidden states: ``c = hidden_norm(fc(concat_K h))``.
+Token embeddings and ``lm_head`` are the target's, frozen and not part of the drafter checkpoint.
+
+Two entry points share the same weights:
+- inference: :meth:`DFlashDrafter.append_context` writes the context K/V of newly committed
+  positions into a per-slot :class:`~adaflash_ray.models.target.KVCache`, and
+  :meth:`DFlashDrafter.propose_hidden` runs one block per request;
+- training: :meth:`DFlashDrafter.forward_train` runs many blocks per sequence, block b seeing
+  context strictly before its anchor and only itself (blocks never see each other).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from adaflash_ray.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, masked_attention
+from adaflash_ray.models.target import KVCache, TargetConfig
+
+
+@dataclass
+class DrafterModelConfig:
+    """Architecture of a DFlash drafter. ``target_hidden_size`` is the width of each captured
+    target layer; ``mask_token_id=None`` means the drafter owns a learned mask embedding (for
+    targets with no spare vocabulary id, e.g. SmolLM2)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int
+    target_layer_ids: list[int]
+    target_hidden_size: int
+    num_target_layers: int  # layers of the target model (DFlash config field)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    mask_token_id: int | None = None
+    model_type: str = "qwen3"
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def for_target(cls, tcfg: TargetConfig, *, num_hidden_layers: int, block_size: int,
+                   target_layer_ids: list[int], intermediate_size: int | None = None,
+                   mask_token_id: int | None = None) -> "DrafterModelConfig":
+        """A drafter at the target's width (the DFlash default), validated against the target.
+
+        Raises ValueError if a layer id is outside ``[0, L)`` or block_size < 2.
+        """
+        bad = [i for i in target_layer_ids if not 0 <= i < tcfg.num_hidden_layers]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} outside [0, {tcfg.num_hidden_layers})")
+        if block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {block_size}")
+        return cls(hidden_size=tcfg.hidden_size, intermediate_size=intermediate_size or tcfg.intermediate_size,
+                   num_hidden_layers=num_hidden_layers, num_attention_heads=tcfg.num_attention_heads,
+                   num_key_value_heads=tcfg.num_key_value_heads, head_dim=tcfg.head_dim,
+                   vocab_size=tcfg.vocab_size, block_size=block_size, target_layer_ids=list(target_layer_ids),
+                   target_hidden_size=tcfg.hidden_size, num_target_layers=tcfg.num_hidden_layers,
+                   rms_norm_eps=tcfg.rms_norm_eps, rope_theta=tcfg.rope_theta, mask_token_id=mask_token_id)
+
+    # DFlash checkpoint config.json (HF style) -------------------------------------------------
+    def to_hf_dict(self) -> dict:
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": self.model_type,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "attention_bias": False,
+            "is_causal": False,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "target_hidden_size": self.target_hidden_size,
+            "tie_word_embeddings": False,
+            "dflash_config": {"block_size": self.block_size, "mask_token_id": self.mask_token_id,
+                              "target_layer_ids": list(self.target_layer_ids)},
+            **({"adaflash_extra": self.extra} if self.extra else {}),
+        }
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "DrafterModelConfig":
+        """Parse a DFlash ``config.json``. Raises ValueError naming a missing field."""
+        dc = d.get("dflash_config", {})
+        try:
+            n_heads = d["num_attention_heads"]
+            rope = d.get("rope_parameters") or {}
+            return cls(
+                hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+                num_hidden_layers=d["num_hidden_layers"], num_attention_heads=n_heads,
+                num_key_value_heads=d.get("num_key_value_heads", n_heads),
+                head_dim=d.get("head_dim") or d["hidden_size"] // n_heads, vocab_size=d["vocab_size"],
+                block_size=dc.get("block_size", d.get("block_size")),
+                target_layer_ids=list(dc["target_layer_ids"]),
+                target_hidden_size=d.get("target_hidden_size", d["hidden_size"]),
+                num_target_layers=d["num_target_layers"], rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+                mask_token_id=dc.get("mask_token_id"), model_type=d.get("model_type", "qwen3"),
+                extra=d.get("adaflash_extra", {}),
+            )
+        except KeyError as e:
+            raise ValueError(f"DFlash config.json is missing field {e.args[0]!r}") from e
+
+    def check_target(self, tcfg: TargetConfig) -> None:
+        """Raise ValueError if this drafter cannot serve ``tcfg`` (vocabulary, width, layers)."""
+        problems = []
+        if self.vocab_size != tcfg.vocab_size:
+            problems.append(f"vocab_size {self.vocab_size} != target vocab_size {tcfg.vocab_size}")
+        if self.target_hidden_size != tcfg.hidden_size:
+            problems.append(f"target_hidden_size {self.target_hidden_size} != target hidden_size {tcfg.hidden_size}")
+        if self.hidden_size != tcfg.hidden_size:
+            problems.append(f"hidden_size {self.hidden_size} != target hidden_size {tcfg.hidden_size} "
+                            "(the drafter shares the target's embeddings and lm_head)")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < tcfg.num_hidden_layers]
+        if bad:
+            problems.append(f"target_layer_ids {bad} outside the target's {tcfg.num_hidden_layers} layers")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < tcfg.vocab_size:
+            problems.append(f"mask_token_id {self.mask_token_id} outside the vocabulary")
+        if problems:
+            raise ValueError("drafter does not match the target: " + "; ".join(problems))
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class _DrafterAttention(nn.Module):
+    def __init__(self, cfg: DrafterModelConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (normed, rotated) and V of ``x`` ``[B, T, H]`` -> ``[B, T, Hkv, D]`` each."""
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        return apply_rotary(k, cos, sin), v
+
+    def q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))
+        return apply_rotary(q, cos, sin)
+
+
+class _DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = _DrafterAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, visible):
+        """x ``[B, Q, H]`` block positions; ctx_k/ctx_v ``[B, C, Hkv, D]``; visible ``[B, Q, C+Q]``."""
+        h = self.input_layernorm(x)
+        attn = self.self_attn
+        q = attn.q(h, cos, sin)
+        bk, bv = attn.kv(h, cos, sin)
+        k = torch.cat([ctx_k.to(bk.dtype), bk], dim=1)
+        v = torch.cat([ctx_v.to(bv.dtype), bv], dim=1)
+        out = masked_attention(q, k, v, visible)
+        x = x + attn.o_proj(out.reshape(x.shape[0], x.shape[1], -1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash drafter. Parameters (checkpoint names, DFlash format): ``fc.weight [H, K*Ht]``,
+    ``hidden_norm.weight``, ``layers.N.*`` (Qwen3-style), ``norm.weight`` and, with no mask token,
+    ``mask_embedding [H]``. ``embed_tokens`` / ``lm_head`` are borrowed from the target by
+    :meth:`attach_target` and excluded from :meth:`drafter_state_dict`.
+    """
+
+    def __init__(self, cfg: DrafterModelConfig):
+        super().__init__()
+        self.config = cfg
+        k = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(k * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([_DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.mask_token_id is None:
+            self.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size))
+        else:
+            self.mask_embedding = None
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self._target_embed: nn.Embedding | None = None
+        self._target_lm_head: nn.Linear | None = None
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """Deterministic init: normal(0, std) for linears, ones for norms; mask embedding = mean
+        of the target embeddings if attached (zeros otherwise)."""
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif p.dim() == 2:
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+        if self.mask_embedding is not None and self._target_embed is not None:
+            with torch.no_grad():
+                self.mask_embedding.copy_(self._target_embed.weight.float().mean(0))
+
+    def attach_target(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> "DFlashDrafter":
+        """Share the target's frozen input embeddings and lm_head (not registered as submodules)."""
+        object.__setattr__(self, "_target_embed", embed_tokens)
+        object.__setattr__(self, "_target_lm_head", lm_head)
+        return self
+
+    def drafter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trainable weights under DFlash checkpoint names (no embeddings / lm_head)."""
+        return {n: p.detach() for n, p in self.named_parameters()}
+
+    # ------------------------------------------------------------------ pieces
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """``[..., K*Ht]`` target features -> context ``c`` ``[..., H]`` = hidden_norm(fc(features))."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def block_embeddings(self, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """``anchor_ids`` ``[...]`` -> block input ``[..., block_size, H]``: embed(anchor) then MASK."""
+        emb = self._target_embed(anchor_ids).to(self.fc.weight.dtype)  # [..., H]
+        if self.mask_embedding is not None:
+            mask = self.mask_embedding.to(emb.dtype)
+        else:
+            mask = self._target_embed.weight[self.config.mask_token_id].to(emb.dtype)
+        mask = mask.expand(*anchor_ids.shape, self.block_size - 1, emb.shape[-1])
+        return torch.cat([emb[..., None, :], mask], dim=-2)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits ``[..., V]`` (float32) from final hidden states ``[..., H]``."""
+        w = self._target_lm_head.weight
+        return (hidden.to(w.dtype) @ w.t()).float()
+
+    # ------------------------------------------------------------------ inference
+    def new_context_cache(self, num_slots: int, max_seq_len: int, dtype: torch.dtype | None = None) -> KVCache:
+        c = self.config
+        p = self.fc.weight
+        return KVCache(c.num_hidden_layers, num_slots, max_seq_len, c.num_key_value_heads, c.head_dim,
+                       dtype or p.dtype, p.device)
+
+    @torch.no_grad()
+    def append_context(self, cache: KVCache, slot_ids: torch.Tensor, positions: torch.Tensor,
+                       features: torch.Tensor) -> None:
+        """Write context K/V of committed positions into ``cache``.
+
+        slot_ids, positions: ``[N]`` int64; features: ``[N, K*Ht]`` (rows may mix requests).
+        Every layer's context K/V come from the same ``c`` (context never passes through layers).
+        """
+        c = self.project_context(features)[None]  # [1, N, H]
+        cos, sin = self.rotary.cos_sin(positions[None])
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(c, cos, sin)  # [1, N, Hkv, D]
+            cache.k[i][slot_ids, positions] = k[0].to(cache.k.dtype)
+            cache.v[i][slot_ids, positions] = v[0].to(cache.v.dtype)
+
+    @torch.no_grad()
+    def propose_hidden(self, cache: KVCache, slot_ids: torch.Tensor, anchor_ids: torch.Tensor,
+                       anchor_pos: torch.Tensor, span: int | None = None) -> torch.Tensor:
+        """One block per request. anchor_ids/anchor_pos/slot_ids ``[B]``; context = cache entries at
+        positions ``< anchor_pos`` of each slot. Returns final hidden ``[B, block_size, H]``."""
+        bsz, bs = anchor_ids.shape[0], self.block_size
+        x = self.block_embeddings(anchor_ids)  # [B, bs, H]
+        pos = anchor_pos[:, None] + torch.arange(bs, device=x.device)  # [B, bs]
+        cos, sin = self.rotary.cos_sin(pos)
+        span = int(anchor_pos.max().item()) if span is None else span
+        span = max(span, 1)
+        ctx_vis = torch.arange(span, device=x.device)[None, :] < anchor_pos[:, None]  # [B, S]
+        visible = torch.cat([ctx_vis[:, None, :].expand(bsz, bs, span),
+                             torch.ones(bsz, bs, bs, dtype=torch.bool, device=x.device)], dim=-1)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.k[i][slot_ids, :span], cache.v[i][slot_ids, :span], visible)
+        return self.norm(x)
+
+    # ------------------------------------------------------------------ training
+    def forward_train(self, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Many blocks per sequence (DFlash/SpecForge training layout).
+
+        Args:
+            features: ``[B, T, K*Ht]`` target features of positions 0..T-1.
+            input_ids: ``[B, T']`` token ids (T' >= T); the anchor token is ``input_ids[b, anchor]``.
+            anchors: ``[B, N]`` int64 anchor positions (>= 1; padding anchors may repeat a valid
+                one - their loss weight must be zero).
+        Returns:
+            ``[B, N, block_size, H]`` final hidden states; block position k predicts token anchor+k.
+        Block n sees context positions ``< anchors[b, n]`` and the positions of its own block only.
+        """
+        bsz, t, _ = features.shape
+        n, bs = anchors.shape[1], self.block_size
+        c = self.project_context(features)  # [B, T, H]
+        ctx_pos = torch.arange(t, device=c.device).expand(bsz, t)
+        ccos, csin = self.rotary.cos_sin(ctx_pos)
+        anchor_ids = input_ids.gather(1, anchors)  # [B, N]
+        x = self.block_embeddings(anchor_ids).reshape(bsz, n * bs, -1)  # [B, N*bs, H]
+        pos = (anchors[:, :, None] + torch.arange(bs, device=c.device)).reshape(bsz, n * bs)
+        cos, sin = self.rotary.cos_sin(pos)
+        q_anchor = anchors.repeat_interleave(bs, dim=1)  # [B, N*bs]
+        ctx_vis = ctx_pos[:, None, :] < q_anchor[:, :, None]  # [B, N*bs, T]
+        blk = torch.arange(n, device=c.device).repeat_interleave(bs)
+        blk_vis = (blk[:, None] == blk[None, :]).expand(bsz, n * bs, n * bs)
+        visible = torch.cat([ctx_vis, blk_vis], dim=-1)
+        for layer in self.layers:
+            ck, cv = layer.self_attn.kv(c, ccos, csin)
+            x = layer(x, cos, sin, ck, cv, visible)
+        return self.norm(x).reshape(bsz, n, bs, -1)

@@ -1,0 +1,60 @@
+"""Build the drafter + length head for a target from the recipe (or a DFlash checkpoint).
+Used by the inference engine and the trainer so both hold the same architecture."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from adaflash_ray.models.checkpoint import CheckpointError, check_tensors_fit, load_drafter_checkpoint
+from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
+from adaflash_ray.models.length_head import DirectLengthHead
+from adaflash_ray.models.target import TargetModel, default_target_layer_ids
+
+
+def drafter_config_for(target: TargetModel, drafter_cfg) -> DrafterModelConfig:
+    """DrafterModelConfig from a recipe ``DrafterConfig`` (adaflash_ray.config) and the target."""
+    tcfg = target.config
+    ids = drafter_cfg.target_layer_ids or default_target_layer_ids(tcfg.num_hidden_layers,
+                                                                   drafter_cfg.num_target_layers)
+    return DrafterModelConfig.for_target(tcfg, num_hidden_layers=drafter_cfg.num_hidden_layers,
+                                         block_size=drafter_cfg.block_size, target_layer_ids=ids,
+                                         intermediate_size=drafter_cfg.intermediate_size,
+                                         mask_token_id=drafter_cfg.mask_token_id)
+
+
+def build_drafter(target: TargetModel, drafter_cfg, head_cfg, seed: int = 0,
+                  init_path: str | Path | None = None) -> tuple[DFlashDrafter, DirectLengthHead | None]:
+    """Create drafter (+ ``direct`` head if the policy needs one) in the target's dtype/device.
+
+    With ``init_path`` (or ``drafter_cfg.init_path``) the weights come from a DFlash checkpoint;
+    raises CheckpointError if it does not fit the target.
+    """
+    init_path = init_path or getattr(drafter_cfg, "init_path", None)
+    if init_path:
+        cfg, tensors, _ = load_drafter_checkpoint(init_path)
+        try:
+            cfg.check_target(target.config)
+        except ValueError as e:
+            raise CheckpointError(f"{init_path}: {e}") from e
+    else:
+        cfg, tensors = drafter_config_for(target, drafter_cfg), None
+    dtype, device = target.lm_head.weight.dtype, target.lm_head.weight.device
+    drafter = DFlashDrafter(cfg).attach_target(target.model.embed_tokens, target.lm_head)
+    drafter.init_weights(seed)
+    head = None
+    if head_cfg.policy == "direct":
+        torch.manual_seed(seed + 1)
+        head = DirectLengthHead(cfg.hidden_size, head_cfg.hidden_size)
+    if tensors is not None:
+        own = {k: v for k, v in tensors.items() if not k.startswith("length_head.")}
+        check_tensors_fit(drafter.drafter_state_dict(), own, f"drafter checkpoint {init_path}")
+        drafter.load_state_dict(own, strict=False)
+        head_t = {k[len("length_head."):]: v for k, v in tensors.items() if k.startswith("length_head.")}
+        if head is not None and head_t:
+            check_tensors_fit(head.state_dict(), head_t, f"length head in {init_path}")
+            head.load_state_dict(head_t)
+    drafter.to(device=device, dtype=dtype)
+    if head is not None:
+        head.to(device=device, dtype=dtype)
+    return drafter, head

@@ -1,0 +1,90 @@
+"""Shared building blocks of the target and drafter: RMSNorm, rotary embedding, SwiGLU MLP,
+and the masked attention used by every forward in the engine.
+
+All functions are pure torch (no Ray), shape-commented, and dtype-agnostic.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019) as in Llama/Qwen: computed in float32,
+    cast back to the input dtype. Weight shape ``[dim]``."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class SwiGLU(nn.Module):
+    """Llama/Qwen MLP: ``down(silu(gate(x)) * up(x))``; no biases."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (Su et al. 2021, arXiv 2104.09864), "default" rope type with the
+    half-split layout used by Hugging Face Llama/Qwen (``rotate_half``).
+
+    ``cos_sin(positions)`` takes integer positions of any shape ``[...]`` and returns
+    ``(cos, sin)`` of shape ``[..., head_dim]`` in float32.
+    """
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # [..., D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [..., D]
+        return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[B, T, heads, D]`` by ``cos``/``sin`` ``[B, T, D]`` (float32 math)."""
+    dtype = x.dtype
+    x32 = x.float()
+    half = x32.shape[-1] // 2
+    rot = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
+    out = x32 * cos[:, :, None, :] + rot * sin[:, :, None, :]
+    return out.to(dtype)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Scaled dot-product attention with grouped-query heads and an explicit visibility mask.
+
+    Args:
+        q: ``[B, Tq, Hq, D]`` queries.
+        k, v: ``[B, Tk, Hkv, D]`` keys/values; ``Hq`` must be a multiple of ``Hkv``.
+        visible: ``[B, Tq, Tk]`` bool, True where query may attend to key. Every query row must
+            see at least one key (callers guarantee it; a fully masked row would give NaN).
+    Returns:
+        ``[B, Tq, Hq, D]`` in q's dtype.
+    """
+    hq, hkv = q.shape[2], k.shape[2]
+    if hq != hkv:
+        rep = hq // hkv
+        k = k.repeat_interleave(rep, dim=2)
+        v = v.repeat_interleave(rep, dim=2)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible[:, None, :, :]
+    )  # [B, Hq, Tq, D]
+    return out.transpose(1, 2)

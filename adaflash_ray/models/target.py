@@ -1,0 +1,281 @@
+"""The target model: the engine's own Llama / Qwen2 / Qwen3 decoder, loaded from a Hugging Face
+safetensors directory, returning logits plus the hidden states the DFlash drafter conditions on.
+
+One forward serves prefill, plain decoding and verification: it writes K/V for the given
+absolute positions into a static per-slot cache (gpt-fast style), so rolling back rejected drafts
+is just "don't advance the length" - stale entries are beyond every later query's causal limit and
+get overwritten. transformers is the test oracle for the logits (tests/test_models.py).
+
+Usage::
+
+    target = TargetModel.from_pretrained(model_dir, dtype=torch.float32)
+    out = target(input_ids, positions, capture_layer_ids=[1, 7, 14, 20, 27])
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from adaflash_ray.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, masked_attention
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass
+class TargetConfig:
+    """The subset of a Hugging Face ``config.json`` the engine needs.
+
+    Raises ``ValueError`` (from :meth:`from_hf_dict`) for an unsupported ``model_type`` or a rope
+    scaling type other than ``default``.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # qwen2: q/k/v biases
+    qk_norm: bool = False  # qwen3: per-head RMSNorm on q and k
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "TargetConfig":
+        mt = d.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported target model_type {mt!r}; supported: {SUPPORTED_MODEL_TYPES}")
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"unsupported rope_type {rope_type!r} (only 'default' is implemented)")
+        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        eos = d.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        n_heads = d["num_attention_heads"]
+        return cls(
+            model_type=mt,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=n_heads,
+            num_key_value_heads=d.get("num_key_value_heads", n_heads),
+            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", mt == "qwen2")),
+            qk_norm=mt == "qwen3",
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass
+class TargetOutput:
+    """Result of one target forward.
+
+    logits: ``[B, W, V]`` float32. features: ``[B, W, K*H]`` (the K captured layers, concatenated
+    in ``capture_layer_ids`` order) or None. last_hidden: ``[B, W, H]`` final-normed hidden state
+    (``lm_head(last_hidden) == logits``).
+    """
+
+    logits: torch.Tensor
+    features: torch.Tensor | None
+    last_hidden: torch.Tensor
+
+
+class KVCache:
+    """Static per-slot KV cache: ``k, v`` of shape ``[L, num_slots, max_seq_len, Hkv, D]``.
+
+    A request owns one slot; the entry at absolute position ``p`` lives at ``[:, slot, p]``.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, max_seq_len: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+        shape = (num_layers, num_slots, max_seq_len, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_seq_len = max_seq_len
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, layer_idx, cache, slot_ids, positions, visible):
+        b, w, _ = x.shape
+        q = self.q_proj(x).view(b, w, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, w, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, w, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            rows = slot_ids[:, None].expand(b, w)  # [B, W]
+            cache.k[layer_idx][rows, positions] = k.to(cache.k.dtype)
+            cache.v[layer_idx][rows, positions] = v.to(cache.v.dtype)
+            span = visible.shape[-1]
+            k = cache.k[layer_idx][slot_ids, :span].to(q.dtype)  # [B, S, Hkv, D]
+            v = cache.v[layer_idx][slot_ids, :span].to(q.dtype)
+        out = masked_attention(q, k, v, visible)  # [B, W, Hq, D]
+        return self.o_proj(out.reshape(b, w, -1))
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = _Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+
+class _Decoder(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([_Layer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class TargetModel(nn.Module):
+    """Llama / Qwen2 / Qwen3 causal LM with feature capture, parameter names matching Hugging Face
+    (``model.layers.N.self_attn.q_proj.weight`` ...), so ``load_state_dict`` takes HF safetensors."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = _Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> "TargetModel":
+        """Load ``config.json`` + ``*.safetensors`` from a Hugging Face model directory.
+
+        Raises:
+            FileNotFoundError: no config.json or no safetensors file in ``model_dir``.
+            ValueError: unsupported architecture, or missing/unexpected/mis-shaped tensors
+                (a truncated or foreign checkpoint).
+        """
+        model_dir = Path(model_dir)
+        cfg_path = model_dir / "config.json"
+        if not cfg_path.exists():
+            raise FileNotFoundError(f"{cfg_path} not found: not a Hugging Face model directory")
+        cfg = TargetConfig.from_hf_dict(json.loads(cfg_path.read_text()))
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+        with torch.device("meta"):
+            model = cls(cfg)
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            try:
+                with safe_open(str(f), framework="pt") as fh:
+                    for name in fh.keys():
+                        state[name] = fh.get_tensor(name).to(dtype)
+            except Exception as e:  # safetensors raises its own error types for corrupt files
+                raise ValueError(f"cannot read target checkpoint {f}: {e}") from e
+        if cfg.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        expected = {n: p.shape for n, p in model.named_parameters()}
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"target checkpoint {model_dir} does not match {cfg.model_type}: "
+                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for n, shape in expected.items():
+            if state[n].shape != shape:
+                raise ValueError(f"target checkpoint {model_dir}: {n} has shape {tuple(state[n].shape)}, "
+                                 f"expected {tuple(shape)}")
+        if cfg.tie_word_embeddings:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        model.load_state_dict(state, strict=True, assign=True)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        model.to(device)
+        model.requires_grad_(False)
+        return model.eval()
+
+    def default_layer_ids(self, num_target_layers: int) -> list[int]:
+        """ALGORITHMS.md §1 default: K evenly spaced ids from 1 to L-3 (DFlash/SpecForge)."""
+        return default_target_layer_ids(self.config.num_hidden_layers, num_target_layers)
+
+    def new_kv_cache(self, num_slots: int, max_seq_len: int, dtype: torch.dtype | None = None) -> KVCache:
+        c = self.config
+        p = self.lm_head.weight
+        return KVCache(c.num_hidden_layers, num_slots, max_seq_len, c.num_key_value_heads, c.head_dim,
+                       dtype or p.dtype, p.device)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *, cache: KVCache | None = None,
+                slot_ids: torch.Tensor | None = None, capture_layer_ids: list[int] | None = None,
+                key_valid: torch.Tensor | None = None, compute_logits: bool = True) -> TargetOutput:
+        """Run the decoder on ``input_ids`` ``[B, W]`` at absolute ``positions`` ``[B, W]`` (int64).
+
+        With ``cache``/``slot_ids`` ``[B]``: K/V of the inputs are written at their positions in the
+        slots and each query at position p attends to cache entries 0..p of its slot (causal by
+        absolute position). Without a cache: causal attention inside the input; ``key_valid``
+        ``[B, W]`` (bool) can mask padding keys. Returns :class:`TargetOutput`.
+        """
+        b, w = input_ids.shape
+        x = self.model.embed_tokens(input_ids)  # [B, W, H]
+        cos, sin = self.rotary.cos_sin(positions)  # [B, W, D]
+        if cache is not None:
+            span = int(positions.max().item()) + 1
+            key_pos = torch.arange(span, device=input_ids.device)
+            visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, W, S]
+        else:
+            visible = positions[:, None, :] <= positions[:, :, None]  # [B, W, W]
+            if key_valid is not None:
+                visible = visible & key_valid[:, None, :]
+                visible = visible | torch.eye(w, dtype=torch.bool, device=x.device)[None]
+        want = set(capture_layer_ids or [])
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            h = layer.input_layernorm(x)
+            x = x + layer.self_attn(h, cos, sin, i, cache, slot_ids, positions, visible)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in want:
+                captured[i] = x
+        last = self.model.norm(x)
+        feats = torch.cat([captured[i] for i in capture_layer_ids], dim=-1) if capture_layer_ids else None
+        logits = self.lm_head(last).float() if compute_logits else None
+        return TargetOutput(logits=logits, features=feats, last_hidden=last)
+
+
+def default_target_layer_ids(num_layers: int, k: int) -> list[int]:
+    """K evenly spaced target layer ids from 1 to L-3: ``round(1 + i*(L-4)/(K-1))`` (DFlash)."""
+    if k == 1:
+        return [num_layers // 2]
+    return [int(round(1 + i * (num_layers - 4) / (k - 1))) for i in range(k)]
