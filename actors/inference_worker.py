@@ -1,0 +1,213 @@
+"""InferenceWorker: a Ray actor that owns one SpecEngine and runs its step loop in a background
+thread. Requests arrive through :meth:`submit` / :meth:`generate`; finished requests become
+on-policy Trajectories put into the object store and handed (as ObjectRefs) to the
+TrajectoryBuffer. New drafter versions are swapped in between engine steps (:meth:`load_drafter`);
+requests in flight continue and stay correct (verification is lossless whatever the drafter).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import ray
+import torch
+from ray.util import metrics as ray_metrics
+
+from adaflash_ray.config import RunConfig
+from adaflash_ray.data import ensure_target
+from adaflash_ray.engine import SamplingParams, SpecEngine
+from adaflash_ray.models import CheckpointError, DrafterModelConfig, TargetModel
+from adaflash_ray.models.factory import build_drafter
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _Pending:
+    __slots__ = ("event", "result", "error")
+
+    def __init__(self):
+        self.event, self.result, self.error = threading.Event(), None, None
+
+
+@ray.remote(max_concurrency=16)
+class InferenceWorker:
+    """Args: cfg (RunConfig or its dict), worker_index, buffer (TrajectoryBuffer handle or None)."""
+
+    def __init__(self, cfg: RunConfig | dict, worker_index: int = 0, buffer=None):
+        cfg = cfg if isinstance(cfg, RunConfig) else RunConfig.model_validate(cfg)
+        self.cfg, self.index, self.buffer = cfg, worker_index, buffer
+        torch.set_num_threads(cfg.engine.num_threads)
+        torch.manual_seed(cfg.seed)
+        dev = cfg.model.device
+        target = TargetModel.from_pretrained(ensure_target(cfg.model.path or cfg.model.name),
+                                             dtype=_DTYPES[cfg.model.dtype], device=dev)
+        drafter, head = build_drafter(target, cfg.drafter, cfg.length_head, seed=cfg.seed)
+        lh = cfg.length_head
+        self.engine = SpecEngine(target, drafter, head, policy=lh.policy, rate=lh.rate, min_len=lh.min_len,
+                                 max_batch_size=cfg.engine.max_batch_size, max_seq_len=cfg.engine.max_seq_len,
+                                 record=True, seed=cfg.seed + 1000 * worker_index)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._new: list = []  # (prompt_ids, params, record, pending)
+        self._swap: list = []  # (version, tensors, sha256, config, pending)
+        self._waiters: dict[str, tuple] = {}
+        self._stop = False
+        self._num_traj = 0
+        self._num_traj_tokens = 0
+        self._window = {"steps": 0, "a": 0, "gamma": 0, "tokens": 0, "t0": time.perf_counter()}
+        tags = {"worker": str(worker_index)}
+        self._g_version = ray_metrics.Gauge("adaflash_drafter_version", "drafter version loaded", tag_keys=("worker",))
+        self._g_tau = ray_metrics.Gauge("adaflash_accept_len", "mean committed tokens per verify step (tau)",
+                                        tag_keys=("worker",))
+        self._h_gamma = ray_metrics.Histogram("adaflash_draft_len", "chosen draft length gamma",
+                                              boundaries=list(range(1, 17)), tag_keys=("worker",))
+        self._c_tokens = ray_metrics.Counter("adaflash_generated_tokens", "tokens generated", tag_keys=("worker",))
+        for m in (self._g_version, self._g_tau, self._h_gamma, self._c_tokens):
+            m.set_default_tags(tags)
+        self._g_version.set(0)
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ engine loop (one thread)
+    def _loop(self) -> None:
+        eng = self.engine
+        while True:
+            with self._wake:
+                while not self._stop and not self._new and not self._swap and not eng.has_unfinished():
+                    self._wake.wait(timeout=1.0)
+                if self._stop:
+                    return
+                new, self._new = self._new, []
+                swaps, self._swap = self._swap, []
+            for version, tensors, sha, config, pending in swaps:  # between steps, never inside one
+                try:
+                    pending.result = {"version": version, "sha256": eng.load_drafter(tensors, version, sha, config),
+                                      "worker": self.index}
+                    self._g_version.set(version)
+                except Exception as e:  # refused: old drafter stays loaded
+                    pending.error = e
+                pending.event.set()
+            for prompt_ids, params, record, pending in new:
+                try:
+                    req = eng.add_request(prompt_ids, params)
+                    self._waiters[req.request_id] = (req, record, pending)
+                except ValueError as e:
+                    pending.error = e
+                    pending.event.set()
+            if not eng.has_unfinished():
+                continue
+            before = (eng.stats.num_verify_steps, eng.stats.num_accepted, eng.stats.num_drafted,
+                      eng.stats.num_generated)
+            try:
+                finished = eng.step("spec")
+            except Exception as e:  # a broken step fails the requests in it, not the worker
+                for rid, (req, _, pending) in list(self._waiters.items()):
+                    pending.error = RuntimeError(f"engine step failed: {e!r}")
+                    pending.event.set()
+                raise
+            w = self._window
+            w["steps"] += eng.stats.num_verify_steps - before[0]
+            w["a"] += eng.stats.num_accepted - before[1]
+            w["gamma"] += eng.stats.num_drafted - before[2]
+            w["tokens"] += eng.stats.num_generated - before[3]
+            self._c_tokens.inc(max(eng.stats.num_generated - before[3], 0))
+            for req in finished:
+                _, record, pending = self._waiters.pop(req.request_id)
+                traj_ref = None
+                if record and self.buffer is not None and len(req.output_ids) > 0:
+                    traj = eng.to_trajectory(req)
+                    traj_ref = ray.put(traj)
+                    self.buffer.add.remote([traj_ref], traj.drafter_version, traj.num_response_tokens)
+                    self._num_traj += 1
+                    self._num_traj_tokens += traj.num_response_tokens
+                for g in req.draft_lens:
+                    self._h_gamma.observe(g)
+                pending.result = {"request_id": req.request_id, "output_ids": list(req.output_ids),
+                                  "finish_reason": req.finish_reason, "draft_lens": list(req.draft_lens),
+                                  "num_accepted": list(req.num_accepted), "step_versions": list(req.step_versions)}
+                req.feature_chunks, req.hidden_chunks = [], []
+                pending.event.set()
+
+    def _enqueue(self, items) -> list[_Pending]:
+        pend = [_Pending() for _ in items]
+        with self._wake:
+            self._new.extend((p, params, rec, pe) for (p, params, rec), pe in zip(items, pend))
+            self._wake.notify()
+        return pend
+
+    # ------------------------------------------------------------------ public API
+    def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
+                 record: bool = False, ignore_eos: bool = False) -> list[dict]:
+        """Generate for ``prompts`` (token id lists); blocks until all finish. Each result: output_ids,
+        finish_reason, per-step draft_lens / num_accepted / step_versions. Raises ValueError for a
+        rejected request (bad length / ids)."""
+        params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=ignore_eos)
+                  for _ in prompts]
+        pend = self._enqueue([(p, sp, record) for p, sp in zip(prompts, params)])
+        out = []
+        for pe in pend:
+            pe.event.wait()
+            if pe.error is not None:
+                raise pe.error
+            out.append(pe.result)
+        return out
+
+    def submit(self, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0) -> int:
+        """Fire-and-forget recorded generation (on-policy data); returns the number queued."""
+        self._enqueue([(p, SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature), True)
+                       for p in prompts])
+        return len(prompts)
+
+    def load_drafter(self, version: int, tensors: dict, sha256: str | None = None,
+                     config: dict | None = None, timeout_s: float = 600.0) -> dict:
+        """Queue a weight swap, applied between engine steps; returns {worker, version, sha256}.
+        Raises CheckpointError if refused (the old drafter stays loaded)."""
+        cfg = DrafterModelConfig(**config) if isinstance(config, dict) else config
+        pe = _Pending()
+        with self._wake:
+            self._swap.append((version, tensors, sha256, cfg, pe))
+            self._wake.notify()
+        if not pe.event.wait(timeout_s):
+            raise TimeoutError(f"worker {self.index}: weight swap to version {version} not applied in {timeout_s}s")
+        if pe.error is not None:
+            raise CheckpointError(str(pe.error)) if not isinstance(pe.error, CheckpointError) else pe.error
+        return pe.result
+
+    def loaded_version(self) -> dict:
+        return {"worker": self.index, "version": self.engine.drafter_version, "sha256": self.engine.drafter_sha256}
+
+    def queue_depth(self) -> int:
+        with self._lock:
+            return len(self._new) + self.engine.scheduler.num_unfinished
+
+    def stats(self) -> dict[str, float]:
+        """Flat metrics since the last call (window) plus totals; τ = mean(a+1) per verify step."""
+        eng, w = self.engine, self._window
+        now = time.perf_counter()
+        steps = max(w["steps"], 1)
+        out = {"spec/accept_len": (w["a"] + w["steps"]) / steps if w["steps"] else 0.0,
+               "spec/mean_draft_len": w["gamma"] / steps if w["steps"] else 0.0,
+               "spec/draft_waste": 1 - w["a"] / w["gamma"] if w["gamma"] else 0.0,
+               "spec/tokens_per_s": w["tokens"] / max(now - w["t0"], 1e-9),
+               "spec/drafter_version": float(eng.drafter_version),
+               "spec/num_reloads": float(eng.num_reloads),
+               "spec/num_trajectories": float(self._num_traj),
+               "spec/queue_depth": float(self.queue_depth()),
+               "spec/total_accept_len": eng.stats.accept_len}
+        if w["steps"]:
+            self._g_tau.set(out["spec/accept_len"])
+        self._window = {"steps": 0, "a": 0, "gamma": 0, "tokens": 0, "t0": now}
+        return out
+
+    def draft_len_histogram(self) -> dict[int, int]:
+        return dict(self.engine.stats.draft_len_hist)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join(timeout=10)

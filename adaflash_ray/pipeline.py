@@ -1,0 +1,255 @@
+"""The AdaFlash main job: on-policy distillation of a DFlash drafter while it serves.
+
+    python -m adaflash_ray.pipeline                                   # embedded default: local Ray, CPU
+    python -m adaflash_ray.pipeline --recipe recipes/cpu_tiny.yaml --set distill.num_versions=2
+    ray job submit --address http://127.0.0.1:8265 -- python -m adaflash_ray.pipeline
+
+Wiring (ARCHITECTURE.md): placement groups for inference | trainers; InferenceWorker x N record
+trajectories into the TrajectoryBuffer; DistillTrainer x M (DeepSpeed) train the drafter + length
+head and publish versions to the WeightRegistry, which pushes each to every worker (hot reload
+between engine steps). The driver feeds prompts, polls flat metric dicts, writes the run
+directory (resolved config, metrics.jsonl, a checkpoint per version, tau_vs_version.png, wandb),
+then evaluates every version on held-out prompts (greedy) and prints a table. The last stdout
+line is one JSON object: run_dir, final_version, eval_tau (version -> τ), wall_s, ...
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import ray  # noqa: E402
+from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from actors import DistillTrainer, InferenceWorker, TrajectoryBuffer, WeightRegistry  # noqa: E402
+from adaflash_ray.config import RecipeError, RunConfig, add_recipe_args, config_from_args  # noqa: E402
+from adaflash_ray.data import encode_prompts, ensure_target, load_eval_prompts, load_sharegpt, load_tokenizer  # noqa: E402
+from adaflash_ray.metrics import MetricsSink, plot_tau  # noqa: E402
+from adaflash_ray.models import DrafterModelConfig, save_drafter_checkpoint  # noqa: E402
+
+console = Console(stderr=True)
+
+
+def init_ray(cfg: RunConfig) -> tuple[bool, str | None]:
+    """Connect to ``cfg.ray.address`` / $RAY_ADDRESS, else start a local Ray bound to 127.0.0.1.
+    Returns (True if this process started Ray and must shut it down, dashboard URL or None)."""
+    if ray.is_initialized():
+        return False, None
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        info = ray.init(address=address, log_to_driver=True)
+        return False, getattr(info, "dashboard_url", None)
+    need = (cfg.placement.num_inference_workers * cfg.placement.cpus_per_inference_worker
+            + cfg.placement.num_trainers * cfg.placement.cpus_per_trainer)
+    info = ray.init(_node_ip_address="127.0.0.1", include_dashboard=True, dashboard_host=cfg.ray.dashboard_host,
+                    num_cpus=cfg.ray.num_cpus or max(int(need + 0.999), os.cpu_count() or 1), log_to_driver=True)
+    return True, getattr(info, "dashboard_url", None)
+
+
+def _pg(bundles: list[dict]):
+    pg = placement_group(bundles, strategy="PACK")
+    ray.get(pg.ready(), timeout=300)
+    return pg
+
+
+def _eval_tau(results: list[dict]) -> tuple[float, float, dict]:
+    steps = sum(len(r["num_accepted"]) for r in results)
+    acc = sum(sum(r["num_accepted"]) for r in results)
+    drafted = sum(sum(r["draft_lens"]) for r in results)
+    hist: dict[int, int] = {}
+    for r in results:
+        for g in r["draft_lens"]:
+            hist[g] = hist.get(g, 0) + 1
+    tau = (acc + steps) / steps if steps else float("nan")
+    waste = 1 - acc / drafted if drafted else float("nan")
+    return tau, waste, dict(sorted(hist.items()))
+
+
+def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
+    """Run the whole job for a validated config; returns the summary dict (also printed)."""
+    t_start = time.time()
+    root = Path(cfg.logging.run_root)
+    run_dir = Path(run_dir) if run_dir else root / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = run_dir.resolve()
+    cfg.dump_yaml(run_dir / "config.yaml")
+    ckpt_dir = run_dir / "checkpoints"
+
+    # real inputs (installed packages; converted once into the cache)
+    model_dir = ensure_target(cfg.model.path or cfg.model.name)
+    tok = load_tokenizer(model_dir)
+    train = encode_prompts(tok, load_sharegpt(cfg.data.num_train_prompts, cfg.seed), cfg.data.max_prompt_tokens)
+    evalp = encode_prompts(tok, load_eval_prompts(cfg.data.eval_sources, cfg.data.num_eval_prompts, cfg.seed + 1),
+                           cfg.data.max_prompt_tokens)
+    if not train or not evalp:
+        raise RuntimeError(f"no prompts left after the {cfg.data.max_prompt_tokens}-token limit "
+                           f"(train {len(train)}, eval {len(evalp)})")
+    train_texts = {m["content"] for p in train.prompts for m in p.messages}
+    leak = [p.id for p in evalp.prompts if any(m["content"] in train_texts for m in p.messages)]
+    if leak:
+        raise RuntimeError(f"eval prompts also in the training set: {leak[:5]}")
+    console.print(f"[bold]adaflash_ray[/] run_dir={run_dir} train_prompts={len(train)} eval_prompts={len(evalp)}")
+
+    started, dashboard = init_ray(cfg)
+    console.print(f"ray: node {ray.util.get_node_ip_address()} job {ray.get_runtime_context().get_job_id()} "
+                  f"dashboard http://{dashboard}" if dashboard else "ray: connected")
+    pl = cfg.placement
+    cfg_dict = cfg.model_dump()
+    pg_inf = _pg([{"CPU": pl.cpus_per_inference_worker, **({"GPU": pl.gpus_per_inference_worker}
+                                                           if pl.gpus_per_inference_worker else {})}
+                  for _ in range(pl.num_inference_workers)])
+    pg_train = _pg([{"CPU": pl.cpus_per_trainer, **({"GPU": pl.gpus_per_trainer} if pl.gpus_per_trainer else {})}
+                    for _ in range(pl.num_trainers)])
+    sink = MetricsSink(run_dir, cfg.logging.wandb_mode, cfg.logging.wandb_project, cfg_dict, run_dir.name)
+    summary: dict = {}
+    try:
+        buffer = TrajectoryBuffer.remote(cfg.buffer.capacity, cfg.distill.max_version_lag, cfg.buffer.spill_dir)
+        registry = WeightRegistry.remote()
+        workers = [InferenceWorker.options(
+            num_cpus=pl.cpus_per_inference_worker, num_gpus=pl.gpus_per_inference_worker,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg_inf, placement_group_bundle_index=i),
+        ).remote(cfg_dict, i, buffer) for i in range(pl.num_inference_workers)]
+        trainers = [DistillTrainer.options(
+            num_cpus=pl.cpus_per_trainer, num_gpus=pl.gpus_per_trainer,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg_train, placement_group_bundle_index=r),
+        ).remote(cfg_dict, r, pl.num_trainers) for r in range(pl.num_trainers)]
+        addr, port = ray.get(trainers[0].master_address.remote())
+        setup = ray.get([t.setup.remote(addr, port) for t in trainers])
+        ray.get([registry.subscribe.remote(f"worker-{i}", w) for i, w in enumerate(workers)])
+        # version 0: the trainer's initial weights everywhere, so all sides start identical
+        refs, sha0, dcfg = ray.get(trainers[0].initial_weights.remote())
+        v0 = ray.get([w.load_drafter.remote(0, refs[0], sha0, dcfg) for w in workers])
+        drafter_cfg = DrafterModelConfig(**dcfg)
+        shas = {0: save_drafter_checkpoint(ckpt_dir / "v0", drafter_cfg, ray.get(refs[0]), {"version": 0})}
+        console.print(f"setup: trainers {setup}; workers at version 0 sha {sha0[:12]} ({len(v0)} ok)")
+
+        runs = [t.run.remote(buffer, registry) for t in trainers]
+        next_prompt, fed = 0, 0
+        serve_tau: dict[int, list[float]] = {}
+        last_version, step = 0, 0
+        low_water = 2 * cfg.engine.max_batch_size
+        show = cfg.logging.progress
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        progress = Progress(TextColumn("[bold]versions"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                            TimeElapsedColumn(), TextColumn("{task.description}"), console=console,
+                            disable=not show, transient=False)
+        with progress:
+            task = progress.add_task("starting", total=cfg.distill.num_versions)
+            while True:
+                depths = ray.get([w.queue_depth.remote() for w in workers])
+                for w, d in zip(workers, depths):  # keep every worker busy with on-policy traffic
+                    if d < low_water:
+                        batch = [train[(next_prompt + j) % len(train)] for j in range(low_water - d)]
+                        next_prompt += len(batch)
+                        fed += len(batch)
+                        w.submit.remote(batch, cfg.engine.max_new_tokens, cfg.engine.temperature)
+                done, _ = ray.wait(runs, num_returns=len(runs), timeout=2.0)
+                wstats = ray.get([w.stats.remote() for w in workers])
+                bstats = ray.get(buffer.stats.remote())
+                tmetrics = ray.get(trainers[0].pop_metrics.remote())
+                for i, s in enumerate(wstats):
+                    if s["spec/accept_len"] > 0:
+                        serve_tau.setdefault(int(s["spec/drafter_version"]), []).append(s["spec/accept_len"])
+                    sink.log({**s, "worker": i}, kind="inference")
+                sink.log(bstats, kind="buffer")
+                for m in tmetrics:
+                    step = int(m.get("train/step", step + 1))
+                    sink.log(m, step=step, kind="train")
+                meta = ray.get(registry.latest_meta.remote())
+                if meta is not None and meta["version"] > last_version:
+                    v = meta["version"]
+                    tens = ray.get(ray.get(registry.get.remote(v))[0])
+                    shas[v] = save_drafter_checkpoint(ckpt_dir / f"v{v}", drafter_cfg, tens,
+                                                      {"version": v, "parent_version": meta["parent_version"],
+                                                       "train_step": meta["train_step"]})
+                    reports = ray.get(registry.get_reports.remote()).get(v, [])
+                    sink.log({"sync/version": v, "sync/num_workers_ok": sum(r.get("sha256") == meta["sha256"]
+                                                                            for r in reports)}, kind="sync")
+                    last_version = v
+                last_loss = tmetrics[-1]["train/loss"] if tmetrics else None
+                progress.update(task, completed=last_version, description=(
+                    f"step {step} loss {last_loss if last_loss is None else round(last_loss, 3)} "
+                    f"serve τ {wstats[0]['spec/accept_len']:.2f} γ̄ {wstats[0]['spec/mean_draft_len']:.1f} "
+                    f"buffer {int(bstats['buffer/depth'])} stale-drops {int(bstats['buffer/dropped_stale'])}"))
+                if len(done) == len(runs):
+                    break
+            train_summary = ray.get(runs)
+        final_version = max(r["final_version"] for r in train_summary)
+        for m in ray.get(trainers[0].pop_metrics.remote()):
+            sink.log(m, kind="train")
+        # every worker must hold the final version with the published checksum
+        loaded = ray.get([w.loaded_version.remote() for w in workers])
+        final_sha = ray.get(registry.latest_meta.remote())["sha256"]
+        workers_ok = all(lv["version"] == final_version and lv["sha256"] == final_sha for lv in loaded)
+        # held-out evaluation of every version, greedy, through the hot-reload path of worker 0
+        eval_tau, eval_waste, eval_hist = {}, {}, {}
+        from adaflash_ray.models import load_drafter_checkpoint
+
+        for v in sorted(shas):
+            _, tens, _ = load_drafter_checkpoint(ckpt_dir / f"v{v}")
+            ray.get(workers[0].load_drafter.remote(v, tens, shas[v], dcfg))
+            res = ray.get(workers[0].generate.remote(list(evalp), cfg.data.eval_max_new_tokens, 0.0, False))
+            eval_tau[v], eval_waste[v], eval_hist[v] = _eval_tau(res)
+            sink.log({"eval/version": v, "eval/accept_len": eval_tau[v], "eval/draft_waste": eval_waste[v]},
+                     kind="eval")
+            console.print(f"eval v{v}: τ={eval_tau[v]:.3f} draft waste={eval_waste[v]:.3f} γ hist={eval_hist[v]}")
+        serve_mean = {v: sum(x) / len(x) for v, x in serve_tau.items()}
+        plot_tau(eval_tau, serve_mean, run_dir / "tau_vs_version.png",
+                 f"{cfg.name}: τ vs drafter version ({cfg.model.name})")
+        bfinal = ray.get(buffer.stats.remote())
+        table = Table(title=f"AdaFlash {cfg.name} — τ = mean committed tokens per verify step (a+1)")
+        for col in ("version", "eval τ (held-out, greedy)", "eval draft waste", "serving τ (on-policy)"):
+            table.add_column(col)
+        for v in sorted(eval_tau):
+            table.add_row(str(v), f"{eval_tau[v]:.3f}", f"{eval_waste[v]:.3f}",
+                          f"{serve_mean[v]:.3f}" if v in serve_mean else "-")
+        Console().print(table)
+        summary = {"run_dir": str(run_dir), "final_version": final_version,
+                   "eval_tau": {str(k): round(v, 4) for k, v in eval_tau.items()},
+                   "eval_draft_waste": {str(k): round(v, 4) for k, v in eval_waste.items()},
+                   "serve_tau": {str(k): round(v, 4) for k, v in serve_mean.items()},
+                   "train_steps": max(r["steps"] for r in train_summary),
+                   "workers_loaded_final": workers_ok, "prompts_fed": fed,
+                   "buffer": {k.split("/", 1)[1]: v for k, v in bfinal.items()},
+                   "num_eval_prompts": len(evalp), "wall_s": round(time.time() - t_start, 1)}
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        for w in workers:
+            ray.get(w.shutdown.remote())
+    finally:
+        sink.close()
+        for pg in (pg_inf, pg_train):
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                pass
+        if started:
+            ray.shutdown()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m adaflash_ray.pipeline", description=__doc__.split("\n")[0])
+    add_recipe_args(parser)
+    parser.add_argument("--run-dir", default=None, help="run directory (default: <logging.run_root>/<name>-<time>)")
+    ns = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(ns)  # fails before anything starts
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summary = run(cfg, ns.run_dir)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
