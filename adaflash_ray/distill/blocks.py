@@ -1,0 +1,194 @@
+"""Training blocks from on-policy trajectories (ALGORITHMS.md §3; SpecForge's DFlash trainer).
+
+A trajectory of ``T`` tokens yields up to ``num_anchors`` blocks. Block n starts at anchor position
+``a`` (a committed token) and its positions k = 1..block_size-1 predict the tokens ``a + k`` - the
+SpecForge off-by-one fix. The teacher of block position k is the target's own prediction of token
+``a + k``: ``lm_head(last_hidden[a + k - 1])``. Position weights ``w_k = exp(-(k-1)/7)`` (SpecForge
+``loss_decay_gamma = 7``), zero beyond the sequence end and for padding anchors.
+
+Usage::
+
+    g = torch.Generator().manual_seed(0)
+    batch = collate(trajectories, num_anchors=16, block_size=16, generator=g)
+    hidden = drafter.forward_train(batch.features, batch.input_ids, batch.anchors)  # [B, N, bs, H]
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from adaflash_ray.trajectory import Trajectory
+
+#: SpecForge / AdaFlash ``loss_decay_gamma``: w_k = exp(-(k-1) / LOSS_DECAY_GAMMA).
+LOSS_DECAY_GAMMA = 7.0
+
+
+def sample_anchors(prompt_len: int, num_tokens: int, num_anchors: int, block_size: int,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """Random distinct anchors in the supervised (response) region, sorted.
+
+    An anchor ``a`` satisfies ``max(1, prompt_len - 1) <= a <= num_tokens - 2``: the last prompt token
+    may be an anchor (its block predicts the first response tokens), the context before it is
+    non-empty, and at least one predicted token ``a + 1`` exists.
+
+    Args:
+        prompt_len, num_tokens: of the trajectory (``0 < prompt_len < num_tokens``).
+        num_anchors: at most this many anchors (all candidates if there are fewer).
+        block_size: positions per block (>= 2); anchors near the end keep partial blocks, whose
+            out-of-sequence positions get zero weight in :func:`collate`.
+        generator: CPU torch generator (reproducible sampling).
+    Returns:
+        ``[n]`` int64, ``n = min(num_anchors, #candidates)`` (possibly 0), strictly increasing.
+    Raises:
+        ValueError: ``num_anchors < 1``, ``block_size < 2`` or ``prompt_len`` outside ``(0, num_tokens)``.
+    """
+    if num_anchors < 1:
+        raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2, got {block_size}")
+    if not 0 < prompt_len < num_tokens:
+        raise ValueError(f"prompt_len {prompt_len} not in (0, {num_tokens})")
+    lo, hi = max(1, prompt_len - 1), num_tokens - 2
+    num_candidates = hi - lo + 1
+    if num_candidates <= 0:
+        return torch.zeros(0, dtype=torch.long)
+    if num_candidates <= num_anchors:
+        return torch.arange(lo, hi + 1, dtype=torch.long)
+    pick = torch.randperm(num_candidates, generator=generator)[:num_anchors]
+    return torch.sort(pick).values + lo
+
+
+@dataclass
+class Batch:
+    """A padded training batch (B trajectories, N blocks each, bs = block_size).
+
+    Fields (all on one device):
+        input_ids ``[B, T]`` int64, padded with 0 (T = longest trajectory).
+        features ``[B, T-1, K*H]`` target features of positions 0..T-2 (zeros past each row's end).
+        last_hidden ``[B, T-1, H]`` final-normed target hidden states (teacher rows).
+        num_tokens ``[B]`` int64: each row's real length T_b.
+        anchors ``[B, N]`` int64; padding anchors repeat a valid anchor of the row (1 if it has none).
+        anchor_valid ``[B, N]`` bool.
+        target_ids ``[B, N, bs-1]`` int64: ``input_ids[anchor + k]`` for k = 1..bs-1 (clamped index).
+        teacher_pos ``[B, N, bs-1]`` int64: ``anchor + k - 1``, the row of ``last_hidden`` (clamped).
+        weights ``[B, N, bs-1]`` float32: ``exp(-(k-1)/7) * (anchor + k <= T_b - 1) * anchor_valid``.
+        drafter_versions ``[B]`` int64: the version that generated each trajectory.
+    """
+
+    input_ids: torch.Tensor
+    features: torch.Tensor
+    last_hidden: torch.Tensor
+    num_tokens: torch.Tensor
+    anchors: torch.Tensor
+    anchor_valid: torch.Tensor
+    target_ids: torch.Tensor
+    teacher_pos: torch.Tensor
+    weights: torch.Tensor
+    drafter_versions: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        """Number of valid (non-padding) blocks."""
+        return int(self.anchor_valid.sum().item())
+
+    def to(self, device: torch.device | str) -> "Batch":
+        """A copy with every tensor on ``device``."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device)
+                                            for f in dataclasses.fields(self)})
+
+
+def collate(trajectories: list[Trajectory], num_anchors: int, block_size: int,
+            generator: torch.Generator | None = None, feature_dtype: torch.dtype = torch.float32) -> Batch:
+    """Pad trajectories into a :class:`Batch` with freshly sampled anchors (:func:`sample_anchors`).
+
+    Tensors are built on the device of the first trajectory's features; features and last_hidden
+    are cast to ``feature_dtype``.
+
+    Raises:
+        ValueError: empty list; a trajectory failing :meth:`Trajectory.validate`; missing features or
+            last_hidden (set ``distill.features: recompute`` and use :func:`with_recomputed_features`);
+            trajectories with different feature or hidden widths.
+    """
+    if not trajectories:
+        raise ValueError("collate needs at least one trajectory")
+    for tr in trajectories:
+        tr.validate()
+        if tr.features is None or tr.last_hidden is None:
+            raise ValueError(f"trajectory {tr.request_id} has no captured features/last_hidden; "
+                             "use distill.features=recompute")
+    widths = {(tr.features.shape[1], tr.last_hidden.shape[1]) for tr in trajectories}
+    if len(widths) != 1:
+        raise ValueError(f"trajectories differ in feature / hidden widths: {sorted(widths)}")
+    (feat_w, hid_w), = widths
+    device = trajectories[0].features.device
+    bsz, t_max = len(trajectories), max(tr.num_tokens for tr in trajectories)
+    input_ids = torch.zeros(bsz, t_max, dtype=torch.long, device=device)
+    features = torch.zeros(bsz, t_max - 1, feat_w, dtype=feature_dtype, device=device)
+    last_hidden = torch.zeros(bsz, t_max - 1, hid_w, dtype=feature_dtype, device=device)
+    rows = []
+    for b, tr in enumerate(trajectories):
+        t = tr.num_tokens
+        input_ids[b, :t] = tr.token_ids.to(device)
+        features[b, : t - 1] = tr.features.to(device=device, dtype=feature_dtype)
+        last_hidden[b, : t - 1] = tr.last_hidden.to(device=device, dtype=feature_dtype)
+        rows.append(sample_anchors(tr.prompt_len, t, num_anchors, block_size, generator))
+    n = max(1, max(len(r) for r in rows))
+    anchors = torch.ones(bsz, n, dtype=torch.long)
+    anchor_valid = torch.zeros(bsz, n, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        if len(r):
+            anchors[b] = r[0]
+            anchors[b, : len(r)] = r
+            anchor_valid[b, : len(r)] = True
+    anchors, anchor_valid = anchors.to(device), anchor_valid.to(device)
+    num_tokens = torch.tensor([tr.num_tokens for tr in trajectories], dtype=torch.long, device=device)
+    k = torch.arange(1, block_size, device=device)  # [bs-1]
+    label_pos = anchors[:, :, None] + k  # [B, N, bs-1]
+    in_seq = label_pos <= (num_tokens[:, None, None] - 1)
+    decay = torch.exp(-(k - 1).float() / LOSS_DECAY_GAMMA)  # [bs-1]
+    weights = decay * in_seq.float() * anchor_valid[:, :, None].float()
+    target_ids = input_ids.gather(1, label_pos.clamp(max=t_max - 1).reshape(bsz, -1)).reshape(label_pos.shape)
+    teacher_pos = (label_pos - 1).clamp(max=t_max - 2)
+    versions = torch.tensor([tr.drafter_version for tr in trajectories], dtype=torch.long, device=device)
+    return Batch(input_ids=input_ids, features=features, last_hidden=last_hidden, num_tokens=num_tokens,
+                 anchors=anchors, anchor_valid=anchor_valid, target_ids=target_ids, teacher_pos=teacher_pos,
+                 weights=weights, drafter_versions=versions)
+
+
+@torch.no_grad()
+def recompute_features(target, token_ids_list: list[torch.Tensor], layer_ids: list[int]
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Run the frozen target over each sequence (``features: recompute``, ALGORITHMS.md §3).
+
+    Args:
+        target: a :class:`~adaflash_ray.models.target.TargetModel`.
+        token_ids_list: ``[T_b]`` int64 sequences (T_b >= 2).
+        layer_ids: the drafter's ``target_layer_ids``.
+    Returns:
+        Per sequence ``(features [T_b-1, K*H], last_hidden [T_b-1, H])`` in the target's dtype, on its
+        device: positions 0..T_b-2, exactly the layout the engine captures (the last token is never fed).
+    Raises:
+        ValueError: a sequence shorter than 2 tokens.
+    """
+    device = target.lm_head.weight.device
+    out = []
+    for ids in token_ids_list:
+        if ids.shape[0] < 2:
+            raise ValueError(f"need >= 2 tokens to recompute features, got {ids.shape[0]}")
+        inp = ids[:-1].to(device)[None]  # [1, T-1]
+        pos = torch.arange(inp.shape[1], device=device)[None]
+        res = target(inp, pos, capture_layer_ids=list(layer_ids), compute_logits=False)
+        out.append((res.features[0], res.last_hidden[0]))
+    return out
+
+
+def with_recomputed_features(target, trajectories: list[Trajectory], layer_ids: list[int]) -> list[Trajectory]:
+    """Copies of ``trajectories`` whose features / last_hidden come from :func:`recompute_features`."""
+    feats = recompute_features(target, [tr.token_ids for tr in trajectories], layer_ids)
+    return [dataclasses.replace(tr, features=f, last_hidden=h) for tr, (f, h) in zip(trajectories, feats)]
+
+
+__all__ = ["Batch", "LOSS_DECAY_GAMMA", "collate", "recompute_features", "sample_anchors",
+           "with_recomputed_features"]

@@ -1,0 +1,146 @@
+"""Distillation losses of the drafter and the length head (ALGORITHMS.md §3, §2).
+
+- :func:`mixture_rkl_loss`: the AdaFlash objective ``α·CE(z_S, argmax z_T) + (1-α)·L_RKL``
+  (github ZinYY/AdaFlash, pipeline/training/rkl_model.py), computed in row chunks through
+  :func:`kernels.chunked_kl.chunked_kl_terms` so the full ``[M, V]`` softmax never exists at once.
+- :func:`forward_kl_loss`: the OSD baseline (forward KL, α = 0).
+- :func:`accepted_length` / :func:`length_loss`: the label and MSE of the ``direct`` length head.
+
+The teacher is always detached; weights ``w`` are the position weights of
+:func:`adaflash_ray.distill.blocks.collate` (decay ``exp(-(k-1)/7)`` times bounds and validity).
+"""
+from __future__ import annotations
+
+import torch
+
+from adaflash_ray.models.length_head import direct_length_label
+from kernels.chunked_kl import chunked_kl_terms
+
+CLIP_MODES = ("per_token", "reference")
+
+
+def _check_rows(student_hidden: torch.Tensor, weights: torch.Tensor) -> None:
+    if weights.dim() != 1 or weights.shape[0] != student_hidden.shape[0]:
+        raise ValueError(f"weights {tuple(weights.shape)} must be [M] with M = {student_hidden.shape[0]}")
+
+
+def mixture_rkl_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+                     weights: torch.Tensor, *, alpha: float = 0.8, temperature: float = 1.0, clip: float = 10.0,
+                     clip_mode: str = "per_token", chunk_size: int = 1024,
+                     argmax_out: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Mixture reverse-KL distillation loss (ALGORITHMS.md §3; AdaFlash).
+
+    ``L = α·CE + (1-α)·L_RKL`` with ``CE = Σ_i w_i·CE_i / Σ_i w_i``, ``CE_i = -log softmax(z_S,i)[argmax z_T,i]``
+    (raw logits), ``RKL_i = T²·Σ_v p_S(v)(log p_S(v) - log p_T(v))``, ``p = softmax(z / T)``, and
+
+    - ``clip_mode="per_token"``: ``L_RKL = Σ_i w_i·min(RKL_i, clip) / Σ_i w_i``;
+    - ``clip_mode="reference"``: ``L_RKL = Σ_i w_i·min(RKL_i / Σ_j w_j, clip)`` - exactly what the
+      AdaFlash code does (it divides every token's RKL by the weight sum, then clamps at τ = 0.01,
+      then takes the weighted sum); with no clamp active both modes agree.
+
+    Args:
+        student_hidden: ``[M, H]`` drafter final hidden states of the supervised positions.
+        teacher_hidden: ``[M, H]`` target final-normed hidden states ``h_last[anchor+k-1]`` (detached).
+        lm_head_weight: ``[V, H]`` the target's frozen lm_head weight (no gradient).
+        weights: ``[M]`` non-negative position weights.
+        alpha, temperature, clip, clip_mode: the recipe's ``distill.{alpha,temperature,rkl_clip,rkl_clip_mode}``.
+        chunk_size: rows per vocabulary chunk (``distill.loss_chunk_size``).
+        argmax_out: optional int64 ``[M]`` tensor that receives the student argmax (reused for the
+            accepted length, saving a second vocabulary pass).
+    Returns:
+        ``(loss, metrics)``: loss a float32 scalar with gradient into ``student_hidden``; metrics
+        ``train/ce``, ``train/rkl`` (the clipped L_RKL), ``train/rkl_raw`` (unclipped weighted mean),
+        ``train/rkl_clip_frac`` (weighted share of clamped terms), ``train/top1_match`` (weighted
+        share of positions with student argmax == teacher argmax), all Python floats.
+        With ``M = 0`` or ``Σw = 0`` the loss is an exact zero that still depends on ``student_hidden``.
+    Raises:
+        ValueError: bad shapes, ``clip_mode``, ``chunk_size`` or ``temperature``.
+    """
+    if clip_mode not in CLIP_MODES:
+        raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
+    _check_rows(student_hidden, weights)
+    ce, rkl, s_arg, t_arg = chunked_kl_terms(student_hidden, teacher_hidden, lm_head_weight,
+                                             temperature=temperature, chunk_size=chunk_size, direction="reverse")
+    if argmax_out is not None:
+        argmax_out.copy_(s_arg)
+    w = weights.detach().float()
+    den = w.sum()
+    safe_den = den.clamp_min(1e-12)
+    ce_loss = (w * ce).sum() / safe_den
+    rkl_raw = (w * rkl).sum() / safe_den
+    if clip_mode == "per_token":
+        rkl_loss = (w * rkl.clamp(max=clip)).sum() / safe_den
+        clipped = rkl.detach() > clip
+    else:
+        per_token = rkl / safe_den
+        rkl_loss = (w * per_token.clamp(max=clip)).sum()
+        clipped = per_token.detach() > clip
+    loss = alpha * ce_loss + (1.0 - alpha) * rkl_loss
+    if student_hidden.shape[0] == 0:
+        loss = loss + 0.0 * student_hidden.sum()  # an exact zero that still has a graph
+    with torch.no_grad():
+        match = (w * (s_arg == t_arg).float()).sum() / safe_den
+        clip_frac = (w * clipped.float()).sum() / safe_den
+        vals = torch.stack([ce_loss.detach(), rkl_loss.detach(), rkl_raw.detach(), clip_frac, match]).tolist()
+    metrics = dict(zip(("train/ce", "train/rkl", "train/rkl_raw", "train/rkl_clip_frac", "train/top1_match"), vals))
+    return loss, metrics
+
+
+def forward_kl_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+                    weights: torch.Tensor, *, temperature: float = 1.0, chunk_size: int = 1024
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The OSD baseline: weighted forward KL ``Σ_i w_i·T²·KL(p_T,i || p_S,i) / Σ_i w_i`` (α = 0, no clip).
+
+    Shapes as :func:`mixture_rkl_loss`. Returns ``(loss, {"train/fkl", "train/top1_match"})``.
+    Raises ValueError on bad shapes.
+    """
+    _check_rows(student_hidden, weights)
+    _, fkl, s_arg, t_arg = chunked_kl_terms(student_hidden, teacher_hidden, lm_head_weight,
+                                            temperature=temperature, chunk_size=chunk_size, direction="forward")
+    w = weights.detach().float()
+    safe_den = w.sum().clamp_min(1e-12)
+    loss = (w * fkl).sum() / safe_den
+    if student_hidden.shape[0] == 0:
+        loss = loss + 0.0 * student_hidden.sum()
+    with torch.no_grad():
+        match = (w * (s_arg == t_arg).float()).sum() / safe_den
+        vals = torch.stack([loss.detach(), match]).tolist()
+    return loss, {"train/fkl": vals[0], "train/top1_match": vals[1]}
+
+
+@torch.no_grad()
+def accepted_length(draft_ids: torch.Tensor, target_ids: torch.Tensor, position_valid: torch.Tensor) -> torch.Tensor:
+    """Accepted length a of blocks against the trajectory (greedy rule, ALGORITHMS.md §4.1).
+
+    Args:
+        draft_ids, target_ids: ``[..., block_size-1]`` int64: the drafter's argmax and the trajectory's
+            token at block positions k = 1..block_size-1.
+        position_valid: ``[..., block_size-1]`` bool: the position exists (inside the sequence).
+    Returns:
+        ``[...]`` int64: number of leading positions with ``draft == target`` and valid; counting
+        stops at the first mismatch or invalid position (AdaFlash: cumprod of matches).
+    """
+    ok = (draft_ids == target_ids) & position_valid
+    return torch.cumprod(ok.long(), dim=-1).sum(dim=-1)
+
+
+def length_loss(pred_ratio: torch.Tensor, num_accepted: torch.Tensor, block_size: int, lookahead: int,
+                valid: torch.Tensor) -> torch.Tensor:
+    """MSE of the ``direct`` head (ALGORITHMS.md §2; AdaFlash ``thresh_head_direct_len``).
+
+    Args:
+        pred_ratio: ``[N]`` float predicted ratio r (gradient flows into the head only).
+        num_accepted: ``[N]`` int64 accepted length a of each block (:func:`accepted_length`).
+        block_size, lookahead: label ``r* = clamp((a + lookahead) / block_size, 0, 1)``.
+        valid: ``[N]`` bool, False for padding blocks.
+    Returns:
+        float32 scalar ``Σ_valid (r - r*)² / max(#valid, 1)``.
+    Raises:
+        ValueError: if the three ``[N]`` inputs differ in shape.
+    """
+    if not (pred_ratio.shape == num_accepted.shape == valid.shape):
+        raise ValueError(f"pred_ratio {tuple(pred_ratio.shape)}, num_accepted {tuple(num_accepted.shape)} and "
+                         f"valid {tuple(valid.shape)} must have the same shape")
+    label = direct_length_label(num_accepted, block_size, lookahead)
+    v = valid.float()
+    return (v * (pred_ratio.float() - label) ** 2).sum() / v.sum().clamp_min(1.0)

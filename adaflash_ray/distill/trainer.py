@@ -1,0 +1,302 @@
+"""The distillation training step: a DeepSpeed engine around the DFlash drafter (+ length head).
+
+:class:`DistillTrainerCore` is the Ray-free core that the ``DistillTrainer`` actor (actors/) wraps:
+one instance per data-parallel rank, one process group across ranks (gloo on CPU, NCCL on GPU).
+It owns optimisation only; the caller decides which trajectories to feed (version lag filtering)
+and when to publish (every ``distill.publish_every`` steps). Objective: ALGORITHMS.md §3
+(mixture reverse-KL, AdaFlash) plus ``λ·L_len`` for the ``direct`` head (§2). Run the tests with::
+
+    pytest tests/test_distill.py
+
+CPU notes (DeepSpeed 0.19): ``DS_ACCELERATOR=cpu`` is set by :meth:`DistillTrainerCore.setup_dist_env`;
+the optimizer is a client ``torch.optim.AdamW`` (no JIT-compiled DeepSpeed op); DeepSpeed's
+shared-memory allreduce op (a C++ extension compiled on first use, ~50 s on 2 cores) is disabled so
+gloo does the collectives. ZeRO stages 0-3 initialise and step on CPU with gloo.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+
+import torch
+from torch import nn
+
+from adaflash_ray.distill.blocks import Batch, collate, with_recomputed_features
+from adaflash_ray.distill.losses import accepted_length, length_loss, mixture_rkl_loss
+from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
+from adaflash_ray.models.factory import build_drafter
+from adaflash_ray.models.length_head import DirectLengthHead
+from adaflash_ray.models.target import TargetModel
+
+_DIST_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+class DistillModule(nn.Module):
+    """drafter + optional ``direct`` length head; ``forward(batch)`` computes the whole loss.
+
+    The target's embeddings / lm_head are borrowed (not submodules, never trained). The head sees
+    ``hidden.detach()`` (no gradient into the drafter, AdaFlash).
+    """
+
+    def __init__(self, drafter: DFlashDrafter, length_head: DirectLengthHead | None, lm_head: nn.Linear,
+                 distill_cfg, head_cfg):
+        super().__init__()
+        self.drafter = drafter
+        self.length_head = length_head
+        object.__setattr__(self, "_lm_head", lm_head)
+        self.distill_cfg, self.head_cfg = distill_cfg, head_cfg
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Returns ``(loss, metrics)``: loss = mixture RKL (+ λ·length MSE); metrics are floats."""
+        cfg = self.distill_cfg
+        bs = self.drafter.block_size
+        hidden = self.drafter.forward_train(batch.features, batch.input_ids, batch.anchors)  # [B, N, bs, H]
+        sel = batch.weights > 0  # [B, N, bs-1]
+        rows = torch.arange(sel.shape[0], device=sel.device)[:, None, None].expand_as(sel)[sel]  # [M]
+        student = hidden[:, :, 1:, :][sel]  # [M, H]
+        teacher = batch.last_hidden[rows, batch.teacher_pos[sel]]  # [M, H]
+        s_arg = torch.empty(student.shape[0], dtype=torch.long, device=student.device)
+        loss, metrics = mixture_rkl_loss(student, teacher, self._lm_head.weight, batch.weights[sel],
+                                         alpha=cfg.alpha, temperature=cfg.temperature, clip=cfg.rkl_clip,
+                                         clip_mode=cfg.rkl_clip_mode, chunk_size=cfg.loss_chunk_size,
+                                         argmax_out=s_arg)
+        draft_ids = torch.full_like(batch.target_ids, -1)
+        draft_ids[sel] = s_arg
+        num_accepted = accepted_length(draft_ids, batch.target_ids, sel)  # [B, N]
+        valid = batch.anchor_valid
+        len_loss = torch.zeros((), device=loss.device)
+        if self.length_head is not None:
+            ratio = self.length_head(hidden.detach())  # [B, N]
+            len_loss = length_loss(ratio.reshape(-1), num_accepted.reshape(-1), bs, self.head_cfg.lookahead,
+                                   valid.reshape(-1))
+            loss = loss + cfg.length_loss_weight * len_loss
+        with torch.no_grad():
+            num_blocks = valid.sum()
+            accept = ((num_accepted + 1).float() * valid).sum() / num_blocks.clamp_min(1)
+            tail = torch.stack([loss.detach().float(), len_loss.detach().float(), accept,
+                                num_blocks.float(), sel.sum().float()]).tolist()
+        metrics.update(zip(("train/loss", "train/len_loss", "train/block_accept_len", "train/num_blocks",
+                            "train/num_positions"), tail))
+        return loss, metrics
+
+
+class DistillTrainerCore:
+    """One data-parallel rank of drafter distillation (no Ray).
+
+    Args:
+        target: the frozen target (:class:`TargetModel`); its embeddings / lm_head are shared with the
+            drafter and it recomputes features when ``distill.features == "recompute"``. Its parameters
+            are set to ``requires_grad=False``.
+        drafter_cfg, head_cfg, distill_cfg: ``adaflash_ray.config`` sections (DrafterConfig,
+            LengthHeadConfig, DistillConfig) or objects with the same fields.
+        seed: drafter init seed (identical on every rank; DeepSpeed also broadcasts rank 0's weights);
+            anchor sampling uses ``seed`` and ``rank``.
+        rank, world_size: this rank in the trainer group. If ``RANK`` etc. are not in the environment
+            and ``world_size == 1``, :meth:`setup_dist_env` is called here.
+    Trainable parameters are kept in float32 (ZeRO partitions them); on CUDA with a bf16/fp16 target
+    the forward runs under autocast in the target's dtype. ``bf16``/``fp16`` DeepSpeed modes are off.
+    Raises:
+        ValueError: unknown ``distill.features``; distributed env missing for world_size > 1 or
+            inconsistent with ``rank``/``world_size``; the target's device type differs from
+            DeepSpeed's accelerator.
+    """
+
+    def __init__(self, target: TargetModel, drafter_cfg, head_cfg, distill_cfg, seed: int = 0,
+                 rank: int = 0, world_size: int = 1):
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed  # lazy: importing it selects the accelerator (DS_ACCELERATOR)
+        from deepspeed.accelerator import get_accelerator
+
+        if distill_cfg.features not in ("captured", "recompute"):
+            raise ValueError(f"distill.features must be 'captured' or 'recompute', got {distill_cfg.features!r}")
+        self.distill_cfg, self.head_cfg = distill_cfg, head_cfg
+        self.rank, self.world_size = rank, world_size
+        self.target = target.requires_grad_(False)
+        self.device = target.lm_head.weight.device
+        cuda = self.device.type == "cuda"
+        accel = get_accelerator().device_name()
+        if accel != self.device.type:
+            raise ValueError(f"target is on {self.device} but DeepSpeed's accelerator is {accel!r} "
+                             "(set DS_ACCELERATOR before deepspeed is first imported)")
+        dtype = target.lm_head.weight.dtype
+        self.autocast_dtype = dtype if cuda and dtype in (torch.bfloat16, torch.float16) else None
+        self.feature_dtype = dtype if cuda else torch.float32
+
+        drafter, head = build_drafter(target, drafter_cfg, head_cfg, seed)
+        drafter.float()
+        if head is not None:
+            head.float()
+        self.drafter, self.length_head = drafter, head
+        self.module = DistillModule(drafter, head, target.lm_head, distill_cfg, head_cfg)
+        groups = [{"params": [p for p in drafter.parameters()], "lr": distill_cfg.lr, "name": "drafter"}]
+        if head is not None:
+            groups.append({"params": [p for p in head.parameters()], "lr": distill_cfg.head_lr, "name": "length_head"})
+        optimizer = torch.optim.AdamW(groups, lr=distill_cfg.lr, weight_decay=distill_cfg.weight_decay)
+        warmup = int(distill_cfg.warmup_steps)
+
+        def scheduler(opt):
+            return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+
+        self._init_dist(deepspeed, cuda)
+        self.zero_stage = int(distill_cfg.zero_stage)
+        if self.zero_stage == 3 and drafter.mask_embedding is not None:
+            # forward_train reads mask_embedding outside a submodule call: ZeRO-3 must gather it.
+            deepspeed.zero.register_external_parameter(self.module, drafter.mask_embedding)
+        self.ds_config = {
+            "train_micro_batch_size_per_gpu": 1,  # we pass whole batches of trajectories ourselves
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": float(distill_cfg.grad_clip),
+            "zero_optimization": {"stage": self.zero_stage},
+            "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": False},
+            "fp16": {"enabled": False},
+            "steps_per_print": 2**31 - 1,
+            "wall_clock_breakdown": False,
+        }
+        self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
+            model=self.module, model_parameters=groups, optimizer=optimizer, lr_scheduler=scheduler,
+            config=self.ds_config)
+        self.generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + rank)
+        self.layer_ids = list(drafter.config.target_layer_ids)
+
+    # ------------------------------------------------------------------ distributed setup
+    @staticmethod
+    def setup_dist_env(rank: int, world_size: int, master_addr: str = "127.0.0.1", master_port: int | None = None,
+                       local_rank: int | None = None) -> int:
+        """Set ``RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK`` (and ``DS_ACCELERATOR=cpu``
+        when CUDA is unavailable) in ``os.environ``, as DeepSpeed's launcher would (TitanRL/OpenRLHF
+        style: the trainer sets them itself).
+
+        Args:
+            master_port: None = rank 0 picks a free port on 127.0.0.1 (pass it to the other ranks).
+            local_rank: None = ``rank % device_count`` on CUDA (a Ray actor that sees one GPU gets 0),
+                ``rank`` on CPU.
+        Returns:
+            The master port.
+        Raises:
+            ValueError: rank outside ``[0, world_size)``, or ``master_port`` missing on a rank > 0.
+        """
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside [0, {world_size})")
+        if master_port is None:
+            if rank != 0:
+                raise ValueError("ranks > 0 need the master_port chosen by rank 0")
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                master_port = s.getsockname()[1]
+        if local_rank is None:
+            local_rank = rank % torch.cuda.device_count() if torch.cuda.is_available() else rank
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr,
+                          MASTER_PORT=str(master_port), LOCAL_RANK=str(local_rank))
+        return int(master_port)
+
+    def _init_dist(self, deepspeed, cuda: bool) -> None:
+        if not torch.distributed.is_initialized():
+            if not all(k in os.environ for k in _DIST_ENV):
+                if self.world_size != 1:
+                    raise ValueError(f"world_size {self.world_size}: call DistillTrainerCore.setup_dist_env "
+                                     f"first (missing {[k for k in _DIST_ENV if k not in os.environ]})")
+                self.setup_dist_env(self.rank, 1)
+            env = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+            if env != (self.rank, self.world_size):
+                raise ValueError(f"env RANK/WORLD_SIZE {env} != trainer rank/world_size "
+                                 f"{(self.rank, self.world_size)}")
+        else:
+            got = (torch.distributed.get_rank(), torch.distributed.get_world_size())
+            if got != (self.rank, self.world_size):
+                raise ValueError(f"torch.distributed is already initialised as rank/world_size {got}, "
+                                 f"trainer wants {(self.rank, self.world_size)}")
+        if not cuda:
+            _disable_cpu_shm_comm()  # also when torch.distributed was initialised by someone else
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, trajectories: list) -> dict[str, float]:
+        """One optimizer step on ``trajectories`` (this rank's share of the global batch).
+
+        Returns flat metrics: ``train/loss, train/ce, train/rkl, train/rkl_raw, train/rkl_clip_frac,
+        train/len_loss, train/top1_match, train/block_accept_len`` (mean accepted length a + 1 of the
+        blocks against the trajectory, the τ convention of ALGORITHMS.md §0), ``train/num_blocks,
+        train/num_positions, train/step`` (optimizer steps done), ``train/lr`` (drafter lr used by this
+        step), ``train/grad_norm`` (global L2 norm before clipping), ``train/seconds``. Rank-local values
+        except ``train/grad_norm`` (of the all-reduced gradient).
+        Raises:
+            ValueError: empty list or malformed trajectories (see :func:`collate`).
+        """
+        if not trajectories:
+            raise ValueError("train_step needs at least one trajectory")
+        t0 = time.perf_counter()
+        if self.distill_cfg.features == "recompute":
+            trajectories = with_recomputed_features(self.target, trajectories, self.layer_ids)
+        batch = collate(trajectories, self.distill_cfg.num_anchors, self.drafter.block_size, self.generator,
+                        self.feature_dtype).to(self.device)
+        lr = float(self.engine.get_lr()[0])
+        self.engine.train()
+        ctx = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
+               else contextlib.nullcontext())
+        with ctx:
+            loss, metrics = self.engine(batch)
+        self.engine.backward(loss)
+        grad_norm = self._stage0_grad_norm() if self.zero_stage == 0 else None
+        self.engine.step()
+        if grad_norm is None:
+            grad_norm = self.engine.get_global_grad_norm()  # ZeRO optimizers record it (pre-clip)
+        if grad_norm is not None:
+            metrics["train/grad_norm"] = float(grad_norm)
+        metrics.update({"train/step": float(self.global_step), "train/lr": lr,
+                        "train/seconds": time.perf_counter() - t0})
+        return metrics
+
+    def _stage0_grad_norm(self) -> float | None:
+        """Pre-clip global L2 grad norm (DeepSpeed's stage-0 engine does not record one)."""
+        norms = [p.grad.detach().float().norm() for p in self.module.parameters() if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else None
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far."""
+        return int(self.engine.global_steps)
+
+    # ------------------------------------------------------------------ publication
+    def publish_tensors(self) -> dict[str, torch.Tensor]:
+        """CPU float32 copies of the drafter weights under DFlash checkpoint names, plus the length head
+        under ``length_head.`` - the names ``SpecEngine.load_drafter`` expects
+        (``adaflash_ray.engine.engine.SpecEngine.drafter_tensors``). Under ZeRO-3 this gathers the
+        partitions: call it on every rank."""
+        params = list(self.module.parameters())
+        if self.zero_stage == 3:
+            import deepspeed
+
+            ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        else:
+            ctx = contextlib.nullcontext()
+        with ctx:
+            out = {k: v.detach().float().cpu().clone() for k, v in self.drafter.drafter_state_dict().items()}
+            if self.length_head is not None:
+                out.update({f"length_head.{k}": v.detach().float().cpu().clone()
+                            for k, v in self.length_head.state_dict().items()})
+        return out
+
+    def drafter_model_config(self) -> DrafterModelConfig:
+        """The drafter's architecture (for the checkpoint ``config.json`` / ``load_drafter``)."""
+        return self.drafter.config
+
+
+def _disable_cpu_shm_comm() -> None:
+    """Keep DeepSpeed from JIT-compiling its CPU shared-memory allreduce op (``deepspeed_shm_comm``,
+    a C++ extension built on the first ``init_distributed`` with the CPU accelerator: ~50 s on 2 cores,
+    needs a compiler). Collectives then go through gloo. DeepSpeed caches the probe result in one
+    module-level dict (``deepspeed.ops.__compatible_ops__``), so the edit persists."""
+    import deepspeed.ops as ds_ops
+
+    ops = ds_ops.__compatible_ops__
+    if "deepspeed_shm_comm" in ops:
+        ops["deepspeed_shm_comm"] = False
+
+
+__all__ = ["DistillModule", "DistillTrainerCore"]

@@ -1,0 +1,428 @@
+"""Tests of adaflash_ray.distill (blocks, losses, DeepSpeed trainer core) and kernels.chunked_kl.
+
+Run: python -m pytest -q tests/test_distill.py   (CPU, ~20 s; DeepSpeed over gloo: one rank, then two spawned ranks)
+
+The fast paths are checked against slow references written here (unchunked, per-row loops):
+every loss term, both RKL clip modes, weights, temperature != 1, the length label / loss and the
+accepted-length count, chunked vs unchunked gradients; anchors and teacher rows against the target's
+own greedy generations; the trainer against itself across ZeRO stages and feature sources.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+
+import pytest
+import torch
+
+from adaflash_ray.config import DistillConfig, DrafterConfig, LengthHeadConfig
+from adaflash_ray.distill.blocks import collate, recompute_features, sample_anchors
+from adaflash_ray.distill.losses import accepted_length, forward_kl_loss, length_loss, mixture_rkl_loss
+from adaflash_ray.models.length_head import direct_length_label
+from adaflash_ray.models.target import TargetConfig, TargetModel
+from adaflash_ray.trajectory import Trajectory
+from kernels.chunked_kl import chunked_kl_terms, kl_terms
+
+torch.set_num_threads(1)
+
+
+def make_distill_target(seed: int = 0) -> TargetModel:
+    """A random ``llama`` target (V=128, H=32, 4 layers, 4 query / 2 KV heads of 8 dims), frozen, float32.
+    lm_head ~ N(0, 0.5²) gives a peaked teacher, so distillation has a clear signal to learn."""
+    cfg = TargetConfig(model_type="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
+                       rope_theta=10000.0, eos_token_ids=[])
+    torch.manual_seed(seed)
+    model = TargetModel(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.5 if "embed_tokens" in name or "lm_head" in name else 0.1)
+    return model.requires_grad_(False).eval()
+
+
+@pytest.fixture(scope="module")
+def target() -> TargetModel:
+    return make_distill_target()
+
+
+# ----------------------------------------------------------------------------------- naive references
+def naive_terms(hs, ht, w, temperature):
+    """Per-row loop: (ce, rkl, fkl, student argmax, teacher argmax), nothing shared between rows."""
+    ce, rkl, fkl, sa, ta = [], [], [], [], []
+    for i in range(hs.shape[0]):
+        zs, zt = hs[i] @ w.t(), (ht[i] @ w.t()).detach()
+        t = int(torch.argmax(zt))
+        ce.append(-torch.log_softmax(zs, -1)[t])
+        ps, pt = torch.softmax(zs / temperature, -1), torch.softmax(zt / temperature, -1)
+        rkl.append(temperature ** 2 * torch.sum(ps * (torch.log(ps) - torch.log(pt))))
+        fkl.append(temperature ** 2 * torch.sum(pt * (torch.log(pt) - torch.log(ps))))
+        sa.append(int(torch.argmax(zs)))
+        ta.append(t)
+    return torch.stack(ce), torch.stack(rkl), torch.stack(fkl), torch.tensor(sa), torch.tensor(ta)
+
+
+def naive_mixture(hs, ht, w, weights, alpha, temperature, clip, clip_mode):
+    ce, rkl, _, sa, ta = naive_terms(hs, ht, w, temperature)
+    den = weights.sum()
+    ce_loss = sum(weights[i] * ce[i] for i in range(len(ce))) / den
+    if clip_mode == "per_token":
+        rkl_loss = sum(weights[i] * torch.clamp(rkl[i], max=clip) for i in range(len(rkl))) / den
+    else:  # AdaFlash code: clamp(RKL_i / Σw, τ), then weighted sum
+        rkl_loss = sum(weights[i] * torch.clamp(rkl[i] / den, max=clip) for i in range(len(rkl)))
+    match = sum(float(weights[i]) * float(sa[i] == ta[i]) for i in range(len(sa))) / float(den)
+    return alpha * ce_loss + (1 - alpha) * rkl_loss, ce_loss.item(), rkl_loss.item(), match
+
+
+def naive_accepted(draft, target, valid):
+    out = torch.zeros(draft.shape[:-1], dtype=torch.long)
+    for idx in itertools.product(*(range(n) for n in draft.shape[:-1])):
+        a = 0
+        for k in range(draft.shape[-1]):
+            if not valid[idx][k] or draft[idx][k] != target[idx][k]:
+                break
+            a += 1
+        out[idx] = a
+    return out
+
+
+def _rand_rows(m=23, h=16, v=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(v, h, generator=g)
+    ht = torch.randn(m, h, generator=g)
+    hs = (ht + 0.7 * torch.randn(m, h, generator=g)).requires_grad_(True)
+    weights = torch.rand(m, generator=g) * (torch.rand(m, generator=g) > 0.2)
+    return hs, ht, w, weights
+
+
+# ----------------------------------------------------------------------------------- kernels / losses
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.8])
+def test_kl_terms_match_naive(temperature):
+    hs, ht, w, _ = _rand_rows()
+    ce, rkl, fkl, sa, ta = naive_terms(hs, ht, w, temperature)
+    for chunk in (1, 5, 1000):
+        c, r, s, t = chunked_kl_terms(hs, ht, w, temperature=temperature, chunk_size=chunk)
+        torch.testing.assert_close(c, ce, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(r, rkl, atol=1e-5, rtol=1e-5)
+        assert torch.equal(s, sa) and torch.equal(t, ta)
+        _, f, _, _ = chunked_kl_terms(hs, ht, w, temperature=temperature, chunk_size=chunk, direction="forward")
+        torch.testing.assert_close(f, fkl, atol=1e-5, rtol=1e-5)
+    assert (rkl >= -1e-6).all() and (fkl >= -1e-6).all()
+
+
+@pytest.mark.parametrize("clip_mode", ["per_token", "reference"])
+@pytest.mark.parametrize("temperature", [1.0, 1.5])
+def test_mixture_rkl_matches_naive(clip_mode, temperature):
+    hs, ht, w, weights = _rand_rows(seed=3)
+    rkl = naive_terms(hs, ht, w, temperature)[1].detach()
+    scale = 1.0 if clip_mode == "per_token" else 1.0 / float(weights.sum())
+    for clip in (1e9, float(rkl.median()) * scale):  # no clamp, and clamp active on about half the rows
+        for alpha in (0.8, 0.0, 1.0):
+            ref, ce, rl, match = naive_mixture(hs, ht, w, weights, alpha, temperature, clip, clip_mode)
+            for chunk in (4, 64):
+                out = torch.empty(hs.shape[0], dtype=torch.long)
+                loss, m = mixture_rkl_loss(hs, ht, w, weights, alpha=alpha, temperature=temperature, clip=clip,
+                                           clip_mode=clip_mode, chunk_size=chunk, argmax_out=out)
+                assert abs(float(loss) - float(ref)) < 1e-5
+                assert abs(m["train/ce"] - ce) < 1e-5 and abs(m["train/rkl"] - rl) < 1e-5
+                assert abs(m["train/top1_match"] - match) < 1e-6
+                assert torch.equal(out, (hs.detach() @ w.t()).argmax(-1))
+    # without any clamp the two modes are the same objective
+    a, _ = mixture_rkl_loss(hs, ht, w, weights, clip=1e9, clip_mode="per_token", chunk_size=7)
+    b, _ = mixture_rkl_loss(hs, ht, w, weights, clip=1e9, clip_mode="reference", chunk_size=7)
+    assert abs(float(a) - float(b)) < 1e-6
+
+
+def test_chunked_gradients_equal_unchunked_and_naive():
+    hs, ht, w, weights = _rand_rows(m=31, seed=5)
+    grads = []
+    for chunk in (3, 10, 31):
+        h = hs.detach().clone().requires_grad_(True)
+        loss, _ = mixture_rkl_loss(h, ht, w, weights, alpha=0.6, temperature=1.3, clip=0.5, chunk_size=chunk)
+        loss.backward()
+        grads.append(h.grad)
+    h = hs.detach().clone().requires_grad_(True)
+    naive_mixture(h, ht, w, weights, 0.6, 1.3, 0.5, "per_token")[0].backward()
+    for g in grads:
+        torch.testing.assert_close(g, h.grad, atol=1e-5, rtol=1e-4)
+    # forward KL (OSD baseline): gradient too
+    h1 = hs.detach().clone().requires_grad_(True)
+    l1, m1 = forward_kl_loss(h1, ht, w, weights, temperature=1.3, chunk_size=4)
+    l1.backward()
+    h2 = hs.detach().clone().requires_grad_(True)
+    fkl = naive_terms(h2, ht, w, 1.3)[2]
+    ((weights * fkl).sum() / weights.sum()).backward()
+    torch.testing.assert_close(h1.grad, h2.grad, atol=1e-5, rtol=1e-4)
+    assert abs(m1["train/fkl"] - float((weights * fkl).sum() / weights.sum())) < 1e-5
+
+
+def test_chunked_loss_never_keeps_full_vocab_activations():
+    """Autograd keeps no [M, V] tensor alive between forward and backward (only per-chunk recompute)."""
+    m, h, v = 64, 8, 256
+    hs, ht, w, weights = _rand_rows(m=m, h=h, v=v, seed=7)
+    biggest = []
+
+    def pack(t):
+        biggest.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, _ = mixture_rkl_loss(hs, ht, w, weights, chunk_size=8)
+    assert max(biggest) < m * v // 4, max(biggest)
+    loss.backward()  # recomputation works
+    biggest.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        kl_terms(hs, ht, w, 1.0)  # the unchunked math does keep [M, V] (what chunking avoids)
+    assert max(biggest) >= m * v
+
+
+def test_zero_weight_and_empty_inputs():
+    hs, ht, w, weights = _rand_rows(seed=9)
+    loss, m = mixture_rkl_loss(hs, ht, w, torch.zeros_like(weights))
+    assert float(loss) == 0.0 and math.isfinite(m["train/ce"])
+    e = torch.zeros(0, hs.shape[1], requires_grad=True)
+    loss, _ = mixture_rkl_loss(e, e.detach(), w, torch.zeros(0))
+    loss.backward()
+    assert float(loss) == 0.0
+    with pytest.raises(ValueError):
+        mixture_rkl_loss(hs, ht, w, weights[:-1])
+    with pytest.raises(ValueError):
+        mixture_rkl_loss(hs, ht, w, weights, clip_mode="bogus")
+
+
+def test_accepted_length_and_length_loss_match_naive():
+    g = torch.Generator().manual_seed(11)
+    target = torch.randint(0, 4, (5, 6, 7), generator=g)
+    draft = torch.where(torch.rand(5, 6, 7, generator=g) < 0.8, target, torch.randint(0, 4, (5, 6, 7), generator=g))
+    valid = torch.arange(7)[None, None] < torch.randint(0, 8, (5, 6, 1), generator=g)
+    a = accepted_length(draft, target, valid)
+    assert torch.equal(a, naive_accepted(draft, target, valid))
+    assert a.max() > 0
+    pred = torch.rand(30, generator=g, requires_grad=True)
+    blocks_valid = torch.rand(30, generator=g) > 0.3
+    num_acc = a.reshape(-1)
+    loss = length_loss(pred, num_acc, block_size=8, lookahead=1, valid=blocks_valid)
+    ref = sum((pred[i] - min(1.0, (int(num_acc[i]) + 1) / 8)) ** 2 for i in range(30) if blocks_valid[i])
+    assert abs(float(loss) - float(ref) / int(blocks_valid.sum())) < 1e-6
+    assert torch.allclose(direct_length_label(torch.tensor([0, 3, 7, 9]), 8, 1), torch.tensor([1 / 8, 0.5, 1.0, 1.0]))
+
+
+# ----------------------------------------------------------------------------------- blocks
+def test_sample_anchors_bounds():
+    g = torch.Generator().manual_seed(0)
+    for prompt_len, t in [(1, 2), (1, 3), (5, 6), (5, 40), (10, 12), (3, 100)]:
+        for _ in range(5):
+            a = sample_anchors(prompt_len, t, 8, 4, g)
+            lo, hi = max(1, prompt_len - 1), t - 2
+            assert len(a) == min(8, max(0, hi - lo + 1))
+            if len(a):
+                assert a.min() >= lo and a.max() <= hi and a.dtype == torch.long
+                assert (a[1:] > a[:-1]).all()  # sorted, distinct
+    assert torch.equal(sample_anchors(5, 9, 16, 4), torch.arange(4, 8))  # all candidates
+    with pytest.raises(ValueError):
+        sample_anchors(0, 5, 4, 4)
+
+
+def _greedy_trajectories(target, num=6, prompt_len=5, num_new=20, seed=0, dtype=torch.bfloat16, version=0):
+    """Greedy generations of the target + features/last_hidden from one full forward (engine layout)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    layer_ids = [1, 2]
+    for i in range(num):
+        ids = torch.randint(0, target.config.vocab_size, (prompt_len,), generator=g)
+        n = num_new - (i % 3) * 3  # different lengths -> padding
+        with torch.no_grad():
+            for _ in range(n):
+                logits = target(ids[None], torch.arange(len(ids))[None]).logits
+                ids = torch.cat([ids, logits[0, -1].argmax()[None]])
+            res = target(ids[None, :-1], torch.arange(len(ids) - 1)[None], capture_layer_ids=layer_ids)
+        out.append(Trajectory(request_id=f"r{i}", token_ids=ids, prompt_len=prompt_len,
+                              features=res.features[0].to(dtype), last_hidden=res.last_hidden[0].to(dtype),
+                              drafter_version=version + i % 2))
+    return out
+
+
+@pytest.fixture(scope="module")
+def trajectories(target):
+    return _greedy_trajectories(target, dtype=torch.float32)
+
+
+def test_collate_layout(trajectories, target):
+    bs = 5
+    batch = collate(trajectories, num_anchors=6, block_size=bs, generator=torch.Generator().manual_seed(1))
+    t_max = max(tr.num_tokens for tr in trajectories)
+    b, n = batch.anchors.shape
+    assert batch.input_ids.shape == (b, t_max) and batch.features.shape[:2] == (b, t_max - 1)
+    assert batch.target_ids.shape == batch.teacher_pos.shape == batch.weights.shape == (b, n, bs - 1)
+    assert batch.drafter_versions.tolist() == [tr.drafter_version for tr in trajectories]
+    for i, tr in enumerate(trajectories):
+        t = tr.num_tokens
+        assert torch.equal(batch.features[i, : t - 1], tr.features) and not batch.features[i, t - 1:].any()
+        for j in range(n):
+            a = int(batch.anchors[i, j])
+            valid = bool(batch.anchor_valid[i, j])
+            assert tr.prompt_len - 1 <= a <= t - 2
+            for k in range(1, bs):
+                w = float(batch.weights[i, j, k - 1])
+                expect = math.exp(-(k - 1) / 7) if valid and a + k <= t - 1 else 0.0
+                assert abs(w - expect) < 1e-6
+                if expect:
+                    assert int(batch.target_ids[i, j, k - 1]) == int(tr.token_ids[a + k])
+                    assert int(batch.teacher_pos[i, j, k - 1]) == a + k - 1
+    # teacher logits at block position k predict token anchor+k: on greedy data they equal it
+    sel = batch.weights > 0
+    rows = torch.arange(b)[:, None, None].expand_as(sel)[sel]
+    teacher = batch.last_hidden[rows, batch.teacher_pos[sel]]
+    with torch.no_grad():
+        assert torch.equal(target.lm_head(teacher).argmax(-1), batch.target_ids[sel])
+    assert batch.num_blocks == int(batch.anchor_valid.sum())
+
+
+def test_collate_pads_anchorless_rows_and_rejects_missing_features(trajectories):
+    short = Trajectory("s", torch.tensor([3, 4]), 1, torch.zeros(1, 64), torch.zeros(1, 32), 0)
+    batch = collate([short, trajectories[0]], 4, 4, torch.Generator().manual_seed(0))
+    assert not batch.anchor_valid[0].any() and not batch.weights[0].any()
+    assert batch.anchors[0].min() >= 1
+    with pytest.raises(ValueError, match="recompute"):
+        collate([dataclasses.replace(trajectories[0], features=None)], 4, 4)
+
+
+def test_recompute_features_matches_full_forward(target, trajectories):
+    tr = trajectories[0]
+    feats = recompute_features(target, [tr.token_ids], [1, 2])
+    (f, h), = feats
+    assert f.shape == tr.features.shape and h.shape == tr.last_hidden.shape
+    torch.testing.assert_close(f, tr.features, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h, tr.last_hidden, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------- trainer (DeepSpeed)
+@pytest.fixture(scope="module")
+def dist_env():
+    """DeepSpeed needs RANK/WORLD_SIZE/...; restore the caller's environment afterwards."""
+    keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "DS_ACCELERATOR")
+    saved = {k: os.environ.get(k) for k in keys}
+    from adaflash_ray.distill.trainer import DistillTrainerCore
+
+    if not torch.distributed.is_initialized():
+        DistillTrainerCore.setup_dist_env(0, 1)
+    yield DistillTrainerCore
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _cfgs(**distill):
+    drafter = DrafterConfig(num_hidden_layers=1, block_size=4, num_target_layers=2, target_layer_ids=[1, 2])
+    head = LengthHeadConfig(policy="direct", hidden_size=16)
+    base = dict(num_anchors=8, lr=3e-3, head_lr=2e-3, batch_size=3, loss_chunk_size=16, grad_clip=1.0)
+    base.update(distill)
+    return drafter, head, DistillConfig(**base)
+
+
+def test_trainer_reduces_loss_and_publishes_engine_names(dist_env, target):
+    trajs = _greedy_trajectories(target, num=6, num_new=24, seed=4)  # bf16, as the engine ships them
+    drafter_cfg, head_cfg, distill_cfg = _cfgs(zero_stage=0)
+    core = dist_env(target, drafter_cfg, head_cfg, distill_cfg, seed=0)
+    before = core.publish_tensors()
+    losses, accepts = [], []
+    for step in range(30):
+        m = core.train_step(trajs[(step % 2) * 3:(step % 2) * 3 + 3])
+        losses.append(m["train/loss"])
+        accepts.append(m["train/block_accept_len"])
+    keys = {"train/loss", "train/ce", "train/rkl", "train/len_loss", "train/top1_match", "train/block_accept_len",
+            "train/num_blocks", "train/step", "train/lr", "train/seconds", "train/grad_norm"}
+    assert keys <= set(m) and all(isinstance(v, float) for v in m.values())
+    assert m["train/step"] == 30 == core.global_step and m["train/lr"] == pytest.approx(3e-3)
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < 0.5 * first, (first, last)
+    assert sum(accepts[-3:]) / 3 > sum(accepts[:3]) / 3
+    # publication: CPU float32, the names SpecEngine.drafter_tensors uses, and the weights moved
+    after = core.publish_tensors()
+    expect = set(core.drafter.drafter_state_dict()) | {f"length_head.{k}" for k in core.length_head.state_dict()}
+    assert set(after) == expect and any(k.startswith("length_head.") for k in after)
+    assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in after.values())
+    assert not torch.equal(before["fc.weight"], after["fc.weight"])
+    assert core.drafter_model_config().block_size == 4
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_zero_stages_match_stage0(dist_env, target, trajectories, zero_stage):
+    """ZeRO 1/2/3 initialise on CPU (gloo) and reproduce stage 0's losses and weights under a fixed seed."""
+    results = {}
+    for stage in (0, zero_stage):
+        core = dist_env(target, *_cfgs(zero_stage=stage, warmup_steps=2), seed=1)
+        ms = [core.train_step(trajectories[:3]) for _ in range(3)]
+        results[stage] = ([m["train/loss"] for m in ms], core.publish_tensors(), [m["train/lr"] for m in ms])
+    (l0, w0, lr0), (l1, w1, lr1) = results[0], results[zero_stage]
+    assert lr0 == pytest.approx([1.5e-3, 3e-3, 3e-3]) and lr1 == pytest.approx(lr0)  # warmup then flat
+    assert l1 == pytest.approx(l0, rel=1e-4, abs=1e-5)
+    assert set(w0) == set(w1)
+    for k in w0:
+        torch.testing.assert_close(w1[k], w0[k], atol=1e-5, rtol=1e-4)
+
+
+def test_recompute_features_gives_same_step_as_captured(dist_env, target, trajectories):
+    captured = dist_env(target, *_cfgs(features="captured"), seed=2)
+    recompute = dist_env(target, *_cfgs(features="recompute"), seed=2)
+    bare = [dataclasses.replace(tr, features=None, last_hidden=None) for tr in trajectories[:3]]
+    a, b = captured.train_step(trajectories[:3]), recompute.train_step(bare)
+    for k in ("train/loss", "train/ce", "train/rkl", "train/len_loss", "train/block_accept_len"):
+        assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), k
+    with pytest.raises(ValueError, match="recompute"):
+        captured.train_step(bare)
+
+
+def test_setup_dist_env_validation(dist_env):
+    with pytest.raises(ValueError):
+        dist_env.setup_dist_env(2, 2)
+    with pytest.raises(ValueError):
+        dist_env.setup_dist_env(1, 2)  # rank > 0 needs rank 0's port
+
+
+def _two_rank_worker(rank: int, port: int, queue) -> None:
+    torch.set_num_threads(1)
+    from adaflash_ray.distill.trainer import DistillTrainerCore
+
+    DistillTrainerCore.setup_dist_env(rank, 2, master_port=port)
+    target = make_distill_target()
+    trajs = _greedy_trajectories(target, num=4, num_new=16, seed=4, dtype=torch.float32)
+    core = DistillTrainerCore(target, *_cfgs(zero_stage=1), seed=0, rank=rank, world_size=2)
+    init = core.publish_tensors()
+    losses = [core.train_step(trajs[2 * rank: 2 * rank + 2])["train/loss"] for _ in range(3)]
+    final = core.publish_tensors()
+    moved = max(float((final[k] - init[k]).abs().max()) for k in final)
+    queue.put((rank, losses, moved, {k: v.numpy() for k, v in final.items()}))
+
+
+def test_two_ranks_zero1_gloo_stay_in_sync():
+    """world_size 2 over gloo (spawned processes): ZeRO-1 data parallelism keeps ranks identical."""
+    import multiprocessing as mp
+    import socket
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_two_rank_worker, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        res = sorted((queue.get(timeout=240) for _ in procs), key=lambda r: r[0])
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()
+    assert [p.exitcode for p in procs] == [0, 0]
+    (_, l0, moved0, w0), (_, l1, _, w1) = res
+    assert moved0 > 1e-4 and l0 != l1  # ranks saw different data ...
+    assert max(float(abs(w0[k] - w1[k]).max()) for k in w0) == 0.0  # ... and hold the same weights
+    assert l0[-1] < l0[0] and l1[-1] < l1[0]
