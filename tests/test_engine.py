@@ -1,0 +1,456 @@
+"""Tests of adaflash_ray.engine: speculative decoding is lossless.
+
+- greedy on the real SmolLM2-135M-Instruct (float32): spec output == our AR output == transformers'
+  greedy ``generate``, for random drafters (``fixed`` and ``direct`` policies), a perfect drafter
+  (every draft accepted) and a wrong one (every draft rejected);
+- tiny random targets: per-request γ, very different prompt lengths and slot reuse in one batch, exact
+  ``max_new_tokens`` truncation, stop tokens, hot reload mid-flight, recorded trajectories against a
+  fresh full forward, and a χ² test that sampling (temperature > 0) follows the target's distribution.
+
+"Perfect" / "wrong" drafters replace the drafter's proposals (``DFlashDrafter.logits``) with the
+reference continuation, so the accept / reject paths run without training a drafter.
+
+Run: python -m pytest -q tests/test_engine.py   (CPU, ~1.5 min, most of it the real model)
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import greedy_reference, make_drafter, make_tiny_target
+
+from adaflash_ray.engine import SamplingParams, SpecEngine, Status
+from adaflash_ray.models.checkpoint import tensors_sha256
+
+REAL_NEW_TOKENS = 64
+
+
+# ----------------------------------------------------------------------------------- helpers
+class Oracle:
+    """Replaces the drafter's proposals: a request's drafts are its reference continuation
+    (``reference[prompt] = prompt + greedy output``) for the first ``num_correct(req)`` block positions
+    and a wrong token after. The proposing forward itself still runs (shapes, caches, length head)."""
+
+    def __init__(self, monkeypatch, engine: SpecEngine, reference: dict[tuple, list[int]], num_correct=None):
+        self.engine, self.reference = engine, reference
+        self.num_correct = num_correct or (lambda req: 10 ** 9)
+        self.rows: list = []  # (request, anchor position) per row of the current proposal
+        propose = engine.drafter.propose_hidden
+
+        def propose_hidden(cache, slot_ids, anchor_ids, anchor_pos, span=None):
+            by_slot = {r.slot: r for r in engine.scheduler.running}
+            self.rows = [(by_slot[s], p) for s, p in zip(slot_ids.tolist(), anchor_pos.tolist())]
+            return propose(cache, slot_ids, anchor_ids, anchor_pos, span)
+
+        monkeypatch.setattr(engine.drafter, "propose_hidden", propose_hidden)
+        monkeypatch.setattr(engine.drafter, "logits", self.logits)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        b, n, _ = hidden.shape  # [B, block_size-1, H]
+        vocab = self.engine.target.config.vocab_size
+        out = torch.zeros(b, n, vocab)
+        for i, (req, p) in enumerate(self.rows):
+            seq = self.reference[tuple(req.prompt_ids)]
+            assert seq[: req.num_tokens] == req.prompt_ids + req.output_ids  # lossless so far
+            for k in range(n):
+                tok = seq[p + 1 + k] if p + 1 + k < len(seq) else 0
+                if k >= self.num_correct(req):
+                    tok = (tok + 1) % vocab
+                out[i, k, tok] = 5.0
+        return out
+
+
+class SlotPattern:
+    """A length policy giving γ = pattern[slot % len(pattern)] (different γ per request in one batch)."""
+
+    def __init__(self, oracle: Oracle, pattern: list[int]):
+        self.oracle, self.pattern = oracle, pattern
+
+    def __call__(self, block_hidden: torch.Tensor) -> torch.Tensor:
+        assert block_hidden.shape[0] == len(self.oracle.rows)
+        return torch.tensor([self.pattern[req.slot % len(self.pattern)] for req, _ in self.oracle.rows])
+
+
+def tiny_reference(target, prompts, num_new):
+    """prompt -> prompt + greedy continuation, by the cache-free slow oracle."""
+    return {tuple(p): list(p) + greedy_reference(target, p, num_new) for p in prompts}
+
+
+def outputs(reqs):
+    return [r.output_ids for r in reqs]
+
+
+# ----------------------------------------------------------------------------------- real model, greedy
+@pytest.fixture(scope="module")
+def real_ar(real_target, chat_prompts):
+    """Our engine's plain autoregressive greedy output: 8 chat prompts x 64 tokens (EOS ignored)."""
+    engine = SpecEngine(real_target, None, None, max_batch_size=8, max_seq_len=256)
+    reqs = engine.generate(chat_prompts, SamplingParams(max_new_tokens=REAL_NEW_TOKENS, ignore_eos=True))
+    assert all(r.finish_reason == "length" and len(r.output_ids) == REAL_NEW_TOKENS for r in reqs)
+    assert engine.stats.num_verify_steps == 0
+    return outputs(reqs)
+
+
+@pytest.mark.parametrize("policy,block_size", [("fixed", 4), ("direct", 8)])
+def test_real_greedy_lossless_random_drafter(real_target, chat_prompts, real_ar, policy, block_size):
+    """8 prompts x 64 tokens, batch 8, random drafter: token for token the AR output."""
+    drafter, head = make_drafter(real_target, block_size=block_size, policy=policy, seed=1)
+    engine = SpecEngine(real_target, drafter, head, policy=policy, max_batch_size=8, max_seq_len=256)
+    reqs = engine.generate(chat_prompts, SamplingParams(max_new_tokens=REAL_NEW_TOKENS, ignore_eos=True))
+    assert outputs(reqs) == real_ar
+    s = engine.stats
+    assert s.num_generated == 8 * REAL_NEW_TOKENS
+    assert s.num_verify_steps == sum(len(r.draft_lens) for r in reqs)
+    assert s.num_verify_steps >= 8 * (REAL_NEW_TOKENS - 1) * 0.8  # a random drafter is rarely right
+    for r in reqs:  # replay the budget: γ <= remaining - 1 (= for fixed), γ >= 1 until the last token
+        remaining = REAL_NEW_TOKENS - 1
+        for drafted, accepted in zip(r.draft_lens, r.num_accepted):
+            cap = min(block_size - 1, remaining - 1)
+            assert drafted == cap if policy == "fixed" else min(1, cap) <= drafted <= cap
+            remaining -= accepted + 1
+        assert remaining == 0
+    if policy == "direct":
+        assert len(set(g for r in reqs for g in r.draft_lens[:-4])) > 1  # the head chose different γ
+    assert sum(s.draft_len_hist.values()) == s.num_verify_steps
+
+
+def test_real_ar_matches_transformers_generate(real_model_dir, real_target, chat_prompts, real_ar):
+    """Our greedy output == transformers' ``generate(do_sample=False)`` (3 prompts, batched, left-padded),
+    and for all 8 prompts HF's argmax at every position of prompt + our output is our next token."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32).eval()
+    prompts = chat_prompts[:3]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[2] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        gen = hf.generate(ids, attention_mask=mask, max_new_tokens=REAL_NEW_TOKENS, do_sample=False,
+                          eos_token_id=None, pad_token_id=2)
+        assert gen[:, width:].tolist() == real_ar[:3]
+        for p, out in zip(chat_prompts, real_ar):
+            seq = torch.tensor([p + out])
+            logits = hf(seq).logits[0, len(p) - 1:-1]  # [64, V] predictions of the output tokens
+            assert logits.argmax(-1).tolist() == out
+            top2 = logits.topk(2).values
+            assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-4  # no near-tie: the comparison is meaningful
+
+
+def test_real_perfect_and_wrong_drafter(monkeypatch, real_target, chat_prompts, real_ar):
+    """Perfect proposals: a == γ every step, τ = 8 with γ = 7; wrong proposals: a = 0 every step. Both lossless."""
+    reference = {tuple(p): p + out for p, out in zip(chat_prompts, real_ar)}
+    drafter, _ = make_drafter(real_target, block_size=8, policy="fixed")
+    engine = SpecEngine(real_target, drafter, None, policy="fixed", max_batch_size=8, max_seq_len=256)
+    Oracle(monkeypatch, engine, reference)
+    reqs = engine.generate(chat_prompts, SamplingParams(max_new_tokens=REAL_NEW_TOKENS, ignore_eos=True))
+    assert outputs(reqs) == real_ar
+    for r in reqs:
+        assert r.num_accepted == r.draft_lens  # every draft accepted
+        # 1 token from prefill, then 7 steps of γ = 7 (8 tokens each) and one capped by the budget
+        assert r.draft_lens == [7] * 7 + [6]
+    s = engine.stats
+    assert s.accept_len > 3 and abs(s.accept_len - 63 / 8) < 1e-9
+    assert s.draft_waste == 0.0
+
+    wrong_drafter, _ = make_drafter(real_target, block_size=8, policy="fixed")
+    wrong_engine = SpecEngine(real_target, wrong_drafter, None, policy="fixed", max_batch_size=8, max_seq_len=256)
+    Oracle(monkeypatch, wrong_engine, reference, num_correct=lambda req: 0)
+    reqs = wrong_engine.generate(chat_prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    assert outputs(reqs) == [out[:16] for out in real_ar]
+    # γ = min(7, remaining - 1) with remaining 15, 14, ..., 1
+    assert all(r.num_accepted == [0] * 15 and r.draft_lens == [7] * 8 + [6, 5, 4, 3, 2, 1, 0] for r in reqs)
+    assert wrong_engine.stats.accept_len == 1.0 and wrong_engine.stats.draft_waste == 1.0
+
+
+def test_real_eos_stop(real_target, tokenizer, chat_prompts, real_ar):
+    """Without ignore_eos the request stops at the target's EOS (<|im_end|>), included in the output."""
+    eos = real_target.config.eos_token_ids
+    assert eos == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    i = 4  # "What is the capital of France?"
+    assert eos[0] in real_ar[i]
+    stop_at = real_ar[i].index(eos[0])
+    drafter, head = make_drafter(real_target, block_size=4, policy="direct")
+    engine = SpecEngine(real_target, drafter, head, max_batch_size=2, max_seq_len=256)
+    req, = engine.generate([chat_prompts[i]], SamplingParams(max_new_tokens=REAL_NEW_TOKENS))
+    assert req.output_ids == real_ar[i][: stop_at + 1] and req.finish_reason == "stop"
+    assert "Paris" in tokenizer.decode(req.output_ids)
+
+
+# ----------------------------------------------------------------------------------- tiny targets, greedy
+def test_varied_gamma_and_prompt_lengths_lossless(monkeypatch, tiny_target):
+    """γ = [1, 5, 15, 3] by slot in one batch, drafts right for 0..all positions, prompts of 1..150 tokens,
+    6 requests through 4 slots (slot reuse): the slow cache-free greedy output, exactly."""
+    g = torch.Generator().manual_seed(0)
+    lens = [1, 150, 7, 60, 2, 33]
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in lens]
+    num_new = [40, 25, 40, 12, 30, 40]
+    reference = {tuple(p): p + greedy_reference(tiny_target, p, n) for p, n in zip(prompts, num_new)}
+    correct = {tuple(p): c for p, c in zip(prompts, [10 ** 9, 2, 0, 10 ** 9, 1, 4])}
+    drafter, head = make_drafter(tiny_target, block_size=16, policy="direct")
+    engine = SpecEngine(tiny_target, drafter, head, max_batch_size=4, max_seq_len=256)
+    oracle = Oracle(monkeypatch, engine, reference, num_correct=lambda req: correct[tuple(req.prompt_ids)])
+    pattern = [1, 5, 15, 3]
+    monkeypatch.setattr(engine.runner, "length_policy", SlotPattern(oracle, pattern))
+    reqs = [engine.add_request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, num_new)]
+    while engine.has_unfinished():
+        engine.step()
+    for r, p, n in zip(reqs, prompts, num_new):
+        assert r.output_ids == reference[tuple(p)][len(p):], len(p)
+        assert r.finish_reason == "length" and len(r.output_ids) == n
+        c = correct[tuple(p)]
+        gamma = pattern[r.slot % 4]
+        remaining = n - 1
+        for drafted, accepted in zip(r.draft_lens, r.num_accepted):  # replay the budget
+            assert drafted == min(gamma, remaining - 1)
+            assert accepted == min(drafted, c)
+            remaining -= accepted + 1
+    assert {r.slot for r in reqs} == {0, 1, 2, 3}
+    assert {1, 3, 5, 15} <= set(engine.stats.draft_len_hist)
+
+
+def test_random_drafter_lossless_with_slot_reuse(tiny_target):
+    """Random drafter (direct and fixed), 7 requests through 3 slots with different budgets: AR output."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in [3, 90, 1, 17, 45, 5, 120]]
+    ref = [greedy_reference(tiny_target, p, 30) for p in prompts]
+    for policy in ("direct", "fixed"):
+        drafter, head = make_drafter(tiny_target, block_size=8, layers=2, policy=policy, seed=3)
+        engine = SpecEngine(tiny_target, drafter, head, policy=policy, max_batch_size=3, max_seq_len=200)
+        reqs = [engine.add_request(p, SamplingParams(max_new_tokens=30 - 3 * (i % 4))) for i, p in enumerate(prompts)]
+        while engine.has_unfinished():
+            engine.step()
+        for r, out in zip(reqs, ref):
+            assert r.output_ids == out[: r.params.max_new_tokens]
+
+
+def test_max_new_tokens_truncation_exact(monkeypatch, tiny_target):
+    """Budgets 1..33 with a perfect γ = 15 drafter: exactly max_new_tokens tokens, the reference prefix."""
+    prompt = [5, 6, 7, 8]
+    budgets = [1, 2, 3, 5, 15, 16, 17, 33]
+    reference = tiny_reference(tiny_target, [prompt], 40)
+    drafter, _ = make_drafter(tiny_target, block_size=16, policy="fixed")
+    engine = SpecEngine(tiny_target, drafter, None, policy="fixed", max_batch_size=8, max_seq_len=64)
+    Oracle(monkeypatch, engine, reference)
+    reqs = [engine.add_request(prompt, SamplingParams(max_new_tokens=n)) for n in budgets]
+    while engine.has_unfinished():
+        engine.step()
+    for r, n in zip(reqs, budgets):
+        assert r.output_ids == reference[tuple(prompt)][4:4 + n] and r.finish_reason == "length"
+        assert r.num_accepted == r.draft_lens
+        assert len(r.draft_lens) == math.ceil((n - 1) / 16)  # γ = min(15, remaining - 1)
+    assert reqs[0].draft_lens == [] and reqs[5].draft_lens == [14]
+
+
+def test_stop_tokens(monkeypatch):
+    """A stop token inside an accepted chunk ends the request there; the target's EOS is the default stop;
+    ignore_eos runs to the budget."""
+    target = make_tiny_target("llama", seed=1)
+    prompt = [3, 1, 4, 1, 5]
+    ref = greedy_reference(target, prompt, 40)
+    # a stop token first produced at output index 2..16: inside the first verify step's chunk
+    first = next(i for i in range(2, 17) if ref.index(ref[i]) == i)
+    stop = ref[first]
+    reference = {tuple(prompt): prompt + ref}
+    drafter, _ = make_drafter(target, block_size=16, policy="fixed")
+    engine = SpecEngine(target, drafter, None, policy="fixed", max_batch_size=4, max_seq_len=64)
+    Oracle(monkeypatch, engine, reference)
+    a = engine.add_request(prompt, SamplingParams(max_new_tokens=40, stop_token_ids=[stop]))
+    target.config.eos_token_ids = [stop]
+    b = engine.add_request(prompt, SamplingParams(max_new_tokens=40))  # default: the target's EOS
+    c = engine.add_request(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    for r in (a, b):
+        assert r.output_ids == ref[: first + 1] and r.finish_reason == "stop"
+    assert c.output_ids == ref and c.finish_reason == "length"
+    assert a.num_accepted == [15] and b.num_accepted == [15]  # 16 tokens committed, cut after the stop
+    assert len(a.feature_chunks) == 0  # record=False: released at the finish
+
+
+# ----------------------------------------------------------------------------------- sampling
+def _chi2_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
+    """χ² goodness of fit, cells with expected < 5 pooled into one."""
+    small = expected < 5
+    obs = np.append(observed[~small], observed[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    try:
+        from scipy.stats import chisquare
+
+        return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
+    except ImportError:  # Wilson-Hilferty normal approximation of the χ² tail
+        stat, dof = float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
+        z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+        return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_sampling_follows_target_distribution():
+    """Temperature 0.8, vocab 12, random drafter (accepts and rejects both happen): the joint law of the
+    first 4 generated tokens equals the target's, by χ² on pairs (p > 0.001), over 4096 samples."""
+    vocab, temp, num = 12, 0.8, 4096
+    target = make_tiny_target("qwen3", vocab_size=vocab, seed=2, logit_scale=2.0)
+    prompt = [1, 2, 3, 4, 5]
+    drafter, _ = make_drafter(target, block_size=4, policy="fixed", seed=4)
+    engine = SpecEngine(target, drafter, None, policy="fixed", max_batch_size=64, max_seq_len=16, seed=123)
+    reqs = engine.generate([prompt] * num, SamplingParams(max_new_tokens=4, temperature=temp))
+    toks = np.array(outputs(reqs))  # [num, 4]
+    s = engine.stats
+    assert 0.2 < s.num_accepted / s.num_drafted < 0.9  # both the accept and the residual path ran
+    # exact law p(t1) p(t2|t1) p(t3|t1,t2) p(t4|t1,t2,t3), from one forward over all 12^3 prefixes
+    prefixes = torch.cartesian_prod(*[torch.arange(vocab)] * 3)  # [1728, 3], t1 major
+    ids = torch.cat([torch.tensor(prompt).expand(len(prefixes), -1), prefixes], 1)
+    with torch.no_grad():
+        logits = target(ids, torch.arange(ids.shape[1]).expand_as(ids)).logits[:, -4:]  # [1728, 4, V]
+    cond = torch.softmax(logits.double() / temp, -1).reshape(vocab, vocab, vocab, 4, vocab)
+    p1 = cond[0, 0, 0, 0]  # [t1]
+    p2 = cond[:, 0, 0, 1]  # [t1, t2]
+    p3 = cond[:, :, 0, 2]  # [t1, t2, t3]
+    p4 = cond[:, :, :, 3]  # [t1, t2, t3, t4]
+    joint = p1[:, None, None, None] * p2[:, :, None, None] * p3[:, :, :, None] * p4
+    assert abs(float(joint.sum()) - 1) < 1e-9
+    # t2, t3: accepted drafts or residual samples; t4: also the bonus token after a full acceptance
+    checks = {"t1,t2": (toks[:, 0] * vocab + toks[:, 1], joint.sum((2, 3))),
+              "t2,t3": (toks[:, 1] * vocab + toks[:, 2], joint.sum((0, 3))),
+              "t3,t4": (toks[:, 2] * vocab + toks[:, 3], joint.sum((0, 1)))}
+    for name, (cells, law) in checks.items():
+        observed = np.bincount(cells, minlength=law.numel()).astype(float)
+        p = _chi2_pvalue(observed, law.flatten().numpy() * num)
+        assert p > 1e-3, (name, p)
+    # power: the same samples against the law a greedy-fallback bug would give are rejected
+    greedy2 = torch.nn.functional.one_hot(p2.argmax(-1), vocab).double()  # [t1, t2]
+    wrong = (p1[:, None] * (0.5 * p2 + 0.5 * greedy2)).flatten().numpy() * num
+    assert _chi2_pvalue(np.bincount(toks[:, 0] * vocab + toks[:, 1], minlength=vocab ** 2).astype(float), wrong) < 1e-6
+
+
+# ----------------------------------------------------------------------------------- hot reload
+def _assert_context_matches(engine, reqs, drafter):
+    """Each request's drafter context K/V (positions < num_tokens-1) == ``drafter``'s projection of the
+    target features of a fresh full forward over its committed tokens."""
+    fresh = drafter.new_context_cache(engine.runner.ctx.k.shape[1], engine.max_seq_len)
+    for r in reqs:
+        ids = torch.tensor([r.prompt_ids + r.output_ids])
+        n = ids.shape[1] - 1
+        with torch.no_grad():
+            feats = engine.target(ids[:, :-1], torch.arange(n)[None], capture_layer_ids=engine.layer_ids).features[0]
+        torch.testing.assert_close(torch.cat(r.feature_chunks), feats, rtol=1e-4, atol=1e-4)
+        drafter.append_context(fresh, torch.full((n,), r.slot), torch.arange(n), feats)
+        for got, want in ((engine.runner.ctx.k, fresh.k), (engine.runner.ctx.v, fresh.v)):
+            torch.testing.assert_close(got[:, r.slot, :n], want[:, r.slot, :n], rtol=1e-4, atol=1e-4)
+
+
+def test_hot_reload_mid_flight(tiny_target):
+    """load_drafter between steps: running requests keep going with the new weights (context rebuilt),
+    finish with the AR output, and record both versions."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in [4, 9, 30, 2, 15, 50]]
+    ref = [greedy_reference(tiny_target, p, 24) for p in prompts]
+    drafter, head = make_drafter(tiny_target, block_size=6, layers=2, policy="direct", seed=0)
+    engine = SpecEngine(tiny_target, drafter, head, max_batch_size=6, max_seq_len=128, record=True)
+    new_drafter, new_head = make_drafter(tiny_target, block_size=6, layers=2, policy="direct", seed=1)
+    new = dict(new_drafter.drafter_state_dict())
+    new.update({f"length_head.{k}": v for k, v in new_head.state_dict().items()})
+    assert tensors_sha256(new) != engine.drafter_sha256
+    reqs = [engine.add_request(p, SamplingParams(max_new_tokens=24)) for p in prompts]
+    for _ in range(3):
+        engine.step()
+    assert all(r.status == Status.RUNNING for r in reqs)
+    _assert_context_matches(engine, reqs, drafter)  # the incremental appends of version 0
+    sha = engine.load_drafter(new, version=1, sha256=tensors_sha256(new))
+    assert sha == engine.drafter_sha256 == tensors_sha256(new)
+    assert engine.drafter_version == 1 and engine.num_reloads == 1
+    for k, v in engine.drafter_tensors().items():
+        assert torch.equal(v, new[k])
+    _assert_context_matches(engine, reqs, new_drafter)  # rebuilt with the new weights
+    while engine.has_unfinished():
+        engine.step()
+    for r, out in zip(reqs, ref):
+        assert r.output_ids == out
+        assert r.step_versions[:3] == [0, 0, 0] and set(r.step_versions) == {0, 1}
+        assert r.step_versions == sorted(r.step_versions)
+        traj = engine.to_trajectory(r)
+        assert traj.drafter_version == 0 and list(traj.step_versions) == r.step_versions
+
+
+# ----------------------------------------------------------------------------------- trajectories
+def test_trajectory_record(monkeypatch, tiny_target):
+    """record=True: features / last_hidden rows = num_tokens - 1, equal to a fresh full forward at those
+    positions (bf16 in the record, float32 in the request), one per-step entry per verify step."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in [6, 21, 3, 40]]
+    reference = tiny_reference(tiny_target, prompts, 30)
+    correct = dict(zip(map(tuple, prompts), [10 ** 9, 3, 0, 6]))
+    stop = reference[tuple(prompts[1])][21 + 12]
+    budgets = [30, 30, 7, 13]  # request 1 may stop early at `stop`
+    drafter, head = make_drafter(tiny_target, block_size=8, policy="direct")
+    engine = SpecEngine(tiny_target, drafter, head, max_batch_size=4, max_seq_len=64, record=True, drafter_version=4)
+    Oracle(monkeypatch, engine, reference, num_correct=lambda req: correct[tuple(req.prompt_ids)])
+    calls = []
+    step = engine.runner.step
+
+    def counting_step(slots, *args, **kwargs):
+        calls.append(len(slots))
+        return step(slots, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "step", counting_step)
+    reqs = [engine.add_request(p, SamplingParams(max_new_tokens=n, stop_token_ids=[stop] if i == 1 else []))
+            for i, (p, n) in enumerate(zip(prompts, budgets))]
+    while engine.has_unfinished():
+        engine.step()
+    assert sum(len(r.draft_lens) for r in reqs) == sum(calls) == engine.stats.num_verify_steps
+    layer_ids = engine.layer_ids
+    assert layer_ids == [1, 2]
+    for r in reqs:
+        traj = engine.to_trajectory(r)
+        t = r.num_tokens
+        assert traj.token_ids.tolist() == r.prompt_ids + r.output_ids and traj.prompt_len == len(r.prompt_ids)
+        assert traj.features.shape == (t - 1, 64) and traj.last_hidden.shape == (t - 1, 32)
+        assert traj.features.dtype == traj.last_hidden.dtype == torch.bfloat16
+        with torch.no_grad():
+            full = tiny_target(traj.token_ids[None, :-1], torch.arange(t - 1)[None], capture_layer_ids=layer_ids)
+        raw = torch.cat(r.feature_chunks)
+        torch.testing.assert_close(raw, full.features[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(torch.cat(r.hidden_chunks), full.last_hidden[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(traj.features.float(), full.features[0], rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(traj.last_hidden.float(), full.last_hidden[0], rtol=1e-2, atol=1e-2)
+        # teacher logits recomputed from last_hidden predict the committed tokens (greedy)
+        with torch.no_grad():
+            teacher = tiny_target.lm_head(torch.cat(r.hidden_chunks)).argmax(-1)  # [t-1]
+        assert teacher[len(r.prompt_ids) - 1:].tolist() == r.output_ids
+        n = len(r.draft_lens)
+        assert len(traj.draft_lens) == len(traj.num_accepted) == len(traj.step_versions) == n
+        assert traj.draft_lens.dtype == np.int16 and list(traj.step_versions) == [4] * n
+        assert traj.drafter_version == 4
+        committed = 1 + sum(a + 1 for a in r.num_accepted)  # prefill token + a+1 per step
+        if n:
+            assert committed - (r.num_accepted[-1] + 1) < len(r.output_ids) <= committed
+        else:
+            assert len(r.output_ids) == 1
+    assert reqs[1].finish_reason == "stop" and reqs[1].output_ids[-1] == stop
+    assert reqs[2].num_accepted and set(reqs[2].num_accepted) == {0}
+
+
+# ----------------------------------------------------------------------------------- bad input
+def test_bad_input(tiny_target):
+    drafter, head = make_drafter(tiny_target, block_size=4)
+    engine = SpecEngine(tiny_target, drafter, head, max_batch_size=2, max_seq_len=32)
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.add_request([])
+    with pytest.raises(ValueError, match=r"\[0, 128\)"):
+        engine.add_request([1, 128])
+    with pytest.raises(ValueError, match=r"\[0, 128\)"):
+        engine.add_request([-1, 5])
+    with pytest.raises(ValueError, match="exceeds max_seq_len 32"):
+        engine.add_request(list(range(20)), SamplingParams(max_new_tokens=10))  # 20 + 10 + 4 > 32
+    engine.add_request(list(range(18)), SamplingParams(max_new_tokens=10))  # 32 fits
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        engine.add_request([1], SamplingParams(max_new_tokens=0))
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        engine.add_request([1], SamplingParams(temperature=-0.5))
+    with pytest.raises(ValueError, match="unknown length policy 'adaptive'"):
+        SpecEngine(tiny_target, drafter, head, policy="adaptive")
+    with pytest.raises(ValueError, match="needs a length head"):
+        SpecEngine(tiny_target, drafter, None, policy="direct")
+    assert engine.scheduler.num_unfinished == 1
