@@ -12,6 +12,7 @@ Metrics are returned to the driver as flat dicts by :meth:`pop_metrics`.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import threading
 import time
@@ -73,14 +74,30 @@ class DistillTrainer:
         num_versions = num_versions or dc.num_versions
         cfg_dict = self.core.drafter_model_config().as_dict()
         t_start = time.time()
+        pool: list[list] = []  # [trajectory, version, uses]: recent on-policy data for reuse
+        rng = random.Random(self.cfg.seed + self.rank)
         while self.version < num_versions and not self._stop:
-            items = ray.get(buffer.get_batch.remote(dc.batch_size, 60.0))
-            if not items:
+            pool = [p for p in pool if p[2] < dc.max_reuse and self.version - p[1] <= dc.max_version_lag]
+            reusable = len(pool) >= dc.batch_size
+            items = ray.get(buffer.get_batch.remote(dc.batch_size, 0.2 if reusable else 60.0))
+            fresh = ray.get([it[0] for it in items]) if items else []
+            pool.extend([t, it[1], 0] for t, it in zip(fresh, items))
+            if len(pool) < dc.batch_size and not fresh:
                 continue
-            trajs = ray.get([it[0] for it in items])
+            chosen = pool[-len(fresh):] if fresh else []
+            others = pool[:len(pool) - len(fresh)]
+            chosen += rng.sample(others, min(len(others), dc.batch_size - len(chosen)))
+            for p in chosen:
+                p[2] += 1
+            trajs = [p[0] for p in chosen]
+            items = [[None, p[1]] for p in chosen]
+            del fresh
+            if len(pool) > 4 * dc.batch_size * dc.max_reuse:
+                pool = pool[-4 * dc.batch_size * dc.max_reuse:]
             m = self.core.train_step(trajs)
             m["train/version_lag"] = sum(self.version - it[1] for it in items) / len(items)
             m["train/version"] = float(self.version)
+            m["train/num_fresh"] = float(sum(1 for p in chosen if p[2] == 1))
             step = self.core.global_step
             self._g_loss.set(m.get("train/loss", 0.0))
             if step % dc.publish_every == 0:  # every rank counts versions; rank 0 publishes

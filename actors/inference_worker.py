@@ -53,6 +53,7 @@ class InferenceWorker:
         self._swap: list = []  # (version, tensors, sha256, config, pending)
         self._waiters: dict[str, tuple] = {}
         self._stop = False
+        self._dead: Exception | None = None
         self._num_traj = 0
         self._num_traj_tokens = 0
         self._window = {"steps": 0, "a": 0, "gamma": 0, "tokens": 0, "t0": time.perf_counter()}
@@ -101,11 +102,17 @@ class InferenceWorker:
                       eng.stats.num_generated)
             try:
                 finished = eng.step("spec")
-            except Exception as e:  # a broken step fails the requests in it, not the worker
-                for rid, (req, _, pending) in list(self._waiters.items()):
-                    pending.error = RuntimeError(f"engine step failed: {e!r}")
+            except Exception as e:  # fail every waiting request loudly instead of hanging them
+                self._dead = RuntimeError(f"worker {self.index}: engine step failed: {e!r}")
+                with self._wake:
+                    queued, self._new = self._new, []
+                for _, _, _, pending in queued:
+                    pending.error = self._dead
                     pending.event.set()
-                raise
+                for _, (_, _, pending) in list(self._waiters.items()):
+                    pending.error = self._dead
+                    pending.event.set()
+                return
             w = self._window
             w["steps"] += eng.stats.num_verify_steps - before[0]
             w["a"] += eng.stats.num_accepted - before[1]
@@ -130,6 +137,8 @@ class InferenceWorker:
                 pending.event.set()
 
     def _enqueue(self, items) -> list[_Pending]:
+        if self._dead is not None:
+            raise self._dead
         pend = [_Pending() for _ in items]
         with self._wake:
             self._new.extend((p, params, rec, pe) for (p, params, rec), pe in zip(items, pend))
@@ -199,6 +208,13 @@ class InferenceWorker:
             self._g_tau.set(out["spec/accept_len"])
         self._window = {"steps": 0, "a": 0, "gamma": 0, "tokens": 0, "t0": now}
         return out
+
+    def current_tensors(self) -> dict:
+        """CPU copies of the loaded drafter (+ length head) tensors, checkpoint names."""
+        return {k: v.detach().cpu().clone() for k, v in self.engine.drafter_tensors().items()}
+
+    def drafter_config(self) -> dict:
+        return self.engine.drafter.config.as_dict()
 
     def draft_len_histogram(self) -> dict[int, int]:
         return dict(self.engine.stats.draft_len_hist)

@@ -101,6 +101,9 @@ class DrafterConfig(_Section):
     intermediate_size: int | None = Field(None, ge=1)  # None = the target's
     init_path: str | None = None  # DFlash checkpoint dir to start from
     mask_token_id: int | None = Field(None, ge=0)  # None = learned mask embedding
+    # random init only: copy the target's top decoder layers into the drafter layers and the target's
+    # final norm into the drafter's (a warm start for the shared lm_head; ignored with init_path)
+    init_from_target: bool = True
 
     @model_validator(mode="after")
     def _check_layer_ids(self) -> DrafterConfig:
@@ -161,17 +164,20 @@ class DistillConfig(_Section):
     rkl_clip: float = Field(10.0, gt=0)
     rkl_clip_mode: Literal["per_token", "reference"] = "per_token"
     length_loss_weight: float = Field(1.0, ge=0)
-    lr: float = Field(3e-4, gt=0)
-    head_lr: float = Field(2e-4, gt=0)
+    lr: float = Field(3e-3, gt=0)
+    head_lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, ge=0)  # 0 = off
     warmup_steps: int = Field(0, ge=0)
-    batch_size: int = Field(8, ge=1)  # trajectories per optimizer step
+    batch_size: int = Field(2, ge=1)  # trajectories per optimizer step
     zero_stage: int = Field(0, ge=0, le=3)
-    publish_every: int = Field(10, ge=1)  # optimizer steps per drafter version
+    publish_every: int = Field(60, ge=1)  # optimizer steps per drafter version
     max_version_lag: int = Field(2, ge=0)  # 0 = synchronous
     num_versions: int = Field(4, ge=1)  # the run stops after this many publications
     loss_chunk_size: int = Field(1024, ge=1)  # positions per vocab-softmax chunk
+    # times one trajectory may feed an optimizer step (fresh anchors each time); > 1 lets a trainer
+    # that outpaces inference keep stepping on recent on-policy data (still within max_version_lag)
+    max_reuse: int = Field(4, ge=1)
 
 
 class BufferConfig(_Section):

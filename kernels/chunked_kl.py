@@ -62,7 +62,8 @@ def chunked_kl_terms(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
 
     With autograd enabled and ``student_hidden.requires_grad``, each chunk runs under non-reentrant
     activation checkpointing: the forward keeps only the chunk's inputs, the backward recomputes
-    its logits. Peak extra memory is O(chunk_size · V) instead of O(M · V).
+    its logits. Peak extra memory is O(chunk_size · V) instead of O(M · V). With a single chunk
+    (M <= chunk_size) nothing is recomputed.
 
     Raises:
         ValueError: mismatched shapes, ``chunk_size < 1`` or ``temperature <= 0``.
@@ -78,7 +79,9 @@ def chunked_kl_terms(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
         raise ValueError(f"temperature must be > 0, got {temperature}")
     num_rows = student_hidden.shape[0]
     teacher_hidden = teacher_hidden.detach()
-    use_ckpt = torch.is_grad_enabled() and student_hidden.requires_grad
+    # a single chunk gains nothing from recomputation (its logits are the peak either way): skip it,
+    # saving two of the five [c, V] matmuls per step
+    use_ckpt = torch.is_grad_enabled() and student_hidden.requires_grad and num_rows > chunk_size
     parts = []
     for s in range(0, num_rows, chunk_size):
         hs, ht = student_hidden[s:s + chunk_size], teacher_hidden[s:s + chunk_size]

@@ -95,6 +95,8 @@ class DrafterModelConfig:
     def from_hf_dict(cls, d: dict) -> "DrafterModelConfig":
         """Parse a DFlash ``config.json``. Raises ValueError naming a missing field."""
         dc = d.get("dflash_config", {})
+        if dc.get("block_size", d.get("block_size")) is None:
+            raise ValueError("DFlash config.json has no block_size (neither dflash_config.block_size nor block_size)")
         try:
             n_heads = d["num_attention_heads"]
             rope = d.get("rope_parameters") or {}

@@ -42,10 +42,13 @@ def build_drafter(target: TargetModel, drafter_cfg, head_cfg, seed: int = 0,
     dtype, device = target.lm_head.weight.dtype, target.lm_head.weight.device
     drafter = DFlashDrafter(cfg).attach_target(target.model.embed_tokens, target.lm_head)
     drafter.init_weights(seed)
+    if tensors is None and getattr(drafter_cfg, "init_from_target", False):
+        init_from_target(drafter, target)
     head = None
     if head_cfg.policy == "direct":
         torch.manual_seed(seed + 1)
         head = DirectLengthHead(cfg.hidden_size, head_cfg.hidden_size)
+        head.init_prior(cfg.block_size, getattr(head_cfg, "lookahead", 1))
     if tensors is not None:
         own = {k: v for k, v in tensors.items() if not k.startswith("length_head.")}
         check_tensors_fit(drafter.drafter_state_dict(), own, f"drafter checkpoint {init_path}")
@@ -58,3 +61,21 @@ def build_drafter(target: TargetModel, drafter_cfg, head_cfg, seed: int = 0,
     if head is not None:
         head.to(device=device, dtype=dtype)
     return drafter, head
+
+
+@torch.no_grad()
+def init_from_target(drafter: DFlashDrafter, target: TargetModel) -> None:
+    """Warm start: drafter layer i <- target layer ``L - n + i`` (the top n layers; tensors of equal
+    shape only: norms, q/k/v/o, MLP) and drafter ``norm`` <- the target's final norm, so the drafter's
+    output lands in the space the shared ``lm_head`` expects. ``fc``, ``hidden_norm`` and the mask
+    embedding keep their fresh init, so version 0 still proposes near-random drafts (τ ≈ 1).
+    Speeds up the first minutes of distillation on small budgets (the CPU recipes)."""
+    n = len(drafter.layers)
+    src_layers = target.model.layers[len(target.model.layers) - n:]
+    for dst, src in zip(drafter.layers, src_layers):
+        src_params = dict(src.named_parameters())
+        for name, p in dst.named_parameters():
+            sp = src_params.get(name)
+            if sp is not None and sp.shape == p.shape:
+                p.copy_(sp.to(p.dtype))
+    drafter.norm.weight.copy_(target.model.norm.weight.to(drafter.norm.weight.dtype))

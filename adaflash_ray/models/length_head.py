@@ -24,6 +24,15 @@ class DirectLengthHead(nn.Module):
         self.res = nn.Linear(inner, inner)
         self.out = nn.Linear(inner, 1)
 
+    @torch.no_grad()
+    def init_prior(self, block_size: int, lookahead: int = 1) -> None:
+        """Start from the prior of a fresh drafter (a = 0 accepted): zero output weights and the
+        output bias at logit((0 + lookahead) / block_size), so version 0 drafts γ = min_len instead of
+        spending ~60% of the block on drafts that will be rejected. Training moves it from there."""
+        r = min(max((0 + lookahead) / block_size, 1e-3), 1 - 1e-3)
+        self.out.weight.zero_()
+        self.out.bias.fill_(float(torch.logit(torch.tensor(r))))
+
     def forward(self, block_hidden: torch.Tensor) -> torch.Tensor:
         """``block_hidden`` ``[..., block_size, H]`` -> ratio r ``[...]`` in (0, 1), float32."""
         h = block_hidden.to(self.inp.weight.dtype)

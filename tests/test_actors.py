@@ -1,0 +1,159 @@
+"""Ray actors on a local Ray bound to 127.0.0.1: TrajectoryBuffer capacity / staleness counts,
+WeightRegistry pushes to every InferenceWorker (version + checksum), hot reload while requests are
+in flight (all complete with the target's greedy output), refusal of a mismatched drafter, and the
+Parquet spill round trip."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from adaflash_ray.config import load_recipe  # noqa: E402
+from adaflash_ray.models import tensors_sha256  # noqa: E402
+from adaflash_ray.trajectory import Trajectory  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray.init(num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _traj(i: int, version: int, n: int = 12) -> Trajectory:
+    return Trajectory(request_id=f"t{i}", token_ids=torch.arange(n), prompt_len=4,
+                      features=torch.randn(n - 1, 6).to(torch.bfloat16), last_hidden=torch.randn(n - 1, 3).to(torch.bfloat16),
+                      drafter_version=version, draft_lens=np.array([3, 3], np.int16),
+                      num_accepted=np.array([1, 2], np.int16), step_versions=np.array([version, version], np.int32))
+
+
+def test_buffer_capacity_and_staleness(ray_local):
+    from actors import TrajectoryBuffer
+
+    buf = TrajectoryBuffer.remote(capacity=3, max_version_lag=1)
+    for i in range(5):  # 5 into capacity 3: the 2 oldest are evicted
+        ray.get(buf.add.remote([ray.put(_traj(i, 0))], 0, 8))
+    s = ray.get(buf.stats.remote())
+    assert s["buffer/depth"] == 3 and s["buffer/dropped_capacity"] == 2 and s["buffer/added"] == 5
+    ray.get(buf.set_version.remote(1))  # lag 1 allowed: nothing dropped yet
+    assert ray.get(buf.stats.remote())["buffer/depth"] == 3
+    ray.get(buf.set_version.remote(2))  # lag 2 > 1: all three version-0 entries go
+    s = ray.get(buf.stats.remote())
+    assert s["buffer/depth"] == 0 and s["buffer/dropped_stale"] == 3
+    ray.get(buf.add.remote([ray.put(_traj(9, 0))], 0, 8))  # arrives already stale
+    ray.get(buf.add.remote([ray.put(_traj(10, 2))], 2, 8))
+    s = ray.get(buf.stats.remote())
+    assert s["buffer/dropped_stale"] == 4 and s["buffer/depth"] == 1
+    items = ray.get(buf.get_batch.remote(4, 0.5))  # times out with what it has
+    assert len(items) == 1 and items[0][1] == 2
+    assert ray.get(items[0][0]).request_id == "t10"
+    assert ray.get(buf.stats.remote())["buffer/consumed"] == 1
+
+
+def test_buffer_spills_instead_of_dropping(ray_local, tmp_path):
+    from actors import TrajectoryBuffer
+    from adaflash_ray.distill.spill import read_parquet
+
+    buf = TrajectoryBuffer.remote(capacity=1, max_version_lag=5, spill_dir=str(tmp_path))
+    originals = [_traj(i, 0) for i in range(3)]
+    for t in originals:
+        ray.get(buf.add.remote([ray.put(t)], 0, 8))
+    s = ray.get(buf.stats.remote())
+    assert s["buffer/spilled"] == 2 and s["buffer/dropped_capacity"] == 0
+    back = {p.name.split("-v")[0]: read_parquet(p) for p in tmp_path.glob("*.parquet")}
+    assert set(back) == {"t0", "t1"}
+    for t in originals[:2]:
+        r = back[t.request_id]
+        assert torch.equal(r.token_ids, t.token_ids) and torch.equal(r.features, t.features)
+        assert torch.equal(r.last_hidden, t.last_hidden) and r.num_accepted.tolist() == [1, 2]
+
+
+@pytest.fixture(scope="module")
+def tiny_cfg():
+    return load_recipe("recipes/cpu_tiny.yaml", ["engine.max_batch_size=4"])
+
+
+@pytest.fixture(scope="module")
+def workers(ray_local, tiny_cfg):
+    from actors import InferenceWorker, WeightRegistry
+
+    reg = WeightRegistry.remote()
+    ws = [InferenceWorker.remote(tiny_cfg.model_dump(), i, None) for i in range(2)]
+    ray.get([reg.subscribe.remote(f"w{i}", w) for i, w in enumerate(ws)])
+    return reg, ws
+
+
+def _perturbed(worker, seed: int) -> dict[str, torch.Tensor]:
+    base = ray.get(worker.current_tensors.remote())
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()}
+
+
+def test_registry_pushes_version_and_checksum_to_every_worker(workers):
+    reg, ws = workers
+    v0 = ray.get([w.loaded_version.remote() for w in ws])
+    assert v0[0]["sha256"] == v0[1]["sha256"] and v0[0]["version"] == 0  # same seed -> same init
+    tensors = _perturbed(ws[0], 1)
+    sha = tensors_sha256(tensors)
+    reports = ray.get(reg.publish.remote(1, 0, 10, [ray.put(tensors)], sha, None))
+    assert sorted(r["worker"] for r in reports) == [0, 1]
+    assert all(r["version"] == 1 and r["sha256"] == sha for r in reports)
+    loaded = ray.get([w.loaded_version.remote() for w in ws])
+    assert all(lv == {"worker": i, "version": 1, "sha256": sha} for i, lv in enumerate(loaded))
+    assert ray.get(reg.latest_meta.remote())["version"] == 1
+    with pytest.raises(ray.exceptions.RayTaskError, match="not newer"):
+        ray.get(reg.publish.remote(1, 0, 10, [ray.put(tensors)], sha, None))
+
+
+def test_hot_reload_with_requests_in_flight(workers, real_target, chat_prompts):
+    from tests.conftest import greedy_reference
+
+    _, ws = workers
+    w = ws[0]
+    start = ray.get(w.loaded_version.remote())["version"]
+    prompts = chat_prompts[:4]
+    pending = w.generate.remote(prompts, 24, 0.0, False, True)  # ignore_eos: every request runs 24 tokens
+    for k in range(3):  # three swaps while those requests decode
+        tensors = _perturbed(w, 10 + k)
+        rep = ray.get(w.load_drafter.remote(start + 1 + k, tensors, tensors_sha256(tensors)))
+        assert rep["version"] == start + 1 + k
+    results = ray.get(pending)
+    assert len(results) == 4
+    seen_versions = set()
+    for prompt, res in zip(prompts, results):
+        assert res["output_ids"] == greedy_reference(real_target, prompt, 24)
+        seen_versions.update(res["step_versions"])
+    assert len(seen_versions) >= 2, f"requests did not span a reload: {seen_versions}"
+    assert ray.get(w.loaded_version.remote())["version"] == start + 3
+
+
+def test_mismatched_drafter_is_refused_and_old_one_stays(workers, chat_prompts):
+    from adaflash_ray.models import DrafterModelConfig
+
+    _, ws = workers
+    w = ws[1]
+    before = ray.get(w.loaded_version.remote())
+    tensors = ray.get(w.current_tensors.remote())
+    cfg = ray.get(w.drafter_config.remote())
+    bad_vocab = DrafterModelConfig(**{**cfg, "vocab_size": cfg["vocab_size"] + 1}).as_dict()
+    with pytest.raises(ray.exceptions.RayTaskError, match="vocab_size"):
+        ray.get(w.load_drafter.remote(before["version"] + 1, tensors, None, bad_vocab))
+    bad_width = {**tensors, "fc.weight": tensors["fc.weight"][:, :-8]}
+    with pytest.raises(ray.exceptions.RayTaskError, match="fc.weight"):
+        ray.get(w.load_drafter.remote(before["version"] + 1, bad_width))
+    assert ray.get(w.loaded_version.remote()) == before
+    out = ray.get(w.generate.remote(chat_prompts[:1], 8))
+    assert len(out[0]["output_ids"]) >= 1
+
+
+def test_bad_request_gets_a_clear_error(workers):
+    _, ws = workers
+    with pytest.raises(ray.exceptions.RayTaskError, match="max_seq_len"):
+        ray.get(ws[0].generate.remote([[1] * 1000], 32))
+    with pytest.raises(ray.exceptions.RayTaskError, match="empty prompt"):
+        ray.get(ws[0].generate.remote([[]], 8))
