@@ -32,9 +32,10 @@ class _Pending:
 
 @ray.remote(max_concurrency=16)
 class InferenceWorker:
-    """Args: cfg (RunConfig or its dict), worker_index, buffer (TrajectoryBuffer handle or None)."""
+    """Args: cfg (RunConfig or its dict), worker_index, buffer (TrajectoryBuffer handle or None),
+    registry (WeightRegistry handle or None: a (re)started worker loads its latest version)."""
 
-    def __init__(self, cfg: RunConfig | dict, worker_index: int = 0, buffer=None):
+    def __init__(self, cfg: RunConfig | dict, worker_index: int = 0, buffer=None, registry=None):
         cfg = cfg if isinstance(cfg, RunConfig) else RunConfig.model_validate(cfg)
         self.cfg, self.index, self.buffer = cfg, worker_index, buffer
         torch.set_num_threads(cfg.engine.num_threads)
@@ -67,6 +68,12 @@ class InferenceWorker:
         for m in (self._g_version, self._g_tau, self._h_gamma, self._c_tokens):
             m.set_default_tags(tags)
         self._g_version.set(0)
+        if registry is not None:  # a restarted worker catches up with the latest published version
+            meta = ray.get(registry.latest_meta.remote())
+            if meta is not None:
+                tensors = ray.get(ray.get(registry.get.remote(meta["version"]))[0])
+                self.engine.load_drafter(tensors, meta["version"], meta["sha256"])
+                self._g_version.set(meta["version"])
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 

@@ -95,7 +95,7 @@ class DrafterConfig(_Section):
     """The DFlash block-diffusion drafter (ALGORITHMS.md §1)."""
 
     num_hidden_layers: int = Field(1, ge=1)
-    block_size: int = Field(16, ge=2, le=64)  # 1 anchor + (block_size-1) mask positions
+    block_size: int = Field(4, ge=2, le=64)  # 1 anchor + (block_size-1) mask positions
     num_target_layers: int = Field(5, ge=1)  # K conditioning layers of the target
     target_layer_ids: list[int] | None = None  # None = default_target_layer_ids(L, K)
     intermediate_size: int | None = Field(None, ge=1)  # None = the target's
@@ -158,7 +158,7 @@ class DistillConfig(_Section):
     """On-policy distillation of the drafter (ALGORITHMS.md §3)."""
 
     features: Literal["captured", "recompute"] = "captured"
-    num_anchors: int = Field(16, ge=1)  # random anchors per sequence
+    num_anchors: int = Field(48, ge=1)  # random anchors per sequence
     alpha: float = Field(0.8, ge=0, le=1)  # weight of CE vs reverse KL
     temperature: float = Field(1.0, gt=0)
     rkl_clip: float = Field(10.0, gt=0)
@@ -171,13 +171,13 @@ class DistillConfig(_Section):
     warmup_steps: int = Field(0, ge=0)
     batch_size: int = Field(2, ge=1)  # trajectories per optimizer step
     zero_stage: int = Field(0, ge=0, le=3)
-    publish_every: int = Field(60, ge=1)  # optimizer steps per drafter version
+    publish_every: int = Field(75, ge=1)  # optimizer steps per drafter version
     max_version_lag: int = Field(2, ge=0)  # 0 = synchronous
     num_versions: int = Field(4, ge=1)  # the run stops after this many publications
     loss_chunk_size: int = Field(1024, ge=1)  # positions per vocab-softmax chunk
     # times one trajectory may feed an optimizer step (fresh anchors each time); > 1 lets a trainer
     # that outpaces inference keep stepping on recent on-policy data (still within max_version_lag)
-    max_reuse: int = Field(4, ge=1)
+    max_reuse: int = Field(6, ge=1)
 
 
 class BufferConfig(_Section):

@@ -73,6 +73,28 @@ def _eval_tau(results: list[dict]) -> tuple[float, float, dict]:
     return tau, waste, dict(sorted(hist.items()))
 
 
+def _poll(refs: list, default):
+    """ray.get each ref; a worker that died (and is being restarted by Ray) yields ``default``."""
+    out = []
+    for r in refs:
+        try:
+            out.append(ray.get(r, timeout=120))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            out.append(default)
+    return out
+
+
+def _raise_if_trainer_died(done: list, run_dir: Path, shas: dict) -> None:
+    """A trainer that dies ends the run with a clear error; every published version is already saved."""
+    for ref in done:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayError as e:
+            raise RuntimeError(f"a DistillTrainer died mid-run ({type(e).__name__}: {str(e)[:300]}); versions "
+                               f"{sorted(shas)} are saved under {run_dir / 'checkpoints'}, metrics in "
+                               f"{run_dir / 'metrics.jsonl'}") from e
+
+
 def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
     """Run the whole job for a validated config; returns the summary dict (also printed)."""
     t_start = time.time()
@@ -113,10 +135,11 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
     try:
         buffer = TrajectoryBuffer.remote(cfg.buffer.capacity, cfg.distill.max_version_lag, cfg.buffer.spill_dir)
         registry = WeightRegistry.remote()
-        workers = [InferenceWorker.options(
-            num_cpus=pl.cpus_per_inference_worker, num_gpus=pl.gpus_per_inference_worker,
+        workers = [InferenceWorker.options(  # restarted by Ray if it dies; it reloads the latest version
+            num_cpus=pl.cpus_per_inference_worker, num_gpus=pl.gpus_per_inference_worker, max_restarts=3,
+            max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg_inf, placement_group_bundle_index=i),
-        ).remote(cfg_dict, i, buffer) for i in range(pl.num_inference_workers)]
+        ).remote(cfg_dict, i, buffer, registry) for i in range(pl.num_inference_workers)]
         trainers = [DistillTrainer.options(
             num_cpus=pl.cpus_per_trainer, num_gpus=pl.gpus_per_trainer,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg_train, placement_group_bundle_index=r),
@@ -145,7 +168,7 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
         with progress:
             task = progress.add_task("starting", total=cfg.distill.num_versions)
             while True:
-                depths = ray.get([w.queue_depth.remote() for w in workers])
+                depths = _poll([w.queue_depth.remote() for w in workers], low_water)
                 for w, d in zip(workers, depths):  # keep every worker busy with on-policy traffic
                     if d < low_water:
                         batch = [train[(next_prompt + j) % len(train)] for j in range(low_water - d)]
@@ -153,10 +176,14 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
                         fed += len(batch)
                         w.submit.remote(batch, cfg.engine.max_new_tokens, cfg.engine.temperature)
                 done, _ = ray.wait(runs, num_returns=len(runs), timeout=2.0)
-                wstats = ray.get([w.stats.remote() for w in workers])
+                _raise_if_trainer_died(done, run_dir, shas)
+                wstats = _poll([w.stats.remote() for w in workers], None)
                 bstats = ray.get(buffer.stats.remote())
                 tmetrics = ray.get(trainers[0].pop_metrics.remote())
                 for i, s in enumerate(wstats):
+                    if s is None:  # worker restarting (Ray restarts it; it reloads the latest version)
+                        sink.log({"worker/unavailable": 1.0, "worker": i}, kind="inference")
+                        continue
                     if s["spec/accept_len"] > 0:
                         serve_tau.setdefault(int(s["spec/drafter_version"]), []).append(s["spec/accept_len"])
                     sink.log({**s, "worker": i}, kind="inference")
@@ -178,7 +205,8 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
                 last_loss = tmetrics[-1]["train/loss"] if tmetrics else None
                 progress.update(task, completed=last_version, description=(
                     f"step {step} loss {last_loss if last_loss is None else round(last_loss, 3)} "
-                    f"serve τ {wstats[0]['spec/accept_len']:.2f} γ̄ {wstats[0]['spec/mean_draft_len']:.1f} "
+                    f"serve τ {(wstats[0] or {}).get('spec/accept_len', 0):.2f} "
+                    f"γ̄ {(wstats[0] or {}).get('spec/mean_draft_len', 0):.1f} "
                     f"buffer {int(bstats['buffer/depth'])} stale-drops {int(bstats['buffer/dropped_stale'])}"))
                 if len(done) == len(runs):
                     break
@@ -246,7 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    summary = run(cfg, ns.run_dir)
+    try:
+        summary = run(cfg, ns.run_dir)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(json.dumps(summary))
     return 0
 

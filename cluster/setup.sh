@@ -22,7 +22,7 @@ echo "[setup] repo root: $ROOT"
 # 1. torch first, pinned. On these CPU machines torch==2.13.0 is already installed as the CPU wheel
 #    (2.13.0+cpu satisfies ==2.13.0), so this is a no-op. An unpinned torch (or letting step 2 resolve
 #    pyproject's `torch>=2.4`) would pull the default PyPI Linux build: multi-GB CUDA wheels. On a fresh CPU-only
-#    machine, point pip at the CPU wheels first: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+#    machine, point pip at a CPU-only torch wheel first (see the README).
 $PIP install "torch==${TORCH_VERSION}"
 
 # 2. the project itself, editable, with the test extras (pytest, requests).

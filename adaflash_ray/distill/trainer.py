@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import tempfile
 import time
 
 import torch
@@ -213,6 +214,13 @@ class DistillTrainerCore:
                                  f"trainer wants {(self.rank, self.world_size)}")
         if not cuda:
             _disable_cpu_shm_comm()  # also when torch.distributed was initialised by someone else
+        if not torch.distributed.is_initialized() and not cuda and _is_loopback(os.environ["MASTER_ADDR"]):
+            # one-node CPU group: rendezvous through a file instead of a TCPStore, which would listen on
+            # every interface; gloo's own sockets stay on loopback
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            path = os.path.join(tempfile.gettempdir(), f"adaflash_pg_{os.environ['MASTER_PORT']}")
+            torch.distributed.init_process_group("gloo", init_method=f"file://{path}", rank=self.rank,
+                                                 world_size=self.world_size)
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
 
     # ------------------------------------------------------------------ training
@@ -285,6 +293,10 @@ class DistillTrainerCore:
     def drafter_model_config(self) -> DrafterModelConfig:
         """The drafter's architecture (for the checkpoint ``config.json`` / ``load_drafter``)."""
         return self.drafter.config
+
+
+def _is_loopback(addr: str) -> bool:
+    return addr in ("localhost", "::1") or addr.startswith("127.")
 
 
 def _disable_cpu_shm_comm() -> None:
