@@ -88,14 +88,6 @@ class InferenceWorker:
                     return
                 new, self._new = self._new, []
                 swaps, self._swap = self._swap, []
-            for version, tensors, sha, config, pending in swaps:  # between steps, never inside one
-                try:
-                    pending.result = {"version": version, "sha256": eng.load_drafter(tensors, version, sha, config),
-                                      "worker": self.index}
-                    self._g_version.set(version)
-                except Exception as e:  # refused: old drafter stays loaded
-                    pending.error = e
-                pending.event.set()
             for prompt_ids, params, record, pending in new:
                 try:
                     req = eng.add_request(prompt_ids, params)
@@ -103,6 +95,18 @@ class InferenceWorker:
                 except ValueError as e:
                     pending.error = e
                     pending.event.set()
+            for version, tensors, sha, config, pending in swaps:  # between steps, never inside one
+                if version == "cancel":
+                    pending.result = self._cancel_recorded_now()
+                    pending.event.set()
+                    continue
+                try:
+                    pending.result = {"version": version, "sha256": eng.load_drafter(tensors, version, sha, config),
+                                      "worker": self.index}
+                    self._g_version.set(version)
+                except Exception as e:  # refused: old drafter stays loaded
+                    pending.error = e
+                pending.event.set()
             if not eng.has_unfinished():
                 continue
             before = (eng.stats.num_verify_steps, eng.stats.num_accepted, eng.stats.num_drafted,
@@ -189,6 +193,31 @@ class InferenceWorker:
         if pe.error is not None:
             raise CheckpointError(str(pe.error)) if not isinstance(pe.error, CheckpointError) else pe.error
         return pe.result
+
+    def cancel_recorded(self, timeout_s: float = 300.0) -> int:
+        """Drop queued (not yet decoding) on-policy data requests, e.g. once training has ended;
+        requests already decoding finish normally. Applied by the engine thread between steps.
+        Returns how many were dropped."""
+        pe = _Pending()
+        with self._wake:
+            self._swap.append(("cancel", None, None, None, pe))
+            self._wake.notify()
+        pe.event.wait(timeout_s)
+        return pe.result or 0
+
+    def _cancel_recorded_now(self) -> int:  # engine thread only
+        cancelled = RuntimeError("cancelled: training ended")
+        with self._wake:
+            drop = [it for it in self._new if it[2]]
+            self._new = [it for it in self._new if not it[2]]
+        waiting = [r for r in self.engine.scheduler.waiting if self._waiters[r.request_id][1]]
+        for r in waiting:
+            self.engine.scheduler.waiting.remove(r)
+            drop.append((None, None, None, self._waiters.pop(r.request_id)[2]))
+        for *_, pending in drop:
+            pending.error = cancelled
+            pending.event.set()
+        return len(drop)
 
     def loaded_version(self) -> dict:
         return {"worker": self.index, "version": self.engine.drafter_version, "sha256": self.engine.drafter_sha256}

@@ -171,9 +171,9 @@ class DistillConfig(_Section):
     warmup_steps: int = Field(0, ge=0)
     batch_size: int = Field(2, ge=1)  # trajectories per optimizer step
     zero_stage: int = Field(0, ge=0, le=3)
-    publish_every: int = Field(75, ge=1)  # optimizer steps per drafter version
+    publish_every: int = Field(90, ge=1)  # optimizer steps per drafter version
     max_version_lag: int = Field(2, ge=0)  # 0 = synchronous
-    num_versions: int = Field(4, ge=1)  # the run stops after this many publications
+    num_versions: int = Field(5, ge=1)  # the run stops after this many publications
     loss_chunk_size: int = Field(1024, ge=1)  # positions per vocab-softmax chunk
     # times one trajectory may feed an optimizer step (fresh anchors each time); > 1 lets a trainer
     # that outpaces inference keep stepping on recent on-policy data (still within max_version_lag)

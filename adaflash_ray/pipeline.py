@@ -212,6 +212,7 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
                     break
             train_summary = ray.get(runs)
         final_version = max(r["final_version"] for r in train_summary)
+        num_cancelled = sum(ray.get([w.cancel_recorded.remote() for w in workers]))
         for m in ray.get(trainers[0].pop_metrics.remote()):
             sink.log(m, kind="train")
         # every worker must hold the final version with the published checksum
@@ -247,6 +248,7 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
                    "serve_tau": {str(k): round(v, 4) for k, v in serve_mean.items()},
                    "train_steps": max(r["steps"] for r in train_summary),
                    "workers_loaded_final": workers_ok, "prompts_fed": fed,
+                   "prompts_cancelled_after_training": num_cancelled,
                    "buffer": {k.split("/", 1)[1]: v for k, v in bfinal.items()},
                    "num_eval_prompts": len(evalp), "wall_s": round(time.time() - t_start, 1)}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

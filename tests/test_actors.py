@@ -184,3 +184,13 @@ def test_restarted_worker_reloads_the_latest_version(ray_local, tiny_cfg):
             time.sleep(1)
     assert ray.get(w.pid.remote()) != pid
     assert info["version"] == 5 and info["sha256"] == sha
+
+
+def test_cancel_recorded_drops_only_queued_data_requests(workers, chat_prompts):
+    _, ws = workers
+    w = ws[0]
+    ray.get(w.submit.remote(chat_prompts * 2, 32))  # 16 recorded requests, 4 slots
+    served = w.generate.remote(chat_prompts[:1], 8)  # a user request queued behind them is kept
+    dropped = ray.get(w.cancel_recorded.remote())
+    assert 4 <= dropped <= 12, dropped
+    assert len(ray.get(served)[0]["output_ids"]) >= 1
