@@ -79,7 +79,7 @@ def _poll(refs: list, default):
     for r in refs:
         try:
             out.append(ray.get(r, timeout=120))
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
             out.append(default)
     return out
 

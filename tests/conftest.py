@@ -116,9 +116,12 @@ def tiny_target() -> TargetModel:
 
 # ---------------------------------------------------------------------- drafters
 def make_drafter(target: TargetModel, block_size: int = 16, layers: int = 1, policy: str = "direct",
-                 target_layer_ids: list[int] | None = None, mask_token_id: int | None = None, seed: int = 0):
+                 target_layer_ids: list[int] | None = None, mask_token_id: int | None = None, seed: int = 0,
+                 head_prior: bool = False):
     """A random DFlash drafter + length head (None for ``fixed``) via ``build_drafter``, as the engine
-    builds them from a recipe. Tiny targets (< 8 layers) default to ``target_layer_ids = [1, L-2]``."""
+    builds them from a recipe. Tiny targets (< 8 layers) default to ``target_layer_ids = [1, L-2]``.
+    ``head_prior=False`` replaces the head's prior init (constant γ = min_len) with random output
+    weights, so the engine sees varying γ."""
     num_layers = target.config.num_hidden_layers
     if target_layer_ids is None and num_layers < 8:
         target_layer_ids = [1, num_layers - 2]
@@ -130,6 +133,11 @@ def make_drafter(target: TargetModel, block_size: int = 16, layers: int = 1, pol
     drafter.requires_grad_(False)
     if head is not None:
         head.requires_grad_(False)
+        if not head_prior:
+            g = torch.Generator().manual_seed(seed + 7)
+            with torch.no_grad():
+                head.out.weight.copy_(torch.randn(head.out.weight.shape, generator=g) * 0.5)
+                head.out.bias.zero_()
     return drafter, head
 
 

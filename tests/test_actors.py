@@ -174,15 +174,15 @@ def test_restarted_worker_reloads_the_latest_version(ray_local, tiny_cfg):
     pid = ray.get(w.pid.remote())
     ray.kill(w, no_restart=False)
     deadline = time.time() + 120
-    while True:
+    while True:  # ray.kill is asynchronous: wait for the restarted process
         try:
-            info = ray.get(w.loaded_version.remote(), timeout=60)
-            break
-        except ray.exceptions.RayActorError:
-            if time.time() > deadline:
-                raise
-            time.sleep(1)
-    assert ray.get(w.pid.remote()) != pid
+            if ray.get(w.pid.remote(), timeout=60) != pid:
+                break
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            pass
+        assert time.time() < deadline, "worker was not restarted"
+        time.sleep(1)
+    info = ray.get(w.loaded_version.remote())
     assert info["version"] == 5 and info["sha256"] == sha
 
 

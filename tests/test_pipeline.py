@@ -24,6 +24,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _is_loopback(addr: str) -> bool:
+    ip = addr.rsplit(":", 1)[0]
+    return ip.startswith("127.") or ip in ("::1", "localhost") or ip.startswith("::ffff:127.")
+
+
 def _listening_addresses(pids: set[int]) -> list[str]:
     import psutil
 
@@ -59,7 +64,7 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
     try:
         listening = _listening_addresses(_ray_pids())
         assert listening, "no Ray listening sockets found"
-        assert all(a.startswith("127.0.0.1:") for a in listening), f"Ray listens beyond loopback: {listening}"
+        assert all(_is_loopback(a) for a in listening), f"Ray listens beyond loopback: {listening}"
         run_dir = tmp_path / "run"
         job = subprocess.run(
             [RAY, "job", "submit", f"--address=http://127.0.0.1:{dash_port}", "--working-dir", str(ROOT),
@@ -81,6 +86,6 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
         assert {"train", "inference", "buffer", "eval"} <= kinds
         assert any((rd / "wandb").glob("offline-run-*"))
         listening = _listening_addresses(_ray_pids())
-        assert all(a.startswith("127.0.0.1:") for a in listening), f"Ray listens beyond loopback: {listening}"
+        assert all(_is_loopback(a) for a in listening), f"Ray listens beyond loopback: {listening}"
     finally:
         subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
