@@ -38,6 +38,7 @@ class DistillTrainer:
         self._metrics: list[dict] = []
         self._lock = threading.Lock()
         self._stop = False
+        self.num_lost = 0  # trajectories whose producing worker died before they were fetched
         self._g_loss = ray_metrics.Gauge("adaflash_train_loss", "distillation loss", tag_keys=("rank",))
         self._g_loss.set_default_tags({"rank": str(rank)})
 
@@ -80,7 +81,7 @@ class DistillTrainer:
             pool = [p for p in pool if p[2] < dc.max_reuse and self.version - p[1] <= dc.max_version_lag]
             reusable = len(pool) >= dc.batch_size
             items = ray.get(buffer.get_batch.remote(dc.batch_size, 0.2 if reusable else 60.0))
-            fresh = ray.get([it[0] for it in items]) if items else []
+            fresh, items = self._fetch(items)
             pool.extend([t, it[1], 0] for t, it in zip(fresh, items))
             if len(pool) < dc.batch_size and not fresh:
                 continue
@@ -98,6 +99,7 @@ class DistillTrainer:
             m["train/version_lag"] = sum(self.version - it[1] for it in items) / len(items)
             m["train/version"] = float(self.version)
             m["train/num_fresh"] = float(sum(1 for p in chosen if p[2] == 1))
+            m["train/num_lost_trajectories"] = float(self.num_lost)
             step = self.core.global_step
             self._g_loss.set(m.get("train/loss", 0.0))
             if step % dc.publish_every == 0:  # every rank counts versions; rank 0 publishes
@@ -118,6 +120,18 @@ class DistillTrainer:
                 self._metrics.append(m)
         return {"rank": self.rank, "final_version": self.version, "steps": self.core.global_step,
                 "seconds": time.time() - t_start}
+
+    def _fetch(self, items: list) -> tuple[list, list]:
+        """Resolve trajectory refs; one whose owner (an inference worker) died is skipped and counted."""
+        fresh, kept = [], []
+        for it in items:
+            try:
+                fresh.append(ray.get(it[0]))
+                kept.append(it)
+            except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError,
+                    ray.exceptions.ObjectFetchTimedOutError):
+                self.num_lost += 1
+        return fresh, kept
 
     def pop_metrics(self) -> list[dict]:
         with self._lock:

@@ -12,7 +12,9 @@ import ray
 
 @ray.remote(num_cpus=0)
 class WeightRegistry:
-    def __init__(self):
+    def __init__(self, keep_versions: int = 8):
+        self.keep_versions = keep_versions
+        self.refs: dict[int, object] = {}  # the last ``keep_versions`` versions' tensor refs
         self.latest: dict | None = None
         self.history: list[dict] = []
         self.subscribers: dict[str, object] = {}
@@ -32,6 +34,9 @@ class WeightRegistry:
         meta = {"version": version, "parent_version": parent_version, "train_step": train_step,
                 "sha256": sha256, "ref": tensors_ref[0], "config": config, "time": time.time()}
         self.latest = meta
+        self.refs[version] = tensors_ref[0]
+        for old in sorted(self.refs)[:-self.keep_versions]:
+            del self.refs[old]
         self.history.append({k: v for k, v in meta.items() if k != "ref"})
         calls = {name: w.load_drafter.remote(version, tensors_ref[0], sha256, config)
                  for name, w in self.subscribers.items()}
@@ -48,10 +53,14 @@ class WeightRegistry:
         return None if self.latest is None else {k: v for k, v in self.latest.items() if k != "ref"}
 
     def get(self, version: int | None = None) -> list:
-        """``[ObjectRef]`` of the tensors of the latest version (only the latest is retained)."""
-        if self.latest is None or (version is not None and version != self.latest["version"]):
-            raise KeyError(f"version {version} not held (latest: {self.latest and self.latest['version']})")
-        return [self.latest["ref"]]
+        """``[ObjectRef]`` of the tensors of ``version`` (default: the latest); the last
+        ``keep_versions`` versions are held. Raises KeyError for one no longer (or never) held."""
+        if self.latest is None:
+            raise KeyError("nothing published yet")
+        version = self.latest["version"] if version is None else version
+        if version not in self.refs:
+            raise KeyError(f"version {version} not held (held: {sorted(self.refs)})")
+        return [self.refs[version]]
 
     def get_history(self) -> list[dict]:
         return list(self.history)

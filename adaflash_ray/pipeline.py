@@ -193,15 +193,17 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
                     sink.log(m, step=step, kind="train")
                 meta = ray.get(registry.latest_meta.remote())
                 if meta is not None and meta["version"] > last_version:
-                    v = meta["version"]
-                    tens = ray.get(ray.get(registry.get.remote(v))[0])
-                    shas[v] = save_drafter_checkpoint(ckpt_dir / f"v{v}", drafter_cfg, tens,
-                                                      {"version": v, "parent_version": meta["parent_version"],
-                                                       "train_step": meta["train_step"]})
-                    reports = ray.get(registry.get_reports.remote()).get(v, [])
-                    sink.log({"sync/version": v, "sync/num_workers_ok": sum(r.get("sha256") == meta["sha256"]
-                                                                            for r in reports)}, kind="sync")
-                    last_version = v
+                    history = {h["version"]: h for h in ray.get(registry.get_history.remote())}
+                    reports_all = ray.get(registry.get_reports.remote())
+                    for v in range(last_version + 1, meta["version"] + 1):  # every version, even two per poll
+                        h = history[v]
+                        tens = ray.get(ray.get(registry.get.remote(v))[0])
+                        shas[v] = save_drafter_checkpoint(ckpt_dir / f"v{v}", drafter_cfg, tens,
+                                                          {"version": v, "parent_version": h["parent_version"],
+                                                           "train_step": h["train_step"]})
+                        ok = sum(r.get("sha256") == h["sha256"] for r in reports_all.get(v, []))
+                        sink.log({"sync/version": v, "sync/num_workers_ok": ok}, kind="sync")
+                    last_version = meta["version"]
                 last_loss = tmetrics[-1]["train/loss"] if tmetrics else None
                 progress.update(task, completed=last_version, description=(
                     f"step {step} loss {last_loss if last_loss is None else round(last_loss, 3)} "

@@ -106,6 +106,10 @@ def test_registry_pushes_version_and_checksum_to_every_worker(workers):
     loaded = ray.get([w.loaded_version.remote() for w in ws])
     assert all(lv == {"worker": i, "version": 1, "sha256": sha} for i, lv in enumerate(loaded))
     assert ray.get(reg.latest_meta.remote())["version"] == 1
+    held = ray.get(ray.get(reg.get.remote(1))[0])
+    assert all(torch.equal(held[k], tensors[k]) for k in tensors)
+    with pytest.raises(ray.exceptions.RayTaskError, match="not held"):
+        ray.get(reg.get.remote(7))
     with pytest.raises(ray.exceptions.RayTaskError, match="not newer"):
         ray.get(reg.publish.remote(1, 0, 10, [ray.put(tensors)], sha, None))
 
