@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,8 +54,12 @@ def _ray_pids() -> set[int]:
 
 @pytest.mark.slow
 def test_ray_job_submit_runs_the_pipeline(tmp_path):
+    import secrets
+
+    token = tmp_path / "ray_auth_token"  # Ray 2.5x+ token auth, explicit on both sides (see README)
+    token.write_text(secrets.token_hex(32))
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "WANDB_MODE": "offline",
-           "RAY_USAGE_STATS_ENABLED": "0"}
+           "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
     env.pop("RAY_ADDRESS", None)
     gcs_port, dash_port = _free_port(), _free_port()
     start = subprocess.run([RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
@@ -66,11 +71,16 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
         assert listening, "no Ray listening sockets found"
         assert all(_is_loopback(a) for a in listening), f"Ray listens beyond loopback: {listening}"
         run_dir = tmp_path / "run"
-        job = subprocess.run(
-            [RAY, "job", "submit", f"--address=http://127.0.0.1:{dash_port}", "--working-dir", str(ROOT),
-             "--", sys.executable, "-m", "adaflash_ray.pipeline", "--recipe", "recipes/cpu_tiny.yaml",
-             "--run-dir", str(run_dir), "--set", "logging.wandb_mode=offline"],
-            env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+        cmd = [RAY, "job", "submit", f"--address=http://127.0.0.1:{dash_port}", "--working-dir", str(ROOT),
+               "--", sys.executable, "-m", "adaflash_ray.pipeline", "--recipe", "recipes/cpu_tiny.yaml",
+               "--run-dir", str(run_dir), "--set", "logging.wandb_mode=offline"]
+        deadline = time.time() + 180
+        while True:  # the head's job agent may still be starting: Ray answers "No available agent"
+            job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+            if job.returncode == 0 or "No available agent" not in job.stdout + job.stderr \
+                    or time.time() > deadline:
+                break
+            time.sleep(5)
         assert job.returncode == 0, (job.stdout[-4000:], job.stderr[-3000:])
         last = [ln for ln in job.stdout.splitlines() if ln.startswith("{")][-1]
         summary = json.loads(last)

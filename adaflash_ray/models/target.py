@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from adaflash_ray.config import default_target_layer_ids  # noqa: F401  (one rule, re-exported)
 from adaflash_ray.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, masked_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -272,10 +273,3 @@ class TargetModel(nn.Module):
         feats = torch.cat([captured[i] for i in capture_layer_ids], dim=-1) if capture_layer_ids else None
         logits = self.lm_head(last).float() if compute_logits else None
         return TargetOutput(logits=logits, features=feats, last_hidden=last)
-
-
-def default_target_layer_ids(num_layers: int, k: int) -> list[int]:
-    """K evenly spaced target layer ids from 1 to L-3: ``round(1 + i*(L-4)/(K-1))`` (DFlash)."""
-    if k == 1:
-        return [num_layers // 2]
-    return [int(round(1 + i * (num_layers - 4) / (k - 1))) for i in range(k)]
