@@ -73,6 +73,18 @@ def _eval_tau(results: list[dict]) -> tuple[float, float, dict]:
     return tau, waste, dict(sorted(hist.items()))
 
 
+def check_drafter_checkpoint(path: str, model_dir: Path) -> None:
+    """Raise CheckpointError if the DFlash checkpoint at ``path`` is unreadable or does not fit the
+    target in ``model_dir`` (vocabulary, width, layer ids)."""
+    from adaflash_ray.models import CheckpointError, TargetConfig, load_drafter_checkpoint
+
+    cfg, _, _ = load_drafter_checkpoint(path)
+    try:
+        cfg.check_target(TargetConfig.from_hf_dict(json.loads((Path(model_dir) / "config.json").read_text())))
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from e
+
+
 def _poll(refs: list, default):
     """ray.get each ref; a worker that died (and is being restarted by Ray) yields ``default``."""
     out = []
@@ -107,6 +119,8 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
 
     # real inputs (installed packages; converted once into the cache)
     model_dir = ensure_target(cfg.model.path or cfg.model.name)
+    if cfg.drafter.init_path:  # fail before Ray starts, naming what is wrong with the checkpoint
+        check_drafter_checkpoint(cfg.drafter.init_path, model_dir)
     tok = load_tokenizer(model_dir)
     train = encode_prompts(tok, load_sharegpt(cfg.data.num_train_prompts, cfg.seed), cfg.data.max_prompt_tokens)
     evalp = encode_prompts(tok, load_eval_prompts(cfg.data.eval_sources, cfg.data.num_eval_prompts, cfg.seed + 1),
@@ -278,8 +292,13 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from adaflash_ray.models import CheckpointError
+
     try:
         summary = run(cfg, ns.run_dir)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

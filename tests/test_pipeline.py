@@ -99,3 +99,22 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
         assert all(_is_loopback(a) for a in listening), f"Ray listens beyond loopback: {listening}"
     finally:
         subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def test_bad_init_checkpoint_fails_before_ray_starts(tmp_path):
+    """A drafter checkpoint whose vocabulary does not match the target: exit 2, the field named."""
+    import torch
+
+    from adaflash_ray.models import DrafterModelConfig, save_drafter_checkpoint
+
+    cfg = DrafterModelConfig(hidden_size=576, intermediate_size=64, num_hidden_layers=1, num_attention_heads=9,
+                             num_key_value_heads=3, head_dim=64, vocab_size=32000, block_size=4,
+                             target_layer_ids=[1, 8, 14, 20, 27], target_hidden_size=576, num_target_layers=30)
+    save_drafter_checkpoint(tmp_path / "ck", cfg, {"fc.weight": torch.zeros(576, 5 * 576)})
+    out = subprocess.run([sys.executable, "-m", "adaflash_ray.pipeline", "--recipe", "recipes/cpu_tiny.yaml",
+                          "--run-dir", str(tmp_path / "run"), "--set", f"drafter.init_path={tmp_path / 'ck'}"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "RAY_ADDRESS": "", "WANDB_MODE": "disabled"})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "vocab_size 32000 != target vocab_size 49152" in out.stderr
+    assert "Traceback" not in out.stderr
