@@ -239,7 +239,10 @@ class InferenceWorker:
                "spec/num_reloads": float(eng.num_reloads),
                "spec/num_trajectories": float(self._num_traj),
                "spec/queue_depth": float(self.queue_depth()),
-               "spec/total_accept_len": eng.stats.accept_len}
+               "spec/total_accept_len": eng.stats.accept_len,
+               "spec/engine_dead": float(self._dead is not None)}
+        if self._dead is not None:
+            out["spec/error"] = str(self._dead)[:1500]
         if w["steps"]:
             self._g_tau.set(out["spec/accept_len"])
         self._window = {"steps": 0, "a": 0, "gamma": 0, "tokens": 0, "t0": now}

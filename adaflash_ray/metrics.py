@@ -41,7 +41,7 @@ class MetricsSink:
         self._fh.write(json.dumps(rec) + "\n")
         self._fh.flush()
         if self._wandb is not None:
-            num = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+            num = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             try:
                 self._wandb.log(num)
             except Exception as e:
@@ -71,6 +71,9 @@ def plot_tau(eval_tau: dict[int, float], serve_tau: dict[int, float], path: Path
     if serve_tau:
         xs = sorted(serve_tau)
         ax.plot(xs, [serve_tau[x] for x in xs], "s--", label="on-policy serving")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("drafter version")
     ax.set_ylabel("τ = mean(a+1) per verify step")
     ax.set_title(title)

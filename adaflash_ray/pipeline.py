@@ -49,14 +49,26 @@ def init_ray(cfg: RunConfig) -> tuple[bool, str | None]:
         return False, getattr(info, "dashboard_url", None)
     need = (cfg.placement.num_inference_workers * cfg.placement.cpus_per_inference_worker
             + cfg.placement.num_trainers * cfg.placement.cpus_per_trainer)
-    info = ray.init(_node_ip_address="127.0.0.1", include_dashboard=True, dashboard_host=cfg.ray.dashboard_host,
+    info = ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=True, dashboard_host=cfg.ray.dashboard_host,
                     num_cpus=cfg.ray.num_cpus or max(int(need + 0.999), os.cpu_count() or 1), log_to_driver=True)
     return True, getattr(info, "dashboard_url", None)
 
 
-def _pg(bundles: list[dict]):
+def _pg(bundles: list[dict], what: str):
+    """A PACK placement group; raises RuntimeError naming the request if the cluster cannot hold it."""
+    total = ray.cluster_resources()
+    need = {k: sum(b.get(k, 0) for b in bundles) for k in ("CPU", "GPU")}
+    short = {k: (v, total.get(k, 0)) for k, v in need.items() if v > total.get(k, 0)}
+    if short:
+        raise RuntimeError(f"the cluster cannot place the {what}: needs " +
+                           ", ".join(f"{k} {v} (cluster has {have})" for k, (v, have) in short.items()) +
+                           " - change recipe section `placement`")
     pg = placement_group(bundles, strategy="PACK")
-    ray.get(pg.ready(), timeout=300)
+    try:
+        ray.get(pg.ready(), timeout=300)
+    except ray.exceptions.GetTimeoutError as e:
+        remove_placement_group(pg)
+        raise RuntimeError(f"placement group for the {what} ({bundles}) not ready after 300 s") from e
     return pg
 
 
@@ -85,12 +97,19 @@ def check_drafter_checkpoint(path: str, model_dir: Path) -> None:
         raise CheckpointError(f"{path}: {e}") from e
 
 
+class WorkerLost(RuntimeError):
+    """An inference worker died for good (restarts exhausted) or its engine thread failed."""
+
+
 def _poll(refs: list, default):
-    """ray.get each ref; a worker that died (and is being restarted by Ray) yields ``default``."""
+    """ray.get each ref; a worker being restarted by Ray yields ``default``; one that is dead for good
+    (restarts exhausted) raises :class:`WorkerLost`."""
     out = []
     for r in refs:
         try:
             out.append(ray.get(r, timeout=120))
+        except ray.exceptions.ActorDiedError as e:
+            raise WorkerLost(f"an InferenceWorker died and will not be restarted: {str(e)[:1500]}") from e
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
             out.append(default)
     return out
@@ -102,7 +121,7 @@ def _raise_if_trainer_died(done: list, run_dir: Path, shas: dict) -> None:
         try:
             ray.get(ref)
         except ray.exceptions.RayError as e:
-            raise RuntimeError(f"a DistillTrainer died mid-run ({type(e).__name__}: {str(e)[:300]}); versions "
+            raise RuntimeError(f"a DistillTrainer died mid-run ({type(e).__name__}: {str(e)[:1500]}); versions "
                                f"{sorted(shas)} are saved under {run_dir / 'checkpoints'}, metrics in "
                                f"{run_dir / 'metrics.jsonl'}") from e
 
@@ -141,11 +160,12 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
     cfg_dict = cfg.model_dump()
     pg_inf = _pg([{"CPU": pl.cpus_per_inference_worker, **({"GPU": pl.gpus_per_inference_worker}
                                                            if pl.gpus_per_inference_worker else {})}
-                  for _ in range(pl.num_inference_workers)])
+                  for _ in range(pl.num_inference_workers)], "inference workers")
     pg_train = _pg([{"CPU": pl.cpus_per_trainer, **({"GPU": pl.gpus_per_trainer} if pl.gpus_per_trainer else {})}
-                    for _ in range(pl.num_trainers)])
+                    for _ in range(pl.num_trainers)], "trainers")
     sink = MetricsSink(run_dir, cfg.logging.wandb_mode, cfg.logging.wandb_project, cfg_dict, run_dir.name)
     summary: dict = {}
+    shas: dict[int, str] = {}
     try:
         buffer = TrajectoryBuffer.remote(cfg.buffer.capacity, cfg.distill.max_version_lag, cfg.buffer.spill_dir)
         registry = WeightRegistry.remote()
@@ -165,7 +185,7 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
         refs, sha0, dcfg = ray.get(trainers[0].initial_weights.remote())
         v0 = ray.get([w.load_drafter.remote(0, refs[0], sha0, dcfg) for w in workers])
         drafter_cfg = DrafterModelConfig(**dcfg)
-        shas = {0: save_drafter_checkpoint(ckpt_dir / "v0", drafter_cfg, ray.get(refs[0]), {"version": 0})}
+        shas[0] = save_drafter_checkpoint(ckpt_dir / "v0", drafter_cfg, ray.get(refs[0]), {"version": 0})
         console.print(f"setup: trainers {setup}; workers at version 0 sha {sha0[:12]} ({len(v0)} ok)")
 
         runs = [t.run.remote(buffer, registry) for t in trainers]
@@ -198,6 +218,8 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
                     if s is None:  # worker restarting (Ray restarts it; it reloads the latest version)
                         sink.log({"worker/unavailable": 1.0, "worker": i}, kind="inference")
                         continue
+                    if s.get("spec/engine_dead"):
+                        raise WorkerLost(f"InferenceWorker {i}: engine loop failed ({s.get('spec/error', '')})")
                     if s["spec/accept_len"] > 0:
                         serve_tau.setdefault(int(s["spec/drafter_version"]), []).append(s["spec/accept_len"])
                     sink.log({**s, "worker": i}, kind="inference")
@@ -270,6 +292,9 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         for w in workers:
             ray.get(w.shutdown.remote())
+    except (WorkerLost, ray.exceptions.RayError) as e:
+        raise RuntimeError(f"{type(e).__name__}: {str(e)[:1500]} -- the run stopped; versions {sorted(shas)} are "
+                           f"saved under {ckpt_dir}, metrics in {run_dir / 'metrics.jsonl'}") from e
     finally:
         sink.close()
         for pg in (pg_inf, pg_train):
@@ -296,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         summary = run(cfg, ns.run_dir)
-    except CheckpointError as e:
+    except (CheckpointError, ValueError, FileNotFoundError) as e:  # bad input, found before or after Ray started
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:

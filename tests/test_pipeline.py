@@ -40,16 +40,39 @@ def _listening_addresses(pids: set[int]) -> list[str]:
     return out
 
 
-def _ray_pids() -> set[int]:
+def _ray_pids(temp_dir: str) -> set[int]:
+    """Processes of the test's own Ray cluster (their command lines name its private temp dir), and
+    their children (workers)."""
     import psutil
 
     pids = set()
     for p in psutil.process_iter(["pid", "cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "ray" in cmd and ("gcs_server" in cmd or "raylet" in cmd or "dashboard" in cmd or "ray::" in cmd
-                             or "default_worker" in cmd or "runtime_env" in cmd or "log_monitor" in cmd):
+        if temp_dir in " ".join(p.info["cmdline"] or []):
             pids.add(p.info["pid"])
+            try:
+                pids.update(c.pid for c in p.children(recursive=True))
+            except psutil.Error:
+                pass
     return pids
+
+
+def _stop_own_cluster(temp_dir: str) -> None:
+    """Stop only this test's cluster (``ray stop`` would kill every Ray on the host)."""
+    import psutil
+
+    procs = []
+    for pid in _ray_pids(temp_dir):
+        try:
+            procs.append(psutil.Process(pid))
+            procs[-1].terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=20)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
 
 
 @pytest.mark.slow
@@ -61,13 +84,17 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "WANDB_MODE": "offline",
            "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
     env.pop("RAY_ADDRESS", None)
+    import tempfile
+
     gcs_port, dash_port = _free_port(), _free_port()
+    temp_dir = tempfile.mkdtemp(prefix="afr", dir="/tmp")  # short: Ray's socket paths have a length limit
     start = subprocess.run([RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
+                            f"--temp-dir={temp_dir}",
                             "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}", "--num-cpus=2",
                             "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=180)
     assert start.returncode == 0, start.stderr[-3000:]
     try:
-        listening = _listening_addresses(_ray_pids())
+        listening = _listening_addresses(_ray_pids(temp_dir))
         assert listening, "no Ray listening sockets found"
         assert all(_is_loopback(a) for a in listening), f"Ray listens beyond loopback: {listening}"
         run_dir = tmp_path / "run"
@@ -95,10 +122,11 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
         kinds = {json.loads(ln)["kind"] for ln in (rd / "metrics.jsonl").read_text().splitlines()}
         assert {"train", "inference", "buffer", "eval"} <= kinds
         assert any((rd / "wandb").glob("offline-run-*"))
-        listening = _listening_addresses(_ray_pids())
+        listening = _listening_addresses(_ray_pids(temp_dir))
         assert all(_is_loopback(a) for a in listening), f"Ray listens beyond loopback: {listening}"
     finally:
-        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        _stop_own_cluster(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_bad_init_checkpoint_fails_before_ray_starts(tmp_path):
