@@ -198,3 +198,23 @@ def test_cancel_recorded_drops_only_queued_data_requests(workers, chat_prompts):
     dropped = ray.get(w.cancel_recorded.remote())
     assert 4 <= dropped <= 12, dropped
     assert len(ray.get(served)[0]["output_ids"]) >= 1
+
+
+def test_driver_poll_tolerates_restarts_but_not_a_dead_worker(ray_local):
+    """The driver's poll: a worker being restarted reads as "unavailable"; one dead for good (restarts
+    exhausted) stops the run with WorkerLost instead of polling forever."""
+    import time
+
+    from adaflash_ray.pipeline import WorkerLost, _poll
+
+    @ray.remote(max_restarts=0)
+    class Probe:
+        def ping(self):
+            return 1
+
+    p = Probe.remote()
+    assert _poll([p.ping.remote()], None) == [1]
+    ray.kill(p, no_restart=True)
+    time.sleep(1)
+    with pytest.raises(WorkerLost, match="will not be restarted"):
+        _poll([p.ping.remote()], None)
