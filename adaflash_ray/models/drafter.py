@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from adaflash_ray.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, masked_attention
+from adaflash_ray.models.layers import (AttentionProjections, DecoderLayerParams, RMSNorm, Rotary,
+                                       masked_attention)
 from adaflash_ray.models.target import KVCache, TargetConfig
 
 
@@ -138,38 +139,17 @@ class DrafterModelConfig:
         return asdict(self)
 
 
-class _DrafterAttention(nn.Module):
+class _DrafterAttention(AttentionProjections):
+    """Qwen3-style attention of a drafter layer: no biases, per-head q/k norm (DFlash)."""
+
     def __init__(self, cfg: DrafterModelConfig):
-        super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-
-    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K (normed, rotated) and V of ``x`` ``[B, T, H]`` -> ``[B, T, Hkv, D]`` each."""
-        b, t, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        return apply_rotary(k, cos, sin), v
-
-    def q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))
-        return apply_rotary(q, cos, sin)
+        super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                         qkv_bias=False, qk_norm=True, eps=cfg.rms_norm_eps)
 
 
-class _DrafterLayer(nn.Module):
+class _DrafterLayer(DecoderLayerParams):
     def __init__(self, cfg: DrafterModelConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = _DrafterAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, _DrafterAttention(cfg))
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, visible):
         """x ``[B, Q, H]`` block positions; ctx_k/ctx_v ``[B, C, Hkv, D]``; visible ``[B, Q, C+Q]``."""

@@ -88,3 +88,44 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible[:, None, :, :]
     )  # [B, Hq, Tq, D]
     return out.transpose(1, 2)
+
+
+class AttentionProjections(nn.Module):
+    """q/k/v/o projections (+ optional per-head q/k RMSNorm, Qwen3) shared by the target and the drafter.
+    Parameter names match Hugging Face (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``, ``k_norm``)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 qkv_bias: bool, qk_norm: bool, eps: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+
+    def q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Queries of ``x`` ``[B, T, H]`` (normed if qk_norm, rotated) -> ``[B, T, Hq, D]``."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        return apply_rotary(q if self.q_norm is None else self.q_norm(q), cos, sin)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed if qk_norm, rotated) and values of ``x`` ``[B, T, H]`` -> ``[B, T, Hkv, D]`` each."""
+        b, t, _ = x.shape
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        return apply_rotary(k if self.k_norm is None else self.k_norm(k), cos, sin), v
+
+
+class DecoderLayerParams(nn.Module):
+    """The pre-norm decoder layer's modules (HF names): ``input_layernorm``, ``self_attn``,
+    ``post_attention_layernorm``, ``mlp``. Subclasses define how attention sees keys/values."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, eps: float, self_attn: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.mlp = SwiGLU(hidden_size, intermediate_size)

@@ -22,7 +22,8 @@ from safetensors import safe_open
 from torch import nn
 
 from adaflash_ray.config import default_target_layer_ids  # noqa: F401  (one rule, re-exported)
-from adaflash_ray.models.layers import RMSNorm, Rotary, SwiGLU, apply_rotary, masked_attention
+from adaflash_ray.models.layers import (AttentionProjections, DecoderLayerParams, RMSNorm, Rotary,
+                                       masked_attention)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -113,29 +114,15 @@ class KVCache:
         return 2 * self.k.numel() * self.k.element_size()
 
 
-class _Attention(nn.Module):
+class _Attention(AttentionProjections):
     def __init__(self, cfg: TargetConfig):
-        super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
+        super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                         qkv_bias=cfg.attention_bias, qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, layer_idx, cache, slot_ids, positions, visible):
         b, w, _ = x.shape
-        q = self.q_proj(x).view(b, w, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, w, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, w, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q = self.q(x, cos, sin)
+        k, v = self.kv(x, cos, sin)
         if cache is not None:
             rows = slot_ids[:, None].expand(b, w)  # [B, W]
             cache.k[layer_idx][rows, positions] = k.to(cache.k.dtype)
@@ -147,13 +134,9 @@ class _Attention(nn.Module):
         return self.o_proj(out.reshape(b, w, -1))
 
 
-class _Layer(nn.Module):
+class _Layer(DecoderLayerParams):
     def __init__(self, cfg: TargetConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = _Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, _Attention(cfg))
 
 
 class _Decoder(nn.Module):
