@@ -22,11 +22,8 @@ import torch
 from ray.util import metrics as ray_metrics
 
 from adaflash_ray.config import RunConfig
-from adaflash_ray.data import ensure_target
-from adaflash_ray.models import TargetModel, tensors_sha256
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
+from adaflash_ray.models import tensors_sha256
+from adaflash_ray.models.factory import load_target
 
 @ray.remote(max_concurrency=4)
 class DistillTrainer:
@@ -57,8 +54,7 @@ class DistillTrainer:
         torch.set_num_threads(cfg.engine.num_threads)
         DistillTrainerCore.setup_dist_env(self.rank, self.world_size, master_addr, master_port)
         os.environ.setdefault("LOCAL_RANK", "0")
-        target = TargetModel.from_pretrained(ensure_target(cfg.model.path or cfg.model.name),
-                                             dtype=_DTYPES[cfg.model.dtype], device=cfg.model.device)
+        target = load_target(cfg.model)
         self.core = DistillTrainerCore(target, cfg.drafter, cfg.length_head, cfg.distill, seed=cfg.seed,
                                        rank=self.rank, world_size=self.world_size)
         n = sum(p.numel() for p in self.core.publish_tensors().values())

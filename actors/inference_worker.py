@@ -15,13 +15,9 @@ import torch
 from ray.util import metrics as ray_metrics
 
 from adaflash_ray.config import RunConfig
-from adaflash_ray.data import ensure_target
 from adaflash_ray.engine import SamplingParams, SpecEngine
-from adaflash_ray.models import CheckpointError, DrafterModelConfig, TargetModel
-from adaflash_ray.models.factory import build_drafter
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
+from adaflash_ray.models import CheckpointError, DrafterModelConfig
+from adaflash_ray.models.factory import build_drafter, load_target
 
 class _Pending:
     __slots__ = ("event", "result", "error")
@@ -40,9 +36,7 @@ class InferenceWorker:
         self.cfg, self.index, self.buffer = cfg, worker_index, buffer
         torch.set_num_threads(cfg.engine.num_threads)
         torch.manual_seed(cfg.seed)
-        dev = cfg.model.device
-        target = TargetModel.from_pretrained(ensure_target(cfg.model.path or cfg.model.name),
-                                             dtype=_DTYPES[cfg.model.dtype], device=dev)
+        target = load_target(cfg.model)
         drafter, head = build_drafter(target, cfg.drafter, cfg.length_head, seed=cfg.seed)
         lh = cfg.length_head
         self.engine = SpecEngine(target, drafter, head, policy=lh.policy, rate=lh.rate, min_len=lh.min_len,

@@ -24,11 +24,7 @@ from rich.table import Table
 from adaflash_ray.config import RecipeError, RunConfig, add_recipe_args, config_from_args
 from adaflash_ray.data import encode_prompts, ensure_target, load_eval_prompts, load_tokenizer
 from adaflash_ray.engine import SamplingParams, SpecEngine
-from adaflash_ray.models import TargetModel
-from adaflash_ray.models.factory import build_drafter
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
+from adaflash_ray.models.factory import build_drafter, load_target
 
 def _run(engine: SpecEngine, prompts: list[list[int]], max_new: int, mode: str) -> tuple[list, float]:
     t0 = time.perf_counter()
@@ -44,7 +40,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, concurrency: list[int], num_
     tok = load_tokenizer(model_dir)
     prompts = list(encode_prompts(tok, load_eval_prompts(cfg.data.eval_sources, num_prompts, cfg.seed + 1),
                                   cfg.data.max_prompt_tokens))
-    target = TargetModel.from_pretrained(model_dir, dtype=_DTYPES[cfg.model.dtype], device=cfg.model.device)
+    target = load_target(cfg.model)
     drafter, head = build_drafter(target, cfg.drafter, cfg.length_head, seed=cfg.seed, init_path=drafter_path)
     policies = ["fixed"] + ([cfg.length_head.policy] if cfg.length_head.policy != "fixed" else [])
     rows = []

@@ -79,3 +79,15 @@ def init_from_target(drafter: DFlashDrafter, target: TargetModel) -> None:
             if sp is not None and sp.shape == p.shape:
                 p.copy_(sp.to(p.dtype))
     drafter.norm.weight.copy_(target.model.norm.weight.to(drafter.norm.weight.dtype))
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_target(model_cfg) -> TargetModel:
+    """The recipe's target (``ModelConfig``: ``path`` or registry ``name``, ``dtype``, ``device``),
+    converted into the cache on first use (adaflash_ray.data.ensure_target)."""
+    from adaflash_ray.data import ensure_target
+
+    return TargetModel.from_pretrained(ensure_target(model_cfg.path or model_cfg.name),
+                                       dtype=_DTYPES[model_cfg.dtype], device=model_cfg.device)
