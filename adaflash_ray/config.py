@@ -218,12 +218,23 @@ class DataConfig(_Section):
 
 
 class ServeConfig(_Section):
-    """The Ray Serve OpenAI-compatible endpoint."""
+    """The Ray Serve OpenAI-compatible endpoint (adaflash_ray.serve); each replica owns one SpecEngine."""
 
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = Field(8000, ge=0, le=65535)
     num_replicas: int = Field(1, ge=1)
-    max_request_tokens: int = Field(1024, ge=1)
+    cpus_per_replica: float = Field(1, ge=0)
+    gpus_per_replica: float = Field(0, ge=0)
+    max_request_tokens: int = Field(1024, ge=1)  # prompt + max_tokens per request (also <= engine.max_seq_len)
+    default_max_tokens: int = Field(256, ge=1)  # when a request names none (clamped to the context left)
+    model_name: str | None = None  # the id in /v1/models and responses; None = model.name
+    max_queued_requests: int = Field(64, ge=0)  # waiting beyond the engine's batch, per replica; more -> 429
+    retry_after_s: int = Field(1, ge=1)  # the Retry-After header of a 429 / 503
+    max_body_bytes: int = Field(1 << 20, ge=1024)  # request body limit -> 413
+    api_key: str | None = None  # or $ADAFLASH_API_KEY; set -> "Authorization: Bearer <key>" required (401)
+    drain_timeout_s: float = Field(60.0, gt=0)  # SIGTERM / Ctrl-C waits this long for in-flight requests
+    distill: bool = False  # live distillation: trainer group + weight registry beside the replicas
+    weight_poll_s: float = Field(0.5, gt=0)  # how often a replica checks the registry for a new version
 
 
 class RayConfig(_Section):
