@@ -243,6 +243,9 @@ class RayConfig(_Section):
     address: str | None = None  # None = RAY_ADDRESS if set, else a local ray.init()
     dashboard_host: str = "127.0.0.1"
     num_cpus: int | None = Field(None, ge=1)  # local ray.init only
+    # local ray.init only: start the Ray dashboard (metrics, job API) when its packages (`ray[default]`)
+    # are installed; without them the run continues on a minimal Ray and says so. false = never.
+    include_dashboard: bool = True
 
 
 class LoggingConfig(_Section):

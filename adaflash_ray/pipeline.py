@@ -49,9 +49,25 @@ def init_ray(cfg: RunConfig) -> tuple[bool, str | None]:
         return False, getattr(info, "dashboard_url", None)
     need = (cfg.placement.num_inference_workers * cfg.placement.cpus_per_inference_worker
             + cfg.placement.num_trainers * cfg.placement.cpus_per_trainer)
-    info = ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=True, dashboard_host=cfg.ray.dashboard_host,
+    info = ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=dashboard_wanted(cfg),
+                    dashboard_host=cfg.ray.dashboard_host,
                     num_cpus=cfg.ray.num_cpus or max(int(need + 0.999), os.cpu_count() or 1), log_to_driver=True)
     return True, getattr(info, "dashboard_url", None)
+
+
+def dashboard_wanted(cfg: RunConfig) -> bool:
+    """Whether a local Ray should start its dashboard: ``ray.include_dashboard`` and its packages
+    (``ray[default]``: aiohttp, ...) importable. Prints why it stays off when they are missing (a
+    minimal ``pip install ray`` refuses ``include_dashboard=True`` outright)."""
+    if not cfg.ray.include_dashboard:
+        return False
+    missing = ray._private.utils.get_dashboard_dependency_error()
+    if missing is not None:
+        console.print(f"ray: dashboard off - its packages are not installed ({missing}); install them with "
+                      "`pip install 'ray[default]'`, or set ray.include_dashboard=false to silence this",
+                      markup=False)
+        return False
+    return True
 
 
 def _pg(bundles: list[dict], what: str):

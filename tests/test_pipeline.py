@@ -146,3 +146,30 @@ def test_bad_init_checkpoint_fails_before_ray_starts(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     assert "vocab_size 32000 != target vocab_size 49152" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("flag,deps_installed,expect", [(True, True, True), (True, False, False),
+                                                        (False, True, False)])
+def test_dashboard_is_a_recipe_choice(monkeypatch, capsys, flag, deps_installed, expect):
+    """ray.include_dashboard: on where the dashboard's packages are installed; a minimal Ray (no
+    `ray[default]`) runs without it and the driver says why; false turns it off."""
+    import ray
+
+    from adaflash_ray import pipeline
+    from adaflash_ray.config import load_recipe
+
+    cfg = load_recipe("recipes/cpu_tiny.yaml", [f"ray.include_dashboard={str(flag).lower()}"])
+    assert cfg.ray.include_dashboard is flag
+    monkeypatch.setattr(ray._private.utils, "get_dashboard_dependency_error",
+                        lambda: None if deps_installed else ImportError("No module named 'aiohttp'"))
+    seen = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert pipeline.init_ray(cfg) == (True, None)
+    assert seen["include_dashboard"] is expect and seen["_node_ip_address"] == "127.0.0.1"
+    err = capsys.readouterr().err
+    if flag and not deps_installed:
+        assert "dashboard off" in err and "aiohttp" in err and "ray[default]" in err
+    else:
+        assert "dashboard off" not in err
