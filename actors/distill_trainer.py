@@ -60,9 +60,16 @@ class DistillTrainer:
         n = sum(p.numel() for p in self.core.publish_tensors().values())
         return {"rank": self.rank, "num_trainable_params": n}
 
+    def serving_tensors(self) -> dict[str, torch.Tensor]:
+        """The drafter (+ head) as the workers will hold it: the trainer's float32 master weights cast to
+        the serving dtype (``model.dtype``), so the published checksum names exactly what a faithful
+        load holds, on a bf16 GPU worker as on a float32 CPU one (issue 6.2)."""
+        dtype = getattr(torch, self.cfg.model.dtype)  # float32 | bfloat16 | float16
+        return {k: v.to(dtype) for k, v in self.core.publish_tensors().items()}
+
     def initial_weights(self) -> tuple[list, str, dict]:
         """Version 0 (the untrained drafter): ``([ObjectRef], sha256, drafter config dict)``."""
-        tensors = self.core.publish_tensors()
+        tensors = self.serving_tensors()
         return [ray.put(tensors)], tensors_sha256(tensors), self.core.drafter_model_config().as_dict()
 
     def run(self, buffer, registry, num_versions: int | None = None) -> dict:
@@ -101,7 +108,7 @@ class DistillTrainer:
             if step % dc.publish_every == 0:  # every rank counts versions; rank 0 publishes
                 if self.rank == 0:
                     t0 = time.perf_counter()
-                    tensors = self.core.publish_tensors()
+                    tensors = self.serving_tensors()
                     sha = tensors_sha256(tensors)
                     ref = ray.put(tensors)
                     reports = ray.get(registry.publish.remote(self.version + 1, self.version, step, [ref], sha,

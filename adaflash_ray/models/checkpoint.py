@@ -23,8 +23,32 @@ class CheckpointError(ValueError):
     """A drafter checkpoint is missing, corrupt, truncated or does not fit the target."""
 
 
+_CANONICAL = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 over names, dtypes, shapes and raw bytes, in sorted name order (stable across runs)."""
+    """sha256 of the tensors' canonical form, in sorted name order (stable across runs and devices).
+
+    Canonical form: each float32 / bfloat16 / float16 tensor is hashed as its values in float32 (a lossless
+    widening), so the checksum names the *values*, not the storage: a bf16 publication hashes the same
+    on the trainer, on a bf16 GPU worker and on a float32 CPU worker that loaded it faithfully, while any
+    changed value (one bf16 ulp is enough) changes it. Other dtypes (float64, integers) are hashed raw
+    with their dtype. Names and shapes are always part of the hash.
+    """
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach()
+        if t.dtype in _CANONICAL:
+            t, tag = t.to(device="cpu", dtype=torch.float32).contiguous(), "value"
+        else:
+            t, tag = t.cpu().contiguous(), str(t.dtype)
+        h.update(f"{name}|{tag}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _legacy_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """The storage-dtype checksum of checkpoints written before the canonical form (still accepted on load)."""
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].detach().cpu().contiguous()
@@ -79,7 +103,7 @@ def load_drafter_checkpoint(path: str | Path) -> tuple[DrafterModelConfig, dict[
             meta = dict(fh.metadata() or {})
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
         raise CheckpointError(f"drafter checkpoint {path}: model.safetensors is corrupt or truncated: {e}") from e
-    if "sha256" in meta and meta["sha256"] != tensors_sha256(tensors):
+    if "sha256" in meta and meta["sha256"] not in (tensors_sha256(tensors), _legacy_sha256(tensors)):
         raise CheckpointError(f"drafter checkpoint {path}: sha256 mismatch (file modified or corrupt)")
     return cfg, tensors, meta
 
