@@ -6,6 +6,7 @@ requests in flight continue and stay correct (verification is lossless whatever 
 """
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import time
@@ -45,7 +46,9 @@ class InferenceWorker:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._new: list = []  # (prompt_ids, params, record, pending)
-        self._swap: list = []  # (version, tensors, sha256, config, pending)
+        self._swap: list = []  # (version, tensors, sha256, config, pending[, rollback])
+        self._num_refused = 0  # versions refused as not newer than the loaded one
+        self._num_rollbacks = 0
         self._waiters: dict[str, tuple] = {}
         self._stop = False
         self._dead: Exception | None = None
@@ -89,15 +92,14 @@ class InferenceWorker:
                 except ValueError as e:
                     pending.error = e
                     pending.event.set()
-            for version, tensors, sha, config, pending in swaps:  # between steps, never inside one
+            for version, tensors, sha, config, pending, *rollback in swaps:  # between steps, never inside one
                 if version == "cancel":
                     pending.result = self._cancel_recorded_now()
                     pending.event.set()
                     continue
                 try:
-                    pending.result = {"version": version, "sha256": eng.load_drafter(tensors, version, sha, config),
-                                      "worker": self.index}
-                    self._g_version.set(version)
+                    pending.result = self._apply_swap(version, tensors, sha, config, bool(rollback and rollback[0]))
+                    self._g_version.set(eng.drafter_version)
                 except Exception as e:  # refused: old drafter stays loaded
                     pending.error = e
                 pending.event.set()
@@ -176,17 +178,54 @@ class InferenceWorker:
     def load_drafter(self, version: int, tensors: dict, sha256: str | None = None,
                      config: dict | None = None, timeout_s: float = 600.0) -> dict:
         """Queue a weight swap, applied between engine steps; returns {worker, version, sha256}.
+        Versions only move forward: a version <= the loaded one is refused (a late or duplicated
+        delivery, a restarted trainer) - except the same version with the same sha256, a harmless
+        duplicate, answered with ``already_loaded: True``. Going back takes :meth:`rollback_drafter`.
         Raises CheckpointError if refused (the old drafter stays loaded)."""
+        return self._queue_swap(version, tensors, sha256, config, timeout_s, rollback=False)
+
+    def rollback_drafter(self, version: int, tensors: dict, sha256: str | None = None,
+                         config: dict | None = None, timeout_s: float = 600.0) -> dict:
+        """Explicitly return to an older (or the same) ``version`` (the τ canary, the held-out evaluation of
+        every version); returns {worker, version, sha256, rolled_back_from}. Raises CheckpointError for a
+        version newer than the loaded one (that is a :meth:`load_drafter`) or a bad drafter."""
+        return self._queue_swap(version, tensors, sha256, config, timeout_s, rollback=True)
+
+    def _queue_swap(self, version, tensors, sha256, config, timeout_s: float, rollback: bool) -> dict:
         cfg = DrafterModelConfig(**config) if isinstance(config, dict) else config
         pe = _Pending()
         with self._wake:
-            self._swap.append((version, tensors, sha256, cfg, pe))
+            self._swap.append((version, tensors, sha256, cfg, pe, rollback))
             self._wake.notify()
         if not pe.event.wait(timeout_s):
             raise TimeoutError(f"worker {self.index}: weight swap to version {version} not applied in {timeout_s}s")
         if pe.error is not None:
             raise CheckpointError(str(pe.error)) if not isinstance(pe.error, CheckpointError) else pe.error
         return pe.result
+
+    def _apply_swap(self, version: int, tensors: dict, sha: str | None, config, rollback: bool) -> dict:
+        """Engine thread only: enforce the version order, then swap (issue 9 part 1)."""
+        eng = self.engine
+        current = eng.drafter_version
+        fresh = eng.num_reloads == 0 and version == current == 0  # the initial version-0 load
+        if rollback:
+            if version > current:
+                raise CheckpointError(f"worker {self.index}: rollback to version {version} refused: it is newer "
+                                      f"than the loaded version {current} (use load_drafter)")
+            if "rollback" in inspect.signature(eng.load_drafter).parameters:
+                out = eng.load_drafter(tensors, version, sha, config, rollback=True)
+            else:  # an engine without version ordering (before issue 9.1's engine side) takes any version
+                out = eng.load_drafter(tensors, version, sha, config)
+            self._num_rollbacks += 1
+            return {"version": version, "sha256": out, "worker": self.index, "rolled_back_from": current}
+        if version <= current and not fresh:
+            if version == current and sha is not None and sha == eng.drafter_sha256:
+                return {"version": version, "sha256": sha, "worker": self.index, "already_loaded": True}
+            self._num_refused += 1
+            raise CheckpointError(f"worker {self.index}: drafter version {version} refused: not newer than the "
+                                  f"loaded version {current}, which stays loaded (a rollback must name its "
+                                  "version through rollback_drafter)")
+        return {"version": version, "sha256": eng.load_drafter(tensors, version, sha, config), "worker": self.index}
 
     def cancel_recorded(self, timeout_s: float = 300.0) -> int:
         """Drop queued (not yet decoding) on-policy data requests, e.g. once training has ended;
@@ -231,6 +270,8 @@ class InferenceWorker:
                "spec/tokens_per_s": w["tokens"] / max(now - w["t0"], 1e-9),
                "spec/drafter_version": float(eng.drafter_version),
                "spec/num_reloads": float(eng.num_reloads),
+               "spec/num_refused_versions": float(self._num_refused),
+               "spec/num_rollbacks": float(self._num_rollbacks),
                "spec/num_trajectories": float(self._num_traj),
                "spec/queue_depth": float(self.queue_depth()),
                "spec/total_accept_len": eng.stats.accept_len,

@@ -277,9 +277,10 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
         eval_tau, eval_waste, eval_hist = {}, {}, {}
         from adaflash_ray.models import load_drafter_checkpoint
 
-        for v in sorted(shas):
+        for i, v in enumerate(sorted(shas)):  # back to v0 (an explicit rollback), then forward version by version
             _, tens, _ = load_drafter_checkpoint(ckpt_dir / f"v{v}")
-            ray.get(workers[0].load_drafter.remote(v, tens, shas[v], dcfg))
+            load = workers[0].rollback_drafter if i == 0 else workers[0].load_drafter
+            ray.get(load.remote(v, tens, shas[v], dcfg))
             res = ray.get(workers[0].generate.remote(list(evalp), cfg.data.eval_max_new_tokens, 0.0, False))
             eval_tau[v], eval_waste[v], eval_hist[v] = _eval_tau(res)
             sink.log({"eval/version": v, "eval/accept_len": eval_tau[v], "eval/draft_waste": eval_waste[v]},

@@ -218,3 +218,41 @@ def test_driver_poll_tolerates_restarts_but_not_a_dead_worker(ray_local):
     time.sleep(1)
     with pytest.raises(WorkerLost, match="will not be restarted"):
         _poll([p.ping.remote()], None)
+
+
+def test_versions_never_go_backwards_out_of_order_delivery(workers):
+    """Issue 9.1: a late (older) version is refused with a clear error and the newer drafter stays;
+    two swaps in flight at once are applied in arrival order, the older one refused; a duplicate of
+    the loaded version is harmless; going back takes an explicit rollback naming the version."""
+    from adaflash_ray.models import CheckpointError  # noqa: F401
+
+    _, ws = workers
+    w = ws[1]
+    cur = ray.get(w.loaded_version.remote())["version"]
+    new, old = _perturbed(w, 21), _perturbed(w, 22)
+    sha_new, sha_old = tensors_sha256(new), tensors_sha256(old)
+    assert ray.get(w.load_drafter.remote(cur + 2, new, sha_new))["version"] == cur + 2
+    with pytest.raises(ray.exceptions.RayTaskError, match=rf"version {cur + 1} refused: not newer than the "
+                                                          rf"loaded version {cur + 2}"):
+        ray.get(w.load_drafter.remote(cur + 1, old, sha_old))  # delivered late
+    assert ray.get(w.loaded_version.remote()) == {"worker": 1, "version": cur + 2, "sha256": sha_new}
+    dup = ray.get(w.load_drafter.remote(cur + 2, new, sha_new))  # the same version again: no-op
+    assert dup["already_loaded"] is True and dup["sha256"] == sha_new
+    with pytest.raises(ray.exceptions.RayTaskError, match="not newer"):  # same number, other weights
+        ray.get(w.load_drafter.remote(cur + 2, old, sha_old))
+    # two deliveries in flight together, the newer first: the older one loses
+    a, b = _perturbed(w, 23), _perturbed(w, 24)
+    r4, r3 = w.load_drafter.remote(cur + 4, a, tensors_sha256(a)), w.load_drafter.remote(cur + 3, b, tensors_sha256(b))
+    assert ray.get(r4)["version"] == cur + 4
+    with pytest.raises(ray.exceptions.RayTaskError, match="not newer"):
+        ray.get(r3)
+    assert ray.get(w.loaded_version.remote())["sha256"] == tensors_sha256(a)
+    stats = ray.get(w.stats.remote())
+    assert stats["spec/num_refused_versions"] >= 3 and stats["spec/drafter_version"] == cur + 4
+    # an explicit rollback names the version it returns to; a "rollback" forward is refused
+    back = ray.get(w.rollback_drafter.remote(cur + 2, new, sha_new))
+    assert back["version"] == cur + 2 and back["rolled_back_from"] == cur + 4
+    assert ray.get(w.loaded_version.remote()) == {"worker": 1, "version": cur + 2, "sha256": sha_new}
+    with pytest.raises(ray.exceptions.RayTaskError, match="newer than the loaded version"):
+        ray.get(w.rollback_drafter.remote(cur + 9, a, None))
+    assert ray.get(w.stats.remote())["spec/num_rollbacks"] == 1
