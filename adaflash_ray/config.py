@@ -38,6 +38,7 @@ __all__ = [
     "RayConfig",
     "RecipeError",
     "RunConfig",
+    "SGLangConfig",
     "ServeConfig",
     "DEFAULT_RECIPE",
     "add_recipe_args",
@@ -143,10 +144,23 @@ class LengthHeadConfig(_Section):
     lookahead: int = Field(1, ge=0)
 
 
+class SGLangConfig(_Section):
+    """``engine.backend: sglang`` settings (adaflash_ray/backends/sglang.py; sglang 0.5.23 ServerArgs names)."""
+
+    tp_size: int = Field(1, ge=1)  # GPUs per SGLang engine (one engine per InferenceWorker)
+    pp_size: int = Field(1, ge=1)  # DFLASH supports 1 only (validated)
+    dp_size: int = Field(1, ge=1)  # tensor weight updates support 1 only (validated)
+    mem_fraction_static: float | None = Field(None, gt=0, lt=1)  # None = SGLang's own choice
+    # how generation is paused around a drafter refit: retract = requests go back to the queue and the update
+    # flushes the KV cache (draft K/V rebuilt under the new weights); in_place = keep the old K/V, no flush
+    pause_mode: Literal["retract", "in_place"] = "retract"
+
+
 class EngineConfig(_Section):
     """The inference engine: which backend (ARCHITECTURE.md, "Inference backends") and its limits."""
 
     backend: Literal["torch", "sglang"] = "torch"  # torch = the built-in engine
+    sglang: SGLangConfig = Field(default_factory=SGLangConfig)  # read only with backend: sglang
     max_batch_size: int = Field(8, ge=1)
     max_new_tokens: int = Field(96, ge=1)
     max_seq_len: int = Field(1024, ge=1)  # prompt + generation + one block of slack
@@ -254,7 +268,8 @@ class LoggingConfig(_Section):
     run_root: str = "runs"
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str = "adaflash_ray"
-    progress: bool = True
+    progress: bool = True  # a progress bar on a terminal; without one (ray job logs), a plain line ...
+    progress_every_s: float = Field(30.0, gt=0)  # ... every this many seconds
 
 
 class RunConfig(_Section):
@@ -303,6 +318,8 @@ class RunConfig(_Section):
             )
         if self.engine.backend == "sglang" and not self.model.device.startswith("cuda"):
             raise ValueError("engine.backend sglang needs model.device cuda")
+        if self.engine.backend == "sglang":
+            self._check_sglang()
         if self.model.device.startswith("cuda"):
             p = self.placement
             if p.gpus_per_inference_worker <= 0 or p.gpus_per_trainer <= 0:
@@ -314,6 +331,26 @@ class RunConfig(_Section):
             raise ValueError(f"placement reserves GPUs but model.device is {self.model.device!r}: set "
                              "model.device: cuda, or the gpus_per_* fields to 0")
         return self
+
+    def _check_sglang(self) -> None:
+        """What SGLang's DFLASH engine cannot honour (sglang 0.5.23; adaflash_ray/backends/sglang.py says where)."""
+        s = self.engine.sglang
+        if self.drafter.mask_token_id is None:
+            raise ValueError("engine.backend sglang needs drafter.mask_token_id (a spare id inside the target "
+                             "vocabulary): SGLang ignores the learned mask_embedding and would add a MASK token to "
+                             "the tokenizer, whose id lands outside the embedding for e.g. SmolLM2")
+        if self.length_head.policy != "fixed":
+            raise ValueError(f"engine.backend sglang needs length_head.policy fixed (got {self.length_head.policy!r}):"
+                             " SGLang's DFLASH drafts block_size-1 tokens every step, no per-request draft length")
+        if s.pp_size != 1:
+            raise ValueError(f"engine.sglang.pp_size must be 1 (got {s.pp_size}): DFLASH supports pp_size == 1 only")
+        if s.dp_size != 1:
+            raise ValueError(f"engine.sglang.dp_size must be 1 (got {s.dp_size}): SGLang's tensor weight update "
+                             "asserts dp_size == 1 and the disk update has no draft selector; scale with "
+                             "placement.num_inference_workers instead")
+        if s.tp_size > self.placement.gpus_per_inference_worker:
+            raise ValueError(f"engine.sglang.tp_size ({s.tp_size}) exceeds placement.gpus_per_inference_worker "
+                             f"({self.placement.gpus_per_inference_worker})")
 
     def dump_yaml(self, path: str | Path) -> Path:
         """Write the resolved config as YAML (loadable again by :func:`load_recipe`); returns the path."""
