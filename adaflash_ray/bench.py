@@ -85,14 +85,17 @@ def _header(device: str) -> dict:
 def domain_prompts(tokenizer, domain: str, n: int, max_prompt_tokens: int, seed: int) -> list[list[int]]:
     """Token ids of ``n`` chat-templated prompts of one domain (:data:`DOMAINS`), deterministic under ``seed``.
 
-    Asks :func:`load_eval_prompts` for up to 2n (prompts over ``max_prompt_tokens`` are dropped, not cut).
+    Asks :func:`load_eval_prompts` for up to 4n (prompts over ``max_prompt_tokens`` are dropped, not cut).
     Raises ValueError if fewer than ``n`` fit.
     """
     source = DOMAINS[domain]
-    try:
-        prompts = load_eval_prompts([source], 2 * n, seed)
-    except ValueError:  # the source holds fewer than 2n
-        prompts = load_eval_prompts([source], n, seed)
+    for k in (4, 2, 1):  # as many spares as the source holds
+        try:
+            prompts = load_eval_prompts([source], k * n, seed)
+            break
+        except ValueError:
+            if k == 1:
+                raise
     ids = list(encode_prompts(tokenizer, prompts, max_prompt_tokens))[:n]
     if len(ids) < n:
         raise ValueError(f"domain {domain!r} ({source}) has only {len(ids)} prompts of <= {max_prompt_tokens} "
@@ -275,10 +278,10 @@ def bench_shape_doc(shape: str, *, device: str, concurrency: list[int], context:
                     drafter_layers=drafter_layers, block_size=block_size, num_iters=num_iters, log=log)
     rows = []
     for b in sorted(set(concurrency)):
-        ar, spec = t["ar_engine_step_ms"][str(b)], t["spec_engine_step_ms"][str(b)]
+        ar, spec = t["ar_step_ms"][str(b)], t["spec_step_ms"][str(b)]
         common = {"concurrency": b, "domain": None, "shape": shape, "acceptance_rate": None, "draft_waste": None,
                   "gamma_hist": {}, "lossless": None, "memory_floor_ms": t["memory_floor_ms"],
-                  "verify_ms": t["verify_cost"][str(b)]["1"]}
+                  "forward_ms": t["ar_forward_ms"][str(b)]}
         rows.append({"method": "ar", **common, "ms_per_step": ar, "tokens_per_s": 1000 * b / ar,
                      "speedup_vs_ar": 1.0, "tau": 1.0})
         rows.append({"method": "dflash", **common, "ms_per_step": spec, "tokens_per_s": None,
@@ -298,13 +301,14 @@ def print_table(doc: dict, console: Console) -> None:
                         f"{doc['context']} | copy bandwidth {doc['copy_bandwidth_gb_s']:.0f} GB/s, memory floor "
                         f"{doc['memory_floor_ms']:.3f} ms ({doc['decode_weight_bytes'] / 1e9:.3f} GB per step)")
         widths = list(next(iter(doc["verify_cost"].values())))
-        for col in ["batch", "AR step ms", "x floor", "AR engine ms", "spec engine ms",
-                    *[f"verify w={w}" for w in widths], f"w={widths[-1]}/w=1", "propose ms", "propose/AR"]:
+        floor = doc["memory_floor_ms"]
+        for col in ["batch", "AR step ms", "x floor", "AR fwd ms", "x floor", "spec step ms",
+                    *[f"verify w={w}" for w in widths], f"w={widths[-1]}/w=1", "propose ms", "propose/AR step"]:
             t.add_column(col, no_wrap=True)
         for b, row in doc["verify_cost"].items():
-            ar = doc["ar_step_ms"][b]
-            t.add_row(b, f"{ar:.3f}", f"{ar / doc['memory_floor_ms']:.2f}x", f"{doc['ar_engine_step_ms'][b]:.3f}",
-                      f"{doc['spec_engine_step_ms'][b]:.3f}", *[f"{row[w]:.3f}" for w in widths],
+            ar, fwd = doc["ar_step_ms"][b], doc["ar_forward_ms"][b]
+            t.add_row(b, f"{ar:.3f}", f"{ar / floor:.2f}x", f"{fwd:.3f}", f"{fwd / floor:.2f}x",
+                      f"{doc['spec_step_ms'][b]:.3f}", *[f"{row[w]:.3f}" for w in widths],
                       f"{row[widths[-1]] / row['1']:.2f}x", f"{doc['propose_ms'][b]:.3f}",
                       f"{doc['propose_frac_of_ar'][b]:.1%}")
         console.print(t)
@@ -337,14 +341,15 @@ def plot(doc: dict, path: str) -> None:
         batches = [int(b) for b in doc["verify_cost"]]
         for w in next(iter(doc["verify_cost"].values())):
             ax.plot(batches, [doc["verify_cost"][str(b)][w] for b in batches], marker="o", label=f"verify w={w}")
-        ax.plot(batches, [doc["ar_engine_step_ms"][str(b)] for b in batches], "k--", marker="s", label="AR engine step")
+        ax.plot(batches, [doc["ar_step_ms"][str(b)] for b in batches], "k--", marker="s", label="AR engine step")
         ax.axhline(doc["memory_floor_ms"], color="gray", ls=":", label="memory floor")
         ax.set(xscale="log", xlabel="batch", ylabel="ms", title=f"{doc['shape']} ({doc['device']}, random weights)")
         ax.legend(fontsize=7)
     else:
         domains = list(dict.fromkeys(r["domain"] for r in doc["rows"]))
         methods = list(dict.fromkeys(r["method"] for r in doc["rows"]))
-        fig, axes = plt.subplots(2, len(domains), figsize=(4 * len(domains), 6.5), squeeze=False)
+        concs = sorted({r["concurrency"] for r in doc["rows"]})
+        fig, axes = plt.subplots(2, len(domains), figsize=(max(6.0, 4.0 * len(domains)), 6.5), squeeze=False)
         for j, d in enumerate(domains):
             for m in methods:
                 rs = sorted((r for r in doc["rows"] if r["domain"] == d and r["method"] == m),
@@ -356,8 +361,11 @@ def plot(doc: dict, path: str) -> None:
             axes[0, j].set(title=f"{d} ({doc['domains'][d]})", ylabel="tokens/s", xscale="log")
             axes[1, j].set(xlabel="concurrency", ylabel="speedup vs AR", xscale="log")
             axes[1, j].axhline(1.0, color="gray", ls=":")
+            for ax in axes[:, j]:
+                ax.set_xticks(concs, [str(c) for c in concs])
         axes[0, 0].legend(fontsize=7)
-        fig.suptitle(f"{doc['model']} on {doc['device']} ({doc['dtype']}), commit {(doc['commit'] or '?')[:8]}")
+        fig.suptitle(f"{doc['model']} on {doc['device']} ({doc['dtype']}), commit {(doc['commit'] or '?')[:8]}",
+                     fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

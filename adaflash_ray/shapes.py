@@ -176,13 +176,13 @@ def bench_shape(name: str, *, device: str = "cuda", dtype: torch.dtype = torch.b
                 log=print) -> dict:
     """Step timings of a random-weight model of shape ``name`` (random weights: timings only, no acceptance).
 
-    Measures, on one :class:`SpecEngine` (fixed γ = block_size-1) with ``max(batch_sizes)`` slots:
-    ``verify_cost[batch][width]`` = median ms of one target verify forward (``SpecEngine.time_verify``;
-    widths 1, 2, 4, 8, 16, 17 up to block_size) over the engine's prefilled context; ``propose_ms[batch]``
-    = median ms of one drafter propose + length policy (``SpecEngine.time_propose``) and its fraction of the
-    AR step ``verify_cost[batch][1]``; the memory floor = :func:`decode_weight_bytes` / copy bandwidth; and
-    whole engine steps (``ar_engine_step_ms`` on an AR-only engine, ``spec_engine_step_ms``) from
-    ``generate`` on random prompts of ``context`` tokens with ``num_new`` new tokens.
+    Measures (all in ms): ``ar_step_ms[batch]`` = mean whole engine step of an AR-only engine (``generate`` on
+    random prompts of ``context`` tokens, ``num_new`` new tokens, prefill excluded) and ``spec_step_ms`` the
+    same for a fixed-γ (block_size-1) spec engine; on the spec engine, ``verify_cost[batch][width]`` = median
+    of one target verify forward (``SpecEngine.time_verify``; widths 1, 2, 4, 8, 16, 17 up to block_size) over
+    the prefilled context (``ar_forward_ms`` = width 1), ``propose_ms[batch]`` = median drafter propose +
+    length policy (``SpecEngine.time_propose``) and ``propose_frac_of_ar`` = propose_ms / ar_step_ms;
+    ``memory_floor_ms`` = :func:`decode_weight_bytes` / :func:`measure_copy_bandwidth`.
 
     Raises:
         ShapeError: unknown or unsupported shape.
@@ -217,10 +217,10 @@ def bench_shape(name: str, *, device: str = "cuda", dtype: torch.dtype = torch.b
         "dtype": str(dtype).removeprefix("torch."), "context": context, "num_new_tokens": num_new,
         "block_size": block_size, "drafter_layers": drafter_layers, "num_iters": num_iters,
         "decode_weight_bytes": weight_bytes, "copy_bandwidth_gb_s": bandwidth / 1e9, "memory_floor_ms": floor_ms,
-        "ar_step_ms": {str(b): verify_cost[b][1] for b in batch_sizes},
-        "ar_engine_step_ms": {str(b): v for b, v in ar_step.items()},
-        "spec_engine_step_ms": {str(b): v for b, v in spec_step.items()},
+        "ar_step_ms": {str(b): v for b, v in ar_step.items()},
+        "spec_step_ms": {str(b): v for b, v in spec_step.items()},
+        "ar_forward_ms": {str(b): verify_cost[b][1] for b in batch_sizes},
         "verify_cost": {str(b): {str(w): ms for w, ms in row.items()} for b, row in verify_cost.items()},
         "propose_ms": {str(b): v for b, v in propose_ms.items()},
-        "propose_frac_of_ar": {str(b): propose_ms[b] / verify_cost[b][1] for b in batch_sizes},
+        "propose_frac_of_ar": {str(b): propose_ms[b] / ar_step[b] for b in batch_sizes},
     }
