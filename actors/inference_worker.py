@@ -37,12 +37,20 @@ class InferenceWorker:
         self.cfg, self.index, self.buffer = cfg, worker_index, buffer
         torch.set_num_threads(cfg.engine.num_threads)
         torch.manual_seed(cfg.seed)
-        target = load_target(cfg.model)
-        drafter, head = build_drafter(target, cfg.drafter, cfg.length_head, seed=cfg.seed)
-        lh = cfg.length_head
-        self.engine = SpecEngine(target, drafter, head, policy=lh.policy, rate=lh.rate, min_len=lh.min_len,
-                                 max_batch_size=cfg.engine.max_batch_size, max_seq_len=cfg.engine.max_seq_len,
-                                 record=True, seed=cfg.seed + 1000 * worker_index)
+        self.backend = None  # engine.backend sglang: SGLang's DFLASH engine serves, also as self.engine for swaps
+        if cfg.engine.backend == "sglang":
+            import tempfile
+
+            from adaflash_ray.backends.sglang import SGLangBackend
+            workdir = tempfile.mkdtemp(prefix=f"adaflash-sglang-w{worker_index}-")  # version 0 is written here
+            self.backend = self.engine = SGLangBackend(cfg, workdir).start()
+        else:
+            target = load_target(cfg.model)
+            drafter, head = build_drafter(target, cfg.drafter, cfg.length_head, seed=cfg.seed)
+            lh = cfg.length_head
+            self.engine = SpecEngine(target, drafter, head, policy=lh.policy, rate=lh.rate, min_len=lh.min_len,
+                                     max_batch_size=cfg.engine.max_batch_size, max_seq_len=cfg.engine.max_seq_len,
+                                     record=True, seed=cfg.seed + 1000 * worker_index)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._new: list = []  # (prompt_ids, params, record, pending)
@@ -158,6 +166,9 @@ class InferenceWorker:
         """Generate for ``prompts`` (token id lists); blocks until all finish. Each result: output_ids,
         finish_reason, per-step draft_lens / num_accepted / step_versions. Raises ValueError for a
         rejected request (bad length / ids)."""
+        if self.backend is not None:
+            return [self._sglang_emit(r) for r in self.backend.generate(prompts, max_new_tokens, temperature,
+                                                                         ignore_eos, record)]
         params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=ignore_eos)
                   for _ in prompts]
         pend = self._enqueue([(p, sp, record) for p, sp in zip(prompts, params)])
@@ -171,6 +182,8 @@ class InferenceWorker:
 
     def submit(self, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0) -> int:
         """Fire-and-forget recorded generation (on-policy data); returns the number queued."""
+        if self.backend is not None:
+            return self.backend.submit(prompts, max_new_tokens, temperature, self._sglang_emit)
         self._enqueue([(p, SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature), True)
                        for p in prompts])
         return len(prompts)
@@ -231,6 +244,8 @@ class InferenceWorker:
         """Drop queued (not yet decoding) on-policy data requests, e.g. once training has ended;
         requests already decoding finish normally. Applied by the engine thread between steps.
         Returns how many were dropped."""
+        if self.backend is not None:  # SGLang: abort recorded requests in flight
+            return self.backend.cancel_recorded()
         pe = _Pending()
         with self._wake:
             self._swap.append(("cancel", None, None, None, pe))
@@ -255,12 +270,27 @@ class InferenceWorker:
     def loaded_version(self) -> dict:
         return {"worker": self.index, "version": self.engine.drafter_version, "sha256": self.engine.drafter_sha256}
 
+    def _sglang_emit(self, result: dict) -> dict:
+        """SGLang backend: hand a finished request's trajectory to the buffer; the result without it."""
+        traj = result.pop("trajectory", None)
+        if traj is not None and self.buffer is not None:
+            self.buffer.add.remote([ray.put(traj)], traj.drafter_version, traj.num_response_tokens)
+            self._num_traj += 1
+        for g in result.get("draft_lens", ()):
+            self._h_gamma.observe(g)
+        return result
+
     def queue_depth(self) -> int:
+        if self.backend is not None:
+            return self.backend.queue_depth()
         with self._lock:
             return len(self._new) + self.engine.scheduler.num_unfinished
 
     def stats(self) -> dict[str, float]:
         """Flat metrics since the last call (window) plus totals; τ = mean(a+1) per verify step."""
+        if self.backend is not None:
+            return {**self.backend.stats(), "spec/num_refused_versions": float(self._num_refused),
+                    "spec/num_rollbacks": float(self._num_rollbacks)}
         eng, w = self.engine, self._window
         now = time.perf_counter()
         steps = max(w["steps"], 1)
@@ -288,9 +318,13 @@ class InferenceWorker:
         return {k: v.detach().cpu().clone() for k, v in self.engine.drafter_tensors().items()}
 
     def drafter_config(self) -> dict:
+        if self.backend is not None:
+            return self.backend.drafter_config.as_dict()
         return self.engine.drafter.config.as_dict()
 
     def draft_len_histogram(self) -> dict[int, int]:
+        if self.backend is not None:
+            return self.backend.draft_len_histogram()
         return dict(self.engine.stats.draft_len_hist)
 
     def pid(self) -> int:
@@ -301,3 +335,5 @@ class InferenceWorker:
             self._stop = True
             self._wake.notify()
         self._thread.join(timeout=10)
+        if self.backend is not None:
+            self.backend.shutdown()

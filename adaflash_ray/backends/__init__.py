@@ -11,7 +11,7 @@ An :class:`~actors.inference_worker.InferenceWorker` serves through one backend,
 The protocol is what the worker (and Ray Serve) call; every method is blocking and thread-safe::
 
     backend.generate(prompts, max_new_tokens=64, temperature=0.0, ignore_eos=False, record=False) -> list[dict]
-    backend.load_drafter(version, tensors, sha256=None, config=None) -> {"version", "sha256"}
+    backend.load_drafter(tensors, version, sha256=None, config=None) -> sha256   # SpecEngine.load_drafter's order
     backend.loaded_version() -> {"version", "sha256"}
     backend.stats() -> dict[str, float]            # the same spec/* keys as the built-in engine's worker
 
@@ -36,9 +36,10 @@ class InferenceBackend(Protocol):
         ``draft_lens`` / ``num_accepted`` / ``step_versions``, and ``trajectory`` (a Trajectory or None)."""
         ...
 
-    def load_drafter(self, version: int, tensors: dict[str, torch.Tensor], sha256: str | None = None,
-                     config=None) -> dict:
-        """Swap in drafter ``version``; raises CheckpointError (old drafter still loaded) when refused."""
+    def load_drafter(self, tensors: dict[str, torch.Tensor], version: int, sha256: str | None = None,
+                     config=None) -> str:
+        """Swap in drafter ``version`` (argument order of ``SpecEngine.load_drafter``); returns its sha256;
+        raises CheckpointError (old drafter still loaded) when refused."""
         ...
 
     def loaded_version(self) -> dict:

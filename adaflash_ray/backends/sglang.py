@@ -290,7 +290,7 @@ class SGLangBackend:
         self._target_checksum = self._run(self._checksum(TARGET_SELECTOR))
         self._draft_checksum = self._run(self._checksum(DRAFT_SELECTOR))
         self._checksum_by_sha = {sha: self._draft_checksum}
-        self.version, self.sha256 = 0, sha
+        self.drafter_version, self.drafter_sha256 = 0, sha
         return self
 
     def shutdown(self) -> None:
@@ -461,21 +461,23 @@ class SGLangBackend:
         await tm.pause_generation(io.PauseGenerationReqInput(mode=self.pause_mode))
         try:
             ok, msg = await self._push(named, version)
-            problem = await self._verify(sha, self.sha256) if ok else f"update refused: {msg}"
+            problem = await self._verify(sha, self.drafter_sha256) if ok else f"update refused: {msg}"
             if problem is not None:  # put the old drafter back before anything generates again
-                ok_back, msg_back = await self._push(self._named, self.version)
-                back = await self._verify(self.sha256, sha) if ok_back else msg_back
+                old = self.drafter_version
+                ok_back, msg_back = await self._push(self._named, old)
+                back = await self._verify(self.drafter_sha256, sha) if ok_back else msg_back
                 raise CheckpointError(f"drafter version {version}: {problem}; " + (
-                    f"version {self.version} restored" if back is None else f"restoring version {self.version} "
-                    f"failed too ({back})"))
+                    f"version {old} restored" if back is None else f"restoring version {old} failed too ({back})"))
         finally:
             await tm.continue_generation(io.ContinueGenerationReqInput())
 
-    def load_drafter(self, version: int, tensors: dict[str, torch.Tensor], sha256: str | None = None,
-                     config: DrafterModelConfig | dict | None = None) -> dict:
+    def load_drafter(self, tensors: dict[str, torch.Tensor], version: int, sha256: str | None = None,
+                     config: DrafterModelConfig | dict | None = None, rollback: bool = False) -> str:
         """Swap in drafter ``version``: check -> pause -> draft-only update -> checksum -> continue.
 
-        Returns ``{"version", "sha256"}`` (sha256 of ``tensors`` as received, see checkpoint.tensors_sha256).
+        Same signature as ``SpecEngine.load_drafter`` so the InferenceWorker drives both alike; the version order
+        (and so ``rollback``) is the worker's business, any version label is accepted here.
+        Returns the sha256 of ``tensors`` as received (checkpoint.tensors_sha256).
         Raises:
             CheckpointError: sha256 mismatch, a different architecture, wrong names/shapes/non-finite values
                 (nothing sent), or SGLang refused the update / the draft checksum does not fit (the previous
@@ -497,16 +499,20 @@ class SGLangBackend:
         with self._update_lock:
             t0 = time.perf_counter()
             self._run(self._refit(named, version, digest))
-            self.version, self.sha256, self._named = version, digest, named
+            self.drafter_version, self.drafter_sha256, self._named = version, digest, named
             self.num_reloads += 1
             self.sync_seconds += time.perf_counter() - t0
-        return {"version": version, "sha256": digest}
+        return digest
 
     # ------------------------------------------------------------------ state
     def loaded_version(self) -> dict:
-        return {"version": self.version, "sha256": self.sha256}
+        return {"version": self.drafter_version, "sha256": self.drafter_sha256}
 
-    def current_tensors(self) -> dict[str, torch.Tensor]:
+    def has_unfinished(self) -> bool:
+        """Always False: SGLang schedules its own requests (the worker's step loop then only applies swaps)."""
+        return False
+
+    def drafter_tensors(self) -> dict[str, torch.Tensor]:
         """CPU copies of the served drafter tensors (checkpoint names, no length head)."""
         return {k: v.clone() for k, v in self._named}
 
@@ -521,7 +527,7 @@ class SGLangBackend:
             out = w.as_metrics("spec")
             out.update({"spec/accept_len": w.accept_len if w.num_verify_steps else 0.0,
                         "spec/tokens_per_s": w.num_generated / max(now - self._t0, 1e-9),
-                        "spec/drafter_version": float(self.version),
+                        "spec/drafter_version": float(self.drafter_version),
                         "spec/num_reloads": float(self.num_reloads),
                         "spec/num_trajectories": float(self.num_trajectories),
                         "spec/queue_depth": float(self.queue_depth()),
