@@ -1,0 +1,103 @@
+"""``python -m adaflash_ray.serve``: the OpenAI-compatible endpoint on the embedded default.
+
+    python -m adaflash_ray.serve                                   # local Ray on 127.0.0.1, CPU, SmolLM2-135M
+    python -m adaflash_ray.serve --recipe recipes/cpu_tiny.yaml --set serve.distill=true --port 8001
+    RAY_ADDRESS=127.0.0.1:6379 python -m adaflash_ray.serve ...     # deploy onto a running cluster instead
+
+Starts (or joins) Ray, starts Serve's HTTP proxy on ``serve.host:serve.port`` (127.0.0.1:8000 by default),
+deploys the app and prints ONE stdout line, ``adaflash_ray serving <model> at http://HOST:PORT``, once it
+answers. SIGTERM or Ctrl-C drains: every replica refuses new generations (503 + Retry-After) while the
+requests in flight finish (up to ``serve.drain_timeout_s``), then Serve and Ray stop and the exit code is 0.
+Exit 2: a bad recipe / override (the message names the field); 1: startup failed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+
+from adaflash_ray.config import RecipeError, RunConfig, add_recipe_args, config_from_args  # noqa: E402
+from adaflash_ray.serve.app import APP_NAME, build_app  # noqa: E402
+
+
+def _init_ray(cfg: RunConfig) -> bool:
+    """Join ``cfg.ray.address`` / $RAY_ADDRESS, else start a local Ray bound to 127.0.0.1 (as the pipeline
+    does). Returns True if this process started Ray."""
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return False
+    s, pl = cfg.serve, cfg.placement
+    need = s.num_replicas * s.cpus_per_replica + (pl.num_trainers * pl.cpus_per_trainer if s.distill else 0)
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=cfg.ray.include_dashboard,
+             dashboard_host=cfg.ray.dashboard_host,
+             num_cpus=cfg.ray.num_cpus or max(int(need + 0.999), os.cpu_count() or 1), log_to_driver=True)
+    return True
+
+
+def drain(timeout_s: float) -> int:
+    """Stop new generations on every replica and wait for the in-flight ones; returns those left."""
+    handle = serve.get_app_handle(APP_NAME)
+    handle.broadcast("begin_drain").results()
+    deadline = time.monotonic() + timeout_s
+    left = 0
+    while time.monotonic() < deadline:
+        left = sum(handle.broadcast("in_flight").results())
+        if left == 0:
+            break
+        time.sleep(0.2)
+    return left
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m adaflash_ray.serve", description=__doc__.split("\n")[0])
+    add_recipe_args(parser)
+    parser.add_argument("--port", type=int, default=None, help="HTTP port (default: serve.port, 8000)")
+    parser.add_argument("--host", default=None, help="bind address (default: serve.host, 127.0.0.1)")
+    ns = parser.parse_args(argv)
+    if ns.port is not None:
+        ns.overrides.append(f"serve.port={ns.port}")
+    if ns.host is not None:
+        ns.overrides.append(f"serve.host={ns.host}")
+    try:
+        cfg = config_from_args(ns)
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    started = False
+    try:
+        started = _init_ray(cfg)
+        serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
+        serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
+            signal.signal(sig, lambda *_: stop.set())
+        print(f"adaflash_ray serving {cfg.serve.model_name or cfg.model.name} at "
+              f"http://{cfg.serve.host}:{cfg.serve.port}", flush=True)
+        while not stop.wait(0.5):
+            pass
+        print("draining: in-flight requests finish, new ones get 503", file=sys.stderr, flush=True)
+        left = drain(cfg.serve.drain_timeout_s)
+        if left:
+            print(f"drain timeout: {left} request(s) still in flight after {cfg.serve.drain_timeout_s} s",
+                  file=sys.stderr)
+        serve.shutdown()
+        return 0
+    except Exception as e:
+        print(f"error: {type(e).__name__}: {str(e)[:2000]}", file=sys.stderr)
+        return 1
+    finally:
+        if started:
+            ray.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

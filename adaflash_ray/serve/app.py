@@ -1,0 +1,466 @@
+"""The Ray Serve application: an OpenAI-compatible FastAPI ingress whose replicas each own a SpecEngine.
+
+Routes (all JSON; errors are ``{"error": {"message", "type", "param", "code"}}``):
+``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE with
+``"stream": true``), ``GET /v1/adaflash/status``. Every generation response carries the header
+``x-adaflash-drafter-version`` (the drafter version loaded when the response started) and, in its body
+(the last chunk when streaming), ``adaflash.drafter_versions`` - every version that served one of its steps.
+
+With ``serve.distill: true`` a :class:`DistillCoordinator` deployment starts the TrajectoryBuffer, the
+WeightRegistry and the DeepSpeed DistillTrainer group; each replica ships the trajectories of the requests it
+served (unless a request says ``"store": false``) and polls the registry, hot-reloading each new drafter
+version between engine steps while requests are in flight.
+
+    serve run adaflash_ray.serve:app recipe=recipes/cpu_tiny.yaml   # an existing cluster / serve CLI
+    python -m adaflash_ray.serve --recipe recipes/cpu_tiny.yaml      # embedded: local Ray on 127.0.0.1
+"""
+import asyncio
+import hmac
+import json
+import logging
+import os
+import time
+from typing import AsyncIterator
+
+import ray
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.util import metrics as ray_metrics
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from adaflash_ray.config import RunConfig, load_recipe
+from adaflash_ray.serve.protocol import APIError, GenSpec, TextStream, error_body, parse_request
+from adaflash_ray.serve.runtime import EngineLoop, QueueFull
+
+log = logging.getLogger("ray.serve")
+
+
+def _bind_replica_grpc_to_node_ip() -> None:
+    """Ray Serve 2.60 starts an inter-deployment gRPC server in every replica on ``[::]:0`` - every
+    interface - whatever the node's address. Bind it to the node's Ray IP instead (127.0.0.1 on the embedded
+    default), like every other Ray port, so nothing listens beyond loopback unless the cluster does.
+    Runs at import, i.e. in each replica before Serve starts that server."""
+    try:
+        from ray.serve._private import replica as _replica
+    except ImportError:
+        return
+    orig = getattr(_replica, "add_port_to_grpc_server", None)
+    if orig is None or getattr(orig, "_adaflash", False):
+        return
+
+    def bound(server, address: str):
+        if address.startswith("[::]:"):
+            ip = ray.util.get_node_ip_address()
+            address = f"{f'[{ip}]' if ':' in ip else ip}:{address.rsplit(':', 1)[1]}"
+        return orig(server, address)
+
+    bound._adaflash = True
+    _replica.add_port_to_grpc_server = bound
+
+
+_bind_replica_grpc_to_node_ip()
+APP_NAME = "adaflash"
+VERSION_HEADER = "x-adaflash-drafter-version"
+
+api = FastAPI(title="adaflash_ray", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@api.exception_handler(APIError)
+async def _api_error(_: Request, e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    return JSONResponse(error_body(str(e.detail), kind, None, None), status_code=e.status_code)
+
+
+@api.exception_handler(Exception)
+async def _internal_error(_: Request, e: Exception) -> JSONResponse:
+    log.exception("request failed")
+    return JSONResponse(error_body(f"internal error: {type(e).__name__}: {str(e)[:300]}", "server_error"),
+                        status_code=500)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class DistillCoordinator:
+    """Live distillation beside the replicas: TrajectoryBuffer, WeightRegistry, DistillTrainer x M.
+
+    Publishes version 0 (the trainer's initial weights) before answering, then trains on the served
+    traffic and publishes ``distill.num_versions`` versions, every ``distill.publish_every`` steps.
+    """
+
+    def __init__(self, cfg: dict):
+        from actors import DistillTrainer, TrajectoryBuffer, WeightRegistry
+        from adaflash_ray.models import tensors_sha256  # noqa: F401  (checked by the trainer)
+
+        self.cfg = RunConfig.model_validate(cfg)
+        c, pl = self.cfg, self.cfg.placement
+        self.buffer = TrajectoryBuffer.remote(c.buffer.capacity, c.distill.max_version_lag, c.buffer.spill_dir)
+        self.registry = WeightRegistry.remote()
+        self.trainers = [DistillTrainer.options(num_cpus=pl.cpus_per_trainer, num_gpus=pl.gpus_per_trainer)
+                         .remote(cfg, r, pl.num_trainers) for r in range(pl.num_trainers)]
+        addr, port = ray.get(self.trainers[0].master_address.remote())
+        ray.get([t.setup.remote(addr, port) for t in self.trainers])
+        refs, sha0, dcfg = ray.get(self.trainers[0].initial_weights.remote())
+        ray.get(self.registry.publish.remote(0, -1, 0, refs, sha0, dcfg))
+        self.runs = [t.run.remote(self.buffer, self.registry) for t in self.trainers]
+        self.last_train: dict = {}
+        self.error: str | None = None
+
+    def handles(self) -> tuple:
+        """(TrajectoryBuffer, WeightRegistry) actor handles for the replicas."""
+        return self.buffer, self.registry
+
+    async def status(self) -> dict:
+        done, _ = ray.wait(self.runs, num_returns=len(self.runs), timeout=0)
+        for ref in done:
+            try:
+                await ref
+            except Exception as e:  # a dead trainer: serving continues with the last version
+                self.error = f"{type(e).__name__}: {str(e)[:500]}"
+        for m in await self.trainers[0].pop_metrics.remote():
+            self.last_train = m
+        meta = await self.registry.latest_meta.remote()
+        return {"enabled": True, "latest_version": None if meta is None else meta["version"],
+                "num_versions_target": self.cfg.distill.num_versions, "training_done": len(done) == len(self.runs),
+                "trainer_error": self.error, "last_train": self.last_train, "buffer": await self.buffer.stats.remote()}
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1})
+@serve.ingress(api)
+class AdaFlashServer:
+    """One replica: a SpecEngine (target + DFlash drafter + length head) behind the OpenAI routes.
+
+    Args:
+        cfg: RunConfig dict (``serve`` section: limits, API key, distillation).
+        coordinator: DeploymentHandle of :class:`DistillCoordinator`, or None without distillation.
+    """
+
+    async def __init__(self, cfg: dict, coordinator=None):
+        from adaflash_ray.data import load_tokenizer, target_dir
+        from adaflash_ray.engine import SpecEngine
+        from adaflash_ray.models import DrafterModelConfig
+        from adaflash_ray.models.factory import build_drafter, load_target
+
+        self.cfg = c = RunConfig.model_validate(cfg)
+        torch.set_num_threads(c.engine.num_threads)
+        torch.manual_seed(c.seed)
+        self.replica = serve.get_replica_context().replica_tag if serve.get_replica_context() else "local"
+        self.model_id = c.serve.model_name or c.model.name
+        self.tokenizer = load_tokenizer(target_dir(c.model))
+        target = load_target(c.model)
+        drafter, head = build_drafter(target, c.drafter, c.length_head, seed=c.seed)
+        lh = c.length_head
+        self.engine = SpecEngine(target, drafter, head, policy=lh.policy, rate=lh.rate, min_len=lh.min_len,
+                                 max_batch_size=c.engine.max_batch_size, max_seq_len=c.engine.max_seq_len,
+                                 record=c.serve.distill, seed=c.seed)
+        self.vocab_size = target.config.vocab_size
+        self.eos_ids = list(target.config.eos_token_ids)
+        self.context_limit = min(c.serve.max_request_tokens, c.engine.max_seq_len - drafter.block_size)
+        self.api_key = c.serve.api_key
+        self.draining = False
+        self.buffer = self.registry = None
+        self.coordinator = coordinator
+        self.weight_error: str | None = None
+        self.num_trajectories = 0
+        if coordinator is not None:
+            self.buffer, self.registry = await coordinator.handles.remote()
+            meta = await self.registry.latest_meta.remote()  # version 0: identical on every side
+            tensors = await (await self.registry.get.remote(meta["version"]))[0]
+            self.engine.load_drafter(tensors, meta["version"], meta["sha256"], DrafterModelConfig(**meta["config"]))
+        loop = asyncio.get_running_loop()
+        self.loop = EngineLoop(self.engine, loop, c.engine.max_batch_size, c.serve.max_queued_requests,
+                               on_finished=self._record if coordinator is not None else None)
+        tags = {"replica": self.replica}
+        self.m_tau = ray_metrics.Gauge("adaflash_serve_accept_len", "tau: mean committed tokens per verify step",
+                                       tag_keys=("replica",))
+        self.m_version = ray_metrics.Gauge("adaflash_serve_drafter_version", "drafter version loaded",
+                                           tag_keys=("replica",))
+        self.m_tps = ray_metrics.Gauge("adaflash_serve_tokens_per_s", "committed tokens/s (10 s window)",
+                                       tag_keys=("replica",))
+        self.m_queue = ray_metrics.Gauge("adaflash_serve_queue_depth", "requests waiting / running",
+                                         tag_keys=("replica", "state"))
+        self.m_gamma = ray_metrics.Histogram("adaflash_serve_draft_len", "chosen draft length gamma",
+                                             boundaries=[float(b) for b in range(1, 17)], tag_keys=("replica",))
+        for m in (self.m_tau, self.m_version, self.m_tps, self.m_queue, self.m_gamma):
+            m.set_default_tags(tags)
+        self._last_stats = (0, 0)
+        self._tasks = [asyncio.create_task(self._metrics_task())]
+        if self.registry is not None:
+            self._tasks.append(asyncio.create_task(self._weights_task()))
+
+    # ------------------------------------------------------------------ background tasks
+    def _record(self, req) -> None:  # engine thread: ship the on-policy trajectory
+        traj = self.engine.to_trajectory(req)
+        ref = ray.put(traj)
+        self.buffer.add.remote([ref], traj.drafter_version, traj.num_response_tokens)
+        self.num_trajectories += 1
+
+    async def _weights_task(self) -> None:
+        from adaflash_ray.models import DrafterModelConfig
+
+        while True:
+            await asyncio.sleep(self.cfg.serve.weight_poll_s)
+            try:
+                meta = await self.registry.latest_meta.remote()
+                if meta is None or meta["version"] <= self.engine.drafter_version:
+                    continue
+                tensors = await (await self.registry.get.remote(meta["version"]))[0]
+                await asyncio.wrap_future(self.loop.load_drafter(tensors, meta["version"], meta["sha256"],
+                                                                 DrafterModelConfig(**meta["config"])))
+                self.weight_error = None
+            except Exception as e:  # keep serving with the loaded version; retried next poll
+                self.weight_error = f"{type(e).__name__}: {str(e)[:300]}"
+                log.warning("drafter reload failed: %s", self.weight_error)
+
+    async def _metrics_task(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            s = self.engine.stats
+            steps, acc = s.num_verify_steps - self._last_stats[0], s.num_accepted - self._last_stats[1]
+            self._last_stats = (s.num_verify_steps, s.num_accepted)
+            if steps:
+                self.m_tau.set((acc + steps) / steps)
+            self.m_version.set(self.engine.drafter_version)
+            self.m_tps.set(self.loop.tokens_per_s())
+            for state, n in self.loop.queue_depth().items():
+                self.m_queue.set(n, tags={"state": state})
+            for g, n in self.loop.pop_gamma().items():
+                for _ in range(n):
+                    self.m_gamma.observe(g)
+
+    # ------------------------------------------------------------------ control (python -m adaflash_ray.serve)
+    def begin_drain(self) -> int:
+        """Refuse new generations (503) from now on; returns the requests still in flight."""
+        self.draining = True
+        return self.loop.num_in_flight
+
+    def in_flight(self) -> int:
+        return self.loop.num_in_flight
+
+    # ------------------------------------------------------------------ helpers
+    def _auth(self, request: Request) -> None:
+        if not self.api_key:
+            return
+        got = request.headers.get("authorization", "")
+        if not (got.startswith("Bearer ") and hmac.compare_digest(got[7:].encode(), self.api_key.encode())):
+            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                           type="authentication_error", code="invalid_api_key")
+
+    async def _body(self, request: Request) -> object:
+        limit = self.cfg.serve.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"Request body of {declared} bytes exceeds the limit of {limit} bytes.",
+                           code="request_too_large")
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > limit:
+                raise APIError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
+        try:
+            return json.loads(data)
+        except ValueError as e:
+            raise APIError(400, f"The request body is not valid JSON: {e}.", code="invalid_json") from None
+
+    def _retry(self, status: int, message: str, code: str) -> APIError:
+        return APIError(status, message, type="rate_limit_error" if status == 429 else "service_unavailable",
+                        code=code, headers={"Retry-After": str(self.cfg.serve.retry_after_s)})
+
+    async def _spec(self, kind: str, request: Request) -> GenSpec:
+        self._auth(request)
+        raw = await self._body(request)
+        if self.draining:
+            raise self._retry(503, "The server is shutting down; retry on another replica.", "draining")
+        if self.loop.dead is not None:
+            raise APIError(503, f"The engine failed: {self.loop.dead!r}.", type="server_error", code="engine_dead")
+        return parse_request(kind, raw, tokenizer=self.tokenizer, model_ids={self.model_id},
+                             context_limit=self.context_limit, default_max_tokens=self.cfg.serve.default_max_tokens,
+                             default_temperature=self.cfg.engine.temperature, vocab_size=self.vocab_size,
+                             record_default=True)
+
+    async def _events(self, spec: GenSpec, rs) -> AsyncIterator[tuple[str, object]]:
+        """Yield ("text", delta) per engine step with new text, then ("done", (finish_reason, n_tokens, versions)).
+        The request is aborted (KV slot freed) if the consumer stops early (client gone) or a stop string hits."""
+        hidden = set(spec.stop_token_ids) - set(self.eos_ids)
+        ts = TextStream(self.tokenizer, spec.stop, hidden)
+        finished = False
+        try:
+            while True:
+                item = await rs.queue.get()
+                if item[0] == "tokens":
+                    if item[2] not in rs.versions:
+                        rs.versions.append(item[2])
+                    delta = "".join(ts.add(t) for t in item[1] if not ts.stopped)
+                    if ts.stopped:
+                        self.loop.abort(rs)
+                        finished = True
+                        yield "text", delta + ts.finish()
+                        yield "done", ("stop", ts.num_tokens, rs.versions)
+                        return
+                    if delta:
+                        yield "text", delta
+                elif item[0] == "done":
+                    finished = True
+                    tail = ts.finish()
+                    if tail:
+                        yield "text", tail
+                    yield "done", (item[1], ts.num_tokens, rs.versions)
+                    return
+                else:
+                    finished = True
+                    err = item[1]
+                    raise APIError(400, str(err), param="prompt") if isinstance(err, ValueError) else \
+                        APIError(500, str(err), type="server_error")
+        finally:
+            if not finished:
+                self.loop.abort(rs)
+
+    def _submit(self, spec: GenSpec):
+        from adaflash_ray.engine import SamplingParams
+
+        params = SamplingParams(max_new_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
+                                stop_token_ids=(self.eos_ids + spec.stop_token_ids) if spec.stop_token_ids else None)
+        try:
+            return self.loop.submit(spec.prompt_ids, params, spec.record and self.buffer is not None)
+        except QueueFull as e:
+            raise self._retry(429, f"Too many requests in flight on this replica ({e}); retry later.",
+                              "queue_full") from None
+
+    def _usage(self, spec: GenSpec, n: int) -> dict:
+        return {"prompt_tokens": len(spec.prompt_ids), "completion_tokens": n,
+                "total_tokens": len(spec.prompt_ids) + n}
+
+    async def _generate(self, kind: str, request: Request) -> Response:
+        spec = await self._spec(kind, request)
+        rs = self._submit(spec)
+        chat = kind == "chat"
+        rid = ("chatcmpl-" if chat else "cmpl-") + spec.request_id
+        obj = "chat.completion" if chat else "text_completion"
+        headers = {VERSION_HEADER: str(self.engine.drafter_version)}
+        base = {"id": rid, "created": spec.created, "model": spec.model}
+        if not spec.stream:
+            parts, done = [], None
+            async for kind_, val in self._events(spec, rs):
+                if kind_ == "text":
+                    parts.append(val)
+                else:
+                    done = val
+            reason, n, versions = done
+            text = "".join(parts)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+                      if chat else {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
+            headers[VERSION_HEADER] = str(versions[-1] if versions else self.engine.drafter_version)
+            return JSONResponse({**base, "object": obj, "choices": [choice], "usage": self._usage(spec, n),
+                                 "adaflash": {"drafter_versions": versions}}, headers=headers)
+
+        def chunk(delta: str | None, reason: str | None, **extra) -> str:
+            if chat:
+                d = {} if delta is None else ({"role": "assistant", "content": delta} if extra.pop("first", False)
+                                              else {"content": delta})
+                choice = {"index": 0, "delta": d, "finish_reason": reason}
+            else:
+                extra.pop("first", None)
+                choice = {"index": 0, "text": delta or "", "finish_reason": reason, "logprobs": None}
+            body = {**base, "object": obj + ".chunk" if chat else obj, "choices": [choice], **extra}
+            if spec.include_usage:
+                body.setdefault("usage", None)
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        async def sse() -> AsyncIterator[str]:
+            if chat:
+                yield chunk("", None, first=True)
+            async for kind_, val in self._events(spec, rs):
+                if kind_ == "text":
+                    if val:
+                        yield chunk(val, None)
+                    continue
+                reason, n, versions = val
+                yield chunk(None, reason, adaflash={"drafter_versions": versions})
+                if spec.include_usage:
+                    body = {**base, "object": obj + ".chunk" if chat else obj, "choices": [],
+                            "usage": self._usage(spec, n)}
+                    yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={**headers, "Cache-Control": "no-cache"})
+
+    # ------------------------------------------------------------------ routes
+    @api.get("/health")
+    async def health(self) -> JSONResponse:
+        if self.loop.dead is not None:
+            return JSONResponse(error_body(f"engine failed: {self.loop.dead!r}", "server_error"), status_code=503)
+        return JSONResponse({"status": "draining" if self.draining else "ok", "replica": self.replica},
+                            status_code=503 if self.draining else 200)
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        self._auth(request)
+        return JSONResponse({"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0,
+                                                          "owned_by": "adaflash_ray",
+                                                          "max_model_len": self.context_limit}]})
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._generate("completion", request)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate("chat", request)
+
+    @api.get("/v1/adaflash/status")
+    async def status(self, request: Request) -> JSONResponse:
+        self._auth(request)
+        s, lp = self.engine.stats, self.loop
+        distill = {"enabled": False}
+        if self.coordinator is not None:
+            distill = await self.coordinator.status.remote()
+            distill["num_trajectories_sent"] = self.num_trajectories
+        return JSONResponse({
+            "replica": self.replica, "model": self.model_id, "context_limit": self.context_limit,
+            "drafter_version": self.engine.drafter_version, "drafter_sha256": self.engine.drafter_sha256,
+            "num_reloads": self.engine.num_reloads, "reloads": lp.reloads[-20:], "weight_error": self.weight_error,
+            "accept_len": s.accept_len, "accept_len_convention": "mean committed tokens per verify step = mean(a+1)",
+            "draft_waste": s.draft_waste, "draft_len_hist": {str(k): v for k, v in sorted(lp.gamma_hist.items())},
+            "queue": lp.queue_depth(), "in_flight": lp.num_in_flight, "tokens_per_s_10s": lp.tokens_per_s(),
+            "requests": dict(lp.counts), "draining": self.draining, "distill": distill, "time": time.time()})
+
+
+def build_app(cfg: RunConfig) -> serve.Application:
+    """The bound Serve application for a validated RunConfig (API key from the recipe or $ADAFLASH_API_KEY)."""
+    c = cfg.model_copy(deep=True)
+    c.serve.api_key = c.serve.api_key or os.environ.get("ADAFLASH_API_KEY") or None
+    d = c.model_dump(mode="json")
+    coordinator = DistillCoordinator.bind(d) if c.serve.distill else None
+    s = c.serve
+    server = AdaFlashServer.options(
+        num_replicas=s.num_replicas,
+        ray_actor_options={"num_cpus": s.cpus_per_replica, "num_gpus": s.gpus_per_replica},
+        max_ongoing_requests=c.engine.max_batch_size + s.max_queued_requests + 16,
+        max_queued_requests=max(16, s.max_queued_requests),
+        graceful_shutdown_timeout_s=s.drain_timeout_s,
+        health_check_timeout_s=60,
+    )
+    return server.bind(d, coordinator)
+
+
+def app(args: dict | None = None) -> serve.Application:
+    """Serve application builder: ``serve run adaflash_ray.serve:app [recipe=PATH] [set='k=v;k2=v2']``, or
+    ``import_path: adaflash_ray.serve:app`` with ``args: {recipe: ..., set: [k=v, ...]}`` in a Serve config.
+
+    Raises:
+        RecipeError: a bad recipe or override, naming the field; ValueError for an unknown argument.
+    """
+    args = dict(args or {})
+    unknown = set(args) - {"recipe", "set"}
+    if unknown:
+        raise ValueError(f"unknown application argument(s) {sorted(unknown)}; expected recipe=PATH, set='k=v;...'")
+    sets = args.get("set") or []
+    if isinstance(sets, str):
+        sets = [s for s in sets.split(";") if s.strip()]
+    return build_app(load_recipe(args.get("recipe"), sets))

@@ -1,0 +1,318 @@
+"""The OpenAI wire protocol of the endpoint: request validation, error JSON, incremental detokenisation.
+
+Ray-free and engine-free (tests call it directly). :func:`parse_request` turns a raw JSON body of
+``POST /v1/completions`` or ``POST /v1/chat/completions`` into a :class:`GenSpec` or raises
+:class:`APIError` (HTTP status + OpenAI-style ``{"error": {"message", "type", "param", "code"}}``) naming
+the offending field. Unsupported parameters (``n > 1``, ``logprobs``, ``tools``, ...) and unknown ones are
+refused with 400, never silently ignored. :class:`TextStream` turns committed token ids into text deltas
+that never split a UTF-8 character and cuts the output at a stop string.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = ["APIError", "GenSpec", "TextStream", "error_body", "parse_request"]
+
+
+class APIError(Exception):
+    """An HTTP error answered as OpenAI error JSON.
+
+    Args:
+        status: HTTP status (400, 401, 404, 413, 429, 503, 500).
+        message: human-readable, names the field and the limit.
+        type: OpenAI error type (``invalid_request_error``, ``authentication_error``, ...).
+        param: the request field at fault, or None.
+        code: a machine-readable code (``context_length_exceeded``, ``invalid_api_key``, ...) or None.
+        headers: extra response headers (``Retry-After``).
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """``{"error": {"message", "type", "param", "code"}}`` (the OpenAI error shape)."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# ------------------------------------------------------------------------------------------ request models
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[_TextPart]
+    name: str | None = None
+
+
+class _Common(_Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str | int] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's extension: token ids that end the completion
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    store: bool | None = None  # False = do not use this request for distillation (OpenAI's `store`)
+
+
+class CompletionBody(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class ChatBody(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+# parameters OpenAI defines that this endpoint cannot honour: refused unless at their neutral value
+_NEUTRAL: dict[str, tuple] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0), "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "parallel_tool_calls": (None,), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
+    "reasoning_effort": (None,), "web_search_options": (None,), "metadata": (None, {}),
+    "service_tier": (None, "auto", "default"),
+}
+
+
+@dataclass
+class GenSpec:
+    """A validated generation request.
+
+    prompt_ids: the prompt token ids (chat template applied for chat). max_tokens: completion budget
+    (tokens). stop: stop strings (cut from the text). stop_token_ids: user stop ids (their text is not
+    returned; EOS always stops). record: whether the request may become a distillation trajectory.
+    """
+
+    kind: Literal["completion", "chat"]
+    model: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stop: list[str]
+    stop_token_ids: list[int]
+    seed: int | None
+    stream: bool
+    include_usage: bool
+    record: bool
+    user: str | None
+    request_id: str = field(default_factory=lambda: f"{uuid.uuid4().hex[:24]}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _first_error(err: ValidationError) -> APIError:
+    e = err.errors()[0]
+    loc = [str(x) for x in e["loc"] if not str(x).startswith(("list[", "str", "int", "function-"))]
+    param = ".".join(loc) if loc else None
+    if e["type"] == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {param}", param=param,
+                        code="unknown_parameter")
+    if e["type"] == "missing":
+        return APIError(400, f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
+    got = e.get("input")
+    got_s = repr(got)[:80] if not isinstance(got, (dict, list)) else type(got).__name__
+    return APIError(400, f"Invalid value for '{param}': {e['msg']} (got {got_s}).", param=param, code="invalid_value")
+
+
+def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, model_ids: set[str],
+                  context_limit: int, default_max_tokens: int, default_temperature: float,
+                  vocab_size: int, record_default: bool) -> GenSpec:
+    """Validate a decoded JSON body and tokenise its prompt.
+
+    Args:
+        kind: "completion" (``prompt``) or "chat" (``messages``, the tokenizer's chat template).
+        raw: the decoded JSON body. tokenizer: a Hugging Face tokenizer. model_ids: accepted ``model`` ids.
+        context_limit: max prompt + completion tokens. default_max_tokens: budget when none is given
+            (clamped to the context left). default_temperature: when ``temperature`` is absent.
+        vocab_size: token ids in ``prompt`` / ``stop_token_ids`` must be < this.
+        record_default: whether a request without ``store`` may be distilled on.
+    Returns:
+        GenSpec.
+    Raises:
+        APIError: 400 naming the field (unknown / unsupported / out of range, prompt over the context
+            limit: code ``context_length_exceeded``), 404 for an unknown model.
+    """
+    if not isinstance(raw, dict):
+        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    for key, ok in _NEUTRAL.items():
+        if key in raw and raw[key] not in ok:
+            raise APIError(400, f"'{key}' is not supported by this endpoint (got {str(raw[key])[:60]}).",
+                           param=key, code="unsupported_parameter")
+    raw = {k: v for k, v in raw.items() if k not in _NEUTRAL}
+    try:
+        body = (CompletionBody if kind == "completion" else ChatBody).model_validate(raw)
+    except ValidationError as e:
+        raise _first_error(e) from None
+    if body.model not in model_ids:
+        raise APIError(404, f"The model '{body.model}' does not exist; this endpoint serves {sorted(model_ids)}.",
+                       type="not_found_error", param="model", code="model_not_found")
+    if body.n != 1:
+        raise APIError(400, f"'n' must be 1 (got {body.n}): one choice per request is supported.", param="n",
+                       code="unsupported_parameter")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "'stream_options' is only allowed when 'stream' is true.", param="stream_options")
+    temperature = default_temperature if body.temperature is None else body.temperature
+    if body.seed is not None and temperature > 0:
+        raise APIError(400, "'seed' is only supported with temperature 0 (the batched engine shares one sampler "
+                       "across requests, so a per-request seed cannot be honoured when sampling).", param="seed",
+                       code="unsupported_parameter")
+    stop_strings, stop_ids = [], list(body.stop_token_ids or [])
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stops) > 16:
+        raise APIError(400, f"'stop' has {len(stops)} entries; at most 16 are supported.", param="stop")
+    for s in stops:
+        if isinstance(s, int):
+            stop_ids.append(s)
+        elif s == "":
+            raise APIError(400, "'stop' strings must be non-empty.", param="stop")
+        else:
+            stop_strings.append(s)
+    bad = [t for t in stop_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(400, f"stop token ids must be in [0, {vocab_size}), got {bad[:4]}.", param="stop_token_ids")
+
+    if kind == "completion":
+        prompt, param = body.prompt, "prompt"
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, f"'prompt' holds {len(prompt)} prompts; send one prompt per request.",
+                               param="prompt", code="unsupported_parameter")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise APIError(400, f"prompt token ids must be in [0, {vocab_size}), got {bad[:4]}.", param="prompt")
+        if not ids:
+            raise APIError(400, "'prompt' is empty.", param="prompt")
+        budget = body.max_tokens
+        budget_param = "max_tokens"
+    else:
+        param = "messages"
+        msgs = [{"role": "system" if m.role == "developer" else m.role,
+                 "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
+                for m in body.messages]
+        enc = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)
+        ids = [int(t) for t in enc["input_ids"]]
+        if body.max_tokens is not None and body.max_completion_tokens is not None \
+                and body.max_tokens != body.max_completion_tokens:
+            raise APIError(400, "'max_tokens' and 'max_completion_tokens' differ; send one of them.",
+                           param="max_completion_tokens")
+        budget = body.max_completion_tokens or body.max_tokens
+        budget_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    if len(ids) >= context_limit:
+        raise APIError(400, f"This model's maximum context length is {context_limit} tokens; the {param} has "
+                       f"{len(ids)} tokens, which leaves no room for a completion.", param=param,
+                       code="context_length_exceeded")
+    if budget is None:
+        budget = min(default_max_tokens, context_limit - len(ids))
+    elif len(ids) + budget > context_limit:
+        raise APIError(400, f"This model's maximum context length is {context_limit} tokens. However, you requested "
+                       f"{len(ids) + budget} tokens ({len(ids)} in the {param}, {budget} for the completion). "
+                       f"Reduce the {param} or '{budget_param}'.", param=budget_param,
+                       code="context_length_exceeded")
+    return GenSpec(kind=kind, model=body.model, prompt_ids=ids, max_tokens=budget, temperature=temperature,
+                   top_p=1.0 if body.top_p is None else body.top_p, stop=stop_strings, stop_token_ids=stop_ids,
+                   seed=body.seed, stream=body.stream,
+                   include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                   record=record_default if body.store is None else body.store, user=body.user)
+
+
+# ------------------------------------------------------------------------------------------ detokenisation
+class TextStream:
+    """Committed token ids -> text deltas, never splitting a UTF-8 character, cut at stop strings.
+
+    The incremental rule of vLLM's ``detokenize_incrementally``: decode a short window before the new
+    tokens and the window with them; emit the difference only when it does not end in U+FFFD (an
+    incomplete byte sequence). Text that could be the start of a stop string is held back until it is
+    known not to be one. Feed tokens one at a time so a stop inside a multi-token step is exact.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (``decode(ids, skip_special_tokens=True)``).
+        stop: stop strings; hidden_ids: ids whose text is never returned (user stop token ids).
+    """
+
+    def __init__(self, tokenizer, stop: list[str] = (), hidden_ids: set[int] = frozenset()):
+        self.tok, self.stop, self.hidden = tokenizer, list(stop), set(hidden_ids)
+        self.ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+        self.text = ""  # decoded so far (complete characters)
+        self.emitted = 0  # chars of ``text`` already returned
+        self.num_tokens = 0  # tokens consumed (the completion's token count)
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> str:
+        """Consume one committed token; returns the text now safe to send (maybe ""). After a stop string
+        is found, :attr:`stopped` is True and further tokens are ignored."""
+        if self.stopped:
+            return ""
+        self.num_tokens += 1
+        if token_id in self.hidden:
+            return self._release()
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self._release()
+
+    def _release(self, final: bool = False) -> str:
+        if self.stop:
+            start = max(0, self.emitted - max(len(s) for s in self.stop))
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.text, self.stopped = self.text[:min(hits)], True
+                final = True
+        end = len(self.text)
+        if self.stop and not final:  # hold back a suffix that may grow into a stop string
+            for k in range(min(max(len(s) for s in self.stop) - 1, end - self.emitted), 0, -1):
+                if any(s.startswith(self.text[end - k:]) for s in self.stop):
+                    end -= k
+                    break
+        out, self.emitted = self.text[self.emitted:end], max(self.emitted, end)
+        return out
+
+    def finish(self) -> str:
+        """The rest of the text at the end of the request (an incomplete trailing byte sequence is
+        decoded with U+FFFD, as a full decode would)."""
+        if not self.stopped and self.read_offset < len(self.ids):
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset:])
+            self.text += full[len(prefix):]
+            self.read_offset = len(self.ids)
+        return self._release(final=True)
