@@ -1,33 +1,155 @@
-"""``python -m adaflash_ray.bench`` on the real model (tiny sizes): the JSON line, AR/DFlash/AdaFlash
-rows per concurrency, and losslessness against AR for every speculative method."""
+"""``python -m adaflash_ray.bench``: real-model mode on the real SmolLM2 (CPU, float32, tiny sizes) - row
+schema, AR speedup 1, losslessness, τ/acceptance/waste consistency, γ histograms, the JSON last line, --out
+and the PNG plot; shape mode on the tiny random shape (verify-cost table); unsupported shapes exit 2.
+
+Run: python -m pytest -q tests/test_bench.py   (~1 min on 2 CPU cores)
+"""
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+from adaflash_ray.bench import DOMAINS, HF_METHOD, _compare, domain_prompts, main
+from adaflash_ray.data import EVAL_SOURCES, ensure_target, load_tokenizer
+from adaflash_ray.shapes import SHAPES, UNSUPPORTED_SHAPES, build_random_target, decode_weight_bytes
+
 ROOT = Path(__file__).resolve().parents[1]
+ROW_KEYS = {"method", "concurrency", "domain", "ms_per_step", "tokens_per_s", "speedup_vs_ar", "tau",
+            "acceptance_rate", "draft_waste", "gamma_hist", "lossless"}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_runs_and_is_lossless():
-    out = subprocess.run([sys.executable, "-m", "adaflash_ray.bench", "--recipe", "recipes/cpu_tiny.yaml",
-                          "--concurrency", "1", "3", "--num-prompts", "3", "--max-new-tokens", "12"],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    rows = res["results"]
-    assert [(r["method"], r["concurrency"]) for r in rows] == [
-        ("ar", 1), ("dflash", 1), ("adaflash-direct", 1), ("ar", 3), ("dflash", 3), ("adaflash-direct", 3)]
-    assert all(r["lossless"] for r in rows)
+def _last_json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_model_mode_rows_lossless_and_outputs(tmp_path, capsys):
+    out, png = tmp_path / "res" / "bench.json", tmp_path / "bench.png"
+    rc = main(["--concurrency", "1", "2", "--num-prompts", "2", "--max-new-tokens", "8", "--domains", "qa", "chat",
+               "--out", str(out), "--plot", str(png)])
+    assert rc == 0
+    doc = _last_json(capsys)
+    assert doc == json.loads(out.read_text())  # --out holds the same document as the last stdout line
+    assert doc["device"] == "cpu" and doc["torch_version"] == torch.__version__ and doc["model"]
+    assert doc["commit"] is None or len(doc["commit"]) == 40
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 5000
+    rows, bs = doc["rows"], doc["block_size"]
+    methods = ["ar", "dflash", "adaflash-direct", HF_METHOD]
+    assert [(r["domain"], r["concurrency"], r["method"]) for r in rows] == [
+        (d, c, m) for c in (1, 2) for d in ("qa", "chat") for m in methods]
     for r in rows:
-        assert r["tokens_per_s"] > 0 and 1.0 <= r["accept_len"] <= res["block_size"]
-        if r["method"] == "dflash":
-            assert set(r["gamma_hist"]) <= {str(g) for g in range(res["block_size"])}
+        assert ROW_KEYS <= set(r) and r["model"] == doc["model"]
+        assert r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 and r["speedup_vs_ar"] > 0
+        if r["method"] == "ar":
+            assert r["speedup_vs_ar"] == 1.0 and r["tau"] == 1.0 and r["lossless"] is True
+        elif r["method"] == HF_METHOD:
+            assert r["tau"] is None and r["lossless"] is None and r["gamma_hist"] == {}
+        else:  # speculative: float32 CPU greedy output is the target's, token for token
+            assert r["lossless"] is True and r["match_rate"] == 1.0 and r["mismatch_margins"] == []
+            assert 1.0 <= r["tau"] <= bs
+            assert 0.0 <= r["draft_waste"] <= 1.0
+            assert r["acceptance_rate"] + r["draft_waste"] == pytest.approx(1.0)
+            assert set(r["gamma_hist"]) <= {str(g) for g in range(bs)}
+            if r["concurrency"] == 1:  # one request in flight: one γ per engine step
+                assert sum(r["gamma_hist"].values()) == r["num_engine_steps"]
+            if r["method"] == "dflash":  # fixed γ = block_size-1 unless the token budget caps it
+                assert max(int(g) for g in r["gamma_hist"]) == bs - 1
+        # the same prompts and budget for every method of a (domain, concurrency)
+        same = [x for x in rows if x["domain"] == r["domain"] and x["concurrency"] == r["concurrency"]]
+        assert {x["num_prompts"] for x in same} == {max(2, r["concurrency"])}
+    # τ = mean(a+1): a τ of 1 means nothing was accepted, and vice versa
+    for r in rows:
+        if r["acceptance_rate"] is not None:
+            assert (r["tau"] > 1.0) == (r["acceptance_rate"] > 0.0)
 
 
-def test_bench_rejects_bad_drafter(tmp_path):
+def test_compare_reports_match_rate_and_divergence_margin():
+    target = build_random_target(SHAPES["tiny"], "cpu", torch.float32, seed=3)
+    prompts, ref = [[5, 6, 7], [8, 9]], [[1, 2, 3], [4, 4]]
+    assert _compare(target, prompts, [[1, 2, 3], [4, 4]], ref) == {
+        "lossless": True, "match_rate": 1.0, "mismatch_margins": [], "max_mismatch_margin": None}
+    res = _compare(target, prompts, [[1, 2, 9], [4, 4]], ref)  # request 0 diverges at output index 2
+    with torch.no_grad():
+        logits = target(torch.tensor([[5, 6, 7, 1, 2]]), torch.arange(5)[None]).logits[0, -1]
+    top = logits.topk(2).values
+    assert res["lossless"] is False and res["match_rate"] == 0.5
+    assert res["mismatch_margins"] == [pytest.approx(float(top[0] - top[1]))] and res["max_mismatch_margin"] > 0
+
+
+def test_domain_prompts_are_distinct_per_domain():
+    assert set(DOMAINS.values()) <= set(EVAL_SOURCES)
+    tok = load_tokenizer(ensure_target("smollm2-135m-instruct"))
+    got = {d: domain_prompts(tok, d, 3, 512, seed=1) for d in DOMAINS}
+    for d, ids in got.items():
+        assert len(ids) == 3 and all(0 < len(p) <= 512 for p in ids)
+        assert ids == domain_prompts(tok, d, 3, 512, seed=1)  # deterministic
+    assert len({tuple(p) for ids in got.values() for p in ids}) == 3 * len(DOMAINS)
+
+
+def test_shape_mode_tiny_verify_cost(tmp_path, capsys):
+    out = tmp_path / "shape.json"
+    rc = main(["--shape", "tiny", "--device", "cpu", "--concurrency", "1", "2", "--context", "16",
+               "--max-new-tokens", "4", "--num-iters", "2", "--drafter-layers", "1", "--block-size", "8",
+               "--out", str(out), "--plot", str(tmp_path / "shape.png")])
+    assert rc == 0
+    doc = _last_json(capsys)
+    assert doc == json.loads(out.read_text()) and doc["shape"] == "tiny" and doc["device"] == "cpu"
+    assert "no acceptance" in doc["note"]
+    assert (tmp_path / "shape.png").read_bytes()[:8] == PNG_MAGIC
+    assert list(doc["verify_cost"]) == ["1", "2"]
+    for row in doc["verify_cost"].values():
+        assert list(row) == ["1", "2", "4", "8"] and all(ms > 0 for ms in row.values())  # widths <= block_size
+    target = build_random_target(SHAPES["tiny"], "cpu", torch.bfloat16)
+    assert doc["decode_weight_bytes"] == decode_weight_bytes(target) > 0
+    assert doc["copy_bandwidth_gb_s"] > 0
+    assert doc["memory_floor_ms"] == pytest.approx(doc["decode_weight_bytes"] / doc["copy_bandwidth_gb_s"] / 1e6)
+    for b in ("1", "2"):
+        assert doc["ar_step_ms"][b] > 0 and doc["spec_step_ms"][b] > 0 and doc["propose_ms"][b] > 0
+        assert doc["propose_frac_of_ar"][b] == pytest.approx(doc["propose_ms"][b] / doc["ar_step_ms"][b])
+        assert doc["ar_forward_ms"][b] == doc["verify_cost"][b]["1"]
+    assert [(r["method"], r["concurrency"]) for r in doc["rows"]] == [("ar", 1), ("dflash", 1), ("ar", 2),
+                                                                       ("dflash", 2)]
+    assert all(r["shape"] == "tiny" and ROW_KEYS <= set(r) for r in doc["rows"])
+    assert all(r["speedup_vs_ar"] == 1.0 for r in doc["rows"] if r["method"] == "ar")
+
+
+def test_shape_configs_have_the_real_dims():
+    q, s = SHAPES["qwen3-8b"], SHAPES["smollm2-135m"]
+    assert (q.num_hidden_layers, q.hidden_size, q.num_attention_heads, q.num_key_value_heads, q.head_dim,
+            q.intermediate_size, q.vocab_size, q.model_type, q.rope_theta) == (
+        36, 4096, 32, 8, 128, 12288, 151936, "qwen3", 1e6)
+    assert (s.num_hidden_layers, s.hidden_size, s.num_attention_heads, s.num_key_value_heads, s.head_dim,
+            s.intermediate_size, s.vocab_size, s.model_type, s.tie_word_embeddings, s.rope_theta) == (
+        30, 576, 9, 3, 64, 1536, 49152, "llama", True, 1e5)
+
+
+def test_unsupported_shape_exits_2_with_the_reason():
+    out = subprocess.run([sys.executable, "-m", "adaflash_ray.bench", "--shape", "qwen3-coder-30b-a3b"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 2 and "mixture-of-experts" in out.stderr and "not supported" in out.stderr
+    assert out.stdout == ""
+
+
+@pytest.mark.parametrize("shape,needle", [("qwen3.5-9b", "linear attention"), ("llama-7b", "unknown shape")])
+def test_other_bad_shapes_exit_2(shape, needle, capsys):
+    assert main(["--shape", shape]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and shape in err
+    if shape not in UNSUPPORTED_SHAPES:
+        assert "qwen3-8b" in err  # the supported ones are listed
+
+
+def test_bench_rejects_bad_drafter(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{not json")
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 10)
-    out = subprocess.run([sys.executable, "-m", "adaflash_ray.bench", "--recipe", "recipes/cpu_tiny.yaml",
-                          "--drafter", str(tmp_path), "--num-prompts", "1", "--max-new-tokens", "2"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 2 and "bad config.json" in out.stderr
+    rc = main(["--drafter", str(tmp_path), "--num-prompts", "1", "--max-new-tokens", "2", "--concurrency", "1",
+               "--domains", "code", "--methods", "ar", "dflash"])
+    assert rc == 2 and "bad config.json" in capsys.readouterr().err
+
+
+def test_bench_rejects_unknown_method(capsys):
+    assert main(["--methods", "ar", "medusa", "--concurrency", "1", "--num-prompts", "1"]) == 2
+    assert "unknown method" in capsys.readouterr().err
