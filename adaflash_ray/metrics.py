@@ -83,3 +83,40 @@ def plot_tau(eval_tau: dict[int, float], serve_tau: dict[int, float], path: Path
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+class PlainProgress:
+    """Progress for logs without a terminal (``ray job logs -f``, CI): one plain ``progress ...`` line to
+    ``stream`` at most every ``every_s`` seconds (the first update prints at once), flushed, no control
+    codes. Fields keep their order; floats are rounded to 3 digits; None prints as ``-``.
+
+    Example line: ``progress 00:02:10 version 2/5 step 180 loss 3.412 serve_tau 1.121 gamma 1.0 buffer 12
+    stale_drops 0 trainer_util 0.83 tok_per_s 31.2``.
+    """
+
+    def __init__(self, stream, every_s: float = 30.0, total_versions: int | None = None, clock=time.monotonic):
+        self.stream, self.every_s, self.total_versions, self.clock = stream, float(every_s), total_versions, clock
+        self._t0 = clock()
+        self._last: float | None = None
+
+    def line(self, version: int, **fields) -> str:
+        """The text of one progress line (also what :meth:`update` prints)."""
+        el = int(self.clock() - self._t0)
+        parts = [f"progress {el // 3600:02d}:{el // 60 % 60:02d}:{el % 60:02d}",
+                 f"version {version}" + (f"/{self.total_versions}" if self.total_versions else "")]
+        for k, v in fields.items():
+            if v is None:
+                v = "-"
+            elif isinstance(v, float):
+                v = f"{v:.3f}" if abs(v) < 1000 else f"{v:.0f}"
+            parts.append(f"{k} {v}")
+        return " ".join(parts)
+
+    def update(self, version: int, force: bool = False, **fields) -> bool:
+        """Print a line if ``every_s`` has passed since the last one (or ``force``); returns whether it did."""
+        now = self.clock()
+        if not force and self._last is not None and now - self._last < self.every_s:
+            return False
+        self._last = now
+        print(self.line(version, **fields), file=self.stream, flush=True)
+        return True

@@ -32,7 +32,7 @@ from rich.table import Table  # noqa: E402
 from actors import DistillTrainer, InferenceWorker, TrajectoryBuffer, WeightRegistry  # noqa: E402
 from adaflash_ray.config import RecipeError, RunConfig, add_recipe_args, config_from_args  # noqa: E402
 from adaflash_ray.data import encode_prompts, ensure_target, load_eval_prompts, load_sharegpt, load_tokenizer  # noqa: E402
-from adaflash_ray.metrics import MetricsSink, plot_tau  # noqa: E402
+from adaflash_ray.metrics import MetricsSink, PlainProgress, plot_tau  # noqa: E402
 from adaflash_ray.models import DrafterModelConfig, save_drafter_checkpoint  # noqa: E402
 
 console = Console(stderr=True)
@@ -207,14 +207,18 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
         runs = [t.run.remote(buffer, registry) for t in trainers]
         next_prompt, fed = 0, 0
         serve_tau: dict[int, list[float]] = {}
-        last_version, step = 0, 0
+        last_version, step, last_loss = 0, 0, None
         low_water = 2 * cfg.engine.max_batch_size
         show = cfg.logging.progress
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         progress = Progress(TextColumn("[bold]versions"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                             TimeElapsedColumn(), TextColumn("{task.description}"), console=console,
-                            disable=not show, transient=False)
+                            disable=not (show and console.is_terminal), transient=False)
+        # no terminal (ray job logs, CI): a plain line every logging.progress_every_s instead of the bar
+        plain = (PlainProgress(sys.stderr, cfg.logging.progress_every_s, cfg.distill.num_versions)
+                 if show and not console.is_terminal else None)
+        t_train0, train_busy_s = time.time(), 0.0
         with progress:
             task = progress.add_task("starting", total=cfg.distill.num_versions)
             while True:
@@ -242,6 +246,7 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
                 sink.log(bstats, kind="buffer")
                 for m in tmetrics:
                     step = int(m.get("train/step", step + 1))
+                    train_busy_s += m.get("train/seconds", 0.0)
                     sink.log(m, step=step, kind="train")
                 meta = ray.get(registry.latest_meta.remote())
                 if meta is not None and meta["version"] > last_version:
@@ -256,7 +261,15 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
                         ok = sum(r.get("sha256") == h["sha256"] for r in reports_all.get(v, []))
                         sink.log({"sync/version": v, "sync/num_workers_ok": ok}, kind="sync")
                     last_version = meta["version"]
-                last_loss = tmetrics[-1]["train/loss"] if tmetrics else None
+                if tmetrics:
+                    last_loss = tmetrics[-1]["train/loss"]
+                if plain is not None:
+                    w0 = wstats[0] or {}
+                    plain.update(last_version, step=step, loss=last_loss, serve_tau=w0.get("spec/accept_len") or None,
+                                 gamma=w0.get("spec/mean_draft_len") or None, buffer=int(bstats["buffer/depth"]),
+                                 stale_drops=int(bstats["buffer/dropped_stale"]),
+                                 trainer_util=train_busy_s / max(time.time() - t_train0, 1e-9),
+                                 tok_per_s=sum((s or {}).get("spec/tokens_per_s", 0.0) for s in wstats))
                 progress.update(task, completed=last_version, description=(
                     f"step {step} loss {last_loss if last_loss is None else round(last_loss, 3)} "
                     f"serve τ {(wstats[0] or {}).get('spec/accept_len', 0):.2f} "
@@ -265,6 +278,10 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
                 if len(done) == len(runs):
                     break
             train_summary = ray.get(runs)
+        train_wall_s = time.time() - t_train0
+        if plain is not None:
+            plain.update(last_version, force=True, step=step, loss=last_loss, training="done",
+                         trainer_util=train_busy_s / max(train_wall_s, 1e-9))
         final_version = max(r["final_version"] for r in train_summary)
         num_cancelled = sum(ray.get([w.cancel_recorded.remote() for w in workers]))
         for m in ray.get(trainers[0].pop_metrics.remote()):
@@ -303,6 +320,7 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
                    "serve_tau": {str(k): round(v, 4) for k, v in serve_mean.items()},
                    "train_steps": max(r["steps"] for r in train_summary),
                    "workers_loaded_final": workers_ok, "prompts_fed": fed,
+                   "trainer_utilisation": round(train_busy_s / max(train_wall_s, 1e-9), 3),
                    "prompts_cancelled_after_training": num_cancelled,
                    "buffer": {k.split("/", 1)[1]: v for k, v in bfinal.items()},
                    "num_eval_prompts": len(evalp), "wall_s": round(time.time() - t_start, 1)}

@@ -100,7 +100,8 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
         run_dir = tmp_path / "run"
         cmd = [RAY, "job", "submit", f"--address=http://127.0.0.1:{dash_port}", "--working-dir", str(ROOT),
                "--", sys.executable, "-m", "adaflash_ray.pipeline", "--recipe", "recipes/cpu_tiny.yaml",
-               "--run-dir", str(run_dir), "--set", "logging.wandb_mode=offline"]
+               "--run-dir", str(run_dir), "--set", "logging.wandb_mode=offline",
+               "--set", "logging.progress=true", "--set", "logging.progress_every_s=5"]
         deadline = time.time() + 180
         while True:  # the head's job agent may still be starting: Ray answers "No available agent"
             job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
@@ -112,6 +113,9 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
         last = [ln for ln in job.stdout.splitlines() if ln.startswith("{")][-1]
         summary = json.loads(last)
         assert summary["final_version"] == 3
+        # no terminal under `ray job submit`: plain progress lines show the run moving (issue 9.6)
+        progress = [ln for ln in job.stdout.splitlines() if ln.startswith("progress ")]
+        assert len(progress) >= 2 and "version 3/3" in progress[-1] and "trainer_util" in progress[0], progress
         assert set(summary["eval_tau"]) == {"0", "1", "2", "3"}
         assert all(1.0 <= t <= 16.0 for t in summary["eval_tau"].values())
         assert summary["workers_loaded_final"] is True
@@ -173,3 +177,27 @@ def test_dashboard_is_a_recipe_choice(monkeypatch, capsys, flag, deps_installed,
         assert "dashboard off" in err and "aiohttp" in err and "ray[default]" in err
     else:
         assert "dashboard off" not in err
+
+
+def test_plain_progress_lines_without_a_terminal():
+    """Issue 9.6: without a TTY the driver prints a plain line every N seconds (the first at once),
+    carrying version, step, loss, serving τ, γ, buffer and trainer utilisation."""
+    import io
+
+    from adaflash_ray.metrics import PlainProgress
+
+    now = [100.0]
+    out = io.StringIO()
+    p = PlainProgress(out, every_s=30, total_versions=5, clock=lambda: now[0])
+    fields = dict(step=12, loss=3.41234, serve_tau=1.125, gamma=1.0, buffer=7, stale_drops=0, trainer_util=0.8312)
+    assert p.update(1, **fields)
+    now[0] += 10
+    assert not p.update(1, **fields)  # too soon
+    now[0] += 25
+    assert p.update(2, **{**fields, "loss": None})
+    assert p.update(2, force=True, training="done")
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3 and all(ln.startswith("progress ") and "\x1b" not in ln for ln in lines)
+    assert lines[0] == ("progress 00:00:00 version 1/5 step 12 loss 3.412 serve_tau 1.125 gamma 1.000 buffer 7 "
+                        "stale_drops 0 trainer_util 0.831")
+    assert lines[1].startswith("progress 00:00:35 version 2/5") and "loss -" in lines[1]
