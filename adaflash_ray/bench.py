@@ -265,17 +265,20 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
     return {**_header(device), "mode": "model", "model": name, "recipe": cfg.name,
             "drafter": drafter_path or "untrained (recipe init)", "block_size": block_size, "dtype": dtype,
             "threads": cfg.engine.num_threads, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens,
-            "max_seq_len": max_seq_len, "warmup_tokens": warmup_tokens, "tau_convention": TAU_CONVENTION,
+            "max_seq_len": max_seq_len, "warmup_tokens": warmup_tokens, "engine_kwargs": engine_kwargs or {},
+            "tau_convention": TAU_CONVENTION,
             "domains": {d: DOMAINS[d] for d in domains}, "rows": rows}
 
 
 # ------------------------------------------------------------------------------------------ shape mode
 def bench_shape_doc(shape: str, *, device: str, concurrency: list[int], context: int, num_new: int,
-                    drafter_layers: int, block_size: int, num_iters: int, log=print) -> dict:
+                    drafter_layers: int, block_size: int, num_iters: int, use_cuda_graph: bool | None = None,
+                    log=print) -> dict:
     """:func:`adaflash_ray.shapes.bench_shape` plus the header and ``rows`` (``ar`` and ``dflash`` engine
     steps per batch; tokens/s only for AR: random weights, no acceptance)."""
     t = bench_shape(shape, device=device, batch_sizes=concurrency, context=context, num_new=num_new,
-                    drafter_layers=drafter_layers, block_size=block_size, num_iters=num_iters, log=log)
+                    drafter_layers=drafter_layers, block_size=block_size, num_iters=num_iters,
+                    use_cuda_graph=use_cuda_graph, log=log)
     rows = []
     for b in sorted(set(concurrency)):
         ar, spec = t["ar_step_ms"][str(b)], t["spec_step_ms"][str(b)]
@@ -415,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
             conc = ns.concurrency or ([1, 8, 32, 64] if device.startswith("cuda") else [1, 8])
             doc = bench_shape_doc(ns.shape, device=device, concurrency=conc, context=ns.context,
                                   num_new=ns.max_new_tokens, drafter_layers=ns.drafter_layers,
-                                  block_size=ns.block_size, num_iters=ns.num_iters, log=log)
+                                  block_size=ns.block_size, num_iters=ns.num_iters,
+                                  use_cuda_graph=False if ns.eager else None, log=log)
         else:
             cfg = config_from_args(ns)
             on_cuda = cfg.model.device.startswith("cuda")

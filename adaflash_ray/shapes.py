@@ -173,16 +173,17 @@ def _engine_step_ms(engine: SpecEngine, batch: int, context: int, num_new: int, 
 def bench_shape(name: str, *, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
                 batch_sizes: list[int] = (1, 8, 32, 64), context: int = 512, num_new: int = 32,
                 drafter_layers: int = 5, block_size: int = 16, num_iters: int = 20, seed: int = 0,
-                log=print) -> dict:
+                use_cuda_graph: bool | None = None, log=print) -> dict:
     """Step timings of a random-weight model of shape ``name`` (random weights: timings only, no acceptance).
 
     Measures (all in ms): ``ar_step_ms[batch]`` = mean whole engine step of an AR-only engine (``generate`` on
     random prompts of ``context`` tokens, ``num_new`` new tokens, prefill excluded) and ``spec_step_ms`` the
     same for a fixed-γ (block_size-1) spec engine; on the spec engine, ``verify_cost[batch][width]`` = median
     of one target verify forward (``SpecEngine.time_verify``; widths 1, 2, 4, 8, 16, 17 up to block_size) over
-    the prefilled context (``ar_forward_ms`` = width 1), ``propose_ms[batch]`` = median drafter propose +
+    ``context`` tokens (``ar_forward_ms`` = width 1), ``propose_ms[batch]`` = median drafter propose +
     length policy (``SpecEngine.time_propose``) and ``propose_frac_of_ar`` = propose_ms / ar_step_ms;
-    ``memory_floor_ms`` = :func:`decode_weight_bytes` / :func:`measure_copy_bandwidth`.
+    ``memory_floor_ms`` = :func:`decode_weight_bytes` / :func:`measure_copy_bandwidth`. ``use_cuda_graph``
+    goes to both engines (None = on for CUDA).
 
     Raises:
         ShapeError: unknown or unsupported shape.
@@ -203,19 +204,21 @@ def bench_shape(name: str, *, device: str = "cuda", dtype: torch.dtype = torch.b
     bmax = max(batch_sizes)
 
     engine = SpecEngine(target, drafter, None, policy="fixed", max_batch_size=bmax, max_seq_len=max_seq_len,
-                        seed=seed)
+                        seed=seed, use_cuda_graph=use_cuda_graph)
     spec_step = {b: _engine_step_ms(engine, b, context, num_new, "spec", seed) for b in batch_sizes}
-    verify_cost = {b: {w: engine.time_verify(b, w, num_iters=num_iters) for w in widths} for b in batch_sizes}
-    propose_ms = {b: engine.time_propose(b, num_iters=num_iters) for b in batch_sizes}
+    verify_cost = {b: {w: engine.time_verify(b, w, num_iters=num_iters, context_len=context) for w in widths}
+                   for b in batch_sizes}
+    propose_ms = {b: engine.time_propose(b, num_iters=num_iters, context_len=context) for b in batch_sizes}
     del engine
     ar_engine = SpecEngine(target, None, None, policy="fixed", max_batch_size=bmax, max_seq_len=max_seq_len,
-                           seed=seed)
+                           seed=seed, use_cuda_graph=use_cuda_graph)
     ar_step = {b: _engine_step_ms(ar_engine, b, context, num_new, "ar", seed) for b in batch_sizes}
     del ar_engine
     return {
         "shape": name, "note": "random weights: timings only, no acceptance",
         "dtype": str(dtype).removeprefix("torch."), "context": context, "num_new_tokens": num_new,
         "block_size": block_size, "drafter_layers": drafter_layers, "num_iters": num_iters,
+        "use_cuda_graph": use_cuda_graph,
         "decode_weight_bytes": weight_bytes, "copy_bandwidth_gb_s": bandwidth / 1e9, "memory_floor_ms": floor_ms,
         "ar_step_ms": {str(b): v for b, v in ar_step.items()},
         "spec_step_ms": {str(b): v for b, v in spec_step.items()},
