@@ -39,10 +39,10 @@ class Oracle:
         self.rows: list = []  # (request, anchor position) per row of the current proposal
         propose = engine.drafter.propose_hidden
 
-        def propose_hidden(cache, slot_ids, anchor_ids, anchor_pos, span=None):
-            by_slot = {r.slot: r for r in engine.scheduler.running}
-            self.rows = [(by_slot[s], p) for s, p in zip(slot_ids.tolist(), anchor_pos.tolist())]
-            return propose(cache, slot_ids, anchor_ids, anchor_pos, span)
+        def propose_hidden(cache, slot_ids, anchor_ids, anchor_pos, span=None, **kw):
+            by_slot = {r.slot: r for r in engine.scheduler.running}  # rows of idle slots map to None
+            self.rows = [(by_slot.get(s), p) for s, p in zip(slot_ids.tolist(), anchor_pos.tolist())]
+            return propose(cache, slot_ids, anchor_ids, anchor_pos, span, **kw)
 
         monkeypatch.setattr(engine.drafter, "propose_hidden", propose_hidden)
         monkeypatch.setattr(engine.drafter, "logits", self.logits)
@@ -52,6 +52,8 @@ class Oracle:
         vocab = self.engine.target.config.vocab_size
         out = torch.zeros(b, n, vocab)
         for i, (req, p) in enumerate(self.rows):
+            if req is None:
+                continue
             seq = self.reference[tuple(req.prompt_ids)]
             assert seq[: req.num_tokens] == req.prompt_ids + req.output_ids  # lossless so far
             for k in range(n):
@@ -70,7 +72,8 @@ class SlotPattern:
 
     def __call__(self, block_hidden: torch.Tensor) -> torch.Tensor:
         assert block_hidden.shape[0] == len(self.oracle.rows)
-        return torch.tensor([self.pattern[req.slot % len(self.pattern)] for req, _ in self.oracle.rows])
+        return torch.tensor([0 if req is None else self.pattern[req.slot % len(self.pattern)]
+                             for req, _ in self.oracle.rows])
 
 
 def tiny_reference(target, prompts, num_new):
@@ -266,7 +269,7 @@ def test_stop_tokens(monkeypatch):
         assert r.output_ids == ref[: first + 1] and r.finish_reason == "stop"
     assert c.output_ids == ref and c.finish_reason == "length"
     assert a.num_accepted == [15] and b.num_accepted == [15]  # 16 tokens committed, cut after the stop
-    assert len(a.feature_chunks) == 0  # record=False: released at the finish
+    assert a.features is None  # record=False: no trajectory features kept
 
 
 # ----------------------------------------------------------------------------------- sampling
@@ -335,7 +338,7 @@ def _assert_context_matches(engine, reqs, drafter):
         n = ids.shape[1] - 1
         with torch.no_grad():
             feats = engine.target(ids[:, :-1], torch.arange(n)[None], capture_layer_ids=engine.layer_ids).features[0]
-        torch.testing.assert_close(torch.cat(r.feature_chunks), feats, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(engine.runner.features(r.slot, n), feats, rtol=1e-4, atol=1e-4)
         drafter.append_context(fresh, torch.full((n,), r.slot), torch.arange(n), feats)
         for got, want in ((engine.runner.ctx.k, fresh.k), (engine.runner.ctx.v, fresh.v)):
             torch.testing.assert_close(got[:, r.slot, :n], want[:, r.slot, :n], rtol=1e-4, atol=1e-4)
@@ -410,14 +413,14 @@ def test_trajectory_record(monkeypatch, tiny_target):
         assert traj.features.dtype == traj.last_hidden.dtype == torch.bfloat16
         with torch.no_grad():
             full = tiny_target(traj.token_ids[None, :-1], torch.arange(t - 1)[None], capture_layer_ids=layer_ids)
-        raw = torch.cat(r.feature_chunks)
+        raw = engine.runner.features(r.slot, t - 1)  # float32 history (4 requests, 4 slots: no reuse)
         torch.testing.assert_close(raw, full.features[0], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(torch.cat(r.hidden_chunks), full.last_hidden[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(engine.runner.last_hidden(r.slot, t - 1), full.last_hidden[0], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(traj.features.float(), full.features[0], rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(traj.last_hidden.float(), full.last_hidden[0], rtol=1e-2, atol=1e-2)
         # teacher logits recomputed from last_hidden predict the committed tokens (greedy)
         with torch.no_grad():
-            teacher = tiny_target.lm_head(torch.cat(r.hidden_chunks)).argmax(-1)  # [t-1]
+            teacher = tiny_target.lm_head(engine.runner.last_hidden(r.slot, t - 1)).argmax(-1)  # [t-1]
         assert teacher[len(r.prompt_ids) - 1:].tolist() == r.output_ids
         n = len(r.draft_lens)
         assert len(traj.draft_lens) == len(traj.num_accepted) == len(traj.step_versions) == n

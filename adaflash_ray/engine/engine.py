@@ -1,11 +1,13 @@
 """SpecEngine: the built-in batched speculative-decoding engine (CPU and GPU, PyTorch).
 
-    engine = SpecEngine.build(model_dir, drafter_cfg_or_ckpt, engine_cfg, length_policy="direct")
+    target = load_target(cfg.model); drafter, head = build_drafter(target, cfg.drafter, cfg.length_head)
+    engine = SpecEngine(target, drafter, head, policy="direct", max_batch_size=8, max_seq_len=1024)
     outs = engine.generate([prompt_ids, ...], SamplingParams(max_new_tokens=64))
     engine.load_drafter(tensors, version=3)   # between steps; in-flight requests continue
 
-``step()`` = admit + prefill new requests, one speculative step for all running ones, finish
-the ones that hit EOS or their budget. Finished requests become :class:`Trajectory` records when
+``step()`` = admit + prefill new requests, one speculative step for all running ones (one device ->
+host transfer; a CUDA graph replay on GPU - see runner.py), finish the ones that hit a stop token or
+their budget. Finished requests become :class:`Trajectory` records when
 ``record=True``. Verification is lossless: greedy output is token-for-token the target's greedy
 output (tests/test_engine.py), sampled output follows the target distribution (χ² test).
 """
@@ -41,6 +43,13 @@ class SpecStats:
     decode_seconds: float = 0.0
     draft_len_hist: Counter = field(default_factory=Counter)
 
+    def record_step(self, draft_len: int, num_accepted: int) -> None:
+        """Count one request's verify step: γ drafted, a accepted."""
+        self.num_verify_steps += 1
+        self.num_drafted += draft_len
+        self.num_accepted += num_accepted
+        self.draft_len_hist[draft_len] += 1
+
     @property
     def accept_len(self) -> float:  # τ
         return (self.num_accepted + self.num_verify_steps) / max(self.num_verify_steps, 1)
@@ -56,7 +65,13 @@ class SpecStats:
                 f"{prefix}/mean_draft_len": self.num_drafted / max(self.num_verify_steps, 1),
                 f"{prefix}/num_verify_steps": float(self.num_verify_steps),
                 f"{prefix}/num_generated": float(self.num_generated),
-                f"{prefix}/decode_tokens_per_s": self.num_generated / self.decode_seconds if self.decode_seconds else 0.0}
+                f"{prefix}/decode_tokens_per_s": self.num_generated / self.decode_seconds if self.decode_seconds else 0.0,
+                f"{prefix}/ms_per_step": self.ms_per_step}
+
+    @property
+    def ms_per_step(self) -> float:
+        """Mean wall milliseconds of one engine decode step (host + device, prefill excluded)."""
+        return 1e3 * self.decode_seconds / self.num_engine_steps if self.num_engine_steps else 0.0
 
 
 class SpecEngine:
@@ -72,7 +87,7 @@ class SpecEngine:
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, length_head: DirectLengthHead | None,
                  *, policy: str = "direct", rate: float = 1.3, min_len: int = 1, max_batch_size: int = 8,
                  max_seq_len: int = 1024, layer_ids: list[int] | None = None, record: bool = False,
-                 seed: int = 0, drafter_version: int = 0):
+                 seed: int = 0, drafter_version: int = 0, use_cuda_graph: bool | None = None):
         self.target, self.drafter, self.length_head = target, drafter, length_head
         if drafter is not None:
             drafter.config.check_target(target.config)
@@ -92,14 +107,13 @@ class SpecEngine:
         self.max_seq_len = max_seq_len
         self.scheduler = Scheduler(max_batch_size)
         self.runner = ModelRunner(target, drafter, self.policy, num_slots=max_batch_size, max_seq_len=max_seq_len,
-                                  layer_ids=self.layer_ids)
+                                  layer_ids=self.layer_ids, record=record, use_cuda_graph=use_cuda_graph, seed=seed)
         self.record = record
         self.stats = SpecStats()
         self.drafter_version = drafter_version
         self.drafter_sha256 = tensors_sha256(self.drafter_tensors()) if drafter is not None else None
         self.num_reloads = 0
-        self.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
-        self._finished: list[Request] = []
+        self._published_loaded = False  # a published version (even 0) has been loaded: versions must rise
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -129,45 +143,56 @@ class SpecEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def abort(self, req: Request) -> bool:
+        """Cancel a request: a waiting one leaves the queue, a running one frees its KV slot now (between
+        steps). Its ``finish_reason`` becomes "abort". Returns False if it had already finished."""
+        if req.status == Status.FINISHED:
+            return False
+        if req.status == Status.WAITING:
+            self.scheduler.waiting.remove(req)
+            req.status, req.finish_reason = Status.FINISHED, "abort"
+        else:
+            self.scheduler.finish(req, "abort")
+        return True
+
     # ------------------------------------------------------------------ stepping
     def step(self, mode: str = "spec") -> list[Request]:
-        """Admit + prefill, one decode step for all running requests; returns requests finished now."""
+        """Admit + prefill new requests, then one decode step for all running ones (one device -> host
+        transfer); returns the requests finished now. ``mode="ar"`` decodes one token per step (no
+        drafter work; a request decoded in AR mode should stay in AR mode)."""
         if mode == "spec" and self.drafter is None:
             mode = "ar"
+        spec = mode == "spec"
         finished: list[Request] = []
-        for req in self.scheduler.admit():
-            tok, feats, hid = self.runner.prefill(req.slot, req.prompt_ids, req.params.temperature, self.generator)
-            if self.record or self.drafter is not None:
-                req.feature_chunks.append(feats)
-                req.hidden_chunks.append(hid if self.record else hid[:0])
-            self._commit(req, [tok], finished)
+        admitted = self.scheduler.admit()
+        if admitted:
+            firsts, gammas = self.runner.prefill([r.slot for r in admitted], [r.prompt_ids for r in admitted],
+                                                 [r.params.temperature for r in admitted],
+                                                 [r.params.top_p for r in admitted], spec)
+            for req, tok, g in zip(admitted, firsts, gammas):
+                req.next_draft_len = g
+                self._commit(req, [tok], finished)
         running = list(self.scheduler.running)
         if not running:
             return finished
         t0 = time.perf_counter()
-        temps = {r.params.temperature for r in running}
-        groups = [[r for r in running if r.params.temperature == t] for t in sorted(temps)]
-        for group in groups:
-            res = self.runner.step([r.slot for r in group], [r.last_token for r in group],
-                                   [r.num_tokens - 1 for r in group], [r.remaining - 1 for r in group], mode,
-                                   group[0].params.temperature, self.generator)
-            for i, req in enumerate(group):
-                a = res.num_accepted[i]
-                if mode == "spec":
-                    req.draft_lens.append(res.draft_lens[i])
-                    req.num_accepted.append(a)
-                    req.step_versions.append(self.drafter_version)
-                    if req.first_version is None:
-                        req.first_version = self.drafter_version
-                    self.stats.num_verify_steps += 1
-                    self.stats.num_drafted += res.draft_lens[i]
-                    self.stats.num_accepted += a
-                    self.stats.draft_len_hist[res.draft_lens[i]] += 1
-                if self.record or self.drafter is not None:
-                    req.feature_chunks.append(res.features[i, : a + 1])
-                    if self.record:
-                        req.hidden_chunks.append(res.last_hidden[i, : a + 1])
-                self._commit(req, res.committed[i], finished)
+        if spec:  # γ chosen by the policy when the block was proposed, capped by the remaining budget
+            gammas = [max(min(r.next_draft_len, r.remaining - 1), 0) for r in running]
+        else:
+            gammas = [0] * len(running)
+        res = self.runner.step([r.slot for r in running], [r.last_token for r in running],
+                               [r.num_tokens - 1 for r in running], gammas,
+                               [r.params.temperature for r in running], [r.params.top_p for r in running], spec)
+        for req, g, a, toks, nxt in zip(running, gammas, res.num_accepted, res.committed, res.next_draft_lens):
+            if spec:
+                req.draft_lens.append(g)
+                req.num_accepted.append(a)
+                req.step_versions.append(self.drafter_version)
+                if req.first_version is None:
+                    req.first_version = self.drafter_version
+                self.stats.record_step(g, a)
+            req.next_draft_len = nxt
+            self._commit(req, toks, finished)
         self.stats.num_engine_steps += 1
         self.stats.decode_seconds += time.perf_counter() - t0
         return finished
@@ -184,19 +209,12 @@ class SpecEngine:
         req.output_ids.extend(tokens)
         self.stats.num_generated += len(tokens)
         if reason is not None:
-            # features cover positions < num_tokens-1: drop rows past the truncation point
-            n_feat = req.num_tokens - 1
-            if req.feature_chunks:
-                total = sum(c.shape[0] for c in req.feature_chunks)
-                if total > n_feat:
-                    cut = total - n_feat
-                    req.feature_chunks[-1] = req.feature_chunks[-1][: req.feature_chunks[-1].shape[0] - cut]
-                    if self.record:
-                        req.hidden_chunks[-1] = req.hidden_chunks[-1][: req.hidden_chunks[-1].shape[0] - cut]
+            if self.record:  # features of positions < num_tokens-1, copied out before the slot is reused
+                n = req.num_tokens - 1
+                req.features = self.runner.features(req.slot, n).to(torch.bfloat16).cpu()
+                req.last_hidden = self.runner.last_hidden(req.slot, n).to(torch.bfloat16).cpu()
             self.scheduler.finish(req, reason)
             finished.append(req)
-            if not self.record:
-                req.feature_chunks, req.hidden_chunks = [], []
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None, mode: str = "spec",
                  on_step=None) -> list[Request]:
@@ -214,8 +232,9 @@ class SpecEngine:
         """Build the on-policy record of a finished request (needs ``record=True``)."""
         if not self.record:
             raise RuntimeError("engine was built with record=False")
-        feats = torch.cat(req.feature_chunks).to(torch.bfloat16).cpu()
-        hid = torch.cat(req.hidden_chunks).to(torch.bfloat16).cpu()
+        if req.features is None:
+            raise RuntimeError(f"request {req.request_id} has not finished")
+        feats, hid = req.features, req.last_hidden
         traj = Trajectory(request_id=req.request_id,
                           token_ids=torch.tensor(req.prompt_ids + req.output_ids, dtype=torch.long),
                           prompt_len=len(req.prompt_ids), features=feats, last_hidden=hid,
@@ -236,19 +255,27 @@ class SpecEngine:
 
     @torch.no_grad()
     def load_drafter(self, tensors: dict[str, torch.Tensor], version: int, sha256: str | None = None,
-                     config: DrafterModelConfig | None = None) -> str:
+                     config: DrafterModelConfig | None = None, *, rollback: bool = False) -> str:
         """Swap in new drafter weights between steps; running requests continue.
 
-        The new values are copied into the existing parameters (CUDA-graph safe) and every running
-        request's drafter context is recomputed from its stored target features. Returns the sha256.
+        The new values are copied into the existing parameters (so captured CUDA graphs see them) and
+        every running request's drafter context is recomputed from its feature history. Returns the
+        sha256. Versions only rise: the first published version (0 included) may equal the engine's
+        initial version, every later one must be greater, unless ``rollback=True`` names an older one
+        explicitly (the τ canary's roll back).
 
         Raises:
-            CheckpointError: the config does not fit the target (vocabulary, width, layers), tensors
-                are missing / mis-shaped / non-finite, or the sha256 does not match. The old
-                drafter stays loaded.
+            CheckpointError: the version does not rise (without ``rollback``), the config does not fit
+                the target (vocabulary, width, layers), tensors are missing / mis-shaped / non-finite,
+                or the sha256 does not match. The old drafter stays loaded.
         """
         if self.drafter is None:
             raise CheckpointError("engine has no drafter to reload")
+        if not rollback:
+            current = self.drafter_version
+            if version < current or (version == current and self._published_loaded):
+                raise CheckpointError(f"drafter version {version} refused: the engine serves version {current} "
+                                      "(versions must rise; pass rollback=True to return to an older one)")
         if config is not None:
             try:
                 config.check_target(self.target.config)
@@ -271,9 +298,29 @@ class SpecEngine:
         for name, dst in current.items():
             dst.copy_(tensors[name].to(dst.dtype))
         self.drafter_version = version
+        self._published_loaded = True
         self.drafter_sha256 = tensors_sha256(self.drafter_tensors())
         self.num_reloads += 1
         for req in self.scheduler.running:
-            if req.feature_chunks:
-                self.runner.rebuild_context(req.slot, torch.cat(req.feature_chunks))
+            self.runner.rebuild_context(req.slot, req.num_tokens - 1)
         return self.drafter_sha256
+
+    # ------------------------------------------------------------------ timing (benchmarks)
+    def time_verify(self, batch_size: int, width: int, num_iters: int = 20, context_len: int = 128) -> float:
+        """Median ms of one target verify forward (``batch_size`` x ``width`` after ``context_len`` tokens),
+        through a CUDA graph on GPU. For benchmarks on an idle engine (overwrites slot contents)."""
+        self._check_timing_args(batch_size, width, context_len)
+        return self.runner.time_verify(batch_size, width, context_len, num_iters)
+
+    def time_propose(self, batch_size: int, num_iters: int = 20, context_len: int = 128) -> float:
+        """Median ms of one drafter propose (one block of block_size) + the length policy."""
+        if self.drafter is None:
+            raise ValueError("engine has no drafter")
+        self._check_timing_args(batch_size, self.drafter.block_size, context_len)
+        return self.runner.time_propose(batch_size, context_len, num_iters)
+
+    def _check_timing_args(self, batch_size: int, width: int, context_len: int) -> None:
+        if not 1 <= batch_size <= self.runner.num_slots:
+            raise ValueError(f"batch_size must be in [1, {self.runner.num_slots}] (max_batch_size), got {batch_size}")
+        if context_len + width + self.runner.block_size > self.max_seq_len:
+            raise ValueError(f"context_len {context_len} + width {width} does not fit max_seq_len {self.max_seq_len}")

@@ -17,6 +17,7 @@ class SamplingParams:
 
     max_new_tokens: int = 64
     temperature: float = 0.0
+    top_p: float = 1.0  # nucleus sampling (temperature > 0 only); 1 = off
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
 
@@ -25,6 +26,8 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 class Status(enum.Enum):
@@ -36,7 +39,9 @@ class Status(enum.Enum):
 @dataclass
 class Request:
     """One generation. Token bookkeeping: ``all_ids = prompt_ids + output_ids``; the target KV cache
-    and ``features`` cover positions ``0 .. num_tokens-2``; the last token is the next anchor."""
+    and the feature history cover positions ``0 .. num_tokens-2``; the last token is the next anchor.
+    ``next_draft_len``: γ the length policy chose for the pending block (capped by the budget at use).
+    ``features`` / ``last_hidden`` (bf16, CPU) are filled when the request finishes on a recording engine."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -48,8 +53,9 @@ class Request:
     draft_lens: list[int] = field(default_factory=list)
     num_accepted: list[int] = field(default_factory=list)
     step_versions: list[int] = field(default_factory=list)
-    feature_chunks: list[torch.Tensor] = field(default_factory=list)
-    hidden_chunks: list[torch.Tensor] = field(default_factory=list)
+    next_draft_len: int = 0
+    features: torch.Tensor | None = None
+    last_hidden: torch.Tensor | None = None
     first_version: int | None = None
 
     @property

@@ -1,16 +1,33 @@
-"""ModelRunner: owns every tensor of the engine - target, drafter, length policy, the target KV
-cache and the drafter context cache - and runs prefill and one batched speculative step.
+"""ModelRunner: owns every tensor of the engine - target, drafter, length policy, the target KV cache,
+the drafter context cache, per-slot feature history and pending drafts - and runs prefill and one
+batched speculative step, eagerly on CPU (the exact float32 reference) and as CUDA graphs on GPU.
 
-A speculative step (ALGORITHMS.md §4; gpt-fast's layout): propose (one drafter forward per request
-block) -> choose γ per request -> verify all drafts in one target forward of width max(γ)+1 ->
-accept the longest matching prefix -> commit a+1 tokens. Rows with a smaller γ are padded; their
-extra cache writes sit beyond every later query's causal limit and are overwritten (no leak).
-One host transfer per step. ``mode="ar"`` is plain autoregressive decoding through the same path.
+One step for the requests in KV slots ``0..B-1`` (row b *is* slot b, so attention reads the static
+caches in place - no gather, no copy of the context):
+
+1. verify ``[anchor, d_1 .. d_{W-1}]`` in one target forward over the static cache (gpt-fast layout:
+   K/V written at absolute positions; a rejected draft's entries lie beyond every later query's causal
+   limit and are overwritten, so a rollback is "don't advance the position");
+2. accept the longest prefix (greedy: d_i == target argmax; sampling: min(1, p/q) with a residual
+   resample - Leviathan et al. 2023, Chen et al. 2023) and commit a+1 tokens;
+3. append the drafter context of the committed positions (and the target features into the history);
+4. propose the *next* block from the new anchor (the correction/bonus token) and pick its γ with the
+   length policy.
+
+Proposing at the end of step t instead of the start of step t+1 means the host learns the accepted
+counts and the next γ in **one** device-to-host transfer per step; it then picks the next verify
+width bucket without any other synchronisation. On CUDA every step is a graph replay keyed by
+(batch bucket, width bucket, span bucket, spec, sampling, top-p), captured lazily the first time a key
+is seen (the engine's very first step runs eagerly to initialise cuBLAS and the allocator), all in one
+memory pool (nano-vllm's scheme). Inputs travel in one pinned int buffer and one float buffer.
 """
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from adaflash_ray.models.drafter import DFlashDrafter
@@ -19,108 +36,52 @@ from adaflash_ray.models.target import TargetModel
 
 @dataclass
 class StepResult:
-    """Host-side result of one step for B requests (python lists, one transfer)."""
+    """Host-side result of one step for the requests passed in (python lists, one transfer)."""
 
     committed: list[list[int]]  # a_r + 1 tokens per request (before stop truncation)
-    draft_lens: list[int]  # γ_r (0 in AR mode)
     num_accepted: list[int]  # a_r
-    features: torch.Tensor  # [B, W, K*H] of the verify forward (positions p_r .. p_r+W-1)
-    last_hidden: torch.Tensor  # [B, W, H]
+    next_draft_lens: list[int]  # γ chosen by the length policy for the request's next step (0 in AR mode)
 
 
-class ModelRunner:
-    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, length_policy, *,
-                 num_slots: int, max_seq_len: int, layer_ids: list[int]):
-        self.target, self.drafter, self.length_policy = target, drafter, length_policy
-        self.layer_ids = list(layer_ids)
-        self.max_seq_len = max_seq_len
-        self.device = target.lm_head.weight.device
-        self.kv = target.new_kv_cache(num_slots, max_seq_len)
-        self.ctx = drafter.new_context_cache(num_slots, max_seq_len) if drafter is not None else None
-
-    # ------------------------------------------------------------------ prefill
-    @torch.no_grad()
-    def prefill(self, slot: int, prompt_ids: list[int], temperature: float, generator=None):
-        """Run the prompt through the target (and the drafter context). Returns
-        ``(first_token, features [P, K*H], last_hidden [P, H])``."""
-        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, P]
-        pos = torch.arange(ids.shape[1], device=self.device)[None]
-        slots = torch.tensor([slot], device=self.device)
-        out = self.target(ids, pos, cache=self.kv, slot_ids=slots, capture_layer_ids=self.layer_ids)
-        logits = out.logits[0, -1]
-        if temperature > 0:
-            tok = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
-        else:
-            tok = int(logits.argmax())
-        if self.drafter is not None:
-            self.drafter.append_context(self.ctx, slots.expand(ids.shape[1]), pos[0], out.features[0])
-        return tok, out.features[0], out.last_hidden[0]
-
-    @torch.no_grad()
-    def rebuild_context(self, slot: int, features: torch.Tensor) -> None:
-        """Recompute a slot's drafter context K/V from stored features ``[n, K*H]`` (after a weight swap)."""
-        n = features.shape[0]
-        pos = torch.arange(n, device=self.device)
-        self.drafter.append_context(self.ctx, torch.full((n,), slot, device=self.device), pos, features)
-
-    # ------------------------------------------------------------------ one step
-    @torch.no_grad()
-    def step(self, slots: list[int], anchors: list[int], anchor_pos: list[int], max_draft: list[int],
-             mode: str, temperature: float = 0.0, generator=None) -> StepResult:
-        """One decoding step for B running requests.
-
-        Args:
-            slots, anchors, anchor_pos: per request KV slot, last committed token, its position.
-            max_draft: per request upper bound on γ (remaining budget - 1).
-            mode: "spec" (drafter + policy) or "ar" (γ = 0).
-        """
-        dev = self.device
-        b = len(slots)
-        slot_t = torch.tensor(slots, device=dev)
-        anchor_t = torch.tensor(anchors, device=dev)
-        pos_t = torch.tensor(anchor_pos, device=dev)
-        cap = torch.tensor(max_draft, device=dev).clamp(min=0)
-        if mode == "spec":
-            bs = self.drafter.block_size
-            hidden = self.drafter.propose_hidden(self.ctx, slot_t, anchor_t, pos_t)  # [B, bs, H]
-            draft_logits = self.drafter.logits(hidden[:, 1:])  # [B, bs-1, V]
-            gamma = torch.minimum(self.length_policy(hidden), cap)  # [B]
-            if temperature > 0:
-                q = torch.softmax(draft_logits / temperature, -1)  # [B, bs-1, V]
-                drafts = torch.multinomial(q.reshape(-1, q.shape[-1]), 1, generator=generator).view(b, bs - 1)
-            else:
-                q = None
-                drafts = draft_logits.argmax(-1)  # [B, bs-1]
-            g_max = int(gamma.max())
-        else:
-            gamma = torch.zeros(b, dtype=torch.long, device=dev)
-            g_max, drafts, q = 0, torch.zeros(b, 0, dtype=torch.long, device=dev), None
-        width = g_max + 1
-        inp = torch.cat([anchor_t[:, None], drafts[:, :g_max]], dim=1)  # [B, W]
-        positions = pos_t[:, None] + torch.arange(width, device=dev)  # [B, W]
-        out = self.target(inp, positions, cache=self.kv, slot_ids=slot_t, capture_layer_ids=self.layer_ids)
-        live = torch.arange(g_max, device=dev)[None, :] < gamma[:, None]  # [B, Γ]
-        d = drafts[:, :g_max]
-        if temperature > 0:
-            p = torch.softmax(out.logits / temperature, -1)  # [B, W, V]
-            accepted, nxt = _rejection_sample(d, p, None if q is None else q[:, :g_max], live, generator)
-        else:
-            g = out.logits.argmax(-1)  # [B, W]
-            accepted = ((d == g[:, :g_max]) & live).long().cumprod(1).sum(1)  # [B]
-            nxt = g.gather(1, accepted[:, None])[:, 0]  # correction or bonus
-        committed_t = torch.cat([d, torch.zeros(b, 1, dtype=torch.long, device=dev)], 1)
-        committed_t.scatter_(1, accepted[:, None], nxt[:, None])
-        if self.drafter is not None:
-            keep = torch.arange(width, device=dev)[None, :] <= accepted[:, None]  # anchor + accepted
-            self.drafter.append_context(self.ctx, slot_t[:, None].expand(b, width)[keep], positions[keep],
-                                        out.features[keep])
-        host = torch.stack([gamma, accepted], 0).tolist()  # one transfer
-        rows = committed_t.tolist()
-        return StepResult(committed=[rows[i][: host[1][i] + 1] for i in range(b)], draft_lens=host[0],
-                          num_accepted=host[1], features=out.features, last_hidden=out.last_hidden)
+def _buckets(limit: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 16 up to ``limit`` (nano-vllm's batch buckets), ``limit`` included."""
+    out = [b for b in (1, 2, 4, 8) if b < limit] + list(range(16, limit, 16))
+    return out + [limit]
 
 
-def _rejection_sample(d, p, q, live, generator):
+def _round_up(n: int, choices: list[int]) -> int:
+    for c in choices:
+        if c >= n:
+            return c
+    return choices[-1]
+
+
+def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Sampling distribution after the request's logit processing, float32.
+
+    logits ``[B, ..., V]``; temperature ``[B]`` (rows with 0 are treated as 1: greedy rows ignore the
+    result); top_p ``[B]`` in (0, 1] or None (nucleus sampling, Holtzman et al. 2020: keep the smallest
+    prefix of the sorted distribution whose mass reaches top_p). Returns ``[B, ..., V]`` summing to 1.
+    """
+    shape = (-1,) + (1,) * (logits.dim() - 1)
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).view(shape)
+    p = torch.softmax(logits.float() / t, dim=-1)
+    if top_p is not None:
+        sp, idx = p.sort(dim=-1, descending=True)
+        drop = (sp.cumsum(-1) - sp) > top_p.view(shape)
+        p = torch.zeros_like(p).scatter_(-1, idx, sp.masked_fill(drop, 0.0))
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def sample_from(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One sample per row of ``p`` ``[..., V]`` by the exponential race (argmax p/E, E ~ Exp(1)): exact,
+    and unlike ``torch.multinomial`` free of host syncs, so it can be captured in a CUDA graph (gpt-fast)."""
+    e = torch.empty_like(p).exponential_(generator=generator)
+    return (p / e).argmax(-1)
+
+
+def rejection_sample(d, p, q, live, generator):
     """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023), batched.
 
     d ``[B, Γ]`` drafts; p ``[B, Γ+1, V]`` target probs; q ``[B, Γ, V]`` drafter probs (drafts were
@@ -130,8 +91,7 @@ def _rejection_sample(d, p, q, live, generator):
     """
     b, gm = d.shape
     if gm == 0:
-        nxt = torch.multinomial(p[:, 0], 1, generator=generator)[:, 0]
-        return torch.zeros(b, dtype=torch.long, device=p.device), nxt
+        return torch.zeros(b, dtype=torch.long, device=p.device), sample_from(p[:, 0], generator)
     pd = p[:, :gm].gather(2, d[..., None])[..., 0]  # [B, Γ]
     qd = q.gather(2, d[..., None])[..., 0]
     u = torch.rand(pd.shape, generator=generator, device=p.device)
@@ -139,12 +99,323 @@ def _rejection_sample(d, p, q, live, generator):
     accepted = ok.long().cumprod(1).sum(1)  # [B]
     idx = accepted[:, None, None].expand(b, 1, p.shape[-1])
     p_at = p.gather(1, idx)[:, 0]  # [B, V]
-    q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], 1)
-    q_at = q_pad.gather(1, idx)[:, 0]
+    q_at = torch.cat([q, torch.zeros_like(q[:, :1])], 1).gather(1, idx)[:, 0]
     rejected = accepted < live.sum(1)  # stopped before γ: residual; else bonus from p
     resid = (p_at - q_at).clamp(min=0)
     norm = resid.sum(-1, keepdim=True)
     resid = torch.where(norm > 0, resid / norm.clamp(min=1e-30), p_at)
-    dist = torch.where(rejected[:, None], resid, p_at)
-    nxt = torch.multinomial(dist, 1, generator=generator)[:, 0]
-    return accepted, nxt
+    return accepted, sample_from(torch.where(rejected[:, None], resid, p_at), generator)
+
+
+class ModelRunner:
+    """Args:
+        target, drafter (None = AR only), length_policy (block hidden ``[B, bs, H]`` -> γ ``[B]``).
+        num_slots: KV slots (the engine's max batch). max_seq_len: positions per slot.
+        layer_ids: target layers whose outputs form the drafter's features.
+        record: also keep the final hidden state per position (trajectories).
+        use_cuda_graph: None = on for CUDA devices. seed: sampling RNG (CPU; on CUDA the default
+            generator is used, which CUDA graphs support natively).
+    """
+
+    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, length_policy, *, num_slots: int,
+                 max_seq_len: int, layer_ids: list[int], record: bool = False, use_cuda_graph: bool | None = None,
+                 seed: int = 0):
+        self.target, self.drafter, self.length_policy = target, drafter, length_policy
+        self.layer_ids = list(layer_ids)
+        self.num_slots, self.max_seq_len = num_slots, max_seq_len
+        w = target.lm_head.weight
+        self.device, self.dtype = w.device, w.dtype
+        self.is_cuda = self.device.type == "cuda"
+        self.use_graphs = self.is_cuda if use_cuda_graph is None else bool(use_cuda_graph)
+        if self.use_graphs and not self.is_cuda:
+            raise ValueError("use_cuda_graph=True needs the model on a CUDA device")
+        dev = self.device
+        self.block_size = drafter.block_size if drafter is not None else 1
+        self.kv = target.new_kv_cache(num_slots, max_seq_len)
+        self.ctx = drafter.new_context_cache(num_slots, max_seq_len) if drafter is not None else None
+        feat_dim = len(self.layer_ids) * target.config.hidden_size
+        # per-slot history of the target's features / final hidden state (position p of slot s at [s, p]);
+        # written in the step (the same overwrite-beyond-the-causal-limit rule as the KV cache)
+        self.feat_hist = (torch.zeros(num_slots, max_seq_len, feat_dim, dtype=self.dtype, device=dev)
+                          if drafter is not None or record else None)
+        self.hid_hist = (torch.zeros(num_slots, max_seq_len, target.config.hidden_size, dtype=self.dtype, device=dev)
+                         if record else None)
+        nd = max(self.block_size - 1, 1)
+        self.drafts = torch.zeros(num_slots, nd, dtype=torch.long, device=dev)  # pending drafts per slot
+        self.draft_probs: torch.Tensor | None = None  # [slots, bs-1, V] float32, allocated at the first sample
+        # static step inputs / output (graph-captured code reads and writes only these)
+        self.in_ints = torch.zeros(num_slots, 3, dtype=torch.long, device=dev)  # anchor, position, γ
+        self.in_floats = torch.zeros(num_slots, 2, dtype=torch.float32, device=dev)  # temperature, top_p
+        self.out = torch.zeros(num_slots, self.block_size + 2, dtype=torch.long, device=dev)
+        pin = self.is_cuda
+        self._ints_host = torch.zeros(num_slots, 3, dtype=torch.long, pin_memory=pin)
+        self._floats_host = torch.zeros(num_slots, 2, dtype=torch.float32, pin_memory=pin)
+        self.generator = None if self.is_cuda else torch.Generator(device=dev).manual_seed(seed)
+        if self.is_cuda:
+            torch.cuda.manual_seed(seed)
+        self._batch_buckets = _buckets(num_slots) if self.use_graphs else None
+        self._width_buckets = [x for x in (1, 2, 3, 4, 6, 8, 12, 16) if x < self.block_size] + [self.block_size]
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._warm = False
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+
+    # ------------------------------------------------------------------ shapes
+    def _span(self, need: int) -> int:
+        """Keys read per attention: ``need`` rounded up (powers of two >= 256 on CUDA, to cap the number of
+        graphs; multiples of 16 on CPU), at most max_seq_len."""
+        if self.use_graphs:
+            span = 256
+            while span < need:
+                span *= 2
+        else:
+            span = -(-need // 16) * 16
+        return min(span, self.max_seq_len)
+
+    def _ensure_sampling(self) -> None:
+        if self.draft_probs is None and self.drafter is not None:
+            v = self.target.config.vocab_size
+            self.draft_probs = torch.zeros(self.num_slots, self.block_size - 1, v, dtype=torch.float32,
+                                           device=self.device)
+
+    # ------------------------------------------------------------------ prefill
+    @torch.no_grad()
+    def prefill(self, slots: list[int], prompts: list[list[int]], temperatures: list[float], top_ps: list[float],
+                spec: bool) -> tuple[list[int], list[int]]:
+        """Run prompts through the target (writing their slots' KV, feature history and drafter context),
+        sample each first token and, with ``spec``, propose each request's first block.
+
+        Returns ``(first_tokens, draft_lens)`` (python lists; one host transfer). On CUDA all prompts go in
+        one right-padded batch (pad entries lie beyond each prompt and are overwritten later); on CPU one
+        prompt at a time (no padding waste).
+        """
+        if not self.is_cuda and len(prompts) > 1:
+            firsts, gammas = [], []
+            for args in zip(slots, prompts, temperatures, top_ps):
+                f, g = self.prefill(*[[a] for a in args], spec)
+                firsts += f
+                gammas += g
+            return firsts, gammas
+        dev = self.device
+        n, plen = len(prompts), max(map(len, prompts))
+        ids = torch.zeros(n, plen, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p)
+        ids = ids.to(dev)
+        lens = torch.tensor([len(p) for p in prompts], device=dev)
+        slot_t = torch.tensor(slots, device=dev)
+        temp = torch.tensor(temperatures, dtype=torch.float32, device=dev)
+        top_p = torch.tensor(top_ps, dtype=torch.float32, device=dev)
+        positions = torch.arange(plen, device=dev).expand(n, plen)
+        out = self.target(ids, positions, cache=self.kv, slot_ids=slot_t, capture_layer_ids=self.layer_ids,
+                          span=plen, compute_logits=False)
+        last = out.last_hidden[torch.arange(n, device=dev), lens - 1]  # [N, H]
+        logits = self.target.lm_head(last)  # [N, V]
+        first = logits.argmax(-1)
+        sample = any(t > 0 for t in temperatures)
+        use_top_p = sample and any(tp < 1 for tp in top_ps)
+        if sample:
+            self._ensure_sampling()
+            p = processed_probs(logits, temp, top_p if use_top_p else None)
+            first = torch.where(temp > 0, sample_from(p, self.generator), first)
+        rows = slot_t[:, None].expand(n, plen)
+        if self.feat_hist is not None:
+            self.feat_hist[rows, positions] = out.features.to(self.feat_hist.dtype)
+        if self.hid_hist is not None:
+            self.hid_hist[rows, positions] = out.last_hidden.to(self.hid_hist.dtype)
+        gamma = torch.zeros_like(first)
+        if self.drafter is not None:
+            self.drafter.append_context(self.ctx, rows, positions, out.features)
+            if spec:
+                gamma = self._propose(slot_t, first, lens, plen + self.block_size, temp, top_p, sample, use_top_p,
+                                      rows_are_slots=False)
+        host = torch.stack([first, gamma]).tolist()  # one transfer
+        return host[0], host[1]
+
+    # ------------------------------------------------------------------ propose
+    def _propose(self, slot_ids, anchors, anchor_pos, span, temp, top_p, sample, use_top_p, rows_are_slots):
+        """Drafter forward on ``[anchor, MASK...]`` -> pending drafts (+ their probabilities when sampling)
+        stored per slot; returns γ ``[B]`` from the length policy."""
+        span = min(span, self.max_seq_len)
+        hidden = self.drafter.propose_hidden(self.ctx, slot_ids, anchors, anchor_pos, span=span,
+                                             rows_are_slots=rows_are_slots)  # [B, bs, H]
+        draft_logits = self.drafter.logits(hidden[:, 1:])  # [B, bs-1, V]
+        drafts = draft_logits.argmax(-1)
+        b = anchors.shape[0]
+        if sample:
+            q = processed_probs(draft_logits, temp, top_p if use_top_p else None)
+            drafts = torch.where((temp > 0)[:, None], sample_from(q, self.generator), drafts)
+            if rows_are_slots:
+                self.draft_probs[:b] = q
+            else:
+                self.draft_probs[slot_ids] = q
+        if rows_are_slots:
+            self.drafts[:b] = drafts
+        else:
+            self.drafts[slot_ids] = drafts
+        return self.length_policy(hidden).to(torch.long)
+
+    # ------------------------------------------------------------------ one step (graph body)
+    def _step_fn(self, b: int, w: int, span: int, spec: bool, sample: bool, use_top_p: bool) -> None:
+        """Rows 0..b-1, verify width w, keys 0..span-1. Reads in_ints / in_floats / drafts; writes out,
+        caches, histories, drafts. No host synchronisation (CUDA-graph safe)."""
+        dev = self.device
+        anchor, pos, gamma = self.in_ints[:b].unbind(1)
+        temp, top_p = self.in_floats[:b].unbind(1)
+        ar = torch.arange(w, device=dev)
+        positions = (pos[:, None] + ar).clamp(max=self.max_seq_len - 1)  # [B, W] (clamp: padded columns only)
+        g_max = w - 1
+        d = self.drafts[:b, :g_max]  # [B, Γ]
+        inp = torch.cat([anchor[:, None], d], 1)  # [B, W]
+        out = self.target(inp, positions, cache=self.kv, capture_layer_ids=self.layer_ids, span=span,
+                          rows_are_slots=True, logits_dtype=None)
+        greedy = out.logits.argmax(-1)  # [B, W]
+        live = ar[None, :g_max] < gamma[:, None]  # [B, Γ]
+        accepted = ((d == greedy[:, :g_max]) & live).long().cumprod(1).sum(1)  # [B]
+        nxt = greedy.gather(1, accepted[:, None])[:, 0]  # correction or bonus
+        if sample:
+            p = processed_probs(out.logits, temp, top_p if use_top_p else None)  # [B, W, V]
+            q = self.draft_probs[:b, :g_max] if self.draft_probs is not None else None
+            acc_s, nxt_s = rejection_sample(d, p, q, live, self.generator)
+            stochastic = temp > 0
+            accepted = torch.where(stochastic, acc_s, accepted)
+            nxt = torch.where(stochastic, nxt_s, nxt)
+        committed = torch.cat([d, torch.zeros_like(anchor)[:, None]], 1)  # [B, W]
+        committed.scatter_(1, accepted[:, None], nxt[:, None])
+        rows = torch.arange(b, device=dev)[:, None]
+        if self.feat_hist is not None:
+            self.feat_hist[rows, positions] = out.features.to(self.feat_hist.dtype)
+        if self.hid_hist is not None:
+            self.hid_hist[rows, positions] = out.last_hidden.to(self.hid_hist.dtype)
+        self.out[:b, :w] = committed
+        self.out[:b, w] = accepted
+        if spec:
+            self.drafter.append_context(self.ctx, rows.expand(b, w), positions, out.features)
+            self.out[:b, w + 1] = self._propose(rows[:, 0], nxt, pos + accepted + 1, span, temp, top_p, sample,
+                                                use_top_p, rows_are_slots=True)
+
+    def _run(self, key: tuple) -> None:
+        if not self.use_graphs:
+            self._step_fn(*key)
+            return
+        graph = self.graphs.get(key)
+        if graph is None:
+            if not self._warm:  # the very first step runs eagerly (initialises cuBLAS, the allocator, kernels)
+                self._warm = True
+                self._step_fn(*key)
+                return
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._step_fn(*key)
+            self.graphs[key] = graph
+        graph.replay()
+
+    # ------------------------------------------------------------------ one step (host side)
+    @torch.no_grad()
+    def step(self, slots: list[int], anchors: list[int], anchor_pos: list[int], draft_lens: list[int],
+             temperatures: list[float], top_ps: list[float], spec: bool) -> StepResult:
+        """One decoding step for the running requests in ``slots``.
+
+        Args:
+            anchors, anchor_pos: per request the last committed token and its position (= num_tokens-1).
+            draft_lens: γ per request for this step (<= its pending drafts; 0 in AR mode), already capped by
+                the host (remaining budget).
+            temperatures, top_ps: per request sampling settings (0 = greedy).
+            spec: verify the pending drafts and propose the next block; False = plain AR (W = 1).
+        """
+        b = max(slots) + 1
+        g_max = max(draft_lens) if spec else 0
+        w = g_max + 1
+        if self.use_graphs:
+            b = _round_up(b, self._batch_buckets)
+            w = _round_up(w, self._width_buckets)
+        span = self._span(max(anchor_pos) + w + (self.block_size if spec else 0))
+        sample = any(t > 0 for t in temperatures)
+        use_top_p = sample and any(tp < 1 for tp in top_ps)
+        if sample:
+            self._ensure_sampling()
+        ints, floats = self._ints_host.numpy(), self._floats_host.numpy()
+        ints[:b] = 0
+        floats[:b, 0], floats[:b, 1] = 0.0, 1.0
+        idx = np.asarray(slots)
+        ints[idx, 0], ints[idx, 1], ints[idx, 2] = anchors, anchor_pos, draft_lens
+        floats[idx, 0], floats[idx, 1] = temperatures, top_ps
+        self.in_ints[:b].copy_(self._ints_host[:b], non_blocking=True)
+        self.in_floats[:b].copy_(self._floats_host[:b], non_blocking=True)
+        self._run((b, w, span, spec, sample, use_top_p))
+        host = self.out[:b, : w + 2].cpu().numpy()  # the one device -> host transfer of the step
+        rows = host[idx]
+        acc = rows[:, w].tolist()
+        committed = [r[: a + 1].tolist() for r, a in zip(rows, acc)]
+        nxt = rows[:, w + 1].tolist() if spec else [0] * len(slots)
+        return StepResult(committed=committed, num_accepted=acc, next_draft_lens=nxt)
+
+    # ------------------------------------------------------------------ history, reload
+    def features(self, slot: int, n: int) -> torch.Tensor:
+        """Target features ``[n, K*H]`` of positions 0..n-1 of ``slot`` (a view; copy before reuse)."""
+        return self.feat_hist[slot, :n]
+
+    def last_hidden(self, slot: int, n: int) -> torch.Tensor:
+        """Final hidden states ``[n, H]`` of positions 0..n-1 of ``slot`` (record=True only)."""
+        return self.hid_hist[slot, :n]
+
+    @torch.no_grad()
+    def rebuild_context(self, slot: int, n: int) -> None:
+        """Recompute a slot's drafter context K/V for positions 0..n-1 from its feature history (after a
+        weight swap, so running requests continue with the new drafter)."""
+        pos = torch.arange(n, device=self.device)
+        self.drafter.append_context(self.ctx, torch.full((n,), slot, device=self.device), pos,
+                                    self.feat_hist[slot, :n])
+
+    # ------------------------------------------------------------------ timing (benchmarks)
+    def _time(self, fn, num_iters: int) -> float:
+        """Median ms of ``fn`` (graph-captured on CUDA after two warm-up calls)."""
+        if not self.use_graphs:
+            times = []
+            for _ in range(num_iters):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            return statistics.median(times)
+        fn()
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(num_iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    @torch.no_grad()
+    def time_verify(self, batch_size: int, width: int, context_len: int = 128, num_iters: int = 20) -> float:
+        """Median ms of one target forward of ``batch_size`` rows x ``width`` positions after a context of
+        ``context_len`` (+ argmax). Overwrites slots 0..batch_size-1: call on an idle engine."""
+        dev = self.device
+        pos = torch.full((batch_size,), context_len, device=dev)
+        positions = pos[:, None] + torch.arange(width, device=dev)
+        inp = torch.zeros(batch_size, width, dtype=torch.long, device=dev)
+        span = self._span(context_len + width)
+
+        def fn():
+            out = self.target(inp, positions, cache=self.kv, capture_layer_ids=self.layer_ids, span=span,
+                              rows_are_slots=True, logits_dtype=None)
+            return out.logits.argmax(-1)
+        return self._time(fn, num_iters)
+
+    @torch.no_grad()
+    def time_propose(self, batch_size: int, context_len: int = 128, num_iters: int = 20) -> float:
+        """Median ms of one drafter propose (block of block_size) + draft argmax + length policy."""
+        dev = self.device
+        rows = torch.arange(batch_size, device=dev)
+        anchors = torch.zeros(batch_size, dtype=torch.long, device=dev)
+        pos = torch.full((batch_size,), context_len, device=dev)
+        span = self._span(context_len + self.block_size)
+        ones = torch.ones(batch_size, device=dev)
+        return self._time(lambda: self._propose(rows, anchors, pos, span, ones, ones, False, False, True), num_iters)

@@ -1,7 +1,9 @@
-"""Continuous-batching scheduler: FIFO admission into a fixed number of KV slots. Pure Python,
-no tensors (nano-vllm's split)."""
+"""Continuous-batching scheduler: FIFO admission into a fixed number of KV slots, lowest free slot
+first (the runner computes rows 0..max(slot), so keeping slots packed keeps batches small). Pure
+Python, no tensors (nano-vllm's split)."""
 from __future__ import annotations
 
+import heapq
 from collections import deque
 
 from adaflash_ray.engine.request import Request, Status
@@ -11,7 +13,7 @@ class Scheduler:
     def __init__(self, num_slots: int):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.free_slots = list(range(num_slots))  # a heap
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -24,7 +26,7 @@ class Scheduler:
         admitted = []
         while self.waiting and self.free_slots:
             req = self.waiting.popleft()
-            req.slot = self.free_slots.pop()
+            req.slot = heapq.heappop(self.free_slots)
             req.status = Status.RUNNING
             self.running.append(req)
             admitted.append(req)
@@ -34,7 +36,7 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.running.remove(req)
-        self.free_slots.append(req.slot)
+        heapq.heappush(self.free_slots, req.slot)
 
     @property
     def num_unfinished(self) -> int:

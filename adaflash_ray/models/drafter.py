@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from adaflash_ray.models.layers import (AttentionProjections, DecoderLayerParams, RMSNorm, Rotary,
-                                       masked_attention)
+from adaflash_ray.models.layers import (AttentionProjections, DecoderLayerParams, RMSNorm, Rotary, gqa_mask,
+                                       grouped_attention, masked_attention)
 from adaflash_ray.models.target import KVCache, TargetConfig
 
 
@@ -163,6 +163,20 @@ class _DrafterLayer(DecoderLayerParams):
         x = x + attn.o_proj(out.reshape(x.shape[0], x.shape[1], -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_cached(self, x, cos, sin, k_cache, v_cache, rows, positions, span, mask):
+        """Inference: write the block's K/V into ``k_cache/v_cache`` ``[B, S_max, Hkv, D]`` at
+        (``rows`` ``[B, 1]``, ``positions`` ``[B, Q]``), then attend over ``[:, :span]`` with ``mask``
+        (``[B, 1, Q*rep, span]``). Same math as :meth:`forward` with the context and block keys side by side."""
+        h = self.input_layernorm(x)
+        attn = self.self_attn
+        q = attn.q(h, cos, sin)
+        bk, bv = attn.kv(h, cos, sin)
+        k_cache[rows, positions] = bk.to(k_cache.dtype)
+        v_cache[rows, positions] = bv.to(v_cache.dtype)
+        out = grouped_attention(q, k_cache[:, :span].to(q.dtype), v_cache[:, :span].to(q.dtype), mask)
+        x = x + attn.o_proj(out.reshape(x.shape[0], x.shape[1], -1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
 
 class DFlashDrafter(nn.Module):
     """DFlash drafter. Parameters (checkpoint names, DFlash format): ``fc.weight [H, K*Ht]``,
@@ -248,32 +262,52 @@ class DFlashDrafter(nn.Module):
                        features: torch.Tensor) -> None:
         """Write context K/V of committed positions into ``cache``.
 
-        slot_ids, positions: ``[N]`` int64; features: ``[N, K*Ht]`` (rows may mix requests).
-        Every layer's context K/V come from the same ``c`` (context never passes through layers).
+        slot_ids, positions: int64 of any equal shape ``[...]`` (e.g. ``[N]`` rows mixing requests, or
+        ``[B, W]`` for a verify step); features: ``[..., K*Ht]``. Every layer's context K/V come from the
+        same ``c`` (the context never passes through the drafter's layers - DFlash).
         """
-        c = self.project_context(features)[None]  # [1, N, H]
-        cos, sin = self.rotary.cos_sin(positions[None])
+        if positions.dim() == 1:
+            slot_ids, positions, features = slot_ids[None], positions[None], features[None]
+        c = self.project_context(features)  # [B, T, H]
+        cos, sin = self.rotary.cos_sin(positions)
         for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.kv(c, cos, sin)  # [1, N, Hkv, D]
-            cache.k[i][slot_ids, positions] = k[0].to(cache.k.dtype)
-            cache.v[i][slot_ids, positions] = v[0].to(cache.v.dtype)
+            k, v = layer.self_attn.kv(c, cos, sin)  # [B, T, Hkv, D]
+            cache.k[i][slot_ids, positions] = k.to(cache.k.dtype)
+            cache.v[i][slot_ids, positions] = v.to(cache.v.dtype)
 
     @torch.no_grad()
     def propose_hidden(self, cache: KVCache, slot_ids: torch.Tensor, anchor_ids: torch.Tensor,
-                       anchor_pos: torch.Tensor, span: int | None = None) -> torch.Tensor:
-        """One block per request. anchor_ids/anchor_pos/slot_ids ``[B]``; context = cache entries at
-        positions ``< anchor_pos`` of each slot. Returns final hidden ``[B, block_size, H]``."""
+                       anchor_pos: torch.Tensor, span: int | None = None, rows_are_slots: bool = False) -> torch.Tensor:
+        """One block per request: ``[anchor, MASK x (bs-1)]`` at positions ``anchor_pos .. +bs-1``.
+
+        anchor_ids / anchor_pos / slot_ids ``[B]`` int64. The context is the slot's cache entries at
+        positions ``< anchor_pos``; the block's own K/V are written into the cache rows at the block's
+        positions (scratch: beyond every committed position, overwritten by the next append) and the
+        block attends bidirectionally to itself. ``span`` (keys read, ``>= max(anchor_pos) + bs``)
+        defaults to that bound (one host sync). With ``rows_are_slots`` (the engine's graph-captured
+        step) row b is slot b and the cache is read in place; otherwise the slots' entries are gathered
+        (a copy, so the scratch writes do not touch the cache). Returns final hidden ``[B, bs, H]``.
+        """
         bsz, bs = anchor_ids.shape[0], self.block_size
         x = self.block_embeddings(anchor_ids)  # [B, bs, H]
-        pos = anchor_pos[:, None] + torch.arange(bs, device=x.device)  # [B, bs]
+        dev = x.device
+        pos = anchor_pos[:, None] + torch.arange(bs, device=dev)  # [B, bs]
         cos, sin = self.rotary.cos_sin(pos)
-        span = int(anchor_pos.max().item()) if span is None else span
-        span = max(span, 1)
-        ctx_vis = torch.arange(span, device=x.device)[None, :] < anchor_pos[:, None]  # [B, S]
-        visible = torch.cat([ctx_vis[:, None, :].expand(bsz, bs, span),
-                             torch.ones(bsz, bs, bs, dtype=torch.bool, device=x.device)], dim=-1)
+        if span is None:
+            span = int(anchor_pos.max().item()) + bs
+        span = min(span, cache.max_seq_len)
+        key_pos = torch.arange(span, device=dev)[None, :]
+        ctx_vis = (key_pos < anchor_pos[:, None]) | ((key_pos >= pos[:, :1]) & (key_pos <= pos[:, -1:]))  # [B, S]
+        mask = gqa_mask(ctx_vis[:, None, :].expand(bsz, bs, span),
+                        self.config.num_attention_heads // self.config.num_key_value_heads)
+        rows = torch.arange(bsz, device=dev)[:, None]
+        write_pos = pos.clamp(max=cache.max_seq_len - 1)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i][slot_ids, :span], cache.v[i][slot_ids, :span], visible)
+            if rows_are_slots:
+                kc, vc = cache.k[i][:bsz], cache.v[i][:bsz]  # views
+            else:
+                kc, vc = cache.k[i][slot_ids, :span], cache.v[i][slot_ids, :span]  # gathered copies
+            x = layer.forward_cached(x, cos, sin, kc, vc, rows, write_pos, span, mask)
         return self.norm(x)
 
     # ------------------------------------------------------------------ training

@@ -22,8 +22,8 @@ from safetensors import safe_open
 from torch import nn
 
 from adaflash_ray.config import default_target_layer_ids  # noqa: F401  (one rule, re-exported)
-from adaflash_ray.models.layers import (AttentionProjections, DecoderLayerParams, RMSNorm, Rotary,
-                                       masked_attention)
+from adaflash_ray.models.layers import (AttentionProjections, DecoderLayerParams, RMSNorm, Rotary, gqa_mask,
+                                       grouped_attention)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -86,7 +86,7 @@ class TargetConfig:
 class TargetOutput:
     """Result of one target forward.
 
-    logits: ``[B, W, V]`` float32. features: ``[B, W, K*H]`` (the K captured layers, concatenated
+    logits: ``[B, W, V]`` (float32 unless the caller asked for the model dtype). features: ``[B, W, K*H]`` (the K captured layers, concatenated
     in ``capture_layer_ids`` order) or None. last_hidden: ``[B, W, H]`` final-normed hidden state
     (``lm_head(last_hidden) == logits``).
     """
@@ -119,18 +119,13 @@ class _Attention(AttentionProjections):
         super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                          qkv_bias=cfg.attention_bias, qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer_idx, cache, slot_ids, positions, visible):
+    def forward(self, x, cos, sin, mask, kv_io):
+        """x ``[B, W, H]``; mask ``[B, 1, W*rep, S]``; ``kv_io(k, v) -> (keys, values)`` stores this
+        forward's K/V (cache write) and returns what the queries attend to ``[B, S, Hkv, D]``."""
         b, w, _ = x.shape
         q = self.q(x, cos, sin)
-        k, v = self.kv(x, cos, sin)
-        if cache is not None:
-            rows = slot_ids[:, None].expand(b, w)  # [B, W]
-            cache.k[layer_idx][rows, positions] = k.to(cache.k.dtype)
-            cache.v[layer_idx][rows, positions] = v.to(cache.v.dtype)
-            span = visible.shape[-1]
-            k = cache.k[layer_idx][slot_ids, :span].to(q.dtype)  # [B, S, Hkv, D]
-            v = cache.v[layer_idx][slot_ids, :span].to(q.dtype)
-        out = masked_attention(q, k, v, visible)  # [B, W, Hq, D]
+        k, v = kv_io(*self.kv(x, cos, sin))
+        out = grouped_attention(q, k, v, mask)  # [B, W, Hq, D]
         return self.o_proj(out.reshape(b, w, -1))
 
 
@@ -224,35 +219,73 @@ class TargetModel(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *, cache: KVCache | None = None,
                 slot_ids: torch.Tensor | None = None, capture_layer_ids: list[int] | None = None,
-                key_valid: torch.Tensor | None = None, compute_logits: bool = True) -> TargetOutput:
+                key_valid: torch.Tensor | None = None, compute_logits: bool = True, span: int | None = None,
+                rows_are_slots: bool = False, logits_dtype: torch.dtype | None = torch.float32) -> TargetOutput:
         """Run the decoder on ``input_ids`` ``[B, W]`` at absolute ``positions`` ``[B, W]`` (int64).
 
-        With ``cache``/``slot_ids`` ``[B]``: K/V of the inputs are written at their positions in the
-        slots and each query at position p attends to cache entries 0..p of its slot (causal by
-        absolute position). Without a cache: causal attention inside the input; ``key_valid``
-        ``[B, W]`` (bool) can mask padding keys. Returns :class:`TargetOutput`.
+        Without a cache: causal attention inside the input; ``key_valid`` ``[B, W]`` (bool) can mask
+        padding keys.
+
+        With ``cache``: K/V of the inputs are written at their positions and each query at position p
+        attends to its slot's entries ``0..p`` (causal by absolute position; stale entries beyond p are
+        invisible, so a rejected draft never needs erasing - gpt-fast's static cache). Two layouts:
+
+        - ``rows_are_slots=True`` (the engine's decode/verify step, CUDA-graph safe): batch row b *is*
+          slot b; attention reads ``cache.k[layer][:B, :span]`` in place (no copy, no host sync).
+          ``span`` (a host int, ``> max(positions)``) is required.
+        - otherwise ``slot_ids`` ``[B]`` name the slots; keys are gathered per slot (a copy; used by
+          prefill and tests). ``span`` defaults to ``max(positions) + 1`` (one host sync).
+
+        ``logits_dtype``: float32 by default (tests, training); the engine passes None to keep the
+        model dtype (argmax and sampling do not need a float32 copy of ``[B, W, V]``).
+        Returns :class:`TargetOutput`.
         """
         b, w = input_ids.shape
+        cfg = self.config
         x = self.model.embed_tokens(input_ids)  # [B, W, H]
         cos, sin = self.rotary.cos_sin(positions)  # [B, W, D]
+        rep = cfg.num_attention_heads // cfg.num_key_value_heads
         if cache is not None:
-            span = int(positions.max().item()) + 1
-            key_pos = torch.arange(span, device=input_ids.device)
+            if span is None:
+                if rows_are_slots:
+                    raise ValueError("rows_are_slots needs an explicit span")
+                span = int(positions.max().item()) + 1
+            key_pos = torch.arange(span, device=x.device)
             visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, W, S]
+            rows = torch.arange(b, device=x.device)[:, None] if rows_are_slots else slot_ids[:, None]
+
+            def kv_io_for(i):
+                kc, vc = cache.k[i], cache.v[i]  # [slots, S_max, Hkv, D]
+
+                def kv_io(k, v):
+                    kc[rows, positions] = k.to(kc.dtype)
+                    vc[rows, positions] = v.to(vc.dtype)
+                    if rows_are_slots:
+                        return kc[:b, :span], vc[:b, :span]  # views: read in place
+                    return kc[slot_ids, :span].to(k.dtype), vc[slot_ids, :span].to(v.dtype)
+                return kv_io
         else:
             visible = positions[:, None, :] <= positions[:, :, None]  # [B, W, W]
             if key_valid is not None:
                 visible = visible & key_valid[:, None, :]
                 visible = visible | torch.eye(w, dtype=torch.bool, device=x.device)[None]
+
+            def kv_io_for(i):
+                return lambda k, v: (k, v)
+        mask = gqa_mask(visible, rep)  # once per forward, shared by every layer
         want = set(capture_layer_ids or [])
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x)
-            x = x + layer.self_attn(h, cos, sin, i, cache, slot_ids, positions, visible)
+            x = x + layer.self_attn(h, cos, sin, mask, kv_io_for(i))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in want:
                 captured[i] = x
         last = self.model.norm(x)
         feats = torch.cat([captured[i] for i in capture_layer_ids], dim=-1) if capture_layer_ids else None
-        logits = self.lm_head(last).float() if compute_logits else None
+        logits = None
+        if compute_logits:
+            logits = self.lm_head(last)
+            if logits_dtype is not None:
+                logits = logits.to(logits_dtype)
         return TargetOutput(logits=logits, features=feats, last_hidden=last)
