@@ -41,7 +41,8 @@ def _bind_replica_grpc_to_node_ip() -> None:
     """Ray Serve 2.60 starts an inter-deployment gRPC server in every replica on ``[::]:0`` - every
     interface - whatever the node's address. Bind it to the node's Ray IP instead (127.0.0.1 on the embedded
     default), like every other Ray port, so nothing listens beyond loopback unless the cluster does.
-    Runs at import, i.e. in each replica before Serve starts that server."""
+    Runs at import and in each deployment's constructor, i.e. in each replica before Serve starts that
+    server (tests/test_serve.py checks every listener of the server's process tree)."""
     try:
         from ray.serve._private import replica as _replica
     except ImportError:
@@ -95,8 +96,8 @@ class DistillCoordinator:
 
     def __init__(self, cfg: dict):
         from actors import DistillTrainer, TrajectoryBuffer, WeightRegistry
-        from adaflash_ray.models import tensors_sha256  # noqa: F401  (checked by the trainer)
 
+        _bind_replica_grpc_to_node_ip()  # Serve pickles this class by value: the module import may not run here
         self.cfg = RunConfig.model_validate(cfg)
         c, pl = self.cfg, self.cfg.placement
         self.buffer = TrajectoryBuffer.remote(c.buffer.capacity, c.distill.max_version_lag, c.buffer.spill_dir)
@@ -146,6 +147,7 @@ class AdaFlashServer:
         from adaflash_ray.models import DrafterModelConfig
         from adaflash_ray.models.factory import build_drafter, load_target
 
+        _bind_replica_grpc_to_node_ip()
         self.cfg = c = RunConfig.model_validate(cfg)
         torch.set_num_threads(c.engine.num_threads)
         torch.manual_seed(c.seed)

@@ -198,7 +198,7 @@ def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, m
             stop_strings.append(s)
     bad = [t for t in stop_ids if not 0 <= t < vocab_size]
     if bad:
-        raise APIError(400, f"stop token ids must be in [0, {vocab_size}), got {bad[:4]}.", param="stop_token_ids")
+        raise APIError(400, f"'stop_token_ids' must be in [0, {vocab_size}), got {bad[:4]}.", param="stop_token_ids")
 
     if kind == "completion":
         prompt, param = body.prompt, "prompt"

@@ -1,0 +1,391 @@
+"""The Ray Serve endpoint (adaflash_ray.serve), end to end through real HTTP on 127.0.0.1.
+
+One server process (``python -m adaflash_ray.serve``: local Ray, the real SmolLM2-135M, cpu_tiny limits,
+live distillation on, an API key) serves every test of this module; the last test drains it with SIGTERM.
+Clients: the official ``openai`` package (plain and streaming) and raw HTTP (``requests`` / sockets) for the
+error cases, the disconnect case, the 429 case and hot reloads under traffic. Unit tests of the wire protocol
+(incremental detokenisation, stop strings, validation) run without a server.
+
+Run: python -m pytest -q tests/test_serve.py     (~2-3 min on 2 CPU cores)
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+requests = pytest.importorskip("requests")
+
+from adaflash_ray.serve.protocol import APIError, TextStream, parse_request  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "smollm2-135m-instruct"
+KEY = "test-key-123"
+HDR = {"Authorization": f"Bearer {KEY}"}
+MAX_BATCH, MAX_QUEUED = 4, 4
+
+
+@pytest.fixture(scope="session")
+def tok():
+    from adaflash_ray.data import MissingDataPackageError, ensure_target, load_tokenizer
+
+    try:
+        return load_tokenizer(ensure_target(MODEL))
+    except MissingDataPackageError as e:
+        pytest.skip(f"real target unavailable: {e}")
+
+
+# ------------------------------------------------------------------------------------ protocol (no server)
+def test_text_stream_never_splits_utf8_and_matches_full_decode(tok):
+    text = "héllo 😀 中文 ok 🎉🎉 done"
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.decode(ids[:i]) for i in range(len(ids))), "the case must contain split chars"
+    ts = TextStream(tok)
+    deltas = [ts.add(i) for i in ids] + [ts.finish()]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == tok.decode(ids) == text
+    assert ts.num_tokens == len(ids)
+
+
+def test_text_stream_stop_string_inside_a_multi_token_step(tok):
+    ids = tok.encode("one two three four five six")
+    ts = TextStream(tok, stop=[" four"])
+    out = ""
+    for t in ids:  # the engine loop feeds a step's tokens one by one and stops at the hit
+        out += ts.add(t)
+        if ts.stopped:
+            break
+    out += ts.finish()
+    assert out == "one two three" and ts.stopped
+    assert ts.num_tokens == len(tok.encode("one two three four"))  # tokens after the stop are not counted
+    ts2 = TextStream(tok, stop=["zzz"])  # a suffix that might start a stop string is held back, then released
+    assert "".join(ts2.add(t) for t in tok.encode("abc zz")) + ts2.finish() == "abc zz"
+
+
+def test_parse_request_names_the_field(tok):
+    kw = dict(tokenizer=tok, model_ids={MODEL}, context_limit=64, default_max_tokens=16, default_temperature=0.0,
+              vocab_size=49152, record_default=True)
+    cases = {("n", 400): {"n": 2}, ("logprobs", 400): {"logprobs": 2}, ("foo", 400): {"foo": 1},
+             ("temperature", 400): {"temperature": 2.5}, ("top_p", 400): {"top_p": 0},
+             ("seed", 400): {"seed": 1, "temperature": 0.7}, ("max_tokens", 400): {"max_tokens": 0},
+             ("stream_options", 400): {"stream_options": {"include_usage": True}},
+             ("model", 404): {"model": "gpt-4"}, ("stop", 400): {"stop": [""]},
+             ("stop_token_ids", 400): {"stop_token_ids": [10 ** 6]}}
+    for (param, status), extra in cases.items():
+        with pytest.raises(APIError) as e:
+            parse_request("completion", {"model": MODEL, "prompt": "hi", **extra}, **kw)
+        assert (e.value.param, e.value.status) == (param, status), (extra, e.value.message)
+        assert param in e.value.message or param == "model"
+    with pytest.raises(APIError) as e:
+        parse_request("completion", {"model": MODEL, "prompt": "hi " * 80}, **kw)
+    assert e.value.code == "context_length_exceeded" and "64" in e.value.message
+    with pytest.raises(APIError) as e:
+        parse_request("completion", {"model": MODEL, "prompt": "hi", "max_tokens": 64}, **kw)
+    assert e.value.param == "max_tokens" and "64" in e.value.message
+    spec = parse_request("chat", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 5,
+                                  "stop": ["x", 7], "max_completion_tokens": 8, "store": False}, **kw)
+    assert (spec.seed, spec.stop, spec.stop_token_ids, spec.max_tokens, spec.record) == (5, ["x"], [7], 8, False)
+    want = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True,
+                                   return_dict=True)["input_ids"]
+    assert spec.prompt_ids == list(want) and tok.decode(want).endswith("<|im_start|>assistant\n")
+
+
+# ------------------------------------------------------------------------------------ the live server
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tok):
+    port = _free_port()
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    env.pop("ADAFLASH_API_KEY", None)
+    cmd = [sys.executable, "-m", "adaflash_ray.serve", "--recipe", "recipes/cpu_tiny.yaml", "--port", str(port),
+           "--set", "serve.distill=true", "--set", f"serve.api_key={KEY}", "--set", "ray.include_dashboard=false",
+           "--set", f"engine.max_batch_size={MAX_BATCH}", "--set", f"serve.max_queued_requests={MAX_QUEUED}",
+           "--set", "serve.max_body_bytes=4096", "--set", "distill.num_versions=3",
+           "--set", "serve.drain_timeout_s=120"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    first = proc.stdout.readline()  # the one "ready" line (blocks until the app answers)
+    if proc.poll() is not None or "http://" not in first:
+        proc.kill()
+        pytest.fail(f"server did not start: {first!r}")
+    url = first.strip().rsplit(" ", 1)[-1]
+    assert url == f"http://127.0.0.1:{port}"
+    threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
+    yield {"url": url, "proc": proc}
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _status(server) -> dict:
+    return requests.get(server["url"] + "/v1/adaflash/status", headers=HDR, timeout=30).json()
+
+
+def test_only_loopback_listeners(server):
+    import psutil
+
+    root = psutil.Process(server["proc"].pid)
+    procs = [root] + root.children(recursive=True)
+    listen = []
+    for p in procs:
+        try:
+            listen += [c.laddr for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    assert listen, "the server's process tree should listen somewhere"
+    bad = [a for a in listen if a.ip not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
+    assert not bad, f"listening beyond loopback: {bad}"
+    assert any(a.port == int(server["url"].rsplit(":", 1)[1]) for a in listen)
+
+
+def test_live_distillation_hot_reloads_under_traffic_without_failures(server, client):
+    """Served requests become trajectories; the trainer publishes versions 1..3 and the replica loads
+    each between engine steps while requests are in flight; every request succeeds and names its version."""
+    results, errors = [], []
+    stop = threading.Event()
+
+    def worker(i):
+        n = 0
+        while not stop.is_set():
+            try:
+                r = client.chat.completions.with_raw_response.create(
+                    model=MODEL, messages=[{"role": "user", "content": f"Tell me fact number {i}-{n} about space."}],
+                    max_tokens=24, temperature=0)
+                body = r.parse()
+                results.append((int(r.headers["x-adaflash-drafter-version"]),
+                                body.model_extra["adaflash"]["drafter_versions"]))
+            except Exception as e:  # any failure fails the test
+                errors.append(repr(e))
+            n += 1
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(MAX_BATCH)]
+    for t in threads:
+        t.start()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 150 and _status(server)["drafter_version"] < 3:
+        time.sleep(1)
+    stop.set()
+    for t in threads:
+        t.join(120)
+    st = _status(server)
+    assert not errors, errors[:3]
+    assert st["drafter_version"] == 3 and st["distill"]["latest_version"] == 3, st["distill"]
+    loaded = [r["version"] for r in st["reloads"]]
+    assert loaded == [1, 2, 3] and st["weight_error"] is None
+    assert any(r["num_in_flight"] > 0 for r in st["reloads"]), st["reloads"]  # reloaded mid-traffic
+    assert st["distill"]["num_trajectories_sent"] >= 4 and st["distill"]["buffer"]["buffer/added"] >= 4
+    seen = {v for _, vs in results for v in vs}
+    assert len(results) >= 8 and len(seen) >= 2, results  # responses name the versions that served them
+    assert all(h == vs[-1] for h, vs in results)
+
+
+def test_models_health_and_auth(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert requests.get(server["url"] + "/health", timeout=30).json()["status"] == "ok"
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = requests.post(server["url"] + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, headers=headers,
+                          timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server["url"] + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_openai_client_plain_and_streaming_agree(client):
+    msgs = [{"role": "user", "content": "Explain photosynthesis in two sentences."}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0, seed=7)
+    text = full.choices[0].message.content
+    assert full.choices[0].finish_reason in ("stop", "length") and text
+    assert full.usage.completion_tokens <= 24 and full.usage.prompt_tokens > 10
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [full.choices[0].finish_reason]
+    comp = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=10, temperature=0)
+    scomp = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=10, temperature=0, stream=True))
+    assert scomp == comp.choices[0].text and comp.usage.completion_tokens == 10
+
+
+def test_stop_strings_and_token_ids(client, tok):
+    msgs = [{"role": "user", "content": "Write a short story about a robot learning to paint."}]
+    base = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0)
+    text, n = base.choices[0].message.content, base.usage.completion_tokens
+    words = text.split()
+    stop = " " + words[len(words) // 2]
+    assert stop in text
+    for stream in (False, True):
+        r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0, stop=[stop],
+                                           stream=stream, **({"stream_options": {"include_usage": True}}
+                                                             if stream else {}))
+        if stream:
+            chunks = list(r)
+            got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            reason = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason][0]
+            used = chunks[-1].usage.completion_tokens
+        else:
+            got, reason, used = r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens
+        assert got == text[: text.index(stop)] and reason == "stop"
+        assert used == len(tok.encode(text[: text.index(stop) + len(stop)])) < n  # the completing token counts
+    ids = tok.encode(text)
+    k = len(ids) // 2
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0,
+                                       extra_body={"stop_token_ids": [ids[k]]})
+    first = ids.index(ids[k])
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == first + 1
+    assert r.choices[0].message.content == tok.decode(ids[:first])  # the stop token's text is not returned
+
+
+def test_utf8_streaming_never_splits_characters(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Repeat exactly: 😀😀 中文 🎉 日本語"}],
+            "max_tokens": 32, "temperature": 0}
+    full = requests.post(server["url"] + "/v1/chat/completions", json=body, headers=HDR, timeout=120).json()
+    text = full["choices"][0]["message"]["content"]
+    with requests.post(server["url"] + "/v1/chat/completions", json={**body, "stream": True}, headers=HDR,
+                       stream=True, timeout=120) as r:
+        lines = [ln for ln in r.iter_lines(decode_unicode=False) if ln]
+    assert lines[-1] == b"data: [DONE]"
+    deltas = [json.loads(ln[6:])["choices"][0]["delta"].get("content") or "" for ln in lines[:-1]]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text
+    assert any(ord(ch) > 0x2000 for ch in text), f"expected emoji/CJK in {text!r}"
+
+
+def test_error_cases_raw_http(server):
+    u = server["url"]
+
+    def post(path, data, headers=HDR):
+        r = requests.post(u + path, data=data if isinstance(data, (bytes, str)) else json.dumps(data),
+                          headers={"Content-Type": "application/json", **headers}, timeout=60)
+        err = r.json().get("error")
+        assert err is not None and set(err) == {"message", "type", "param", "code"}, r.text
+        return r.status_code, err
+
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    cases = [
+        ("/v1/chat/completions", {**chat, "n": 2}, 400, "n"),
+        ("/v1/chat/completions", {**chat, "logprobs": True}, 400, "logprobs"),
+        ("/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}, 400, "tools"),
+        ("/v1/chat/completions", {**chat, "frobnicate": 1}, 400, "frobnicate"),
+        ("/v1/chat/completions", {**chat, "temperature": -1}, 400, "temperature"),
+        ("/v1/chat/completions", {**chat, "top_p": 1.5}, 400, "top_p"),
+        ("/v1/chat/completions", {**chat, "seed": 3, "temperature": 0.8}, 400, "seed"),
+        ("/v1/chat/completions", {**chat, "max_tokens": 10_000}, 400, "max_tokens"),
+        ("/v1/chat/completions", {**chat, "max_tokens": 4, "max_completion_tokens": 5}, 400, "max_completion_tokens"),
+        ("/v1/chat/completions", {**chat, "messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
+        ("/v1/chat/completions", {**chat, "model": "gpt-4o"}, 404, "model"),
+        ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, 10 ** 7]}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
+         "stream_options"),
+    ]
+    for path, body, status, param in cases:
+        got, err = post(path, body)
+        assert (got, err["param"]) == (status, param), (body, err)
+    got, err = post("/v1/completions", {"model": MODEL, "prompt": "hello " * 300})
+    assert got == 400 and err["code"] == "context_length_exceeded" and "252" in err["message"]  # 256 - block_size
+    got, err = post("/v1/completions", b"{not json")
+    assert got == 400 and err["code"] == "invalid_json"
+    got, err = post("/v1/completions", {"model": MODEL, "prompt": "x" * 5000})  # serve.max_body_bytes=4096
+    assert got == 413 and "4096" in err["message"]
+    r = requests.get(u + "/v1/nothing-here", headers=HDR, timeout=30)
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def _open_stream(url: str, max_tokens: int) -> socket.socket:
+    """A raw streaming request on a plain socket (so the test controls the disconnect)."""
+    host, port = url[len("http://"):].split(":")
+    body = json.dumps({"model": MODEL, "prompt": "Once upon a time, in a land far away,", "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True}).encode()
+    s = socket.create_connection((host, int(port)), timeout=120)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    return s
+
+
+def test_disconnect_frees_the_slot_and_queue_full_is_429(server):
+    before = _status(server)["requests"].get("aborted", 0)
+    socks = [_open_stream(server["url"], 200) for _ in range(MAX_BATCH + MAX_QUEUED)]
+    heads = [s.recv(4096) for s in socks]  # status line + first chunk: every one was admitted
+    assert all(h.startswith(b"HTTP/1.1 200") for h in heads), heads
+    r = requests.post(server["url"] + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4},
+                      headers=HDR, timeout=60)
+    assert r.status_code == 429 and r.headers["Retry-After"] == "1" and r.json()["error"]["code"] == "queue_full"
+    t0 = time.monotonic()
+    while (st := _status(server))["queue"]["running"] < MAX_BATCH and time.monotonic() - t0 < 60:
+        time.sleep(0.2)  # the engine thread admits the queued requests between two steps
+    assert st["in_flight"] == MAX_BATCH + MAX_QUEUED, st
+    assert st["queue"] == {"running": MAX_BATCH, "waiting": MAX_QUEUED}, st
+    t0 = time.monotonic()
+    for s in socks:
+        s.close()  # the clients go away mid-stream
+    while time.monotonic() - t0 < 30:
+        st = _status(server)
+        if st["in_flight"] == 0:
+            break
+        time.sleep(0.2)
+    assert st["in_flight"] == 0 and st["queue"] == {"waiting": 0, "running": 0}, st
+    assert time.monotonic() - t0 < 10  # 8 x 200 tokens would take minutes on CPU: they were cancelled
+    assert st["requests"]["aborted"] - before == MAX_BATCH + MAX_QUEUED
+
+
+def test_opt_out_requests_are_not_recorded(server, client):
+    sent = _status(server)["distill"]["num_trajectories_sent"]
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                   extra_body={"store": False})
+    assert _status(server)["distill"]["num_trajectories_sent"] == sent
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert _status(server)["distill"]["num_trajectories_sent"] == sent + 1
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(server):
+    """Last test of the module: SIGTERM while a stream is in flight -> it completes, new requests get 503."""
+    s = _open_stream(server["url"], 48)
+    data = s.recv(4096)
+    assert data.startswith(b"HTTP/1.1 200")
+    server["proc"].send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 30:
+        r = requests.post(server["url"] + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                          headers=HDR, timeout=30)
+        if r.status_code == 503:
+            break
+        time.sleep(0.2)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "draining" and r.headers["Retry-After"]
+    s.settimeout(120)
+    while b"data: [DONE]" not in data:
+        chunk = s.recv(65536)
+        assert chunk, "stream cut before [DONE]"
+        data += chunk
+    s.close()
+    finish = [json.loads(ln[6:])["choices"][0]["finish_reason"] for ln in data.decode().split("\n")
+              if ln.startswith("data: {")]
+    assert finish[-1] == "length"  # the whole budget was delivered
+    assert server["proc"].wait(120) == 0
