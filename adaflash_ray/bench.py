@@ -271,12 +271,12 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
 
 
 # ------------------------------------------------------------------------------------------ shape mode
-def bench_shape_doc(shape: str, *, device: str, concurrency: list[int], context: int, num_new: int,
-                    drafter_layers: int, block_size: int, num_iters: int, use_cuda_graph: bool | None = None,
-                    log=print) -> dict:
+def bench_shape_doc(shape: str, *, device: str, dtype: torch.dtype = torch.bfloat16, concurrency: list[int],
+                    context: int, num_new: int, drafter_layers: int, block_size: int, num_iters: int,
+                    use_cuda_graph: bool | None = None, log=print) -> dict:
     """:func:`adaflash_ray.shapes.bench_shape` plus the header and ``rows`` (``ar`` and ``dflash`` engine
     steps per batch; tokens/s only for AR: random weights, no acceptance)."""
-    t = bench_shape(shape, device=device, batch_sizes=concurrency, context=context, num_new=num_new,
+    t = bench_shape(shape, device=device, dtype=dtype, batch_sizes=concurrency, context=context, num_new=num_new,
                     drafter_layers=drafter_layers, block_size=block_size, num_iters=num_iters,
                     use_cuda_graph=use_cuda_graph, log=log)
     rows = []
@@ -395,6 +395,8 @@ def _parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("shape mode (random weights: timings only, no acceptance)")
     g.add_argument("--shape", default=None, help="qwen3-8b | smollm2-135m | tiny")
     g.add_argument("--device", default=None, help="shape mode device (default cuda if available, else cpu)")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="shape mode weights and activations (default bfloat16)")
     g.add_argument("--drafter-layers", type=int, default=5)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--context", type=int, default=512, help="prefilled tokens per request")
@@ -416,8 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         if ns.shape is not None:
             device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
             conc = ns.concurrency or ([1, 8, 32, 64] if device.startswith("cuda") else [1, 8])
-            doc = bench_shape_doc(ns.shape, device=device, concurrency=conc, context=ns.context,
-                                  num_new=ns.max_new_tokens, drafter_layers=ns.drafter_layers,
+            doc = bench_shape_doc(ns.shape, device=device, dtype=getattr(torch, ns.dtype), concurrency=conc,
+                                  context=ns.context, num_new=ns.max_new_tokens, drafter_layers=ns.drafter_layers,
                                   block_size=ns.block_size, num_iters=ns.num_iters,
                                   use_cuda_graph=False if ns.eager else None, log=log)
         else:
