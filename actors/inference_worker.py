@@ -10,6 +10,7 @@ import inspect
 import os
 import threading
 import time
+import uuid
 
 import ray
 import torch
@@ -95,7 +96,8 @@ class InferenceWorker:
                 swaps, self._swap = self._swap, []
             for prompt_ids, params, record, pending in new:
                 try:
-                    req = eng.add_request(prompt_ids, params)
+                    # ids unique across workers, restarts and runs: the trainer counts trajectories by them
+                    req = eng.add_request(prompt_ids, params, request_id=f"w{self.index}-{uuid.uuid4().hex[:16]}")
                     self._waiters[req.request_id] = (req, record, pending)
                 except ValueError as e:
                     pending.error = e
@@ -227,7 +229,7 @@ class InferenceWorker:
                                       f"than the loaded version {current} (use load_drafter)")
             if "rollback" in inspect.signature(eng.load_drafter).parameters:
                 out = eng.load_drafter(tensors, version, sha, config, rollback=True)
-            else:  # an engine without version ordering (before issue 9.1's engine side) takes any version
+            else:  # a backend whose load_drafter has no rollback argument (SGLang): the order is kept here
                 out = eng.load_drafter(tensors, version, sha, config)
             self._num_rollbacks += 1
             return {"version": version, "sha256": out, "worker": self.index, "rolled_back_from": current}
