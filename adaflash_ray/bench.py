@@ -19,7 +19,8 @@ wall seconds, prefill included), speedup = tokens/s / AR tokens/s (same domain a
 ``lossless`` (every request's greedy output equals AR's token for token) with ``match_rate`` (fraction of
 requests identical) and, for each mismatching request, the AR target's top-2 logit margin at the first
 divergence (a near tie there is bf16 rounding, not a bug). At concurrency c each domain runs
-max(--num-prompts, c) prompts so the batch fills.
+max(--num-prompts, c) prompts so the batch fills. ``--warmup repeat`` (default on CUDA) runs every timed engine
+run once untimed first, so CUDA-graph captures never land in a timed run.
 
 Shape mode (``--shape qwen3-8b | smollm2-135m | tiny``): random weights, timings only, no acceptance - AR step
 per batch against the memory floor (weight bytes / measured device copy bandwidth), ``verify_cost``
@@ -175,7 +176,7 @@ class _HFGenerate:
 
 # ------------------------------------------------------------------------------------ real-model mode
 def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concurrency: list[int],
-          domains: list[str], num_prompts: int, max_new_tokens: int, warmup_tokens: int,
+          domains: list[str], num_prompts: int, max_new_tokens: int, warmup: str,
           engine_kwargs: dict | None = None, log=print) -> dict:
     """Run every method per (domain, concurrency) on the recipe's target; returns the JSON document.
 
@@ -211,8 +212,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                                  policy=policy, rate=cfg.length_head.rate, min_len=cfg.length_head.min_len,
                                  max_batch_size=conc, max_seq_len=max_seq_len, seed=cfg.seed,
                                  **(engine_kwargs or {}))
-                if warmup_tokens:  # graph capture, allocator, first-call costs: untimed
-                    eng.generate(prompts[domains[0]][:conc], SamplingParams(max_new_tokens=warmup_tokens),
+                if warmup == "short":  # allocator and first-call costs: untimed
+                    eng.generate(prompts[domains[0]][:conc], SamplingParams(max_new_tokens=2),
                                  mode="ar" if method == "ar" else "spec")
                 engines[method] = eng
             return engines[method]
@@ -224,8 +225,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                 base = {"method": method, "concurrency": conc, "domain": domain, "model": name,
                         "num_prompts": len(ps), "max_new_tokens": max_new_tokens}
                 if method == HF_METHOD:
-                    if warmup_tokens and conc == concurrency[0] and domain == domains[0]:
-                        hf.generate(ps[:conc], conc, warmup_tokens)
+                    if warmup != "none" and conc == concurrency[0] and domain == domains[0]:
+                        hf.generate(ps[:conc], conc, 4)
                     outs, steps, secs = hf.generate(ps, conc, max_new_tokens)
                     toks = sum(len(o) for o in outs)
                     row = {**base, "ms_per_step": 1000 * secs / max(steps, 1), "tokens_per_s": toks / secs,
@@ -234,6 +235,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                            sum(o == r for o, r in zip(outs, ar_out)) / len(ps), "num_tokens": toks, "seconds": secs}
                 else:
                     eng = engine_for(method)
+                    if warmup == "repeat":  # the same run untimed first: every CUDA graph it needs is captured
+                        _run_engine(eng, ps, max_new_tokens, "ar" if method == "ar" else "spec", device)
                     reqs, secs = _run_engine(eng, ps, max_new_tokens, "ar" if method == "ar" else "spec", device)
                     st, outs = eng.stats, [r.output_ids for r in reqs]
                     toks = sum(len(o) for o in outs)
@@ -265,7 +268,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
     return {**_header(device), "mode": "model", "model": name, "recipe": cfg.name,
             "drafter": drafter_path or "untrained (recipe init)", "block_size": block_size, "dtype": dtype,
             "threads": cfg.engine.num_threads, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens,
-            "max_seq_len": max_seq_len, "warmup_tokens": warmup_tokens, "engine_kwargs": engine_kwargs or {},
+            "max_seq_len": max_seq_len, "warmup": warmup, "engine_kwargs": engine_kwargs or {},
             "tau_convention": TAU_CONVENTION,
             "domains": {d: DOMAINS[d] for d in domains}, "rows": rows}
 
@@ -387,8 +390,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--domains", nargs="+", default=list(DOMAINS), choices=list(DOMAINS))
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per domain (at least the concurrency)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--warmup-tokens", type=int, default=None,
-                   help="untimed warm-up generate per engine (new tokens; default 16 on CUDA, 2 on CPU, 0 = off)")
+    p.add_argument("--warmup", choices=["repeat", "short", "none"], default=None,
+                   help="untimed warm-up: repeat = every timed engine run once before (captures its CUDA graphs; "
+                        "default on CUDA), short = one 2-token pass per engine (default on CPU), none")
     p.add_argument("--eager", action="store_true", help="engine without CUDA graphs (use_cuda_graph=False)")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON document here")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="matplotlib PNG of the results")
@@ -436,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
             doc = bench(cfg, ns.drafter, methods=methods, concurrency=conc,
                         domains=list(dict.fromkeys(ns.domains)), num_prompts=ns.num_prompts,
                         max_new_tokens=ns.max_new_tokens,
-                        warmup_tokens=ns.warmup_tokens if ns.warmup_tokens is not None else (16 if on_cuda else 2),
+                        warmup=ns.warmup or ("repeat" if on_cuda else "short"),
                         engine_kwargs={"use_cuda_graph": False} if ns.eager else None, log=log)
     except (RecipeError, ValueError, MissingDataPackageError) as e:  # incl. ShapeError, CheckpointError
         print(f"error: {e}", file=sys.stderr)

@@ -160,13 +160,15 @@ def measure_copy_bandwidth(device: str | torch.device, num_bytes: int | None = N
 
 def _engine_step_ms(engine: SpecEngine, batch: int, context: int, num_new: int, mode: str, seed: int) -> float:
     """Mean ms per engine step of ``engine.generate`` on ``batch`` random prompts of ``context`` tokens,
-    ``num_new`` tokens each (EOS ignored), after one short warm-up pass; prefill excluded."""
+    ``num_new`` tokens each (EOS ignored), after the same run untimed (captures every CUDA graph it needs);
+    prefill excluded."""
     g = torch.Generator().manual_seed(seed)
     vocab = engine.target.config.vocab_size
     prompts = torch.randint(1, vocab, (batch, context), generator=g).tolist()
-    engine.generate(prompts, SamplingParams(max_new_tokens=min(4, num_new), ignore_eos=True), mode=mode)
+    params = SamplingParams(max_new_tokens=num_new, ignore_eos=True)
+    engine.generate(prompts, params, mode=mode)
     engine.stats = type(engine.stats)()
-    engine.generate(prompts, SamplingParams(max_new_tokens=num_new, ignore_eos=True), mode=mode)
+    engine.generate(prompts, params, mode=mode)
     return 1000.0 * engine.stats.decode_seconds / max(engine.stats.num_engine_steps, 1)
 
 
