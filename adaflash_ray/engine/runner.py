@@ -153,7 +153,7 @@ class ModelRunner:
         self.generator = None if self.is_cuda else torch.Generator(device=dev).manual_seed(seed)
         if self.is_cuda:
             torch.cuda.manual_seed(seed)
-        self._batch_buckets = _buckets(num_slots) if self.use_graphs else None
+        self._batch_buckets = _buckets(num_slots) if self.is_cuda else None
         self._width_buckets = [x for x in (1, 2, 3, 4, 6, 8, 12, 16) if x < self.block_size] + [self.block_size]
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._warm = False
@@ -161,15 +161,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ shapes
     def _span(self, need: int) -> int:
-        """Keys read per attention: ``need`` rounded up (powers of two >= 256 on CUDA, to cap the number of
-        graphs; multiples of 16 on CPU), at most max_seq_len."""
-        if self.use_graphs:
-            span = 256
-            while span < need:
-                span *= 2
-        else:
-            span = -(-need // 16) * 16
-        return min(span, self.max_seq_len)
+        """Keys read per attention: ``need`` rounded up (multiples of 256 on CUDA, to bound the number of
+        graphs; of 16 on CPU), at most max_seq_len. Buckets depend on the device only, so the eager and
+        graph paths on a GPU run identical shapes (and kernels)."""
+        quantum = 256 if self.is_cuda else 16
+        return min(-(-need // quantum) * quantum, self.max_seq_len)
 
     def _ensure_sampling(self) -> None:
         if self.draft_probs is None and self.drafter is not None:
@@ -325,7 +321,7 @@ class ModelRunner:
         b = max(slots) + 1
         g_max = max(draft_lens) if spec else 0
         w = g_max + 1
-        if self.use_graphs:
+        if self.is_cuda:  # the same buckets with or without graphs
             b = _round_up(b, self._batch_buckets)
             w = _round_up(w, self._width_buckets)
         span = self._span(max(anchor_pos) + w + (self.block_size if spec else 0))

@@ -169,8 +169,7 @@ class _DrafterLayer(DecoderLayerParams):
         (``[B, 1, Q*rep, span]``). Same math as :meth:`forward` with the context and block keys side by side."""
         h = self.input_layernorm(x)
         attn = self.self_attn
-        q = attn.q(h, cos, sin)
-        bk, bv = attn.kv(h, cos, sin)
+        q, bk, bv = attn.qkv(h, cos, sin)
         k_cache[rows, positions] = bk.to(k_cache.dtype)
         v_cache[rows, positions] = bv.to(v_cache.dtype)
         out = grouped_attention(q, k_cache[:, :span].to(q.dtype), v_cache[:, :span].to(q.dtype), mask)

@@ -20,7 +20,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm is one fused kernel on CUDA (five element-wise kernels otherwise); same math in float32
+        if x.dtype == self.weight.dtype:  # one fused kernel on CUDA (statistics in float32 for bf16 input)
+            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
@@ -137,6 +138,19 @@ class AttentionProjections(nn.Module):
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
         return apply_rotary(q if self.q_norm is None else self.q_norm(q), cos, sin)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Queries ``[B, T, Hq, D]``, keys and values ``[B, T, Hkv, D]`` of ``x`` ``[B, T, H]``: the same
+        values as :meth:`q` and :meth:`kv`, with one rotary pass over the queries and keys together
+        (fewer kernels per layer on the GPU decode path). q and k are views of one tensor."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        qk = apply_rotary(torch.cat([q, k], dim=2), cos, sin)
+        return qk[:, :, : self.num_heads], qk[:, :, self.num_heads:], v
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (normed if qk_norm, rotated) and values of ``x`` ``[B, T, H]`` -> ``[B, T, Hkv, D]`` each."""

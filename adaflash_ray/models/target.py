@@ -123,8 +123,8 @@ class _Attention(AttentionProjections):
         """x ``[B, W, H]``; mask ``[B, 1, W*rep, S]``; ``kv_io(k, v) -> (keys, values)`` stores this
         forward's K/V (cache write) and returns what the queries attend to ``[B, S, Hkv, D]``."""
         b, w, _ = x.shape
-        q = self.q(x, cos, sin)
-        k, v = kv_io(*self.kv(x, cos, sin))
+        q, k, v = self.qkv(x, cos, sin)
+        k, v = kv_io(k, v)
         out = grouped_attention(q, k, v, mask)  # [B, W, Hq, D]
         return self.o_proj(out.reshape(b, w, -1))
 
