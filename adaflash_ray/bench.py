@@ -262,7 +262,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
             for row in rows:
                 if row["domain"] == domain and row["concurrency"] == conc:
                     row["speedup_vs_ar"] = row["tokens_per_s"] / ar_tps if ar_tps else None
-        del engines
+        engines.clear()  # free this concurrency's KV caches and graphs before the next
+        eng = reqs = None
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     return {**_header(device), "mode": "model", "model": name, "recipe": cfg.name,
