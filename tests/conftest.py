@@ -16,11 +16,10 @@ import os
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("WANDB_MODE", "offline")
 
-import types  # noqa: E402
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from adaflash_ray.config import DrafterConfig, LengthHeadConfig  # noqa: E402
 from adaflash_ray.models.factory import build_drafter  # noqa: E402
 from adaflash_ray.models.target import TargetConfig, TargetModel  # noqa: E402
 
@@ -117,18 +116,20 @@ def tiny_target() -> TargetModel:
 # ---------------------------------------------------------------------- drafters
 def make_drafter(target: TargetModel, block_size: int = 16, layers: int = 1, policy: str = "direct",
                  target_layer_ids: list[int] | None = None, mask_token_id: int | None = None, seed: int = 0,
-                 head_prior: bool = False):
-    """A random DFlash drafter + length head (None for ``fixed``) via ``build_drafter``, as the engine
-    builds them from a recipe. Tiny targets (< 8 layers) default to ``target_layer_ids = [1, L-2]``.
-    ``head_prior=False`` replaces the head's prior init (constant γ = min_len) with random output
-    weights, so the engine sees varying γ."""
+                 head_prior: bool = False, init_from_target: bool = False):
+    """A DFlash drafter (+ head, None for ``fixed``) via ``build_drafter`` from the same typed recipe sections
+    (``DrafterConfig`` / ``LengthHeadConfig``) the engine and trainer use. Tiny targets (< 8 layers) default
+    to ``target_layer_ids = [1, L-2]``. ``init_from_target=False`` (a test choice, stated here; recipes default
+    to True) keeps the drafter fully random, so its proposals are rarely right. ``head_prior=False`` replaces
+    the head's prior init (constant γ = min_len) with random output weights, so the engine sees varying γ."""
     num_layers = target.config.num_hidden_layers
     if target_layer_ids is None and num_layers < 8:
         target_layer_ids = [1, num_layers - 2]
-    drafter_cfg = types.SimpleNamespace(num_hidden_layers=layers, block_size=block_size, num_target_layers=5,
-                                        target_layer_ids=target_layer_ids, intermediate_size=None,
-                                        mask_token_id=mask_token_id, init_path=None)
-    head_cfg = types.SimpleNamespace(policy=policy, hidden_size=256, rate=1.3, min_len=1, lookahead=1)
+    num_target_layers = len(target_layer_ids) if target_layer_ids is not None else 5
+    drafter_cfg = DrafterConfig(num_hidden_layers=layers, block_size=block_size, num_target_layers=num_target_layers,
+                                target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
+                                init_from_target=init_from_target)
+    head_cfg = LengthHeadConfig(policy=policy)
     drafter, head = build_drafter(target, drafter_cfg, head_cfg, seed=seed)
     drafter.requires_grad_(False)
     if head is not None:

@@ -244,9 +244,10 @@ def test_drafter_checkpoint_round_trip(tmp_path, tiny_target, drafter_and_tensor
 
 
 def _ns(**kw):
-    import types
+    """The typed length-head section, as production builds it."""
+    from adaflash_ray.config import LengthHeadConfig
 
-    return types.SimpleNamespace(**kw)
+    return LengthHeadConfig(**kw)
 
 
 def test_drafter_checkpoint_corruption(tmp_path, drafter_and_tensors):

@@ -9,14 +9,13 @@ import torch
 from adaflash_ray.models.checkpoint import CheckpointError, check_tensors_fit, load_drafter_checkpoint
 from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
 from adaflash_ray.models.length_head import DirectLengthHead
-from adaflash_ray.models.target import TargetModel, default_target_layer_ids
+from adaflash_ray.models.target import TargetModel
 
 
 def drafter_config_for(target: TargetModel, drafter_cfg) -> DrafterModelConfig:
     """DrafterModelConfig from a recipe ``DrafterConfig`` (adaflash_ray.config) and the target."""
     tcfg = target.config
-    ids = drafter_cfg.target_layer_ids or default_target_layer_ids(tcfg.num_hidden_layers,
-                                                                   drafter_cfg.num_target_layers)
+    ids = drafter_cfg.resolve_target_layer_ids(tcfg.num_hidden_layers)  # the one rule (adaflash_ray.config)
     return DrafterModelConfig.for_target(tcfg, num_hidden_layers=drafter_cfg.num_hidden_layers,
                                          block_size=drafter_cfg.block_size, target_layer_ids=ids,
                                          intermediate_size=drafter_cfg.intermediate_size,
@@ -30,7 +29,7 @@ def build_drafter(target: TargetModel, drafter_cfg, head_cfg, seed: int = 0,
     With ``init_path`` (or ``drafter_cfg.init_path``) the weights come from a DFlash checkpoint;
     raises CheckpointError if it does not fit the target.
     """
-    init_path = init_path or getattr(drafter_cfg, "init_path", None)
+    init_path = init_path or drafter_cfg.init_path
     if init_path:
         cfg, tensors, _ = load_drafter_checkpoint(init_path)
         try:
@@ -42,13 +41,13 @@ def build_drafter(target: TargetModel, drafter_cfg, head_cfg, seed: int = 0,
     dtype, device = target.lm_head.weight.dtype, target.lm_head.weight.device
     drafter = DFlashDrafter(cfg).attach_target(target.model.embed_tokens, target.lm_head)
     drafter.init_weights(seed)
-    if tensors is None and getattr(drafter_cfg, "init_from_target", False):
+    if tensors is None and drafter_cfg.init_from_target:
         init_from_target(drafter, target)
     head = None
     if head_cfg.policy == "direct":
         torch.manual_seed(seed + 1)
         head = DirectLengthHead(cfg.hidden_size, head_cfg.hidden_size)
-        head.init_prior(cfg.block_size, getattr(head_cfg, "lookahead", 1))
+        head.init_prior(cfg.block_size, head_cfg.lookahead)
     if tensors is not None:
         own = {k: v for k, v in tensors.items() if not k.startswith("length_head.")}
         check_tensors_fit(drafter.drafter_state_dict(), own, f"drafter checkpoint {init_path}")
