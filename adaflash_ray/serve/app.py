@@ -299,7 +299,7 @@ class AdaFlashServer:
                         rs.versions.append(item[2])
                     delta = "".join(ts.add(t) for t in item[1] if not ts.stopped)
                     if ts.stopped:
-                        self.loop.abort(rs)
+                        self.loop.abort(rs, "stop_string")
                         finished = True
                         yield "text", delta + ts.finish()
                         yield "done", ("stop", ts.num_tokens, rs.versions)
@@ -376,17 +376,20 @@ class AdaFlashServer:
         async def sse() -> AsyncIterator[str]:
             if chat:
                 yield chunk("", None, first=True)
-            async for kind_, val in self._events(spec, rs):
-                if kind_ == "text":
-                    if val:
-                        yield chunk(val, None)
-                    continue
-                reason, n, versions = val
-                yield chunk(None, reason, adaflash={"drafter_versions": versions})
-                if spec.include_usage:
-                    body = {**base, "object": obj + ".chunk" if chat else obj, "choices": [],
-                            "usage": self._usage(spec, n)}
-                    yield f"data: {json.dumps(body)}\n\n"
+            try:
+                async for kind_, val in self._events(spec, rs):
+                    if kind_ == "text":
+                        if val:
+                            yield chunk(val, None)
+                        continue
+                    reason, n, versions = val
+                    yield chunk(None, reason, adaflash={"drafter_versions": versions})
+                    if spec.include_usage:
+                        body = {**base, "object": obj + ".chunk" if chat else obj, "choices": [],
+                                "usage": self._usage(spec, n)}
+                        yield f"data: {json.dumps(body)}\n\n"
+            except APIError as e:  # after the 200 header: the error goes in the stream, as OpenAI does
+                yield f"data: {json.dumps(e.body())}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(sse(), media_type="text/event-stream",

@@ -30,7 +30,8 @@ class QueueFull(Exception):
 class RequestStream:
     """One request's handle on the event-loop side: ``queue`` of items, ``req`` once admitted."""
 
-    __slots__ = ("queue", "req", "record", "num_sent", "aborted", "prompt_ids", "params", "versions", "t_submit")
+    __slots__ = ("queue", "req", "record", "num_sent", "aborted", "prompt_ids", "params", "versions", "t_submit",
+                 "abort_reason")
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, record: bool):
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -38,6 +39,7 @@ class RequestStream:
         self.prompt_ids, self.params, self.record = prompt_ids, params, record
         self.num_sent = 0  # output tokens already pushed
         self.aborted = False
+        self.abort_reason = ""
         self.versions: list[int] = []  # drafter versions that served this request's steps
         self.t_submit = time.perf_counter()
 
@@ -89,16 +91,17 @@ class EngineLoop:
             self._cond.notify()
         return rs
 
-    def abort(self, rs: RequestStream) -> None:
-        """Cancel a request (client gone); its KV slot is freed before the next engine step."""
+    def abort(self, rs: RequestStream, reason: str = "aborted") -> None:
+        """Cancel a request ("aborted": the client is gone; "stop_string": the text hit a stop string); its KV
+        slot is freed before the next engine step. Counted in ``counts[reason]``."""
         with self._cond:
             if rs.aborted:
                 return
-            rs.aborted = True
+            rs.aborted, rs.abort_reason = True, reason
             if rs in self._new:
                 self._new.remove(rs)
                 self.num_in_flight -= 1
-                self.counts["aborted"] += 1
+                self.counts[reason] += 1
             else:
                 self._aborts.append(rs)
             self._cond.notify()
@@ -169,7 +172,7 @@ class EngineLoop:
                 for rs in aborts:
                     if rs.req is not None and self._active.pop(rs.req.request_id, None) is not None:
                         eng.abort(rs.req)
-                        self.counts["aborted"] += 1
+                        self.counts[rs.abort_reason] += 1
                         self._done(rs, "abort")
                 for tensors, version, sha, config, fut in swaps:
                     t0 = time.perf_counter()
