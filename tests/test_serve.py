@@ -109,8 +109,9 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tok):
     port = _free_port()
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # the command's own loopback default is what is tested
     env.pop("ADAFLASH_API_KEY", None)
     cmd = [sys.executable, "-m", "adaflash_ray.serve", "--recipe", "recipes/cpu_tiny.yaml", "--port", str(port),
            "--set", "serve.distill=true", "--set", f"serve.api_key={KEY}", "--set", "ray.include_dashboard=false",

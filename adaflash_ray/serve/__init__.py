@@ -7,6 +7,12 @@ Modules: ``protocol`` (request validation, OpenAI error JSON, incremental detoke
 ``runtime`` (the engine thread <-> asyncio bridge; Ray-free), ``app`` (the Serve deployments and routes),
 ``__main__`` (the command: start, print the URL, drain on SIGTERM / Ctrl-C).
 """
-from adaflash_ray.serve.app import APP_NAME, AdaFlashServer, DistillCoordinator, app, build_app
+import os
+
+# Ray reads this when it is first imported: bind a local Ray to loopback. `python -m adaflash_ray.serve` imports
+# this package (and Ray) before running __main__, so it must be set here, not only in __main__.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+from adaflash_ray.serve.app import APP_NAME, AdaFlashServer, DistillCoordinator, app, build_app  # noqa: E402
 
 __all__ = ["APP_NAME", "AdaFlashServer", "DistillCoordinator", "app", "build_app"]
