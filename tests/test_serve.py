@@ -99,6 +99,26 @@ def test_parse_request_names_the_field(tok):
     assert spec.prompt_ids == list(want) and tok.decode(want).endswith("<|im_start|>assistant\n")
 
 
+def test_app_builder_args_and_bad_recipe_exit_code():
+    """``serve run adaflash_ray.serve:app recipe=... set='a=1;b=2'`` / a Serve config's ``args`` build the app;
+    a bad argument or override is refused naming it, and the command exits 2 before Ray starts."""
+    from adaflash_ray.config import RecipeError
+    from adaflash_ray.serve import app
+
+    built = app({"recipe": "recipes/cpu_tiny.yaml", "set": "serve.num_replicas=2;serve.max_queued_requests=3"})
+    cfg = built._bound_deployment.init_args[0]
+    assert cfg["serve"]["num_replicas"] == 2 and cfg["serve"]["max_queued_requests"] == 3
+    assert built._bound_deployment._deployment_config.num_replicas == 2
+    assert app({"set": ["serve.distill=true"]})._bound_deployment.init_args[1] is not None  # the coordinator
+    with pytest.raises(ValueError, match="bogus"):
+        app({"bogus": "1"})
+    with pytest.raises(RecipeError, match="serve.max_body_bytes"):
+        app({"set": "serve.max_body_bytes=10"})
+    r = subprocess.run([sys.executable, "-m", "adaflash_ray.serve", "--set", "serve.port=99999"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "serve.port" in r.stderr and not r.stdout
+
+
 # ------------------------------------------------------------------------------------ the live server
 def _free_port() -> int:
     with socket.socket() as s:
