@@ -2,8 +2,8 @@
 
 A recipe (``recipes/*.yaml``) mirrors :class:`RunConfig`; every section forbids unknown keys, so a typo
 fails with its dotted path instead of being silently ignored. Command-line overrides use
-``--set a.b.c=value`` (the value is parsed as YAML, so ``4``, ``0.5``, ``true``, ``[1, 2]`` and ``null``
-keep their types)::
+``--set a.b.c=value`` (the value is parsed by OmegaConf's dot-list grammar, so ``4``, ``1e-4``, ``true``,
+``[1, 2]`` and ``null`` keep their types; a ``str`` field keeps the literal text)::
 
     from adaflash_ray.config import load_recipe
     cfg = load_recipe("recipes/cpu_tiny.yaml", ["distill.lr=1e-3", "engine.max_batch_size=2"])
@@ -16,7 +16,6 @@ nor any actor (see ARCHITECTURE.md, dependency direction). Names follow ALGORITH
 from __future__ import annotations
 
 import argparse
-import re
 import types
 import typing
 from pathlib import Path
@@ -192,6 +191,15 @@ class DistillConfig(_Section):
     # times one trajectory may feed an optimizer step (fresh anchors each time); > 1 lets a trainer
     # that outpaces inference keep stepping on recent on-policy data (still within max_version_lag)
     max_reuse: int = Field(6, ge=1)
+    # a trainer that dies (every rank together) is restarted by Ray this many times and resumes from the
+    # state saved with the last published version (issue 9.2)
+    trainer_max_restarts: int = Field(2, ge=0)
+    # τ canary (issue 9.3): after each publish, worker 0 decodes `canary_prompts` held-out prompts (greedy,
+    # never trained on, disjoint from the eval set); if τ < (1 - canary_delta) x the last good version's,
+    # every worker is rolled back to that version (logged, counted). 0 prompts = off.
+    canary_prompts: int = Field(4, ge=0)
+    canary_delta: float = Field(0.1, gt=0, lt=1)
+    canary_max_new_tokens: int = Field(32, ge=1)
 
 
 class BufferConfig(_Section):
@@ -379,7 +387,19 @@ def _accepts_str(annotation: Any) -> bool:
     return False
 
 
-_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+def _override_value(item: str, parts: list[str]) -> Any:
+    """The typed value of one ``a.b.c=value`` override, by OmegaConf's dot-list grammar (``1e-4`` is a float,
+    ``[1, 2]`` a list, ``null`` or an empty value None, quotes keep strings)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        node = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
+    except (OmegaConfBaseException, yaml.YAMLError) as e:
+        raise RecipeError(f"--set {item!r}: cannot parse the value: {' '.join(str(e).split())}") from None
+    for part in parts:
+        node = node[part]
+    return node
 
 
 def _apply_override(data: dict[str, Any], item: str) -> None:
@@ -390,12 +410,7 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
     parts = key.strip().split(".")
     if not all(parts):
         raise RecipeError(f"--set {item!r}: malformed key {key!r}")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as e:
-        raise RecipeError(f"--set {item!r}: value is not valid YAML: {e}") from None
-    if isinstance(value, str) and _FLOAT_RE.fullmatch(value):
-        value = float(value)  # YAML 1.1 reads `1e-4` (no dot) as a string
+    value = _override_value(f"{key.strip()}={raw}", parts)
     cls: type[BaseModel] = RunConfig
     node = data
     for depth, part in enumerate(parts):
@@ -452,7 +467,7 @@ def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             package; the built-in defaults of RunConfig if that file is absent, e.g. in a wheel install).
             A relative path that does not exist from the working directory is also tried relative to the
             repository root.
-        overrides: ``"a.b.c=value"`` strings; values are parsed as YAML.
+        overrides: ``"a.b.c=value"`` strings; values are typed by OmegaConf's dot-list grammar.
     Returns:
         The validated RunConfig.
     Raises:

@@ -180,6 +180,8 @@ def test_set_errors_name_the_problem():
         load_recipe(None, ["model.name.x=1"])
     with pytest.raises(RecipeError, match=r"KEY=VALUE"):
         load_recipe(None, ["distill.lr"])
+    with pytest.raises(RecipeError, match=r"--set 'distill\.lr=\[1,': cannot parse the value"):
+        load_recipe(None, ["distill.lr=[1,"])
 
 
 def test_set_parent_not_a_mapping(tmp_path):
