@@ -330,8 +330,12 @@ def test_error_cases_raw_http(server):
     for path, body, status, param in cases:
         got, err = post(path, body)
         assert (got, err["param"]) == (status, param), (body, err)
-    got, err = post("/v1/completions", {"model": MODEL, "prompt": "hello " * 300})
-    assert got == 400 and err["code"] == "context_length_exceeded" and "252" in err["message"]  # 256 - block_size
+    from adaflash_ray.config import load_recipe
+
+    c = load_recipe("recipes/cpu_tiny.yaml")
+    limit = min(c.serve.max_request_tokens, c.engine.max_seq_len - c.drafter.block_size)
+    got, err = post("/v1/completions", {"model": MODEL, "prompt": "hello " * (limit + 8)})
+    assert got == 400 and err["code"] == "context_length_exceeded" and str(limit) in err["message"]
     got, err = post("/v1/completions", b"{not json")
     assert got == 400 and err["code"] == "invalid_json"
     got, err = post("/v1/completions", {"model": MODEL, "prompt": "x" * 5000})  # serve.max_body_bytes=4096
