@@ -51,7 +51,7 @@ from adaflash_ray.config import RecipeError, RunConfig, add_recipe_args, config_
 from adaflash_ray.data import (MissingDataPackageError, encode_prompts, ensure_target, load_eval_prompts,
                                load_tokenizer)
 from adaflash_ray.engine import SamplingParams, SpecEngine
-from adaflash_ray.engine.engine import SpecStats
+from adaflash_ray.engine import SpecStats
 from adaflash_ray.models.factory import build_drafter, load_target
 from adaflash_ray.shapes import bench_shape
 

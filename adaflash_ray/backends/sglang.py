@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from adaflash_ray.config import RunConfig
-from adaflash_ray.engine.engine import SpecStats
+from adaflash_ray.engine import SpecStats
 from adaflash_ray.models.checkpoint import (CheckpointError, check_tensors_fit, load_drafter_checkpoint,
                                             save_drafter_checkpoint, tensors_sha256)
 from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig

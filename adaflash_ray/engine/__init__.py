@@ -1,5 +1,6 @@
 """The built-in engine: request state, scheduler, model runner, speculative step. No Ray here."""
-from adaflash_ray.engine.engine import SpecEngine, SpecStats
+from adaflash_ray.engine.engine import SpecEngine
+from adaflash_ray.engine.stats import SpecStats
 from adaflash_ray.engine.request import Request, SamplingParams, Status
 
 __all__ = ["SpecEngine", "SpecStats", "Request", "SamplingParams", "Status"]

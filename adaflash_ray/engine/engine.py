@@ -14,8 +14,6 @@ output (tests/test_engine.py), sampled output follows the target distribution (�
 from __future__ import annotations
 
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,54 +22,12 @@ from adaflash_ray.engine.length_policy import DirectLength, FixedLength
 from adaflash_ray.engine.request import Request, SamplingParams, Status
 from adaflash_ray.engine.runner import ModelRunner
 from adaflash_ray.engine.scheduler import Scheduler
+from adaflash_ray.engine.stats import SpecStats
 from adaflash_ray.models.checkpoint import CheckpointError, check_tensors_fit, tensors_sha256
 from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
 from adaflash_ray.models.length_head import DirectLengthHead
 from adaflash_ray.models.target import TargetModel
 from adaflash_ray.trajectory import Trajectory
-
-
-@dataclass
-class SpecStats:
-    """Running speculative-decoding statistics. τ = mean committed tokens per verify step = mean(a+1)."""
-
-    num_verify_steps: int = 0  # per request-step
-    num_drafted: int = 0  # Σγ
-    num_accepted: int = 0  # Σa
-    num_generated: int = 0
-    num_engine_steps: int = 0
-    decode_seconds: float = 0.0
-    draft_len_hist: Counter = field(default_factory=Counter)
-
-    def record_step(self, draft_len: int, num_accepted: int) -> None:
-        """Count one request's verify step: γ drafted, a accepted."""
-        self.num_verify_steps += 1
-        self.num_drafted += draft_len
-        self.num_accepted += num_accepted
-        self.draft_len_hist[draft_len] += 1
-
-    @property
-    def accept_len(self) -> float:  # τ
-        return (self.num_accepted + self.num_verify_steps) / max(self.num_verify_steps, 1)
-
-    @property
-    def draft_waste(self) -> float:
-        return 1.0 - self.num_accepted / self.num_drafted if self.num_drafted else 0.0
-
-    def as_metrics(self, prefix: str = "spec") -> dict[str, float]:
-        return {f"{prefix}/accept_len": self.accept_len,
-                f"{prefix}/acceptance_rate": self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
-                f"{prefix}/draft_waste": self.draft_waste,
-                f"{prefix}/mean_draft_len": self.num_drafted / max(self.num_verify_steps, 1),
-                f"{prefix}/num_verify_steps": float(self.num_verify_steps),
-                f"{prefix}/num_generated": float(self.num_generated),
-                f"{prefix}/decode_tokens_per_s": self.num_generated / self.decode_seconds if self.decode_seconds else 0.0,
-                f"{prefix}/ms_per_step": self.ms_per_step}
-
-    @property
-    def ms_per_step(self) -> float:
-        """Mean wall milliseconds of one engine decode step (host + device, prefill excluded)."""
-        return 1e3 * self.decode_seconds / self.num_engine_steps if self.num_engine_steps else 0.0
 
 
 class SpecEngine:

@@ -1,0 +1,106 @@
+"""SpecStats: the one definition of the speculative-decoding statistics (ALGORITHMS.md §0 names), used by the
+engine, the inference worker, the driver's evaluation, the SGLang backend and the benchmark.
+
+- τ (``accept_len``) = mean committed tokens per verify step = mean(a+1) = (Σa + #steps) / #steps
+  (SGLang's "average accept length" convention);
+- acceptance rate = Σa / Σγ; draft waste = 1 - Σa / Σγ (share of drafted tokens rejected);
+- γ histogram: verify steps per draft length.
+
+Undefined values are NaN, everywhere: τ with no verify step, acceptance rate and draft waste with nothing
+drafted (γ = 0 on every step). A metrics sink drops or plots NaN; it never reads as a real 0 or 1.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable
+
+
+@dataclass
+class SpecStats:
+    """Running counts. Add one verify step with :meth:`record_step`, build from recorded per-step lists with
+    :meth:`from_steps`, combine with ``+`` and take a window with ``-`` (counts subtract)."""
+
+    num_verify_steps: int = 0  # request-steps that verified drafts
+    num_drafted: int = 0  # Σγ
+    num_accepted: int = 0  # Σa
+    num_generated: int = 0  # committed tokens (prefill's first token included)
+    num_engine_steps: int = 0  # batched decode steps
+    decode_seconds: float = 0.0  # wall time inside decode steps (host + device)
+    draft_len_hist: Counter = field(default_factory=Counter)  # γ -> verify steps
+
+    @classmethod
+    def from_steps(cls, draft_lens: Iterable[int], num_accepted: Iterable[int]) -> "SpecStats":
+        """Statistics of recorded verify steps (e.g. a request's ``draft_lens`` / ``num_accepted``)."""
+        out = cls()
+        for g, a in zip(draft_lens, num_accepted, strict=True):
+            out.record_step(int(g), int(a))
+        return out
+
+    def record_step(self, draft_len: int, num_accepted: int) -> None:
+        """Count one request's verify step: γ drafted, a accepted (0 <= a <= γ)."""
+        self.num_verify_steps += 1
+        self.num_drafted += draft_len
+        self.num_accepted += num_accepted
+        self.draft_len_hist[draft_len] += 1
+
+    def __add__(self, other: "SpecStats") -> "SpecStats":
+        return SpecStats(self.num_verify_steps + other.num_verify_steps, self.num_drafted + other.num_drafted,
+                         self.num_accepted + other.num_accepted, self.num_generated + other.num_generated,
+                         self.num_engine_steps + other.num_engine_steps, self.decode_seconds + other.decode_seconds,
+                         self.draft_len_hist + other.draft_len_hist)
+
+    def __sub__(self, earlier: "SpecStats") -> "SpecStats":
+        hist = Counter(self.draft_len_hist)
+        hist.subtract(earlier.draft_len_hist)
+        return SpecStats(self.num_verify_steps - earlier.num_verify_steps, self.num_drafted - earlier.num_drafted,
+                         self.num_accepted - earlier.num_accepted, self.num_generated - earlier.num_generated,
+                         self.num_engine_steps - earlier.num_engine_steps,
+                         self.decode_seconds - earlier.decode_seconds, +hist)
+
+    def copy(self) -> "SpecStats":
+        return self - SpecStats()
+
+    @property
+    def accept_len(self) -> float:
+        """τ = mean(a+1) per verify step; NaN with no verify step."""
+        s = self.num_verify_steps
+        return (self.num_accepted + s) / s if s else math.nan
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Σa / Σγ; NaN when nothing was drafted."""
+        return self.num_accepted / self.num_drafted if self.num_drafted else math.nan
+
+    @property
+    def draft_waste(self) -> float:
+        """1 - Σa / Σγ; NaN when nothing was drafted."""
+        return 1.0 - self.acceptance_rate
+
+    @property
+    def mean_draft_len(self) -> float:
+        """Mean γ per verify step; NaN with no verify step."""
+        return self.num_drafted / self.num_verify_steps if self.num_verify_steps else math.nan
+
+    @property
+    def ms_per_step(self) -> float:
+        """Mean wall milliseconds of one engine decode step (host + device, prefill excluded); NaN if none."""
+        return 1e3 * self.decode_seconds / self.num_engine_steps if self.num_engine_steps else math.nan
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Committed tokens per second of decode-step time; NaN if no time was spent."""
+        return self.num_generated / self.decode_seconds if self.decode_seconds else math.nan
+
+    def as_metrics(self, prefix: str = "spec") -> dict[str, float]:
+        """Flat metrics ``{prefix}/accept_len``, ``acceptance_rate``, ``draft_waste``, ``mean_draft_len``,
+        ``num_verify_steps``, ``num_generated``, ``decode_tokens_per_s``, ``ms_per_step``."""
+        return {f"{prefix}/accept_len": self.accept_len,
+                f"{prefix}/acceptance_rate": self.acceptance_rate,
+                f"{prefix}/draft_waste": self.draft_waste,
+                f"{prefix}/mean_draft_len": self.mean_draft_len,
+                f"{prefix}/num_verify_steps": float(self.num_verify_steps),
+                f"{prefix}/num_generated": float(self.num_generated),
+                f"{prefix}/decode_tokens_per_s": self.decode_tokens_per_s,
+                f"{prefix}/ms_per_step": self.ms_per_step}
