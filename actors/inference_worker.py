@@ -17,7 +17,7 @@ import torch
 from ray.util import metrics as ray_metrics
 
 from adaflash_ray.config import RunConfig
-from adaflash_ray.engine import SamplingParams, SpecEngine
+from adaflash_ray.engine import SamplingParams, SpecEngine, SpecStats
 from adaflash_ray.models import CheckpointError, DrafterModelConfig
 from adaflash_ray.models.factory import build_drafter, load_target
 
@@ -63,7 +63,7 @@ class InferenceWorker:
         self._dead: Exception | None = None
         self._num_traj = 0
         self._num_traj_tokens = 0
-        self._window = {"steps": 0, "a": 0, "gamma": 0, "tokens": 0, "t0": time.perf_counter()}
+        self._window, self._window_t0 = SpecStats(), time.perf_counter()  # since the last stats() call
         tags = {"worker": str(worker_index)}
         self._g_version = ray_metrics.Gauge("adaflash_drafter_version", "drafter version loaded", tag_keys=("worker",))
         self._g_tau = ray_metrics.Gauge("adaflash_accept_len", "mean committed tokens per verify step (tau)",
@@ -115,8 +115,7 @@ class InferenceWorker:
                 pending.event.set()
             if not eng.has_unfinished():
                 continue
-            before = (eng.stats.num_verify_steps, eng.stats.num_accepted, eng.stats.num_drafted,
-                      eng.stats.num_generated)
+            before = eng.stats.copy()
             try:
                 finished = eng.step("spec")
             except Exception as e:  # fail every waiting request loudly instead of hanging them
@@ -130,12 +129,9 @@ class InferenceWorker:
                     pending.error = self._dead
                     pending.event.set()
                 return
-            w = self._window
-            w["steps"] += eng.stats.num_verify_steps - before[0]
-            w["a"] += eng.stats.num_accepted - before[1]
-            w["gamma"] += eng.stats.num_drafted - before[2]
-            w["tokens"] += eng.stats.num_generated - before[3]
-            self._c_tokens.inc(max(eng.stats.num_generated - before[3], 0))
+            step_stats = eng.stats - before
+            self._window = self._window + step_stats  # a new object: stats() swaps it out atomically
+            self._c_tokens.inc(max(step_stats.num_generated, 0))
             for req in finished:
                 _, record, pending = self._waiters.pop(req.request_id)
                 traj_ref = None
@@ -293,13 +289,13 @@ class InferenceWorker:
         if self.backend is not None:
             return {**self.backend.stats(), "spec/num_refused_versions": float(self._num_refused),
                     "spec/num_rollbacks": float(self._num_rollbacks)}
-        eng, w = self.engine, self._window
+        eng = self.engine
         now = time.perf_counter()
-        steps = max(w["steps"], 1)
-        out = {"spec/accept_len": (w["a"] + w["steps"]) / steps if w["steps"] else 0.0,
-               "spec/mean_draft_len": w["gamma"] / steps if w["steps"] else 0.0,
-               "spec/draft_waste": 1 - w["a"] / w["gamma"] if w["gamma"] else 0.0,
-               "spec/tokens_per_s": w["tokens"] / max(now - w["t0"], 1e-9),
+        w, t0 = self._window, self._window_t0
+        self._window, self._window_t0 = SpecStats(), now
+        out = {**{k: v for k, v in w.as_metrics("spec").items()
+                  if k in ("spec/accept_len", "spec/acceptance_rate", "spec/draft_waste", "spec/mean_draft_len")},
+               "spec/tokens_per_s": w.num_generated / max(now - t0, 1e-9),
                "spec/drafter_version": float(eng.drafter_version),
                "spec/num_reloads": float(eng.num_reloads),
                "spec/num_refused_versions": float(self._num_refused),
@@ -310,9 +306,8 @@ class InferenceWorker:
                "spec/engine_dead": float(self._dead is not None)}
         if self._dead is not None:
             out["spec/error"] = str(self._dead)[:1500]
-        if w["steps"]:
+        if w.num_verify_steps:
             self._g_tau.set(out["spec/accept_len"])
-        self._window = {"steps": 0, "a": 0, "gamma": 0, "tokens": 0, "t0": now}
         return out
 
     def current_tensors(self) -> dict:
