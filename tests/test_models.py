@@ -335,3 +335,26 @@ def test_engine_refuses_mismatched_drafter(tiny_target, drafter_and_tensors):
     assert all(len(r.output_ids) == 12 for r in outs)
     assert engine.load_drafter(new, version=8, config=cfg) == tensors_sha256(new)
     assert engine.drafter_version == 8 and engine.num_reloads == 1
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_fused_projections_same_model(model_type):
+    """fuse_projections (the CUDA path's q/k/v and gate/up GEMMs): same logits, same state_dict names and
+    values, and an in-place parameter update still reaches the fused weights (views, not copies)."""
+    t = make_tiny_target(model_type, seed=1)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(9).expand(2, 9)
+    with torch.no_grad():
+        ref = t(ids, pos).logits
+        sd = {k: v.clone() for k, v in t.state_dict().items()}
+        t.fuse_projections().fuse_projections()  # idempotent
+        torch.testing.assert_close(t(ids, pos).logits, ref, rtol=1e-5, atol=1e-5)
+        assert set(t.state_dict()) == set(sd) and all(torch.equal(t.state_dict()[k], sd[k]) for k in sd)
+        t.model.layers[1].self_attn.v_proj.weight.mul_(0.5)
+        t.model.layers[2].mlp.up_proj.weight.mul_(0.5)
+        changed = t(ids, pos).logits
+        unfused = make_tiny_target(model_type, seed=1)
+        unfused.model.layers[1].self_attn.v_proj.weight.mul_(0.5)
+        unfused.model.layers[2].mlp.up_proj.weight.mul_(0.5)
+        torch.testing.assert_close(changed, unfused(ids, pos).logits, rtol=1e-5, atol=1e-5)
+        assert (changed - ref).abs().max() > 1e-3

@@ -298,7 +298,7 @@ class DFlashDrafter(nn.Module):
         key_pos = torch.arange(span, device=dev)[None, :]
         ctx_vis = (key_pos < anchor_pos[:, None]) | ((key_pos >= pos[:, :1]) & (key_pos <= pos[:, -1:]))  # [B, S]
         mask = gqa_mask(ctx_vis[:, None, :].expand(bsz, bs, span),
-                        self.config.num_attention_heads // self.config.num_key_value_heads)
+                        self.config.num_attention_heads // self.config.num_key_value_heads, x.dtype)
         rows = torch.arange(bsz, device=dev)[:, None]
         write_pos = pos.clamp(max=cache.max_seq_len - 1)
         for i, layer in enumerate(self.layers):

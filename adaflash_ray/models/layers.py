@@ -34,7 +34,26 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
+        self._gate_up: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """Keep gate/up weights in one ``[2I, H]`` tensor (one GEMM per call); the parameters become views
+        of it, so names, values and in-place updates are unchanged. Idempotent."""
+        if self._fused():
+            return
+        w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        n = self.gate_proj.out_features
+        self.gate_proj.weight.data, self.up_proj.weight.data = w[:n], w[n:]
+        self._gate_up = w
+
+    def _fused(self) -> bool:  # false again if .to() moved the parameters away from the fused storage
+        return self._gate_up is not None and self.gate_proj.weight.data_ptr() == self._gate_up.data_ptr()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused():
+            gate, up = F.linear(x, self._gate_up).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -89,12 +108,14 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     return out.transpose(1, 2)
 
 
-def gqa_mask(visible: torch.Tensor, num_groups: int) -> torch.Tensor:
+def gqa_mask(visible: torch.Tensor, num_groups: int, dtype: torch.dtype) -> torch.Tensor:
     """Expand a visibility mask ``[B, Tq, Tk]`` (bool) to the grouped-query layout of
-    :func:`grouped_attention`: ``[B, 1, Tq*num_groups, Tk]`` (query-position major, group minor).
-    Built once per forward and shared by every layer."""
+    :func:`grouped_attention`: an additive mask ``[B, 1, Tq*num_groups, Tk]`` in ``dtype`` (0 where visible,
+    -inf elsewhere; query-position major, group minor). Built once per forward and shared by every layer,
+    so SDPA does not convert a bool mask in each layer."""
     b, tq, tk = visible.shape
-    return visible[:, None, :, None, :].expand(b, 1, tq, num_groups, tk).reshape(b, 1, tq * num_groups, tk)
+    vis = visible[:, None, :, None, :].expand(b, 1, tq, num_groups, tk).reshape(b, 1, tq * num_groups, tk)
+    return torch.zeros(vis.shape, dtype=dtype, device=vis.device).masked_fill_(~vis, float("-inf"))
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -106,7 +127,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
     Args:
         q: ``[B, Tq, Hq, D]``; k, v: ``[B, Tk, Hkv, D]`` (last dim contiguous).
-        mask: ``[B, 1, Tq*rep, Tk]`` bool from :func:`gqa_mask`; every row must see a key.
+        mask: ``[B, 1, Tq*rep, Tk]`` additive mask from :func:`gqa_mask`; every row must see a key.
     Returns:
         ``[B, Tq, Hq, D]`` in q's dtype. Head h uses KV head ``h // rep`` (Hugging Face's layout).
     """
@@ -132,6 +153,29 @@ class AttentionProjections(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self._qkv_w: torch.Tensor | None = None
+        self._qkv_b: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """Keep q/k/v weights (and biases) in one tensor, so :meth:`qkv` is one GEMM; the parameters become
+        views of it (names, values, ``state_dict`` and in-place updates unchanged). Idempotent."""
+        if self._fused():
+            return
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        w = torch.cat([p.weight for p in projs])
+        b = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
+        start = 0
+        for p in projs:
+            n = p.out_features
+            p.weight.data = w[start:start + n]
+            if b is not None:
+                p.bias.data = b[start:start + n]
+            start += n
+        self._qkv_w, self._qkv_b = w, b
+
+    def _fused(self) -> bool:  # false again if .to() moved the parameters away from the fused storage
+        return self._qkv_w is not None and self.q_proj.weight.data_ptr() == self._qkv_w.data_ptr()
 
     def q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Queries of ``x`` ``[B, T, H]`` (normed if qk_norm, rotated) -> ``[B, T, Hq, D]``."""
@@ -144,9 +188,16 @@ class AttentionProjections(nn.Module):
         values as :meth:`q` and :meth:`kv`, with one rotary pass over the queries and keys together
         (fewer kernels per layer on the GPU decode path). q and k are views of one tensor."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self._fused():
+            nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = F.linear(x, self._qkv_w, self._qkv_b).split([nq, nk, nk], dim=-1)
+            q = q.view(b, t, self.num_heads, self.head_dim)
+            k = k.view(b, t, self.num_kv_heads, self.head_dim)
+            v = v.view(b, t, self.num_kv_heads, self.head_dim)
+        else:
+            q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+            k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         qk = apply_rotary(torch.cat([q, k], dim=2), cos, sin)

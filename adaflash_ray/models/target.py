@@ -206,6 +206,14 @@ class TargetModel(nn.Module):
         model.requires_grad_(False)
         return model.eval()
 
+    def fuse_projections(self) -> "TargetModel":
+        """One GEMM for q/k/v and one for gate/up per layer (the engine's CUDA path): the weights are stored
+        concatenated and the HF-named parameters become views, so nothing else changes. Idempotent."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
+
     def default_layer_ids(self, num_target_layers: int) -> list[int]:
         """ALGORITHMS.md §1 default: K evenly spaced ids from 1 to L-3 (DFlash/SpecForge)."""
         return default_target_layer_ids(self.config.num_hidden_layers, num_target_layers)
@@ -272,7 +280,7 @@ class TargetModel(nn.Module):
 
             def kv_io_for(i):
                 return lambda k, v: (k, v)
-        mask = gqa_mask(visible, rep)  # once per forward, shared by every layer
+        mask = gqa_mask(visible, rep, x.dtype)  # once per forward, shared by every layer
         want = set(capture_layer_ids or [])
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
