@@ -1,4 +1,4 @@
-"""Ray actor classes: thin adapters around adaflash_ray objects (ARCHITECTURE.md "actors").
+"""Ray actor classes: thin adapters around adaflash_ray objects (docs/design/ARCHITECTURE.md "actors").
 
 Only the entry points (adaflash_ray.pipeline / serve / bench) import this package.
 """

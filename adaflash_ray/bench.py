@@ -31,7 +31,7 @@ Output: a table, then one JSON document as the last stdout line (also written to
 ``commit``, ``torch_version``, ``model`` or ``shape``, and ``rows`` (``method``, ``concurrency``, ``domain``,
 ``model``/``shape``, ``ms_per_step``, ``tokens_per_s``, ``speedup_vs_ar``, ``tau``, ``acceptance_rate``,
 ``draft_waste``, ``gamma_hist``, ``lossless``, ...). On CPU read ratios, not absolute times
-(PERFORMANCE.md); ``engine.num_threads`` sets the CPU threads. Exit 2 on a user error.
+(docs/design/PERFORMANCE.md); ``engine.num_threads`` sets the CPU threads. Exit 2 on a user error.
 """
 from __future__ import annotations
 

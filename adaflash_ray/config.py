@@ -10,7 +10,7 @@ fails with its dotted path instead of being silently ignored. Command-line overr
     cfg.dump_yaml("runs/x/config.yaml")   # the resolved config, written to the run directory
 
 Entry points call :func:`add_recipe_args` and :func:`config_from_args`. This module imports neither Ray
-nor any actor (see ARCHITECTURE.md, dependency direction). Names follow ALGORITHMS.md §0.
+nor any actor (see docs/design/ARCHITECTURE.md, dependency direction). Names follow docs/design/ALGORITHMS.md §0.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def default_target_layer_ids(num_target_hidden_layers: int, num_target_layers: i
 
 
 class DrafterConfig(_Section):
-    """The DFlash block-diffusion drafter (ALGORITHMS.md §1)."""
+    """The DFlash block-diffusion drafter (docs/design/ALGORITHMS.md §1)."""
 
     num_hidden_layers: int = Field(1, ge=1)
     block_size: int = Field(4, ge=2, le=64)  # 1 anchor + (block_size-1) mask positions
@@ -134,7 +134,7 @@ class DrafterConfig(_Section):
 
 
 class LengthHeadConfig(_Section):
-    """The adaptive draft-length head (ALGORITHMS.md §2); `fixed` = plain DFlash, γ = block_size-1."""
+    """The adaptive draft-length head (docs/design/ALGORITHMS.md §2); `fixed` = plain DFlash, γ = block_size-1."""
 
     policy: Literal["direct", "fixed"] = "direct"
     hidden_size: int = Field(256, ge=1)
@@ -156,7 +156,7 @@ class SGLangConfig(_Section):
 
 
 class EngineConfig(_Section):
-    """The inference engine: which backend (ARCHITECTURE.md, "Inference backends") and its limits."""
+    """The inference engine: which backend (docs/design/ARCHITECTURE.md, "Inference backends") and its limits."""
 
     backend: Literal["torch", "sglang"] = "torch"  # torch = the built-in engine
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)  # read only with backend: sglang
@@ -168,7 +168,7 @@ class EngineConfig(_Section):
 
 
 class DistillConfig(_Section):
-    """On-policy distillation of the drafter (ALGORITHMS.md §3)."""
+    """On-policy distillation of the drafter (docs/design/ALGORITHMS.md §3)."""
 
     features: Literal["captured", "recompute"] = "captured"
     num_anchors: int = Field(48, ge=1)  # random anchors per sequence

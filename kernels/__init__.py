@@ -1,10 +1,10 @@
 """Hot-path kernels of adaflash_ray, each beside the pure-torch reference it is tested against.
 
-This package imports only torch (and triton, where a kernel needs it); see ARCHITECTURE.md.
+This package imports only torch (and triton, where a kernel needs it); see docs/design/ARCHITECTURE.md.
 
 - :mod:`kernels.chunked_kl`: per-position distillation terms (hard CE against the teacher argmax,
   reverse / forward KL) computed chunk by chunk over rows, so the fp32 ``[M, V]`` softmax is never
-  materialised for all M positions at once (ALGORITHMS.md §3).
+  materialised for all M positions at once (docs/design/ALGORITHMS.md §3).
 """
 from kernels.chunked_kl import chunked_kl_terms, kl_terms
 

@@ -1,6 +1,6 @@
 """Per-position distillation terms over a large vocabulary, computed in row chunks.
 
-ALGORITHMS.md §3: never materialise the fp32 softmax over the whole vocabulary for every position
+docs/design/ALGORITHMS.md §3: never materialise the fp32 softmax over the whole vocabulary for every position
 at once (151,936 x thousands of positions for Qwen3). :func:`chunked_kl_terms` walks the rows in
 chunks of ``chunk_size``; each chunk computes its logits ``z = h @ W^T`` itself, and with autograd on
 each chunk runs under ``torch.utils.checkpoint`` so that the backward pass recomputes that chunk's

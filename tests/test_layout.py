@@ -1,4 +1,4 @@
-"""The dependency direction of ARCHITECTURE.md, checked by parsing imports:
+"""The dependency direction of docs/design/ARCHITECTURE.md, checked by parsing imports:
 core modules import neither Ray nor ``actors``; ``kernels`` imports only torch/triton (+stdlib);
 only the entry points (pipeline, serve, bench) import ``actors``."""
 import ast

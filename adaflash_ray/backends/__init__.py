@@ -1,4 +1,4 @@
-"""Inference backends behind one small protocol (ARCHITECTURE.md, "Inference backends").
+"""Inference backends behind one small protocol (docs/design/ARCHITECTURE.md, "Inference backends").
 
 An :class:`~actors.inference_worker.InferenceWorker` serves through one backend, chosen by the recipe's
 ``engine.backend``:

@@ -1,4 +1,4 @@
-"""Draft-length policies (ALGORITHMS.md §2): map the drafter's block output to γ per request."""
+"""Draft-length policies (docs/design/ALGORITHMS.md §2): map the drafter's block output to γ per request."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""SpecStats: the one definition of the speculative-decoding statistics (ALGORITHMS.md §0 names), used by the
+"""SpecStats: the one definition of the speculative-decoding statistics (docs/design/ALGORITHMS.md §0 names), used by the
 engine, the inference worker, the driver's evaluation, the SGLang backend and the benchmark.
 
 - τ (``accept_len``) = mean committed tokens per verify step = mean(a+1) = (Σa + #steps) / #steps

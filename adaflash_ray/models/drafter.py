@@ -1,4 +1,4 @@
-"""The DFlash block-diffusion drafter (ALGORITHMS.md §1; z-lab/dflash, SpecForge's DFlash trainer).
+"""The DFlash block-diffusion drafter (docs/design/ALGORITHMS.md §1; z-lab/dflash, SpecForge's DFlash trainer).
 
 One forward proposes ``block_size - 1`` draft tokens: the block ``[anchor, MASK x (block_size-1)]``
 attends (bidirectionally inside the block) to the committed context, which enters every layer

@@ -1,4 +1,4 @@
-"""Adaptive length heads (ALGORITHMS.md §2): pick the draft length γ per request per step.
+"""Adaptive length heads (docs/design/ALGORITHMS.md §2): pick the draft length γ per request per step.
 
 - ``direct`` (the reference AdaFlash head, github ZinYY/AdaFlash): feature = concat(mean over the
   block's drafter hidden states, last position) ``[2H]`` -> MLP 2H->256 (SiLU) -> residual 256->256

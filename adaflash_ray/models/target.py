@@ -215,7 +215,7 @@ class TargetModel(nn.Module):
         return self
 
     def default_layer_ids(self, num_target_layers: int) -> list[int]:
-        """ALGORITHMS.md §1 default: K evenly spaced ids from 1 to L-3 (DFlash/SpecForge)."""
+        """docs/design/ALGORITHMS.md §1 default: K evenly spaced ids from 1 to L-3 (DFlash/SpecForge)."""
         return default_target_layer_ids(self.config.num_hidden_layers, num_target_layers)
 
     def new_kv_cache(self, num_slots: int, max_seq_len: int, dtype: torch.dtype | None = None) -> KVCache:
