@@ -53,8 +53,8 @@ class MetricsSink:
         if self._wandb is not None:
             try:
                 self._wandb.finish()
-            except Exception:
-                pass
+            except Exception as e:  # the JSONL file is already closed and complete; say what wandb lost
+                warnings.warn(f"wandb finish failed (the offline run may be incomplete; metrics.jsonl is): {e!r}")
 
 
 def plot_tau(eval_tau: dict[int, float], serve_tau: dict[int, float], path: Path, title: str) -> Path:
