@@ -2,11 +2,15 @@
 
 Lifecycle (driven by adaflash_ray.pipeline):
 1. ``DistillTrainer.remote(cfg, rank, world_size)`` - light constructor;
-2. ``rank0.master_address()`` -> (addr, port); every rank ``setup(addr, port)`` concurrently: sets
+2. ``rank0.master_address()`` -> (addr, port); every rank ``setup(addr, port, state_dir)`` concurrently: sets
    RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK itself, loads the frozen target, builds the
-   drafter + length head and ``deepspeed.initialize`` (gloo on CPU, NCCL on GPU);
-3. ``run(buffer, registry)`` - pull batches from the TrajectoryBuffer, optimise, and (rank 0) publish
-   version v+1 to the WeightRegistry every ``publish_every`` optimizer steps until ``num_versions``.
+   drafter + length head and ``deepspeed.initialize`` (gloo on CPU, NCCL on GPU), then resumes from the
+   newest trainer state under ``state_dir`` if there is one (a restarted actor, ``--resume``);
+3. ``run(buffer, registry)`` - pull batches from the TrajectoryBuffer, optimise, and every
+   ``publish_every`` optimizer steps save the trainer state (every rank), commit the buffer lease, and
+   (rank 0) publish version v+1 to the WeightRegistry, until ``num_versions``. Ranks agree on every
+   branch (step or wait, go on or stop) through one tiny all-reduce, and under ZeRO-3 every rank takes
+   part in gathering the weights to publish, so several ranks never deadlock (issue 9.8).
 Metrics are returned to the driver as flat dicts by :meth:`pop_metrics`.
 """
 from __future__ import annotations
@@ -36,6 +40,9 @@ class DistillTrainer:
         self._lock = threading.Lock()
         self._stop = False
         self.num_lost = 0  # trajectories whose producing worker died before they were fetched
+        self.state_dir: str | None = None
+        self.fresh_ids: list[str] = []  # request ids first trained on in a saved (committed) state
+        self.num_duplicates_skipped = 0  # trajectories delivered again (a recovered buffer) and not retrained
         self._g_loss = ray_metrics.Gauge("adaflash_train_loss", "distillation loss", tag_keys=("rank",))
         self._g_loss.set_default_tags({"rank": str(rank)})
 
@@ -47,7 +54,11 @@ class DistillTrainer:
             port = s.getsockname()[1]
         return addr, port
 
-    def setup(self, master_addr: str, master_port: int) -> dict:
+    def setup(self, master_addr: str, master_port: int, state_dir: str | None = None, resume: bool = False) -> dict:
+        """Build this rank (see the module docstring). With ``state_dir`` the trainer state is saved there
+        with every published version; with ``resume`` too, the newest one found there now is loaded
+        (drafter, head, optimizer, lr schedule, step, version counter, anchor RNG, the ids of trajectories
+        trained on). Returns ``{rank, num_trainable_params, version, step, resumed}``."""
         from adaflash_ray.distill.trainer import DistillTrainerCore
 
         cfg = self.cfg
@@ -57,8 +68,15 @@ class DistillTrainer:
         target = load_target(cfg.model)
         self.core = DistillTrainerCore(target, cfg.drafter, cfg.length_head, cfg.distill, seed=cfg.seed,
                                        rank=self.rank, world_size=self.world_size)
+        self.state_dir = state_dir
+        state = self.core.load_state(state_dir) if state_dir and resume else None
+        if state is not None:
+            self.version = int(state["version"])
+            self.fresh_ids = list(state.get("fresh_ids", []))
+            self.num_lost = int(state.get("num_lost", 0))
         n = sum(p.numel() for p in self.core.publish_tensors().values())
-        return {"rank": self.rank, "num_trainable_params": n}
+        return {"rank": self.rank, "num_trainable_params": n, "version": self.version,
+                "step": self.core.global_step, "resumed": state is not None}
 
     def serving_tensors(self) -> dict[str, torch.Tensor]:
         """The drafter (+ head) as the workers will hold it: the trainer's float32 master weights cast to
@@ -67,62 +85,90 @@ class DistillTrainer:
         dtype = getattr(torch, self.cfg.model.dtype)  # float32 | bfloat16 | float16
         return {k: v.to(dtype) for k, v in self.core.publish_tensors().items()}
 
+    def current_version(self) -> tuple[int, int]:
+        """(version counter, optimizer steps) of this rank."""
+        return self.version, self.core.global_step
+
     def initial_weights(self) -> tuple[list, str, dict]:
-        """Version 0 (the untrained drafter): ``([ObjectRef], sha256, drafter config dict)``."""
+        """The current weights in the serving dtype - version 0 (untrained) on a fresh start, the saved
+        version after a resume: ``([ObjectRef], sha256, drafter config dict)``. Every rank calls it
+        (ZeRO-3 gathers)."""
         tensors = self.serving_tensors()
         return [ray.put(tensors)], tensors_sha256(tensors), self.core.drafter_model_config().as_dict()
 
     def run(self, buffer, registry, num_versions: int | None = None) -> dict:
-        """Train until ``num_versions`` versions are published (rank 0 publishes). Returns a summary."""
-        dc = self.cfg.distill
+        """Train until ``num_versions`` versions are published (rank 0 publishes). Returns a summary:
+        ``{rank, final_version, steps, seconds, num_fresh, num_counted_twice, num_lost}`` - trajectories
+        first trained on (``num_fresh``, over the whole run, resumes included) and those among them
+        trained as fresh more than once (0 unless a resume replayed one)."""
+        dc, core = self.cfg.distill, self.core
         num_versions = num_versions or dc.num_versions
-        cfg_dict = self.core.drafter_model_config().as_dict()
+        cfg_dict = core.drafter_model_config().as_dict()
         t_start = time.time()
         pool: list[list] = []  # [trajectory, version, uses]: recent on-policy data for reuse
-        rng = random.Random(self.cfg.seed + self.rank)
-        while self.version < num_versions and not self._stop:
+        pending_ids: list[str] = []  # fresh since the last save
+        rng = random.Random(self.cfg.seed + self.rank + 7919 * self.version)
+        consumer = f"trainer-{self.rank}"
+        seen = set(self.fresh_ids)
+        while core.all_ranks(self.version < num_versions and not self._stop):
             pool = [p for p in pool if p[2] < dc.max_reuse and self.version - p[1] <= dc.max_version_lag]
             reusable = len(pool) >= dc.batch_size
-            items = ray.get(buffer.get_batch.remote(dc.batch_size, 0.2 if reusable else 60.0))
+            items = ray.get(buffer.get_batch.remote(dc.batch_size, 0.2 if reusable else 60.0, consumer))
             fresh, items = self._fetch(items)
+            keep = [i for i, t in enumerate(fresh) if t.request_id not in seen]  # a redelivery it already has
+            self.num_duplicates_skipped += len(fresh) - len(keep)
+            fresh, items = [fresh[i] for i in keep], [items[i] for i in keep]
+            seen.update(t.request_id for t in fresh)
             pool.extend([t, it[1], 0] for t, it in zip(fresh, items))
-            if len(pool) < dc.batch_size and not fresh:
-                continue
+            if not core.all_ranks(len(pool) >= dc.batch_size or bool(fresh)):
+                continue  # some rank has nothing to train on yet: every rank waits for data
             chosen = pool[-len(fresh):] if fresh else []
             others = pool[:len(pool) - len(fresh)]
             chosen += rng.sample(others, min(len(others), dc.batch_size - len(chosen)))
             for p in chosen:
                 p[2] += 1
+            pending_ids += [t.request_id for t in fresh]
             trajs = [p[0] for p in chosen]
             items = [[None, p[1]] for p in chosen]
             del fresh
             if len(pool) > 4 * dc.batch_size * dc.max_reuse:
                 pool = pool[-4 * dc.batch_size * dc.max_reuse:]
-            m = self.core.train_step(trajs)
+            m = core.train_step(trajs)
             m["train/version_lag"] = sum(self.version - it[1] for it in items) / len(items)
             m["train/version"] = float(self.version)
             m["train/num_fresh"] = float(sum(1 for p in chosen if p[2] == 1))
             m["train/num_lost_trajectories"] = float(self.num_lost)
-            step = self.core.global_step
+            step = core.global_step
             self._g_loss.set(m.get("train/loss", 0.0))
             if step % dc.publish_every == 0:  # every rank counts versions; rank 0 publishes
+                t0 = time.perf_counter()
+                tensors = self.serving_tensors()  # every rank: under ZeRO-3 a collective gather
+                new_version = self.version + 1
+                self.fresh_ids += pending_ids
+                pending_ids = []
+                if self.state_dir:  # saved before it is published: a resume never re-publishes a number
+                    core.save_state(self.state_dir, f"v{new_version}", {
+                        "version": new_version, "fresh_ids": self.fresh_ids, "num_lost": self.num_lost})
+                    m["sync/save_seconds"] = time.perf_counter() - t0
+                ray.get(buffer.commit.remote(consumer))
                 if self.rank == 0:
-                    t0 = time.perf_counter()
-                    tensors = self.serving_tensors()
                     sha = tensors_sha256(tensors)
                     ref = ray.put(tensors)
-                    reports = ray.get(registry.publish.remote(self.version + 1, self.version, step, [ref], sha,
+                    reports = ray.get(registry.publish.remote(new_version, self.version, step, [ref], sha,
                                                               cfg_dict))
-                    ray.get(buffer.set_version.remote(self.version + 1))
-                    m["sync/seconds"] = time.perf_counter() - t0
+                    ray.get(buffer.set_version.remote(new_version))
                     m["sync/num_workers_ok"] = float(sum(1 for r in reports if r.get("sha256") == sha))
                     m["sync/num_workers"] = float(len(reports))
-                self.version += 1
+                m["sync/seconds"] = time.perf_counter() - t0
+                self.version = new_version
                 m["sync/version"] = float(self.version)
             with self._lock:
                 self._metrics.append(m)
-        return {"rank": self.rank, "final_version": self.version, "steps": self.core.global_step,
-                "seconds": time.time() - t_start}
+        core.close()  # ends the process group, removes the rendezvous file
+        return {"rank": self.rank, "final_version": self.version, "steps": core.global_step,
+                "seconds": time.time() - t_start, "num_fresh": len(self.fresh_ids),
+                "num_counted_twice": len(self.fresh_ids) - len(set(self.fresh_ids)), "num_lost": self.num_lost,
+                "num_duplicates_skipped": self.num_duplicates_skipped}
 
     def _fetch(self, items: list) -> tuple[list, list]:
         """Resolve trajectory refs; one whose owner (an inference worker) died is skipped and counted."""

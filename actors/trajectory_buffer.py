@@ -3,8 +3,19 @@
 It holds ObjectRefs (the trajectories stay in the Ray object store, owned by the workers that
 produced them), bounded by ``capacity``. Version-aware: the trainer announces its latest version;
 trajectories whose version lag exceeds ``max_version_lag`` are dropped and counted. When full,
-the oldest entries are evicted (counted), or - with ``spill_dir`` - written to Parquet first so
-nothing is lost.
+the oldest entries are evicted (counted), or - with ``spill_dir`` - kept on disk and read back when
+the queue runs low, so nothing is lost.
+
+Journal (``spill_dir``, issue 9.4): every added trajectory is written to ``spill_dir`` as Parquet before it
+is queued, and its file is deleted only once it is consumed for good (a trainer's commit, or a hand-out
+without a lease). A buffer actor that dies is restarted by Ray (the pipeline creates it with
+``max_restarts``) and recovers every file it finds there: trajectories already journaled come back, and a
+retried ``add`` of one it holds is not queued twice.
+
+Leases (issue 9.2): a trainer rank that names itself (``consumer``) in :meth:`get_batch` holds what it got
+until it :meth:`commit` s (its trainer state, with those trajectories trained in, is saved); a restarted
+rank's uncommitted lease is put back first in line by :meth:`requeue`, so a trainer killed between two
+saves loses no trajectory and none is trained into the saved state twice.
 """
 from __future__ import annotations
 
@@ -25,10 +36,21 @@ class TrajectoryBuffer:
             raise ValueError(f"max_version_lag must be >= 0, got {max_version_lag}")
         self.capacity, self.max_version_lag = capacity, max_version_lag
         self.spill_dir = Path(spill_dir) if spill_dir else None
-        self.items: deque[tuple[ray.ObjectRef, int, int, float]] = deque()  # (ref, version, tokens, t)
+        # (ref, version, tokens, t, journal file or None)
+        self.items: deque[tuple[ray.ObjectRef, int, int, float, Path | None]] = deque()
+        self.on_disk: deque[tuple[Path, int]] = deque()  # journaled, not in memory: (file, version), oldest first
+        self.known: set[str] = set()  # journal file names held (memory, disk or lease): a retried add is a no-op
         self.latest_version = 0
-        self.counts = {"added": 0, "consumed": 0, "dropped_stale": 0, "dropped_capacity": 0, "spilled": 0}
+        self.counts = {"added": 0, "consumed": 0, "dropped_stale": 0, "dropped_capacity": 0, "spilled": 0,
+                       "committed": 0, "redelivered": 0, "recovered": 0, "reloaded": 0, "duplicates_ignored": 0}
+        self.leases: dict[str, list] = {}  # consumer -> items handed out since its last commit
         self._cond = asyncio.Condition()
+        if self.spill_dir is not None and self.spill_dir.is_dir():  # a restarted buffer: take back its journal
+            files = sorted(self.spill_dir.glob("*.parquet"), key=lambda f: f.stat().st_mtime)
+            for f in files:
+                self.on_disk.append((f, int(f.stem.rsplit("-v", 1)[1])))
+                self.known.add(f.name)
+            self.counts["recovered"] = len(files)
 
     async def add(self, refs: list, version: int, num_tokens: int = 0) -> None:
         """Add trajectory refs (wrapped in a list so Ray does not resolve them) produced by ``version``."""
@@ -37,28 +59,62 @@ class TrajectoryBuffer:
                 if self.latest_version - version > self.max_version_lag:
                     self.counts["dropped_stale"] += 1
                     continue
+                path = None
+                if self.spill_dir is not None:
+                    path = await self._journal(ref, version)
+                    if path is None:
+                        self.counts["duplicates_ignored"] += 1
+                        continue
                 while len(self.items) >= self.capacity:
                     old = self.items.popleft()
-                    if self.spill_dir is not None:
-                        await self._spill(old)
+                    if old[4] is not None:  # stays on disk, read back when the queue runs low
+                        self.on_disk.append((old[4], old[1]))
+                        self.counts["spilled"] += 1
                     else:
                         self.counts["dropped_capacity"] += 1
-                self.items.append((ref, version, num_tokens, time.time()))
+                self.items.append((ref, version, num_tokens, time.time(), path))
                 self.counts["added"] += 1
             self._cond.notify_all()
 
-    async def _spill(self, item) -> None:
+    async def _journal(self, ref, version: int) -> Path | None:
+        """Write the trajectory to the journal; None if it is already held (a retried add)."""
         from adaflash_ray.distill.spill import write_parquet  # lazy: only with spill_dir
-        traj = await item[0]
+
+        traj = await ref
+        path = self.spill_dir / f"{traj.request_id}-v{version}.parquet"
+        if path.name in self.known:
+            return None
         self.spill_dir.mkdir(parents=True, exist_ok=True)
-        write_parquet(traj, self.spill_dir / f"{traj.request_id}-v{item[1]}.parquet")
-        self.counts["spilled"] += 1
+        write_parquet(traj, path)
+        self.known.add(path.name)
+        return path
+
+    def _forget(self, path: Path | None) -> None:
+        """A trajectory consumed for good: its journal file goes."""
+        if path is not None:
+            self.known.discard(path.name)
+            path.unlink(missing_ok=True)
+
+    def _reload(self, n: int) -> None:
+        """Bring journaled trajectories back from disk (oldest first) until ``n`` are queued."""
+        from adaflash_ray.distill.spill import read_parquet
+
+        while len(self.items) < n and self.on_disk:
+            path, version = self.on_disk.popleft()
+            if self.latest_version - version > self.max_version_lag:
+                self.counts["dropped_stale"] += 1
+                self._forget(path)
+                continue
+            traj = read_parquet(path)
+            self.items.append((ray.put(traj), version, traj.num_response_tokens, time.time(), path))
+            self.counts["reloaded"] += 1
 
     def _drop_stale(self) -> None:
         keep = deque()
         for it in self.items:
             if self.latest_version - it[1] > self.max_version_lag:
                 self.counts["dropped_stale"] += 1
+                self._forget(it[4])
             else:
                 keep.append(it)
         self.items = keep
@@ -69,13 +125,14 @@ class TrajectoryBuffer:
             self.latest_version = max(self.latest_version, version)
             self._drop_stale()
 
-    async def get_batch(self, n: int, timeout_s: float = 30.0) -> list:
+    async def get_batch(self, n: int, timeout_s: float = 30.0, consumer: str | None = None) -> list:
         """Wait up to ``timeout_s`` for ``n`` fresh trajectories; returns up to n as ``[[ref, version], ...]``
-        (oldest first; fewer on timeout)."""
+        (oldest first; fewer on timeout). With ``consumer`` they stay leased to it until :meth:`commit`."""
         deadline = time.monotonic() + timeout_s
         async with self._cond:
             while True:
                 self._drop_stale()
+                self._reload(n)
                 if len(self.items) >= n:
                     break
                 left = deadline - time.monotonic()
@@ -87,11 +144,38 @@ class TrajectoryBuffer:
                     pass
             out = []
             while self.items and len(out) < n:
-                ref, version, _, _ = self.items.popleft()
-                out.append([ref, version])
+                item = self.items.popleft()
+                out.append([item[0], item[1]])
+                if consumer is not None:
+                    self.leases.setdefault(consumer, []).append(item)
+                else:
+                    self._forget(item[4])
             self.counts["consumed"] += len(out)
             return out
 
+    async def commit(self, consumer: str) -> int:
+        """``consumer`` saved a state with everything it was handed trained in: end its lease (and delete
+        those journal files). Returns how many trajectories the commit covered."""
+        done = self.leases.pop(consumer, [])
+        for item in done:
+            self._forget(item[4])
+        self.counts["committed"] += len(done)
+        return len(done)
+
+    async def requeue(self, consumer: str) -> int:
+        """A restarted ``consumer`` lost what it trained since its last commit: put those trajectories back,
+        first in line (too-stale ones are dropped and counted). Returns how many were put back."""
+        async with self._cond:
+            back = self.leases.pop(consumer, [])
+            for item in reversed(back):
+                self.items.appendleft(item)
+            self.counts["consumed"] -= len(back)  # handed out again below: counted once
+            self.counts["redelivered"] += len(back)
+            self._drop_stale()
+            self._cond.notify_all()
+            return len(back)
+
     async def stats(self) -> dict[str, float]:
-        return {"buffer/depth": float(len(self.items)), "buffer/latest_version": float(self.latest_version),
+        return {"buffer/depth": float(len(self.items)), "buffer/on_disk": float(len(self.on_disk)),
+                "buffer/latest_version": float(self.latest_version),
                 **{f"buffer/{k}": float(v) for k, v in self.counts.items()}}

@@ -5,6 +5,7 @@ RPC per parameter - OpenRLHF #533).
 """
 from __future__ import annotations
 
+import asyncio
 import time
 
 import ray
@@ -19,6 +20,8 @@ class WeightRegistry:
         self.history: list[dict] = []
         self.subscribers: dict[str, object] = {}
         self.reports: dict[int, list[dict]] = {}
+        self.rollbacks: list[dict] = []
+        self._push_lock: asyncio.Lock | None = None  # one push (publish or rollback) at a time, in order
 
     def subscribe(self, name: str, worker) -> int:
         """Register an inference worker; returns the number of subscribers."""
@@ -29,25 +32,67 @@ class WeightRegistry:
                       sha256: str, config: dict | None = None) -> list[dict]:
         """Record version ``version`` and push it to every subscriber; returns their reports
         (``{worker, version, sha256}`` or ``{worker, error}``). ``tensors_ref`` is ``[ObjectRef]``."""
-        if self.latest is not None and version <= self.latest["version"]:
-            raise ValueError(f"version {version} is not newer than the latest {self.latest['version']}")
+        # the registry owns its own copy: an object owned by the publishing trainer would be lost with it
+        # (Ray frees what a dead worker owned), and workers restarted later read the latest from here
+        value = await tensors_ref[0]
+        newest = max((h["version"] for h in self.history), default=None)  # a rolled-back one counts too
+        if newest is not None and version <= newest:  # checked after the await: no interleaving past it
+            raise ValueError(f"version {version} is not newer than the latest {newest}")
+        ref = ray.put(value)
         meta = {"version": version, "parent_version": parent_version, "train_step": train_step,
-                "sha256": sha256, "ref": tensors_ref[0], "config": config, "time": time.time()}
+                "sha256": sha256, "ref": ref, "config": config, "time": time.time()}
         self.latest = meta
-        self.refs[version] = tensors_ref[0]
+        self.refs[version] = ref
         for old in sorted(self.refs)[:-self.keep_versions]:
             del self.refs[old]
         self.history.append({k: v for k, v in meta.items() if k != "ref"})
-        calls = {name: w.load_drafter.remote(version, tensors_ref[0], sha256, config)
-                 for name, w in self.subscribers.items()}
-        reports = []
-        for name, call in calls.items():
-            try:
-                reports.append(await call)
-            except Exception as e:  # a dead or refusing worker must not block the others
-                reports.append({"worker": name, "error": repr(e)[:500]})
+        reports = await self._push("load_drafter", version, ref, sha256, config)
         self.reports[version] = reports
         return reports
+
+    async def _push(self, method: str, version: int, ref, sha256: str, config) -> list[dict]:
+        """Call ``method`` (load_drafter | rollback_drafter) on every subscriber; pushes never interleave,
+        so every worker sees publications and rollbacks in the order the registry made them."""
+        if self._push_lock is None:
+            self._push_lock = asyncio.Lock()
+        async with self._push_lock:
+            calls = {name: getattr(w, method).remote(version, ref, sha256, config)
+                     for name, w in self.subscribers.items()}
+            reports = []
+            for name, call in calls.items():
+                try:
+                    reports.append(await call)
+                except Exception as e:  # a dead or refusing worker must not block the others
+                    reports.append({"worker": name, "error": repr(e)[:500]})
+            return reports
+
+    async def rollback(self, version: int, reason: str = "", only_if_latest: int | None = None) -> list[dict] | None:
+        """Make the held ``version`` (older than the latest) the latest again and push it to every
+        subscriber as an explicit rollback (``rollback_drafter``), e.g. when the τ canary finds the newest
+        version worse. A worker restarted later catches up with it; the trainer's next publication (a
+        higher number) supersedes it. Returns the workers' reports; the event is kept (:meth:`get_rollbacks`).
+        With ``only_if_latest``, nothing happens (returns None) unless that version is still the latest.
+        Raises:
+            ValueError: nothing published, or ``version`` is not older than the latest.
+            KeyError: ``version`` is no longer held.
+        """
+        if only_if_latest is not None and (self.latest is None or self.latest["version"] != only_if_latest):
+            return None
+        if self.latest is None or version >= self.latest["version"]:
+            raise ValueError(f"rollback to version {version}: not older than the latest "
+                             f"{None if self.latest is None else self.latest['version']}")
+        if version not in self.refs:
+            raise KeyError(f"version {version} not held (held: {sorted(self.refs)})")
+        meta = next(h for h in reversed(self.history) if h["version"] == version)
+        from_version = self.latest["version"]
+        self.latest = {**meta, "ref": self.refs[version]}
+        reports = await self._push("rollback_drafter", version, self.refs[version], meta["sha256"], meta["config"])
+        self.rollbacks.append({"from_version": from_version, "to_version": version, "reason": reason,
+                               "time": time.time(), "reports": reports})
+        return reports
+
+    def get_rollbacks(self) -> list[dict]:
+        return list(self.rollbacks)
 
     def latest_meta(self) -> dict | None:
         return None if self.latest is None else {k: v for k, v in self.latest.items() if k != "ref"}

@@ -29,7 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # n
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from actors import DistillTrainer, InferenceWorker, TrajectoryBuffer, WeightRegistry  # noqa: E402
+from actors import DistillTrainer, InferenceWorker, TrajectoryBuffer, WeightRegistry, recovery  # noqa: E402
 from adaflash_ray.config import RecipeError, RunConfig, add_recipe_args, config_from_args  # noqa: E402
 from adaflash_ray.data import encode_prompts, ensure_target, load_eval_prompts, load_sharegpt, load_tokenizer  # noqa: E402
 from adaflash_ray.metrics import MetricsSink, PlainProgress, plot_tau  # noqa: E402
@@ -131,19 +131,31 @@ def _poll(refs: list, default):
     return out
 
 
-def _raise_if_trainer_died(done: list, run_dir: Path, shas: dict) -> None:
-    """A trainer that dies ends the run with a clear error; every published version is already saved."""
-    for ref in done:
-        try:
-            ray.get(ref)
-        except ray.exceptions.RayError as e:
-            raise RuntimeError(f"a DistillTrainer died mid-run ({type(e).__name__}: {str(e)[:1500]}); versions "
-                               f"{sorted(shas)} are saved under {run_dir / 'checkpoints'}, metrics in "
-                               f"{run_dir / 'metrics.jsonl'}") from e
+def _check_canary(canary: recovery.TauCanary, registry, sink, wait: bool = False) -> None:
+    """Judge finished canary decodes; roll every worker back when a version failed and is still the latest."""
+    for version, tau in canary.poll(wait):
+        if tau is None:
+            sink.log({"canary/version": version, "canary/skipped": 1}, kind="canary")
+            continue
+        good = canary.good
+        passed = canary.judge(version, tau)
+        sink.log({"canary/version": version, "canary/accept_len": tau, "canary/passed": float(passed)},
+                 kind="canary")
+        if passed:
+            continue
+        reason = f"canary τ {tau:.3f} < (1 - {canary.delta}) x {good[1]:.3f} (version {good[0]})"
+        reports = ray.get(registry.rollback.remote(good[0], reason, version))
+        if reports is not None:
+            console.print(f"canary: version {version} rolled back to {good[0]}: {reason}")
+            sink.log({"canary/rollback_from": version, "canary/rollback_to": good[0],
+                      "canary/num_workers_ok": sum(1 for r in reports if r.get("version") == good[0])},
+                     kind="canary")
 
 
-def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
-    """Run the whole job for a validated config; returns the summary dict (also printed)."""
+def run(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> dict:
+    """Run the whole job for a validated config; returns the summary dict (also printed). With ``resume``,
+    continue the run in ``run_dir``: the trainers load their state saved with the last published version,
+    the workers start at that version, and training goes on to ``distill.num_versions``."""
     t_start = time.time()
     root = Path(cfg.logging.run_root)
     run_dir = Path(run_dir) if run_dir else root / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -151,6 +163,7 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
     run_dir = run_dir.resolve()
     cfg.dump_yaml(run_dir / "config.yaml")
     ckpt_dir = run_dir / "checkpoints"
+    state_dir = str(run_dir / "trainer_state")
 
     # real inputs (installed packages; converted once into the cache)
     model_dir = ensure_target(cfg.model.path or cfg.model.name)
@@ -183,31 +196,39 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
     summary: dict = {}
     shas: dict[int, str] = {}
     try:
-        buffer = TrajectoryBuffer.remote(cfg.buffer.capacity, cfg.distill.max_version_lag, cfg.buffer.spill_dir)
+        buffer = TrajectoryBuffer.options(  # restarted by Ray if it dies; with spill_dir its journal comes back
+            max_restarts=2, max_task_retries=-1).remote(cfg.buffer.capacity, cfg.distill.max_version_lag,
+                                                        cfg.buffer.spill_dir)
         registry = WeightRegistry.remote()
         workers = [InferenceWorker.options(  # restarted by Ray if it dies; it reloads the latest version
             num_cpus=pl.cpus_per_inference_worker, num_gpus=pl.gpus_per_inference_worker, max_restarts=3,
             max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg_inf, placement_group_bundle_index=i),
         ).remote(cfg_dict, i, buffer, registry) for i in range(pl.num_inference_workers)]
-        trainers = [DistillTrainer.options(
+        trainers = [DistillTrainer.options(  # restarted by Ray if it dies; every rank then resumes
             num_cpus=pl.cpus_per_trainer, num_gpus=pl.gpus_per_trainer,
+            max_restarts=cfg.distill.trainer_max_restarts, max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg_train, placement_group_bundle_index=r),
         ).remote(cfg_dict, r, pl.num_trainers) for r in range(pl.num_trainers)]
-        addr, port = ray.get(trainers[0].master_address.remote())
-        setup = ray.get([t.setup.remote(addr, port) for t in trainers])
         ray.get([registry.subscribe.remote(f"worker-{i}", w) for i, w in enumerate(workers)])
-        # version 0: the trainer's initial weights everywhere, so all sides start identical
-        refs, sha0, dcfg = ray.get(trainers[0].initial_weights.remote())
-        v0 = ray.get([w.load_drafter.remote(0, refs[0], sha0, dcfg) for w in workers])
+        if resume:
+            shas.update(recovery.saved_versions(ckpt_dir))
+        setup = recovery.setup_trainers(trainers, state_dir, resume)
+        last_version, dcfg, sha = recovery.sync_version(trainers, workers, registry, buffer, ckpt_dir, shas)
         drafter_cfg = DrafterModelConfig(**dcfg)
-        shas[0] = save_drafter_checkpoint(ckpt_dir / "v0", drafter_cfg, ray.get(refs[0]), {"version": 0})
-        console.print(f"setup: trainers {setup}; workers at version 0 sha {sha0[:12]} ({len(v0)} ok)")
+        console.print(f"setup: trainers {setup}; workers at version {last_version} sha {sha[:12]}")
+
+        canary = recovery.TauCanary(recovery.canary_prompts(cfg, tok, evalp), cfg.distill.canary_max_new_tokens,
+                           cfg.distill.canary_delta)
+        if canary.prompts:  # the starting version's τ is the first reference
+            canary.start(workers[0], last_version)
+            _check_canary(canary, registry, sink, wait=True)
 
         runs = [t.run.remote(buffer, registry) for t in trainers]
+        restarts_left, num_trainer_restarts = cfg.distill.trainer_max_restarts, 0
         next_prompt, fed = 0, 0
         serve_tau: dict[int, list[float]] = {}
-        last_version, step, last_loss = 0, 0, None
+        step, last_loss = setup[0]["step"], None
         low_water = 2 * cfg.engine.max_batch_size
         show = cfg.logging.progress
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -230,10 +251,31 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
                         fed += len(batch)
                         w.submit.remote(batch, cfg.engine.max_new_tokens, cfg.engine.temperature)
                 done, _ = ray.wait(runs, num_returns=len(runs), timeout=2.0)
-                _raise_if_trainer_died(done, run_dir, shas)
+                died = recovery.trainer_death(done)
+                if died is not None:  # restart every rank from the state saved with the last version
+                    if restarts_left <= 0:
+                        raise RuntimeError(f"a DistillTrainer died mid-run and its {num_trainer_restarts} restarts "
+                                           f"are used up ({died}); versions {sorted(shas)} are saved under "
+                                           f"{ckpt_dir}, continue with --resume {run_dir}")
+                    restarts_left -= 1
+                    num_trainer_restarts += 1
+                    console.print(f"a DistillTrainer died ({died[:300]}); restarting the trainers from their last "
+                                  f"saved state ({restarts_left} restarts left)", markup=False)
+                    sink.log({"fault/trainer_restart": num_trainer_restarts}, kind="fault")
+                    recovery.restart_trainers(trainers, runs, done)
+                    setup = recovery.setup_trainers(trainers, state_dir, True)
+                    requeued = sum(ray.get([buffer.requeue.remote(f"trainer-{r}") for r in range(len(trainers))]))
+                    recovery.sync_version(trainers, workers, registry, buffer, ckpt_dir, shas)
+                    sink.log({"fault/trainer_resumed_version": setup[0]["version"],
+                              "fault/trajectories_requeued": requeued}, kind="fault")
+                    runs = [t.run.remote(buffer, registry) for t in trainers]
+                    continue
                 wstats = _poll([w.stats.remote() for w in workers], None)
                 bstats = ray.get(buffer.stats.remote())
-                tmetrics = ray.get(trainers[0].pop_metrics.remote())
+                try:
+                    tmetrics = ray.get(trainers[0].pop_metrics.remote(), timeout=60)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    tmetrics = []  # dying or restarting: the next poll sees it
                 for i, s in enumerate(wstats):
                     if s is None:  # worker restarting (Ray restarts it; it reloads the latest version)
                         sink.log({"worker/unavailable": 1.0, "worker": i}, kind="inference")
@@ -261,6 +303,10 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
                         ok = sum(r.get("sha256") == h["sha256"] for r in reports_all.get(v, []))
                         sink.log({"sync/version": v, "sync/num_workers_ok": ok}, kind="sync")
                     last_version = meta["version"]
+                    if canary.prompts:
+                        canary.start(workers[0], last_version)
+                if canary.prompts:
+                    _check_canary(canary, registry, sink)
                 if tmetrics:
                     last_loss = tmetrics[-1]["train/loss"]
                 if plain is not None:
@@ -278,6 +324,8 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
                 if len(done) == len(runs):
                     break
             train_summary = ray.get(runs)
+            if canary.prompts:
+                _check_canary(canary, registry, sink, wait=True)
         train_wall_s = time.time() - t_train0
         if plain is not None:
             plain.update(last_version, force=True, step=step, loss=last_loss, training="done",
@@ -288,8 +336,8 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
             sink.log(m, kind="train")
         # every worker must hold the final version with the published checksum
         loaded = ray.get([w.loaded_version.remote() for w in workers])
-        final_sha = ray.get(registry.latest_meta.remote())["sha256"]
-        workers_ok = all(lv["version"] == final_version and lv["sha256"] == final_sha for lv in loaded)
+        serving = ray.get(registry.latest_meta.remote())  # the final version, or the one the canary kept
+        workers_ok = all(lv["version"] == serving["version"] and lv["sha256"] == serving["sha256"] for lv in loaded)
         # held-out evaluation of every version, greedy, through the hot-reload path of worker 0
         eval_tau, eval_waste, eval_hist = {}, {}, {}
         from adaflash_ray.models import load_drafter_checkpoint
@@ -319,8 +367,18 @@ def run(cfg: RunConfig, run_dir: Path | None = None) -> dict:
                    "eval_draft_waste": {str(k): round(v, 4) for k, v in eval_waste.items()},
                    "serve_tau": {str(k): round(v, 4) for k, v in serve_mean.items()},
                    "train_steps": max(r["steps"] for r in train_summary),
-                   "workers_loaded_final": workers_ok, "prompts_fed": fed,
+                   "workers_loaded_final": workers_ok, "serving_version": serving["version"], "prompts_fed": fed,
                    "trainer_utilisation": round(train_busy_s / max(train_wall_s, 1e-9), 3),
+                   "trainer_restarts": num_trainer_restarts,
+                   "canary": {"tau": {str(k): round(v, 4) for k, v in canary.tau.items()},
+                              "rollbacks": [{k: r[k] for k in ("from_version", "to_version", "reason")}
+                                            for r in ray.get(registry.get_rollbacks.remote())]},
+                   "versions_rising": recovery.versions_rising(ray.get(registry.get_history.remote())),
+                   "trajectories": {"trained_fresh": train_summary[0]["num_fresh"],
+                                    "counted_twice": train_summary[0]["num_counted_twice"],
+                                    "lost_owner_died": train_summary[0]["num_lost"],
+                                    "duplicates_delivered_not_retrained": train_summary[0]["num_duplicates_skipped"],
+                                    "redelivered_after_restart": int(bfinal["buffer/redelivered"])},
                    "prompts_cancelled_after_training": num_cancelled,
                    "buffer": {k.split("/", 1)[1]: v for k, v in bfinal.items()},
                    "num_eval_prompts": len(evalp), "wall_s": round(time.time() - t_start, 1)}
@@ -346,8 +404,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m adaflash_ray.pipeline", description=__doc__.split("\n")[0])
     add_recipe_args(parser)
     parser.add_argument("--run-dir", default=None, help="run directory (default: <logging.run_root>/<name>-<time>)")
+    parser.add_argument("--resume", default=None, metavar="RUN_DIR",
+                        help="continue a stopped run: its config.yaml (plus any --set, e.g. a larger "
+                             "distill.num_versions), its trainer state and checkpoints")
     ns = parser.parse_args(argv)
     try:
+        if ns.resume:
+            if ns.recipe or ns.run_dir:
+                raise RecipeError("--resume RUN_DIR takes the run's own config.yaml and directory: drop "
+                                  "--recipe / --run-dir (use --set to change a field)")
+            ns.recipe, ns.run_dir = str(Path(ns.resume) / "config.yaml"), ns.resume
+            if not Path(ns.recipe).is_file():
+                raise RecipeError(f"--resume {ns.resume}: not a run directory (no config.yaml)")
         cfg = config_from_args(ns)  # fails before anything starts
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -355,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     from adaflash_ray.models import CheckpointError
 
     try:
-        summary = run(cfg, ns.run_dir)
+        summary = run(cfg, ns.run_dir, resume=bool(ns.resume))
     except (CheckpointError, ValueError, FileNotFoundError) as e:  # bad input, found before or after Ray started
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -56,6 +56,8 @@ def test_buffer_capacity_and_staleness(ray_local):
 
 
 def test_buffer_spills_instead_of_dropping(ray_local, tmp_path):
+    """With spill_dir every trajectory is journaled to Parquet; past capacity the oldest stay on disk only
+    and come back (bit-identical) when the queue runs low; consumed ones' files are deleted."""
     from actors import TrajectoryBuffer
     from adaflash_ray.distill.spill import read_parquet
 
@@ -64,13 +66,18 @@ def test_buffer_spills_instead_of_dropping(ray_local, tmp_path):
     for t in originals:
         ray.get(buf.add.remote([ray.put(t)], 0, 8))
     s = ray.get(buf.stats.remote())
-    assert s["buffer/spilled"] == 2 and s["buffer/dropped_capacity"] == 0
+    assert s["buffer/spilled"] == 2 and s["buffer/dropped_capacity"] == 0 and s["buffer/on_disk"] == 2
     back = {p.name.split("-v")[0]: read_parquet(p) for p in tmp_path.glob("*.parquet")}
-    assert set(back) == {"t0", "t1"}
-    for t in originals[:2]:
+    assert set(back) == {"t0", "t1", "t2"}
+    for t in originals:
         r = back[t.request_id]
         assert torch.equal(r.token_ids, t.token_ids) and torch.equal(r.features, t.features)
         assert torch.equal(r.last_hidden, t.last_hidden) and r.num_accepted.tolist() == [1, 2]
+    got = [ray.get(it[0]) for it in ray.get(buf.get_batch.remote(3, 0.5))]  # t2 in memory, then t0, t1 from disk
+    assert [g.request_id for g in got] == ["t2", "t0", "t1"]
+    assert torch.equal(got[1].features, originals[0].features)
+    assert list(tmp_path.glob("*.parquet")) == []  # consumed (no lease): journal files gone
+    assert ray.get(buf.stats.remote())["buffer/reloaded"] == 2
 
 
 @pytest.fixture(scope="module")
@@ -156,11 +163,21 @@ def test_mismatched_drafter_is_refused_and_old_one_stays(workers, chat_prompts):
 
 
 def test_bad_request_gets_a_clear_error(workers):
+    """generate() raises the engine's message; every rejection (fire-and-forget submit() included) is counted
+    in the worker's metrics instead of vanishing."""
+    import time
+
     _, ws = workers
+    before = ray.get(ws[0].stats.remote())["spec/num_rejected_requests"]
     with pytest.raises(ray.exceptions.RayTaskError, match="max_seq_len"):
         ray.get(ws[0].generate.remote([[1] * 1000], 32))
     with pytest.raises(ray.exceptions.RayTaskError, match="empty prompt"):
         ray.get(ws[0].generate.remote([[]], 8))
+    assert ray.get(ws[0].submit.remote([[1] * 1000], 32)) == 1  # queued; the engine thread rejects it
+    deadline = time.time() + 30
+    while ray.get(ws[0].stats.remote())["spec/num_rejected_requests"] < before + 3 and time.time() < deadline:
+        time.sleep(0.2)
+    assert ray.get(ws[0].stats.remote())["spec/num_rejected_requests"] == before + 3
 
 
 def test_restarted_worker_reloads_the_latest_version(ray_local, tiny_cfg):
@@ -256,3 +273,24 @@ def test_versions_never_go_backwards_out_of_order_delivery(workers):
     with pytest.raises(ray.exceptions.RayTaskError, match="newer than the loaded version"):
         ray.get(w.rollback_drafter.remote(cur + 9, a, None))
     assert ray.get(w.stats.remote())["spec/num_rollbacks"] == 1
+
+
+def test_buffer_lease_requeue_and_commit(ray_local):
+    """Issue 9.2: what a trainer rank took since its last save is put back, first in line, when it is
+    restarted; committed trajectories are not; each trajectory is counted consumed once."""
+    from actors import TrajectoryBuffer
+
+    buf = TrajectoryBuffer.remote(capacity=10, max_version_lag=5)
+    for i in range(5):
+        ray.get(buf.add.remote([ray.put(_traj(i, 0))], 0, 8))
+    first = ray.get(buf.get_batch.remote(2, 0.1, "trainer-0"))
+    assert ray.get(buf.commit.remote("trainer-0")) == 2  # saved with these two trained in
+    lost = ray.get(buf.get_batch.remote(2, 0.1, "trainer-0"))  # then the trainer dies before its next save
+    assert ray.get(buf.requeue.remote("trainer-0")) == 2
+    again = ray.get(buf.get_batch.remote(3, 0.1, "trainer-0"))
+    ids = [ray.get(it[0]).request_id for it in again]
+    assert ids == [ray.get(it[0]).request_id for it in lost] + ["t4"]  # first in line, then the rest
+    assert {ray.get(it[0]).request_id for it in first}.isdisjoint(ids)
+    s = ray.get(buf.stats.remote())
+    assert s["buffer/consumed"] == 5 and s["buffer/redelivered"] == 2 and s["buffer/committed"] == 2
+    assert ray.get(buf.requeue.remote("nobody")) == 0

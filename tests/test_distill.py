@@ -308,7 +308,7 @@ def dist_env():
     saved = {k: os.environ.get(k) for k in keys}
     from adaflash_ray.distill.trainer import DistillTrainerCore
 
-    if not torch.distributed.is_initialized():
+    if not torch.distributed.is_initialized() or "LOCAL_RANK" not in os.environ:  # another test's group
         DistillTrainerCore.setup_dist_env(0, 1)
     yield DistillTrainerCore
     for k, v in saved.items():
@@ -386,6 +386,13 @@ def test_setup_dist_env_validation(dist_env):
         dist_env.setup_dist_env(1, 2)  # rank > 0 needs rank 0's port
 
 
+#: the global batch of the two-rank tests: rank r trains on trajectories GLOBAL_BATCH[2r:2r+2]; both halves
+#: have equal lengths (16 and 13 tokens), so each rank averages over as many positions as the other and
+#: the mean of the two ranks' gradients is the one-rank gradient of the whole batch
+GLOBAL_BATCH = (0, 1, 3, 1)
+NUM_ALL_ANCHORS = 64  # more than any trajectory has: every candidate anchor, no sampling
+
+
 def _two_rank_worker(rank: int, port: int, queue) -> None:
     torch.set_num_threads(1)
     from adaflash_ray.distill.trainer import DistillTrainerCore
@@ -393,16 +400,31 @@ def _two_rank_worker(rank: int, port: int, queue) -> None:
     DistillTrainerCore.setup_dist_env(rank, 2, master_port=port)
     target = make_distill_target()
     trajs = _greedy_trajectories(target, num=4, num_new=16, seed=4, dtype=torch.float32)
-    core = DistillTrainerCore(target, *_cfgs(zero_stage=1), seed=0, rank=rank, world_size=2)
-    init = core.publish_tensors()
-    losses = [core.train_step(trajs[2 * rank: 2 * rank + 2])["train/loss"] for _ in range(3)]
-    final = core.publish_tensors()
-    moved = max(float((final[k] - init[k]).abs().max()) for k in final)
-    queue.put((rank, losses, moved, {k: v.numpy() for k, v in final.items()}))
+    mine = [trajs[i] for i in GLOBAL_BATCH[2 * rank: 2 * rank + 2]]
+    out = {}
+    for stage in (1, 2, 3):  # one process group, a fresh trainer per ZeRO stage
+        extra = {"num_anchors": NUM_ALL_ANCHORS} if stage != 1 else {}
+        core = DistillTrainerCore(target, *_cfgs(zero_stage=stage, **extra), seed=0, rank=rank, world_size=2)
+        init = core.publish_tensors()  # ZeRO-3: a gather every rank takes part in
+        losses = [core.train_step(trajs[2 * rank: 2 * rank + 2])["train/loss"] for _ in range(3)] \
+            if stage == 1 else []
+        if stage != 1:
+            core.train_step(mine)
+        assert core.all_ranks(True) and not core.all_ranks(rank == 0)
+        final = core.publish_tensors()
+        moved = max(float((final[k] - init[k]).abs().max()) for k in final)
+        out[stage] = (losses, moved, {k: v.numpy() for k, v in final.items()})
+    from adaflash_ray.distill import trainer as trainer_mod
+
+    rendezvous = trainer_mod._RENDEZVOUS.get("file")
+    core.close()
+    queue.put((rank, out, rendezvous))
 
 
-def test_two_ranks_zero1_gloo_stay_in_sync():
-    """world_size 2 over gloo (spawned processes): ZeRO-1 data parallelism keeps ranks identical."""
+def test_two_ranks_zero123_gloo_match_one_rank(dist_env, target):
+    """Issue 9.8: world_size 2 over gloo (spawned processes) under ZeRO-1, -2 and -3: ranks stay identical,
+    publication gathers on every rank without deadlock, one step on half the batch each equals one rank's
+    step on the whole batch, and the file-rendezvous file is removed when the group ends."""
     import multiprocessing as mp
     import socket
 
@@ -415,14 +437,56 @@ def test_two_ranks_zero1_gloo_stay_in_sync():
     for p in procs:
         p.start()
     try:
-        res = sorted((queue.get(timeout=240) for _ in procs), key=lambda r: r[0])
+        res = sorted((queue.get(timeout=300) for _ in procs), key=lambda r: r[0])
     finally:
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
                 p.terminate()
     assert [p.exitcode for p in procs] == [0, 0]
-    (_, l0, moved0, w0), (_, l1, _, w1) = res
+    (_, out0, rdv), (_, out1, _) = res
+    assert rdv and not os.path.exists(rdv), f"rendezvous file {rdv} left behind"
+    # ZeRO-1, 3 steps on different data: ranks stay in sync
+    (l0, moved0, w0), (l1, _, w1) = out0[1], out1[1]
     assert moved0 > 1e-4 and l0 != l1  # ranks saw different data ...
     assert max(float(abs(w0[k] - w1[k]).max()) for k in w0) == 0.0  # ... and hold the same weights
     assert l0[-1] < l0[0] and l1[-1] < l1[0]
+    # ZeRO-2 / -3, one step: equal to one rank stepping on the global batch
+    trajs = _greedy_trajectories(target, num=4, num_new=16, seed=4, dtype=torch.float32)
+    ref = dist_env(target, *_cfgs(zero_stage=0, num_anchors=NUM_ALL_ANCHORS), seed=0)
+    ref.train_step([trajs[i] for i in GLOBAL_BATCH])
+    want = ref.publish_tensors()
+    for stage in (2, 3):
+        got0, got1 = out0[stage][2], out1[stage][2]
+        assert out0[stage][1] > 1e-4
+        for k in want:
+            assert (got0[k] == got1[k]).all(), (stage, k)
+            torch.testing.assert_close(torch.from_numpy(got0[k]), want[k], atol=2e-6, rtol=1e-4,
+                                       msg=lambda m, k=k, stage=stage: f"ZeRO-{stage} {k}: {m}")
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_save_and_resume_continue_exactly(dist_env, target, trajectories, tmp_path, zero_stage):
+    """Issue 9.2: drafter, head, optimizer state, lr schedule, step and the anchor RNG are saved; a fresh
+    trainer that loads them takes the same next steps as the one that kept going (same losses/weights)."""
+    cfgs = _cfgs(zero_stage=zero_stage, warmup_steps=3)
+    a = dist_env(target, *cfgs, seed=5)
+    for _ in range(2):
+        a.train_step(trajectories[:3])
+    a.save_state(str(tmp_path), "v1", {"version": 1, "fresh_ids": ["r0"]})
+    a.save_state(str(tmp_path), "v2", {"version": 2, "fresh_ids": ["r0", "r1"]})  # newest wins; keep=2
+    a.save_state(str(tmp_path), "v3", {"version": 3, "fresh_ids": ["r0", "r1", "r2"]})
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["v2", "v3"]
+    cont = [a.train_step(trajectories[3:]) for _ in range(2)]
+    b = dist_env(target, *cfgs, seed=99)  # other init: everything must come from the checkpoint
+    assert dist_env(target, *cfgs, seed=6).load_state(str(tmp_path / "none")) is None
+    state = b.load_state(str(tmp_path))
+    assert state == {"version": 3, "fresh_ids": ["r0", "r1", "r2"]}
+    assert b.global_step == 2
+    resumed = [b.train_step(trajectories[3:]) for _ in range(2)]
+    for x, y in zip(cont, resumed):
+        assert y["train/step"] == x["train/step"] and y["train/lr"] == pytest.approx(x["train/lr"])
+        assert y["train/loss"] == pytest.approx(x["train/loss"], rel=1e-5, abs=1e-6)
+    wa, wb = a.publish_tensors(), b.publish_tensors()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], atol=1e-6, rtol=1e-5)

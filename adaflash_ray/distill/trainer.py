@@ -32,6 +32,7 @@ from adaflash_ray.models.length_head import DirectLengthHead
 from adaflash_ray.models.target import TargetModel
 
 _DIST_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+_RENDEZVOUS: dict[str, str] = {}  # "file": the rendezvous file of the process group this process initialised
 
 
 class DistillModule(nn.Module):
@@ -221,6 +222,7 @@ class DistillTrainerCore:
             path = os.path.join(tempfile.gettempdir(), f"adaflash_pg_{os.environ['MASTER_PORT']}")
             torch.distributed.init_process_group("gloo", init_method=f"file://{path}", rank=self.rank,
                                                  world_size=self.world_size)
+            _RENDEZVOUS["file"] = path  # removed by close()
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
 
     # ------------------------------------------------------------------ training
@@ -269,6 +271,59 @@ class DistillTrainerCore:
     def global_step(self) -> int:
         """Optimizer steps taken so far."""
         return int(self.engine.global_steps)
+
+    # ------------------------------------------------------------------ resume (issue 9.2)
+    def save_state(self, save_dir: str, tag: str, client_state: dict | None = None, keep: int = 2) -> None:
+        """Save drafter, head, optimizer (ZeRO partitions included), lr schedule, step and the anchor
+        sampler's RNG under ``save_dir/tag`` (DeepSpeed ``save_checkpoint``; ``latest`` names it), plus
+        ``client_state`` (e.g. the version counter). Collective: every rank calls it. Rank 0 then deletes
+        all but the newest ``keep`` tags."""
+        state = {"adaflash": dict(client_state or {}), "adaflash_generator": self.generator.get_state()}
+        self.engine.save_checkpoint(save_dir, tag=tag, client_state=state)
+        if self.rank == 0 and keep > 0:
+            import shutil
+
+            tags = sorted((p for p in os.scandir(save_dir) if p.is_dir()), key=lambda p: p.stat().st_mtime)
+            for old in tags[:-keep]:
+                shutil.rmtree(old.path, ignore_errors=True)
+
+    def load_state(self, save_dir: str) -> dict | None:
+        """Restore the newest state saved by :meth:`save_state` under ``save_dir``; returns its
+        ``client_state`` (without the RNG), or None if there is none. Collective (every rank).
+        Raises:
+            ValueError: a checkpoint is named by ``latest`` but cannot be loaded (the message says which)."""
+        if not os.path.isfile(os.path.join(save_dir, "latest")):
+            return None
+        path, state = self.engine.load_checkpoint(save_dir, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
+        if path is None:
+            raise ValueError(f"trainer state under {save_dir} could not be loaded (see its `latest` file)")
+        state = state or {}
+        if "adaflash_generator" in state:
+            self.generator.set_state(state["adaflash_generator"])
+        return dict(state.get("adaflash", {}))
+
+    # ------------------------------------------------------------------ several ranks (issue 9.8)
+    def all_ranks(self, flag: bool) -> bool:
+        """True iff ``flag`` holds on every rank (one tiny all-reduce; no-op for one rank). Ranks call it
+        to take the same branch - step or skip, continue or stop - so collectives never deadlock."""
+        if self.world_size == 1:
+            return bool(flag)
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+        return bool(t.item())
+
+    def close(self) -> None:
+        """End the process group (after a barrier) and delete the file-rendezvous file it used."""
+        if not torch.distributed.is_initialized():
+            return
+        if self.world_size > 1:
+            torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        path = _RENDEZVOUS.pop("file", None)
+        if path and self.rank == 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
 
     # ------------------------------------------------------------------ publication
     def publish_tensors(self) -> dict[str, torch.Tensor]:
