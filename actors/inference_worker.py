@@ -11,6 +11,7 @@ import os
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 
 import ray
 import torch
@@ -22,10 +23,31 @@ from adaflash_ray.models import CheckpointError, DrafterModelConfig
 from adaflash_ray.models.factory import build_drafter, load_target
 
 class _Pending:
+    """A result the engine thread hands back to a caller thread (set once, then ``event`` fires)."""
+
     __slots__ = ("event", "result", "error")
 
     def __init__(self):
         self.event, self.result, self.error = threading.Event(), None, None
+
+
+@dataclass
+class _Swap:
+    """Command for the engine thread: load (or, with ``rollback``, return to) a drafter version."""
+
+    version: int
+    tensors: dict
+    sha256: str | None
+    config: DrafterModelConfig | None
+    rollback: bool
+    done: _Pending
+
+
+@dataclass
+class _CancelRecorded:
+    """Command for the engine thread: drop queued (not yet decoding) recorded requests."""
+
+    done: _Pending
 
 
 @ray.remote(max_concurrency=16)
@@ -55,7 +77,9 @@ class InferenceWorker:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._new: list = []  # (prompt_ids, params, record, pending)
-        self._swap: list = []  # (version, tensors, sha256, config, pending[, rollback])
+        self._commands: list[_Swap | _CancelRecorded] = []  # applied by the engine thread between steps
+        self._num_rejected = 0  # requests refused by the engine (bad ids / over max_seq_len)
+        self._last_rejection = ""
         self._num_refused = 0  # versions refused as not newer than the loaded one
         self._num_rollbacks = 0
         self._waiters: dict[str, tuple] = {}
@@ -88,31 +112,34 @@ class InferenceWorker:
         eng = self.engine
         while True:
             with self._wake:
-                while not self._stop and not self._new and not self._swap and not eng.has_unfinished():
+                while not self._stop and not self._new and not self._commands and not eng.has_unfinished():
                     self._wake.wait(timeout=1.0)
                 if self._stop:
                     return
                 new, self._new = self._new, []
-                swaps, self._swap = self._swap, []
+                commands, self._commands = self._commands, []
             for prompt_ids, params, record, pending in new:
                 try:
                     # ids unique across workers, restarts and runs: the trainer counts trajectories by them
                     req = eng.add_request(prompt_ids, params, request_id=f"w{self.index}-{uuid.uuid4().hex[:16]}")
                     self._waiters[req.request_id] = (req, record, pending)
-                except ValueError as e:
+                except ValueError as e:  # counted and logged; a waiting caller gets the error, submit() logs only
+                    self._num_rejected += 1
+                    self._last_rejection = str(e)
+                    print(f"[worker {self.index}] request rejected ({len(prompt_ids)} prompt tokens): {e}", flush=True)
                     pending.error = e
                     pending.event.set()
-            for version, tensors, sha, config, pending, *rollback in swaps:  # between steps, never inside one
-                if version == "cancel":
-                    pending.result = self._cancel_recorded_now()
-                    pending.event.set()
+            for cmd in commands:  # between steps, never inside one
+                if isinstance(cmd, _CancelRecorded):
+                    cmd.done.result = self._cancel_recorded_now()
+                    cmd.done.event.set()
                     continue
                 try:
-                    pending.result = self._apply_swap(version, tensors, sha, config, bool(rollback and rollback[0]))
+                    cmd.done.result = self._apply_swap(cmd.version, cmd.tensors, cmd.sha256, cmd.config, cmd.rollback)
                     self._g_version.set(eng.drafter_version)
                 except Exception as e:  # refused: old drafter stays loaded
-                    pending.error = e
-                pending.event.set()
+                    cmd.done.error = e
+                cmd.done.event.set()
             if not eng.has_unfinished():
                 continue
             before = eng.stats.copy()
@@ -206,7 +233,7 @@ class InferenceWorker:
         cfg = DrafterModelConfig(**config) if isinstance(config, dict) else config
         pe = _Pending()
         with self._wake:
-            self._swap.append((version, tensors, sha256, cfg, pe, rollback))
+            self._commands.append(_Swap(version, tensors, sha256, cfg, rollback, pe))
             self._wake.notify()
         if not pe.event.wait(timeout_s):
             raise TimeoutError(f"worker {self.index}: weight swap to version {version} not applied in {timeout_s}s")
@@ -246,7 +273,7 @@ class InferenceWorker:
             return self.backend.cancel_recorded()
         pe = _Pending()
         with self._wake:
-            self._swap.append(("cancel", None, None, None, pe))
+            self._commands.append(_CancelRecorded(pe))
             self._wake.notify()
         pe.event.wait(timeout_s)
         return pe.result or 0
@@ -300,6 +327,7 @@ class InferenceWorker:
                "spec/num_reloads": float(eng.num_reloads),
                "spec/num_refused_versions": float(self._num_refused),
                "spec/num_rollbacks": float(self._num_rollbacks),
+               "spec/num_rejected_requests": float(self._num_rejected),
                "spec/num_trajectories": float(self._num_traj),
                "spec/queue_depth": float(self.queue_depth()),
                "spec/total_accept_len": eng.stats.accept_len,
