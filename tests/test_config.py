@@ -217,3 +217,15 @@ def test_argparse_helpers():
     cfg = config_from_args(ns)
     assert cfg.name == "cpu_tiny" and cfg.seed == 5 and cfg.engine.num_threads == 2
     assert config_from_args(parser.parse_args([])) == RunConfig()
+
+
+def test_builtin_engine_refuses_an_unsupported_model_type(tmp_path):
+    """A model directory whose config.json names an architecture the built-in engine lacks fails at
+    validation, naming the model type and the way out (engine.backend sglang)."""
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    with pytest.raises(RecipeError, match=r"'qwen3_moe' model; engine.backend torch .* use engine.backend sglang"):
+        load_recipe("recipes/cpu_tiny.yaml", [f"model.path={tmp_path}"])
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
+    assert load_recipe("recipes/cpu_tiny.yaml", [f"model.path={tmp_path}"]).model.path == str(tmp_path)
+    with pytest.raises(RecipeError, match=r"engine\.backend"):
+        load_recipe("recipes/cpu_tiny.yaml", ["engine.backend=vllm"])

@@ -21,11 +21,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from adaflash_ray.config import default_target_layer_ids  # noqa: F401  (one rule, re-exported)
+from adaflash_ray.config import BUILTIN_MODEL_TYPES, default_target_layer_ids  # noqa: F401  (one rule each)
 from adaflash_ray.models.layers import (AttentionProjections, DecoderLayerParams, RMSNorm, Rotary, gqa_mask,
                                        grouped_attention)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = BUILTIN_MODEL_TYPES
 
 
 @dataclass
