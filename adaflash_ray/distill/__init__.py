@@ -1,4 +1,4 @@
-"""On-policy distillation of the DFlash drafter (ALGORITHMS.md §3): training blocks from trajectories
+"""On-policy distillation of the DFlash drafter (docs/design/ALGORITHMS.md §3): training blocks from trajectories
 (:mod:`~adaflash_ray.distill.blocks`), the chunked mixture reverse-KL and length-head losses
 (:mod:`~adaflash_ray.distill.losses`) and the DeepSpeed training core (:mod:`~adaflash_ray.distill.trainer`;
 DeepSpeed itself is imported only when a :class:`DistillTrainerCore` is built). No Ray imports here.

@@ -1,4 +1,4 @@
-"""Training blocks from on-policy trajectories (ALGORITHMS.md §3; SpecForge's DFlash trainer).
+"""Training blocks from on-policy trajectories (docs/design/ALGORITHMS.md §3; SpecForge's DFlash trainer).
 
 A trajectory of ``T`` tokens yields up to ``num_anchors`` blocks. Block n starts at anchor position
 ``a`` (a committed token) and its positions k = 1..block_size-1 predict the tokens ``a + k`` - the
@@ -160,7 +160,7 @@ def collate(trajectories: list[Trajectory], num_anchors: int, block_size: int,
 @torch.no_grad()
 def recompute_features(target, token_ids_list: list[torch.Tensor], layer_ids: list[int]
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Run the frozen target over each sequence (``features: recompute``, ALGORITHMS.md §3).
+    """Run the frozen target over each sequence (``features: recompute``, docs/design/ALGORITHMS.md §3).
 
     Args:
         target: a :class:`~adaflash_ray.models.target.TargetModel`.

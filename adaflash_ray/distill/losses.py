@@ -1,4 +1,4 @@
-"""Distillation losses of the drafter and the length head (ALGORITHMS.md §3, §2).
+"""Distillation losses of the drafter and the length head (docs/design/ALGORITHMS.md §3, §2).
 
 - :func:`mixture_rkl_loss`: the AdaFlash objective ``α·CE(z_S, argmax z_T) + (1-α)·L_RKL``
   (github ZinYY/AdaFlash, pipeline/training/rkl_model.py), computed in row chunks through
@@ -28,7 +28,7 @@ def mixture_rkl_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
                      weights: torch.Tensor, *, alpha: float = 0.8, temperature: float = 1.0, clip: float = 10.0,
                      clip_mode: str = "per_token", chunk_size: int = 1024,
                      argmax_out: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Mixture reverse-KL distillation loss (ALGORITHMS.md §3; AdaFlash).
+    """Mixture reverse-KL distillation loss (docs/design/ALGORITHMS.md §3; AdaFlash).
 
     ``L = α·CE + (1-α)·L_RKL`` with ``CE = Σ_i w_i·CE_i / Σ_i w_i``, ``CE_i = -log softmax(z_S,i)[argmax z_T,i]``
     (raw logits), ``RKL_i = T²·Σ_v p_S(v)(log p_S(v) - log p_T(v))``, ``p = softmax(z / T)``, and
@@ -110,7 +110,7 @@ def forward_kl_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, 
 
 @torch.no_grad()
 def accepted_length(draft_ids: torch.Tensor, target_ids: torch.Tensor, position_valid: torch.Tensor) -> torch.Tensor:
-    """Accepted length a of blocks against the trajectory (greedy rule, ALGORITHMS.md §4.1).
+    """Accepted length a of blocks against the trajectory (greedy rule, docs/design/ALGORITHMS.md §4.1).
 
     Args:
         draft_ids, target_ids: ``[..., block_size-1]`` int64: the drafter's argmax and the trajectory's
@@ -126,7 +126,7 @@ def accepted_length(draft_ids: torch.Tensor, target_ids: torch.Tensor, position_
 
 def length_loss(pred_ratio: torch.Tensor, num_accepted: torch.Tensor, block_size: int, lookahead: int,
                 valid: torch.Tensor) -> torch.Tensor:
-    """MSE of the ``direct`` head (ALGORITHMS.md §2; AdaFlash ``thresh_head_direct_len``).
+    """MSE of the ``direct`` head (docs/design/ALGORITHMS.md §2; AdaFlash ``thresh_head_direct_len``).
 
     Args:
         pred_ratio: ``[N]`` float predicted ratio r (gradient flows into the head only).

@@ -3,7 +3,7 @@
 :class:`DistillTrainerCore` is the Ray-free core that the ``DistillTrainer`` actor (actors/) wraps:
 one instance per data-parallel rank, one process group across ranks (gloo on CPU, NCCL on GPU).
 It owns optimisation only; the caller decides which trajectories to feed (version lag filtering)
-and when to publish (every ``distill.publish_every`` steps). Objective: ALGORITHMS.md §3
+and when to publish (every ``distill.publish_every`` steps). Objective: docs/design/ALGORITHMS.md §3
 (mixture reverse-KL, AdaFlash) plus ``λ·L_len`` for the ``direct`` head (§2). Run the tests with::
 
     pytest tests/test_distill.py
@@ -231,7 +231,7 @@ class DistillTrainerCore:
 
         Returns flat metrics: ``train/loss, train/ce, train/rkl, train/rkl_raw, train/rkl_clip_frac,
         train/len_loss, train/top1_match, train/block_accept_len`` (mean accepted length a + 1 of the
-        blocks against the trajectory, the τ convention of ALGORITHMS.md §0), ``train/num_blocks,
+        blocks against the trajectory, the τ convention of docs/design/ALGORITHMS.md §0), ``train/num_blocks,
         train/num_positions, train/step`` (optimizer steps done), ``train/lr`` (drafter lr used by this
         step), ``train/grad_norm`` (global L2 norm before clipping), ``train/seconds``. Rank-local values
         except ``train/grad_norm`` (of the all-reduced gradient).
