@@ -2,6 +2,7 @@
 
     python -m adaflash_ray.pipeline                                   # embedded default: local Ray, CPU
     python -m adaflash_ray.pipeline --recipe recipes/cpu_tiny.yaml --set distill.num_versions=2
+    python -m adaflash_ray.pipeline --resume runs/<run> --set distill.num_versions=8   # continue a stopped run
     ray job submit --address http://127.0.0.1:8265 -- python -m adaflash_ray.pipeline
 
 Wiring (ARCHITECTURE.md): placement groups for inference | trainers; InferenceWorker x N record
@@ -11,6 +12,10 @@ between engine steps). The driver feeds prompts, polls flat metric dicts, writes
 directory (resolved config, metrics.jsonl, a checkpoint per version, tau_vs_version.png, wandb),
 then evaluates every version on held-out prompts (greedy) and prints a table. The last stdout
 line is one JSON object: run_dir, final_version, eval_tau (version -> τ), wall_s, ...
+
+Recovery (issue 9, actors/recovery.py): the trainers save their state with every version and a dead one
+is restarted by Ray and resumes; the buffer and workers are restarted by Ray too; a τ canary rolls every
+worker back from a version that decodes worse than the last good one; versions never go backwards.
 """
 from __future__ import annotations
 

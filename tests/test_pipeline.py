@@ -1,7 +1,9 @@
 """The main job end to end through a real Ray cluster: ``ray start --head`` on 127.0.0.1, then
 ``ray job submit -- python -m adaflash_ray.pipeline --recipe recipes/cpu_tiny.yaml``. Checks the
-summary line, the run directory, that every published version reached the worker, and that Ray's
-listening sockets are on loopback only. Slow (~3-5 minutes on 2 cores)."""
+summary line, the run directory, that every published version reached the worker, plain progress lines
+in the job log, and that Ray's listening sockets are on loopback only; then a second job starting from the
+first one's final checkpoint, after which no actor, placement group or object-store growth is left
+(soak). Slow (~5-7 minutes on 2 cores)."""
 from __future__ import annotations
 
 import json
@@ -75,6 +77,30 @@ def _stop_own_cluster(temp_dir: str) -> None:
             pass
 
 
+def _ray_list(kind: str, dash_port: int, env: dict) -> list:
+    """Live entries of ``ray list <kind>`` (actors ALIVE, placement groups CREATED) on the test's cluster."""
+    state = "ALIVE" if kind == "actors" else "CREATED"
+    out = subprocess.run([RAY, "list", kind, f"--address=http://127.0.0.1:{dash_port}", "--filter",
+                          f"state={state}", "--format", "json"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    if out.stdout.strip().startswith("No resource"):  # what `ray list` prints for an empty result
+        return []
+    return json.loads(out.stdout)
+
+
+def _object_store_used(gcs_port: int, env: dict) -> float:
+    """Bytes of object store in use, from ``ray status``."""
+    import re
+
+    out = subprocess.run([RAY, "status", f"--address=127.0.0.1:{gcs_port}"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    m = re.search(r"([\d.]+)([KMGT]?i?B)/[\d.]+[KMGT]?i?B object_store_memory", out.stdout)
+    assert m, out.stdout[-2000:]
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+    return float(m.group(1)) * units[m.group(2)]
+
+
 @pytest.mark.slow
 def test_ray_job_submit_runs_the_pipeline(tmp_path):
     import secrets
@@ -98,20 +124,22 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
         assert listening, "no Ray listening sockets found"
         assert all(_is_loopback(a) for a in listening), f"Ray listens beyond loopback: {listening}"
         run_dir = tmp_path / "run"
-        cmd = [RAY, "job", "submit", f"--address=http://127.0.0.1:{dash_port}", "--working-dir", str(ROOT),
-               "--", sys.executable, "-m", "adaflash_ray.pipeline", "--recipe", "recipes/cpu_tiny.yaml",
-               "--run-dir", str(run_dir), "--set", "logging.wandb_mode=offline",
-               "--set", "logging.progress=true", "--set", "logging.progress_every_s=5"]
-        deadline = time.time() + 180
-        while True:  # the head's job agent may still be starting: Ray answers "No available agent"
-            job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
-            if job.returncode == 0 or "No available agent" not in job.stdout + job.stderr \
-                    or time.time() > deadline:
-                break
-            time.sleep(5)
-        assert job.returncode == 0, (job.stdout[-4000:], job.stderr[-3000:])
-        last = [ln for ln in job.stdout.splitlines() if ln.startswith("{")][-1]
-        summary = json.loads(last)
+
+        def submit(*args: str):
+            cmd = [RAY, "job", "submit", f"--address=http://127.0.0.1:{dash_port}", "--working-dir", str(ROOT),
+                   "--", sys.executable, "-m", "adaflash_ray.pipeline", "--recipe", "recipes/cpu_tiny.yaml", *args]
+            deadline = time.time() + 180
+            while True:  # the head's job agent may still be starting: Ray answers "No available agent"
+                job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+                if job.returncode == 0 or "No available agent" not in job.stdout + job.stderr \
+                        or time.time() > deadline:
+                    break
+                time.sleep(5)
+            assert job.returncode == 0, (job.stdout[-4000:], job.stderr[-3000:])
+            return job, json.loads([ln for ln in job.stdout.splitlines() if ln.startswith("{")][-1])
+
+        job, summary = submit("--run-dir", str(run_dir), "--set", "logging.wandb_mode=offline",
+                              "--set", "logging.progress=true", "--set", "logging.progress_every_s=5")
         assert summary["final_version"] == 3
         # no terminal under `ray job submit`: plain progress lines show the run moving (issue 9.6)
         progress = [ln for ln in job.stdout.splitlines() if ln.startswith("progress ")]
@@ -128,6 +156,19 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
         assert any((rd / "wandb").glob("offline-run-*"))
         listening = _listening_addresses(_ray_pids(temp_dir))
         assert all(_is_loopback(a) for a in listening), f"Ray listens beyond loopback: {listening}"
+
+        # soak (issue 9.7): a second job on the same cluster, starting from the first one's final checkpoint;
+        # afterwards no actor or placement group is left and the object store did not grow
+        store_after_1 = _object_store_used(gcs_port, env)
+        _, s2 = submit("--run-dir", str(tmp_path / "run2"), "--set", "logging.wandb_mode=disabled",
+                       "--set", f"drafter.init_path={rd / 'checkpoints' / 'v3'}", "--set", "distill.num_versions=2")
+        assert s2["final_version"] == 2 and s2["workers_loaded_final"] is True
+        assert s2["eval_tau"]["0"] == pytest.approx(summary["eval_tau"]["3"], abs=0.02)  # it started from v3
+        ours = {"InferenceWorker", "DistillTrainer", "TrajectoryBuffer", "WeightRegistry"}
+        alive = [a for a in _ray_list("actors", dash_port, env) if a.get("class_name") in ours]
+        assert alive == [], f"actors left alive after both jobs: {alive}"
+        assert _ray_list("placement-groups", dash_port, env) == [], "placement groups left after both jobs"
+        assert _object_store_used(gcs_port, env) <= store_after_1 + 8 * 2**20
     finally:
         _stop_own_cluster(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
@@ -201,3 +242,26 @@ def test_plain_progress_lines_without_a_terminal():
     assert lines[0] == ("progress 00:00:00 version 1/5 step 12 loss 3.412 serve_tau 1.125 gamma 1.000 buffer 7 "
                         "stale_drops 0 trainer_util 0.831")
     assert lines[1].startswith("progress 00:00:35 version 2/5") and "loss -" in lines[1]
+
+
+@pytest.mark.slow
+def test_two_trainers_zero3_run_publish_and_clean_up(tmp_path):
+    """Issue 9.8 end to end: the main job with 2 DeepSpeed trainer ranks under ZeRO-3 (gloo, one process
+    group over a rendezvous file): both ranks train in lockstep, every rank gathers at publication (no
+    deadlock), every version reaches the worker, and the rendezvous file is gone afterwards."""
+    import glob
+    import tempfile
+
+    from adaflash_ray.config import load_recipe
+    from adaflash_ray.pipeline import run
+
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "adaflash_pg_*")))
+    cfg = load_recipe("recipes/cpu_tiny.yaml", ["placement.num_trainers=2", "distill.zero_stage=3",
+                                                "distill.num_versions=2", "logging.wandb_mode=disabled",
+                                                "data.num_eval_prompts=2", "data.eval_max_new_tokens=16"])
+    summary = run(cfg, tmp_path / "run")
+    assert summary["final_version"] == 2 and summary["workers_loaded_final"] is True
+    assert summary["versions_rising"] is True and summary["train_steps"] == 4
+    assert set(summary["eval_tau"]) == {"0", "1", "2"}
+    left = set(glob.glob(os.path.join(tempfile.gettempdir(), "adaflash_pg_*"))) - before
+    assert not left, f"rendezvous files left behind: {left}"

@@ -314,14 +314,15 @@ class DistillTrainerCore:
         return bool(t.item())
 
     def close(self) -> None:
-        """End the process group (after a barrier) and delete the file-rendezvous file it used."""
+        """End the process group (after a barrier) and delete the file-rendezvous file it used (each rank
+        deletes it after its own destroy, so whichever rank finishes last leaves nothing behind)."""
         if not torch.distributed.is_initialized():
             return
         if self.world_size > 1:
             torch.distributed.barrier()
         torch.distributed.destroy_process_group()
         path = _RENDEZVOUS.pop("file", None)
-        if path and self.rank == 0:
+        if path:  # every rank, after its own destroy (which may touch the file): the last one leaves none
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
 
