@@ -5,7 +5,7 @@
     python -m adaflash_ray.pipeline --resume runs/<run> --set distill.num_versions=8   # continue a stopped run
     ray job submit --address http://127.0.0.1:8265 -- python -m adaflash_ray.pipeline
 
-Wiring (ARCHITECTURE.md): placement groups for inference | trainers; InferenceWorker x N record
+Wiring (docs/design/ARCHITECTURE.md): placement groups for inference | trainers; InferenceWorker x N record
 trajectories into the TrajectoryBuffer; DistillTrainer x M (DeepSpeed) train the drafter + length
 head and publish versions to the WeightRegistry, which pushes each to every worker (hot reload
 between engine steps). The driver feeds prompts, polls flat metric dicts, writes the run
