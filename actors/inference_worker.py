@@ -315,7 +315,8 @@ class InferenceWorker:
         """Flat metrics since the last call (window) plus totals; τ = mean(a+1) per verify step."""
         if self.backend is not None:
             return {**self.backend.stats(), "spec/num_refused_versions": float(self._num_refused),
-                    "spec/num_rollbacks": float(self._num_rollbacks)}
+                    "spec/num_rollbacks": float(self._num_rollbacks),
+                    "spec/num_rejected_requests": float(self._num_rejected)}
         eng = self.engine
         now = time.perf_counter()
         w, t0 = self._window, self._window_t0

@@ -525,8 +525,7 @@ class SGLangBackend:
         with self._stats_lock:
             w, t = self._win, self._total
             out = w.as_metrics("spec")
-            out.update({"spec/accept_len": w.accept_len if w.num_verify_steps else 0.0,
-                        "spec/tokens_per_s": w.num_generated / max(now - self._t0, 1e-9),
+            out.update({"spec/tokens_per_s": w.num_generated / max(now - self._t0, 1e-9),
                         "spec/drafter_version": float(self.drafter_version),
                         "spec/num_reloads": float(self.num_reloads),
                         "spec/num_trajectories": float(self.num_trajectories),

@@ -430,10 +430,16 @@ class AdaFlashServer:
             "replica": self.replica, "model": self.model_id, "context_limit": self.context_limit,
             "drafter_version": self.engine.drafter_version, "drafter_sha256": self.engine.drafter_sha256,
             "num_reloads": self.engine.num_reloads, "reloads": lp.reloads[-20:], "weight_error": self.weight_error,
-            "accept_len": s.accept_len, "accept_len_convention": "mean committed tokens per verify step = mean(a+1)",
-            "draft_waste": s.draft_waste, "draft_len_hist": {str(k): v for k, v in sorted(lp.gamma_hist.items())},
+            "accept_len": _json_float(s.accept_len),
+            "accept_len_convention": "mean committed tokens per verify step = mean(a+1)",
+            "draft_waste": _json_float(s.draft_waste), "draft_len_hist": {str(k): v for k, v in sorted(lp.gamma_hist.items())},
             "queue": lp.queue_depth(), "in_flight": lp.num_in_flight, "tokens_per_s_10s": lp.tokens_per_s(),
             "requests": dict(lp.counts), "draining": self.draining, "distill": distill, "time": time.time()})
+
+
+def _json_float(x: float) -> float | None:
+    """SpecStats reports undefined values as NaN; strict JSON has no NaN, so they travel as null."""
+    return None if x != x else x
 
 
 def build_app(cfg: RunConfig) -> serve.Application:
