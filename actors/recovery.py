@@ -11,6 +11,7 @@ from pathlib import Path
 import ray
 
 from adaflash_ray.data import encode_prompts, load_eval_prompts
+from adaflash_ray.engine import SpecStats
 from adaflash_ray.models import DrafterModelConfig, save_drafter_checkpoint
 
 
@@ -136,8 +137,10 @@ class TauCanary:
     @staticmethod
     def tau_of(results: list[dict], version: int) -> float | None:
         """mean(a+1) over the verify steps that ran with drafter ``version``."""
-        acc = [a for r in results for a, v in zip(r["num_accepted"], r["step_versions"]) if v == version]
-        return (sum(acc) + len(acc)) / len(acc) if acc else None
+        steps = [(g, a) for r in results for g, a, v in zip(r["draft_lens"], r["num_accepted"], r["step_versions"])
+                 if v == version]
+        st = SpecStats.from_steps([g for g, _ in steps], [a for _, a in steps])
+        return st.accept_len if st.num_verify_steps else None
 
     def judge(self, version: int, tau: float) -> bool:
         """Record ``version``'s τ; True if it passes (it becomes the good one), False if it fell too far."""

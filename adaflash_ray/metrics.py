@@ -57,6 +57,19 @@ class MetricsSink:
                 warnings.warn(f"wandb finish failed (the offline run may be incomplete; metrics.jsonl is): {e!r}")
 
 
+def strict_json(obj):
+    """``obj`` with NaN / inf floats as None, so ``json.dumps`` output is strict JSON for any client. SpecStats
+    reports undefined statistics (τ with no verify step, draft waste with nothing drafted) as NaN; Python's
+    json would write a bare ``NaN`` and a strict encoder (Starlette's) would refuse the whole document."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    return obj
+
+
 def plot_tau(eval_tau: dict[int, float], serve_tau: dict[int, float], path: Path, title: str) -> Path:
     """PNG of τ (mean committed tokens per verify step) against drafter version."""
     import matplotlib

@@ -37,7 +37,8 @@ from rich.table import Table  # noqa: E402
 from actors import DistillTrainer, InferenceWorker, TrajectoryBuffer, WeightRegistry, recovery  # noqa: E402
 from adaflash_ray.config import RecipeError, RunConfig, add_recipe_args, config_from_args  # noqa: E402
 from adaflash_ray.data import encode_prompts, ensure_target, load_eval_prompts, load_sharegpt, load_tokenizer  # noqa: E402
-from adaflash_ray.metrics import MetricsSink, PlainProgress, plot_tau  # noqa: E402
+from adaflash_ray.engine import SpecStats  # noqa: E402
+from adaflash_ray.metrics import MetricsSink, PlainProgress, plot_tau, strict_json  # noqa: E402
 from adaflash_ray.models import DrafterModelConfig, save_drafter_checkpoint  # noqa: E402
 
 console = Console(stderr=True)
@@ -94,16 +95,11 @@ def _pg(bundles: list[dict], what: str):
 
 
 def _eval_tau(results: list[dict]) -> tuple[float, float, dict]:
-    steps = sum(len(r["num_accepted"]) for r in results)
-    acc = sum(sum(r["num_accepted"]) for r in results)
-    drafted = sum(sum(r["draft_lens"]) for r in results)
-    hist: dict[int, int] = {}
-    for r in results:
-        for g in r["draft_lens"]:
-            hist[g] = hist.get(g, 0) + 1
-    tau = (acc + steps) / steps if steps else float("nan")
-    waste = 1 - acc / drafted if drafted else float("nan")
-    return tau, waste, dict(sorted(hist.items()))
+    """τ, draft waste and γ histogram of worker results (their per-step ``draft_lens`` / ``num_accepted``),
+    by the one definition in :class:`adaflash_ray.engine.SpecStats`."""
+    st = SpecStats.from_steps([g for r in results for g in r["draft_lens"]],
+                              [a for r in results for a in r["num_accepted"]])
+    return st.accept_len, st.draft_waste, dict(sorted(st.draft_len_hist.items()))
 
 
 def check_drafter_checkpoint(path: str, model_dir: Path) -> None:
@@ -387,6 +383,7 @@ def run(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> di
                    "prompts_cancelled_after_training": num_cancelled,
                    "buffer": {k.split("/", 1)[1]: v for k, v in bfinal.items()},
                    "num_eval_prompts": len(evalp), "wall_s": round(time.time() - t_start, 1)}
+        summary = strict_json(summary)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         for w in workers:
             ray.get(w.shutdown.remote())

@@ -31,6 +31,7 @@ from ray.util import metrics as ray_metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adaflash_ray.config import RunConfig, load_recipe
+from adaflash_ray.metrics import strict_json
 from adaflash_ray.serve.protocol import APIError, GenSpec, TextStream, error_body, parse_request
 from adaflash_ray.serve.runtime import EngineLoop, QueueFull
 
@@ -426,20 +427,15 @@ class AdaFlashServer:
         if self.coordinator is not None:
             distill = await self.coordinator.status.remote()
             distill["num_trajectories_sent"] = self.num_trajectories
-        return JSONResponse({
+        return JSONResponse(strict_json({
             "replica": self.replica, "model": self.model_id, "context_limit": self.context_limit,
             "drafter_version": self.engine.drafter_version, "drafter_sha256": self.engine.drafter_sha256,
             "num_reloads": self.engine.num_reloads, "reloads": lp.reloads[-20:], "weight_error": self.weight_error,
-            "accept_len": _json_float(s.accept_len),
+            "accept_len": s.accept_len,
             "accept_len_convention": "mean committed tokens per verify step = mean(a+1)",
-            "draft_waste": _json_float(s.draft_waste), "draft_len_hist": {str(k): v for k, v in sorted(lp.gamma_hist.items())},
+            "draft_waste": s.draft_waste, "draft_len_hist": {str(k): v for k, v in sorted(lp.gamma_hist.items())},
             "queue": lp.queue_depth(), "in_flight": lp.num_in_flight, "tokens_per_s_10s": lp.tokens_per_s(),
-            "requests": dict(lp.counts), "draining": self.draining, "distill": distill, "time": time.time()})
-
-
-def _json_float(x: float) -> float | None:
-    """SpecStats reports undefined values as NaN; strict JSON has no NaN, so they travel as null."""
-    return None if x != x else x
+            "requests": dict(lp.counts), "draining": self.draining, "distill": distill, "time": time.time()}))
 
 
 def build_app(cfg: RunConfig) -> serve.Application:
