@@ -61,7 +61,8 @@ class RecipeError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # unknown keys fail with their dotted path; inf / nan never pass as a learning rate, temperature or timeout
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -128,6 +129,12 @@ class DrafterConfig(_Section):
             ValueError: if an explicit id is >= the target's layer count.
         """
         if self.target_layer_ids is None:
+            if self.num_target_layers > max(num_target_hidden_layers - 3, 1):
+                raise ValueError(
+                    f"drafter.num_target_layers {self.num_target_layers} is more than the default rule can pick "
+                    f"from a target with {num_target_hidden_layers} layers (distinct ids 1..L-3: at most "
+                    f"{max(num_target_hidden_layers - 3, 1)}); lower it or list drafter.target_layer_ids"
+                )
             return default_target_layer_ids(num_target_hidden_layers, self.num_target_layers)
         if max(self.target_layer_ids) >= num_target_hidden_layers:
             raise ValueError(
@@ -509,6 +516,8 @@ def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             text = source_path.read_text()
         except OSError as e:
             raise RecipeError(f"{source}: cannot read recipe: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise RecipeError(f"{source}: not a text (UTF-8 YAML) file") from None
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:

@@ -102,16 +102,19 @@ def _eval_tau(results: list[dict]) -> tuple[float, float, dict]:
     return st.accept_len, st.draft_waste, dict(sorted(st.draft_len_hist.items()))
 
 
-def check_drafter_checkpoint(path: str, model_dir: Path) -> None:
-    """Raise CheckpointError if the DFlash checkpoint at ``path`` is unreadable or does not fit the
-    target in ``model_dir`` (vocabulary, width, layer ids)."""
+def check_drafter_checkpoint(path: str, model_dir: Path, drafter_cfg=None) -> None:
+    """Raise CheckpointError if the DFlash checkpoint at ``path`` is unreadable, does not fit the target in
+    ``model_dir`` (vocabulary, width, layer ids) or, given the recipe's ``drafter`` section, differs from it."""
     from adaflash_ray.models import CheckpointError, TargetConfig, load_drafter_checkpoint
+    from adaflash_ray.models.factory import check_checkpoint_matches_recipe
 
     cfg, _, _ = load_drafter_checkpoint(path)
     try:
         cfg.check_target(TargetConfig.from_hf_dict(json.loads((Path(model_dir) / "config.json").read_text())))
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from e
+    if drafter_cfg is not None:
+        check_checkpoint_matches_recipe(cfg, drafter_cfg, path)
 
 
 class WorkerLost(RuntimeError):
@@ -160,16 +163,20 @@ def run(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> di
     t_start = time.time()
     root = Path(cfg.logging.run_root)
     run_dir = Path(run_dir) if run_dir else root / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # real inputs (installed packages; converted once into the cache), checked before anything is written
+    model_dir = ensure_target(cfg.model.path or cfg.model.name)
+    num_target_layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
+    try:
+        cfg.drafter.resolve_target_layer_ids(num_target_layers)
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
+    if cfg.drafter.init_path:  # fail before Ray starts, naming what is wrong with the checkpoint
+        check_drafter_checkpoint(cfg.drafter.init_path, model_dir, cfg.drafter)
     run_dir.mkdir(parents=True, exist_ok=True)
     run_dir = run_dir.resolve()
     cfg.dump_yaml(run_dir / "config.yaml")
     ckpt_dir = run_dir / "checkpoints"
     state_dir = str(run_dir / "trainer_state")
-
-    # real inputs (installed packages; converted once into the cache)
-    model_dir = ensure_target(cfg.model.path or cfg.model.name)
-    if cfg.drafter.init_path:  # fail before Ray starts, naming what is wrong with the checkpoint
-        check_drafter_checkpoint(cfg.drafter.init_path, model_dir)
     tok = load_tokenizer(model_dir)
     train = encode_prompts(tok, load_sharegpt(cfg.data.num_train_prompts, cfg.seed), cfg.data.max_prompt_tokens)
     evalp = encode_prompts(tok, load_eval_prompts(cfg.data.eval_sources, cfg.data.num_eval_prompts, cfg.seed + 1),

@@ -229,3 +229,21 @@ def test_builtin_engine_refuses_an_unsupported_model_type(tmp_path):
     assert load_recipe("recipes/cpu_tiny.yaml", [f"model.path={tmp_path}"]).model.path == str(tmp_path)
     with pytest.raises(RecipeError, match=r"engine\.backend"):
         load_recipe("recipes/cpu_tiny.yaml", ["engine.backend=vllm"])
+
+
+def test_non_finite_and_non_text_inputs_are_refused(tmp_path):
+    for item in ("distill.lr=inf", "engine.temperature=nan", "serve.drain_timeout_s=inf"):
+        with pytest.raises(RecipeError, match=r"finite number"):
+            load_recipe("recipes/cpu_tiny.yaml", [item])
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(bytes(range(128, 256)) * 4)
+    with pytest.raises(RecipeError, match=r"binary\.yaml: not a text"):
+        load_recipe(binary)
+
+
+def test_too_many_default_target_layers_is_refused():
+    from adaflash_ray.config import DrafterConfig
+
+    assert DrafterConfig(num_target_layers=5).resolve_target_layer_ids(30) == [1, 8, 14, 20, 27]
+    with pytest.raises(ValueError, match=r"drafter\.num_target_layers 100 .* 30 layers"):
+        DrafterConfig(num_target_layers=100).resolve_target_layer_ids(30)

@@ -358,3 +358,18 @@ def test_fused_projections_same_model(model_type):
         unfused.model.layers[2].mlp.up_proj.weight.mul_(0.5)
         torch.testing.assert_close(changed, unfused(ids, pos).logits, rtol=1e-5, atol=1e-5)
         assert (changed - ref).abs().max() > 1e-3
+
+
+def test_build_drafter_refuses_a_checkpoint_that_differs_from_the_recipe(tmp_path, tiny_target):
+    """A checkpoint whose block_size / layers differ from the recipe's drafter section is refused, naming each
+    field (before: the checkpoint silently won while the recipe's block_size still sized the engine)."""
+    from adaflash_ray.config import DrafterConfig, LengthHeadConfig
+
+    drafter, _ = make_drafter(tiny_target, block_size=4, layers=1, policy="fixed")
+    save_drafter_checkpoint(tmp_path / "c", drafter.config, drafter.drafter_state_dict())
+    same = DrafterConfig(block_size=4, num_hidden_layers=1, num_target_layers=2, target_layer_ids=[1, 2])
+    build_drafter(tiny_target, same, LengthHeadConfig(policy="fixed"), init_path=tmp_path / "c")
+    other = same.model_copy(update={"block_size": 8, "num_hidden_layers": 2})
+    with pytest.raises(CheckpointError, match=r"drafter\.block_size 8 \(recipe\) != 4 \(checkpoint\); "
+                                              r"drafter\.num_hidden_layers 2 \(recipe\) != 1"):
+        build_drafter(tiny_target, other, LengthHeadConfig(policy="fixed"), init_path=tmp_path / "c")

@@ -191,6 +191,7 @@ def test_bad_init_checkpoint_fails_before_ray_starts(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     assert "vocab_size 32000 != target vocab_size 49152" in out.stderr
     assert "Traceback" not in out.stderr
+    assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
 @pytest.mark.parametrize("flag,deps_installed,expect", [(True, True, True), (True, False, False),

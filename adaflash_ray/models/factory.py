@@ -22,6 +22,24 @@ def drafter_config_for(target: TargetModel, drafter_cfg) -> DrafterModelConfig:
                                          mask_token_id=drafter_cfg.mask_token_id)
 
 
+def check_checkpoint_matches_recipe(ckpt: DrafterModelConfig, drafter_cfg, where: str) -> None:
+    """Raise CheckpointError if a DFlash checkpoint's architecture differs from the recipe's ``drafter`` section
+    (``block_size``, ``num_hidden_layers``, ``target_layer_ids``, ``mask_token_id``, ``intermediate_size`` where
+    the recipe sets it): the checkpoint would silently win while the recipe's values still size the engine
+    (``engine.max_seq_len`` checks use ``drafter.block_size``). The message names each field and both values."""
+    ids = drafter_cfg.resolve_target_layer_ids(ckpt.num_target_layers)
+    pairs = [("block_size", drafter_cfg.block_size, ckpt.block_size),
+             ("num_hidden_layers", drafter_cfg.num_hidden_layers, ckpt.num_hidden_layers),
+             ("target_layer_ids", ids, list(ckpt.target_layer_ids)),
+             ("mask_token_id", drafter_cfg.mask_token_id, ckpt.mask_token_id)]
+    if drafter_cfg.intermediate_size is not None:
+        pairs.append(("intermediate_size", drafter_cfg.intermediate_size, ckpt.intermediate_size))
+    diff = [f"drafter.{name} {mine} (recipe) != {theirs} (checkpoint)" for name, mine, theirs in pairs if mine != theirs]
+    if diff:
+        raise CheckpointError(f"{where}: the checkpoint's drafter differs from the recipe: " + "; ".join(diff)
+                              + " - set these recipe fields to the checkpoint's values")
+
+
 def build_drafter(target: TargetModel, drafter_cfg, head_cfg, seed: int = 0,
                   init_path: str | Path | None = None) -> tuple[DFlashDrafter, DirectLengthHead | None]:
     """Create drafter (+ ``direct`` head if the policy needs one) in the target's dtype/device.
@@ -36,6 +54,8 @@ def build_drafter(target: TargetModel, drafter_cfg, head_cfg, seed: int = 0,
             cfg.check_target(target.config)
         except ValueError as e:
             raise CheckpointError(f"{init_path}: {e}") from e
+        if drafter_cfg is not None:
+            check_checkpoint_matches_recipe(cfg, drafter_cfg, str(init_path))
     else:
         cfg, tensors = drafter_config_for(target, drafter_cfg), None
     dtype, device = target.lm_head.weight.dtype, target.lm_head.weight.device

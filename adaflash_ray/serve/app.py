@@ -249,8 +249,8 @@ class AdaFlashServer:
     def _auth(self, request: Request) -> None:
         if not self.api_key:
             return
-        got = request.headers.get("authorization", "")
-        if not (got.startswith("Bearer ") and hmac.compare_digest(got[7:].encode(), self.api_key.encode())):
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())):
             raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                            type="authentication_error", code="invalid_api_key")
 
