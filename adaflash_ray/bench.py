@@ -385,7 +385,7 @@ def plot(doc: dict, path: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- CLI
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m adaflash_ray.bench", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m adaflash_ray.bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_recipe_args(p)
     p.add_argument("--drafter", default=None, help="DFlash checkpoint dir (e.g. runs/<run>/checkpoints/v5)")
