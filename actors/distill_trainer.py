@@ -25,6 +25,7 @@ import ray
 import torch
 from ray.util import metrics as ray_metrics
 
+from adaflash_ray.trajectory import within_version_lag
 from adaflash_ray.config import RunConfig
 from adaflash_ray.models import tensors_sha256
 from adaflash_ray.models.factory import load_target
@@ -111,7 +112,7 @@ class DistillTrainer:
         consumer = f"trainer-{self.rank}"
         seen = set(self.fresh_ids)
         while core.all_ranks(self.version < num_versions and not self._stop):
-            pool = [p for p in pool if p[2] < dc.max_reuse and self.version - p[1] <= dc.max_version_lag]
+            pool = [p for p in pool if p[2] < dc.max_reuse and within_version_lag(self.version, p[1], dc.max_version_lag)]
             reusable = len(pool) >= dc.batch_size
             items = ray.get(buffer.get_batch.remote(dc.batch_size, 0.2 if reusable else 60.0, consumer))
             fresh, items = self._fetch(items)

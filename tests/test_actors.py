@@ -33,7 +33,7 @@ def _traj(i: int, version: int, n: int = 12) -> Trajectory:
 
 
 def test_buffer_capacity_and_staleness(ray_local):
-    from actors import TrajectoryBuffer
+    from adaflash_ray.actors import TrajectoryBuffer
 
     buf = TrajectoryBuffer.remote(capacity=3, max_version_lag=1)
     for i in range(5):  # 5 into capacity 3: the 2 oldest are evicted
@@ -58,7 +58,7 @@ def test_buffer_capacity_and_staleness(ray_local):
 def test_buffer_spills_instead_of_dropping(ray_local, tmp_path):
     """With spill_dir every trajectory is journaled to Parquet; past capacity the oldest stay on disk only
     and come back (bit-identical) when the queue runs low; consumed ones' files are deleted."""
-    from actors import TrajectoryBuffer
+    from adaflash_ray.actors import TrajectoryBuffer
     from adaflash_ray.distill.spill import read_parquet
 
     buf = TrajectoryBuffer.remote(capacity=1, max_version_lag=5, spill_dir=str(tmp_path))
@@ -87,7 +87,7 @@ def tiny_cfg():
 
 @pytest.fixture(scope="module")
 def workers(ray_local, tiny_cfg):
-    from actors import InferenceWorker, WeightRegistry
+    from adaflash_ray.actors import InferenceWorker, WeightRegistry
 
     reg = WeightRegistry.remote()
     ws = [InferenceWorker.remote(tiny_cfg.model_dump(), i, None) for i in range(2)]
@@ -184,7 +184,7 @@ def test_restarted_worker_reloads_the_latest_version(ray_local, tiny_cfg):
     """A worker that dies is restarted by Ray and catches up with the registry's latest version."""
     import time
 
-    from actors import InferenceWorker, WeightRegistry
+    from adaflash_ray.actors import InferenceWorker, WeightRegistry
 
     reg = WeightRegistry.remote()
     w = InferenceWorker.options(max_restarts=1).remote(tiny_cfg.model_dump(), 0, None, reg)
@@ -278,7 +278,7 @@ def test_versions_never_go_backwards_out_of_order_delivery(workers):
 def test_buffer_lease_requeue_and_commit(ray_local):
     """Issue 9.2: what a trainer rank took since its last save is put back, first in line, when it is
     restarted; committed trajectories are not; each trajectory is counted consumed once."""
-    from actors import TrajectoryBuffer
+    from adaflash_ray.actors import TrajectoryBuffer
 
     buf = TrajectoryBuffer.remote(capacity=10, max_version_lag=5)
     for i in range(5):

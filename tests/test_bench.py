@@ -153,3 +153,15 @@ def test_bench_rejects_bad_drafter(tmp_path, capsys):
 def test_bench_rejects_unknown_method(capsys):
     assert main(["--methods", "ar", "medusa", "--concurrency", "1", "--num-prompts", "1"]) == 2
     assert "unknown method" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,msg", [(["--shape", "tiny", "--device", "nope"], "expected cpu, cuda or cuda:N"),
+                                      (["--out", "/tmp"], "must be a file path"),
+                                      (["--shape", "tiny", "--context", "100000000"], "positions per request")])
+def test_bad_arguments_fail_up_front(args, msg, capsys):
+    """Argument errors exit 2 before anything runs (not a traceback after the benchmark)."""
+    from adaflash_ray.bench import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2 and msg in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Tests of adaflash_ray.distill (blocks, losses, DeepSpeed trainer core) and kernels.chunked_kl.
+"""Tests of adaflash_ray.distill (blocks, losses, DeepSpeed trainer core) and adaflash_ray.kernels.chunked_kl.
 
 Run: python -m pytest -q tests/test_distill.py   (CPU, ~20 s; DeepSpeed over gloo: one rank, then two spawned ranks)
 
@@ -23,7 +23,7 @@ from adaflash_ray.distill.losses import accepted_length, forward_kl_loss, length
 from adaflash_ray.models.length_head import direct_length_label
 from adaflash_ray.models.target import TargetConfig, TargetModel
 from adaflash_ray.trajectory import Trajectory
-from kernels.chunked_kl import chunked_kl_terms, kl_terms
+from adaflash_ray.kernels.chunked_kl import chunked_kl_terms, kl_terms
 
 torch.set_num_threads(1)
 

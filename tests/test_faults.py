@@ -147,12 +147,12 @@ def test_tau_canary_rolls_every_worker_back_from_a_bad_version(ray_local, tmp_pa
     numbers keep rising afterwards."""
     import torch
 
-    from actors import InferenceWorker, WeightRegistry
+    from adaflash_ray.actors import InferenceWorker, WeightRegistry
     from adaflash_ray.config import load_recipe
     from adaflash_ray.data import ensure_target, load_tokenizer
     from adaflash_ray.metrics import MetricsSink
     from adaflash_ray.models import tensors_sha256
-    from actors.recovery import TauCanary
+    from adaflash_ray.actors.recovery import TauCanary
     from adaflash_ray.pipeline import _check_canary
 
     ray = ray_local
@@ -210,7 +210,7 @@ def test_killed_node_and_killed_buffer_on_a_multi_node_cluster(tmp_path):
     from ray.cluster_utils import Cluster
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from actors import InferenceWorker, TrajectoryBuffer, WeightRegistry
+    from adaflash_ray.actors import InferenceWorker, TrajectoryBuffer, WeightRegistry
     from adaflash_ray.config import load_recipe
     from adaflash_ray.models import tensors_sha256
     from tests.test_actors import _traj

@@ -1,6 +1,6 @@
 """Inference backends behind one small protocol (docs/design/ARCHITECTURE.md, "Inference backends").
 
-An :class:`~actors.inference_worker.InferenceWorker` serves through one backend, chosen by the recipe's
+An :class:`~adaflash_ray.actors.inference_worker.InferenceWorker` serves through one backend, chosen by the recipe's
 ``engine.backend``:
 
 - ``torch``: the built-in :class:`adaflash_ray.engine.SpecEngine` (driven directly by the worker's step loop);

@@ -2,7 +2,7 @@
 
 - :func:`mixture_rkl_loss`: the AdaFlash objective ``α·CE(z_S, argmax z_T) + (1-α)·L_RKL``
   (github ZinYY/AdaFlash, pipeline/training/rkl_model.py), computed in row chunks through
-  :func:`kernels.chunked_kl.chunked_kl_terms` so the full ``[M, V]`` softmax never exists at once.
+  :func:`adaflash_ray.kernels.chunked_kl.chunked_kl_terms` so the full ``[M, V]`` softmax never exists at once.
 - :func:`forward_kl_loss`: the OSD baseline (forward KL, α = 0).
 - :func:`accepted_length` / :func:`length_loss`: the label and MSE of the ``direct`` length head.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from adaflash_ray.models.length_head import direct_length_label
-from kernels.chunked_kl import chunked_kl_terms
+from adaflash_ray.kernels.chunked_kl import chunked_kl_terms
 
 CLIP_MODES = ("per_token", "reference")
 

@@ -96,7 +96,7 @@ class DistillCoordinator:
     """
 
     def __init__(self, cfg: dict):
-        from actors import DistillTrainer, TrajectoryBuffer, WeightRegistry
+        from adaflash_ray.actors import DistillTrainer, TrajectoryBuffer, WeightRegistry
 
         _bind_replica_grpc_to_node_ip()  # Serve pickles this class by value: the module import may not run here
         self.cfg = RunConfig.model_validate(cfg)
