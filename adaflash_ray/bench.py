@@ -432,8 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         if ns.device.startswith("cuda") and not torch.cuda.is_available():
             parser.error(f"--device {ns.device}: no CUDA device on this machine")
     for flag, path in (("--out", ns.out), ("--plot", ns.plot)):
-        if path is not None and (Path(path).is_dir() or not Path(path).resolve().parent.is_dir()):
-            parser.error(f"{flag} {path}: must be a file path in an existing directory")
+        if path is not None and Path(path).is_dir():
+            parser.error(f"{flag} {path}: is a directory; give a file path (missing parent folders are created)")
     console = Console(stderr=False, width=None if sys.stdout.isatty() else 200)
     log = (lambda msg: print(msg, file=sys.stderr))
     try:

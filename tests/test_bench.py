@@ -156,7 +156,7 @@ def test_bench_rejects_unknown_method(capsys):
 
 
 @pytest.mark.parametrize("args,msg", [(["--shape", "tiny", "--device", "nope"], "expected cpu, cuda or cuda:N"),
-                                      (["--out", "/tmp"], "must be a file path"),
+                                      (["--out", "/tmp"], "is a directory"),
                                       (["--shape", "tiny", "--context", "100000000"], "positions per request")])
 def test_bad_arguments_fail_up_front(args, msg, capsys):
     """Argument errors exit 2 before anything runs (not a traceback after the benchmark)."""

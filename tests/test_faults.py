@@ -223,7 +223,9 @@ def test_killed_node_and_killed_buffer_on_a_multi_node_cluster(tmp_path):
         ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
         cfg = load_recipe("recipes/cpu_tiny.yaml")
-        registry = WeightRegistry.remote()
+        # the registry lives on the head node: only the worker's node dies (placed freely, it could land on node2)
+        registry = WeightRegistry.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(cluster.head_node.node_id, soft=False)).remote()
         worker = InferenceWorker.options(
             max_restarts=2, max_task_retries=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node2.node_id, soft=True),
