@@ -8,7 +8,8 @@ Lifecycle (driven by adaflash_ray.pipeline):
    newest trainer state under ``state_dir`` if there is one (a restarted actor, ``--resume``);
 3. ``run(buffer, registry)`` - pull batches from the TrajectoryBuffer, optimise, and every
    ``publish_every`` optimizer steps save the trainer state (every rank), commit the buffer lease, and
-   (rank 0) publish version v+1 to the WeightRegistry, until ``num_versions``. Ranks agree on every
+   (rank 0) publish version v+1 to the WeightRegistry, until ``num_versions`` - or until
+   ``distill.max_train_s`` seconds after the first step, when one last version is published. Ranks agree on every
    branch (step or wait, go on or stop) through one tiny all-reduce, and under ZeRO-3 every rank takes
    part in gathering the weights to publish, so several ranks never deadlock (issue 9.8).
 Metrics are returned to the driver as flat dicts by :meth:`pop_metrics`.
@@ -111,7 +112,9 @@ class DistillTrainer:
         rng = random.Random(self.cfg.seed + self.rank + 7919 * self.version)
         consumer = f"trainer-{self.rank}"
         seen = set(self.fresh_ids)
-        while core.all_ranks(self.version < num_versions and not self._stop):
+        t_first_step: float | None = None  # distill.max_train_s counts from here
+        time_up = False
+        while not time_up and core.all_ranks(self.version < num_versions and not self._stop):
             pool = [p for p in pool if p[2] < dc.max_reuse and within_version_lag(self.version, p[1], dc.max_version_lag)]
             reusable = len(pool) >= dc.batch_size
             items = ray.get(buffer.get_batch.remote(dc.batch_size, 0.2 if reusable else 60.0, consumer))
@@ -135,13 +138,16 @@ class DistillTrainer:
             if len(pool) > 4 * dc.batch_size * dc.max_reuse:
                 pool = pool[-4 * dc.batch_size * dc.max_reuse:]
             m = core.train_step(trajs)
+            t_first_step = t_first_step or time.time() - m["train/seconds"]
+            if dc.max_train_s is not None:  # every rank stops together once any rank's budget is spent
+                time_up = not core.all_ranks(time.time() - t_first_step < dc.max_train_s)
             m["train/version_lag"] = sum(self.version - it[1] for it in items) / len(items)
             m["train/version"] = float(self.version)
             m["train/num_fresh"] = float(sum(1 for p in chosen if p[2] == 1))
             m["train/num_lost_trajectories"] = float(self.num_lost)
             step = core.global_step
             self._g_loss.set(m.get("train/loss", 0.0))
-            if step % dc.publish_every == 0:  # every rank counts versions; rank 0 publishes
+            if step % dc.publish_every == 0 or time_up:  # every rank counts versions; rank 0 publishes
                 t0 = time.perf_counter()
                 tensors = self.serving_tensors()  # every rank: under ZeRO-3 a collective gather
                 new_version = self.version + 1
@@ -154,15 +160,19 @@ class DistillTrainer:
                 ray.get(buffer.commit.remote(consumer))
                 if self.rank == 0:
                     sha = tensors_sha256(tensors)
+                    t_pub = time.perf_counter()
                     ref = ray.put(tensors)
                     reports = ray.get(registry.publish.remote(new_version, self.version, step, [ref], sha,
                                                               cfg_dict))
+                    m["sync/publish_s"] = time.perf_counter() - t_pub  # put + registry push + every worker loaded
                     ray.get(buffer.set_version.remote(new_version))
                     m["sync/num_workers_ok"] = float(sum(1 for r in reports if r.get("sha256") == sha))
                     m["sync/num_workers"] = float(len(reports))
                 m["sync/seconds"] = time.perf_counter() - t0
                 self.version = new_version
                 m["sync/version"] = float(self.version)
+                if time_up:
+                    m["train/time_up"] = 1.0  # distill.max_train_s spent: this was the last version
             with self._lock:
                 self._metrics.append(m)
         core.close()  # ends the process group, removes the rendezvous file

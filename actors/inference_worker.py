@@ -73,7 +73,8 @@ class InferenceWorker:
             lh = cfg.length_head
             self.engine = SpecEngine(target, drafter, head, policy=lh.policy, rate=lh.rate, min_len=lh.min_len,
                                      max_batch_size=cfg.engine.max_batch_size, max_seq_len=cfg.engine.max_seq_len,
-                                     record=True, seed=cfg.seed + 1000 * worker_index)
+                                     record=True, record_features=cfg.distill.features == "captured",
+                                     seed=cfg.seed + 1000 * worker_index)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._new: list = []  # (prompt_ids, params, record, pending)

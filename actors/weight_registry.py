@@ -31,9 +31,12 @@ class WeightRegistry:
     async def publish(self, version: int, parent_version: int, train_step: int, tensors_ref: list,
                       sha256: str, config: dict | None = None) -> list[dict]:
         """Record version ``version`` and push it to every subscriber; returns their reports
-        (``{worker, version, sha256}`` or ``{worker, error}``). ``tensors_ref`` is ``[ObjectRef]``."""
+        (``{worker, version, sha256}`` or ``{worker, error}``). ``tensors_ref`` is ``[ObjectRef]``.
+        The history entry gets ``broadcast_s`` (seconds from this call to the last worker's report) and
+        ``num_bytes`` (the tensors' size)."""
         # the registry owns its own copy: an object owned by the publishing trainer would be lost with it
         # (Ray frees what a dead worker owned), and workers restarted later read the latest from here
+        t0 = time.perf_counter()
         value = await tensors_ref[0]
         newest = max((h["version"] for h in self.history), default=None)  # a rolled-back one counts too
         if newest is not None and version <= newest:  # checked after the await: no interleaving past it
@@ -45,8 +48,13 @@ class WeightRegistry:
         self.refs[version] = ref
         for old in sorted(self.refs)[:-self.keep_versions]:
             del self.refs[old]
-        self.history.append({k: v for k, v in meta.items() if k != "ref"})
+        entry = {k: v for k, v in meta.items() if k != "ref"}
+        self.history.append(entry)
         reports = await self._push("load_drafter", version, ref, sha256, config)
+        # publish -> every worker loaded (or refused): fetching the trainer's object, this copy, and each
+        # worker's fetch + hot reload between its engine steps (issue 6.6)
+        entry["broadcast_s"] = time.perf_counter() - t0
+        entry["num_bytes"] = sum(int(t.numel()) * t.element_size() for t in value.values())
         self.reports[version] = reports
         return reports
 

@@ -411,6 +411,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--context", type=int, default=512, help="prefilled tokens per request")
     g.add_argument("--num-iters", type=int, default=20, help="timed iterations per verify/propose median")
+    g = p.add_argument_group("weight-sync mode (adaflash_ray.weight_sync_bench: publish -> every worker loaded)")
+    g.add_argument("--weight-sync", action="store_true",
+                   help="time the object-store path against the NCCL broadcast for drafters of --shape")
+    g.add_argument("--sync-layers", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="drafter depths to time")
+    g.add_argument("--sync-receivers", type=int, default=1, help="receiving workers (one GPU each on CUDA)")
     return p
 
 
@@ -436,6 +441,22 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag} {path}: is a directory; give a file path (missing parent folders are created)")
     console = Console(stderr=False, width=None if sys.stdout.isatty() else 200)
     log = (lambda msg: print(msg, file=sys.stderr))
+    if ns.weight_sync:
+        if ns.shape is None or min(ns.sync_layers) < 1 or ns.sync_receivers < 1:
+            parser.error("--weight-sync needs --shape, --sync-layers >= 1 and --sync-receivers >= 1")
+        from adaflash_ray.weight_sync_bench import bench_weight_sync
+
+        try:
+            doc = bench_weight_sync(ns.shape, tuple(ns.sync_layers), ns.sync_receivers,
+                                    num_iters=min(ns.num_iters, 5), device=ns.device, dtype=ns.dtype, log=log)
+        except (RuntimeError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if ns.out:
+            Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(ns.out).write_text(json.dumps(doc, indent=1) + "\n")
+        print(json.dumps(doc))
+        return 0
     try:
         if ns.shape is not None:
             device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -193,11 +193,19 @@ class DistillConfig(_Section):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, ge=0)  # 0 = off
     warmup_steps: int = Field(0, ge=0)
+    # cosine decay of every lr from its peak (after warmup) to lr_min_ratio x peak at step lr_decay_steps,
+    # flat after; 0 = constant lr after warmup
+    lr_decay_steps: int = Field(0, ge=0)
+    lr_min_ratio: float = Field(0.1, ge=0, le=1)
     batch_size: int = Field(2, ge=1)  # trajectories per optimizer step
     zero_stage: int = Field(0, ge=0, le=3)
     publish_every: int = Field(90, ge=1)  # optimizer steps per drafter version
     max_version_lag: int = Field(2, ge=0)  # 0 = synchronous
     num_versions: int = Field(5, ge=1)  # the run stops after this many publications
+    # wall-clock budget of training (seconds from the trainers' first step): when it is spent the trainers
+    # publish one last version (if they stepped since the previous one) and stop, whatever num_versions says.
+    # null = no limit
+    max_train_s: float | None = Field(None, gt=0)
     loss_chunk_size: int = Field(1024, ge=1)  # positions per vocab-softmax chunk
     # times one trajectory may feed an optimizer step (fresh anchors each time); > 1 lets a trainer
     # that outpaces inference keep stepping on recent on-policy data (still within max_version_lag)

@@ -113,6 +113,9 @@ def test_registry_pushes_version_and_checksum_to_every_worker(workers):
     loaded = ray.get([w.loaded_version.remote() for w in ws])
     assert all(lv == {"worker": i, "version": 1, "sha256": sha} for i, lv in enumerate(loaded))
     assert ray.get(reg.latest_meta.remote())["version"] == 1
+    (h,) = ray.get(reg.get_history.remote())  # publish -> every worker loaded, and what travelled
+    assert h["version"] == 1 and 0 < h["broadcast_s"] < 60
+    assert h["num_bytes"] == sum(t.numel() * t.element_size() for t in tensors.values())
     held = ray.get(ray.get(reg.get.remote(1))[0])
     assert all(torch.equal(held[k], tensors[k]) for k in tensors)
     with pytest.raises(ray.exceptions.RayTaskError, match="not held"):

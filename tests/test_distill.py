@@ -300,6 +300,21 @@ def test_recompute_features_matches_full_forward(target, trajectories):
     torch.testing.assert_close(h, tr.last_hidden, atol=1e-5, rtol=1e-5)
 
 
+def test_recompute_features_batched_equals_one_by_one(target, trajectories):
+    """Right-padded batches (several groups: max_batch_tokens forces a split) give each sequence's own
+    single forward, in input order, whatever the lengths."""
+    seqs = [tr.token_ids for tr in trajectories[:4]] + [trajectories[0].token_ids[:5]]
+    assert len({s.shape[0] for s in seqs}) > 1
+    one = [recompute_features(target, [s], [1, 2])[0] for s in seqs]
+    longest = max(s.shape[0] for s in seqs)
+    for budget in (10**6, 2 * longest):
+        many = recompute_features(target, seqs, [1, 2], max_batch_tokens=budget)
+        for (f1, h1), (f2, h2), s in zip(one, many, seqs):
+            assert f2.shape[0] == h2.shape[0] == s.shape[0] - 1
+            torch.testing.assert_close(f2, f1, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(h2, h1, atol=1e-5, rtol=1e-5)
+
+
 # ----------------------------------------------------------------------------------- trainer (DeepSpeed)
 @pytest.fixture(scope="module")
 def dist_env():

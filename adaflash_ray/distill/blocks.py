@@ -158,14 +158,20 @@ def collate(trajectories: list[Trajectory], num_anchors: int, block_size: int,
 
 
 @torch.no_grad()
-def recompute_features(target, token_ids_list: list[torch.Tensor], layer_ids: list[int]
-                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def recompute_features(target, token_ids_list: list[torch.Tensor], layer_ids: list[int],
+                       max_batch_tokens: int = 32768) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Run the frozen target over each sequence (``features: recompute``, docs/design/ALGORITHMS.md §3).
+
+    Sequences are right-padded and run together, up to ``max_batch_tokens`` padded positions per forward
+    (a trainer GPU does a batch of 32 x 512 tokens in one pass instead of 32 passes). Attention is causal,
+    so the padding after a row's end never reaches that row's own positions: the result equals one
+    forward per sequence (tests/test_distill.py checks it).
 
     Args:
         target: a :class:`~adaflash_ray.models.target.TargetModel`.
         token_ids_list: ``[T_b]`` int64 sequences (T_b >= 2).
         layer_ids: the drafter's ``target_layer_ids``.
+        max_batch_tokens: bound on ``rows x padded length`` of one forward (activation memory).
     Returns:
         Per sequence ``(features [T_b-1, K*H], last_hidden [T_b-1, H])`` in the target's dtype, on its
         device: positions 0..T_b-2, exactly the layout the engine captures (the last token is never fed).
@@ -173,14 +179,26 @@ def recompute_features(target, token_ids_list: list[torch.Tensor], layer_ids: li
         ValueError: a sequence shorter than 2 tokens.
     """
     device = target.lm_head.weight.device
-    out = []
     for ids in token_ids_list:
         if ids.shape[0] < 2:
             raise ValueError(f"need >= 2 tokens to recompute features, got {ids.shape[0]}")
-        inp = ids[:-1].to(device)[None]  # [1, T-1]
-        pos = torch.arange(inp.shape[1], device=device)[None]
+    order = sorted(range(len(token_ids_list)), key=lambda i: -token_ids_list[i].shape[0])  # longest first
+    out: list = [None] * len(token_ids_list)
+    start = 0
+    while start < len(order):
+        t_max = token_ids_list[order[start]].shape[0] - 1
+        rows = max(1, min(len(order) - start, max_batch_tokens // max(t_max, 1)))
+        group = order[start:start + rows]
+        inp = torch.zeros(len(group), t_max, dtype=torch.long, device=device)
+        for r, i in enumerate(group):
+            ids = token_ids_list[i]
+            inp[r, : ids.shape[0] - 1] = ids[:-1].to(device)
+        pos = torch.arange(t_max, device=device)[None].expand(len(group), -1)
         res = target(inp, pos, capture_layer_ids=list(layer_ids), compute_logits=False)
-        out.append((res.features[0], res.last_hidden[0]))
+        for r, i in enumerate(group):
+            n = token_ids_list[i].shape[0] - 1
+            out[i] = (res.features[r, :n], res.last_hidden[r, :n])
+        start += rows
     return out
 
 

