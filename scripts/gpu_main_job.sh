@@ -21,7 +21,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 STAGE=/root/stage
 RUN_DIR=/root/runs/smollm2_135m_gpu
-PART_BYTES=$((63 * 1024 * 1024))
+PART_BYTES=$((61 * 1024 * 1024))  # + the checkout (~1 MB) <= 64 MiB a call
 
 env_setup() {
   export PYTHONPATH="$STAGE/pydeps:$STAGE/site:$ROOT" ADAFLASH_CACHE=/root/adaflash_cache PYTHONUNBUFFERED=1
