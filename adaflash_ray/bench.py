@@ -448,13 +448,11 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             doc = bench_weight_sync(ns.shape, tuple(ns.sync_layers), ns.sync_receivers,
-                                    num_iters=min(ns.num_iters, 5), device=ns.device, dtype=ns.dtype, log=log)
+                                    num_iters=min(ns.num_iters, 5), device=ns.device, dtype=ns.dtype, log=log,
+                                    out=ns.out)
         except (RuntimeError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        if ns.out:
-            Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(ns.out).write_text(json.dumps(doc, indent=1) + "\n")
         print(json.dumps(doc))
         return 0
     try:

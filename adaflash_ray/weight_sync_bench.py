@@ -16,6 +16,7 @@ builds the NCCL communicator); every receiver's copy is checked against the send
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import tempfile
@@ -102,13 +103,14 @@ def _member_class():
 
 def bench_weight_sync(shape: str = "qwen3-8b", layers: tuple[int, ...] = (1, 2, 3, 4, 5), num_receivers: int = 1,
                       num_iters: int = 3, device: str | None = None, dtype: str = "bfloat16",
-                      log=print) -> dict:
+                      log=print, out: str | None = None) -> dict:
     """Time both paths for each drafter depth in ``layers``; returns ``{"rows": [...], ...}`` with per depth
     ``num_bytes``, ``object_store_s`` / ``collective_s`` (medians), their speedup, and ``match`` (every
     receiver holds the sender's tensors after each path).
 
     Needs ``1 + num_receivers`` GPUs on CUDA (one per member). Starts a local Ray on 127.0.0.1 unless one is
-    running. Raises RuntimeError when the GPUs are not there."""
+    running. With ``out``, the JSON document is written there before Ray shuts down (and after every depth),
+    so a slow shutdown cannot lose it. Raises RuntimeError when the GPUs are not there."""
     import ray
 
     from adaflash_ray.actors import WeightRegistry
@@ -126,6 +128,8 @@ def bench_weight_sync(shape: str = "qwen3-8b", layers: tuple[int, ...] = (1, 2, 
         raise RuntimeError(f"weight-sync bench needs {1 + num_receivers} GPUs (one per member), Ray sees {have}")
     Member = _member_class()
     rows = []
+    doc = {"kind": "weight_sync", "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+           "backend": "nccl" if cuda else "gloo", "dtype": dtype, "num_iters": num_iters, "rows": rows}
     try:
         for n in layers:
             members = [Member.options(num_gpus=1 if cuda else 0, num_cpus=0.5).remote(
@@ -172,8 +176,12 @@ def bench_weight_sync(shape: str = "qwen3-8b", layers: tuple[int, ...] = (1, 2, 
             log(f"{shape} drafter {n} layer(s) {info['num_bytes'] / 2**20:.0f} MiB: object store "
                 f"{row['object_store_s']:.3f} s, {'NCCL' if cuda else 'gloo'} broadcast {row['collective_s']:.3f} s "
                 f"({row['collective_speedup']:.1f}x), copies match: {row['match']}")
+            if out:
+                from pathlib import Path
+
+                Path(out).parent.mkdir(parents=True, exist_ok=True)
+                Path(out).write_text(json.dumps(doc, indent=1) + "\n")
     finally:
         if started:
             ray.shutdown()
-    return {"kind": "weight_sync", "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-            "backend": "nccl" if cuda else "gloo", "dtype": dtype, "num_iters": num_iters, "rows": rows}
+    return doc
