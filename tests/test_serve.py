@@ -74,13 +74,15 @@ def test_text_stream_stop_string_inside_a_multi_token_step(tok):
 def test_parse_request_names_the_field(tok):
     kw = dict(tokenizer=tok, model_ids={MODEL}, context_limit=64, default_max_tokens=16, default_temperature=0.0,
               vocab_size=49152, record_default=True)
-    cases = {("n", 400): {"n": 2}, ("logprobs", 400): {"logprobs": 2}, ("foo", 400): {"foo": 1},
-             ("temperature", 400): {"temperature": 2.5}, ("top_p", 400): {"top_p": 0},
-             ("seed", 400): {"seed": 1, "temperature": 0.7}, ("max_tokens", 400): {"max_tokens": 0},
-             ("stream_options", 400): {"stream_options": {"include_usage": True}},
-             ("model", 404): {"model": "gpt-4"}, ("stop", 400): {"stop": [""]},
-             ("stop_token_ids", 400): {"stop_token_ids": [10 ** 6]}}
-    for (param, status), extra in cases.items():
+    cases = [(("n", 400), {"n": 2}), (("logprobs", 400), {"logprobs": 2}), (("foo", 400), {"foo": 1}),
+             (("temperature", 400), {"temperature": 2.5}), (("top_p", 400), {"top_p": 0}),
+             (("seed", 400), {"seed": 1, "temperature": 0.7}), (("max_tokens", 400), {"max_tokens": 0}),
+             (("max_tokens", 400), {"max_tokens": "5"}), (("max_tokens", 400), {"max_tokens": True}),
+             (("stream", 400), {"stream": "yes"}), (("temperature", 400), {"temperature": "0"}),
+             (("stream_options", 400), {"stream_options": {"include_usage": True}}),
+             (("model", 404), {"model": "gpt-4"}), (("stop", 400), {"stop": [""]}),
+             (("stop_token_ids", 400), {"stop_token_ids": [10 ** 6]})]
+    for (param, status), extra in cases:
         with pytest.raises(APIError) as e:
             parse_request("completion", {"model": MODEL, "prompt": "hi", **extra}, **kw)
         assert (e.value.param, e.value.status) == (param, status), (extra, e.value.message)

@@ -49,7 +49,8 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 # ------------------------------------------------------------------------------------------ request models
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: JSON types as the OpenAI schema states them - "max_tokens": "5" or true is a 400, not a 5 or a 1
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -131,7 +132,10 @@ class GenSpec:
 
 def _first_error(err: ValidationError) -> APIError:
     e = err.errors()[0]
-    loc = [str(x) for x in e["loc"] if not str(x).startswith(("list[", "str", "int", "function-"))]
+    # drop pydantic's union-member tags ("str", "list[int]", "function-after[...]"), keep field names
+    # ("stream" starts with "str" and is a field)
+    loc = [str(x) for x in e["loc"] if str(x) not in ("str", "int", "float", "bool", "none")
+           and not str(x).startswith(("list[", "dict[", "function-", "literal[", "nullable["))]
     param = ".".join(loc) if loc else None
     if e["type"] == "extra_forbidden":
         return APIError(400, f"Unrecognized request argument supplied: {param}", param=param,
