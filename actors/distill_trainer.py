@@ -45,6 +45,7 @@ class DistillTrainer:
         self.state_dir: str | None = None
         self.fresh_ids: list[str] = []  # request ids first trained on in a saved (committed) state
         self.num_duplicates_skipped = 0  # trajectories delivered again (a recovered buffer) and not retrained
+        self.weight_group = None  # distill.weight_sync: collective (rank 0, after join_weight_group)
         self._g_loss = ray_metrics.Gauge("adaflash_train_loss", "distillation loss", tag_keys=("rank",))
         self._g_loss.set_default_tags({"rank": str(rank)})
 
@@ -162,8 +163,12 @@ class DistillTrainer:
                     sha = tensors_sha256(tensors)
                     t_pub = time.perf_counter()
                     ref = ray.put(tensors)
-                    reports = ray.get(registry.publish.remote(new_version, self.version, step, [ref], sha,
-                                                              cfg_dict))
+                    pub = registry.publish.remote(new_version, self.version, step, [ref], sha, cfg_dict,
+                                                  self.weight_group is not None)
+                    if self.weight_group is not None:
+                        m["sync/collective_ok"] = float(self._broadcast(tensors))
+                    reports = ray.get(pub)
+                    m["sync/num_fallbacks"] = float(sum(1 for r in reports if r.get("fallback")))
                     m["sync/publish_s"] = time.perf_counter() - t_pub  # put + registry push + every worker loaded
                     ray.get(buffer.set_version.remote(new_version))
                     m["sync/num_workers_ok"] = float(sum(1 for r in reports if r.get("sha256") == sha))
@@ -180,6 +185,32 @@ class DistillTrainer:
                 "seconds": time.time() - t_start, "num_fresh": len(self.fresh_ids),
                 "num_counted_twice": len(self.fresh_ids) - len(set(self.fresh_ids)), "num_lost": self.num_lost,
                 "num_duplicates_skipped": self.num_duplicates_skipped}
+
+    def join_weight_group(self, rendezvous: str, world_size: int) -> int:
+        """Rank 0 only (``distill.weight_sync: collective``): become the sender (group rank 0) of the weight
+        broadcast group whose receivers are the inference workers (ranks 1..world_size-1). Every member must
+        call its ``join_weight_group`` concurrently. Returns this member's group rank (0).
+        Raises:
+            ValueError: called on a rank other than 0."""
+        from adaflash_ray.distill.weight_sync import WeightBroadcastGroup
+
+        if self.rank != 0:
+            raise ValueError(f"only trainer rank 0 sends weights, not rank {self.rank}")
+        self.weight_group = WeightBroadcastGroup(rendezvous, 0, world_size, self.core.device,
+                                                 self.cfg.distill.weight_sync_timeout_s)
+        return 0
+
+    def _broadcast(self, tensors: dict) -> bool:
+        """Send ``tensors`` to the group from this GPU; on failure (a worker gone, a timeout) leave the group
+        for good - later versions travel through the object store - and return False."""
+        try:
+            self.weight_group.broadcast({k: v.to(self.core.device) for k, v in tensors.items()})
+            return True
+        except Exception as e:  # noqa: BLE001 - any failure: the registry's object-store fallback delivers
+            print(f"DistillTrainer rank 0: weight broadcast failed ({type(e).__name__}: {str(e)[:300]}); "
+                  "this and later versions go through the object store", flush=True)
+            self.weight_group = None
+            return False
 
     def _fetch(self, items: list) -> tuple[list, list]:
         """Resolve trajectory refs; one whose owner (an inference worker) died is skipped and counted."""

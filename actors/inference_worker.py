@@ -75,6 +75,7 @@ class InferenceWorker:
                                      max_batch_size=cfg.engine.max_batch_size, max_seq_len=cfg.engine.max_seq_len,
                                      record=True, record_features=cfg.distill.features == "captured",
                                      seed=cfg.seed + 1000 * worker_index)
+        self._weight_group = None  # distill.weight_sync: collective (join_weight_group)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._new: list = []  # (prompt_ids, params, record, pending)
@@ -222,6 +223,35 @@ class InferenceWorker:
         duplicate, answered with ``already_loaded: True``. Going back takes :meth:`rollback_drafter`.
         Raises CheckpointError if refused (the old drafter stays loaded)."""
         return self._queue_swap(version, tensors, sha256, config, timeout_s, rollback=False)
+
+    def join_weight_group(self, rendezvous: str, world_size: int, rank: int) -> int:
+        """Become receiver ``rank`` (>= 1) of the weight broadcast group whose sender (rank 0) is trainer rank
+        0 (``distill.weight_sync: collective``). Every member must call it concurrently. Returns ``rank``.
+        Raises:
+            ValueError: the SGLang backend (its engine lives in another process) or rank < 1."""
+        from adaflash_ray.distill.weight_sync import WeightBroadcastGroup
+
+        if self.backend is not None or rank < 1:
+            raise ValueError(f"worker {self.index}: collective weight sync needs the built-in engine and a "
+                             f"receiver rank >= 1 (backend {self.cfg.engine.backend}, rank {rank})")
+        self._weight_group = WeightBroadcastGroup(rendezvous, rank, world_size, self.cfg.model.device,
+                                                  self.cfg.distill.weight_sync_timeout_s)
+        return rank
+
+    def receive_drafter(self, version: int, _ref, sha256: str | None = None, config: dict | None = None,
+                        timeout_s: float = 600.0) -> dict:
+        """The collective path of a publication (the WeightRegistry calls it): receive the tensors from
+        trainer rank 0's broadcast straight into this worker's device, then swap them in exactly as
+        :meth:`load_drafter` does (version order, checksum, shapes). Raises RuntimeError when this worker
+        is not in a weight group, and whatever the broadcast or the swap raises (the registry then falls
+        back to the object store for this worker)."""
+        if self._weight_group is None:
+            raise RuntimeError(f"worker {self.index}: not in a weight broadcast group (restarted?)")
+        dtype = getattr(torch, self.cfg.model.dtype)  # the serving dtype the trainer publishes in
+        bufs = {k: torch.empty(v.shape, dtype=dtype, device=v.device)
+                for k, v in self.engine.drafter_tensors().items()}
+        self._weight_group.broadcast(bufs)
+        return self._queue_swap(version, bufs, sha256, config, timeout_s, rollback=False)
 
     def rollback_drafter(self, version: int, tensors: dict, sha256: str | None = None,
                          config: dict | None = None, timeout_s: float = 600.0) -> dict:

@@ -29,17 +29,27 @@ class WeightRegistry:
         return len(self.subscribers)
 
     async def publish(self, version: int, parent_version: int, train_step: int, tensors_ref: list,
-                      sha256: str, config: dict | None = None) -> list[dict]:
+                      sha256: str, config: dict | None = None, collective: bool = False) -> list[dict]:
         """Record version ``version`` and push it to every subscriber; returns their reports
         (``{worker, version, sha256}`` or ``{worker, error}``). ``tensors_ref`` is ``[ObjectRef]``.
-        The history entry gets ``broadcast_s`` (seconds from this call to the last worker's report) and
-        ``num_bytes`` (the tensors' size)."""
+
+        With ``collective`` (``distill.weight_sync: collective``) the subscribers are told to receive the
+        tensors from the publishing trainer's broadcast (``receive_drafter``) at once, while this registry
+        still fetches and keeps its own copy; a subscriber whose collective receive fails gets the copy
+        through the object store instead (its report says ``"fallback": True``).
+        The history entry gets ``broadcast_s`` (seconds from this call to the last worker's report),
+        ``num_bytes`` (the tensors' size), ``path`` and ``num_fallbacks``."""
+        t0 = time.perf_counter()
+        newest = max((h["version"] for h in self.history), default=None)  # a rolled-back one counts too
+        if newest is not None and version <= newest:
+            raise ValueError(f"version {version} is not newer than the latest {newest}")
         # the registry owns its own copy: an object owned by the publishing trainer would be lost with it
         # (Ray frees what a dead worker owned), and workers restarted later read the latest from here
-        t0 = time.perf_counter()
+        receiving = (asyncio.ensure_future(self._push("receive_drafter", version, None, sha256, config))
+                     if collective else None)
         value = await tensors_ref[0]
-        newest = max((h["version"] for h in self.history), default=None)  # a rolled-back one counts too
-        if newest is not None and version <= newest:  # checked after the await: no interleaving past it
+        newest = max((h["version"] for h in self.history), default=None)
+        if newest is not None and version <= newest:  # again after the await: no interleaving past it
             raise ValueError(f"version {version} is not newer than the latest {newest}")
         ref = ray.put(value)
         meta = {"version": version, "parent_version": parent_version, "train_step": train_step,
@@ -50,28 +60,40 @@ class WeightRegistry:
             del self.refs[old]
         entry = {k: v for k, v in meta.items() if k != "ref"}
         self.history.append(entry)
-        reports = await self._push("load_drafter", version, ref, sha256, config)
+        if receiving is None:
+            reports = await self._push("load_drafter", version, ref, sha256, config)
+        else:
+            reports = await receiving
+            failed = [r["subscriber"] for r in reports if "error" in r]
+            if failed:  # the object-store path for those, so a version never gets lost
+                again = {r["subscriber"]: {**r, "fallback": True}
+                         for r in await self._push("load_drafter", version, ref, sha256, config, names=failed)}
+                reports = [again.get(r["subscriber"], r) for r in reports]
+            entry["num_fallbacks"] = len(failed)
         # publish -> every worker loaded (or refused): fetching the trainer's object, this copy, and each
-        # worker's fetch + hot reload between its engine steps (issue 6.6)
+        # worker's fetch (or collective receive) + hot reload between its engine steps (issue 6.6)
         entry["broadcast_s"] = time.perf_counter() - t0
         entry["num_bytes"] = sum(int(t.numel()) * t.element_size() for t in value.values())
+        entry["path"] = "collective" if collective else "object_store"
         self.reports[version] = reports
         return reports
 
-    async def _push(self, method: str, version: int, ref, sha256: str, config) -> list[dict]:
-        """Call ``method`` (load_drafter | rollback_drafter) on every subscriber; pushes never interleave,
-        so every worker sees publications and rollbacks in the order the registry made them."""
+    async def _push(self, method: str, version: int, ref, sha256: str, config,
+                    names: list[str] | None = None) -> list[dict]:
+        """Call ``method`` (load_drafter | rollback_drafter | receive_drafter) on every subscriber (or those in
+        ``names``); pushes never interleave, so every worker sees publications and rollbacks in the order the
+        registry made them. Each report carries ``subscriber`` (the name it subscribed under)."""
         if self._push_lock is None:
             self._push_lock = asyncio.Lock()
         async with self._push_lock:
             calls = {name: getattr(w, method).remote(version, ref, sha256, config)
-                     for name, w in self.subscribers.items()}
+                     for name, w in self.subscribers.items() if names is None or name in names}
             reports = []
             for name, call in calls.items():
                 try:
-                    reports.append(await call)
+                    reports.append({**(await call), "subscriber": name})
                 except Exception as e:  # a dead or refusing worker must not block the others
-                    reports.append({"worker": name, "error": repr(e)[:500]})
+                    reports.append({"worker": name, "subscriber": name, "error": repr(e)[:500]})
             return reports
 
     async def rollback(self, version: int, reason: str = "", only_if_latest: int | None = None) -> list[dict] | None:

@@ -206,6 +206,12 @@ class DistillConfig(_Section):
     # publish one last version (if they stepped since the previous one) and stop, whatever num_versions says.
     # null = no limit
     max_train_s: float | None = Field(None, gt=0)
+    # how a new version reaches the inference workers: "object_store" (the WeightRegistry pushes the tensors
+    # through Ray's object store) or "collective" (trainer rank 0 broadcasts them to every worker in one NCCL
+    # group - gloo on CPU - GPU to GPU; the registry still keeps a copy for checkpoints and restarted workers).
+    # A failed broadcast falls back to the object store for that version and every later one.
+    weight_sync: Literal["object_store", "collective"] = "object_store"
+    weight_sync_timeout_s: float = Field(120.0, gt=0)  # a broadcast (or the group's set-up) waits this long
     loss_chunk_size: int = Field(1024, ge=1)  # positions per vocab-softmax chunk
     # times one trajectory may feed an optimizer step (fresh anchors each time); > 1 lets a trainer
     # that outpaces inference keep stepping on recent on-policy data (still within max_version_lag)
@@ -318,6 +324,9 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> RunConfig:
+        if self.distill.weight_sync == "collective" and self.engine.backend != "torch":
+            raise ValueError(f"distill.weight_sync: collective needs engine.backend: torch (the {self.engine.backend} "
+                             "engine runs in a process of its own); use weight_sync: object_store")
         max_draft_len = self.drafter.block_size - 1
         if max_draft_len < self.length_head.min_len:
             raise ValueError(

@@ -21,7 +21,8 @@ def _member(path: str, rank: int, world_size: int, queue) -> None:
             for v in held.values():
                 v.add_(1)
         out.append(g.broadcast(held))
-    queue.put((rank, out, {k: v.clone() for k, v in held.items()}))
+    # plain values (exact: bf16 and int64 fit a double); tensors through a Queue would need this process alive
+    queue.put((rank, out, {k: (str(v.dtype), v.double().flatten().tolist()) for k, v in held.items()}))
     g.close()
 
 
@@ -45,7 +46,8 @@ def test_broadcast_reaches_every_receiver_bit_exact(tmp_path):
         assert nbytes == got[0][0]
         assert held.keys() == sent.keys()
         for k in sent:
-            assert held[k].dtype == sent[k].dtype and torch.equal(held[k], sent[k]), (rank, k)
+            assert held[k] == sent[k], (rank, k)
+    assert sent["c"] == ("torch.int64", [2.0, 3.0, 4.0, 5.0, 6.0, 7.0])  # arange(6) + 1 per version
 
 
 def test_group_refuses_bad_members(tmp_path):
@@ -65,3 +67,25 @@ def test_weight_sync_bench_both_paths_deliver_the_tensors():
     assert one["match"] and two["match"]
     assert 0 < one["num_bytes"] < two["num_bytes"] and one["num_tensors"] < two["num_tensors"]
     assert all(r["object_store_s"] > 0 and r["collective_s"] > 0 for r in doc["rows"])
+
+
+def _mismatched_member(path: str, rank: int, queue) -> None:
+    g = WeightBroadcastGroup(f"file://{path}", rank, 2, "cpu", timeout_s=10)
+    held = {"w": torch.ones(6)} if rank == 0 else {"w": torch.zeros(5)}  # the receiver's drafter is smaller
+    try:
+        g.broadcast(held)
+        queue.put((rank, "ok"))
+    except Exception as e:  # noqa: BLE001 - the message travels back to the test
+        queue.put((rank, f"{type(e).__name__}: {e}"))
+
+
+def test_receiver_with_other_tensors_fails_naming_both_manifests(tmp_path):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_mismatched_member, args=(str(tmp_path / "rdv"), r, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert got[1].startswith("ValueError") and "[1, 6, 24]" in got[1] and "[1, 5, 20]" in got[1]

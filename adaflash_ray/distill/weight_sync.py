@@ -67,7 +67,9 @@ class WeightBroadcastGroup:
         """Rank 0: send ``tensors``; other ranks: receive into ``tensors`` (same names, shapes and dtypes,
         on ``device``), in place. One flat buffer per dtype, one collective each. Returns the bytes moved.
         Raises:
-            ValueError: a tensor not on this group's device.
+            ValueError: a tensor not on this group's device; (receiver) the sender's manifest differs from
+                ``tensors`` (the sender then times out: ``timeout_s``).
+            RuntimeError / DistBackendError: a member is gone (after ``timeout_s``).
         """
         names = sorted(tensors)
         by_dtype: dict[torch.dtype, list[str]] = {}
@@ -76,9 +78,19 @@ class WeightBroadcastGroup:
             if t.device.type != self.device.type:
                 raise ValueError(f"tensor {n} is on {t.device}, the group broadcasts on {self.device}")
             by_dtype.setdefault(t.dtype, []).append(n)
-        total = 0
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
+        # a manifest first (tensors, elements, bytes), so a receiver whose tensors differ from the sender's
+        # fails with a message instead of reading a payload of another size
+        mine = torch.tensor([len(names), sum(tensors[n].numel() for n in names),
+                             sum(tensors[n].numel() * tensors[n].element_size() for n in names)],
+                            dtype=torch.int64, device=self.device)
+        head = mine.clone()
+        self.pg.broadcast([head], opts).wait()
+        if self.rank != 0 and not torch.equal(head, mine):
+            raise ValueError(f"weight broadcast: the sender sends (tensors, elements, bytes) {head.tolist()}, this "
+                             f"receiver (rank {self.rank}) holds {mine.tolist()}; the group is no longer usable")
+        total = 0
         for dtype in sorted(by_dtype, key=str):
             group = [tensors[n] for n in by_dtype[dtype]]
             flat = _flatten_dense_tensors(group) if self.rank == 0 else torch.empty(
