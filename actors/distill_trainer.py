@@ -163,6 +163,11 @@ class DistillTrainer:
                     sha = tensors_sha256(tensors)
                     t_pub = time.perf_counter()
                     ref = ray.put(tensors)
+                    if self.weight_group is not None and not ray.get(registry.weight_group_ready.remote()):
+                        print("DistillTrainer rank 0: a worker left the weight broadcast group (restarted?); "
+                              "this and later versions go through the object store", flush=True)
+                        self.weight_group.close()
+                        self.weight_group = None
                     pub = registry.publish.remote(new_version, self.version, step, [ref], sha, cfg_dict,
                                                   self.weight_group is not None)
                     if self.weight_group is not None:

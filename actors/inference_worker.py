@@ -238,6 +238,11 @@ class InferenceWorker:
                                                   self.cfg.distill.weight_sync_timeout_s)
         return rank
 
+    def in_weight_group(self) -> bool:
+        """Whether this worker process is (still) a receiver of the weight broadcast group (a restarted
+        worker is not: the group's members are fixed when it is built)."""
+        return self._weight_group is not None
+
     def receive_drafter(self, version: int, _ref, sha256: str | None = None, config: dict | None = None,
                         timeout_s: float = 600.0) -> dict:
         """The collective path of a publication (the WeightRegistry calls it): receive the tensors from

@@ -78,6 +78,19 @@ class WeightRegistry:
         self.reports[version] = reports
         return reports
 
+    async def weight_group_ready(self, timeout_s: float = 10.0) -> bool:
+        """True iff every subscriber answers that it is still in the weight broadcast group - asked before
+        a collective publication, so a restarted (or dead) worker sends the version down the object-store
+        path instead of leaving the sender's broadcast waiting for a member that is gone."""
+        if not self.subscribers:
+            return False
+        try:
+            answers = await asyncio.wait_for(
+                asyncio.gather(*[w.in_weight_group.remote() for w in self.subscribers.values()]), timeout_s)
+        except Exception:  # noqa: BLE001 - a dead or slow worker: not ready
+            return False
+        return all(answers)
+
     async def _push(self, method: str, version: int, ref, sha256: str, config,
                     names: list[str] | None = None) -> list[dict]:
         """Call ``method`` (load_drafter | rollback_drafter | receive_drafter) on every subscriber (or those in
