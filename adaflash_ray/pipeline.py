@@ -288,7 +288,7 @@ class Driver:
                                                     "train_step": h["train_step"]})
             ok = sum(r.get("sha256") == h["sha256"] for r in reports_all.get(v, []))
             rec = {"sync/version": v, "sync/num_workers_ok": ok}
-            if h.get("broadcast_s") is not None:  # the registry's push time, where it records one
+            if h.get("broadcast_s") is not None:  # the registry's history records it where the push was timed
                 rec["sync/broadcast_s"] = h["broadcast_s"]
             self.sink.log(rec, kind="sync")
         self.last_version = meta["version"]
@@ -300,8 +300,7 @@ class Driver:
 
     def show_progress(self, progress, task, wstats: list, bstats: dict) -> None:
         """The progress bar (a terminal) or a plain line every ``logging.progress_every_s`` (none)."""
-        w0 = wstats[0] if wstats else None
-        w0 = w0 or {}
+        w0 = (wstats[0] if wstats else None) or {}  # worker 0's stats (None while Ray restarts it)
         if self.plain is not None:
             self.plain.update(self.last_version, step=self.step, loss=self.last_loss,
                               serve_tau=w0.get("spec/accept_len") or None, gamma=w0.get("spec/mean_draft_len") or None,

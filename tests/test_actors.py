@@ -294,3 +294,52 @@ def test_buffer_lease_requeue_and_commit(ray_local):
     s = ray.get(buf.stats.remote())
     assert s["buffer/consumed"] == 5 and s["buffer/redelivered"] == 2 and s["buffer/committed"] == 2
     assert ray.get(buf.requeue.remote("nobody")) == 0
+
+
+def _live_placement_groups() -> set:
+    return {pid for pid, pg in ray.util.placement_group_table().items() if pg["state"] == "CREATED"}
+
+
+def test_actor_group_owns_placement_groups_sink_and_shutdown(ray_local, tmp_path, monkeypatch, caplog):
+    """The group Serve reuses (no inference workers): one placement group (trainers), buffer, registry,
+    trainers and the sink; a cleanup failure is logged and the rest of the shutdown still runs; a second
+    shutdown does nothing."""
+    import json
+    import logging
+
+    from adaflash_ray.actors import ActorGroup
+    from adaflash_ray.actors import group as group_mod
+
+    before = _live_placement_groups()
+    cfg = load_recipe("recipes/cpu_tiny.yaml", ["placement.cpus_per_trainer=0.5", "logging.wandb_mode=disabled"])
+    with ActorGroup(cfg, num_inference_workers=0, run_dir=tmp_path) as group:
+        assert group.workers == [] and len(group.trainers) == 1 and len(group.placement_groups) == 1
+        assert _live_placement_groups() - before == {group.placement_groups[0].id.hex()}
+        assert ray.get(group.buffer.stats.remote())["buffer/depth"] == 0
+        assert ray.get(group.registry.latest_meta.remote()) is None
+        group.sink.log({"x/y": 1.0}, kind="test")
+        pg = group.placement_groups[0]
+        real_remove = group_mod.remove_placement_group
+
+        def failing(p):
+            raise RuntimeError("GCS unreachable")
+
+        monkeypatch.setattr(group_mod, "remove_placement_group", failing)
+        with caplog.at_level(logging.WARNING, logger=group_mod.__name__):
+            group.shutdown()
+        assert "removing placement group" in caplog.text and "GCS unreachable" in caplog.text
+        assert group.sink is None and group.placement_groups == []  # the sink was closed all the same
+        assert json.loads((tmp_path / "metrics.jsonl").read_text())["x/y"] == 1.0
+        real_remove(pg)
+    assert _live_placement_groups() == before  # __exit__'s second shutdown found nothing left to do
+
+
+def test_actor_group_that_cannot_be_placed_leaves_nothing_behind(ray_local):
+    from adaflash_ray.actors import ActorGroup
+
+    before = _live_placement_groups()
+    cfg = load_recipe("recipes/cpu_tiny.yaml", ["placement.cpus_per_inference_worker=0.5",
+                                                "placement.cpus_per_trainer=64"])
+    with pytest.raises(RuntimeError, match=r"cannot place the trainers: needs CPU 64.* section `placement`"):
+        ActorGroup(cfg)  # the inference workers' group was placed first: it is removed again
+    assert _live_placement_groups() == before
