@@ -6,7 +6,6 @@ requests in flight continue and stay correct (verification is lossless whatever 
 """
 from __future__ import annotations
 
-import inspect
 import os
 import threading
 import time
@@ -286,10 +285,7 @@ class InferenceWorker:
             if version > current:
                 raise CheckpointError(f"worker {self.index}: rollback to version {version} refused: it is newer "
                                       f"than the loaded version {current} (use load_drafter)")
-            if "rollback" in inspect.signature(eng.load_drafter).parameters:
-                out = eng.load_drafter(tensors, version, sha, config, rollback=True)
-            else:  # a backend whose load_drafter has no rollback argument (SGLang): the order is kept here
-                out = eng.load_drafter(tensors, version, sha, config)
+            out = eng.load_drafter(tensors, version, sha, config, rollback=True)
             self._num_rollbacks += 1
             return {"version": version, "sha256": out, "worker": self.index, "rolled_back_from": current}
         if version <= current and not fresh:

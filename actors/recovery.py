@@ -10,7 +10,6 @@ from pathlib import Path
 
 import ray
 
-from adaflash_ray.data import encode_prompts, load_eval_prompts
 from adaflash_ray.engine import SpecStats
 from adaflash_ray.models import DrafterModelConfig, save_drafter_checkpoint
 
@@ -150,13 +149,3 @@ class TauCanary:
         self.good = (version, tau)
         return True
 
-
-def canary_prompts(cfg, tok, evalp) -> list[list[int]]:
-    """``distill.canary_prompts`` held-out prompts from the eval sources, disjoint from the eval set."""
-    n = cfg.distill.canary_prompts
-    if n == 0:
-        return []
-    taken = {p.id for p in evalp.prompts}
-    more = load_eval_prompts(cfg.data.eval_sources, min(len(taken) + 4 * n, 200), cfg.seed + 1)
-    enc = encode_prompts(tok, [p for p in more if p.id not in taken], cfg.data.max_prompt_tokens)
-    return list(enc)[:n]

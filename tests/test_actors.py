@@ -297,3 +297,108 @@ def test_buffer_lease_requeue_and_commit(ray_local):
     s = ray.get(buf.stats.remote())
     assert s["buffer/consumed"] == 5 and s["buffer/redelivered"] == 2 and s["buffer/committed"] == 2
     assert ray.get(buf.requeue.remote("nobody")) == 0
+
+
+def _live_placement_groups() -> set:
+    return {pid for pid, pg in ray.util.placement_group_table().items() if pg["state"] == "CREATED"}
+
+
+def test_actor_group_owns_placement_groups_sink_and_shutdown(ray_local, tmp_path, monkeypatch, caplog):
+    """The group Serve reuses (no inference workers): one placement group (trainers), buffer, registry,
+    trainers and the sink; a cleanup failure is logged and the rest of the shutdown still runs; a second
+    shutdown does nothing."""
+    import json
+    import logging
+
+    from adaflash_ray.actors import ActorGroup
+    from adaflash_ray.actors import group as group_mod
+
+    before = _live_placement_groups()
+    cfg = load_recipe("recipes/cpu_tiny.yaml", ["placement.cpus_per_trainer=0.5", "logging.wandb_mode=disabled"])
+    with ActorGroup(cfg, num_inference_workers=0, run_dir=tmp_path) as group:
+        assert group.workers == [] and len(group.trainers) == 1 and len(group.placement_groups) == 1
+        assert _live_placement_groups() - before == {group.placement_groups[0].id.hex()}
+        assert ray.get(group.buffer.stats.remote())["buffer/depth"] == 0
+        assert ray.get(group.registry.latest_meta.remote()) is None
+        group.sink.log({"x/y": 1.0}, kind="test")
+        pg = group.placement_groups[0]
+        real_remove = group_mod.remove_placement_group
+
+        def failing(p):
+            raise RuntimeError("GCS unreachable")
+
+        monkeypatch.setattr(group_mod, "remove_placement_group", failing)
+        with caplog.at_level(logging.WARNING, logger=group_mod.__name__):
+            group.shutdown()
+        assert "removing placement group" in caplog.text and "GCS unreachable" in caplog.text
+        assert group.sink is None and group.placement_groups == []  # the sink was closed all the same
+        assert json.loads((tmp_path / "metrics.jsonl").read_text())["x/y"] == 1.0
+        real_remove(pg)
+    assert _live_placement_groups() == before  # __exit__'s second shutdown found nothing left to do
+
+
+def test_actor_group_that_cannot_be_placed_leaves_nothing_behind(ray_local):
+    from adaflash_ray.actors import ActorGroup
+
+    before = _live_placement_groups()
+    cfg = load_recipe("recipes/cpu_tiny.yaml", ["placement.cpus_per_inference_worker=0.5",
+                                                "placement.cpus_per_trainer=64"])
+    with pytest.raises(RuntimeError, match=r"cannot place the trainers: needs CPU 64.* section `placement`"):
+        ActorGroup(cfg)  # the inference workers' group was placed first: it is removed again
+    assert _live_placement_groups() == before
+
+
+@ray.remote(num_cpus=0)
+class _FakeRegistry:
+    """The registry calls Driver.save_new_versions makes, over fixed publications."""
+
+    def __init__(self, history: list[dict], tensors: dict, reports: dict):
+        self.history, self.tensors, self.reports = history, tensors, reports
+
+    def latest_meta(self):
+        return self.history[-1]
+
+    def get_history(self):
+        return self.history
+
+    def get_reports(self):
+        return self.reports
+
+    def get(self, version):
+        return [ray.put(self.tensors[version])]
+
+
+def test_driver_saves_every_new_version_and_logs_its_sync(ray_local, tmp_path):
+    """Two versions published between two polls: both saved (checkpoint + sha256), one ``sync`` record each
+    with the workers that loaded that sha256, and ``sync/broadcast_s`` only where the registry timed the push."""
+    import json
+    from types import SimpleNamespace
+
+    from adaflash_ray.metrics import MetricsSink
+    from adaflash_ray.models import DrafterModelConfig, load_drafter_checkpoint
+    from adaflash_ray.pipeline import Driver
+
+    dcfg = DrafterModelConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=4, vocab_size=32, block_size=4,
+                              target_layer_ids=[1], target_hidden_size=8, num_target_layers=4)
+    tensors = {v: {"fc.weight": torch.full((8, 8), float(v))} for v in (1, 2)}
+    shas = {v: tensors_sha256(t) for v, t in tensors.items()}
+    history = [{"version": 1, "parent_version": 0, "train_step": 2, "sha256": shas[1], "broadcast_s": 0.25},
+               {"version": 2, "parent_version": 1, "train_step": 4, "sha256": shas[2]}]
+    reports = {1: [{"worker": 0, "version": 1, "sha256": shas[1]}, {"worker": 1, "error": "dead"}],
+               2: [{"worker": 0, "version": 2, "sha256": shas[2]}, {"worker": 1, "version": 2, "sha256": shas[2]}]}
+    sink = MetricsSink(tmp_path, "disabled")
+    group = SimpleNamespace(sink=sink, registry=_FakeRegistry.remote(history, tensors, reports))
+    inputs = SimpleNamespace(canary_prompts=[], ckpt_dir=tmp_path / "checkpoints")
+    driver = Driver(load_recipe("recipes/cpu_tiny.yaml"), inputs, group)
+    driver.drafter_cfg = dcfg
+    assert driver.save_new_versions() is True and driver.last_version == 2
+    assert driver.save_new_versions() is False  # nothing newer: nothing saved or logged twice
+    sink.close()
+    assert driver.shas == shas
+    _, saved, meta = load_drafter_checkpoint(tmp_path / "checkpoints" / "v2")
+    assert torch.equal(saved["fc.weight"], tensors[2]["fc.weight"]) and meta["train_step"] == "4"
+    recs = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [{k: v for k, v in r.items() if k.startswith("sync/")} for r in recs] == [
+        {"sync/version": 1, "sync/num_workers_ok": 1, "sync/broadcast_s": 0.25},
+        {"sync/version": 2, "sync/num_workers_ok": 2}]

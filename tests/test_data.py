@@ -199,10 +199,26 @@ def test_iter_json_array_truncated_tail(tmp_path):
     full = json.dumps(records, indent=1)
     path = tmp_path / "a.json"
     path.write_text(full[: len(full) - 60])  # cut inside the last record
-    got = list(data._iter_json_array(path, chunk_chars=64))  # records span chunks
+    got = list(data._iter_json_array(path, buf_size=64))  # records span reads
     assert got == records[:-1]
     path.write_text(full)
-    assert list(data._iter_json_array(path, chunk_chars=100)) == records
+    assert list(data._iter_json_array(path, buf_size=100)) == records
+
+
+@pytest.mark.parametrize("text,expect", [
+    ('', []), ('[]', []), ('[1, 2.5, "x", null]', [1, 2.5, "x", None]), ('[{"a": 1}, {"b": ', [{"a": 1}]),
+    ('[1, 2, }', [1, 2]), ('[1] [2]', [1]), ('{"a": 1}', "an object"), ('"x"', "a string")])
+def test_iter_json_array_malformed(tmp_path, text, expect):
+    """Whatever cannot be parsed ends the array after the last whole element; a file that is no array at all
+    is refused with ValueError naming what it holds."""
+    path = tmp_path / "a.json"
+    path.write_text(text)
+    if isinstance(expect, str):
+        with pytest.raises(ValueError, match=f"expected a JSON array, found {expect}"):
+            list(data._iter_json_array(path))
+    else:
+        got = list(data._iter_json_array(path, buf_size=4))
+        assert got == expect and [type(x) for x in got] == [type(x) for x in expect]
 
 
 @pytest.mark.parametrize("source", EVAL_SOURCES)

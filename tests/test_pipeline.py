@@ -3,7 +3,8 @@
 summary line, the run directory, that every published version reached the worker, plain progress lines
 in the job log, and that Ray's listening sockets are on loopback only; then a second job starting from the
 first one's final checkpoint, after which no actor, placement group or object-store growth is left
-(soak). Slow (~5-7 minutes on 2 cores)."""
+(soak). The first job is the golden cpu_tiny run: its loss curve and summary are checked against
+tests/golden/cpu_tiny.json (tests/test_golden.py). Slow (~5-7 minutes on 2 cores)."""
 from __future__ import annotations
 
 import json
@@ -16,6 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.test_golden import check_golden
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
@@ -156,6 +159,7 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
         assert any((rd / "wandb").glob("offline-run-*"))
         listening = _listening_addresses(_ray_pids(temp_dir))
         assert all(_is_loopback(a) for a in listening), f"Ray listens beyond loopback: {listening}"
+        check_golden(summary, rd)  # the same recipe and seed as tests/test_golden.py: the same loss curve
 
         # soak (issue 9.7): a second job on the same cluster, starting from the first one's final checkpoint;
         # afterwards no actor or placement group is left and the object store did not grow

@@ -222,6 +222,24 @@ def test_load_drafter_call_order_and_version(backend):
     assert all(torch.equal(backend.engine.draft[k], new[k]) for k in new)
 
 
+def test_versions_rise_unless_rollback(backend):
+    """SpecEngine.load_drafter's rule: the first load may repeat version 0, later ones must rise; an older (or
+    the same) version only with ``rollback=True`` - refused before anything is sent, the old drafter kept."""
+    v0 = backend.drafter_tensors()
+    backend.load_drafter(v0, 0)  # the driver's initial version-0 load on a fresh start
+    v2 = _perturbed(backend, 0.1)
+    sha2 = backend.load_drafter(v2, 2)
+    for version in (1, 2):
+        n0 = len(_calls(backend))
+        with pytest.raises(CheckpointError, match=f"version {version} refused: the engine serves version 2"):
+            backend.load_drafter(_perturbed(backend, 0.2), version)
+        assert _calls(backend)[n0:] == [] and backend.loaded_version() == {"version": 2, "sha256": sha2}
+    sha0 = backend.load_drafter(v0, 0, rollback=True)
+    assert backend.loaded_version() == {"version": 0, "sha256": sha0} and backend.num_reloads == 3
+    backend.load_drafter(v2, 1, sha2)  # rising again from there, as the held-out evaluation of every version does
+    assert backend.loaded_version() == {"version": 1, "sha256": sha2}
+
+
 def test_in_place_pause_never_flushes(tmp_path):
     b = SGLangBackend(_cfg(pause_mode="in_place"), tmp_path / "w", model_path=str(_write_target(tmp_path)),
                       engine_factory=FakeEngine, io=FAKE_IO).start()

@@ -11,7 +11,7 @@ An :class:`~adaflash_ray.actors.inference_worker.InferenceWorker` serves through
 The protocol is what the worker (and Ray Serve) call; every method is blocking and thread-safe::
 
     backend.generate(prompts, max_new_tokens=64, temperature=0.0, ignore_eos=False, record=False) -> list[dict]
-    backend.load_drafter(tensors, version, sha256=None, config=None) -> sha256   # SpecEngine.load_drafter's order
+    backend.load_drafter(tensors, version, sha256=None, config=None, rollback=False) -> sha256   # as SpecEngine's
     backend.loaded_version() -> {"version", "sha256"}
     backend.stats() -> dict[str, float]            # the same spec/* keys as the built-in engine's worker
 
@@ -37,9 +37,9 @@ class InferenceBackend(Protocol):
         ...
 
     def load_drafter(self, tensors: dict[str, torch.Tensor], version: int, sha256: str | None = None,
-                     config=None) -> str:
-        """Swap in drafter ``version`` (argument order of ``SpecEngine.load_drafter``); returns its sha256;
-        raises CheckpointError (old drafter still loaded) when refused."""
+                     config=None, rollback: bool = False) -> str:
+        """Swap in drafter ``version`` (arguments and version rule of ``SpecEngine.load_drafter``: versions rise
+        unless ``rollback``); returns its sha256; raises CheckpointError (old drafter still loaded) when refused."""
         ...
 
     def loaded_version(self) -> dict:

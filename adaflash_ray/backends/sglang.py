@@ -475,15 +475,22 @@ class SGLangBackend:
                      config: DrafterModelConfig | dict | None = None, rollback: bool = False) -> str:
         """Swap in drafter ``version``: check -> pause -> draft-only update -> checksum -> continue.
 
-        Same signature as ``SpecEngine.load_drafter`` so the InferenceWorker drives both alike; the version order
-        (and so ``rollback``) is the worker's business, any version label is accepted here.
+        Same signature and version rule as ``SpecEngine.load_drafter``, so the InferenceWorker drives both alike:
+        versions only rise - the first load may repeat the startup version 0, every later one must be greater -
+        unless ``rollback=True`` names an older (or the same) version explicitly (the τ canary's roll back, the
+        held-out evaluation of every version).
         Returns the sha256 of ``tensors`` as received (checkpoint.tensors_sha256).
         Raises:
-            CheckpointError: sha256 mismatch, a different architecture, wrong names/shapes/non-finite values
-                (nothing sent), or SGLang refused the update / the draft checksum does not fit (the previous
-                version is pushed back). The old drafter stays loaded.
+            CheckpointError: the version does not rise (without ``rollback``), sha256 mismatch, a different
+                architecture, wrong names/shapes/non-finite values (nothing sent), or SGLang refused the update /
+                the draft checksum does not fit (the previous version is pushed back). The old drafter stays
+                loaded.
             RuntimeError: the target's checksum changed (never expected; the worker must restart).
         """
+        current = self.drafter_version
+        if not rollback and (version < current or (version == current and self.num_reloads > 0)):
+            raise CheckpointError(f"drafter version {version} refused: the engine serves version {current} "
+                                  "(versions must rise; pass rollback=True to return to an older one)")
         if isinstance(config, dict):
             config = DrafterModelConfig(**config)
         mine = self.drafter_config

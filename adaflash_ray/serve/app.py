@@ -89,29 +89,37 @@ async def _internal_error(_: Request, e: Exception) -> JSONResponse:
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 class DistillCoordinator:
-    """Live distillation beside the replicas: TrajectoryBuffer, WeightRegistry, DistillTrainer x M.
+    """Live distillation beside the replicas: TrajectoryBuffer, WeightRegistry, DistillTrainer x M - the main
+    job's :class:`~adaflash_ray.actors.group.ActorGroup` with no inference workers (trainers on their own
+    placement group).
 
     Publishes version 0 (the trainer's initial weights) before answering, then trains on the served
     traffic and publishes ``distill.num_versions`` versions, every ``distill.publish_every`` steps.
     """
 
     def __init__(self, cfg: dict):
-        from adaflash_ray.actors import DistillTrainer, TrajectoryBuffer, WeightRegistry
+        from adaflash_ray.actors import ActorGroup
 
         _bind_replica_grpc_to_node_ip()  # Serve pickles this class by value: the module import may not run here
         self.cfg = RunConfig.model_validate(cfg)
-        c, pl = self.cfg, self.cfg.placement
-        self.buffer = TrajectoryBuffer.remote(c.buffer.capacity, c.distill.max_version_lag, c.buffer.spill_dir)
-        self.registry = WeightRegistry.remote()
-        self.trainers = [DistillTrainer.options(num_cpus=pl.cpus_per_trainer, num_gpus=pl.gpus_per_trainer)
-                         .remote(cfg, r, pl.num_trainers) for r in range(pl.num_trainers)]
-        addr, port = ray.get(self.trainers[0].master_address.remote())
-        ray.get([t.setup.remote(addr, port) for t in self.trainers])
-        refs, sha0, dcfg = ray.get(self.trainers[0].initial_weights.remote())
-        ray.get(self.registry.publish.remote(0, -1, 0, refs, sha0, dcfg))
-        self.runs = [t.run.remote(self.buffer, self.registry) for t in self.trainers]
+        # the main job's actor group with no inference workers: the Serve replicas are the inference side
+        self.group = ActorGroup(self.cfg, num_inference_workers=0)
+        self.buffer, self.registry, self.trainers = self.group.buffer, self.group.registry, self.group.trainers
+        try:
+            self.group.setup_trainers()
+            refs, sha0, dcfg = ray.get([t.initial_weights.remote() for t in self.trainers])[0]  # every rank: ZeRO-3
+            ray.get(self.registry.publish.remote(0, -1, 0, refs, sha0, dcfg))
+        except BaseException:  # Serve retries the constructor: leave no placement group behind
+            self.group.shutdown()
+            raise
+        self.runs = self.group.start_training()
         self.last_train: dict = {}
         self.error: str | None = None
+
+    def __del__(self):  # Serve calls it on a graceful shutdown: the trainers' placement group goes with it
+        group = getattr(self, "group", None)
+        if group is not None:
+            group.shutdown()
 
     def handles(self) -> tuple:
         """(TrajectoryBuffer, WeightRegistry) actor handles for the replicas."""

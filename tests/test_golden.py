@@ -1,0 +1,156 @@
+"""Golden run: the main job on ``recipes/cpu_tiny.yaml`` (seed 0) must reproduce the recorded loss curve and
+summary (tests/golden/cpu_tiny.json), so a refactor of the driver cannot change what it does unnoticed
+(torchtitan's rule: a refactor reproduces the same loss under a fixed seed).
+
+What is compared, and the tolerances (observed run-to-run spread on 2 CPU cores, 6 runs in-process - one of
+them beside a competing CPU-bound process - and one through ``ray job submit``: the loss curve, eval τ / draft
+waste and the fresh-trajectory count were bit-identical; ``prompts_fed`` 18-21, ``serve_tau`` of version 1
+1.007-1.017, which canary decodes ran before the next version replaced them, and a sync record's
+``num_workers_ok`` (0 when the driver reads the registry while it is still pushing that version) varied with
+thread timing):
+
+- exact: ``final_version`` 3, ``train_steps`` 6, ``serving_version``, ``workers_loaded_final``,
+  ``versions_rising``, ``trainer_restarts`` 0, no canary rollback, nothing counted twice or lost, eval
+  versions {0..3}, checkpoints v0..v3, one ``sync`` record per version 1..3 (in order), the metric
+  kinds, the train steps 1..6 and the drafter version each step trained with;
+- ``train/loss`` per step: relative :data:`LOSS_RTOL` (2 %), and the last step's loss below the first's;
+- eval τ and eval draft waste per version: absolute :data:`TAU_ATOL` (0.02);
+- ``trajectories.trained_fresh``: within :data:`FRESH_ATOL` (2) of the golden value;
+- not compared (timing): ``serve_tau``, ``prompts_fed`` (only >= trained_fresh), the sync records'
+  ``num_workers_ok`` (only within 0..1; ``workers_loaded_final`` is the end check), buffer depth, utilisation,
+  wall time, the canary τ of versions other than 0 (a decode may be skipped when a newer version replaced it).
+
+Regenerate (after a deliberate change of what the job computes, saying why in the commit):
+    ADAFLASH_REGEN_GOLDEN=1 python -m pytest -q tests/test_golden.py
+Run: python -m pytest -q tests/test_golden.py   (about a minute on 2 CPU cores)
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "golden" / "cpu_tiny.json"
+RECIPE = ROOT / "recipes" / "cpu_tiny.yaml"
+OVERRIDES = ["logging.wandb_mode=disabled"]  # no sink outside the run directory; nothing else changes
+LOSS_RTOL = 0.02
+TAU_ATOL = 0.02
+FRESH_ATOL = 2
+EXACT = ("final_version", "train_steps", "serving_version", "workers_loaded_final", "versions_rising",
+         "trainer_restarts", "num_eval_prompts")
+
+
+def observed(summary: dict, run_dir: Path) -> dict:
+    """The golden fields of one finished run: its summary plus the records of ``metrics.jsonl``."""
+    recs = [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r["kind"] == "train" and "train/loss" in r]
+    return {
+        **{k: summary[k] for k in EXACT},
+        "loss": [[int(r["train/step"]), int(r["train/version"]), r["train/loss"]] for r in train],
+        "eval_tau": summary["eval_tau"], "eval_draft_waste": summary["eval_draft_waste"],
+        "trained_fresh": summary["trajectories"]["trained_fresh"],
+        "counted_twice": summary["trajectories"]["counted_twice"],
+        "lost_owner_died": summary["trajectories"]["lost_owner_died"],
+        "rollbacks": summary["canary"]["rollbacks"],
+        "canary_tau_v0": summary["canary"]["tau"].get("0"),
+        "sync": [int(r["sync/version"]) for r in recs if r["kind"] == "sync"],
+        "sync_workers_ok": [int(r["sync/num_workers_ok"]) for r in recs if r["kind"] == "sync"],
+        "kinds": sorted({r["kind"] for r in recs}),
+        "checkpoints": sorted(p.name for p in (Path(run_dir) / "checkpoints").iterdir()),
+        "prompts_fed": summary["prompts_fed"],
+    }
+
+
+def differences(got: dict, golden: dict) -> list[str]:
+    """Every way ``got`` (from :func:`observed`) falls outside the tolerances of the module docstring."""
+    bad = []
+    for k in (*EXACT, "counted_twice", "lost_owner_died", "rollbacks", "sync", "kinds", "checkpoints"):
+        if got[k] != golden[k]:
+            bad.append(f"{k}: {got[k]!r} != golden {golden[k]!r}")
+    if [s[:2] for s in got["loss"]] != [s[:2] for s in golden["loss"]]:
+        bad.append(f"train (step, version): {[s[:2] for s in got['loss']]} != golden "
+                   f"{[s[:2] for s in golden['loss']]}")
+    for (step, _, loss), (_, _, want) in zip(got["loss"], golden["loss"]):
+        if loss is None or abs(loss - want) > LOSS_RTOL * abs(want):
+            bad.append(f"train/loss at step {step}: {loss} != golden {want:.6g} (rtol {LOSS_RTOL})")
+    if got["loss"] and not got["loss"][-1][2] < got["loss"][0][2]:
+        bad.append(f"loss did not fall: first {got['loss'][0][2]}, last {got['loss'][-1][2]}")
+    for key in ("eval_tau", "eval_draft_waste"):
+        if set(got[key]) != set(golden[key]):
+            bad.append(f"{key} versions {sorted(got[key])} != golden {sorted(golden[key])}")
+        for v in sorted(set(got[key]) & set(golden[key])):
+            if got[key][v] is None or abs(got[key][v] - golden[key][v]) > TAU_ATOL:
+                bad.append(f"{key}[{v}]: {got[key][v]} != golden {golden[key][v]} (atol {TAU_ATOL})")
+    if got["canary_tau_v0"] is None or abs(got["canary_tau_v0"] - golden["canary_tau_v0"]) > TAU_ATOL:
+        bad.append(f"canary τ of version 0: {got['canary_tau_v0']} != golden {golden['canary_tau_v0']}")
+    if abs(got["trained_fresh"] - golden["trained_fresh"]) > FRESH_ATOL:
+        bad.append(f"trained_fresh {got['trained_fresh']} != golden {golden['trained_fresh']} (± {FRESH_ATOL})")
+    if not all(0 <= n <= 1 for n in got["sync_workers_ok"]):  # cpu_tiny: one inference worker
+        bad.append(f"sync/num_workers_ok {got['sync_workers_ok']} outside 0..1")
+    if got["prompts_fed"] < got["trained_fresh"]:
+        bad.append(f"prompts_fed {got['prompts_fed']} < trained_fresh {got['trained_fresh']}")
+    return bad
+
+
+def _write_golden(values: dict) -> None:
+    """One field a line (the loss curve one step a line), so a regeneration reads as a short diff."""
+    lines = []
+    for k, v in values.items():
+        body = ("[\n" + ",\n".join(f"  {json.dumps(x)}" for x in v) + "\n ]") if k == "loss" else json.dumps(v)
+        lines.append(f" {json.dumps(k)}: {body}")
+    GOLDEN.write_text("{\n" + ",\n".join(lines) + "\n}\n")
+    assert json.loads(GOLDEN.read_text()) == values
+
+
+def check_golden(summary: dict, run_dir: Path) -> None:
+    """Assert a finished cpu_tiny run matches tests/golden/cpu_tiny.json, or (ADAFLASH_REGEN_GOLDEN=1) rewrite it."""
+    got = observed(summary, run_dir)
+    if os.environ.get("ADAFLASH_REGEN_GOLDEN") == "1":
+        _write_golden({"_comment": f"tests/test_golden.py: cpu_tiny, seed 0, --set {' '.join(OVERRIDES)}; see "
+                       "tests/golden/README.md", **got})
+        return
+    bad = differences(got, json.loads(GOLDEN.read_text()))
+    assert not bad, "the cpu_tiny run left its golden values:\n  " + "\n  ".join(bad)
+
+
+@pytest.mark.slow
+def test_cpu_tiny_run_matches_golden(tmp_path, capsys, monkeypatch):
+    """The whole job through its CLI (``main``), local Ray on 127.0.0.1: exit 0, the last stdout line is the
+    summary (also summary.json), and loss curve + summary match the golden values."""
+    from adaflash_ray.pipeline import main
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    run_dir = tmp_path / "run"
+    argv = ["--recipe", str(RECIPE), "--run-dir", str(run_dir)]
+    for o in OVERRIDES:
+        argv += ["--set", o]
+    assert main(argv) == 0
+    summary = json.loads([ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")][-1])
+    assert summary == json.loads((run_dir / "summary.json").read_text())
+    check_golden(summary, run_dir)
+
+
+def test_golden_check_catches_a_change():
+    """The comparison can fail: a changed loss, a missing version, a lost sync record, a lower τ."""
+    golden = json.loads(GOLDEN.read_text())
+    assert differences(copy.deepcopy(golden), golden) == []
+    loss = copy.deepcopy(golden)
+    loss["loss"][2][2] *= 1 + 3 * LOSS_RTOL
+    assert any("train/loss at step 3" in d for d in differences(loss, golden))
+    missing = copy.deepcopy(golden)
+    missing["final_version"] -= 1
+    del missing["eval_tau"][str(golden["final_version"])]
+    missing["sync"].pop()
+    got = differences(missing, golden)
+    assert any(d.startswith("final_version") for d in got) and any(d.startswith("sync") for d in got)
+    assert any(d.startswith("eval_tau versions") for d in got)
+    tau = copy.deepcopy(golden)
+    tau["eval_tau"]["1"] -= 2 * TAU_ATOL
+    assert any(d.startswith("eval_tau[1]") for d in differences(tau, golden))
+    flat = copy.deepcopy(golden)
+    flat["loss"][-1][2] = flat["loss"][0][2] * 1.5
+    assert any("loss did not fall" in d for d in differences(flat, golden))

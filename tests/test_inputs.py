@@ -1,0 +1,66 @@
+"""The main job's first phase alone (adaflash_ray/inputs.py): ``prepare_inputs`` resolves and checks the real
+inputs without Ray - run directory and config.yaml, training / held-out eval / canary prompt sets, disjoint -
+and refuses bad input before anything is written.
+
+Run: python -m pytest -q tests/test_inputs.py   (a few seconds: the real tokenizer and data packages)
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from adaflash_ray.config import RecipeError, load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = str(ROOT / "recipes" / "cpu_tiny.yaml")
+
+_PROBE = """
+import json, sys
+from adaflash_ray.config import load_recipe
+from adaflash_ray.inputs import prepare_inputs
+inp = prepare_inputs(load_recipe(sys.argv[1]), sys.argv[2])
+texts = lambda ps: {m["content"] for p in ps.prompts for m in p.messages}
+print(json.dumps({"ray_imported": "ray" in sys.modules, "run_dir": str(inp.run_dir), "ckpt_dir": str(inp.ckpt_dir),
+                  "state_dir": inp.state_dir, "num_train": len(inp.train), "num_eval": len(inp.evalp),
+                  "num_canary": len(inp.canary_prompts),
+                  "canary_in_eval": any(c in list(inp.evalp) for c in inp.canary_prompts),
+                  "eval_in_train": bool(texts(inp.evalp) & texts(inp.train)),
+                  "ids_are_ints": all(isinstance(t, int) for p in (*inp.train, *inp.evalp) for t in p)}))
+"""
+
+
+def test_prepare_inputs_alone_without_ray(tmp_path):
+    """In a fresh interpreter: every input of the cpu_tiny recipe prepared, and Ray never imported."""
+    out = subprocess.run([sys.executable, "-c", _PROBE, RECIPE, str(tmp_path / "run")], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    cfg = load_recipe(RECIPE)
+    run_dir = (tmp_path / "run").resolve()
+    assert got["ray_imported"] is False
+    assert got["run_dir"] == str(run_dir) and got["ckpt_dir"] == str(run_dir / "checkpoints")
+    assert got["state_dir"] == str(run_dir / "trainer_state")
+    assert 0 < got["num_train"] <= cfg.data.num_train_prompts and got["num_eval"] == cfg.data.num_eval_prompts
+    assert got["num_canary"] == cfg.distill.canary_prompts
+    assert not got["canary_in_eval"] and not got["eval_in_train"] and got["ids_are_ints"]
+    assert load_recipe(str(run_dir / "config.yaml")) == cfg  # the resolved recipe, readable back
+
+
+def test_prepare_inputs_refuses_bad_layer_ids_before_writing(tmp_path):
+    from adaflash_ray.inputs import prepare_inputs
+
+    cfg = load_recipe(RECIPE, ["drafter.target_layer_ids=[1,8,14,20,99]"])  # SmolLM2-135M has 30 layers
+    with pytest.raises(RecipeError, match=r"target_layer_ids \[1, 8, 14, 20, 99\] out of range .* 30 layers"):
+        prepare_inputs(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_no_canary_prompts_when_the_canary_is_off(tmp_path):
+    from adaflash_ray.inputs import prepare_inputs
+
+    inp = prepare_inputs(load_recipe(RECIPE, ["distill.canary_prompts=0"]), tmp_path / "run")
+    assert inp.canary_prompts == [] and (inp.run_dir / "config.yaml").is_file()
