@@ -15,6 +15,8 @@ read the registry themselves), as TitanRL / OpenRLHF / slime group their actors 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from pathlib import Path
 
 import ray
@@ -121,6 +123,24 @@ class ActorGroup:
     def setup_trainers(self, state_dir: str | None = None, resume: bool = False) -> list[dict]:
         """Rendezvous and build every trainer rank (:func:`recovery.setup_trainers`); one dict per rank."""
         return recovery.setup_trainers(self.trainers, state_dir, resume)
+
+    def join_weight_group(self, rendezvous_dir: Path | str) -> str:
+        """``distill.weight_sync: collective``: build the weight broadcast group - trainer rank 0 sends, every
+        inference worker receives (adaflash_ray.distill.weight_sync) - after :meth:`setup_trainers`. One node:
+        a file rendezvous under ``rendezvous_dir`` (no listening socket); several: a TCP store on trainer
+        rank 0's node. Returns the rendezvous. Raises ValueError when there are no workers to join."""
+        if not self.workers:
+            raise ValueError("distill.weight_sync: collective needs inference workers in the group")
+        nodes = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+        if len(nodes) == 1:
+            rdv = f"file://{Path(rendezvous_dir).resolve() / f'weight_sync_{os.getpid()}_{time.time_ns()}'}"
+        else:
+            host, port = ray.get(self.trainers[0].master_address.remote())
+            rdv = f"tcp://{host}:{port}"
+        size = 1 + len(self.workers)
+        ray.get([self.trainers[0].join_weight_group.remote(rdv, size)]
+                + [w.join_weight_group.remote(rdv, size, i + 1) for i, w in enumerate(self.workers)])
+        return rdv
 
     def start_training(self) -> list:
         """Start ``DistillTrainer.run`` on every rank; returns (and keeps, as ``runs``) their refs."""

@@ -160,6 +160,8 @@ class Driver:
         if resume:
             self.shas.update(recovery.saved_versions(inp.ckpt_dir))
         setup = g.setup_trainers(inp.state_dir, resume)
+        if self.cfg.distill.weight_sync == "collective":
+            console.print(f"weight sync: collective broadcast group {g.join_weight_group(inp.run_dir)}", markup=False)
         self.last_version, self.dcfg, sha = recovery.sync_version(g.trainers, g.workers, g.registry, g.buffer,
                                                                    inp.ckpt_dir, self.shas)
         self.drafter_cfg = DrafterModelConfig(**self.dcfg)
@@ -360,6 +362,7 @@ class Driver:
                           f"{serve_mean[v]:.3f}" if v in serve_mean else "-")
         Console().print(table)
         t0 = train_summary[0]
+        published = [h for h in ray.get(g.registry.get_history.remote()) if "broadcast_s" in h]
         summary = {"run_dir": str(run_dir), "final_version": max(r["final_version"] for r in train_summary),
                    "eval_tau": {str(k): round(v, 4) for k, v in eval_tau.items()},
                    "eval_draft_waste": {str(k): round(v, 4) for k, v in eval_waste.items()},
@@ -373,6 +376,12 @@ class Driver:
                               "rollbacks": [{k: r[k] for k in ("from_version", "to_version", "reason")}
                                             for r in ray.get(g.registry.get_rollbacks.remote())]},
                    "versions_rising": recovery.versions_rising(ray.get(g.registry.get_history.remote())),
+                   # publish -> every worker loaded, per version (issue 6.6), and the path it took
+                   "weight_sync": {"mode": cfg.distill.weight_sync,
+                                   "broadcast_s": {str(h["version"]): round(h["broadcast_s"], 4) for h in published},
+                                   "path": {str(h["version"]): h.get("path") for h in published},
+                                   "num_fallbacks": sum(h.get("num_fallbacks", 0) for h in published),
+                                   "num_bytes": published[-1]["num_bytes"] if published else None},
                    "trajectories": {"trained_fresh": t0["num_fresh"], "counted_twice": t0["num_counted_twice"],
                                     "lost_owner_died": t0["num_lost"],
                                     "duplicates_delivered_not_retrained": t0["num_duplicates_skipped"],

@@ -142,6 +142,7 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
             return job, json.loads([ln for ln in job.stdout.splitlines() if ln.startswith("{")][-1])
 
         job, summary = submit("--run-dir", str(run_dir), "--set", "logging.wandb_mode=offline",
+                              "--set", "distill.max_reuse=1", "--set", "distill.canary_prompts=0",  # as golden
                               "--set", "logging.progress=true", "--set", "logging.progress_every_s=5")
         assert summary["final_version"] == 3
         # no terminal under `ray job submit`: plain progress lines show the run moving (issue 9.6)
