@@ -163,7 +163,7 @@ class DistillTrainer:
                     sha = tensors_sha256(tensors)
                     t_pub = time.perf_counter()
                     ref = ray.put(tensors)
-                    if self.weight_group is not None and not ray.get(registry.weight_group_ready.remote()):
+                    if self.weight_group is not None and not ray.get(registry.weight_group_ready.remote(new_version)):
                         print("DistillTrainer rank 0: a worker left the weight broadcast group (restarted?); "
                               "this and later versions go through the object store", flush=True)
                         self.weight_group.close()
@@ -185,6 +185,9 @@ class DistillTrainer:
                     m["train/time_up"] = 1.0  # distill.max_train_s spent: this was the last version
             with self._lock:
                 self._metrics.append(m)
+        if self.weight_group is not None:
+            self.weight_group.close()
+            self.weight_group = None
         core.close()  # ends the process group, removes the rendezvous file
         return {"rank": self.rank, "final_version": self.version, "steps": core.global_step,
                 "seconds": time.time() - t_start, "num_fresh": len(self.fresh_ids),
@@ -214,7 +217,11 @@ class DistillTrainer:
         except Exception as e:  # noqa: BLE001 - any failure: the registry's object-store fallback delivers
             print(f"DistillTrainer rank 0: weight broadcast failed ({type(e).__name__}: {str(e)[:300]}); "
                   "this and later versions go through the object store", flush=True)
-            self.weight_group = None
+            group, self.weight_group = self.weight_group, None
+            try:
+                group.close()
+            except Exception as e2:  # noqa: BLE001 - a broken group may not close cleanly
+                print(f"DistillTrainer rank 0: closing the weight group failed: {e2!r}", flush=True)
             return False
 
     def _fetch(self, items: list) -> tuple[list, list]:

@@ -35,11 +35,12 @@ class _Swap:
     """Command for the engine thread: load (or, with ``rollback``, return to) a drafter version."""
 
     version: int
-    tensors: dict
+    tensors: dict | None  # None with ``receive``: the engine thread receives them from the weight group
     sha256: str | None
     config: DrafterModelConfig | None
     rollback: bool
     done: _Pending
+    receive: bool = False
 
 
 @dataclass
@@ -136,7 +137,8 @@ class InferenceWorker:
                     cmd.done.event.set()
                     continue
                 try:
-                    cmd.done.result = self._apply_swap(cmd.version, cmd.tensors, cmd.sha256, cmd.config, cmd.rollback)
+                    tensors = self._receive_now() if cmd.receive else cmd.tensors
+                    cmd.done.result = self._apply_swap(cmd.version, tensors, cmd.sha256, cmd.config, cmd.rollback)
                     self._g_version.set(eng.drafter_version)
                 except Exception as e:  # refused: old drafter stays loaded
                     cmd.done.error = e
@@ -250,12 +252,30 @@ class InferenceWorker:
         is not in a weight group, and whatever the broadcast or the swap raises (the registry then falls
         back to the object store for this worker)."""
         if self._weight_group is None:
-            raise RuntimeError(f"worker {self.index}: not in a weight broadcast group (restarted?)")
+            raise RuntimeError(f"worker {self.index}: not in a weight broadcast group (restarted, or a failed receive)")
+        return self._queue_swap(version, None, sha256, config, timeout_s, rollback=False, receive=True)
+
+    def _receive_now(self) -> dict:
+        """Engine thread only (between steps, so no CUDA-graph capture runs beside it): allocate the receive
+        buffers and take part in the broadcast. Any failure leaves the group for good (its collectives would
+        be out of step), so the next publication goes through the object store."""
         dtype = getattr(torch, self.cfg.model.dtype)  # the serving dtype the trainer publishes in
         bufs = {k: torch.empty(v.shape, dtype=dtype, device=v.device)
                 for k, v in self.engine.drafter_tensors().items()}
-        self._weight_group.broadcast(bufs)
-        return self._queue_swap(version, bufs, sha256, config, timeout_s, rollback=False)
+        try:
+            self._weight_group.broadcast(bufs)
+        except BaseException:
+            self._leave_weight_group()
+            raise
+        return bufs
+
+    def _leave_weight_group(self) -> None:
+        group, self._weight_group = self._weight_group, None
+        if group is not None:
+            try:
+                group.close()
+            except Exception as e:  # noqa: BLE001 - closing a broken group may fail too; the worker goes on
+                print(f"[worker {self.index}] closing the weight group failed: {e!r}", flush=True)
 
     def rollback_drafter(self, version: int, tensors: dict, sha256: str | None = None,
                          config: dict | None = None, timeout_s: float = 600.0) -> dict:
@@ -264,11 +284,12 @@ class InferenceWorker:
         version newer than the loaded one (that is a :meth:`load_drafter`) or a bad drafter."""
         return self._queue_swap(version, tensors, sha256, config, timeout_s, rollback=True)
 
-    def _queue_swap(self, version, tensors, sha256, config, timeout_s: float, rollback: bool) -> dict:
+    def _queue_swap(self, version, tensors, sha256, config, timeout_s: float, rollback: bool,
+                    receive: bool = False) -> dict:
         cfg = DrafterModelConfig(**config) if isinstance(config, dict) else config
         pe = _Pending()
         with self._wake:
-            self._commands.append(_Swap(version, tensors, sha256, cfg, rollback, pe))
+            self._commands.append(_Swap(version, tensors, sha256, cfg, rollback, pe, receive))
             self._wake.notify()
         if not pe.event.wait(timeout_s):
             raise TimeoutError(f"worker {self.index}: weight swap to version {version} not applied in {timeout_s}s")
@@ -393,5 +414,6 @@ class InferenceWorker:
             self._stop = True
             self._wake.notify()
         self._thread.join(timeout=10)
+        self._leave_weight_group()
         if self.backend is not None:
             self.backend.shutdown()

@@ -74,14 +74,20 @@ class WeightRegistry:
         # worker's fetch (or collective receive) + hot reload between its engine steps (issue 6.6)
         entry["broadcast_s"] = time.perf_counter() - t0
         entry["num_bytes"] = sum(int(t.numel()) * t.element_size() for t in value.values())
-        entry["path"] = "collective" if collective else "object_store"
+        entry["path"] = ("collective" if collective and entry.get("num_fallbacks", 0) < len(reports)
+                         else "object_store")  # every worker fell back: the version went through the store
         self.reports[version] = reports
         return reports
 
-    async def weight_group_ready(self, timeout_s: float = 10.0) -> bool:
+    async def weight_group_ready(self, version: int, timeout_s: float = 10.0) -> bool:
         """True iff every subscriber answers that it is still in the weight broadcast group - asked before
-        a collective publication, so a restarted (or dead) worker sends the version down the object-store
-        path instead of leaving the sender's broadcast waiting for a member that is gone."""
+        a collective publication of ``version``, so a restarted (or dead) worker sends the version down the
+        object-store path instead of leaving the sender's broadcast waiting for a member that is gone.
+        Raises ValueError at once when ``version`` is not newer than the latest (as :meth:`publish` would),
+        before the sender starts a broadcast nobody will receive."""
+        newest = max((h["version"] for h in self.history), default=None)
+        if newest is not None and version <= newest:
+            raise ValueError(f"version {version} is not newer than the latest {newest}")
         if not self.subscribers:
             return False
         try:

@@ -444,6 +444,12 @@ def main(argv: list[str] | None = None) -> int:
     if ns.weight_sync:
         if ns.shape is None or min(ns.sync_layers) < 1 or ns.sync_receivers < 1:
             parser.error("--weight-sync needs --shape, --sync-layers >= 1 and --sync-receivers >= 1")
+        from adaflash_ray.shapes import ShapeError, shape_config
+
+        try:
+            shape_config(ns.shape)  # a bad name fails here, before Ray starts
+        except ShapeError as e:
+            parser.error(f"--shape {ns.shape!r}: {e}")
         from adaflash_ray.weight_sync_bench import bench_weight_sync
 
         try:

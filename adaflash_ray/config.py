@@ -324,6 +324,10 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> RunConfig:
+        d = self.distill
+        if d.lr_decay_steps and d.lr_decay_steps <= d.warmup_steps:
+            raise ValueError(f"distill.lr_decay_steps ({d.lr_decay_steps}) must be > distill.warmup_steps "
+                             f"({d.warmup_steps}): the cosine runs from the end of the warmup to that step (0 = no decay)")
         if self.distill.weight_sync == "collective" and self.engine.backend != "torch":
             raise ValueError(f"distill.weight_sync: collective needs engine.backend: torch (the {self.engine.backend} "
                              "engine runs in a process of its own); use weight_sync: object_store")

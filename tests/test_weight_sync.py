@@ -71,16 +71,22 @@ def test_weight_sync_bench_both_paths_deliver_the_tensors():
 
 
 def _mismatched_member(path: str, rank: int, queue) -> None:
-    g = WeightBroadcastGroup(f"file://{path}", rank, 2, "cpu", timeout_s=10)
+    g = WeightBroadcastGroup(f"file://{path}", rank, 2, "cpu", timeout_s=20)
     held = {"w": torch.ones(6)} if rank == 0 else {"w": torch.zeros(5)}  # the receiver's drafter is smaller
+    out = []
     try:
         g.broadcast(held)
-        queue.put((rank, "ok"))
-    except Exception as e:  # noqa: BLE001 - the message travels back to the test
-        queue.put((rank, f"{type(e).__name__}: {e}"))
+        out.append("ok")
+    except ValueError as e:
+        out.append(f"ValueError: {e}")
+    # the group stays in step: the next (matching) version goes through
+    nxt = {"w": torch.full((3,), 7.0)} if rank == 0 else {"w": torch.zeros(3)}
+    out.append(g.broadcast(nxt))
+    out.append(nxt["w"].tolist())
+    queue.put((rank, out))
 
 
-def test_receiver_with_other_tensors_fails_naming_both_manifests(tmp_path):
+def test_mismatched_receiver_fails_on_every_member_and_the_group_stays_in_step(tmp_path):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_mismatched_member, args=(str(tmp_path / "rdv"), r, queue)) for r in range(2)]
@@ -89,7 +95,10 @@ def test_receiver_with_other_tensors_fails_naming_both_manifests(tmp_path):
     got = dict(queue.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(30)
-    assert got[1].startswith("ValueError") and "[1, 6, 24]" in got[1] and "[1, 5, 20]" in got[1]
+    for rank in (0, 1):  # the sender learns it too: nothing was sent, nobody reads a payload of another size
+        assert got[rank][0].startswith("ValueError") and "[1, 6, 24]" in got[rank][0], got[rank]
+        assert "[1, 5, 20]" in got[1][0] and "nothing was sent" in got[rank][0]
+        assert got[rank][1:] == [12, [7.0, 7.0, 7.0]], got[rank]
 
 
 @pytest.mark.slow

@@ -56,7 +56,18 @@ class WeightBroadcastGroup:
         if self.device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
-            self.pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+            # a timed-out broadcast must raise (the caller falls back to the object store), not have the NCCL
+            # watchdog tear the whole process down (torch's default, 3): mode 2 aborts the communicator only.
+            # Read when this group is built, so the trainer's DeepSpeed group keeps its own setting.
+            old = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+            try:
+                self.pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+            finally:
+                if old is None:
+                    os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+                else:
+                    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = old
         else:
             if rendezvous.startswith("file://"):  # one node: gloo's own sockets stay on loopback
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -67,8 +78,8 @@ class WeightBroadcastGroup:
         """Rank 0: send ``tensors``; other ranks: receive into ``tensors`` (same names, shapes and dtypes,
         on ``device``), in place. One flat buffer per dtype, one collective each. Returns the bytes moved.
         Raises:
-            ValueError: a tensor not on this group's device; (receiver) the sender's manifest differs from
-                ``tensors`` (the sender then times out: ``timeout_s``).
+            ValueError: a tensor not on this group's device; on every member, when a receiver's tensors differ
+                from the sender's (tensors, elements, bytes) - the payload is then skipped by all, in step.
             RuntimeError / DistBackendError: a member is gone (after ``timeout_s``).
         """
         names = sorted(tensors)
@@ -87,9 +98,16 @@ class WeightBroadcastGroup:
                             dtype=torch.int64, device=self.device)
         head = mine.clone()
         self.pg.broadcast([head], opts).wait()
-        if self.rank != 0 and not torch.equal(head, mine):
-            raise ValueError(f"weight broadcast: the sender sends (tensors, elements, bytes) {head.tolist()}, this "
-                             f"receiver (rank {self.rank}) holds {mine.tolist()}; the group is no longer usable")
+        # every member learns whether every receiver matched (MIN of a flag), so all skip the payload together
+        # and stay in step; each raises, the sender included
+        match = torch.tensor([int(torch.equal(head, mine))], dtype=torch.int32, device=self.device)
+        ar = dist.AllreduceOptions()
+        ar.reduceOp = dist.ReduceOp.MIN
+        self.pg.allreduce([match], ar).wait()
+        if not int(match.item()):
+            raise ValueError(f"weight broadcast: the sender sends (tensors, elements, bytes) {head.tolist()}, "
+                             f"rank {self.rank} holds {mine.tolist()}" + ("" if self.rank == 0 or torch.equal(
+                                 head, mine) else " (this rank differs)") + "; nothing was sent")
         total = 0
         for dtype in sorted(by_dtype, key=str):
             group = [tensors[n] for n in by_dtype[dtype]]
