@@ -411,7 +411,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--context", type=int, default=512, help="prefilled tokens per request")
     g.add_argument("--num-iters", type=int, default=20, help="timed iterations per verify/propose median")
-    g = p.add_argument_group("weight-sync mode (adaflash_ray.weight_sync_bench: publish -> every worker loaded)")
+    g = p.add_argument_group("weight-sync mode (adaflash_ray.actors.weight_sync_bench: publish -> every worker loaded)")
     g.add_argument("--weight-sync", action="store_true",
                    help="time the object-store path against the NCCL broadcast for drafters of --shape")
     g.add_argument("--sync-layers", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="drafter depths to time")
@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
             shape_config(ns.shape)  # a bad name fails here, before Ray starts
         except ShapeError as e:
             parser.error(f"--shape {ns.shape!r}: {e}")
-        from adaflash_ray.weight_sync_bench import bench_weight_sync
+        from adaflash_ray.actors.weight_sync_bench import bench_weight_sync
 
         try:
             doc = bench_weight_sync(ns.shape, tuple(ns.sync_layers), ns.sync_receivers,

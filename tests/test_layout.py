@@ -1,6 +1,6 @@
 """The dependency direction of docs/design/ARCHITECTURE.md, checked by parsing imports:
 core modules import neither Ray nor the actors (``adaflash_ray.actors``); ``adaflash_ray.kernels`` imports only
-torch/triton (+stdlib); only the entry points (pipeline, serve, bench and its weight-sync mode) import the actors; and nothing imports the
+torch/triton (+stdlib); only the entry points (pipeline, serve, bench) import the actors; and nothing imports the
 bare top-level names ``actors`` / ``kernels`` any more (the folders stay at the top level of the repository and
 are importable only as ``adaflash_ray.actors`` / ``adaflash_ray.kernels``, through symlinks)."""
 import ast
@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# weight_sync_bench: the Ray mode of the bench (python -m adaflash_ray.bench --weight-sync), loaded only there
-ENTRY_POINTS = {"pipeline", "serve", "bench", "weight_sync_bench"}
+ENTRY_POINTS = {"pipeline", "serve", "bench"}
 MAPPED = {"actors", "kernels"}  # adaflash_ray/<name> -> ../<name>
 
 

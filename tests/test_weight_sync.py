@@ -60,7 +60,7 @@ def test_group_refuses_bad_members(tmp_path):
 
 def test_weight_sync_bench_both_paths_deliver_the_tensors():
     """Object store (through a real WeightRegistry) and the collective both deliver every tensor."""
-    from adaflash_ray.weight_sync_bench import bench_weight_sync
+    from adaflash_ray.actors.weight_sync_bench import bench_weight_sync
 
     doc = bench_weight_sync("tiny", layers=(1, 2), num_receivers=2, num_iters=1, device="cpu", log=lambda m: None)
     assert doc["backend"] == "gloo" and [r["drafter_layers"] for r in doc["rows"]] == [1, 2]

@@ -113,7 +113,7 @@ def bench_weight_sync(shape: str = "qwen3-8b", layers: tuple[int, ...] = (1, 2, 
     so a slow shutdown cannot lose it. Raises RuntimeError when the GPUs are not there."""
     import ray
 
-    from adaflash_ray.actors import WeightRegistry
+    from adaflash_ray.actors.weight_registry import WeightRegistry
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
