@@ -164,10 +164,7 @@ class DistillTrainer:
                     t_pub = time.perf_counter()
                     ref = ray.put(tensors)
                     if self.weight_group is not None and not ray.get(registry.weight_group_ready.remote(new_version)):
-                        print("DistillTrainer rank 0: a worker left the weight broadcast group (restarted?); "
-                              "this and later versions go through the object store", flush=True)
-                        self.weight_group.close()
-                        self.weight_group = None
+                        self._leave_weight_group("a worker left the weight broadcast group (restarted?)")
                     pub = registry.publish.remote(new_version, self.version, step, [ref], sha, cfg_dict,
                                                   self.weight_group is not None)
                     if self.weight_group is not None:
@@ -215,14 +212,17 @@ class DistillTrainer:
             self.weight_group.broadcast({k: v.to(self.core.device) for k, v in tensors.items()})
             return True
         except Exception as e:  # noqa: BLE001 - any failure: the registry's object-store fallback delivers
-            print(f"DistillTrainer rank 0: weight broadcast failed ({type(e).__name__}: {str(e)[:300]}); "
-                  "this and later versions go through the object store", flush=True)
-            group, self.weight_group = self.weight_group, None
-            try:
-                group.close()
-            except Exception as e2:  # noqa: BLE001 - a broken group may not close cleanly
-                print(f"DistillTrainer rank 0: closing the weight group failed: {e2!r}", flush=True)
+            self._leave_weight_group(f"weight broadcast failed ({type(e).__name__}: {str(e)[:300]})")
             return False
+
+    def _leave_weight_group(self, reason: str) -> None:
+        """Close the group for good; this and later versions go through the object store."""
+        print(f"DistillTrainer rank 0: {reason}; this and later versions go through the object store", flush=True)
+        group, self.weight_group = self.weight_group, None
+        try:
+            group.close()
+        except Exception as e:  # noqa: BLE001 - a broken group may not close cleanly
+            print(f"DistillTrainer rank 0: closing the weight group failed: {e!r}", flush=True)
 
     def _fetch(self, items: list) -> tuple[list, list]:
         """Resolve trajectory refs; one whose owner (an inference worker) died is skipped and counted."""

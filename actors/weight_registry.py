@@ -40,17 +40,13 @@ class WeightRegistry:
         The history entry gets ``broadcast_s`` (seconds from this call to the last worker's report),
         ``num_bytes`` (the tensors' size), ``path`` and ``num_fallbacks``."""
         t0 = time.perf_counter()
-        newest = max((h["version"] for h in self.history), default=None)  # a rolled-back one counts too
-        if newest is not None and version <= newest:
-            raise ValueError(f"version {version} is not newer than the latest {newest}")
+        self._check_newer(version)
         # the registry owns its own copy: an object owned by the publishing trainer would be lost with it
         # (Ray frees what a dead worker owned), and workers restarted later read the latest from here
         receiving = (asyncio.ensure_future(self._push("receive_drafter", version, None, sha256, config))
                      if collective else None)
         value = await tensors_ref[0]
-        newest = max((h["version"] for h in self.history), default=None)
-        if newest is not None and version <= newest:  # again after the await: no interleaving past it
-            raise ValueError(f"version {version} is not newer than the latest {newest}")
+        self._check_newer(version)  # again after the await: no interleaving past it
         ref = ray.put(value)
         meta = {"version": version, "parent_version": parent_version, "train_step": train_step,
                 "sha256": sha256, "ref": ref, "config": config, "time": time.time()}
@@ -79,15 +75,19 @@ class WeightRegistry:
         self.reports[version] = reports
         return reports
 
+    def _check_newer(self, version: int) -> None:
+        """Raise ValueError unless ``version`` is newer than every version published (a rolled-back one counts)."""
+        newest = max((h["version"] for h in self.history), default=None)
+        if newest is not None and version <= newest:
+            raise ValueError(f"version {version} is not newer than the latest {newest}")
+
     async def weight_group_ready(self, version: int, timeout_s: float = 10.0) -> bool:
         """True iff every subscriber answers that it is still in the weight broadcast group - asked before
         a collective publication of ``version``, so a restarted (or dead) worker sends the version down the
         object-store path instead of leaving the sender's broadcast waiting for a member that is gone.
         Raises ValueError at once when ``version`` is not newer than the latest (as :meth:`publish` would),
         before the sender starts a broadcast nobody will receive."""
-        newest = max((h["version"] for h in self.history), default=None)
-        if newest is not None and version <= newest:
-            raise ValueError(f"version {version} is not newer than the latest {newest}")
+        self._check_newer(version)
         if not self.subscribers:
             return False
         try:
