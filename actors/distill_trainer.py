@@ -108,40 +108,84 @@ class DistillTrainer:
         num_versions = num_versions or dc.num_versions
         cfg_dict = core.drafter_model_config().as_dict()
         t_start = time.time()
-        pool: list[list] = []  # [trajectory, version, uses]: recent on-policy data for reuse
-        pending_ids: list[str] = []  # fresh since the last save
+        pool: list[list] = []  # [trajectory, version, uses, ref]: leased on-policy data, and recent data for reuse
+        pending_ids: list[str] = []  # first trained since the last save
         rng = random.Random(self.cfg.seed + self.rank + 7919 * self.version)
         consumer = f"trainer-{self.rank}"
         seen = set(self.fresh_ids)
         t_first_step: float | None = None  # distill.max_train_s counts from here
         time_up = False
+        prefetched = None  # a get_batch issued before the last step (distill.prefetch)
+        step_times: list[float] = []  # recent optimizer-step seconds (the first, with warm-up, left out)
+        published_step = core.global_step  # the step of the last publication (or of the resumed state)
+
+        def hand_back_untrained() -> None:
+            """Before a commit: what this rank holds leased but never trained goes back to the buffer."""
+            nonlocal pool
+            unused = [p for p in pool if p[2] == 0]
+            if unused:
+                ray.get(buffer.release.remote(consumer, [p[3] for p in unused]))
+                seen.difference_update(p[0].request_id for p in unused)  # a redelivery is then new to it
+                pool = [p for p in pool if p[2] > 0]
+
         while not time_up and core.all_ranks(self.version < num_versions and not self._stop):
             pool = [p for p in pool if p[2] < dc.max_reuse and within_version_lag(self.version, p[1], dc.max_version_lag)]
-            reusable = len(pool) >= dc.batch_size
-            items = ray.get(buffer.get_batch.remote(dc.batch_size, 0.2 if reusable else 60.0, consumer))
+            wait_s = 60.0  # for a batch when no step is possible without one
+            if dc.max_train_s is not None and t_first_step is not None:  # a starved trainer still times out
+                wait_s = max(0.0, min(wait_s, dc.max_train_s - (time.time() - t_first_step)))
+            if prefetched is not None:  # it waited while the last step computed
+                items, prefetched = ray.get(prefetched), None
+                if len(pool) + len(items) < dc.batch_size:  # no step possible yet: wait for the rest
+                    items += ray.get(buffer.get_batch.remote(dc.batch_size - len(items), wait_s, consumer))
+            else:
+                reusable = len(pool) >= dc.batch_size
+                items = ray.get(buffer.get_batch.remote(dc.batch_size, min(0.2, wait_s) if reusable else wait_s,
+                                                        consumer))
             fresh, items = self._fetch(items)
             keep = [i for i, t in enumerate(fresh) if t.request_id not in seen]  # a redelivery it already has
             self.num_duplicates_skipped += len(fresh) - len(keep)
             fresh, items = [fresh[i] for i in keep], [items[i] for i in keep]
             seen.update(t.request_id for t in fresh)
-            pool.extend([t, it[1], 0] for t, it in zip(fresh, items))
+            pool.extend([t, it[1], 0, it[0]] for t, it in zip(fresh, items))
             if not core.all_ranks(len(pool) >= dc.batch_size or bool(fresh)):
+                if (dc.max_train_s is not None and t_first_step is not None
+                        and not core.all_ranks(time.time() - t_first_step < dc.max_train_s)):
+                    # starved past the budget: publish what was trained since the last version, then stop
+                    time_up = True
+                    hand_back_untrained()
+                    if core.global_step > published_step:
+                        m = {"train/step": float(core.global_step)}
+                        self._publish(buffer, registry, m, pending_ids, core.global_step, cfg_dict, True)
+                        pending_ids = []
+                        with self._lock:
+                            self._metrics.append(m)
                 continue  # some rank has nothing to train on yet: every rank waits for data
-            chosen = pool[-len(fresh):] if fresh else []
-            others = pool[:len(pool) - len(fresh)]
+            # what was never trained first (oldest first), then replays of recent data
+            chosen = [p for p in pool if p[2] == 0][:dc.batch_size]
+            others = [p for p in pool if p[2] > 0]
             chosen += rng.sample(others, min(len(others), dc.batch_size - len(chosen)))
             for p in chosen:
+                if p[2] == 0:
+                    pending_ids.append(p[0].request_id)
                 p[2] += 1
-            pending_ids += [t.request_id for t in fresh]
             trajs = [p[0] for p in chosen]
             items = [[None, p[1]] for p in chosen]
             del fresh
             if len(pool) > 4 * dc.batch_size * dc.max_reuse:
                 pool = pool[-4 * dc.batch_size * dc.max_reuse:]
+            recent_s = min(step_times[-5:]) if step_times else 0.0
+            if dc.prefetch and recent_s > 0 and not self._may_publish_next(t_first_step, recent_s):
+                # the next batch gathers in the buffer during this step (returns by the step's end)
+                prefetched = buffer.get_batch.remote(dc.batch_size, 0.9 * recent_s, consumer)
             m = core.train_step(trajs)
+            if t_first_step is not None:
+                step_times = step_times[-4:] + [m["train/seconds"]]
             t_first_step = t_first_step or time.time() - m["train/seconds"]
             if dc.max_train_s is not None:  # every rank stops together once any rank's budget is spent
                 time_up = not core.all_ranks(time.time() - t_first_step < dc.max_train_s)
+            if prefetched is not None and (time_up or self._stop):  # sooner than foreseen: hand it back
+                ray.get(buffer.release.remote(consumer, [it[0] for it in ray.get(prefetched)]))
+                prefetched = None
             m["train/version_lag"] = sum(self.version - it[1] for it in items) / len(items)
             m["train/version"] = float(self.version)
             m["train/num_fresh"] = float(sum(1 for p in chosen if p[2] == 1))
@@ -149,39 +193,13 @@ class DistillTrainer:
             step = core.global_step
             self._g_loss.set(m.get("train/loss", 0.0))
             if step % dc.publish_every == 0 or time_up:  # every rank counts versions; rank 0 publishes
-                t0 = time.perf_counter()
-                tensors = self.serving_tensors()  # every rank: under ZeRO-3 a collective gather
-                new_version = self.version + 1
-                self.fresh_ids += pending_ids
-                pending_ids = []
-                if self.state_dir:  # saved before it is published: a resume never re-publishes a number
-                    core.save_state(self.state_dir, f"v{new_version}", {
-                        "version": new_version, "fresh_ids": self.fresh_ids, "num_lost": self.num_lost})
-                    m["sync/save_seconds"] = time.perf_counter() - t0
-                ray.get(buffer.commit.remote(consumer))
-                if self.rank == 0:
-                    sha = tensors_sha256(tensors)
-                    t_pub = time.perf_counter()
-                    ref = ray.put(tensors)
-                    if self.weight_group is not None and not ray.get(registry.weight_group_ready.remote(new_version)):
-                        self._leave_weight_group("a worker left the weight broadcast group (restarted?)")
-                    pub = registry.publish.remote(new_version, self.version, step, [ref], sha, cfg_dict,
-                                                  self.weight_group is not None)
-                    if self.weight_group is not None:
-                        m["sync/collective_ok"] = float(self._broadcast(tensors))
-                    reports = ray.get(pub)
-                    m["sync/num_fallbacks"] = float(sum(1 for r in reports if r.get("fallback")))
-                    m["sync/publish_s"] = time.perf_counter() - t_pub  # put + registry push + every worker loaded
-                    ray.get(buffer.set_version.remote(new_version))
-                    m["sync/num_workers_ok"] = float(sum(1 for r in reports if r.get("sha256") == sha))
-                    m["sync/num_workers"] = float(len(reports))
-                m["sync/seconds"] = time.perf_counter() - t0
-                self.version = new_version
-                m["sync/version"] = float(self.version)
-                if time_up:
-                    m["train/time_up"] = 1.0  # distill.max_train_s spent: this was the last version
+                hand_back_untrained()
+                self._publish(buffer, registry, m, pending_ids, step, cfg_dict, time_up)
+                pending_ids, published_step = [], step
             with self._lock:
                 self._metrics.append(m)
+        if prefetched is not None:  # stopped from outside after it was issued
+            ray.get(buffer.release.remote(consumer, [it[0] for it in ray.get(prefetched)]))
         if self.weight_group is not None:
             self.weight_group.close()
             self.weight_group = None
@@ -190,6 +208,51 @@ class DistillTrainer:
                 "seconds": time.time() - t_start, "num_fresh": len(self.fresh_ids),
                 "num_counted_twice": len(self.fresh_ids) - len(set(self.fresh_ids)), "num_lost": self.num_lost,
                 "num_duplicates_skipped": self.num_duplicates_skipped}
+
+    def _publish(self, buffer, registry, m: dict, pending_ids: list, step: int, cfg_dict: dict, time_up: bool) -> None:
+        """Version v+1: save the state (with ``pending_ids``, the trajectories first trained since v), commit
+        the buffer lease, and (rank 0) publish to the registry - object store or weight group - recording
+        ``sync/*`` timings in ``m``. Every rank calls it (ZeRO-3 gathers the weights collectively)."""
+        consumer = f"trainer-{self.rank}"
+        t0 = time.perf_counter()
+        tensors = self.serving_tensors()  # every rank: under ZeRO-3 a collective gather
+        new_version = self.version + 1
+        self.fresh_ids += pending_ids
+        if self.state_dir:  # saved before it is published: a resume never re-publishes a number
+            self.core.save_state(self.state_dir, f"v{new_version}", {
+                "version": new_version, "fresh_ids": self.fresh_ids, "num_lost": self.num_lost})
+            m["sync/save_seconds"] = time.perf_counter() - t0
+        ray.get(buffer.commit.remote(consumer))
+        if self.rank == 0:
+            sha = tensors_sha256(tensors)
+            t_pub = time.perf_counter()
+            ref = ray.put(tensors)
+            if self.weight_group is not None and not ray.get(registry.weight_group_ready.remote(new_version)):
+                self._leave_weight_group("a worker left the weight broadcast group (restarted?)")
+            pub = registry.publish.remote(new_version, self.version, step, [ref], sha, cfg_dict,
+                                          self.weight_group is not None)
+            if self.weight_group is not None:
+                m["sync/collective_ok"] = float(self._broadcast(tensors))
+            reports = ray.get(pub)
+            m["sync/num_fallbacks"] = float(sum(1 for r in reports if r.get("fallback")))
+            m["sync/publish_s"] = time.perf_counter() - t_pub  # put + registry push + every worker loaded
+            ray.get(buffer.set_version.remote(new_version))
+            m["sync/num_workers_ok"] = float(sum(1 for r in reports if r.get("sha256") == sha))
+            m["sync/num_workers"] = float(len(reports))
+        m["sync/seconds"] = time.perf_counter() - t0
+        self.version = new_version
+        m["sync/version"] = float(self.version)
+        if time_up:
+            m["train/time_up"] = 1.0  # distill.max_train_s spent: this was the last version
+
+    def _may_publish_next(self, t_first_step: float | None, last_step_s: float) -> bool:
+        """Whether the coming optimizer step may end in a publication (its step count, or a time budget that
+        could run out within two steps): a batch prefetched before it would be leased at the commit untrained."""
+        dc = self.cfg.distill
+        if (self.core.global_step + 1) % dc.publish_every == 0 or self._stop:
+            return True
+        return (dc.max_train_s is not None and t_first_step is not None
+                and time.time() - t_first_step + 2 * last_step_s >= dc.max_train_s)
 
     def join_weight_group(self, rendezvous: str, world_size: int) -> int:
         """Rank 0 only (``distill.weight_sync: collective``): become the sender (group rank 0) of the weight

@@ -177,6 +177,23 @@ class TrajectoryBuffer:
             self._cond.notify_all()
             return len(back)
 
+    async def release(self, consumer: str, refs: list) -> int:
+        """``consumer`` hands back, untrained, trajectories it was leased (``refs``: their ObjectRefs, in a
+        list so Ray passes them unresolved) - a batch it prefetched when its training ended, or what it held
+        untrained at a commit. They go back first in line, in lease order, and count as not consumed; refs it
+        does not hold are ignored. Returns how many went back."""
+        wanted = set(refs)
+        async with self._cond:
+            lease = self.leases.get(consumer, [])
+            back = [item for item in lease if item[0] in wanted]
+            self.leases[consumer] = [item for item in lease if item[0] not in wanted]
+            for item in reversed(back):
+                self.items.appendleft(item)
+            self.counts["consumed"] -= len(back)
+            self._drop_stale()
+            self._cond.notify_all()
+            return len(back)
+
     async def stats(self) -> dict[str, float]:
         return {"buffer/depth": float(len(self.items)), "buffer/on_disk": float(len(self.on_disk)),
                 "buffer/latest_version": float(self.latest_version),

@@ -216,6 +216,10 @@ class DistillConfig(_Section):
     # times one trajectory may feed an optimizer step (fresh anchors each time); > 1 lets a trainer
     # that outpaces inference keep stepping on recent on-policy data (still within max_version_lag)
     max_reuse: int = Field(6, ge=1)
+    # ask the buffer for the next batch before each optimizer step, so waiting for on-policy data overlaps
+    # the step's compute instead of following it (never across a publication: what a publication commits
+    # is always trained in)
+    prefetch: bool = True
     # a trainer that dies (every rank together) is restarted by Ray this many times and resumes from the
     # state saved with the last published version (issue 9.2)
     trainer_max_restarts: int = Field(2, ge=0)

@@ -269,8 +269,9 @@ class Driver:
             self.step = int(m.get("train/step", self.step + 1))
             self.train_busy_s += m.get("train/seconds", 0.0)
             sink.log(m, step=self.step, kind="train")
-        if tmetrics:
-            self.last_loss = tmetrics[-1]["train/loss"]
+        losses = [m["train/loss"] for m in tmetrics if "train/loss" in m]  # a publish-only record has none
+        if losses:
+            self.last_loss = losses[-1]
         return wstats, bstats
 
     def save_new_versions(self) -> bool:

@@ -12,8 +12,11 @@
 # Here (CPU machine), once:          bash scripts/gpu_main_job.sh stage   -> .gpu_stage .gpu_stage2 .gpu_stage3
 # Call a (carry [".gpu_stage"]):     bash scripts/gpu_main_job.sh a       # install; check Ray + DeepSpeed + CUDA
 # Call b (carry [".gpu_stage2"]):    bash scripts/gpu_main_job.sh b       # GGUF part 2
-# Call c (carry [".gpu_stage3"]):    ADAFLASH_COMMIT=<sha> bash scripts/gpu_main_job.sh c   # the main job
-# Call d (no carry):                 ADAFLASH_COMMIT=<sha> bash scripts/gpu_main_job.sh d   # bench + broadcast
+# Call c (carry [".gpu_stage3"]):    ADAFLASH_COMMIT=<sha> bash scripts/gpu_main_job.sh c   # start the main job
+# Call d (no carry):                 bash scripts/gpu_main_job.sh d   # wait for it; collect its results
+# Call e (no carry):                 bash scripts/gpu_main_job.sh e   # bench the final drafter
+#                                    (WEIGHT_SYNC=1: also time the Qwen3-8B-shape weight broadcast)
+# The main job runs in its own process session: it outlives call c (600 s at most), and call d waits for it.
 # Results land in $OUT: run_summary.json (summary + device + commit), metrics.jsonl, tau_vs_version.png,
 # bench JSON/PNG, weight-sync JSON, logs. Copy them to results/ with the commit in the names.
 set -uo pipefail
@@ -21,11 +24,18 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 STAGE=/root/stage
 RUN_DIR=/root/runs/smollm2_135m_gpu
+JOB=/root/job  # the background main job: its log, exit status and commit
 PART_BYTES=$((61 * 1024 * 1024))  # + the checkout (~1 MB) <= 64 MiB a call
 
 env_setup() {
   export PYTHONPATH="$STAGE/pydeps:$STAGE/site:$ROOT" ADAFLASH_CACHE=/root/adaflash_cache PYTHONUNBUFFERED=1
   export WANDB_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0
+}
+
+wait_job() {  # until the background main job has ended or $1 seconds have passed; shows its progress
+  local t0=$(date +%s)
+  while [ ! -f "$JOB/rc" ] && [ $(( $(date +%s) - t0 )) -lt "$1" ]; do sleep 5; done
+  grep -E "^progress|^eval|main job rc" "$JOB/main_job.log" | tail -40
 }
 
 case "${1:-}" in
@@ -111,45 +121,53 @@ EOF
     [ "$(sha256sum "$d/SmolLM2-135M-Instruct.Q4_1.gguf" | cut -d' ' -f1)" = "$(cat .gpu_stage3/gguf.sha256)" ] \
       || { echo "GGUF checksum mismatch: start again from call a" >&2; exit 1; }
     python3 -m adaflash_ray.data prepare 2>&1 | tail -2
-    rm -rf "$RUN_DIR"
-    t0=$(date +%s)
-    # the main job; the 600 s call limit leaves ~60 s for the rest of this call
-    timeout "${MAIN_JOB_TIMEOUT:-575}" python3 -m adaflash_ray.pipeline --recipe recipes/smollm2_135m_gpu.yaml \
-      --run-dir "$RUN_DIR" "${@:2}" > "$OUT/main_job.log" 2>&1
-    rc=$?
-    echo "main job rc=$rc wall $(( $(date +%s) - t0 )) s" | tee -a "$OUT/main_job.log"
-    tail -30 "$OUT/main_job.log"
+    rm -rf "$RUN_DIR" "$JOB" && mkdir -p "$JOB"
+    echo "${ADAFLASH_COMMIT:-unknown}" > "$JOB/commit"
+    # the main job in its own process session (setsid): it outlives this call (600 s at most) and call d
+    # waits for it, so the run may take its whole 15 minutes
+    setsid bash -c 't0=$(date +%s); timeout "${MAIN_JOB_TIMEOUT:-1000}" python3 -m adaflash_ray.pipeline \
+      --recipe recipes/smollm2_135m_gpu.yaml --run-dir "$0" "${@:2}" > "$1/main_job.log" 2>&1; rc=$?;
+      echo "main job rc=$rc wall $(( $(date +%s) - t0 )) s" >> "$1/main_job.log"; echo $rc > "$1/rc"' \
+      "$RUN_DIR" "$JOB" "${@:2}" < /dev/null > /dev/null 2>&1 &
+    wait_job "${WAIT_S:-560}"
+    ;;
+  d)
+    env_setup
+    wait_job "${WAIT_S:-560}"
+    [ -f "$JOB/rc" ] || { echo "the main job is still running" >&2; exit 1; }
+    cp "$JOB/main_job.log" "$OUT/"
     for f in metrics.jsonl config.yaml tau_vs_version.png summary.json; do
       [ -f "$RUN_DIR/$f" ] && cp "$RUN_DIR/$f" "$OUT/"
     done
-    python3 - "$RUN_DIR" "$OUT" <<'EOF'
+    python3 - "$RUN_DIR" "$OUT" "$(cat "$JOB/commit")" <<'EOF'
 import json, os, sys, torch
-run, out = sys.argv[1:]
+run, out, commit = sys.argv[1:]
 p = os.path.join(run, "summary.json")
 if os.path.exists(p):
     s = json.load(open(p))
-    s.update(device=f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}",
-             commit=os.environ.get("ADAFLASH_COMMIT", "unknown"))
+    s.update(device=f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}", commit=commit)
     json.dump(s, open(os.path.join(out, "run_summary.json"), "w"), indent=2)
 EOF
     ;;
-  d)
+  e)
     env_setup
     v=$(python3 -c "import json; print(json.load(open('$RUN_DIR/summary.json'))['serving_version'])") || exit 1
     ck="$RUN_DIR/checkpoints/v$v"
     echo "bench drafter $ck"
-    timeout 150 python3 -m adaflash_ray.bench --recipe recipes/smollm2_135m_gpu.yaml --drafter "$ck" \
+    timeout 170 python3 -m adaflash_ray.bench --recipe recipes/smollm2_135m_gpu.yaml --drafter "$ck" \
       --methods ar dflash adaflash-direct --concurrency 1 --domains code chat --num-prompts 8 \
       --max-new-tokens 256 --out "$OUT/bench_c1.json" --plot "$OUT/bench_c1.png" > "$OUT/bench_c1.log" 2>&1
     tail -12 "$OUT/bench_c1.log"
-    timeout 120 python3 -m adaflash_ray.bench --recipe recipes/smollm2_135m_gpu.yaml --drafter "$ck" \
+    timeout 140 python3 -m adaflash_ray.bench --recipe recipes/smollm2_135m_gpu.yaml --drafter "$ck" \
       --methods ar dflash adaflash-direct --concurrency 64 --domains code chat --num-prompts 64 \
       --max-new-tokens 256 --out "$OUT/bench_c64.json" --plot "$OUT/bench_c64.png" > "$OUT/bench_c64.log" 2>&1
     tail -8 "$OUT/bench_c64.log"
-    timeout 150 python3 -m adaflash_ray.bench --weight-sync --shape qwen3-8b --sync-layers 1 2 3 4 5 \
-      --num-iters 3 --out "$OUT/weight_sync_qwen3-8b.json" > "$OUT/weight_sync.log" 2>&1
-    tail -8 "$OUT/weight_sync.log"
+    if [ -n "${WEIGHT_SYNC:-}" ]; then
+      timeout 150 python3 -m adaflash_ray.bench --weight-sync --shape qwen3-8b --sync-layers 1 2 3 4 5 \
+        --num-iters 3 --out "$OUT/weight_sync_qwen3-8b.json" > "$OUT/weight_sync.log" 2>&1
+      tail -8 "$OUT/weight_sync.log"
+    fi
     ;;
   *)
-    echo "usage: $0 stage | a | b | c [--set KEY=VALUE ...] | d" >&2; exit 2 ;;
+    echo "usage: $0 stage | a | b | c [--set KEY=VALUE ...] | d | e" >&2; exit 2 ;;
 esac

@@ -5,6 +5,7 @@ Parquet spill round trip."""
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -297,6 +298,62 @@ def test_buffer_lease_requeue_and_commit(ray_local):
     s = ray.get(buf.stats.remote())
     assert s["buffer/consumed"] == 5 and s["buffer/redelivered"] == 2 and s["buffer/committed"] == 2
     assert ray.get(buf.requeue.remote("nobody")) == 0
+
+
+def test_buffer_release_hands_back_only_the_prefetched_batch(ray_local):
+    """distill.prefetch: a trainer whose training ends with a batch prefetched but untrained hands back exactly
+    that batch - first in line, in order, not counted consumed - and its commit covers only what it trained."""
+    from adaflash_ray.actors import TrajectoryBuffer
+
+    buf = TrajectoryBuffer.remote(capacity=10, max_version_lag=5)
+    for i in range(6):
+        ray.get(buf.add.remote([ray.put(_traj(i, 0))], 0, 8))
+    trained = ray.get(buf.get_batch.remote(2, 0.1, "trainer-0"))
+    prefetched = ray.get(buf.get_batch.remote(3, 0.1, "trainer-0"))
+    other = ray.get(buf.get_batch.remote(1, 0.1, "trainer-1"))[0][0]  # another rank's lease is not touched
+    assert ray.get(buf.release.remote("trainer-0", [it[0] for it in prefetched] + [other])) == 3
+    assert ray.get(buf.commit.remote("trainer-0")) == 2
+    again = ray.get(buf.get_batch.remote(4, 0.1))
+    ids = [ray.get(it[0]).request_id for it in again]
+    assert ids == [ray.get(it[0]).request_id for it in prefetched]  # first in line, in order; t5 is trainer-1's
+    assert {ray.get(it[0]).request_id for it in trained}.isdisjoint(ids)
+    s = ray.get(buf.stats.remote())
+    assert s["buffer/consumed"] == 6 and s["buffer/committed"] == 2 and s["buffer/depth"] == 0
+    assert ray.get(buf.commit.remote("trainer-1")) == 1
+    assert ray.get(buf.release.remote("nobody", [other])) == 0
+
+
+def test_trainer_prefetches_and_a_starved_trainer_still_stops_on_time(ray_local):
+    """distill.prefetch + distill.max_train_s: the trainer takes its second batch while the first step
+    computes, trains everything it got, and - starved of data afterwards - still stops once its time budget is
+    spent, publishing what it trained (one version) and committing exactly the trajectories it trained on."""
+    from adaflash_ray.actors import DistillTrainer, TrajectoryBuffer, WeightRegistry
+    from adaflash_ray.actors.recovery import setup_trainers
+
+    cfg = load_recipe("recipes/cpu_tiny.yaml", overrides=[
+        "distill.features=recompute", "distill.max_reuse=1", "distill.publish_every=1000",
+        "distill.num_versions=5", "distill.max_train_s=4"])
+    assert cfg.distill.prefetch
+    buf = TrajectoryBuffer.remote(capacity=16, max_version_lag=5)
+    registry = WeightRegistry.remote()
+    trainer = DistillTrainer.options(num_cpus=1).remote(cfg.model_dump())
+    setup_trainers([trainer], None, False)
+    for i in range(2 * cfg.distill.batch_size):  # two batches, then nothing more arrives
+        traj = Trajectory(request_id=f"p{i}", token_ids=torch.arange(100, 140 + i), prompt_len=20,
+                          features=None, last_hidden=None, drafter_version=0, draft_lens=np.zeros(0, np.int16),
+                          num_accepted=np.zeros(0, np.int16), step_versions=np.zeros(0, np.int32))
+        ray.get(buf.add.remote([ray.put(traj)], 0, 20 + i))
+    t0 = time.time()
+    summary = ray.get(trainer.run.remote(buf, registry), timeout=120)
+    assert time.time() - t0 < 90  # a starved trainer without the budget check waits forever
+    assert summary["steps"] == 2 and summary["final_version"] == 1 and summary["num_fresh"] == 8
+    metrics = ray.get(trainer.pop_metrics.remote())
+    assert [m["train/num_fresh"] for m in metrics if "train/num_fresh" in m] == [4.0, 4.0]
+    assert [m.get("train/time_up") for m in metrics if "sync/version" in m] == [1.0]
+    s = ray.get(buf.stats.remote())
+    assert s["buffer/committed"] == 8 and s["buffer/consumed"] == 8 and s["buffer/depth"] == 0
+    assert ray.get(registry.latest_meta.remote())["version"] == 1
+    ray.kill(trainer)
 
 
 def _live_placement_groups() -> set:

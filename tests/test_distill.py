@@ -358,6 +358,11 @@ def test_trainer_reduces_loss_and_publishes_engine_names(dist_env, target):
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < 0.5 * first, (first, last)
     assert sum(accepts[-3:]) / 3 > sum(accepts[:3]) / 3
+    # per-position top-1 (block 4: positions 1..3) bounds the mean accepted length a = Σ_k P(a >= k):
+    # P(a >= 1) is position 1's top-1 exactly, and P(a >= k) <= position k's top-1
+    tops = [m[f"train/top1_pos{k}"] for k in (1, 2, 3)]
+    assert "train/top1_pos4" not in m and all(0.0 <= t <= 1.0 for t in tops)
+    assert tops[0] - 1e-6 <= m["train/block_accept_len"] - 1 <= sum(tops) + 1e-6, (tops, m["train/block_accept_len"])
     # publication: CPU float32, the names SpecEngine.drafter_tensors uses, and the weights moved
     after = core.publish_tensors()
     expect = set(core.drafter.drafter_state_dict()) | {f"length_head.{k}" for k in core.length_head.state_dict()}

@@ -87,6 +87,11 @@ def test_parse_request_names_the_field(tok):
             parse_request("completion", {"model": MODEL, "prompt": "hi", **extra}, **kw)
         assert (e.value.param, e.value.status) == (param, status), (extra, e.value.message)
         assert param in e.value.message or param == "model"
+    for part, param in (({"type": "image", "text": "x"}, "messages.0.content.0.type"),
+                        ({"type": "text", "text": 3}, "messages.0.content.0.text")):
+        with pytest.raises(APIError) as e:  # the failing part is named, not "content should be a string"
+            parse_request("chat", {"model": MODEL, "messages": [{"role": "user", "content": [part]}]}, **kw)
+        assert (e.value.param, e.value.status) == (param, 400) and param in e.value.message, e.value.message
     with pytest.raises(APIError) as e:
         parse_request("completion", {"model": MODEL, "prompt": "hi " * 80}, **kw)
     assert e.value.code == "context_length_exceeded" and "64" in e.value.message
@@ -322,8 +327,10 @@ def test_error_cases_raw_http(server):
         ("/v1/chat/completions", {**chat, "max_tokens": 4, "max_completion_tokens": 5}, 400, "max_completion_tokens"),
         ("/v1/chat/completions", {**chat, "messages": []}, 400, "messages"),
         ("/v1/chat/completions", {**chat, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [{"type": "image", "text": "x"}]}]},
+         400, "messages.0.content.0.type"),  # the failing part, not "content should be a string"
         ("/v1/chat/completions", {**chat, "model": "gpt-4o"}, 404, "model"),
-        ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt.0"),  # token ids must be ints
         ("/v1/completions", {"model": MODEL, "prompt": [1, 10 ** 7]}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,

@@ -94,10 +94,14 @@ class DistillModule(nn.Module):
         with torch.no_grad():
             num_blocks = valid.sum()
             accept = ((num_accepted + 1).float() * valid).sum() / num_blocks.clamp_min(1)
-            tail = torch.stack([loss.detach().float(), len_loss.detach().float(), accept,
-                                num_blocks.float(), sel.sum().float()]).tolist()
+            # top-1 agreement at block positions 1..4 (the ones that decide τ), over the positions that exist
+            k = min(4, bs - 1)
+            hits = ((draft_ids[..., :k] == batch.target_ids[..., :k]) & sel[..., :k]).flatten(0, -2).sum(0)
+            per_pos = hits.float() / sel[..., :k].flatten(0, -2).sum(0).clamp_min(1)
+            tail = torch.cat([torch.stack([loss.detach().float(), len_loss.detach().float(), accept,
+                                           num_blocks.float(), sel.sum().float()]), per_pos]).tolist()
         metrics.update(zip(("train/loss", "train/len_loss", "train/block_accept_len", "train/num_blocks",
-                            "train/num_positions"), tail))
+                            "train/num_positions", *(f"train/top1_pos{i + 1}" for i in range(k))), tail))
         return loss, metrics
 
 

@@ -66,7 +66,8 @@ class SpecEngine:
         self.max_seq_len = max_seq_len
         self.scheduler = Scheduler(max_batch_size)
         self.runner = ModelRunner(target, drafter, self.policy, num_slots=max_batch_size, max_seq_len=max_seq_len,
-                                  layer_ids=self.layer_ids, record=record, use_cuda_graph=use_cuda_graph, seed=seed)
+                                  layer_ids=self.layer_ids, record=record and record_features,  # hid_hist
+                                  use_cuda_graph=use_cuda_graph, seed=seed)
         self.record, self.record_features = record, record_features
         self.stats = SpecStats()
         self.drafter_version = drafter_version

@@ -131,7 +131,9 @@ class GenSpec:
 
 
 def _first_error(err: ValidationError) -> APIError:
-    e = err.errors()[0]
+    # the most specific error: for a union such as ``content: str | list[part]`` given a list, the failing
+    # part's field (messages.0.content.0.txt), not "should be a valid string"
+    e = max(err.errors(), key=lambda x: len(x["loc"]))
     # drop pydantic's union-member tags ("str", "list[int]", "function-after[...]"), keep field names
     # ("stream" starts with "str" and is a field)
     loc = [str(x) for x in e["loc"] if str(x) not in ("str", "int", "float", "bool", "none")
