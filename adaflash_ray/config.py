@@ -378,6 +378,15 @@ class RunConfig(_Section):
                     "model.device is cuda but placement.gpus_per_inference_worker / gpus_per_trainer is 0 "
                     "(Ray hides GPUs from actors that do not reserve one)"
                 )
+            if self.distill.weight_sync == "collective" and (p.gpus_per_inference_worker < 1
+                                                              or p.gpus_per_trainer < 1):
+                # seen on two H200s (4 workers at 0.25 GPU): the first broadcast hung - NCCL refuses two ranks
+                # of one communicator on one device
+                raise ValueError(
+                    "distill.weight_sync collective on cuda needs a whole GPU per inference worker and per trainer "
+                    f"(placement.gpus_per_inference_worker {p.gpus_per_inference_worker}, gpus_per_trainer "
+                    f"{p.gpus_per_trainer}): NCCL cannot put two ranks of one group on one device; use "
+                    "distill.weight_sync object_store with fractional GPUs")
         elif self.placement.gpus_per_inference_worker > 0 or self.placement.gpus_per_trainer > 0:
             raise ValueError(f"placement reserves GPUs but model.device is {self.model.device!r}: set "
                              "model.device: cuda, or the gpus_per_* fields to 0")
