@@ -124,7 +124,15 @@ class WeightBroadcastGroup:
         return total
 
     def close(self) -> None:
-        """Release the group (each member)."""
+        """Release this member's side of the group, without waiting for the others.
+
+        NCCL: ``abort`` (ncclCommAbort, local). Not ``shutdown``: it flushes through ncclCommFinalize, which
+        waits for every member to close too (pytorch/pytorch#141510: "a hang is expected" otherwise) - on two
+        H200s the trainer closing at the end of its run hung there while the workers still held the group.
+        Gloo: ``shutdown``."""
+        if self.device.type == "cuda" and hasattr(self.pg, "abort"):
+            self.pg.abort()
+            return
         shutdown = getattr(self.pg, "shutdown", None)
         if shutdown is not None:
             shutdown()
