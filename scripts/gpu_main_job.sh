@@ -151,6 +151,7 @@ EOF
     ;;
   e)
     env_setup
+    export ADAFLASH_COMMIT="$(cat "$JOB/commit" 2>/dev/null || echo unknown)"  # the device copy's git HEAD lags
     v=$(python3 -c "import json; print(json.load(open('$RUN_DIR/summary.json'))['serving_version'])") || exit 1
     ck="$RUN_DIR/checkpoints/v$v"
     echo "bench drafter $ck"

@@ -64,3 +64,33 @@ def test_no_canary_prompts_when_the_canary_is_off(tmp_path):
 
     inp = prepare_inputs(load_recipe(RECIPE, ["distill.canary_prompts=0"]), tmp_path / "run")
     assert inp.canary_prompts == [] and (inp.run_dir / "config.yaml").is_file()
+
+
+def test_in_domain_training_prompts_stay_out_of_the_held_out_sets(tmp_path, monkeypatch):
+    """data.num_domain_train_prompts: prompts of the eval sources join the training set, never an eval or canary
+    prompt; a training set that would hold one is refused."""
+    from adaflash_ray import inputs as inputs_mod
+    from adaflash_ray.data import HELD_OUT_SPAN, load_domain_train_prompts, load_eval_prompts
+
+    cfg = load_recipe(RECIPE, ["data.num_domain_train_prompts=64"])
+    inp = inputs_mod.prepare_inputs(cfg, tmp_path / "run")
+    sources = {p.source for p in inp.train.prompts}
+    assert "sharegpt" in sources and sources & set(cfg.data.eval_sources)
+    domain = [p for p in inp.train.prompts if p.source != "sharegpt"]
+    assert 0 < len(domain) <= 64 and len(inp.train) == len(inp.train.prompts)
+    held = {p.id for p in inp.evalp.prompts} | {p.id for p in inputs_mod.canary_prompts(cfg, inp.tokenizer,
+                                                                                        inp.evalp).prompts}
+    assert len(held) == cfg.data.num_eval_prompts + cfg.distill.canary_prompts
+    assert held.isdisjoint(p.id for p in inp.train.prompts)
+    # the held-out span itself: no in-domain prompt among the first HELD_OUT_SPAN of the eval order
+    span = {p.id for p in load_eval_prompts(cfg.data.eval_sources, HELD_OUT_SPAN, cfg.seed + 1)}
+    assert span.isdisjoint(p.id for p in load_domain_train_prompts(cfg.data.eval_sources, 500, cfg.seed + 1))
+    with pytest.raises(ValueError, match="beyond the 200 held-out"):
+        load_domain_train_prompts(["mt-bench"], 1, cfg.seed + 1)  # 80 prompts, all inside the span
+    # a training set holding an eval prompt is refused (here forced by a broken prompt source)
+    monkeypatch.setattr(inputs_mod, "load_domain_train_prompts",
+                        lambda sources, n, seed: load_eval_prompts(sources, 8, seed))
+    with pytest.raises(RuntimeError, match="held-out .* also in the training set"):
+        inputs_mod.prepare_inputs(cfg, tmp_path / "run2")
+    with pytest.raises(RecipeError, match="num_eval_prompts <= 200"):
+        load_recipe(RECIPE, ["data.num_domain_train_prompts=8", "data.num_eval_prompts=201"])
