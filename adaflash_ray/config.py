@@ -147,7 +147,9 @@ class DrafterConfig(_Section):
 class LengthHeadConfig(_Section):
     """The adaptive draft-length head (docs/design/ALGORITHMS.md §2); `fixed` = plain DFlash, γ = block_size-1."""
 
-    policy: Literal["direct", "fixed"] = "direct"
+    # direct: the reference AdaFlash head; cost: per-position acceptance head + measured verify cost per batch
+    # size (docs/design/ALGORITHMS.md §2.3); fixed: plain DFlash
+    policy: Literal["direct", "cost", "fixed"] = "direct"
     hidden_size: int = Field(256, ge=1)
     rate: float = Field(1.3, gt=0)
     min_len: int = Field(1, ge=1)

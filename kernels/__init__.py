@@ -3,8 +3,9 @@
 This package imports only torch (and triton, where a kernel needs it); see docs/design/ARCHITECTURE.md.
 
 - :mod:`adaflash_ray.kernels.chunked_kl`: per-position distillation terms (hard CE against the teacher argmax,
-  reverse / forward KL) computed chunk by chunk over rows, so the fp32 ``[M, V]`` softmax is never
-  materialised for all M positions at once (docs/design/ALGORITHMS.md §3).
+  reverse / forward KL, and the student's max probability and entropy for the ``cost`` policy's acceptance
+  head) computed chunk by chunk over rows, so the fp32 ``[M, V]`` softmax is never materialised for all M
+  positions at once (docs/design/ALGORITHMS.md §3).
 """
 from adaflash_ray.kernels.chunked_kl import chunked_kl_terms, kl_terms
 

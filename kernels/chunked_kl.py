@@ -4,7 +4,8 @@ docs/design/ALGORITHMS.md §3: never materialise the fp32 softmax over the whole
 at once (151,936 x thousands of positions for Qwen3). :func:`chunked_kl_terms` walks the rows in
 chunks of ``chunk_size``; each chunk computes its logits ``z = h @ W^T`` itself, and with autograd on
 each chunk runs under ``torch.utils.checkpoint`` so that the backward pass recomputes that chunk's
-logits instead of keeping ``[M, V]`` activations alive. Only ``[M]``-sized per-row terms survive.
+logits instead of keeping ``[M, V]`` activations alive. Only ``[M]``-sized per-row terms survive
+(plus the student's ``[M, 2]`` confidence features, computed without gradient from the same logits).
 
 :func:`kl_terms` is the pure-torch math of one chunk (the reference a fused Triton kernel would be
 tested against). Only torch is imported here.
@@ -22,7 +23,7 @@ Direction = Literal["reverse", "forward"]
 
 def kl_terms(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
              temperature: float, direction: Direction = "reverse"
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Distillation terms of ``c`` positions, materialising ``[c, V]`` logits.
 
     Args:
@@ -34,8 +35,12 @@ def kl_terms(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_head
         direction: ``reverse``: T²·Σ_v p_S(v)(log p_S(v) - log p_T(v)) (AdaFlash);
             ``forward``: T²·Σ_v p_T(v)(log p_T(v) - log p_S(v)) (the OSD baseline).
     Returns:
-        ``(ce [c] float32, div [c] float32, student_argmax [c] int64, teacher_argmax [c] int64)``;
-        ``ce = -log softmax(z_S)[argmax z_T]``. Logits are ``(h.to(W.dtype) @ W^T).float()``.
+        ``(ce [c] float32, div [c] float32, student_argmax [c] int64, teacher_argmax [c] int64,
+        student_conf [c, 2] float32)``; ``ce = -log softmax(z_S)[argmax z_T]``; ``student_conf`` =
+        (max probability, entropy in nats) of ``softmax(z_S)`` at temperature 1 whatever ``temperature``
+        is (:func:`adaflash_ray.models.length_head.draft_confidence`, the ``cost`` head's input), without
+        gradient and from the same logits (no second vocabulary matmul). Logits are
+        ``(h.to(W.dtype) @ W^T).float()``.
     """
     w = lm_head_weight.detach()
     zs = (student_hidden.to(w.dtype) @ w.t()).float()  # [c, V]
@@ -46,19 +51,30 @@ def kl_terms(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_head
         s_arg = zs.detach().argmax(dim=-1)  # [c]
     ce = F.cross_entropy(zs, t_arg, reduction="none")  # [c]
     log_ps = F.log_softmax(zs / temperature, dim=-1)  # [c, V]
+    ps = None
     if direction == "reverse":
-        div = (log_ps.exp() * (log_ps - log_pt)).sum(dim=-1)
+        ps = log_ps.exp()
+        div = (ps * (log_ps - log_pt)).sum(dim=-1)
     elif direction == "forward":
         div = (log_pt.exp() * (log_pt - log_ps)).sum(dim=-1)
     else:
         raise ValueError(f"direction must be 'reverse' or 'forward', got {direction!r}")
-    return ce, div * (temperature * temperature), s_arg, t_arg
+    with torch.no_grad():  # confidence at T = 1: reuse the T = 1 softmax where the divergence already has it
+        if temperature == 1.0:
+            lp1 = log_ps.detach()
+            p1 = ps.detach() if ps is not None else lp1.exp()
+        else:
+            lp1 = F.log_softmax(zs.detach(), dim=-1)
+            p1 = lp1.exp()
+        conf = torch.stack([p1.max(dim=-1).values, -(p1 * lp1).sum(dim=-1)], dim=-1)  # [c, 2]
+    return ce, div * (temperature * temperature), s_arg, t_arg, conf
 
 
 def chunked_kl_terms(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
                      *, temperature: float = 1.0, chunk_size: int = 1024, direction: Direction = "reverse"
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`kl_terms` over ``M`` rows, ``chunk_size`` rows at a time (same outputs, ``[M]`` each).
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`kl_terms` over ``M`` rows, ``chunk_size`` rows at a time (same outputs: ``(ce, div,
+    student_argmax, teacher_argmax)`` ``[M]`` each and ``student_conf`` ``[M, 2]``).
 
     With autograd enabled and ``student_hidden.requires_grad``, each chunk runs under non-reentrant
     activation checkpointing: the forward keeps only the chunk's inputs, the backward recomputes
@@ -94,5 +110,5 @@ def chunked_kl_terms(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
         dev = student_hidden.device
         empty_f = student_hidden.new_zeros(0, dtype=torch.float32)
         empty_i = torch.zeros(0, dtype=torch.long, device=dev)
-        return empty_f, empty_f.clone(), empty_i, empty_i.clone()
+        return empty_f, empty_f.clone(), empty_i, empty_i.clone(), student_hidden.new_zeros(0, 2, dtype=torch.float32)
     return tuple(torch.cat(x) for x in zip(*parts))  # type: ignore[return-value]

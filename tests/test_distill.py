@@ -19,8 +19,10 @@ import torch
 
 from adaflash_ray.config import DistillConfig, DrafterConfig, LengthHeadConfig
 from adaflash_ray.distill.blocks import collate, recompute_features, sample_anchors
-from adaflash_ray.distill.losses import accepted_length, forward_kl_loss, length_loss, mixture_rkl_loss
-from adaflash_ray.models.length_head import direct_length_label
+from adaflash_ray.distill.losses import (acceptance_loss, accepted_length, forward_kl_loss, length_loss,
+                                         mixture_rkl_loss)
+from adaflash_ray.models.length_head import (AcceptanceHead, acceptance_labels, direct_length_label,
+                                             draft_confidence)
 from adaflash_ray.models.target import TargetConfig, TargetModel
 from adaflash_ray.trajectory import Trajectory
 from adaflash_ray.kernels.chunked_kl import chunked_kl_terms, kl_terms
@@ -105,11 +107,12 @@ def test_kl_terms_match_naive(temperature):
     hs, ht, w, _ = _rand_rows()
     ce, rkl, fkl, sa, ta = naive_terms(hs, ht, w, temperature)
     for chunk in (1, 5, 1000):
-        c, r, s, t = chunked_kl_terms(hs, ht, w, temperature=temperature, chunk_size=chunk)
+        c, r, s, t, _ = chunked_kl_terms(hs, ht, w, temperature=temperature, chunk_size=chunk)
         torch.testing.assert_close(c, ce, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(r, rkl, atol=1e-5, rtol=1e-5)
         assert torch.equal(s, sa) and torch.equal(t, ta)
-        _, f, _, _ = chunked_kl_terms(hs, ht, w, temperature=temperature, chunk_size=chunk, direction="forward")
+        _, f, _, _, _ = chunked_kl_terms(hs, ht, w, temperature=temperature, chunk_size=chunk,
+                                         direction="forward")
         torch.testing.assert_close(f, fkl, atol=1e-5, rtol=1e-5)
     assert (rkl >= -1e-6).all() and (fkl >= -1e-6).all()
 
@@ -171,7 +174,7 @@ def test_chunked_loss_never_keeps_full_vocab_activations():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss, _ = mixture_rkl_loss(hs, ht, w, weights, chunk_size=8)
+        loss, _ = mixture_rkl_loss(hs, ht, w, weights, chunk_size=8, confidence_out=torch.empty(m, 2))
     assert max(biggest) < m * v // 4, max(biggest)
     loss.backward()  # recomputation works
     biggest.clear()
@@ -209,6 +212,92 @@ def test_accepted_length_and_length_loss_match_naive():
     ref = sum((pred[i] - min(1.0, (int(num_acc[i]) + 1) / 8)) ** 2 for i in range(30) if blocks_valid[i])
     assert abs(float(loss) - float(ref) / int(blocks_valid.sum())) < 1e-6
     assert torch.allclose(direct_length_label(torch.tensor([0, 3, 7, 9]), 8, 1), torch.tensor([1 / 8, 0.5, 1.0, 1.0]))
+
+
+def naive_confidence(hs, w):
+    """Per-row float64 softmax of the student logits at T = 1: (max probability, entropy in nats) ``[M, 2]``."""
+    rows = []
+    for i in range(hs.shape[0]):
+        p = torch.softmax((hs[i].detach() @ w.t()).double(), -1)
+        rows.append(torch.stack([p.max(), -(p * p.log()).sum()]))
+    return torch.stack(rows).float()
+
+
+@pytest.mark.parametrize("direction", ["reverse", "forward"])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_chunked_confidence_matches_full_softmax(temperature, direction):
+    """The kernel's 5th output is the student's (max prob, entropy) at T = 1 whatever the loss temperature,
+    per row, without gradient, for chunk sizes that do and do not divide M; the losses hand it out."""
+    m = 23
+    hs, ht, w, weights = _rand_rows(m=m, seed=13)
+    ref = naive_confidence(hs, w)
+    torch.testing.assert_close(draft_confidence(hs.detach() @ w.t()), ref, atol=1e-5, rtol=1e-5)  # engine helper
+    assert float(ref[:, 0].max() - ref[:, 0].min()) > 0.2 and float(ref[:, 1].max() - ref[:, 1].min()) > 0.5
+    full = kl_terms(hs, ht, w, temperature, direction)
+    for chunk in (1, 5, 7, m, 1000):  # 5 and 7 do not divide 23
+        out = chunked_kl_terms(hs, ht, w, temperature=temperature, chunk_size=chunk, direction=direction)
+        assert len(out) == 5
+        conf = out[4]
+        assert conf.shape == (m, 2) and conf.dtype == torch.float32 and not conf.requires_grad
+        torch.testing.assert_close(conf, ref, atol=1e-5, rtol=1e-5)
+        for a, b in zip(out[:2], full[:2]):  # the first four outputs keep their order and meaning
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert torch.equal(out[2], full[2]) and torch.equal(out[3], full[3])
+    # through the losses: filled in place, and the loss itself is unchanged by asking for it
+    got = torch.full((m, 2), float("nan"))
+    plain, _ = mixture_rkl_loss(hs, ht, w, weights, temperature=temperature, chunk_size=5)
+    loss, _ = mixture_rkl_loss(hs, ht, w, weights, temperature=temperature, chunk_size=5, confidence_out=got)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert float(loss.detach()) == float(plain.detach())
+    got.fill_(float("nan"))
+    forward_kl_loss(hs, ht, w, weights, temperature=temperature, chunk_size=7, confidence_out=got)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="confidence_out"):
+        mixture_rkl_loss(hs, ht, w, weights, confidence_out=torch.empty(m - 1, 2))
+    with pytest.raises(ValueError, match="confidence_out"):
+        forward_kl_loss(hs, ht, w, weights, confidence_out=torch.empty(m))
+    e = torch.zeros(0, hs.shape[1])
+    assert chunked_kl_terms(e, e, w)[4].shape == (0, 2)
+
+
+def test_acceptance_labels_hand_example_and_bce():
+    t, f = True, False
+    draft = torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4], [9, 9, 9, 9], [3, 3, 3, 3]])
+    target = torch.tensor([[5, 6, 0, 8], [0, 2, 3, 4], [9, 9, 9, 9], [3, 3, 3, 3]])
+    valid = torch.tensor([[t, t, t, t], [t, t, t, t], [t, t, f, f], [f, f, f, f]])
+    label, mask = acceptance_labels(draft, target, valid)
+    assert label.dtype == torch.float32 and mask.dtype == torch.bool
+    # row 0: accept, accept, reject, then (a match after a rejection) not counted
+    # row 1: the first draft is rejected: only it counts; row 2: invalid tail; row 3: nothing exists
+    assert label.tolist() == [[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]]
+    assert mask.tolist() == [[t, t, t, f], [t, f, f, f], [t, t, f, f], [f, f, f, f]]
+    # random blocks: the counted positions are the accepted prefix plus the first rejection (if it exists),
+    # and the accepted length is the sum of the counted labels
+    g = torch.Generator().manual_seed(21)
+    tgt = torch.randint(0, 3, (6, 5, 7), generator=g)
+    drf = torch.where(torch.rand(6, 5, 7, generator=g) < 0.7, tgt, torch.randint(0, 3, (6, 5, 7), generator=g))
+    n_valid = torch.randint(0, 8, (6, 5, 1), generator=g)
+    val = torch.arange(7) < n_valid
+    lab, msk = acceptance_labels(drf, tgt, val)
+    a = naive_accepted(drf, tgt, val)
+    assert torch.equal(msk.sum(-1), torch.minimum(a + 1, n_valid[..., 0]))
+    assert torch.equal((lab * msk).sum(-1).long(), a)
+    # masked BCE and accuracy against a direct computation over the counted positions only
+    z = (torch.randn(6, 5, 7, generator=g) * 2).requires_grad_(True)
+    loss, acc = acceptance_loss(z, lab, msk)
+    ref = torch.nn.functional.binary_cross_entropy_with_logits(z[msk], lab[msk])
+    assert abs(loss.item() - ref.item()) < 1e-6
+    assert abs(float(acc) - float(((z[msk] > 0).float() == lab[msk]).float().mean())) < 1e-6
+    assert 0.0 < float(acc) < 1.0
+    loss.backward()
+    assert z.grad[~msk].abs().max() == 0 and z.grad[msk].abs().min() > 0
+    # nothing counted: an exact zero with a graph (zero gradient)
+    z.grad = None
+    loss, acc = acceptance_loss(z, lab, torch.zeros_like(msk))
+    loss.backward()
+    assert loss.item() == 0.0 and float(acc) == 0.0 and not z.grad.any()
+    with pytest.raises(ValueError):
+        acceptance_loss(z, lab[..., :-1], msk)
 
 
 # ----------------------------------------------------------------------------------- blocks
@@ -333,9 +422,9 @@ def dist_env():
             os.environ[k] = v
 
 
-def _cfgs(**distill):
+def _cfgs(policy="direct", **distill):
     drafter = DrafterConfig(num_hidden_layers=1, block_size=4, num_target_layers=2, target_layer_ids=[1, 2])
-    head = LengthHeadConfig(policy="direct", hidden_size=16)
+    head = LengthHeadConfig(policy=policy, hidden_size=16)
     base = dict(num_anchors=8, lr=3e-3, head_lr=2e-3, batch_size=3, loss_chunk_size=16, grad_clip=1.0)
     base.update(distill)
     return drafter, head, DistillConfig(**base)
@@ -372,18 +461,129 @@ def test_trainer_reduces_loss_and_publishes_engine_names(dist_env, target):
     assert core.drafter_model_config().block_size == 4
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2, 3])
-def test_zero_stages_match_stage0(dist_env, target, trajectories, zero_stage):
-    """ZeRO 1/2/3 initialise on CPU (gloo) and reproduce stage 0's losses and weights under a fixed seed."""
+def test_cost_head_loss_matches_naive_and_stays_off_the_drafter(target, trajectories):
+    """DistillModule with the ``cost`` head: BCE / accuracy equal a direct computation from the full student
+    logits (draft_confidence, acceptance_labels on the argmax drafts, the head on the detached hidden states
+    of block positions 1..bs-1), through the chunked kernel's confidence; the head's loss adds no gradient to
+    the drafter and is the head's only gradient."""
+    from adaflash_ray.distill.trainer import DistillModule
+    from adaflash_ray.models.factory import build_drafter
+
+    drafter_cfg, head_cfg, _ = _cfgs(policy="cost")
+    drafter, head = build_drafter(target, drafter_cfg, head_cfg, seed=3)
+    assert isinstance(head, AcceptanceHead)
+    drafter.float()
+    head.float()
+    with torch.no_grad():
+        head.out.weight.normal_(0.0, 1.0)  # the prior's zero output weights would hide the inputs
+    batch = collate(trajectories[:3], 8, 4, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = drafter.forward_train(batch.features, batch.input_ids, batch.anchors)[:, :, 1:]  # [B, N, 3, H]
+        zs = hidden @ target.lm_head.weight.t()  # [B, N, 3, V] (reference only)
+    draft = zs.argmax(-1)
+    # a fresh drafter is rarely right: make ~70% of the trajectory tokens its drafts, so both labels and the
+    # prefix mask are non-trivial (the teacher rows are untouched)
+    agree = torch.rand(draft.shape, generator=torch.Generator().manual_seed(1)) < 0.7
+    batch = dataclasses.replace(batch, target_ids=torch.where(agree, draft, batch.target_ids))
+    sel = batch.weights > 0
+    label, mask = acceptance_labels(torch.where(sel, draft, -1), batch.target_ids, sel)
+    with torch.no_grad():
+        z = head(hidden, draft_confidence(zs))
+    ref = torch.nn.functional.binary_cross_entropy_with_logits(z[mask], label[mask])
+    ref_acc = ((z[mask] > 0).float() == label[mask]).float().mean()
+    assert 0.2 < float(label[mask].mean()) < 0.9 and int(sel.sum()) > int(mask.sum()) > 20
+    assert 0.0 < float(ref_acc) < 1.0
+    grads = {}
+    for lam in (1.0, 0.0):
+        dcfg = DistillConfig(num_anchors=8, loss_chunk_size=7, length_loss_weight=lam)  # 7 splits M unevenly
+        module = DistillModule(drafter, head, target.lm_head, dcfg, head_cfg)
+        module.zero_grad(set_to_none=True)
+        loss, m = module(batch)
+        loss.backward()
+        assert abs(m["train/len_loss"] - float(ref)) < 1e-5, (m["train/len_loss"], float(ref))
+        assert abs(m["train/accept_head_acc"] - float(ref_acc)) < 1e-6
+        grads[lam] = ({n: p.grad for n, p in drafter.named_parameters()},
+                      {n: p.grad for n, p in head.named_parameters()})
+    for n, g in grads[1.0][0].items():
+        g0 = grads[0.0][0][n]
+        assert (g is None and g0 is None) or torch.equal(g, g0), n
+    assert all(float(g.abs().sum()) > 0 for g in grads[1.0][1].values())
+    assert all(g is None or not g.any() for g in grads[0.0][1].values())
+
+
+def test_trainer_trains_cost_acceptance_head(dist_env, target, tmp_path):
+    """policy ``cost``: the trainer steps the AcceptanceHead with its own lr and publishes it under the engine's
+    ``length_head.`` names; restarted from that checkpoint with the drafter (nearly) frozen, so that the labels
+    stand still, the per-position BCE falls well below that of the best constant predictor."""
+    from adaflash_ray.models.checkpoint import save_drafter_checkpoint
+
+    trajs = _greedy_trajectories(target, num=6, num_new=24, seed=4)
+    drafter_cfg, head_cfg, distill_cfg = _cfgs(policy="cost", zero_stage=0)
+    core = dist_env(target, drafter_cfg, head_cfg, distill_cfg, seed=0)
+    assert isinstance(core.length_head, AcceptanceHead)
+    assert [g["lr"] for g in core.optimizer.param_groups] == pytest.approx([3e-3, 2e-3])
+    before = core.publish_tensors()
+    losses, accepts = [], []
+    for step in range(30):
+        m = core.train_step(trajs[(step % 2) * 3:(step % 2) * 3 + 3])
+        losses.append(m["train/loss"])
+        accepts.append(m["train/block_accept_len"])
+        assert 0.0 <= m["train/accept_head_acc"] <= 1.0 and m["train/len_loss"] > 0.0
+    assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:3]) / 3
+    assert sum(accepts[-3:]) / 3 > sum(accepts[:3]) / 3
+    after = core.publish_tensors()
+    hidden = target.config.hidden_size
+    head_names = {"length_head.inp.weight", "length_head.inp.bias", "length_head.out.weight", "length_head.out.bias"}
+    assert set(after) == set(core.drafter.drafter_state_dict()) | head_names
+    assert after["length_head.inp.weight"].shape == (16, hidden + 2)
+    assert after["length_head.out.weight"].shape == (1, 16)
+    assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in after.values())
+    assert not before["length_head.out.weight"].any() and after["length_head.out.weight"].abs().max() > 1e-3
+    for k in head_names:  # every head tensor moved (weight_decay 0: only gradients move them)
+        assert float((after[k] - before[k]).abs().max()) > 1e-4, k
+    assert not torch.equal(before["fc.weight"], after["fc.weight"])
+
+    # phase 2: start from the published checkpoint (drafter + head), drafter lr ~ 0, every anchor each step
+    save_drafter_checkpoint(tmp_path / "v1", core.drafter_model_config(), after)
+    drafter2 = drafter_cfg.model_copy(update={"init_path": str(tmp_path / "v1")})
+    _, _, distill2 = _cfgs(policy="cost", zero_stage=0, lr=1e-8, head_lr=3e-2, num_anchors=NUM_ALL_ANCHORS)
+    core2 = dist_env(target, drafter2, head_cfg, distill2, seed=1)
+    loaded = core2.publish_tensors()
+    assert all(torch.equal(loaded[k], after[k]) for k in after)
+    bce, accs = [], []
+    for _ in range(40):
+        m = core2.train_step(trajs)
+        bce.append(m["train/len_loss"])
+        accs.append(m["train/accept_head_acc"])
+    # the labels the head was fitted to (every anchor: the batch of every step)
+    batch = collate(trajs, NUM_ALL_ANCHORS, 4, torch.Generator(), torch.float32)
+    sel = batch.weights > 0
+    with torch.no_grad():
+        hid = core2.drafter.forward_train(batch.features, batch.input_ids, batch.anchors)[:, :, 1:]
+        draft = (hid @ target.lm_head.weight.t()).argmax(-1)
+    label, mask = acceptance_labels(torch.where(sel, draft, -1), batch.target_ids, sel)
+    rate = float(label[mask].mean())
+    assert 0.1 < rate < 0.9, rate
+    const_bce = -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
+    assert bce[-1] < 0.6 * bce[0], (bce[0], bce[-1])
+    assert sum(bce[-5:]) / 5 < sum(bce[:5]) / 5
+    assert bce[-1] < 0.8 * const_bce, (bce[-1], const_bce)
+    assert accs[-1] > max(rate, 1 - rate) + 0.1, (accs[-1], rate)
+
+
+@pytest.mark.parametrize("zero_stage,policy", [(1, "direct"), (2, "direct"), (3, "direct"), (3, "cost")])
+def test_zero_stages_match_stage0(dist_env, target, trajectories, zero_stage, policy):
+    """ZeRO 1/2/3 initialise on CPU (gloo) and reproduce stage 0's losses and weights under a fixed seed
+    (ZeRO-3 also with the ``cost`` policy's AcceptanceHead, partitioned and gathered like the direct head)."""
     results = {}
     for stage in (0, zero_stage):
-        core = dist_env(target, *_cfgs(zero_stage=stage, warmup_steps=2), seed=1)
+        core = dist_env(target, *_cfgs(policy, zero_stage=stage, warmup_steps=2), seed=1)
         ms = [core.train_step(trajectories[:3]) for _ in range(3)]
         results[stage] = ([m["train/loss"] for m in ms], core.publish_tensors(), [m["train/lr"] for m in ms])
     (l0, w0, lr0), (l1, w1, lr1) = results[0], results[zero_stage]
     assert lr0 == pytest.approx([1.5e-3, 3e-3, 3e-3]) and lr1 == pytest.approx(lr0)  # warmup then flat
     assert l1 == pytest.approx(l0, rel=1e-4, abs=1e-5)
-    assert set(w0) == set(w1)
+    assert set(w0) == set(w1) and "length_head.inp.weight" in w0
     for k in w0:
         torch.testing.assert_close(w1[k], w0[k], atol=1e-5, rtol=1e-4)
 
@@ -485,11 +685,11 @@ def test_two_ranks_zero123_gloo_match_one_rank(dist_env, target):
                                        msg=lambda m, k=k, stage=stage: f"ZeRO-{stage} {k}: {m}")
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2])
-def test_save_and_resume_continue_exactly(dist_env, target, trajectories, tmp_path, zero_stage):
+@pytest.mark.parametrize("zero_stage,policy", [(0, "direct"), (2, "direct"), (2, "cost")])
+def test_save_and_resume_continue_exactly(dist_env, target, trajectories, tmp_path, zero_stage, policy):
     """Issue 9.2: drafter, head, optimizer state, lr schedule, step and the anchor RNG are saved; a fresh
     trainer that loads them takes the same next steps as the one that kept going (same losses/weights)."""
-    cfgs = _cfgs(zero_stage=zero_stage, warmup_steps=3)
+    cfgs = _cfgs(policy, zero_stage=zero_stage, warmup_steps=3)
     a = dist_env(target, *cfgs, seed=5)
     for _ in range(2):
         a.train_step(trajectories[:3])
@@ -508,5 +708,6 @@ def test_save_and_resume_continue_exactly(dist_env, target, trajectories, tmp_pa
         assert y["train/step"] == x["train/step"] and y["train/lr"] == pytest.approx(x["train/lr"])
         assert y["train/loss"] == pytest.approx(x["train/loss"], rel=1e-5, abs=1e-6)
     wa, wb = a.publish_tensors(), b.publish_tensors()
+    assert set(wa) == set(wb) and "length_head.inp.weight" in wa
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], atol=1e-6, rtol=1e-5)

@@ -70,8 +70,8 @@ class SlotPattern:
     def __init__(self, oracle: Oracle, pattern: list[int]):
         self.oracle, self.pattern = oracle, pattern
 
-    def __call__(self, block_hidden: torch.Tensor) -> torch.Tensor:
-        assert block_hidden.shape[0] == len(self.oracle.rows)
+    def __call__(self, block_hidden: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
+        assert block_hidden.shape[0] == len(self.oracle.rows) == draft_logits.shape[0]
         return torch.tensor([0 if req is None else self.pattern[req.slot % len(self.pattern)]
                              for req, _ in self.oracle.rows])
 
@@ -96,7 +96,7 @@ def real_ar(real_target, chat_prompts):
     return outputs(reqs)
 
 
-@pytest.mark.parametrize("policy,block_size", [("fixed", 4), ("direct", 8)])
+@pytest.mark.parametrize("policy,block_size", [("fixed", 4), ("direct", 8), ("cost", 8)])
 def test_real_greedy_lossless_random_drafter(real_target, chat_prompts, real_ar, policy, block_size):
     """8 prompts x 64 tokens, batch 8, random drafter: token for token the AR output."""
     drafter, head = make_drafter(real_target, block_size=block_size, policy=policy, seed=1)
@@ -226,6 +226,63 @@ def test_random_drafter_lossless_with_slot_reuse(tiny_target):
             engine.step()
         for r, out in zip(reqs, ref):
             assert r.output_ids == out[: r.params.max_new_tokens]
+
+
+def test_cost_policy_choice_by_hand():
+    """The cost policy's γ* = argmax_γ Σ_r E_r[c(γ)] / t(B, γ), E = 1 + Σ_{i<=γ} Π_{j<=i} p_j (ALGORITHMS.md §2.3)."""
+    from adaflash_ray.engine.length_policy import CostLength
+    from adaflash_ray.models import AcceptanceHead
+
+    pol = CostLength(AcceptanceHead(8), block_size=5)
+    p = torch.tensor([[0.9, 0.5, 0.5, 0.5], [0.9, 0.5, 0.5, 0.5]])
+    # E per row: 1.9, 2.35, 2.575, 2.6875 -> sums 3.8, 4.7, 5.15, 5.375
+    assert pol.choose(p, None).tolist() == [4, 4]  # no costs: the longest γ (plain DFlash)
+    flat = torch.tensor([2.0, 2.0, 2.0, 2.0])
+    assert pol.choose(p, flat).tolist() == [4, 4]
+    steep = torch.tensor([2.0, 3.0, 4.0, 5.0])  # 1.9, 1.567, 1.2875, 1.075 -> γ = 1
+    assert pol.choose(p, steep).tolist() == [1, 1]
+    mid = torch.tensor([2.0, 2.2, 2.6, 3.0])  # 1.9, 2.136, 1.981, 1.792 -> γ = 2
+    assert pol.choose(p, mid).tolist() == [2, 2]
+    pol.min_len = 3
+    assert pol.choose(p, steep).tolist() == [3, 3]  # γ < min_len never chosen
+    pol.set_costs([1, 8], torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 2.0, 3.0, 4.0]]))
+    table = pol.costs
+    assert pol.cost_row(1).tolist() == [1.0] * 4 and pol.cost_row(5).tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert pol.cost_row(64).tolist() == [1.0, 2.0, 3.0, 4.0]  # beyond the table: its largest batch
+    pol.set_costs([1, 8], torch.full((2, 4), 7.0))
+    assert pol.costs is table and float(table[1, 3]) == 7.0  # in place: captured graphs see new costs
+    for bad, msg in ((([], torch.ones(0, 4)), "non-empty"), (([1], torch.ones(1, 3)), r"\[1, 4\]"),
+                     (([2, 1], torch.ones(2, 4)), "strictly increasing"), (([1], torch.zeros(1, 4)), "> 0")):
+        with pytest.raises(ValueError, match=msg):
+            pol.set_costs(*bad)
+
+
+def test_cost_policy_engine_lossless_with_measured_costs(tiny_target):
+    """policy cost: the engine measures its step cost table at start (positive, one row per batch size, not
+    falling with γ), every step drafts one γ for the whole batch, and the output is the AR output."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in [3, 40, 9, 70, 20]]
+    ref = [greedy_reference(tiny_target, p, 24) for p in prompts]
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
+    engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=200)
+    table = engine.cost_table
+    assert table["batch_sizes"] == [1, 2, 3] and len(table["costs_ms"]) == 3
+    assert all(len(row) == 7 and all(c > 0 for c in row) for row in table["costs_ms"])
+    assert all(a <= b for row in table["costs_ms"] for a, b in zip(row, row[1:]))  # never cheaper with γ
+    assert engine.runner.length_policy.costs is not None
+    reqs = [engine.add_request(p, SamplingParams(max_new_tokens=24)) for p in prompts]
+    per_step = []
+    while engine.has_unfinished():
+        engine.step()  # every running request's next γ comes from this step's one batched propose
+        per_step.append({r.next_draft_len for r in engine.scheduler.running})
+    for r, out in zip(reqs, ref):
+        assert r.output_ids == out
+    assert all(len(gs) <= 1 for gs in per_step) and sum(len(gs) for gs in per_step) > 10  # one γ per batch
+    assert set(engine.stats.draft_len_hist) - {0} <= set(range(1, 8))
+    with pytest.raises(ValueError, match="needs an AcceptanceHead"):
+        SpecEngine(tiny_target, *make_drafter(tiny_target, block_size=8, policy="direct"), policy="cost")
+    with pytest.raises(ValueError, match="needs the cost policy"):
+        SpecEngine(tiny_target, drafter, None, policy="fixed", max_batch_size=2, max_seq_len=200).calibrate_costs()
 
 
 def test_max_new_tokens_truncation_exact(monkeypatch, tiny_target):
@@ -454,6 +511,6 @@ def test_bad_input(tiny_target):
         engine.add_request([1], SamplingParams(temperature=-0.5))
     with pytest.raises(ValueError, match="unknown length policy 'adaptive'"):
         SpecEngine(tiny_target, drafter, head, policy="adaptive")
-    with pytest.raises(ValueError, match="needs a length head"):
+    with pytest.raises(ValueError, match="needs a DirectLengthHead, got NoneType"):
         SpecEngine(tiny_target, drafter, None, policy="direct")
     assert engine.scheduler.num_unfinished == 1

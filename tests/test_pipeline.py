@@ -169,6 +169,15 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
                        "--set", f"drafter.init_path={rd / 'checkpoints' / 'v3'}", "--set", "distill.num_versions=2")
         assert s2["final_version"] == 2 and s2["workers_loaded_final"] is True
         assert s2["eval_tau"]["0"] == pytest.approx(summary["eval_tau"]["3"], abs=0.02)  # it started from v3
+        # the cost policy end to end: the trainer trains the acceptance head, every worker hot-loads it
+        _, s3 = submit("--run-dir", str(tmp_path / "run3"), "--set", "logging.wandb_mode=disabled",
+                       "--set", "length_head.policy=cost", "--set", "distill.num_versions=2")
+        assert s3["final_version"] == 2 and s3["workers_loaded_final"] is True
+        from adaflash_ray.models import load_drafter_checkpoint
+
+        tensors = load_drafter_checkpoint(tmp_path / "run3" / "checkpoints" / "v2")[1]
+        # the AcceptanceHead (hidden state + 2 confidence features in, no residual layer), not the direct head
+        assert tensors["length_head.inp.weight"].shape[1] == 576 + 2 and "length_head.res.weight" not in tensors
         ours = {"InferenceWorker", "DistillTrainer", "TrajectoryBuffer", "WeightRegistry"}
         alive = [a for a in _ray_list("actors", dash_port, env) if a.get("class_name") in ours]
         assert alive == [], f"actors left alive after both jobs: {alive}"

@@ -5,6 +5,8 @@
   :func:`adaflash_ray.kernels.chunked_kl.chunked_kl_terms` so the full ``[M, V]`` softmax never exists at once.
 - :func:`forward_kl_loss`: the OSD baseline (forward KL, α = 0).
 - :func:`accepted_length` / :func:`length_loss`: the label and MSE of the ``direct`` length head.
+- :func:`acceptance_loss`: the masked BCE of the ``cost`` policy's per-position acceptance head (labels from
+  :func:`adaflash_ray.models.length_head.acceptance_labels`).
 
 The teacher is always detached; weights ``w`` are the position weights of
 :func:`adaflash_ray.distill.blocks.collate` (decay ``exp(-(k-1)/7)`` times bounds and validity).
@@ -12,6 +14,7 @@ The teacher is always detached; weights ``w`` are the position weights of
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from adaflash_ray.models.length_head import direct_length_label
 from adaflash_ray.kernels.chunked_kl import chunked_kl_terms
@@ -19,15 +22,20 @@ from adaflash_ray.kernels.chunked_kl import chunked_kl_terms
 CLIP_MODES = ("per_token", "reference")
 
 
-def _check_rows(student_hidden: torch.Tensor, weights: torch.Tensor) -> None:
+def _check_rows(student_hidden: torch.Tensor, weights: torch.Tensor,
+                confidence_out: torch.Tensor | None = None) -> None:
     if weights.dim() != 1 or weights.shape[0] != student_hidden.shape[0]:
         raise ValueError(f"weights {tuple(weights.shape)} must be [M] with M = {student_hidden.shape[0]}")
+    if confidence_out is not None and tuple(confidence_out.shape) != (student_hidden.shape[0], 2):
+        raise ValueError(f"confidence_out {tuple(confidence_out.shape)} must be [M, 2] with "
+                         f"M = {student_hidden.shape[0]}")
 
 
 def mixture_rkl_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
                      weights: torch.Tensor, *, alpha: float = 0.8, temperature: float = 1.0, clip: float = 10.0,
                      clip_mode: str = "per_token", chunk_size: int = 1024,
-                     argmax_out: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                     argmax_out: torch.Tensor | None = None, confidence_out: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, dict[str, float]]:
     """Mixture reverse-KL distillation loss (docs/design/ALGORITHMS.md §3; AdaFlash).
 
     ``L = α·CE + (1-α)·L_RKL`` with ``CE = Σ_i w_i·CE_i / Σ_i w_i``, ``CE_i = -log softmax(z_S,i)[argmax z_T,i]``
@@ -47,6 +55,9 @@ def mixture_rkl_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
         chunk_size: rows per vocabulary chunk (``distill.loss_chunk_size``).
         argmax_out: optional int64 ``[M]`` tensor that receives the student argmax (reused for the
             accepted length, saving a second vocabulary pass).
+        confidence_out: optional float32 ``[M, 2]`` tensor that receives the student's (max probability,
+            entropy) at temperature 1 (no gradient; the ``cost`` length head's confidence input,
+            :func:`adaflash_ray.models.length_head.draft_confidence`), taken from the loss's own logits.
     Returns:
         ``(loss, metrics)``: loss a float32 scalar with gradient into ``student_hidden``; metrics
         ``train/ce``, ``train/rkl`` (the clipped L_RKL), ``train/rkl_raw`` (unclipped weighted mean),
@@ -54,15 +65,18 @@ def mixture_rkl_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
         share of positions with student argmax == teacher argmax), all Python floats.
         With ``M = 0`` or ``Σw = 0`` the loss is an exact zero that still depends on ``student_hidden``.
     Raises:
-        ValueError: bad shapes, ``clip_mode``, ``chunk_size`` or ``temperature``.
+        ValueError: bad shapes (``confidence_out`` included), ``clip_mode``, ``chunk_size`` or ``temperature``.
     """
     if clip_mode not in CLIP_MODES:
         raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
-    _check_rows(student_hidden, weights)
-    ce, rkl, s_arg, t_arg = chunked_kl_terms(student_hidden, teacher_hidden, lm_head_weight,
-                                             temperature=temperature, chunk_size=chunk_size, direction="reverse")
+    _check_rows(student_hidden, weights, confidence_out)
+    ce, rkl, s_arg, t_arg, conf = chunked_kl_terms(student_hidden, teacher_hidden, lm_head_weight,
+                                                   temperature=temperature, chunk_size=chunk_size,
+                                                   direction="reverse")
     if argmax_out is not None:
         argmax_out.copy_(s_arg)
+    if confidence_out is not None:
+        confidence_out.copy_(conf)
     w = weights.detach().float()
     den = w.sum()
     safe_den = den.clamp_min(1e-12)
@@ -87,16 +101,19 @@ def mixture_rkl_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
 
 
 def forward_kl_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
-                    weights: torch.Tensor, *, temperature: float = 1.0, chunk_size: int = 1024
-                    ) -> tuple[torch.Tensor, dict[str, float]]:
+                    weights: torch.Tensor, *, temperature: float = 1.0, chunk_size: int = 1024,
+                    confidence_out: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The OSD baseline: weighted forward KL ``Σ_i w_i·T²·KL(p_T,i || p_S,i) / Σ_i w_i`` (α = 0, no clip).
 
-    Shapes as :func:`mixture_rkl_loss`. Returns ``(loss, {"train/fkl", "train/top1_match"})``.
-    Raises ValueError on bad shapes.
+    Shapes and ``confidence_out`` as :func:`mixture_rkl_loss`. Returns ``(loss, {"train/fkl",
+    "train/top1_match"})``. Raises ValueError on bad shapes.
     """
-    _check_rows(student_hidden, weights)
-    _, fkl, s_arg, t_arg = chunked_kl_terms(student_hidden, teacher_hidden, lm_head_weight,
-                                            temperature=temperature, chunk_size=chunk_size, direction="forward")
+    _check_rows(student_hidden, weights, confidence_out)
+    _, fkl, s_arg, t_arg, conf = chunked_kl_terms(student_hidden, teacher_hidden, lm_head_weight,
+                                                  temperature=temperature, chunk_size=chunk_size,
+                                                  direction="forward")
+    if confidence_out is not None:
+        confidence_out.copy_(conf)
     w = weights.detach().float()
     safe_den = w.sum().clamp_min(1e-12)
     loss = (w * fkl).sum() / safe_den
@@ -144,3 +161,33 @@ def length_loss(pred_ratio: torch.Tensor, num_accepted: torch.Tensor, block_size
     label = direct_length_label(num_accepted, block_size, lookahead)
     v = valid.float()
     return (v * (pred_ratio.float() - label) ** 2).sum() / v.sum().clamp_min(1.0)
+
+
+def acceptance_loss(logits: torch.Tensor, label: torch.Tensor, mask: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked BCE of the ``cost`` policy's :class:`~adaflash_ray.models.length_head.AcceptanceHead`
+    (docs/design/ALGORITHMS.md §2.3).
+
+    Args:
+        logits: ``[...]`` acceptance logits (gradient flows into the head only).
+        label: ``[...]`` float 1.0 = draft accepted, 0.0 = rejected.
+        mask: ``[...]`` bool: positions that count (valid, every earlier draft of the block accepted).
+    Returns:
+        ``(loss, accuracy)``: loss = float32 scalar ``Σ_mask BCE-with-logits / max(#mask, 1)`` (an exact zero
+        that still has a graph into ``logits`` when no position counts); accuracy = detached float32 share of
+        masked positions where ``(logit > 0) == label`` (0 when none).
+    Raises:
+        ValueError: if the three inputs differ in shape.
+    """
+    if not (logits.shape == label.shape == mask.shape):
+        raise ValueError(f"logits {tuple(logits.shape)}, label {tuple(label.shape)} and mask {tuple(mask.shape)} "
+                         "must have the same shape")
+    m = mask.float()
+    lab = label.float()
+    z = logits.float()
+    bce = F.binary_cross_entropy_with_logits(z, lab, reduction="none")
+    count = m.sum().clamp_min(1.0)
+    loss = (m * bce).sum() / count
+    with torch.no_grad():
+        acc = (m * ((z > 0).float() == lab).float()).sum() / count
+    return loss, acc

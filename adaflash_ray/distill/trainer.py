@@ -4,7 +4,8 @@
 one instance per data-parallel rank, one process group across ranks (gloo on CPU, NCCL on GPU).
 It owns optimisation only; the caller decides which trajectories to feed (version lag filtering)
 and when to publish (every ``distill.publish_every`` steps). Objective: docs/design/ALGORITHMS.md §3
-(mixture reverse-KL, AdaFlash) plus ``λ·L_len`` for the ``direct`` head (§2). Run the tests with::
+(mixture reverse-KL, AdaFlash) plus ``λ·L_len`` for the length head (§2): the MSE of the ``direct`` head,
+or the masked per-position BCE of the ``cost`` policy's acceptance head. Run the tests with::
 
     pytest tests/test_distill.py
 
@@ -25,10 +26,10 @@ import torch
 from torch import nn
 
 from adaflash_ray.distill.blocks import Batch, collate, with_recomputed_features
-from adaflash_ray.distill.losses import accepted_length, length_loss, mixture_rkl_loss
+from adaflash_ray.distill.losses import acceptance_loss, accepted_length, length_loss, mixture_rkl_loss
 from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
 from adaflash_ray.models.factory import build_drafter
-from adaflash_ray.models.length_head import DirectLengthHead
+from adaflash_ray.models.length_head import AcceptanceHead, DirectLengthHead, acceptance_labels
 from adaflash_ray.models.target import TargetModel
 
 _DIST_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
@@ -53,14 +54,22 @@ def lr_factor(warmup_steps: int, decay_steps: int = 0, min_ratio: float = 0.1):
 
 
 class DistillModule(nn.Module):
-    """drafter + optional ``direct`` length head; ``forward(batch)`` computes the whole loss.
+    """drafter + optional length head; ``forward(batch)`` computes the whole loss.
 
     The target's embeddings / lm_head are borrowed (not submodules, never trained). The head sees
-    ``hidden.detach()`` (no gradient into the drafter, AdaFlash).
+    ``hidden.detach()`` (no gradient into the drafter, AdaFlash). Heads:
+
+    - :class:`DirectLengthHead` (policy ``direct``): ratio from the whole block's hidden states, MSE on
+      ``(a + lookahead) / block_size``.
+    - :class:`AcceptanceHead` (policy ``cost``): one logit per supervised block position k = 1..bs-1 from the
+      drafter's hidden state there (detached) and the student's (max prob, entropy) at T = 1 - taken from the
+      distillation loss's own vocabulary pass, so no extra lm_head matmul; labels/mask from
+      :func:`acceptance_labels` (greedy acceptance against the trajectory, counted only where every earlier
+      draft of the block was accepted); masked mean BCE.
     """
 
-    def __init__(self, drafter: DFlashDrafter, length_head: DirectLengthHead | None, lm_head: nn.Linear,
-                 distill_cfg, head_cfg):
+    def __init__(self, drafter: DFlashDrafter, length_head: DirectLengthHead | AcceptanceHead | None,
+                 lm_head: nn.Linear, distill_cfg, head_cfg):
         super().__init__()
         self.drafter = drafter
         self.length_head = length_head
@@ -68,7 +77,8 @@ class DistillModule(nn.Module):
         self.distill_cfg, self.head_cfg = distill_cfg, head_cfg
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        """Returns ``(loss, metrics)``: loss = mixture RKL (+ λ·length MSE); metrics are floats."""
+        """Returns ``(loss, metrics)``: loss = mixture RKL (+ λ·length-head loss: MSE for ``direct``, BCE for
+        ``cost``); metrics are floats (``train/accept_head_acc`` only with the ``cost`` head)."""
         cfg = self.distill_cfg
         bs = self.drafter.block_size
         hidden = self.drafter.forward_train(batch.features, batch.input_ids, batch.anchors)  # [B, N, bs, H]
@@ -77,16 +87,25 @@ class DistillModule(nn.Module):
         student = hidden[:, :, 1:, :][sel]  # [M, H]
         teacher = batch.last_hidden[rows, batch.teacher_pos[sel]]  # [M, H]
         s_arg = torch.empty(student.shape[0], dtype=torch.long, device=student.device)
+        accept_head = isinstance(self.length_head, AcceptanceHead)
+        conf = (torch.empty(student.shape[0], 2, dtype=torch.float32, device=student.device) if accept_head
+                else None)  # [M, 2] student (max prob, entropy) at T = 1, filled by the loss's vocabulary pass
         loss, metrics = mixture_rkl_loss(student, teacher, self._lm_head.weight, batch.weights[sel],
                                          alpha=cfg.alpha, temperature=cfg.temperature, clip=cfg.rkl_clip,
                                          clip_mode=cfg.rkl_clip_mode, chunk_size=cfg.loss_chunk_size,
-                                         argmax_out=s_arg)
+                                         argmax_out=s_arg, confidence_out=conf)
         draft_ids = torch.full_like(batch.target_ids, -1)
         draft_ids[sel] = s_arg
         num_accepted = accepted_length(draft_ids, batch.target_ids, sel)  # [B, N]
         valid = batch.anchor_valid
         len_loss = torch.zeros((), device=loss.device)
-        if self.length_head is not None:
+        head_acc = None
+        if accept_head:
+            label, mask = acceptance_labels(draft_ids, batch.target_ids, sel)  # [B, N, bs-1]; mask implies sel
+            logits = self.length_head(student.detach(), conf)  # [M]
+            len_loss, head_acc = acceptance_loss(logits, label[sel], mask[sel])
+            loss = loss + cfg.length_loss_weight * len_loss
+        elif self.length_head is not None:
             ratio = self.length_head(hidden.detach())  # [B, N]
             len_loss = length_loss(ratio.reshape(-1), num_accepted.reshape(-1), bs, self.head_cfg.lookahead,
                                    valid.reshape(-1))
@@ -98,10 +117,15 @@ class DistillModule(nn.Module):
             k = min(4, bs - 1)
             hits = ((draft_ids[..., :k] == batch.target_ids[..., :k]) & sel[..., :k]).flatten(0, -2).sum(0)
             per_pos = hits.float() / sel[..., :k].flatten(0, -2).sum(0).clamp_min(1)
-            tail = torch.cat([torch.stack([loss.detach().float(), len_loss.detach().float(), accept,
-                                           num_blocks.float(), sel.sum().float()]), per_pos]).tolist()
-        metrics.update(zip(("train/loss", "train/len_loss", "train/block_accept_len", "train/num_blocks",
-                            "train/num_positions", *(f"train/top1_pos{i + 1}" for i in range(k))), tail))
+            names = ["train/loss", "train/len_loss", "train/block_accept_len", "train/num_blocks",
+                     "train/num_positions", *(f"train/top1_pos{i + 1}" for i in range(k))]
+            parts = [torch.stack([loss.detach().float(), len_loss.detach().float(), accept,
+                                  num_blocks.float(), sel.sum().float()]), per_pos]
+            if head_acc is not None:  # one host sync for every metric
+                names.append("train/accept_head_acc")
+                parts.append(head_acc.float().reshape(1))
+            tail = torch.cat(parts).tolist()
+        metrics.update(zip(names, tail, strict=True))
         return loss, metrics
 
 
@@ -252,7 +276,9 @@ class DistillTrainerCore:
         """One optimizer step on ``trajectories`` (this rank's share of the global batch).
 
         Returns flat metrics: ``train/loss, train/ce, train/rkl, train/rkl_raw, train/rkl_clip_frac,
-        train/len_loss, train/top1_match, train/block_accept_len`` (mean accepted length a + 1 of the
+        train/len_loss`` (the length head's MSE - ``direct`` - or masked BCE - ``cost`` -; 0 without a head),
+        ``train/accept_head_acc`` (``cost`` only: share of the BCE's positions where ``(logit > 0) == label``),
+        ``train/top1_match, train/block_accept_len`` (mean accepted length a + 1 of the
         blocks against the trajectory, the τ convention of docs/design/ALGORITHMS.md §0), ``train/num_blocks,
         train/num_positions, train/step`` (optimizer steps done), ``train/lr`` (drafter lr used by this
         step), ``train/grad_norm`` (global L2 norm before clipping), ``train/seconds``. Rank-local values

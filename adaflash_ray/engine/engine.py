@@ -18,14 +18,14 @@ import time
 import numpy as np
 import torch
 
-from adaflash_ray.engine.length_policy import DirectLength, FixedLength
+from adaflash_ray.engine.length_policy import CostLength, DirectLength, FixedLength
 from adaflash_ray.engine.request import Request, SamplingParams, Status
 from adaflash_ray.engine.runner import ModelRunner
 from adaflash_ray.engine.scheduler import Scheduler
 from adaflash_ray.engine.stats import SpecStats
 from adaflash_ray.models.checkpoint import CheckpointError, check_tensors_fit, tensors_sha256
 from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
-from adaflash_ray.models.length_head import DirectLengthHead
+from adaflash_ray.models.length_head import AcceptanceHead, DirectLengthHead
 from adaflash_ray.models.target import TargetModel
 from adaflash_ray.trajectory import Trajectory
 
@@ -35,8 +35,10 @@ class SpecEngine:
 
     Args:
         target: the target model. drafter: a DFlash drafter attached to the target (None = AR only).
-        length_head: the ``direct`` head (None with policy "fixed").
-        policy: "direct" | "fixed". max_batch_size: KV slots. max_seq_len: positions per slot.
+        length_head: the policy's head: DirectLengthHead (``direct``), AcceptanceHead (``cost``), None (``fixed``).
+        policy: "direct" | "cost" | "fixed". max_batch_size: KV slots. max_seq_len: positions per slot.
+        calibrate: with policy ``cost``, measure the step cost table now (:meth:`calibrate_costs`; a few
+            seconds); False leaves every γ at the same cost until it is called.
         record: build a Trajectory per finished request. record_features: with ``record``, also copy out
             the captured target features / last hidden states (``distill.features: captured``); False
             leaves them None for a trainer that recomputes them (``recompute``: no device-to-host copy, and
@@ -46,20 +48,25 @@ class SpecEngine:
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, length_head: DirectLengthHead | None,
                  *, policy: str = "direct", rate: float = 1.3, min_len: int = 1, max_batch_size: int = 8,
                  max_seq_len: int = 1024, layer_ids: list[int] | None = None, record: bool = False,
-                 record_features: bool = True, seed: int = 0, drafter_version: int = 0, use_cuda_graph: bool | None = None):
+                 record_features: bool = True, seed: int = 0, drafter_version: int = 0, use_cuda_graph: bool | None = None,
+                 calibrate: bool = True):
         self.target, self.drafter, self.length_head = target, drafter, length_head
         if drafter is not None:
             drafter.config.check_target(target.config)
             layer_ids = drafter.config.target_layer_ids
             bs = drafter.block_size
             if policy == "direct":
-                if length_head is None:
-                    raise ValueError("policy 'direct' needs a length head")
+                if not isinstance(length_head, DirectLengthHead):
+                    raise ValueError(f"policy 'direct' needs a DirectLengthHead, got {type(length_head).__name__}")
                 self.policy = DirectLength(length_head, bs, rate, min_len)
+            elif policy == "cost":
+                if not isinstance(length_head, AcceptanceHead):
+                    raise ValueError(f"policy 'cost' needs an AcceptanceHead, got {type(length_head).__name__}")
+                self.policy = CostLength(length_head, bs, min_len)
             elif policy == "fixed":
                 self.policy = FixedLength(bs)
             else:
-                raise ValueError(f"unknown length policy {policy!r} (expected 'direct' or 'fixed')")
+                raise ValueError(f"unknown length policy {policy!r} (expected 'direct', 'cost' or 'fixed')")
         else:
             self.policy = None
         self.layer_ids = list(layer_ids or target.default_layer_ids(5))
@@ -74,6 +81,9 @@ class SpecEngine:
         self.drafter_sha256 = tensors_sha256(self.drafter_tensors()) if drafter is not None else None
         self.num_reloads = 0
         self._published_loaded = False  # a published version (even 0) has been loaded: versions must rise
+        self.cost_table: dict | None = None
+        if isinstance(self.policy, CostLength) and calibrate:
+            self.calibrate_costs()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -278,6 +288,40 @@ class SpecEngine:
             raise ValueError("engine has no drafter")
         self._check_timing_args(batch_size, self.drafter.block_size, context_len)
         return self.runner.time_propose(batch_size, context_len, num_iters)
+
+    @torch.no_grad()
+    def calibrate_costs(self, batch_sizes: list[int] | None = None, context_len: int | None = None,
+                        num_iters: int = 3) -> dict:
+        """Measure the ``cost`` policy's step cost ``t(B, γ)`` on this engine's hardware and hand it to the policy.
+
+        ``t(B, γ)`` = median ms of one drafter propose at batch B + one verify forward of width γ+1 (CUDA graphs
+        on GPU, as the engine steps). Widths are measured on the engine's width buckets (GPU: the step pads to
+        them, so this is exact) or on a grid of widths rounded up (CPU); each row is made non-decreasing in γ
+        (a running maximum against timing noise). Call on an idle engine: it overwrites
+        the KV slots. Returns ``{"batch_sizes", "costs_ms" [len(batch_sizes)][bs-1], "context_len"}`` (also kept
+        as ``self.cost_table``).
+        Raises:
+            ValueError: the policy is not ``cost``, or a batch size is outside [1, max_batch_size].
+        """
+        if not isinstance(self.policy, CostLength):
+            raise ValueError(f"calibrate_costs needs the cost policy, not {getattr(self.policy, 'name', None)!r}")
+        runner, bs = self.runner, self.drafter.block_size
+        slots = runner.num_slots
+        if batch_sizes is None:
+            batch_sizes = runner._batch_buckets or sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < slots} | {slots})
+        ctx = context_len if context_len is not None else max(0, min(128, self.max_seq_len - 2 * bs - 1))
+        grid = runner._width_buckets if runner.is_cuda else sorted({w for w in (2, 3, 4, 6, 8, 12, 16) if w < bs} | {bs})
+        rows = []
+        for b in batch_sizes:
+            self._check_timing_args(b, bs, ctx)
+            propose = runner.time_propose(b, ctx, num_iters)
+            verify = {w: runner.time_verify(b, w, ctx, num_iters) for w in grid if w >= 2}
+            rows.append([propose + verify[min(w for w in verify if w >= g + 1)] for g in range(1, bs)])
+        # a wider verify is never cheaper: timing noise must not make the policy pick a longer γ for speed
+        rows = torch.tensor(rows).cummax(dim=1).values.tolist()
+        self.policy.set_costs(list(batch_sizes), torch.tensor(rows))
+        self.cost_table = {"batch_sizes": list(batch_sizes), "costs_ms": rows, "context_len": ctx}
+        return self.cost_table
 
     def _check_timing_args(self, batch_size: int, width: int, context_len: int) -> None:
         if not 1 <= batch_size <= self.runner.num_slots:

@@ -1,9 +1,16 @@
-"""Draft-length policies (docs/design/ALGORITHMS.md §2): map the drafter's block output to γ per request."""
+"""Draft-length policies (docs/design/ALGORITHMS.md §2): map the drafter's block output to γ per request.
+
+Every policy is called inside the engine step (CUDA-graph safe: no host synchronisation) as
+``policy(block_hidden [B, bs, H], draft_logits [B, bs-1, V]) -> γ [B]`` int64.
+"""
 from __future__ import annotations
+
+import bisect
 
 import torch
 
-from adaflash_ray.models.length_head import DirectLengthHead, ratio_to_draft_len
+from adaflash_ray.models.length_head import (AcceptanceHead, DirectLengthHead, draft_confidence, expected_committed,
+                                             ratio_to_draft_len)
 
 
 class FixedLength:
@@ -14,7 +21,7 @@ class FixedLength:
     def __init__(self, block_size: int):
         self.block_size = block_size
 
-    def __call__(self, block_hidden: torch.Tensor) -> torch.Tensor:
+    def __call__(self, block_hidden: torch.Tensor, draft_logits: torch.Tensor | None = None) -> torch.Tensor:
         return torch.full(block_hidden.shape[:1], self.block_size - 1, dtype=torch.long, device=block_hidden.device)
 
 
@@ -27,6 +34,68 @@ class DirectLength:
         self.head, self.block_size, self.rate, self.min_len = head, block_size, rate, min_len
 
     @torch.no_grad()
-    def __call__(self, block_hidden: torch.Tensor) -> torch.Tensor:
+    def __call__(self, block_hidden: torch.Tensor, draft_logits: torch.Tensor | None = None) -> torch.Tensor:
         ratio = self.head(block_hidden)  # [B]
         return ratio_to_draft_len(ratio, self.block_size, self.rate, self.min_len)
+
+
+class CostLength:
+    """The ``cost`` policy (docs/design/ALGORITHMS.md §2.3, adaflash_ray's own): per batch, the γ that maximises
+    expected committed tokens per second.
+
+    The :class:`AcceptanceHead` gives each request's conditional acceptance probabilities p_i (from the drafter's
+    hidden state and the draft's confidence), hence ``E_r[c(γ)] = 1 + Σ_{i<=γ} Π_{j<=i} p_j``. The batch's verify
+    width is padded to its longest γ, so one γ serves every row: ``γ* = argmax_γ Σ_r E_r[c(γ)] / t(B, γ)`` where
+    ``t(B, γ)`` (ms) is a step at batch B and verify width γ+1 as this engine measured it on its own hardware
+    (:meth:`set_costs`, filled by :meth:`SpecEngine.calibrate_costs`). Without costs every γ costs the same and
+    the policy drafts the whole block (plain DFlash). Rows of a padded batch bucket count in the sum too.
+    """
+
+    name = "cost"
+
+    def __init__(self, head: AcceptanceHead, block_size: int, min_len: int = 1):
+        self.head, self.block_size, self.min_len = head, block_size, min_len
+        self.batch_sizes: list[int] = []
+        self.costs: torch.Tensor | None = None  # [len(batch_sizes), bs-1] ms, device of the head
+
+    def set_costs(self, batch_sizes: list[int], costs_ms: torch.Tensor) -> None:
+        """``costs_ms`` ``[len(batch_sizes), bs-1]``: step time at each batch size for γ = 1..bs-1. Copied in place
+        once set, so CUDA graphs captured earlier read the new values.
+        Raises:
+            ValueError: shapes do not match, batch sizes not strictly increasing, or a cost is not positive."""
+        costs_ms = torch.as_tensor(costs_ms, dtype=torch.float32)
+        if costs_ms.shape != (len(batch_sizes), self.block_size - 1):
+            raise ValueError(f"costs must be [{len(batch_sizes)}, {self.block_size - 1}], got {tuple(costs_ms.shape)}")
+        if any(b >= c for b, c in zip(batch_sizes, batch_sizes[1:])) or not batch_sizes:
+            raise ValueError(f"batch_sizes must be non-empty and strictly increasing, got {batch_sizes}")
+        if not bool((costs_ms > 0).all()):
+            raise ValueError("every cost must be > 0 ms")
+        if self.costs is not None and self.batch_sizes == list(batch_sizes):
+            self.costs.copy_(costs_ms)
+        else:
+            self.batch_sizes = list(batch_sizes)
+            self.costs = costs_ms.to(self.head.out.weight.device)
+
+    def cost_row(self, batch_size: int) -> torch.Tensor | None:
+        """Costs ``[bs-1]`` of the smallest calibrated batch size >= ``batch_size`` (the largest if none)."""
+        if self.costs is None:
+            return None
+        i = min(bisect.bisect_left(self.batch_sizes, batch_size), len(self.batch_sizes) - 1)
+        return self.costs[i]
+
+    @torch.no_grad()
+    def choose(self, p_accept: torch.Tensor, cost: torch.Tensor | None) -> torch.Tensor:
+        """γ ``[B]`` (the same for every row) from acceptance probabilities ``[B, bs-1]`` and costs ``[bs-1]``."""
+        value = expected_committed(p_accept).sum(0)  # [bs-1]: Σ_r E_r[c(γ)], γ = 1..bs-1
+        if cost is not None:
+            value = value / cost
+        value[: self.min_len - 1] = -1.0  # γ < min_len is never chosen
+        gamma = value.argmax() + 1
+        return gamma.expand(p_accept.shape[0]).to(torch.long)
+
+    @torch.no_grad()
+    def __call__(self, block_hidden: torch.Tensor, draft_logits: torch.Tensor | None = None) -> torch.Tensor:
+        if draft_logits is None:
+            raise ValueError("the cost policy needs the draft logits")
+        p = torch.sigmoid(self.head(block_hidden[:, 1:], draft_confidence(draft_logits)))  # [B, bs-1]
+        return self.choose(p, self.cost_row(block_hidden.shape[0]))

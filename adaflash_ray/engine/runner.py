@@ -250,7 +250,7 @@ class ModelRunner:
             self.drafts[:b] = drafts
         else:
             self.drafts[slot_ids] = drafts
-        return self.length_policy(hidden).to(torch.long)
+        return self.length_policy(hidden, draft_logits).to(torch.long)
 
     # ------------------------------------------------------------------ one step (graph body)
     def _step_fn(self, b: int, w: int, span: int, spec: bool, sample: bool, use_top_p: bool) -> None:

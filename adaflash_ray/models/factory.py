@@ -8,7 +8,7 @@ import torch
 
 from adaflash_ray.models.checkpoint import CheckpointError, check_tensors_fit, load_drafter_checkpoint
 from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
-from adaflash_ray.models.length_head import DirectLengthHead
+from adaflash_ray.models.length_head import AcceptanceHead, DirectLengthHead
 from adaflash_ray.models.target import TargetModel
 
 
@@ -41,8 +41,10 @@ def check_checkpoint_matches_recipe(ckpt: DrafterModelConfig, drafter_cfg, where
 
 
 def build_drafter(target: TargetModel, drafter_cfg, head_cfg, seed: int = 0,
-                  init_path: str | Path | None = None) -> tuple[DFlashDrafter, DirectLengthHead | None]:
-    """Create drafter (+ ``direct`` head if the policy needs one) in the target's dtype/device.
+                  init_path: str | Path | None = None
+                  ) -> tuple[DFlashDrafter, DirectLengthHead | AcceptanceHead | None]:
+    """Create drafter (+ the policy's head: ``direct`` -> DirectLengthHead, ``cost`` -> AcceptanceHead, ``fixed``
+    -> none) in the target's dtype/device.
 
     With ``init_path`` (or ``drafter_cfg.init_path``) the weights come from a DFlash checkpoint;
     raises CheckpointError if it does not fit the target.
@@ -68,6 +70,10 @@ def build_drafter(target: TargetModel, drafter_cfg, head_cfg, seed: int = 0,
         torch.manual_seed(seed + 1)
         head = DirectLengthHead(cfg.hidden_size, head_cfg.hidden_size)
         head.init_prior(cfg.block_size, head_cfg.lookahead)
+    elif head_cfg.policy == "cost":
+        torch.manual_seed(seed + 1)
+        head = AcceptanceHead(cfg.hidden_size, head_cfg.hidden_size)
+        head.init_prior()
     if tensors is not None:
         own = {k: v for k, v in tensors.items() if not k.startswith("length_head.")}
         check_tensors_fit(drafter.drafter_state_dict(), own, f"drafter checkpoint {init_path}")

@@ -51,3 +51,68 @@ def ratio_to_draft_len(ratio: torch.Tensor, block_size: int, rate: float, min_le
 def direct_length_label(num_accepted: torch.Tensor, block_size: int, lookahead: int = 1) -> torch.Tensor:
     """Target ratio for the ``direct`` head: clamp((a + lookahead) / block_size, 0, 1), float32."""
     return ((num_accepted.float() + lookahead) / block_size).clamp(0.0, 1.0)
+
+
+def draft_confidence(draft_logits: torch.Tensor) -> torch.Tensor:
+    """Confidence features of drafts for the ``cost`` policy's :class:`AcceptanceHead`.
+
+    Args:
+        draft_logits: ``[..., V]`` drafter logits of block positions (any float dtype).
+    Returns:
+        ``[..., 2]`` float32: (max probability, entropy in nats) of ``softmax(draft_logits)`` (temperature 1).
+    """
+    logp = torch.log_softmax(draft_logits.float(), dim=-1)
+    maxp = logp.max(dim=-1).values.exp()
+    entropy = -(logp.exp() * logp).sum(dim=-1)
+    return torch.stack([maxp, entropy], dim=-1)
+
+
+class AcceptanceHead(nn.Module):
+    """The ``cost`` policy's per-position acceptance head (docs/design/ALGORITHMS.md §2.3, adaflash_ray's own).
+
+    ``p_i = P(draft i accepted | drafts < i accepted)`` from the drafter's hidden state at block position i
+    (detached) and the draft's confidence (:func:`draft_confidence`): Linear(H+2 -> inner), SiLU, Linear(inner
+    -> 1), sigmoid. Trained with BCE on per-position accept / reject labels of the positions whose prefix was
+    accepted. Parameter names ``inp.weight/bias``, ``out.weight/bias`` (saved under ``length_head.``)."""
+
+    def __init__(self, hidden_size: int, inner: int = 256):
+        super().__init__()
+        self.inp = nn.Linear(hidden_size + 2, inner)
+        self.out = nn.Linear(inner, 1)
+
+    @torch.no_grad()
+    def init_prior(self, p: float = 0.05) -> None:
+        """Start pessimistic: every draft accepted with probability ``p`` whatever its input (a fresh
+        drafter's drafts are near-random), so version 0 drafts short blocks until training moves it."""
+        self.out.weight.zero_()
+        self.out.bias.fill_(float(torch.logit(torch.tensor(min(max(p, 1e-3), 1 - 1e-3)))))
+
+    def forward(self, draft_hidden: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
+        """``draft_hidden`` ``[..., H]`` (block positions 1..bs-1), ``confidence`` ``[..., 2]`` -> acceptance
+        logits ``[...]`` float32 (apply sigmoid for p_i)."""
+        x = torch.cat([draft_hidden.to(self.inp.weight.dtype), confidence.to(self.inp.weight.dtype)], dim=-1)
+        return self.out(F.silu(self.inp(x))).squeeze(-1).float()
+
+
+def acceptance_labels(draft_ids: torch.Tensor, target_ids: torch.Tensor, position_valid: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position labels of :class:`AcceptanceHead` (greedy acceptance, docs/design/ALGORITHMS.md §4.1).
+
+    Args:
+        draft_ids, target_ids: ``[..., bs-1]`` int64 drafter argmax and the trajectory's tokens.
+        position_valid: ``[..., bs-1]`` bool (the position exists).
+    Returns:
+        ``(label, mask)`` ``[..., bs-1]``: label = float(draft == target); mask = position valid and every earlier
+        draft of the block accepted (the head predicts acceptance conditional on the prefix).
+    """
+    match = (draft_ids == target_ids) & position_valid
+    prefix_ok = torch.cumprod(torch.cat([torch.ones_like(match[..., :1]), match[..., :-1]], dim=-1).long(), dim=-1)
+    return match.float(), prefix_ok.bool() & position_valid
+
+
+def expected_committed(p_accept: torch.Tensor) -> torch.Tensor:
+    """``E[committed tokens | γ = k]`` for k = 1..bs-1 from conditional acceptance probabilities.
+
+    ``p_accept`` ``[..., bs-1]`` -> ``[..., bs-1]``: ``1 + Σ_{i<=k} Π_{j<=i} p_j`` (the bonus / correction token
+    plus the expected accepted prefix; docs/design/ALGORITHMS.md §2.3)."""
+    return 1.0 + torch.cumsum(torch.cumprod(p_accept.float(), dim=-1), dim=-1)
