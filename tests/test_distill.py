@@ -430,16 +430,24 @@ def _cfgs(policy="direct", **distill):
     return drafter, head, DistillConfig(**base)
 
 
+def _train_alternating(core, trajs, num_steps: int, check=None) -> tuple[list, list, dict]:
+    """``num_steps`` optimizer steps alternating between trajs[0:3] and trajs[3:6]; returns the losses, the
+    block acceptance per step and the last metrics (``check(metrics)`` must hold after every step)."""
+    losses, accepts, m = [], [], {}
+    for step in range(num_steps):
+        m = core.train_step(trajs[(step % 2) * 3:(step % 2) * 3 + 3])
+        losses.append(m["train/loss"])
+        accepts.append(m["train/block_accept_len"])
+        assert check is None or check(m), m
+    return losses, accepts, m
+
+
 def test_trainer_reduces_loss_and_publishes_engine_names(dist_env, target):
     trajs = _greedy_trajectories(target, num=6, num_new=24, seed=4)  # bf16, as the engine ships them
     drafter_cfg, head_cfg, distill_cfg = _cfgs(zero_stage=0)
     core = dist_env(target, drafter_cfg, head_cfg, distill_cfg, seed=0)
     before = core.publish_tensors()
-    losses, accepts = [], []
-    for step in range(30):
-        m = core.train_step(trajs[(step % 2) * 3:(step % 2) * 3 + 3])
-        losses.append(m["train/loss"])
-        accepts.append(m["train/block_accept_len"])
+    losses, accepts, m = _train_alternating(core, trajs, 30)
     keys = {"train/loss", "train/ce", "train/rkl", "train/len_loss", "train/top1_match", "train/block_accept_len",
             "train/num_blocks", "train/step", "train/lr", "train/seconds", "train/grad_norm"}
     assert keys <= set(m) and all(isinstance(v, float) for v in m.values())
@@ -523,12 +531,8 @@ def test_trainer_trains_cost_acceptance_head(dist_env, target, tmp_path):
     assert isinstance(core.length_head, AcceptanceHead)
     assert [g["lr"] for g in core.optimizer.param_groups] == pytest.approx([3e-3, 2e-3])
     before = core.publish_tensors()
-    losses, accepts = [], []
-    for step in range(30):
-        m = core.train_step(trajs[(step % 2) * 3:(step % 2) * 3 + 3])
-        losses.append(m["train/loss"])
-        accepts.append(m["train/block_accept_len"])
-        assert 0.0 <= m["train/accept_head_acc"] <= 1.0 and m["train/len_loss"] > 0.0
+    losses, accepts, m = _train_alternating(core, trajs, 30, check=lambda m: (
+        0.0 <= m["train/accept_head_acc"] <= 1.0 and m["train/len_loss"] > 0.0))
     assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:3]) / 3
     assert sum(accepts[-3:]) / 3 > sum(accepts[:3]) / 3
     after = core.publish_tensors()

@@ -31,6 +31,19 @@ def _check_rows(student_hidden: torch.Tensor, weights: torch.Tensor,
                          f"M = {student_hidden.shape[0]}")
 
 
+def _terms(student_hidden, teacher_hidden, lm_head_weight, temperature, chunk_size, direction, argmax_out,
+           confidence_out):
+    """:func:`chunked_kl_terms`, copying the student argmax / confidence into the caller's optional outputs."""
+    ce, div, s_arg, t_arg, conf = chunked_kl_terms(student_hidden, teacher_hidden, lm_head_weight,
+                                                   temperature=temperature, chunk_size=chunk_size,
+                                                   direction=direction)
+    if argmax_out is not None:
+        argmax_out.copy_(s_arg)
+    if confidence_out is not None:
+        confidence_out.copy_(conf)
+    return ce, div, s_arg, t_arg
+
+
 def mixture_rkl_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
                      weights: torch.Tensor, *, alpha: float = 0.8, temperature: float = 1.0, clip: float = 10.0,
                      clip_mode: str = "per_token", chunk_size: int = 1024,
@@ -70,13 +83,8 @@ def mixture_rkl_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
     if clip_mode not in CLIP_MODES:
         raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
     _check_rows(student_hidden, weights, confidence_out)
-    ce, rkl, s_arg, t_arg, conf = chunked_kl_terms(student_hidden, teacher_hidden, lm_head_weight,
-                                                   temperature=temperature, chunk_size=chunk_size,
-                                                   direction="reverse")
-    if argmax_out is not None:
-        argmax_out.copy_(s_arg)
-    if confidence_out is not None:
-        confidence_out.copy_(conf)
+    ce, rkl, s_arg, t_arg = _terms(student_hidden, teacher_hidden, lm_head_weight, temperature, chunk_size,
+                                   "reverse", argmax_out, confidence_out)
     w = weights.detach().float()
     den = w.sum()
     safe_den = den.clamp_min(1e-12)
@@ -109,11 +117,8 @@ def forward_kl_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, 
     "train/top1_match"})``. Raises ValueError on bad shapes.
     """
     _check_rows(student_hidden, weights, confidence_out)
-    _, fkl, s_arg, t_arg, conf = chunked_kl_terms(student_hidden, teacher_hidden, lm_head_weight,
-                                                  temperature=temperature, chunk_size=chunk_size,
-                                                  direction="forward")
-    if confidence_out is not None:
-        confidence_out.copy_(conf)
+    _, fkl, s_arg, t_arg = _terms(student_hidden, teacher_hidden, lm_head_weight, temperature, chunk_size,
+                                  "forward", None, confidence_out)
     w = weights.detach().float()
     safe_den = w.sum().clamp_min(1e-12)
     loss = (w * fkl).sum() / safe_den
