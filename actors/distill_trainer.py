@@ -200,6 +200,7 @@ class DistillTrainer:
                 self._metrics.append(m)
         if prefetched is not None:  # stopped from outside after it was issued
             ray.get(buffer.release.remote(consumer, [it[0] for it in ray.get(prefetched)]))
+        hand_back_untrained()  # stopped (or out of data) with leased trajectories never trained
         if self.weight_group is not None:
             self.weight_group.close()
             self.weight_group = None

@@ -169,13 +169,17 @@ class TrajectoryBuffer:
         first in line (too-stale ones are dropped and counted). Returns how many were put back."""
         async with self._cond:
             back = self.leases.pop(consumer, [])
-            for item in reversed(back):
-                self.items.appendleft(item)
-            self.counts["consumed"] -= len(back)  # handed out again below: counted once
+            self._put_back(back)
             self.counts["redelivered"] += len(back)
-            self._drop_stale()
-            self._cond.notify_all()
             return len(back)
+
+    def _put_back(self, back: list) -> None:
+        """Leased items return first in line, in lease order, as not consumed (caller holds ``self._cond``)."""
+        for item in reversed(back):
+            self.items.appendleft(item)
+        self.counts["consumed"] -= len(back)  # handed out again later: counted once
+        self._drop_stale()
+        self._cond.notify_all()
 
     async def release(self, consumer: str, refs: list) -> int:
         """``consumer`` hands back, untrained, trajectories it was leased (``refs``: their ObjectRefs, in a
@@ -187,11 +191,7 @@ class TrajectoryBuffer:
             lease = self.leases.get(consumer, [])
             back = [item for item in lease if item[0] in wanted]
             self.leases[consumer] = [item for item in lease if item[0] not in wanted]
-            for item in reversed(back):
-                self.items.appendleft(item)
-            self.counts["consumed"] -= len(back)
-            self._drop_stale()
-            self._cond.notify_all()
+            self._put_back(back)
             return len(back)
 
     async def stats(self) -> dict[str, float]:

@@ -148,7 +148,7 @@ class LengthHeadConfig(_Section):
     """The adaptive draft-length head (docs/design/ALGORITHMS.md §2); `fixed` = plain DFlash, γ = block_size-1."""
 
     # direct: the reference AdaFlash head; cost: per-position acceptance head + measured verify cost per batch
-    # size (docs/design/ALGORITHMS.md §2.3); fixed: plain DFlash
+    # size (docs/design/ALGORITHMS.md §2, policy 3); fixed: plain DFlash
     policy: Literal["direct", "cost", "fixed"] = "direct"
     hidden_size: int = Field(256, ge=1)
     rate: float = Field(1.3, gt=0)
@@ -252,8 +252,11 @@ class PlacementConfig(_Section):
 
 
 #: eval / canary prompts come from the first this-many positions of the eval sources' round-robin order
-#: (adaflash_ray.data.load_eval_prompts, seed ``seed + 1``); in-domain training prompts never do
+#: (adaflash_ray.data.load_eval_prompts, seed ``seed + 1``)
 HELD_OUT_SPAN = 200
+#: in-domain training prompts (data.num_domain_train_prompts) never come from the first this-many prompts of
+#: each eval source's shuffled list, where the eval set, the canary and the bench take theirs
+HELD_OUT_PER_SOURCE = 128
 
 
 class DataConfig(_Section):
@@ -262,7 +265,7 @@ class DataConfig(_Section):
     train_source: Literal["sharegpt"] = "sharegpt"
     num_train_prompts: int = Field(512, ge=1)
     # in-domain training prompts: this many more, drawn from the eval sources' own files but never from the
-    # held-out span (the eval and canary prompts: the first HELD_OUT_SPAN of their round-robin order), mixed
+    # first HELD_OUT_PER_SOURCE prompts of each (where the eval, canary and bench prompts come from), mixed
     # into the ShareGPT prompts. 0 = ShareGPT only. Serving live traffic, a drafter is distilled on the
     # served domains; this stands in for that when the eval sources are the served domains.
     num_domain_train_prompts: int = Field(0, ge=0)
@@ -277,9 +280,10 @@ class DataConfig(_Section):
             raise ValueError(f"eval_sources has duplicates: {self.eval_sources}")
         if self.num_eval_prompts > 0 and not self.eval_sources:
             raise ValueError("num_eval_prompts > 0 needs at least one eval source")
-        if self.num_domain_train_prompts and self.num_eval_prompts > HELD_OUT_SPAN:
-            raise ValueError(f"num_domain_train_prompts needs num_eval_prompts <= {HELD_OUT_SPAN} (the held-out "
-                             f"span its prompts stay out of), got {self.num_eval_prompts}")
+        if self.num_domain_train_prompts and self.num_eval_prompts > HELD_OUT_PER_SOURCE * len(self.eval_sources):
+            raise ValueError(f"num_domain_train_prompts needs num_eval_prompts <= {HELD_OUT_PER_SOURCE} per eval "
+                             f"source (the prompts it stays out of), got {self.num_eval_prompts} over "
+                             f"{len(self.eval_sources)} sources")
         if self.num_domain_train_prompts and not self.eval_sources:
             raise ValueError("num_domain_train_prompts draws from eval_sources, which is empty")
         return self

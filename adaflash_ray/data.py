@@ -36,12 +36,13 @@ from typing import Any, Iterator, Sequence
 import ijson
 from filelock import FileLock
 
-from adaflash_ray.config import HELD_OUT_SPAN, EvalSource
+from adaflash_ray.config import HELD_OUT_PER_SOURCE, HELD_OUT_SPAN, EvalSource
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "EVAL_SOURCES",
+    "HELD_OUT_PER_SOURCE",
     "HELD_OUT_SPAN",
     "MODEL_REGISTRY",
     "EncodedPrompts",
@@ -431,13 +432,24 @@ def load_eval_prompts(sources: Sequence[str], n: int, seed: int = 0) -> list[Pro
         return []
     if not sources:
         raise ValueError("load_eval_prompts needs at least one source")
+    pools = _shuffled_pools(sources, seed)
+    if n > sum(len(p) for p in pools):
+        raise ValueError(f"asked for {n} eval prompts but {list(sources)} hold {sum(len(p) for p in pools)}")
+    return _round_robin(pools, n)
+
+
+def _shuffled_pools(sources: Sequence[str], seed: int) -> list[list[Prompt]]:
+    """Every prompt of each source, shuffled deterministically by ``seed`` (per source)."""
     pools = []
     for source in sources:
         pool = _load_source(source)
         random.Random(f"{seed}:{source}").shuffle(pool)
         pools.append(pool)
-    if n > sum(len(p) for p in pools):
-        raise ValueError(f"asked for {n} eval prompts but {list(sources)} hold {sum(len(p) for p in pools)}")
+    return pools
+
+
+def _round_robin(pools: list[list[Prompt]], n: int) -> list[Prompt]:
+    """The first ``n`` of pool 0 item 0, pool 1 item 0, ..., pool 0 item 1, ... (exhausted pools skipped)."""
     out: list[Prompt] = []
     depth = 0
     while len(out) < n:
@@ -449,27 +461,28 @@ def load_eval_prompts(sources: Sequence[str], n: int, seed: int = 0) -> list[Pro
 
 
 def load_domain_train_prompts(sources: Sequence[str], n: int, seed: int = 0,
-                              held_out: int = HELD_OUT_SPAN) -> list[Prompt]:
+                              held_out: int = HELD_OUT_PER_SOURCE) -> list[Prompt]:
     """``n`` training prompts from the eval sources themselves, disjoint from every held-out prompt.
 
-    They are the prompts after position ``held_out`` of ``load_eval_prompts(sources, ..., seed)``'s
-    round-robin order - the same order the eval set and the canary take their first prompts from - so no
-    eval or canary prompt can be among them (a source whose prompts are used up there contributes none).
+    Each source is shuffled exactly as :func:`load_eval_prompts` shuffles it (same ``seed``); its first
+    ``held_out`` prompts stay out - the eval set, the canary and the bench (``adaflash_ray.bench``) all take
+    theirs from the front of these lists - and the rest are taken round-robin across sources (a source with no
+    more than ``held_out`` prompts contributes none).
 
     Args:
         sources: eval source names (:data:`EVAL_SOURCES`). n: how many (0 gives []).
-        seed: the eval set's seed (``cfg.seed + 1``). held_out: the held-out span (>= the eval and canary sizes).
+        seed: the eval set's seed (``cfg.seed + 1``). held_out: prompts kept out at the front of each source.
     Raises:
-        ValueError: unknown source, or fewer than ``n`` prompts beyond the held-out span.
+        ValueError: unknown source, or fewer than ``n`` prompts beyond the held-out ones.
         MissingDataPackageError: a source's package is not installed.
     """
     if n <= 0:
         return []
-    total = sum(len(_load_source(s)) for s in sources)
-    if held_out + n > total:
+    pools = [pool[held_out:] for pool in _shuffled_pools(sources, seed)]
+    if n > sum(len(p) for p in pools):
         raise ValueError(f"asked for {n} in-domain training prompts but {list(sources)} hold only "
-                         f"{max(total - held_out, 0)} beyond the {held_out} held-out ones")
-    return load_eval_prompts(sources, held_out + n, seed)[held_out:]
+                         f"{sum(len(p) for p in pools)} beyond the first {held_out} of each source (held out)")
+    return _round_robin(pools, n)
 
 
 class EncodedPrompts(list):

@@ -22,7 +22,7 @@ Direction = Literal["reverse", "forward"]
 
 
 def kl_terms(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
-             temperature: float, direction: Direction = "reverse"
+             temperature: float, direction: Direction = "reverse", want_conf: bool = True
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Distillation terms of ``c`` positions, materialising ``[c, V]`` logits.
 
@@ -59,6 +59,8 @@ def kl_terms(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_head
         div = (log_pt.exp() * (log_pt - log_ps)).sum(dim=-1)
     else:
         raise ValueError(f"direction must be 'reverse' or 'forward', got {direction!r}")
+    if not want_conf:  # only the cost policy's head reads it: no extra [c, V] passes otherwise
+        return ce, div * (temperature * temperature), s_arg, t_arg, zs.new_zeros(zs.shape[0], 0)
     with torch.no_grad():  # confidence at T = 1: reuse the T = 1 softmax where the divergence already has it
         if temperature == 1.0:
             lp1 = log_ps.detach()
@@ -71,10 +73,12 @@ def kl_terms(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_head
 
 
 def chunked_kl_terms(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
-                     *, temperature: float = 1.0, chunk_size: int = 1024, direction: Direction = "reverse"
+                     *, temperature: float = 1.0, chunk_size: int = 1024, direction: Direction = "reverse",
+                     want_conf: bool = True
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`kl_terms` over ``M`` rows, ``chunk_size`` rows at a time (same outputs: ``(ce, div,
-    student_argmax, teacher_argmax)`` ``[M]`` each and ``student_conf`` ``[M, 2]``).
+    student_argmax, teacher_argmax)`` ``[M]`` each and ``student_conf`` ``[M, 2]``, or ``[M, 0]`` with
+    ``want_conf=False``, which skips its vocabulary passes).
 
     With autograd enabled and ``student_hidden.requires_grad``, each chunk runs under non-reentrant
     activation checkpointing: the forward keeps only the chunk's inputs, the backward recomputes
@@ -102,13 +106,14 @@ def chunked_kl_terms(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
     for s in range(0, num_rows, chunk_size):
         hs, ht = student_hidden[s:s + chunk_size], teacher_hidden[s:s + chunk_size]
         if use_ckpt:
-            parts.append(checkpoint(kl_terms, hs, ht, lm_head_weight, temperature, direction,
+            parts.append(checkpoint(kl_terms, hs, ht, lm_head_weight, temperature, direction, want_conf,
                                     use_reentrant=False, preserve_rng_state=False))
         else:
-            parts.append(kl_terms(hs, ht, lm_head_weight, temperature, direction))
+            parts.append(kl_terms(hs, ht, lm_head_weight, temperature, direction, want_conf))
     if not parts:
         dev = student_hidden.device
         empty_f = student_hidden.new_zeros(0, dtype=torch.float32)
         empty_i = torch.zeros(0, dtype=torch.long, device=dev)
-        return empty_f, empty_f.clone(), empty_i, empty_i.clone(), student_hidden.new_zeros(0, 2, dtype=torch.float32)
+        return (empty_f, empty_f.clone(), empty_i, empty_i.clone(),
+                student_hidden.new_zeros(0, 2 if want_conf else 0, dtype=torch.float32))
     return tuple(torch.cat(x) for x in zip(*parts))  # type: ignore[return-value]

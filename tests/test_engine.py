@@ -70,7 +70,7 @@ class SlotPattern:
     def __init__(self, oracle: Oracle, pattern: list[int]):
         self.oracle, self.pattern = oracle, pattern
 
-    def __call__(self, block_hidden: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
+    def __call__(self, block_hidden: torch.Tensor, draft_logits: torch.Tensor, live=None) -> torch.Tensor:
         assert block_hidden.shape[0] == len(self.oracle.rows) == draft_logits.shape[0]
         return torch.tensor([0 if req is None else self.pattern[req.slot % len(self.pattern)]
                              for req, _ in self.oracle.rows])
@@ -229,7 +229,7 @@ def test_random_drafter_lossless_with_slot_reuse(tiny_target):
 
 
 def test_cost_policy_choice_by_hand():
-    """The cost policy's γ* = argmax_γ Σ_r E_r[c(γ)] / t(B, γ), E = 1 + Σ_{i<=γ} Π_{j<=i} p_j (ALGORITHMS.md §2.3)."""
+    """The cost policy's γ* = argmax_γ Σ_r E_r[c(γ)] / t(B, γ), E = 1 + Σ_{i<=γ} Π_{j<=i} p_j (ALGORITHMS.md §2, policy 3)."""
     from adaflash_ray.engine.length_policy import CostLength
     from adaflash_ray.models import AcceptanceHead
 
@@ -243,6 +243,10 @@ def test_cost_policy_choice_by_hand():
     assert pol.choose(p, steep).tolist() == [1, 1]
     mid = torch.tensor([2.0, 2.2, 2.6, 3.0])  # 1.9, 2.136, 1.981, 1.792 -> γ = 2
     assert pol.choose(p, mid).tolist() == [2, 2]
+    two = torch.tensor([[0.9, 0.9, 0.9, 0.9], [0.1, 0.1, 0.1, 0.1]])  # E: 1.9 .. 4.10 and 1.1 .. 1.11
+    gentle = torch.tensor([2.0, 2.1, 2.2, 2.3])
+    assert pol.choose(two, gentle).tolist() == [4, 4]
+    assert pol.choose(two, gentle, live=torch.tensor([False, True])).tolist() == [1, 1]  # idle / padding rows: out
     pol.min_len = 3
     assert pol.choose(p, steep).tolist() == [3, 3]  # γ < min_len never chosen
     pol.set_costs([1, 8], torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 2.0, 3.0, 4.0]]))
@@ -262,7 +266,8 @@ def test_cost_policy_engine_lossless_with_measured_costs(tiny_target):
     falling with γ), every step drafts one γ for the whole batch, and the output is the AR output."""
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in [3, 40, 9, 70, 20]]
-    ref = [greedy_reference(tiny_target, p, 24) for p in prompts]
+    budgets = [24, 10, 30, 24, 16]  # staggered: requests join a running batch
+    ref = [greedy_reference(tiny_target, p, n) for p, n in zip(prompts, budgets)]
     drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
     engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=200)
     table = engine.cost_table
@@ -270,14 +275,25 @@ def test_cost_policy_engine_lossless_with_measured_costs(tiny_target):
     assert all(len(row) == 7 and all(c > 0 for c in row) for row in table["costs_ms"])
     assert all(a <= b for row in table["costs_ms"] for a, b in zip(row, row[1:]))  # never cheaper with γ
     assert engine.runner.length_policy.costs is not None
-    reqs = [engine.add_request(p, SamplingParams(max_new_tokens=24)) for p in prompts]
-    per_step = []
+    # hand-set costs: verification free at batch 1 (a lone admitted row would draft the whole block), steep at
+    # batch 2-3 (the running batch drafts γ = 1): a row that joins must not widen the batch's verify
+    steep = [float(k) for k in range(1, 8)]
+    assert engine.runner.length_policy.set_costs([1, 2, 3], torch.tensor([[1.0] * 7, steep, steep])) is False
+    reqs = [engine.add_request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, budgets)]
+    per_step, joined, started = [], 0, set()
     while engine.has_unfinished():
+        batch_gamma = max((r.next_draft_len for r in engine.scheduler.running), default=None)
         engine.step()  # every running request's next γ comes from this step's one batched propose
         per_step.append({r.next_draft_len for r in engine.scheduler.running})
+        new = [r for r in reqs if r.request_id not in started and r.draft_lens]  # admitted in this step
+        started |= {r.request_id for r in reqs if r.draft_lens}
+        if batch_gamma is not None and new:  # joining a running batch: no longer block than the batch's γ
+            joined += 1
+            assert max(r.draft_lens[0] for r in new) <= batch_gamma
     for r, out in zip(reqs, ref):
         assert r.output_ids == out
     assert all(len(gs) <= 1 for gs in per_step) and sum(len(gs) for gs in per_step) > 10  # one γ per batch
+    assert joined >= 2  # 5 requests through 3 slots
     assert set(engine.stats.draft_len_hist) - {0} <= set(range(1, 8))
     with pytest.raises(ValueError, match="needs an AcceptanceHead"):
         SpecEngine(tiny_target, *make_drafter(tiny_target, block_size=8, policy="direct"), policy="cost")

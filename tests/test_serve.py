@@ -330,7 +330,7 @@ def test_error_cases_raw_http(server):
         ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [{"type": "image", "text": "x"}]}]},
          400, "messages.0.content.0.type"),  # the failing part, not "content should be a string"
         ("/v1/chat/completions", {**chat, "model": "gpt-4o"}, 404, "model"),
-        ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt.0"),  # token ids must be ints
+        ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),  # one prompt per request
         ("/v1/completions", {"model": MODEL, "prompt": [1, 10 ** 7]}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,

@@ -36,7 +36,7 @@ def _terms(student_hidden, teacher_hidden, lm_head_weight, temperature, chunk_si
     """:func:`chunked_kl_terms`, copying the student argmax / confidence into the caller's optional outputs."""
     ce, div, s_arg, t_arg, conf = chunked_kl_terms(student_hidden, teacher_hidden, lm_head_weight,
                                                    temperature=temperature, chunk_size=chunk_size,
-                                                   direction=direction)
+                                                   direction=direction, want_conf=confidence_out is not None)
     if argmax_out is not None:
         argmax_out.copy_(s_arg)
     if confidence_out is not None:
@@ -171,7 +171,7 @@ def length_loss(pred_ratio: torch.Tensor, num_accepted: torch.Tensor, block_size
 def acceptance_loss(logits: torch.Tensor, label: torch.Tensor, mask: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked BCE of the ``cost`` policy's :class:`~adaflash_ray.models.length_head.AcceptanceHead`
-    (docs/design/ALGORITHMS.md §2.3).
+    (docs/design/ALGORITHMS.md §2, policy 3).
 
     Args:
         logits: ``[...]`` acceptance logits (gradient flows into the head only).

@@ -20,7 +20,7 @@ import torch
 
 from adaflash_ray.engine.length_policy import CostLength, DirectLength, FixedLength
 from adaflash_ray.engine.request import Request, SamplingParams, Status
-from adaflash_ray.engine.runner import ModelRunner
+from adaflash_ray.engine.runner import ModelRunner, _buckets
 from adaflash_ray.engine.scheduler import Scheduler
 from adaflash_ray.engine.stats import SpecStats
 from adaflash_ray.models.checkpoint import CheckpointError, check_tensors_fit, tensors_sha256
@@ -38,7 +38,7 @@ class SpecEngine:
         length_head: the policy's head: DirectLengthHead (``direct``), AcceptanceHead (``cost``), None (``fixed``).
         policy: "direct" | "cost" | "fixed". max_batch_size: KV slots. max_seq_len: positions per slot.
         calibrate: with policy ``cost``, measure the step cost table now (:meth:`calibrate_costs`; a few
-            seconds); False leaves every γ at the same cost until it is called.
+            seconds); False drafts whole blocks until it is called.
         record: build a Trajectory per finished request. record_features: with ``record``, also copy out
             the captured target features / last hidden states (``distill.features: captured``); False
             leaves them None for a trainer that recomputes them (``recompute``: no device-to-host copy, and
@@ -134,11 +134,17 @@ class SpecEngine:
             mode = "ar"
         spec = mode == "spec"
         finished: list[Request] = []
+        running_before = list(self.scheduler.running)
         admitted = self.scheduler.admit()
         if admitted:
             firsts, gammas = self.runner.prefill([r.slot for r in admitted], [r.prompt_ids for r in admitted],
                                                  [r.params.temperature for r in admitted],
                                                  [r.params.top_p for r in admitted], spec)
+            if isinstance(self.policy, CostLength) and running_before:
+                # the prefill's propose saw only the admitted rows (the cost of a small batch): joining a
+                # running batch they take its γ, or one long block would widen every row's verify
+                cap = max(r.next_draft_len for r in running_before)
+                gammas = [min(g, cap) for g in gammas]
             for req, tok, g in zip(admitted, firsts, gammas):
                 req.next_draft_len = g
                 self._commit(req, [tok], finished)
@@ -306,11 +312,10 @@ class SpecEngine:
         if not isinstance(self.policy, CostLength):
             raise ValueError(f"calibrate_costs needs the cost policy, not {getattr(self.policy, 'name', None)!r}")
         runner, bs = self.runner, self.drafter.block_size
-        slots = runner.num_slots
-        if batch_sizes is None:
-            batch_sizes = runner._batch_buckets or sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < slots} | {slots})
+        if batch_sizes is None:  # the engine's batch buckets (on CPU too: the table needs only a few rows)
+            batch_sizes = _buckets(runner.num_slots)
         ctx = context_len if context_len is not None else max(0, min(128, self.max_seq_len - 2 * bs - 1))
-        grid = runner._width_buckets if runner.is_cuda else sorted({w for w in (2, 3, 4, 6, 8, 12, 16) if w < bs} | {bs})
+        grid = runner._width_buckets  # the step pads its verify width to these on GPU
         rows = []
         for b in batch_sizes:
             self._check_timing_args(b, bs, ctx)
@@ -319,7 +324,8 @@ class SpecEngine:
             rows.append([propose + verify[min(w for w in verify if w >= g + 1)] for g in range(1, bs)])
         # a wider verify is never cheaper: timing noise must not make the policy pick a longer γ for speed
         rows = torch.tensor(rows).cummax(dim=1).values.tolist()
-        self.policy.set_costs(list(batch_sizes), torch.tensor(rows))
+        if self.policy.set_costs(list(batch_sizes), torch.tensor(rows)):
+            runner.graphs.clear()  # captured without this table: capture again on their next use
         self.cost_table = {"batch_sizes": list(batch_sizes), "costs_ms": rows, "context_len": ctx}
         return self.cost_table
 

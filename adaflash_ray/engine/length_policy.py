@@ -1,7 +1,8 @@
 """Draft-length policies (docs/design/ALGORITHMS.md §2): map the drafter's block output to γ per request.
 
 Every policy is called inside the engine step (CUDA-graph safe: no host synchronisation) as
-``policy(block_hidden [B, bs, H], draft_logits [B, bs-1, V]) -> γ [B]`` int64.
+``policy(block_hidden [B, bs, H], draft_logits [B, bs-1, V], live [B] bool | None) -> γ [B]`` int64; ``live``
+marks the rows that are real requests (the rest are idle slots or bucket padding; None = all real).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ class FixedLength:
     def __init__(self, block_size: int):
         self.block_size = block_size
 
-    def __call__(self, block_hidden: torch.Tensor, draft_logits: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, block_hidden: torch.Tensor, draft_logits: torch.Tensor | None = None,
+                 live: torch.Tensor | None = None) -> torch.Tensor:
         return torch.full(block_hidden.shape[:1], self.block_size - 1, dtype=torch.long, device=block_hidden.device)
 
 
@@ -34,21 +36,22 @@ class DirectLength:
         self.head, self.block_size, self.rate, self.min_len = head, block_size, rate, min_len
 
     @torch.no_grad()
-    def __call__(self, block_hidden: torch.Tensor, draft_logits: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, block_hidden: torch.Tensor, draft_logits: torch.Tensor | None = None,
+                 live: torch.Tensor | None = None) -> torch.Tensor:
         ratio = self.head(block_hidden)  # [B]
         return ratio_to_draft_len(ratio, self.block_size, self.rate, self.min_len)
 
 
 class CostLength:
-    """The ``cost`` policy (docs/design/ALGORITHMS.md §2.3, adaflash_ray's own): per batch, the γ that maximises
+    """The ``cost`` policy (docs/design/ALGORITHMS.md §2, policy 3, adaflash_ray's own): per batch, the γ that maximises
     expected committed tokens per second.
 
     The :class:`AcceptanceHead` gives each request's conditional acceptance probabilities p_i (from the drafter's
     hidden state and the draft's confidence), hence ``E_r[c(γ)] = 1 + Σ_{i<=γ} Π_{j<=i} p_j``. The batch's verify
     width is padded to its longest γ, so one γ serves every row: ``γ* = argmax_γ Σ_r E_r[c(γ)] / t(B, γ)`` where
     ``t(B, γ)`` (ms) is a step at batch B and verify width γ+1 as this engine measured it on its own hardware
-    (:meth:`set_costs`, filled by :meth:`SpecEngine.calibrate_costs`). Without costs every γ costs the same and
-    the policy drafts the whole block (plain DFlash). Rows of a padded batch bucket count in the sum too.
+    (:meth:`set_costs`, filled by :meth:`SpecEngine.calibrate_costs`). Only live rows count in the sum (not idle
+    slots or bucket padding). Without costs the policy drafts the whole block (plain DFlash).
     """
 
     name = "cost"
@@ -58,9 +61,11 @@ class CostLength:
         self.batch_sizes: list[int] = []
         self.costs: torch.Tensor | None = None  # [len(batch_sizes), bs-1] ms, device of the head
 
-    def set_costs(self, batch_sizes: list[int], costs_ms: torch.Tensor) -> None:
-        """``costs_ms`` ``[len(batch_sizes), bs-1]``: step time at each batch size for γ = 1..bs-1. Copied in place
-        once set, so CUDA graphs captured earlier read the new values.
+    def set_costs(self, batch_sizes: list[int], costs_ms: torch.Tensor) -> bool:
+        """``costs_ms`` ``[len(batch_sizes), bs-1]``: step time at each batch size for γ = 1..bs-1. With the same
+        batch sizes as before the values are copied in place, so CUDA graphs captured earlier read them; returns
+        True when the table is new instead (graphs captured before must then be dropped: they read no costs or
+        the old tensor).
         Raises:
             ValueError: shapes do not match, batch sizes not strictly increasing, or a cost is not positive."""
         costs_ms = torch.as_tensor(costs_ms, dtype=torch.float32)
@@ -72,9 +77,10 @@ class CostLength:
             raise ValueError("every cost must be > 0 ms")
         if self.costs is not None and self.batch_sizes == list(batch_sizes):
             self.costs.copy_(costs_ms)
-        else:
-            self.batch_sizes = list(batch_sizes)
-            self.costs = costs_ms.to(self.head.out.weight.device)
+            return False
+        self.batch_sizes = list(batch_sizes)
+        self.costs = costs_ms.to(self.head.out.weight.device)
+        return True
 
     def cost_row(self, batch_size: int) -> torch.Tensor | None:
         """Costs ``[bs-1]`` of the smallest calibrated batch size >= ``batch_size`` (the largest if none)."""
@@ -84,18 +90,27 @@ class CostLength:
         return self.costs[i]
 
     @torch.no_grad()
-    def choose(self, p_accept: torch.Tensor, cost: torch.Tensor | None) -> torch.Tensor:
-        """γ ``[B]`` (the same for every row) from acceptance probabilities ``[B, bs-1]`` and costs ``[bs-1]``."""
-        value = expected_committed(p_accept).sum(0)  # [bs-1]: Σ_r E_r[c(γ)], γ = 1..bs-1
-        if cost is not None:
-            value = value / cost
+    def choose(self, p_accept: torch.Tensor, cost: torch.Tensor | None, live: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """γ ``[B]`` (the same for every row) from acceptance probabilities ``[B, bs-1]``, costs ``[bs-1]`` (None:
+        the whole block) and the live rows ``[B]`` (None: all)."""
+        if cost is None:
+            return torch.full(p_accept.shape[:1], self.block_size - 1, dtype=torch.long, device=p_accept.device)
+        expected = expected_committed(p_accept)  # [B, bs-1]: E_r[c(γ)], γ = 1..bs-1
+        if live is not None:
+            expected = expected * live[:, None].to(expected.dtype)
+        value = expected.sum(0) / cost
         value[: self.min_len - 1] = -1.0  # γ < min_len is never chosen
         gamma = value.argmax() + 1
         return gamma.expand(p_accept.shape[0]).to(torch.long)
 
     @torch.no_grad()
-    def __call__(self, block_hidden: torch.Tensor, draft_logits: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, block_hidden: torch.Tensor, draft_logits: torch.Tensor | None = None,
+                 live: torch.Tensor | None = None) -> torch.Tensor:
         if draft_logits is None:
             raise ValueError("the cost policy needs the draft logits")
+        cost = self.cost_row(block_hidden.shape[0])
+        if cost is None:  # not calibrated: no head forward needed
+            return self.choose(block_hidden.new_zeros(block_hidden.shape[0], self.block_size - 1), None)
         p = torch.sigmoid(self.head(block_hidden[:, 1:], draft_confidence(draft_logits)))  # [B, bs-1]
-        return self.choose(p, self.cost_row(block_hidden.shape[0]))
+        return self.choose(p, cost, live)

@@ -109,7 +109,8 @@ def rejection_sample(d, p, q, live, generator):
 
 class ModelRunner:
     """Args:
-        target, drafter (None = AR only), length_policy (block hidden ``[B, bs, H]`` -> γ ``[B]``).
+        target, drafter (None = AR only), length_policy (``(block hidden [B, bs, H], draft logits
+            [B, bs-1, V], live rows [B] bool or None) -> γ [B]``; see adaflash_ray.engine.length_policy).
         num_slots: KV slots (the engine's max batch). max_seq_len: positions per slot.
         layer_ids: target layers whose outputs form the drafter's features.
         record: also keep the final hidden state per position (trajectories).
@@ -230,9 +231,11 @@ class ModelRunner:
         return host[0], host[1]
 
     # ------------------------------------------------------------------ propose
-    def _propose(self, slot_ids, anchors, anchor_pos, span, temp, top_p, sample, use_top_p, rows_are_slots):
+    def _propose(self, slot_ids, anchors, anchor_pos, span, temp, top_p, sample, use_top_p, rows_are_slots,
+                 live=None):
         """Drafter forward on ``[anchor, MASK...]`` -> pending drafts (+ their probabilities when sampling)
-        stored per slot; returns γ ``[B]`` from the length policy."""
+        stored per slot; returns γ ``[B]`` from the length policy (``live`` [B] bool: the rows that are real
+        requests, None = all)."""
         span = min(span, self.max_seq_len)
         hidden = self.drafter.propose_hidden(self.ctx, slot_ids, anchors, anchor_pos, span=span,
                                              rows_are_slots=rows_are_slots)  # [B, bs, H]
@@ -250,7 +253,7 @@ class ModelRunner:
             self.drafts[:b] = drafts
         else:
             self.drafts[slot_ids] = drafts
-        return self.length_policy(hidden, draft_logits).to(torch.long)
+        return self.length_policy(hidden, draft_logits, live).to(torch.long)
 
     # ------------------------------------------------------------------ one step (graph body)
     def _step_fn(self, b: int, w: int, span: int, spec: bool, sample: bool, use_top_p: bool) -> None:
@@ -288,8 +291,9 @@ class ModelRunner:
         self.out[:b, w] = accepted
         if spec:
             self.drafter.append_context(self.ctx, rows.expand(b, w), positions, out.features)
+            # rows of idle slots and of the padded bucket carry position 0 (a real request's anchor is >= 1)
             self.out[:b, w + 1] = self._propose(rows[:, 0], nxt, pos + accepted + 1, span, temp, top_p, sample,
-                                                use_top_p, rows_are_slots=True)
+                                                use_top_p, rows_are_slots=True, live=pos > 0)
 
     def _run(self, key: tuple) -> None:
         if not self.use_graphs:

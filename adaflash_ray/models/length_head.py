@@ -5,6 +5,10 @@
   (SiLU) -> 1 -> sigmoid = ratio r. γ = clamp(round(r * block_size * rate) - 1, min_len,
   block_size - 1), i.e. verify width γ+1 ≈ r·block_size·rate. Label r* = clamp((a + lookahead) /
   block_size, 0, 1), MSE loss, input detached from the drafter.
+- ``cost`` (adaflash_ray's own, docs/design/ALGORITHMS.md §2, policy 3): :class:`AcceptanceHead` predicts each
+  draft's acceptance given its prefix was accepted (from its hidden state and :func:`draft_confidence`);
+  the engine's :class:`~adaflash_ray.engine.length_policy.CostLength` turns that into expected committed tokens
+  per measured millisecond. Labels: :func:`acceptance_labels`, masked BCE.
 - ``fixed``: γ = block_size - 1 (plain DFlash).
 """
 from __future__ import annotations
@@ -61,14 +65,16 @@ def draft_confidence(draft_logits: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[..., 2]`` float32: (max probability, entropy in nats) of ``softmax(draft_logits)`` (temperature 1).
     """
-    logp = torch.log_softmax(draft_logits.float(), dim=-1)
-    maxp = logp.max(dim=-1).values.exp()
-    entropy = -(logp.exp() * logp).sum(dim=-1)
+    z = draft_logits.float()
+    lse = torch.logsumexp(z, dim=-1)
+    maxp = (z.max(dim=-1).values - lse).exp()
+    # H = lse - Σ_v p_v z_v, the sum as a batched dot product (no [.., V] product tensor)
+    entropy = lse - torch.einsum("...v,...v->...", torch.softmax(z, dim=-1), z)
     return torch.stack([maxp, entropy], dim=-1)
 
 
 class AcceptanceHead(nn.Module):
-    """The ``cost`` policy's per-position acceptance head (docs/design/ALGORITHMS.md §2.3, adaflash_ray's own).
+    """The ``cost`` policy's per-position acceptance head (docs/design/ALGORITHMS.md §2, policy 3, adaflash_ray's own).
 
     ``p_i = P(draft i accepted | drafts < i accepted)`` from the drafter's hidden state at block position i
     (detached) and the draft's confidence (:func:`draft_confidence`): Linear(H+2 -> inner), SiLU, Linear(inner
@@ -114,5 +120,5 @@ def expected_committed(p_accept: torch.Tensor) -> torch.Tensor:
     """``E[committed tokens | γ = k]`` for k = 1..bs-1 from conditional acceptance probabilities.
 
     ``p_accept`` ``[..., bs-1]`` -> ``[..., bs-1]``: ``1 + Σ_{i<=k} Π_{j<=i} p_j`` (the bonus / correction token
-    plus the expected accepted prefix; docs/design/ALGORITHMS.md §2.3)."""
+    plus the expected accepted prefix; docs/design/ALGORITHMS.md §2, policy 3)."""
     return 1.0 + torch.cumsum(torch.cumprod(p_accept.float(), dim=-1), dim=-1)
