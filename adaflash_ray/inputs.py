@@ -62,7 +62,7 @@ def prepare_inputs(cfg: RunConfig, run_dir: str | Path | None = None) -> Inputs:
     cfg.dump_yaml(run_dir / "config.yaml")
     tok = load_tokenizer(model_dir)
     prompts = load_sharegpt(cfg.data.num_train_prompts, cfg.seed)
-    if cfg.data.num_domain_train_prompts:  # in-domain prompts, outside the held-out span, mixed in evenly
+    if cfg.data.num_domain_train_prompts:  # in-domain prompts, none held out, mixed in evenly
         prompts += load_domain_train_prompts(cfg.data.eval_sources, cfg.data.num_domain_train_prompts, cfg.seed + 1)
         random.Random(cfg.seed).shuffle(prompts)
     train = encode_prompts(tok, prompts, cfg.data.max_prompt_tokens)
