@@ -241,6 +241,9 @@ def test_drafter_checkpoint_round_trip(tmp_path, tiny_target, drafter_and_tensor
     d2, h2 = build_drafter(tiny_target, None, _ns(policy="direct", hidden_size=256), init_path=tmp_path / "ckpt")
     assert all(torch.equal(d2.drafter_state_dict()[k], tensors[k]) for k in d2.drafter_state_dict())
     assert all(torch.equal(v, tensors[f"length_head.{k}"]) for k, v in h2.state_dict().items())
+    # the direct head's checkpoint under the cost policy: refused, naming the policy mix-up
+    with pytest.raises(CheckpointError, match="another policy's head than length_head.policy 'cost'"):
+        build_drafter(tiny_target, None, _ns(policy="cost", hidden_size=256), init_path=tmp_path / "ckpt")
 
 
 def _ns(**kw):

@@ -80,7 +80,12 @@ def build_drafter(target: TargetModel, drafter_cfg, head_cfg, seed: int = 0,
         drafter.load_state_dict(own, strict=False)
         head_t = {k[len("length_head."):]: v for k, v in tensors.items() if k.startswith("length_head.")}
         if head is not None and head_t:
-            check_tensors_fit(head.state_dict(), head_t, f"length head in {init_path}")
+            try:
+                check_tensors_fit(head.state_dict(), head_t, f"length head in {init_path}")
+            except CheckpointError as e:
+                raise CheckpointError(f"{e} - the checkpoint holds another policy's head than "
+                                      f"length_head.policy {head_cfg.policy!r} builds (direct: inp/res/out, cost: "
+                                      f"inp/out with 2 confidence inputs); use the policy it was trained with") from e
             head.load_state_dict(head_t)
     drafter.to(device=device, dtype=dtype)
     if head is not None:
