@@ -264,6 +264,10 @@ class DataConfig(_Section):
 
     train_source: Literal["sharegpt"] = "sharegpt"
     num_train_prompts: int = Field(512, ge=1)
+    # which ShareGPT user turns are prompts: each conversation's first (~15k) or every one (~53k distinct, each
+    # a prompt of its own). Greedy on-policy data repeats a trajectory whenever its prompt comes round again,
+    # so a run generating more trajectories than it has prompts trains on repeats (adaflash_ray.data.load_sharegpt)
+    sharegpt_turns: Literal["first", "all"] = "first"
     # in-domain training prompts: this many more, drawn from the eval sources' own files but never from the
     # first HELD_OUT_PER_SOURCE prompts of each (where the eval, canary and bench prompts come from), mixed
     # into the ShareGPT prompts. 0 = ShareGPT only. Serving live traffic, a drafter is distilled on the

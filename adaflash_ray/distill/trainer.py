@@ -281,7 +281,9 @@ class DistillTrainerCore:
         ``train/top1_match, train/block_accept_len`` (mean accepted length a + 1 of the
         blocks against the trajectory, the τ convention of docs/design/ALGORITHMS.md §0), ``train/num_blocks,
         train/num_positions, train/step`` (optimizer steps done), ``train/lr`` (drafter lr used by this
-        step), ``train/grad_norm`` (global L2 norm before clipping), ``train/seconds``. Rank-local values
+        step), ``train/grad_norm`` (global L2 norm before clipping), ``train/seconds`` (the whole step) split
+        into ``train/prep_s`` (feature recompute + collate + copy to the device), ``train/forward_s`` (drafter
+        + loss) and ``train/backward_step_s`` (backward + optimizer step). Rank-local values
         except ``train/grad_norm`` (of the all-reduced gradient).
         Raises:
             ValueError: empty list or malformed trajectories (see :func:`collate`).
@@ -293,12 +295,16 @@ class DistillTrainerCore:
             trajectories = with_recomputed_features(self.target, trajectories, self.layer_ids)
         batch = collate(trajectories, self.distill_cfg.num_anchors, self.drafter.block_size, self.generator,
                         self.feature_dtype).to(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # so prep_s holds the recompute forward, not the loss
+        t1 = time.perf_counter()
         lr = float(self.engine.get_lr()[0])
         self.engine.train()
         ctx = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
                else contextlib.nullcontext())
         with ctx:
-            loss, metrics = self.engine(batch)
+            loss, metrics = self.engine(batch)  # ends in one host sync (its metrics)
+        t2 = time.perf_counter()
         self.engine.backward(loss)
         grad_norm = self._stage0_grad_norm() if self.zero_stage == 0 else None
         self.engine.step()
@@ -306,8 +312,9 @@ class DistillTrainerCore:
             grad_norm = self.engine.get_global_grad_norm()  # ZeRO optimizers record it (pre-clip)
         if grad_norm is not None:
             metrics["train/grad_norm"] = float(grad_norm)
-        metrics.update({"train/step": float(self.global_step), "train/lr": lr,
-                        "train/seconds": time.perf_counter() - t0})
+        t3 = time.perf_counter()  # the grad norm's host read synced the backward and the step (ZeRO stage 0)
+        metrics.update({"train/step": float(self.global_step), "train/lr": lr, "train/seconds": t3 - t0,
+                        "train/prep_s": t1 - t0, "train/forward_s": t2 - t1, "train/backward_step_s": t3 - t2})
         return metrics
 
     def _stage0_grad_norm(self) -> float | None:
