@@ -118,6 +118,10 @@ def test_cost_policy_graphs_tiny():
     spec, reqs = _gen(eng, prompts)
     assert len(eng.runner.graphs) > 0 and eng.stats.num_verify_steps > 0
     print("γ chosen", sorted({d for r in reqs for d in r.draft_lens}))
+    # a new cost table drops the captured step graphs: they are captured again (into a fresh pool) and agree
+    eng.calibrate_costs()
+    again, _ = _gen(eng, prompts)
+    assert len(eng.runner.graphs) > 0 and again == spec
     ar_eng = SpecEngine(target, None, None, max_batch_size=4, max_seq_len=256)
     ar = [r.output_ids for r in ar_eng.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True),
                                                 mode="ar")]

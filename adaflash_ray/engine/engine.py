@@ -325,7 +325,7 @@ class SpecEngine:
         # a wider verify is never cheaper: timing noise must not make the policy pick a longer γ for speed
         rows = torch.tensor(rows).cummax(dim=1).values.tolist()
         if self.policy.set_costs(list(batch_sizes), torch.tensor(rows)):
-            runner.graphs.clear()  # captured without this table: capture again on their next use
+            runner.reset_graphs()  # captured without this table: capture again on their next use
         self.cost_table = {"batch_sizes": list(batch_sizes), "costs_ms": rows, "context_len": ctx}
         return self.cost_table
 

@@ -162,6 +162,13 @@ class ModelRunner:
         self._warm = False
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
+    def reset_graphs(self) -> None:
+        """Drop every captured step graph (each is captured again on its next use) and start a fresh memory pool
+        for them: the old pool goes with its last graph, and capturing into it again would fail."""
+        self.graphs.clear()
+        if self.use_graphs:
+            self._pool = torch.cuda.graph_pool_handle()
+
     # ------------------------------------------------------------------ shapes
     def _span(self, need: int) -> int:
         """Keys read per attention: ``need`` rounded up (multiples of 256 on CUDA, to bound the number of
@@ -381,7 +388,9 @@ class ModelRunner:
         fn()
         fn()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # a private pool, freed with this graph: a graph dropped from the steps' shared pool can leave that pool
+        # with no user, and a capture into a pool nobody holds fails inside the caching allocator
+        with torch.cuda.graph(graph):
             fn()
         graph.replay()
         torch.cuda.synchronize()
