@@ -75,6 +75,12 @@ class InferenceWorker:
                                      max_batch_size=cfg.engine.max_batch_size, max_seq_len=cfg.engine.max_seq_len,
                                      record=True, record_features=cfg.distill.features == "captured",
                                      seed=cfg.seed + 1000 * worker_index)
+            if self.engine.cost_table is not None:  # the cost policy's measured t(B, γ): in the job's log
+                t = self.engine.cost_table
+                rows = "; ".join(f"B={b}: " + " ".join(f"{c:.2f}" for c in row)
+                                 for b, row in zip(t["batch_sizes"], t["costs_ms"]))
+                print(f"[worker {worker_index}] cost table, ms per step for γ = 1..{len(t['costs_ms'][0])}: {rows}",
+                      flush=True)
         self._weight_group = None  # distill.weight_sync: collective (join_weight_group)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)

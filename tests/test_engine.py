@@ -261,6 +261,24 @@ def test_cost_policy_choice_by_hand():
             pol.set_costs(*bad)
 
 
+def test_monotone_costs_lower_envelope():
+    """A width slowed during calibration (another process on the GPU) must not make every longer γ look dear:
+    the table keeps the lower non-decreasing envelope, never above what was measured."""
+    from adaflash_ray.engine.engine import monotone_costs
+    from adaflash_ray.engine.length_policy import CostLength
+    from adaflash_ray.models.length_head import AcceptanceHead
+
+    measured = torch.tensor([[2.0, 2.1, 5.0, 2.2, 2.3, 2.2, 2.4], [3.0, 3.0, 3.1, 3.3, 3.2, 3.6, 3.7]])
+    got = monotone_costs(measured)
+    assert torch.equal(got, torch.tensor([[2.0, 2.1, 2.2, 2.2, 2.2, 2.2, 2.4], [3.0, 3.0, 3.1, 3.2, 3.2, 3.6, 3.7]]))
+    assert bool((got <= measured).all()) and bool((got[:, 1:] >= got[:, :-1]).all())
+    # with that spike a running maximum made γ >= 3 cost 5 ms and the policy stop at γ = 2; the envelope does not
+    pol = CostLength(AcceptanceHead(8), block_size=8)
+    p = torch.tensor([[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]])
+    assert int(pol.choose(p, measured[0].cummax(0).values)[0]) == 2
+    assert int(pol.choose(p, got[0])[0]) > 2
+
+
 def test_cost_policy_engine_lossless_with_measured_costs(tiny_target):
     """policy cost: the engine measures its step cost table at start (positive, one row per batch size, not
     falling with γ), every step drafts one γ for the whole batch, and the output is the AR output."""

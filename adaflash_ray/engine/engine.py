@@ -30,6 +30,21 @@ from adaflash_ray.models.target import TargetModel
 from adaflash_ray.trajectory import Trajectory
 
 
+def monotone_costs(costs_ms: torch.Tensor) -> torch.Tensor:
+    """The lower non-decreasing envelope of measured step costs along γ: ``t'(γ) = min_{γ' >= γ} t(γ')``.
+
+    A longer γ verifies more positions, so it is never cheaper; a measurement above a longer γ's was slowed by
+    something else (another process on the GPU, the timer) and takes that longer γ's value instead. A running
+    maximum would do the opposite: carry one slowed width into every longer γ.
+
+    Args:
+        costs_ms: ``[..., bs-1]`` float ms for γ = 1..bs-1.
+    Returns:
+        Same shape and dtype, non-decreasing along the last dimension, elementwise <= the input.
+    """
+    return torch.flip(torch.cummin(torch.flip(costs_ms, [-1]), dim=-1).values, [-1])
+
+
 class SpecEngine:
     """Facade over Scheduler (request state) and ModelRunner (tensors).
 
@@ -297,15 +312,18 @@ class SpecEngine:
 
     @torch.no_grad()
     def calibrate_costs(self, batch_sizes: list[int] | None = None, context_len: int | None = None,
-                        num_iters: int = 3) -> dict:
+                        num_iters: int = 5) -> dict:
         """Measure the ``cost`` policy's step cost ``t(B, γ)`` on this engine's hardware and hand it to the policy.
 
-        ``t(B, γ)`` = median ms of one drafter propose at batch B + one verify forward of width γ+1 (CUDA graphs
-        on GPU, as the engine steps). Widths are measured on the engine's width buckets (GPU: the step pads to
-        them, so this is exact) or on a grid of widths rounded up (CPU); each row is made non-decreasing in γ
-        (a running maximum against timing noise). Call on an idle engine: it overwrites
-        the KV slots. Returns ``{"batch_sizes", "costs_ms" [len(batch_sizes)][bs-1], "context_len"}`` (also kept
-        as ``self.cost_table``).
+        ``t(B, γ)`` = least ms over ``num_iters`` runs of one drafter propose at batch B + least ms of one verify
+        forward of width γ+1 (CUDA graphs on GPU, as the engine steps). Widths are measured on the engine's width
+        buckets (GPU: the step pads to them, so this is exact) or on a grid of widths rounded up (CPU). Each row
+        goes through :func:`monotone_costs`. Least, not median, and the lower envelope: other processes on the
+        same GPU (several inference workers share one) and timer noise only ever add time, and one slowed width
+        must not make every longer γ look dear (run ef18ca8: four workers that calibrated at once on one GPU drafted
+        γ = 2 on almost every step, where the same drafter alone chose γ 3-7; a width slowed by the other workers
+        and carried into every longer γ by the former running maximum is the suspected cause). Call on an idle engine: it overwrites the KV slots. Returns ``{"batch_sizes",
+        "costs_ms" [len(batch_sizes)][bs-1], "context_len"}`` (also kept as ``self.cost_table``).
         Raises:
             ValueError: the policy is not ``cost``, or a batch size is outside [1, max_batch_size].
         """
@@ -319,11 +337,10 @@ class SpecEngine:
         rows = []
         for b in batch_sizes:
             self._check_timing_args(b, bs, ctx)
-            propose = runner.time_propose(b, ctx, num_iters)
-            verify = {w: runner.time_verify(b, w, ctx, num_iters) for w in grid if w >= 2}
+            propose = runner.time_propose(b, ctx, num_iters, reduce="min")
+            verify = {w: runner.time_verify(b, w, ctx, num_iters, reduce="min") for w in grid if w >= 2}
             rows.append([propose + verify[min(w for w in verify if w >= g + 1)] for g in range(1, bs)])
-        # a wider verify is never cheaper: timing noise must not make the policy pick a longer γ for speed
-        rows = torch.tensor(rows).cummax(dim=1).values.tolist()
+        rows = monotone_costs(torch.tensor(rows)).tolist()
         if self.policy.set_costs(list(batch_sizes), torch.tensor(rows)):
             runner.reset_graphs()  # captured without this table: capture again on their next use
         self.cost_table = {"batch_sizes": list(batch_sizes), "costs_ms": rows, "context_len": ctx}
