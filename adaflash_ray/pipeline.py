@@ -147,6 +147,7 @@ class Driver:
         self.restarts_left, self.num_trainer_restarts = cfg.distill.trainer_max_restarts, 0
         self.next_prompt, self.fed = 0, 0
         self.serve_tau: dict[int, list[float]] = {}  # version -> the workers' on-policy τ while serving it
+        self.eval_hist: dict[int, dict[int, int]] = {}  # version -> held-out γ histogram (evaluate_versions)
         self.step, self.last_loss = 0, None
         self.low_water = 2 * cfg.engine.max_batch_size  # requests queued per worker, topped up every poll
         self.t_train0, self.train_busy_s, self.train_wall_s = time.time(), 0.0, 0.0
@@ -343,9 +344,11 @@ class Driver:
             ray.get(load.remote(v, tens, self.shas[v], self.dcfg))
             res = ray.get(w0.generate.remote(list(evalp), cfg.data.eval_max_new_tokens, 0.0, False))
             eval_tau[v], eval_waste[v], eval_hist[v] = _eval_tau(res)
-            self.sink.log({"eval/version": v, "eval/accept_len": eval_tau[v], "eval/draft_waste": eval_waste[v]},
-                          kind="eval")
-            console.print(f"eval v{v}: τ={eval_tau[v]:.3f} draft waste={eval_waste[v]:.3f} γ hist={eval_hist[v]}")
+            self.sink.log({"eval/version": v, "eval/accept_len": eval_tau[v], "eval/draft_waste": eval_waste[v],
+                           **{f"eval/gamma_{g}": n for g, n in eval_hist[v].items()}}, kind="eval")
+            console.print(f"eval v{v}: τ={eval_tau[v]:.3f} draft waste={eval_waste[v]:.3f} γ hist={eval_hist[v]}",
+                          soft_wrap=True)  # whole, not cut at the console's width
+        self.eval_hist = eval_hist
         return eval_tau, eval_waste, eval_hist
 
     def report(self, train_summary: list[dict], end: dict, eval_tau: dict, eval_waste: dict, t_start: float) -> dict:
@@ -367,6 +370,8 @@ class Driver:
         summary = {"run_dir": str(run_dir), "final_version": max(r["final_version"] for r in train_summary),
                    "eval_tau": {str(k): round(v, 4) for k, v in eval_tau.items()},
                    "eval_draft_waste": {str(k): round(v, 4) for k, v in eval_waste.items()},
+                   "eval_gamma_hist": {str(k): {str(g): int(n) for g, n in sorted(h.items())}
+                                       for k, h in sorted(self.eval_hist.items())},
                    "serve_tau": {str(k): round(v, 4) for k, v in serve_mean.items()},
                    "train_steps": max(r["steps"] for r in train_summary),
                    "workers_loaded_final": end["workers_ok"], "serving_version": end["serving"]["version"],

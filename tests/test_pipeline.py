@@ -150,6 +150,10 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
         assert len(progress) >= 2 and "version 3/3" in progress[-1] and "trainer_util" in progress[0], progress
         assert set(summary["eval_tau"]) == {"0", "1", "2", "3"}
         assert all(1.0 <= t <= 16.0 for t in summary["eval_tau"].values())
+        # the held-out γ histogram per version, whole: its steps' draft lengths, each within the block
+        hist = summary["eval_gamma_hist"]
+        assert set(hist) == set(summary["eval_tau"]) and all(sum(h.values()) > 0 for h in hist.values())
+        assert all(0 <= int(g) <= 15 for h in hist.values() for g in h)
         assert summary["workers_loaded_final"] is True
         rd = Path(summary["run_dir"])
         assert rd == run_dir.resolve()
