@@ -25,11 +25,12 @@ cd "$ROOT"
 STAGE=/root/stage
 RUN_DIR=/root/runs/smollm2_135m_gpu
 JOB=/root/job  # the background main job: its log, exit status and commit
-PART_BYTES=$((61 * 1024 * 1024))  # + the checkout (~1 MB) <= 64 MiB a call
+PART_BYTES=$((59 * 1024 * 1024))  # + the checkout (~1 MB) <= 64 MiB a call
 
 env_setup() {
   export PYTHONPATH="$STAGE/pydeps:$STAGE/site:$ROOT" ADAFLASH_CACHE=/root/adaflash_cache PYTHONUNBUFFERED=1
   export WANDB_MODE=disabled RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0
+  export RAY_DEDUP_LOGS=0  # every worker's lines in the log (e.g. each one's cost table), not one per kind
 }
 
 wait_job() {  # until the background main job has ended or $1 seconds have passed; shows its progress

@@ -279,6 +279,31 @@ def test_monotone_costs_lower_envelope():
     assert int(pol.choose(p, got[0])[0]) > 2
 
 
+def test_calibration_holds_the_device_lock(monkeypatch, tiny_target):
+    """Engines sharing a device calibrate one at a time: while one times its steps, another process cannot take
+    the device's lock; afterwards it can."""
+    import subprocess
+    import sys
+
+    from adaflash_ray.engine.engine import device_lock_path
+
+    path = device_lock_path("cpu")
+    probe = [sys.executable, "-c", f"from filelock import FileLock; FileLock({path!r}).acquire(timeout=0)"]
+    drafter, head = make_drafter(tiny_target, block_size=4, layers=1, policy="cost", seed=5)
+    engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=64, calibrate=False)
+    seen = []
+    real = engine.runner.time_propose
+
+    def timed(*a, **k):
+        seen.append(subprocess.run(probe, capture_output=True).returncode)
+        return real(*a, **k)
+
+    monkeypatch.setattr(engine.runner, "time_propose", timed)
+    engine.calibrate_costs(num_iters=1)
+    assert seen and all(rc != 0 for rc in seen), seen  # locked during every measurement
+    assert subprocess.run(probe, capture_output=True).returncode == 0  # released after
+
+
 def test_cost_policy_engine_lossless_with_measured_costs(tiny_target):
     """policy cost: the engine measures its step cost table at start (positive, one row per batch size, not
     falling with γ), every step drafts one γ for the whole batch, and the output is the AR output."""

@@ -13,10 +13,13 @@ output (tests/test_engine.py), sampled output follows the target distribution (�
 """
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 
 import numpy as np
 import torch
+from filelock import FileLock
 
 from adaflash_ray.engine.length_policy import CostLength, DirectLength, FixedLength
 from adaflash_ray.engine.request import Request, SamplingParams, Status
@@ -28,6 +31,20 @@ from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
 from adaflash_ray.models.length_head import AcceptanceHead, DirectLengthHead
 from adaflash_ray.models.target import TargetModel
 from adaflash_ray.trajectory import Trajectory
+
+
+def device_lock_path(device: torch.device | str) -> str:
+    """A lock file per compute device of this machine: one per GPU (by its UUID, whatever CUDA_VISIBLE_DEVICES
+    calls it), one for the CPU. :meth:`SpecEngine.calibrate_costs` holds it while it times steps, so processes
+    that share a device (several inference workers on one GPU) measure one at a time."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(idx)
+        key = f"cuda-{getattr(props, 'uuid', None) or os.environ.get('CUDA_VISIBLE_DEVICES', '') + f'-{idx}'}"
+    else:
+        key = device.type
+    return os.path.join(tempfile.gettempdir(), f"adaflash_calibrate_{key}.lock".replace("/", "_"))
 
 
 def monotone_costs(costs_ms: torch.Tensor) -> torch.Tensor:
@@ -312,7 +329,7 @@ class SpecEngine:
 
     @torch.no_grad()
     def calibrate_costs(self, batch_sizes: list[int] | None = None, context_len: int | None = None,
-                        num_iters: int = 5) -> dict:
+                        num_iters: int = 5, lock_timeout_s: float = 600.0) -> dict:
         """Measure the ``cost`` policy's step cost ``t(B, γ)`` on this engine's hardware and hand it to the policy.
 
         ``t(B, γ)`` = least ms over ``num_iters`` runs of one drafter propose at batch B + least ms of one verify
@@ -320,12 +337,14 @@ class SpecEngine:
         buckets (GPU: the step pads to them, so this is exact) or on a grid of widths rounded up (CPU). Each row
         goes through :func:`monotone_costs`. Least, not median, and the lower envelope: other processes on the
         same GPU (several inference workers share one) and timer noise only ever add time, and one slowed width
-        must not make every longer γ look dear (run ef18ca8: four workers that calibrated at once on one GPU drafted
-        γ = 2 on almost every step, where the same drafter alone chose γ 3-7; a width slowed by the other workers
-        and carried into every longer γ by the former running maximum is the suspected cause). Call on an idle engine: it overwrites the KV slots. Returns ``{"batch_sizes",
+        must not make every longer γ look dear. The timing runs under :func:`device_lock_path`'s lock (waiting up
+        to ``lock_timeout_s``), so engines sharing the device calibrate one after another: four workers that
+        calibrated on one GPU at once logged tables in which, from one width on, every longer γ cost 19-82% more
+        (``results/h200x2_b3a8224_short_calibration_job.log``). Call on an idle engine: it overwrites the KV slots. Returns ``{"batch_sizes",
         "costs_ms" [len(batch_sizes)][bs-1], "context_len"}`` (also kept as ``self.cost_table``).
         Raises:
             ValueError: the policy is not ``cost``, or a batch size is outside [1, max_batch_size].
+            filelock.Timeout: another engine held the device's lock for over ``lock_timeout_s``.
         """
         if not isinstance(self.policy, CostLength):
             raise ValueError(f"calibrate_costs needs the cost policy, not {getattr(self.policy, 'name', None)!r}")
@@ -334,12 +353,14 @@ class SpecEngine:
             batch_sizes = _buckets(runner.num_slots)
         ctx = context_len if context_len is not None else max(0, min(128, self.max_seq_len - 2 * bs - 1))
         grid = runner._width_buckets  # the step pads its verify width to these on GPU
-        rows = []
         for b in batch_sizes:
             self._check_timing_args(b, bs, ctx)
-            propose = runner.time_propose(b, ctx, num_iters, reduce="min")
-            verify = {w: runner.time_verify(b, w, ctx, num_iters, reduce="min") for w in grid if w >= 2}
-            rows.append([propose + verify[min(w for w in verify if w >= g + 1)] for g in range(1, bs)])
+        rows = []
+        with FileLock(device_lock_path(runner.device), timeout=lock_timeout_s):
+            for b in batch_sizes:
+                propose = runner.time_propose(b, ctx, num_iters, reduce="min")
+                verify = {w: runner.time_verify(b, w, ctx, num_iters, reduce="min") for w in grid if w >= 2}
+                rows.append([propose + verify[min(w for w in verify if w >= g + 1)] for g in range(1, bs)])
         rows = monotone_costs(torch.tensor(rows)).tolist()
         if self.policy.set_costs(list(batch_sizes), torch.tensor(rows)):
             runner.reset_graphs()  # captured without this table: capture again on their next use
