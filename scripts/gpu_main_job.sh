@@ -160,12 +160,14 @@ EOF
     # the run's own resolved recipe (its --set overrides included) and its length policy's method
     pol=$(python3 -c "from adaflash_ray.config import load_recipe; print(load_recipe('$RUN_DIR/config.yaml').length_head.policy)") || exit 1
     echo "bench drafter $ck (policy $pol)"
+    [ "$pol" = fixed ] && { echo "the run's length policy is fixed: bench methods ar and dflash only" >&2; }
+    m=(ar dflash); [ "$pol" != fixed ] && m+=("adaflash-$pol")
     timeout 170 python3 -m adaflash_ray.bench --recipe "$RUN_DIR/config.yaml" --drafter "$ck" \
-      --methods ar dflash "adaflash-$pol" --concurrency 1 --domains code chat --num-prompts 8 \
+      --methods "${m[@]}" --concurrency 1 --domains code chat --num-prompts 8 \
       --max-new-tokens 256 --out "$OUT/bench_c1.json" --plot "$OUT/bench_c1.png" > "$OUT/bench_c1.log" 2>&1
     tail -12 "$OUT/bench_c1.log"
     timeout 140 python3 -m adaflash_ray.bench --recipe "$RUN_DIR/config.yaml" --drafter "$ck" \
-      --methods ar dflash "adaflash-$pol" --concurrency 64 --domains code chat --num-prompts 64 \
+      --methods "${m[@]}" --concurrency 64 --domains code chat --num-prompts 64 \
       --max-new-tokens 256 --out "$OUT/bench_c64.json" --plot "$OUT/bench_c64.png" > "$OUT/bench_c64.log" 2>&1
     tail -8 "$OUT/bench_c64.log"
     if [ -n "${WEIGHT_SYNC:-}" ]; then

@@ -279,15 +279,17 @@ def test_monotone_costs_lower_envelope():
     assert int(pol.choose(p, got[0])[0]) > 2
 
 
-def test_calibration_holds_the_device_lock(monkeypatch, tiny_target):
+def test_calibration_holds_the_device_lock(monkeypatch, tmp_path, tiny_target):
     """Engines sharing a device calibrate one at a time: while one times its steps, another process cannot take
     the device's lock; afterwards it can."""
     import subprocess
     import sys
 
-    from adaflash_ray.engine.engine import device_lock_path
+    import adaflash_ray.engine.engine as engine_mod
 
-    path = device_lock_path("cpu")
+    assert engine_mod.device_lock_path("cpu").endswith("adaflash_calibrate_cpu.lock")
+    path = str(tmp_path / "adaflash_calibrate_cpu.lock")  # not the machine-wide one: no other run can hold it
+    monkeypatch.setattr(engine_mod, "device_lock_path", lambda device: path)
     probe = [sys.executable, "-c", f"from filelock import FileLock; FileLock({path!r}).acquire(timeout=0)"]
     drafter, head = make_drafter(tiny_target, block_size=4, layers=1, policy="cost", seed=5)
     engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=64, calibrate=False)

@@ -118,8 +118,10 @@ def test_cost_policy_graphs_tiny():
     spec, reqs = _gen(eng, prompts)
     assert len(eng.runner.graphs) > 0 and eng.stats.num_verify_steps > 0
     print("γ chosen", sorted({d for r in reqs for d in r.draft_lens}))
-    # a new cost table drops the captured step graphs: they are captured again (into a fresh pool) and agree
-    eng.calibrate_costs()
+    # a new cost table (other batch sizes) drops the captured step graphs: they are captured again, into a fresh
+    # pool, and agree
+    eng.calibrate_costs(batch_sizes=[1, 2])
+    assert eng.runner.length_policy.batch_sizes == [1, 2] and len(eng.runner.graphs) == 0
     again, _ = _gen(eng, prompts)
     assert len(eng.runner.graphs) > 0 and again == spec
     ar_eng = SpecEngine(target, None, None, max_batch_size=4, max_seq_len=256)

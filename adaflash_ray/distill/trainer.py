@@ -312,7 +312,9 @@ class DistillTrainerCore:
             grad_norm = self.engine.get_global_grad_norm()  # ZeRO optimizers record it (pre-clip)
         if grad_norm is not None:
             metrics["train/grad_norm"] = float(grad_norm)
-        t3 = time.perf_counter()  # the grad norm's host read synced the backward and the step (ZeRO stage 0)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the optimizer step's kernels belong to this step's time
+        t3 = time.perf_counter()
         metrics.update({"train/step": float(self.global_step), "train/lr": lr, "train/seconds": t3 - t0,
                         "train/prep_s": t1 - t0, "train/forward_s": t2 - t1, "train/backward_step_s": t3 - t2})
         return metrics

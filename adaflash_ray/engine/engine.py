@@ -339,7 +339,7 @@ class SpecEngine:
         same GPU (several inference workers share one) and timer noise only ever add time, and one slowed width
         must not make every longer γ look dear. The timing runs under :func:`device_lock_path`'s lock (waiting up
         to ``lock_timeout_s``), so engines sharing the device calibrate one after another: four workers that
-        calibrated on one GPU at once logged tables in which, from one width on, every longer γ cost 19-82% more
+        calibrated on one GPU at once logged tables in which, from one width on, every longer γ cost 14-82% more
         (``results/h200x2_b3a8224_short_calibration_job.log``). Call on an idle engine: it overwrites the KV slots. Returns ``{"batch_sizes",
         "costs_ms" [len(batch_sizes)][bs-1], "context_len"}`` (also kept as ``self.cost_table``).
         Raises:
@@ -356,11 +356,14 @@ class SpecEngine:
         for b in batch_sizes:
             self._check_timing_args(b, bs, ctx)
         rows = []
-        with FileLock(device_lock_path(runner.device), timeout=lock_timeout_s):
+        # is_singleton: one lock object per path in this process, so a nested calibration re-enters it
+        with FileLock(device_lock_path(runner.device), timeout=lock_timeout_s, is_singleton=True):
             for b in batch_sizes:
                 propose = runner.time_propose(b, ctx, num_iters, reduce="min")
                 verify = {w: runner.time_verify(b, w, ctx, num_iters, reduce="min") for w in grid if w >= 2}
                 rows.append([propose + verify[min(w for w in verify if w >= g + 1)] for g in range(1, bs)])
+            if runner.is_cuda:  # the timing graphs' private pools: back to the device for the engines beside this one
+                torch.cuda.empty_cache()
         rows = monotone_costs(torch.tensor(rows)).tolist()
         if self.policy.set_costs(list(batch_sizes), torch.tensor(rows)):
             runner.reset_graphs()  # captured without this table: capture again on their next use
