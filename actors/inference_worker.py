@@ -196,15 +196,18 @@ class InferenceWorker:
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
-                 record: bool = False, ignore_eos: bool = False) -> list[dict]:
+                 record: bool = False, ignore_eos: bool = False, draft_len: int | None = None) -> list[dict]:
         """Generate for ``prompts`` (token id lists); blocks until all finish. Each result: output_ids,
-        finish_reason, per-step draft_lens / num_accepted / step_versions. Raises ValueError for a
-        rejected request (bad length / ids)."""
+        finish_reason, per-step draft_lens / num_accepted / step_versions. ``draft_len``: draft this γ every
+        step instead of the length policy's (:class:`SamplingParams`; the built-in engine only). Raises
+        ValueError for a rejected request (bad length / ids / draft_len) or a draft_len on the SGLang backend."""
         if self.backend is not None:
+            if draft_len is not None:
+                raise ValueError("draft_len needs engine.backend: torch (SGLang's DFLASH drafts its own γ)")
             return [self._sglang_emit(r) for r in self.backend.generate(prompts, max_new_tokens, temperature,
                                                                          ignore_eos, record)]
-        params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=ignore_eos)
-                  for _ in prompts]
+        params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=ignore_eos,
+                                 draft_len=draft_len) for _ in prompts]
         pend = self._enqueue([(p, sp, record) for p, sp in zip(prompts, params)])
         out = []
         for pe in pend:

@@ -148,6 +148,7 @@ class Driver:
         self.next_prompt, self.fed = 0, 0
         self.serve_tau: dict[int, list[float]] = {}  # version -> the workers' on-policy τ while serving it
         self.eval_hist: dict[int, dict[int, int]] = {}  # version -> held-out γ histogram (evaluate_versions)
+        self.eval_full_block: dict[int, tuple[float, float]] = {}  # final version -> (τ, waste) at γ = block_size-1
         self.step, self.last_loss = 0, None
         self.low_water = 2 * cfg.engine.max_batch_size  # requests queued per worker, topped up every poll
         self.t_train0, self.train_busy_s, self.train_wall_s = time.time(), 0.0, 0.0
@@ -349,6 +350,16 @@ class Driver:
             console.print(f"eval v{v}: τ={eval_tau[v]:.3f} draft waste={eval_waste[v]:.3f} γ hist={eval_hist[v]}",
                           soft_wrap=True)  # whole, not cut at the console's width
         self.eval_hist = eval_hist
+        if eval_tau and cfg.engine.backend == "torch":
+            # the final version once more, drafting whole blocks (plain DFlash): the drafter's held-out τ whatever
+            # γ the length policy picks - the cost policy trades τ for step time
+            v, full = max(eval_tau), self.drafter_cfg.block_size - 1
+            res = ray.get(w0.generate.remote(list(evalp), cfg.data.eval_max_new_tokens, 0.0, False, False, full))
+            tau, waste, _ = _eval_tau(res)
+            self.eval_full_block = {v: (tau, waste)}
+            self.sink.log({"eval/version": v, "eval/full_block_accept_len": tau, "eval/full_block_draft_waste": waste},
+                          kind="eval")
+            console.print(f"eval v{v} with γ = {full} on every step: τ={tau:.3f} draft waste={waste:.3f}")
         return eval_tau, eval_waste, eval_hist
 
     def report(self, train_summary: list[dict], end: dict, eval_tau: dict, eval_waste: dict, t_start: float) -> dict:
@@ -370,6 +381,8 @@ class Driver:
         summary = {"run_dir": str(run_dir), "final_version": max(r["final_version"] for r in train_summary),
                    "eval_tau": {str(k): round(v, 4) for k, v in eval_tau.items()},
                    "eval_draft_waste": {str(k): round(v, 4) for k, v in eval_waste.items()},
+                   "eval_full_block": {str(k): {"tau": round(t, 4), "draft_waste": round(w, 4)}
+                                       for k, (t, w) in self.eval_full_block.items()},
                    "eval_gamma_hist": {str(k): {str(g): int(n) for g, n in sorted(h.items())}
                                        for k, h in sorted(self.eval_hist.items())},
                    "serve_tau": {str(k): round(v, 4) for k, v in serve_mean.items()},

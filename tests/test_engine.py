@@ -228,6 +228,32 @@ def test_random_drafter_lossless_with_slot_reuse(tiny_target):
             assert r.output_ids == out[: r.params.max_new_tokens]
 
 
+def test_request_draft_len_overrides_the_policy(tiny_target):
+    """SamplingParams.draft_len: that γ on every step of that request (capped by the tokens left), whatever the
+    length policy picks for the others in the batch; output stays the target's greedy output; bad values are
+    refused naming the limit."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (4, 11, 23)]
+    ref = [greedy_reference(tiny_target, p, 25) for p in prompts]
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="direct", seed=3)
+    engine = SpecEngine(tiny_target, drafter, head, policy="direct", max_batch_size=3, max_seq_len=200)
+    reqs = [engine.add_request(p, SamplingParams(max_new_tokens=25, draft_len=d)) for p, d in zip(prompts, (7, 3, None))]
+    while engine.has_unfinished():
+        engine.step()
+    for r, out in zip(reqs, ref):
+        assert r.output_ids == out
+    for r in reqs[:2]:
+        left = [25 - 1 - sum(a + 1 for a in r.num_accepted[:i]) for i in range(len(r.draft_lens))]
+        assert r.draft_lens == [min(r.params.draft_len, n - 1) for n in left], (r.draft_lens, left)
+    assert len(set(reqs[2].draft_lens)) > 1  # the policy's own, varying γ (head_prior=False: random head)
+    for bad, match in ((0, "draft_len must be >= 1"), (8, "at most block_size - 1 = 7")):
+        with pytest.raises(ValueError, match=match):
+            engine.add_request(prompts[0], SamplingParams(max_new_tokens=4, draft_len=bad))
+    ar = SpecEngine(tiny_target, None, None, max_batch_size=1, max_seq_len=200)
+    with pytest.raises(ValueError, match="without a drafter"):
+        ar.add_request(prompts[0], SamplingParams(max_new_tokens=4, draft_len=2))
+
+
 def test_cost_policy_choice_by_hand():
     """The cost policy's γ* = argmax_γ Σ_r E_r[c(γ)] / t(B, γ), E = 1 + Σ_{i<=γ} Π_{j<=i} p_j (ALGORITHMS.md §2, policy 3)."""
     from adaflash_ray.engine.length_policy import CostLength

@@ -154,6 +154,8 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
         hist = summary["eval_gamma_hist"]
         assert set(hist) == set(summary["eval_tau"]) and all(sum(h.values()) > 0 for h in hist.values())
         assert all(0 <= int(g) <= 15 for h in hist.values() for g in h)
+        # the final version also drafted whole blocks: a τ that does not depend on the length policy
+        assert list(summary["eval_full_block"]) == ["3"] and summary["eval_full_block"]["3"]["tau"] >= 1.0
         assert summary["workers_loaded_final"] is True
         rd = Path(summary["run_dir"])
         assert rd == run_dir.resolve()

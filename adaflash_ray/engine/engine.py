@@ -129,6 +129,10 @@ class SpecEngine:
         vocab = self.target.config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.draft_len is not None and (self.drafter is None or params.draft_len > self.drafter.block_size - 1):
+            limit = "an engine without a drafter takes none" if self.drafter is None else \
+                f"at most block_size - 1 = {self.drafter.block_size - 1}"
+            raise ValueError(f"draft_len {params.draft_len}: {limit}")
         headroom = self.drafter.block_size if self.drafter is not None else 1
         need = len(prompt_ids) + params.max_new_tokens + headroom
         if need > self.max_seq_len:
@@ -184,8 +188,9 @@ class SpecEngine:
         if not running:
             return finished
         t0 = time.perf_counter()
-        if spec:  # γ chosen by the policy when the block was proposed, capped by the remaining budget
-            gammas = [max(min(r.next_draft_len, r.remaining - 1), 0) for r in running]
+        if spec:  # γ chosen by the policy when the block was proposed (or the request's own), capped by the budget
+            gammas = [max(min(r.next_draft_len if r.params.draft_len is None else r.params.draft_len,
+                              r.remaining - 1), 0) for r in running]
         else:
             gammas = [0] * len(running)
         res = self.runner.step([r.slot for r in running], [r.last_token for r in running],

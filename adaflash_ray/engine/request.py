@@ -20,10 +20,15 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus sampling (temperature > 0 only); 1 = off
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # draft exactly this γ every step, whatever the length policy picks (e.g. block_size - 1: plain DFlash, for a
+    # held-out τ that does not depend on the policy); None = the policy's γ. Capped by the tokens left, as any γ.
+    draft_len: int | None = None
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.draft_len is not None and self.draft_len < 1:
+            raise ValueError(f"draft_len must be >= 1 (or None: the length policy's γ), got {self.draft_len}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
