@@ -13,7 +13,12 @@ thread timing):
   ``versions_rising``, ``trainer_restarts`` 0, no canary rollback, nothing counted twice or lost, eval
   versions {0..3}, checkpoints v0..v3, one ``sync`` record per version 1..3 (in order), the metric
   kinds, the train steps 1..6 and the drafter version each step trained with;
-- ``train/loss`` per step: relative :data:`LOSS_RTOL` (2 %), and the last step's loss below the first's;
+- ``train/loss``: the mean over each drafter version's steps within relative :data:`LOSS_RTOL` (2 %), each
+  step within :data:`STEP_LOSS_RTOL` (10 %), and the last step's loss below the first's. Why two: which of a
+  version's trajectories land in which of its steps follows their arrival order at the buffer, an async actor
+  whose task order Ray does not guarantee (docs.ray.io, "Actor Task Execution Order"). Seen on a CI machine
+  (2026-11-30, the ``ray job submit`` run): steps 1/2 gave 17.03/29.25 against the golden 17.48/28.67 - one
+  trajectory swapped between the two batches - while their mean, 23.14 against 23.08, stayed within 0.3 %;
 - eval τ and eval draft waste per version: absolute :data:`TAU_ATOL` (0.02);
 - ``trajectories.trained_fresh``: within :data:`FRESH_ATOL` (2) of the golden value;
 - not compared (timing): ``serve_tau``, ``prompts_fed`` (only >= trained_fresh), the sync records'
@@ -42,7 +47,8 @@ RECIPE = ROOT / "recipes" / "cpu_tiny.yaml"
 # reorders the trajectories the buffer hands out: step 4's loss moved 2.2 %). So every step trains on the next
 # batch_size fresh trajectories in the engine's own order.
 OVERRIDES = ["logging.wandb_mode=disabled", "distill.max_reuse=1", "distill.canary_prompts=0"]
-LOSS_RTOL = 0.02
+LOSS_RTOL = 0.02  # the mean loss of one drafter version's steps
+STEP_LOSS_RTOL = 0.10  # one step's loss
 TAU_ATOL = 0.02
 FRESH_ATOL = 2
 EXACT = ("final_version", "train_steps", "serving_version", "workers_loaded_final", "versions_rising",
@@ -80,8 +86,15 @@ def differences(got: dict, golden: dict) -> list[str]:
         bad.append(f"train (step, version): {[s[:2] for s in got['loss']]} != golden "
                    f"{[s[:2] for s in golden['loss']]}")
     for (step, _, loss), (_, _, want) in zip(got["loss"], golden["loss"]):
-        if loss is None or abs(loss - want) > LOSS_RTOL * abs(want):
-            bad.append(f"train/loss at step {step}: {loss} != golden {want:.6g} (rtol {LOSS_RTOL})")
+        if loss is None or abs(loss - want) > STEP_LOSS_RTOL * abs(want):
+            bad.append(f"train/loss at step {step}: {loss} != golden {want:.6g} (rtol {STEP_LOSS_RTOL})")
+    if all(s[2] is not None for s in got["loss"]):
+        for v in sorted({s[1] for s in golden["loss"]}):
+            mine = [s[2] for s in got["loss"] if s[1] == v]
+            want = [s[2] for s in golden["loss"] if s[1] == v]
+            if len(mine) == len(want) and abs(sum(mine) - sum(want)) > LOSS_RTOL * abs(sum(want)):
+                bad.append(f"mean train/loss of version {v}'s steps: {sum(mine) / len(mine):.6g} != golden "
+                           f"{sum(want) / len(want):.6g} (rtol {LOSS_RTOL})")
     if got["loss"] and not got["loss"][-1][2] < got["loss"][0][2]:
         bad.append(f"loss did not fall: first {got['loss'][0][2]}, last {got['loss'][-1][2]}")
     for key in ("eval_tau", "eval_draft_waste"):
@@ -143,12 +156,22 @@ def test_cpu_tiny_run_matches_golden(tmp_path, capsys, monkeypatch):
 
 
 def test_golden_check_catches_a_change():
-    """The comparison can fail: a changed loss, a missing version, a lost sync record, a lower τ."""
+    """The comparison can fail: a changed loss (a version's mean or one step), a missing version, a lost sync record, a lower τ."""
     golden = json.loads(GOLDEN.read_text())
     assert differences(copy.deepcopy(golden), golden) == []
     loss = copy.deepcopy(golden)
-    loss["loss"][2][2] *= 1 + 3 * LOSS_RTOL
+    loss["loss"][2][2] *= 1 + 3 * LOSS_RTOL  # version 1's steps 3-4: their mean moves by over 2 %
+    got = differences(loss, golden)
+    assert got and all(d.startswith("mean train/loss of version 1") for d in got), got
+    loss["loss"][2][2] = golden["loss"][2][2] * (1 + 1.5 * STEP_LOSS_RTOL)
     assert any("train/loss at step 3" in d for d in differences(loss, golden))
+    # the CI machine's case: one trajectory swapped between version 0's two steps (17.03 / 29.25 against the
+    # golden 17.48 / 28.67) - each step moves 2-3 %, the version's mean stays: no difference
+    swap = copy.deepcopy(golden)
+    shift = 0.026 * swap["loss"][0][2]
+    swap["loss"][0][2] -= shift
+    swap["loss"][1][2] += shift
+    assert differences(swap, golden) == []
     missing = copy.deepcopy(golden)
     missing["final_version"] -= 1
     del missing["eval_tau"][str(golden["final_version"])]
