@@ -72,6 +72,7 @@ class InferenceWorker:
             drafter, head = build_drafter(target, cfg.drafter, cfg.length_head, seed=cfg.seed)
             lh = cfg.length_head
             self.engine = SpecEngine(target, drafter, head, policy=lh.policy, rate=lh.rate, min_len=lh.min_len,
+                                     ar_steps=lh.ar_steps, probe_every=lh.probe_every,
                                      max_batch_size=cfg.engine.max_batch_size, max_seq_len=cfg.engine.max_seq_len,
                                      record=True, record_features=cfg.distill.features == "captured",
                                      seed=cfg.seed + 1000 * worker_index)
@@ -79,8 +80,9 @@ class InferenceWorker:
                 t = self.engine.cost_table
                 rows = "; ".join(f"B={b}: " + " ".join(f"{c:.2f}" for c in row)
                                  for b, row in zip(t["batch_sizes"], t["costs_ms"]))
-                print(f"[worker {worker_index}] cost table, ms per step for γ = 1..{len(t['costs_ms'][0])}: {rows}",
-                      flush=True)
+                ar = " ".join(f"B={b}: {c:.2f}" for b, c in zip(t["batch_sizes"], t["ar_costs_ms"]))
+                print(f"[worker {worker_index}] cost table, ms per step for γ = 1..{len(t['costs_ms'][0])}: {rows}; "
+                      f"AR step (γ = 0, no propose): {ar}", flush=True)
         self._weight_group = None  # distill.weight_sync: collective (join_weight_group)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)

@@ -154,6 +154,10 @@ class LengthHeadConfig(_Section):
     rate: float = Field(1.3, gt=0)
     min_len: int = Field(1, ge=1)
     lookahead: int = Field(1, ge=0)
+    # cost policy only: γ = 0 allowed - an AR step (no drafter propose) when it commits more tokens per ms than any
+    # γ at this batch size and acceptance; while in it, the engine proposes again every probe_every steps
+    ar_steps: bool = True
+    probe_every: int = Field(8, ge=1)
 
 
 class SGLangConfig(_Section):

@@ -139,6 +139,7 @@ def engine_baseline(cfg: RunConfig, prompt_ids: list[list[int]], concurrency: in
     drafter, head = build_drafter(target, cfg.drafter, cfg.length_head, seed=cfg.seed)
     lh = cfg.length_head
     eng = SpecEngine(target, drafter, head, policy=lh.policy, rate=lh.rate, min_len=lh.min_len,
+                     ar_steps=lh.ar_steps, probe_every=lh.probe_every,
                      max_batch_size=cfg.engine.max_batch_size, max_seq_len=cfg.engine.max_seq_len, seed=cfg.seed)
     reqs, num_done = [], 0
     t0 = time.perf_counter()

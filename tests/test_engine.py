@@ -273,6 +273,12 @@ def test_cost_policy_choice_by_hand():
     gentle = torch.tensor([2.0, 2.1, 2.2, 2.3])
     assert pol.choose(two, gentle).tolist() == [4, 4]
     assert pol.choose(two, gentle, live=torch.tensor([False, True])).tolist() == [1, 1]  # idle / padding rows: out
+    # γ = 0: an AR step commits 1 token per live row. `mid`'s best is γ = 2, 2 x 2.35 / 2.2 = 2.136 tokens/ms
+    assert pol.choose(p, mid, ar_cost=torch.tensor(1.0)).tolist() == [2, 2]  # AR: 2 rows / 1 ms = 2.0 < 2.136
+    assert pol.choose(p, mid, ar_cost=torch.tensor(0.9)).tolist() == [0, 0]  # AR: 2.22 > 2.136
+    one = torch.tensor([False, True])  # one live row: γ = 2 gives 2.35 / 2.2 = 1.068 tokens/ms
+    assert pol.choose(p, mid, live=one, ar_cost=torch.tensor(0.9)).tolist() == [0, 0]  # 1.11
+    assert pol.choose(p, mid, live=one, ar_cost=torch.tensor(0.95)).tolist() == [2, 2]  # 1.053
     pol.min_len = 3
     assert pol.choose(p, steep).tolist() == [3, 3]  # γ < min_len never chosen
     pol.set_costs([1, 8], torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 2.0, 3.0, 4.0]]))
@@ -281,10 +287,22 @@ def test_cost_policy_choice_by_hand():
     assert pol.cost_row(64).tolist() == [1.0, 2.0, 3.0, 4.0]  # beyond the table: its largest batch
     pol.set_costs([1, 8], torch.full((2, 4), 7.0))
     assert pol.costs is table and float(table[1, 3]) == 7.0  # in place: captured graphs see new costs
+    assert pol.ar_cost(5) is None  # no AR row: γ = 0 never chosen
+    assert pol.set_costs([1, 8], torch.full((2, 4), 7.0), torch.tensor([0.5, 3.0])) is True  # an AR row: new table
+    ar = pol.ar_costs
+    assert float(pol.ar_cost(1)) == 0.5 and float(pol.ar_cost(5)) == 3.0 and float(pol.ar_cost(64)) == 3.0
+    assert pol.set_costs([1, 8], torch.full((2, 4), 7.0), torch.tensor([0.6, 3.5])) is False
+    assert pol.ar_costs is ar and float(ar[0]) == pytest.approx(0.6)  # in place as well
+    pol.ar_steps = False
+    assert pol.ar_cost(1) is None  # switched off (length_head.ar_steps: false)
     for bad, msg in ((([], torch.ones(0, 4)), "non-empty"), (([1], torch.ones(1, 3)), r"\[1, 4\]"),
-                     (([2, 1], torch.ones(2, 4)), "strictly increasing"), (([1], torch.zeros(1, 4)), "> 0")):
+                     (([2, 1], torch.ones(2, 4)), "strictly increasing"), (([1], torch.zeros(1, 4)), "> 0"),
+                     (([1], torch.ones(1, 4), torch.ones(2)), r"ar_costs must be \[1\]"),
+                     (([1], torch.ones(1, 4), torch.zeros(1)), "AR cost must be > 0")):
         with pytest.raises(ValueError, match=msg):
             pol.set_costs(*bad)
+    with pytest.raises(ValueError, match="probe_every"):
+        CostLength(AcceptanceHead(8), block_size=5, probe_every=0)
 
 
 def test_monotone_costs_lower_envelope():
@@ -320,13 +338,13 @@ def test_calibration_holds_the_device_lock(monkeypatch, tmp_path, tiny_target):
     drafter, head = make_drafter(tiny_target, block_size=4, layers=1, policy="cost", seed=5)
     engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=64, calibrate=False)
     seen = []
-    real = engine.runner.time_propose
+    real = engine.runner.time_step
 
     def timed(*a, **k):
         seen.append(subprocess.run(probe, capture_output=True).returncode)
         return real(*a, **k)
 
-    monkeypatch.setattr(engine.runner, "time_propose", timed)
+    monkeypatch.setattr(engine.runner, "time_step", timed)
     engine.calibrate_costs(num_iters=1)
     assert seen and all(rc != 0 for rc in seen), seen  # locked during every measurement
     assert subprocess.run(probe, capture_output=True).returncode == 0  # released after
@@ -344,12 +362,14 @@ def test_cost_policy_engine_lossless_with_measured_costs(tiny_target):
     table = engine.cost_table
     assert table["batch_sizes"] == [1, 2, 3] and len(table["costs_ms"]) == 3
     assert all(len(row) == 7 and all(c > 0 for c in row) for row in table["costs_ms"])
+    assert len(table["ar_costs_ms"]) == 3 and all(c > 0 for c in table["ar_costs_ms"])
     assert all(a <= b for row in table["costs_ms"] for a, b in zip(row, row[1:]))  # never cheaper with γ
     assert engine.runner.length_policy.costs is not None
     # hand-set costs: verification free at batch 1 (a lone admitted row would draft the whole block), steep at
     # batch 2-3 (the running batch drafts γ = 1): a row that joins must not widen the batch's verify
     steep = [float(k) for k in range(1, 8)]
-    assert engine.runner.length_policy.set_costs([1, 2, 3], torch.tensor([[1.0] * 7, steep, steep])) is False
+    assert engine.runner.length_policy.set_costs([1, 2, 3], torch.tensor([[1.0] * 7, steep, steep]),
+                                                 torch.full((3,), 1e3)) is False  # AR dear: γ = 0 never pays
     reqs = [engine.add_request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, budgets)]
     per_step, joined, started = [], 0, set()
     while engine.has_unfinished():
@@ -370,6 +390,61 @@ def test_cost_policy_engine_lossless_with_measured_costs(tiny_target):
         SpecEngine(tiny_target, *make_drafter(tiny_target, block_size=8, policy="direct"), policy="cost")
     with pytest.raises(ValueError, match="needs the cost policy"):
         SpecEngine(tiny_target, drafter, None, policy="fixed", max_batch_size=2, max_seq_len=200).calibrate_costs()
+
+
+def test_cost_policy_ar_steps_lossless_and_probing(tiny_target):
+    """γ = 0 (an AR step beats every γ at this load): the engine steps without proposing, proposes again every
+    probe_every steps, goes back to drafting once drafting pays again, and the output is the AR output throughout.
+    A request with its own draft_len keeps every step proposing."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in [4, 11, 25]]
+    budgets = [40, 32, 36]
+    ref = [greedy_reference(tiny_target, p, n) for p, n in zip(prompts, budgets)]
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
+    engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=200,
+                        calibrate=False, probe_every=4)
+    pol = engine.runner.length_policy
+    ar_cheap = (torch.full((3, 7), 100.0), torch.ones(3))  # drafting never pays: γ = 0
+    draft_cheap = (torch.ones(3, 7), torch.full((3,), 100.0))  # drafting always pays: the whole block
+    pol.set_costs([1, 2, 3], *ar_cheap)
+    proposes = []
+    real = engine.runner._propose
+
+    def counted(*a, **k):
+        proposes.append(engine.stats.num_engine_steps)
+        return real(*a, **k)
+
+    engine.runner._propose = counted
+    reqs = [engine.add_request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, budgets)]
+    engine.step()  # admits all three (one prefill propose each) and takes the first AR step
+    for _ in range(14):
+        engine.step()
+    steps_ar = engine.stats.num_engine_steps
+    in_steps = [s for s in proposes if s > 0]  # proposes inside steps 1..15 (the prefill's ran at step 0)
+    assert len(proposes) - len(in_steps) == 3
+    # steps 1-4 AR, step 5 proposes (γ = 0 again), 6-9 AR, 10 proposes, ...: one propose every 5 steps
+    assert in_steps == [4, 9, 14], in_steps
+    assert all(set(r.draft_lens) == {0} for r in reqs)
+    pol.set_costs([1, 2, 3], *draft_cheap)  # in place: the next probe sees drafting pay
+    while engine.has_unfinished():
+        engine.step()
+    for r, out in zip(reqs, ref):
+        assert r.output_ids == out
+    assert any(g > 0 for r in reqs for g in r.draft_lens[steps_ar:])  # back to drafting after the next probe
+    assert len([s for s in proposes if s >= steps_ar]) >= engine.stats.num_engine_steps - steps_ar - 5
+    # a request that asks for its own γ: every step proposes, however cheap AR looks
+    pol.set_costs([1, 2, 3], *ar_cheap)
+    proposes.clear()
+    own = engine.add_request(prompts[0], SamplingParams(max_new_tokens=12, draft_len=3))
+    start = engine.stats.num_engine_steps
+    while engine.has_unfinished():
+        engine.step()
+    assert own.output_ids == ref[0][:12] and set(own.draft_lens) - {0, 1, 2} == {3}
+    assert len(proposes) == 1 + engine.stats.num_engine_steps - start  # prefill + every step
+    # sampling through AR steps: the right number of in-vocabulary tokens
+    sampled = engine.generate(prompts, SamplingParams(max_new_tokens=20, temperature=1.0, ignore_eos=True))
+    assert all(len(r.output_ids) == 20 and all(0 <= t < 128 for t in r.output_ids) for r in sampled)
+    assert 0 in engine.stats.draft_len_hist
 
 
 def test_max_new_tokens_truncation_exact(monkeypatch, tiny_target):

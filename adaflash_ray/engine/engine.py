@@ -71,6 +71,8 @@ class SpecEngine:
         policy: "direct" | "cost" | "fixed". max_batch_size: KV slots. max_seq_len: positions per slot.
         calibrate: with policy ``cost``, measure the step cost table now (:meth:`calibrate_costs`; a few
             seconds); False drafts whole blocks until it is called.
+        ar_steps: with policy ``cost``, the policy may answer γ = 0 (an AR step beats drafting at this load and
+            acceptance); the engine then steps without proposing and proposes again every ``probe_every`` steps.
         record: build a Trajectory per finished request. record_features: with ``record``, also copy out
             the captured target features / last hidden states (``distill.features: captured``); False
             leaves them None for a trainer that recomputes them (``recompute``: no device-to-host copy, and
@@ -81,7 +83,7 @@ class SpecEngine:
                  *, policy: str = "direct", rate: float = 1.3, min_len: int = 1, max_batch_size: int = 8,
                  max_seq_len: int = 1024, layer_ids: list[int] | None = None, record: bool = False,
                  record_features: bool = True, seed: int = 0, drafter_version: int = 0, use_cuda_graph: bool | None = None,
-                 calibrate: bool = True):
+                 calibrate: bool = True, ar_steps: bool = True, probe_every: int = 8):
         self.target, self.drafter, self.length_head = target, drafter, length_head
         if drafter is not None:
             drafter.config.check_target(target.config)
@@ -94,7 +96,7 @@ class SpecEngine:
             elif policy == "cost":
                 if not isinstance(length_head, AcceptanceHead):
                     raise ValueError(f"policy 'cost' needs an AcceptanceHead, got {type(length_head).__name__}")
-                self.policy = CostLength(length_head, bs, min_len)
+                self.policy = CostLength(length_head, bs, min_len, ar_steps=ar_steps, probe_every=probe_every)
             elif policy == "fixed":
                 self.policy = FixedLength(bs)
             else:
@@ -114,6 +116,7 @@ class SpecEngine:
         self.num_reloads = 0
         self._published_loaded = False  # a published version (even 0) has been loaded: versions must rise
         self.cost_table: dict | None = None
+        self._ar_run = 0  # AR steps since the last propose while the cost policy chose γ = 0
         if isinstance(self.policy, CostLength) and calibrate:
             self.calibrate_costs()
 
@@ -193,9 +196,19 @@ class SpecEngine:
                               r.remaining - 1), 0) for r in running]
         else:
             gammas = [0] * len(running)
+        # the cost policy's γ = 0 (an AR step pays more than a draft here): step without proposing, and propose
+        # again every probe_every steps to see whether drafting pays once more
+        propose = True
+        if spec and self.policy is not None and getattr(self.policy, "ar_steps", False) \
+                and all(r.next_draft_len == 0 and r.params.draft_len is None for r in running):
+            propose = self._ar_run >= self.policy.probe_every
+            self._ar_run = 0 if propose else self._ar_run + 1
+        else:
+            self._ar_run = 0
         res = self.runner.step([r.slot for r in running], [r.last_token for r in running],
                                [r.num_tokens - 1 for r in running], gammas,
-                               [r.params.temperature for r in running], [r.params.top_p for r in running], spec)
+                               [r.params.temperature for r in running], [r.params.top_p for r in running], spec,
+                               propose)
         for req, g, a, toks, nxt in zip(running, gammas, res.num_accepted, res.committed, res.next_draft_lens):
             if spec:
                 req.draft_lens.append(g)
@@ -337,16 +350,21 @@ class SpecEngine:
                         num_iters: int = 5, lock_timeout_s: float = 600.0) -> dict:
         """Measure the ``cost`` policy's step cost ``t(B, γ)`` on this engine's hardware and hand it to the policy.
 
-        ``t(B, γ)`` = least ms over ``num_iters`` runs of one drafter propose at batch B + least ms of one verify
-        forward of width γ+1 (CUDA graphs on GPU, as the engine steps). Widths are measured on the engine's width
-        buckets (GPU: the step pads to them, so this is exact) or on a grid of widths rounded up (CPU). Each row
-        goes through :func:`monotone_costs`. Least, not median, and the lower envelope: other processes on the
+        ``t(B, γ)`` = least wall-clock ms over ``num_iters`` runs of one whole engine step at batch B that verifies
+        γ drafts (width γ+1) and proposes the next block (:meth:`ModelRunner.time_step`: CUDA graphs on GPU as the
+        engine steps, plus the step's host work and its device -> host transfer, which is the same for every γ and
+        so makes long blocks relatively cheaper than graph time alone says: run ef18ca8's H200 steps took
+        2.8-2.9 ms at batch 1 against 2.1-2.5 ms of graph time). ``t_AR(B)`` = the same for an AR step (width 1,
+        no propose), the cost of the policy's γ = 0. Widths are measured on the engine's width buckets (GPU: the
+        step pads to them, so this is exact) or on a grid of widths rounded up (CPU). Each row goes through
+        :func:`monotone_costs`. Least, not median, and the lower envelope: other processes on the
         same GPU (several inference workers share one) and timer noise only ever add time, and one slowed width
         must not make every longer γ look dear. The timing runs under :func:`device_lock_path`'s lock (waiting up
         to ``lock_timeout_s``), so engines sharing the device calibrate one after another: four workers that
         calibrated on one GPU at once logged tables in which, from one width on, every longer γ cost 14-82% more
-        (``results/h200x2_b3a8224_short_calibration_job.log``). Call on an idle engine: it overwrites the KV slots. Returns ``{"batch_sizes",
-        "costs_ms" [len(batch_sizes)][bs-1], "context_len"}`` (also kept as ``self.cost_table``).
+        (``results/h200x2_b3a8224_short_calibration_job.log``). Call on an idle engine: it overwrites the KV slots.
+        Returns ``{"batch_sizes", "costs_ms" [len(batch_sizes)][bs-1], "ar_costs_ms" [len(batch_sizes)],
+        "context_len"}`` (also kept as ``self.cost_table``).
         Raises:
             ValueError: the policy is not ``cost``, or a batch size is outside [1, max_batch_size].
             filelock.Timeout: another engine held the device's lock for over ``lock_timeout_s``.
@@ -360,19 +378,24 @@ class SpecEngine:
         grid = runner._width_buckets  # the step pads its verify width to these on GPU
         for b in batch_sizes:
             self._check_timing_args(b, bs, ctx)
-        rows = []
+        rows, ar_rows = [], []
+        if self.policy.costs is None or self.policy.batch_sizes != list(batch_sizes):
+            # a provisional table, so the timed proposes run the acceptance head as the real steps will
+            self.policy.set_costs(list(batch_sizes), torch.ones(len(batch_sizes), bs - 1), torch.ones(len(batch_sizes)))
         # is_singleton: one lock object per path in this process, so a nested calibration re-enters it
         with FileLock(device_lock_path(runner.device), timeout=lock_timeout_s, is_singleton=True):
             for b in batch_sizes:
-                propose = runner.time_propose(b, ctx, num_iters, reduce="min")
-                verify = {w: runner.time_verify(b, w, ctx, num_iters, reduce="min") for w in grid if w >= 2}
-                rows.append([propose + verify[min(w for w in verify if w >= g + 1)] for g in range(1, bs)])
-            if runner.is_cuda:  # the timing graphs' private pools: back to the device for the engines beside this one
-                torch.cuda.empty_cache()
+                ar_rows.append(runner.time_step(b, 0, ctx, num_iters, reduce="min", propose=False))
+                step = {w: runner.time_step(b, w - 1, ctx, num_iters, reduce="min") for w in grid if w >= 2}
+                rows.append([step[min(w for w in step if w >= g + 1)] for g in range(1, bs)])
         rows = monotone_costs(torch.tensor(rows)).tolist()
-        if self.policy.set_costs(list(batch_sizes), torch.tensor(rows)):
-            runner.reset_graphs()  # captured without this table: capture again on their next use
-        self.cost_table = {"batch_sizes": list(batch_sizes), "costs_ms": rows, "context_len": ctx}
+        # the timing steps ran with no costs (or the old ones): their graphs go, and come back with this table
+        self.policy.set_costs(list(batch_sizes), torch.tensor(rows), torch.tensor(ar_rows))
+        runner.reset_graphs()
+        if runner.is_cuda:  # the timing graphs' memory: back to the device for the engines beside this one
+            torch.cuda.empty_cache()
+        self.cost_table = {"batch_sizes": list(batch_sizes), "costs_ms": rows, "ar_costs_ms": ar_rows,
+                           "context_len": ctx}
         return self.cost_table
 
     def _check_timing_args(self, batch_size: int, width: int, context_len: int) -> None:

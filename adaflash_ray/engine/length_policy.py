@@ -52,20 +52,35 @@ class CostLength:
     ``t(B, γ)`` (ms) is a step at batch B and verify width γ+1 as this engine measured it on its own hardware
     (:meth:`set_costs`, filled by :meth:`SpecEngine.calibrate_costs`). Only live rows count in the sum (not idle
     slots or bucket padding). Without costs the policy drafts the whole block (plain DFlash).
+
+    γ = 0 (``ar_steps``, with an AR cost row): drafting is worth less than not drafting. An AR step commits one
+    token per live row and costs ``t_AR(B)``, a target forward of width 1 with no drafter propose; when
+    ``n_live / t_AR(B) > max_γ Σ_r E_r[c(γ)] / t(B, γ)`` the policy answers 0 and the engine decodes without
+    drafting, proposing again every ``probe_every`` steps to re-check (:meth:`SpecEngine.step`). That is the
+    load-dependent switch the reference head lacks (it had to be turned off by hand below 48 concurrent requests,
+    AdaFlash issue #2): at concurrency 64 on an H200 a speculative step of the 135M target cost 1.8x an AR step
+    (``results/h200_ef18ca8_bench_trained_c64.json``), more than its τ of 1.96 made up for.
     """
 
     name = "cost"
 
-    def __init__(self, head: AcceptanceHead, block_size: int, min_len: int = 1):
+    def __init__(self, head: AcceptanceHead, block_size: int, min_len: int = 1, ar_steps: bool = True,
+                 probe_every: int = 8):
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
         self.head, self.block_size, self.min_len = head, block_size, min_len
+        self.ar_steps, self.probe_every = ar_steps, probe_every
         self.batch_sizes: list[int] = []
         self.costs: torch.Tensor | None = None  # [len(batch_sizes), bs-1] ms, device of the head
+        self.ar_costs: torch.Tensor | None = None  # [len(batch_sizes)] ms of an AR step (no propose), or None
 
-    def set_costs(self, batch_sizes: list[int], costs_ms: torch.Tensor) -> bool:
-        """``costs_ms`` ``[len(batch_sizes), bs-1]``: step time at each batch size for γ = 1..bs-1. With the same
-        batch sizes as before the values are copied in place, so CUDA graphs captured earlier read them; returns
-        True when the table is new instead (graphs captured before must then be dropped: they read no costs or
-        the old tensor).
+    def set_costs(self, batch_sizes: list[int], costs_ms: torch.Tensor, ar_costs_ms: torch.Tensor | None = None
+                  ) -> bool:
+        """``costs_ms`` ``[len(batch_sizes), bs-1]``: step time at each batch size for γ = 1..bs-1; ``ar_costs_ms``
+        ``[len(batch_sizes)]``: an AR step's time (width 1, no propose), or None (γ = 0 never chosen). With the same
+        batch sizes (and AR row or not) as before the values are copied in place, so CUDA graphs captured earlier
+        read them; returns True when the table is new instead (graphs captured before must then be dropped: they
+        read no costs or the old tensors).
         Raises:
             ValueError: shapes do not match, batch sizes not strictly increasing, or a cost is not positive."""
         costs_ms = torch.as_tensor(costs_ms, dtype=torch.float32)
@@ -75,33 +90,57 @@ class CostLength:
             raise ValueError(f"batch_sizes must be non-empty and strictly increasing, got {batch_sizes}")
         if not bool((costs_ms > 0).all()):
             raise ValueError("every cost must be > 0 ms")
-        if self.costs is not None and self.batch_sizes == list(batch_sizes):
+        if ar_costs_ms is not None:
+            ar_costs_ms = torch.as_tensor(ar_costs_ms, dtype=torch.float32)
+            if ar_costs_ms.shape != (len(batch_sizes),):
+                raise ValueError(f"ar_costs must be [{len(batch_sizes)}], got {tuple(ar_costs_ms.shape)}")
+            if not bool((ar_costs_ms > 0).all()):
+                raise ValueError("every AR cost must be > 0 ms")
+        same_ar = (self.ar_costs is None) == (ar_costs_ms is None)
+        if self.costs is not None and self.batch_sizes == list(batch_sizes) and same_ar:
             self.costs.copy_(costs_ms)
+            if ar_costs_ms is not None:
+                self.ar_costs.copy_(ar_costs_ms)
             return False
+        dev = self.head.out.weight.device
         self.batch_sizes = list(batch_sizes)
-        self.costs = costs_ms.to(self.head.out.weight.device)
+        self.costs = costs_ms.to(dev)
+        self.ar_costs = ar_costs_ms.to(dev) if ar_costs_ms is not None else None
         return True
+
+    def _row(self, batch_size: int) -> int:
+        return min(bisect.bisect_left(self.batch_sizes, batch_size), len(self.batch_sizes) - 1)
 
     def cost_row(self, batch_size: int) -> torch.Tensor | None:
         """Costs ``[bs-1]`` of the smallest calibrated batch size >= ``batch_size`` (the largest if none)."""
         if self.costs is None:
             return None
-        i = min(bisect.bisect_left(self.batch_sizes, batch_size), len(self.batch_sizes) - 1)
-        return self.costs[i]
+        return self.costs[self._row(batch_size)]
+
+    def ar_cost(self, batch_size: int) -> torch.Tensor | None:
+        """The AR step's cost (a 0-d view) at the same row as :meth:`cost_row`; None without an AR row or with
+        ``ar_steps`` off."""
+        if self.ar_costs is None or not self.ar_steps:
+            return None
+        return self.ar_costs[self._row(batch_size)]
 
     @torch.no_grad()
-    def choose(self, p_accept: torch.Tensor, cost: torch.Tensor | None, live: torch.Tensor | None = None
-               ) -> torch.Tensor:
+    def choose(self, p_accept: torch.Tensor, cost: torch.Tensor | None, live: torch.Tensor | None = None,
+               ar_cost: torch.Tensor | None = None) -> torch.Tensor:
         """γ ``[B]`` (the same for every row) from acceptance probabilities ``[B, bs-1]``, costs ``[bs-1]`` (None:
-        the whole block) and the live rows ``[B]`` (None: all)."""
+        the whole block), the live rows ``[B]`` (None: all) and the AR step's cost (0-d; None: γ >= 1). γ = 0 when
+        one token per live row per ``ar_cost`` ms beats every γ's expected tokens per ms."""
         if cost is None:
             return torch.full(p_accept.shape[:1], self.block_size - 1, dtype=torch.long, device=p_accept.device)
         expected = expected_committed(p_accept)  # [B, bs-1]: E_r[c(γ)], γ = 1..bs-1
+        n_live = float(p_accept.shape[0]) if live is None else live.to(expected.dtype).sum()
         if live is not None:
             expected = expected * live[:, None].to(expected.dtype)
         value = expected.sum(0) / cost
         value[: self.min_len - 1] = -1.0  # γ < min_len is never chosen
         gamma = value.argmax() + 1
+        if ar_cost is not None:  # no host sync: a tensor select, CUDA-graph safe
+            gamma = torch.where(n_live / ar_cost > value.max(), torch.zeros_like(gamma), gamma)
         return gamma.expand(p_accept.shape[0]).to(torch.long)
 
     @torch.no_grad()
@@ -113,4 +152,4 @@ class CostLength:
         if cost is None:  # not calibrated: no head forward needed
             return self.choose(block_hidden.new_zeros(block_hidden.shape[0], self.block_size - 1), None)
         p = torch.sigmoid(self.head(block_hidden[:, 1:], draft_confidence(draft_logits)))  # [B, bs-1]
-        return self.choose(p, cost, live)
+        return self.choose(p, cost, live, self.ar_cost(block_hidden.shape[0]))

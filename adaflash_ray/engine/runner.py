@@ -263,9 +263,12 @@ class ModelRunner:
         return self.length_policy(hidden, draft_logits, live).to(torch.long)
 
     # ------------------------------------------------------------------ one step (graph body)
-    def _step_fn(self, b: int, w: int, span: int, spec: bool, sample: bool, use_top_p: bool) -> None:
+    def _step_fn(self, b: int, w: int, span: int, spec: bool, sample: bool, use_top_p: bool,
+                 propose: bool = True) -> None:
         """Rows 0..b-1, verify width w, keys 0..span-1. Reads in_ints / in_floats / drafts; writes out,
-        caches, histories, drafts. No host synchronisation (CUDA-graph safe)."""
+        caches, histories, drafts. ``spec`` without ``propose``: the drafter context takes the new positions but
+        no block is proposed (an AR step of the ``cost`` policy's γ = 0). No host synchronisation (CUDA-graph
+        safe)."""
         dev = self.device
         anchor, pos, gamma = self.in_ints[:b].unbind(1)
         temp, top_p = self.in_floats[:b].unbind(1)
@@ -298,6 +301,7 @@ class ModelRunner:
         self.out[:b, w] = accepted
         if spec:
             self.drafter.append_context(self.ctx, rows.expand(b, w), positions, out.features)
+        if spec and propose:
             # rows of idle slots and of the padded bucket carry position 0 (a real request's anchor is >= 1)
             self.out[:b, w + 1] = self._propose(rows[:, 0], nxt, pos + accepted + 1, span, temp, top_p, sample,
                                                 use_top_p, rows_are_slots=True, live=pos > 0)
@@ -321,7 +325,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step (host side)
     @torch.no_grad()
     def step(self, slots: list[int], anchors: list[int], anchor_pos: list[int], draft_lens: list[int],
-             temperatures: list[float], top_ps: list[float], spec: bool) -> StepResult:
+             temperatures: list[float], top_ps: list[float], spec: bool, propose: bool = True) -> StepResult:
         """One decoding step for the running requests in ``slots``.
 
         Args:
@@ -330,14 +334,19 @@ class ModelRunner:
                 the host (remaining budget).
             temperatures, top_ps: per request sampling settings (0 = greedy).
             spec: verify the pending drafts and propose the next block; False = plain AR (W = 1).
+            propose: with ``spec``, False skips the drafter's propose (draft_lens must all be 0): the drafter
+                context still takes the new positions, so a later step can propose again; next_draft_lens are 0.
         """
+        propose = propose or not spec
+        if spec and not propose and any(draft_lens):
+            raise ValueError(f"a step without propose verifies no drafts, got draft_lens {draft_lens}")
         b = max(slots) + 1
         g_max = max(draft_lens) if spec else 0
         w = g_max + 1
         if self.is_cuda:  # the same buckets with or without graphs
             b = _round_up(b, self._batch_buckets)
             w = _round_up(w, self._width_buckets)
-        span = self._span(max(anchor_pos) + w + (self.block_size if spec else 0))
+        span = self._span(max(anchor_pos) + w + (self.block_size if spec and propose else 0))
         sample = any(t > 0 for t in temperatures)
         use_top_p = sample and any(tp < 1 for tp in top_ps)
         if sample:
@@ -350,12 +359,12 @@ class ModelRunner:
         floats[idx, 0], floats[idx, 1] = temperatures, top_ps
         self.in_ints[:b].copy_(self._ints_host[:b], non_blocking=True)
         self.in_floats[:b].copy_(self._floats_host[:b], non_blocking=True)
-        self._run((b, w, span, spec, sample, use_top_p))
+        self._run((b, w, span, spec, sample, use_top_p, propose))
         host = self.out[:b, : w + 2].cpu().numpy()  # the one device -> host transfer of the step
         rows = host[idx]
         acc = rows[:, w].tolist()
         committed = [r[: a + 1].tolist() for r, a in zip(rows, acc)]
-        nxt = rows[:, w + 1].tolist() if spec else [0] * len(slots)
+        nxt = rows[:, w + 1].tolist() if spec and propose else [0] * len(slots)
         return StepResult(committed=committed, num_accepted=acc, next_draft_lens=nxt)
 
     # ------------------------------------------------------------------ history, reload
@@ -422,6 +431,28 @@ class ModelRunner:
                               rows_are_slots=True, logits_dtype=None)
             return out.logits.argmax(-1)
         return self._time(fn, num_iters, reduce)
+
+    @torch.no_grad()
+    def time_step(self, batch_size: int, draft_len: int, context_len: int = 128, num_iters: int = 20,
+                  reduce: str = "median", propose: bool = True) -> float:
+        """Median (or least) wall-clock ms of one whole :meth:`step` - host inputs, the (graph-replayed) verify of
+        width ``draft_len + 1``, the drafter propose (unless ``propose`` is False: an AR step, ``draft_len`` 0) and
+        the one device -> host transfer - on slots 0..batch_size-1 after ``context_len`` tokens, greedy. What an
+        engine step costs including its host work, which a graph's own time leaves out. Overwrites those slots'
+        KV, drafter context and drafts: call on an idle engine."""
+        slots = list(range(batch_size))
+        args = (slots, [0] * batch_size, [context_len] * batch_size, [draft_len] * batch_size,
+                [0.0] * batch_size, [1.0] * batch_size, True, propose)
+        self.drafts.zero_()
+        self.step(*args)  # warm-up: the eager first step / graph capture for this key
+        self.step(*args)
+        pick = {"median": statistics.median, "min": min}[reduce]
+        times = []
+        for _ in range(num_iters):
+            t0 = time.perf_counter()
+            self.step(*args)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return pick(times)
 
     @torch.no_grad()
     def time_propose(self, batch_size: int, context_len: int = 128, num_iters: int = 20,

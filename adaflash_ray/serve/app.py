@@ -167,6 +167,7 @@ class AdaFlashServer:
         drafter, head = build_drafter(target, c.drafter, c.length_head, seed=c.seed)
         lh = c.length_head
         self.engine = SpecEngine(target, drafter, head, policy=lh.policy, rate=lh.rate, min_len=lh.min_len,
+                                 ar_steps=lh.ar_steps, probe_every=lh.probe_every,
                                  max_batch_size=c.engine.max_batch_size, max_seq_len=c.engine.max_seq_len,
                                  record=c.serve.distill, seed=c.seed)
         self.vocab_size = target.config.vocab_size
