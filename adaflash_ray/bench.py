@@ -262,8 +262,9 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                                    match_rate=1.0)
                     else:
                         row.update(tau=st.accept_len,
-                                   acceptance_rate=st.num_accepted / st.num_drafted if st.num_drafted else 0.0,
-                                   draft_waste=st.draft_waste,
+                                   # nothing drafted (the cost policy's AR steps throughout): no rate, not NaN
+                                   acceptance_rate=st.num_accepted / st.num_drafted if st.num_drafted else None,
+                                   draft_waste=st.draft_waste if st.num_drafted else None,
                                    gamma_hist={str(k): v for k, v in sorted(st.draft_len_hist.items())})
                         row.update(_compare(target, ps, outs, ar_out) if ar_out is not None else
                                    {"lossless": None, "match_rate": None})

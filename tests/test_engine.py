@@ -398,7 +398,7 @@ def test_cost_policy_ar_steps_lossless_and_probing(tiny_target):
     A request with its own draft_len keeps every step proposing."""
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in [4, 11, 25]]
-    budgets = [40, 32, 36]
+    budgets = [80, 64, 72]
     ref = [greedy_reference(tiny_target, p, n) for p, n in zip(prompts, budgets)]
     drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
     engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=200,
@@ -419,19 +419,24 @@ def test_cost_policy_ar_steps_lossless_and_probing(tiny_target):
     engine.step()  # admits all three (one prefill propose each) and takes the first AR step
     for _ in range(14):
         engine.step()
-    steps_ar = engine.stats.num_engine_steps
     in_steps = [s for s in proposes if s > 0]  # proposes inside steps 1..15 (the prefill's ran at step 0)
     assert len(proposes) - len(in_steps) == 3
-    # steps 1-4 AR, step 5 proposes (γ = 0 again), 6-9 AR, 10 proposes, ...: one propose every 5 steps
-    assert in_steps == [4, 9, 14], in_steps
+    # steps 1-4 AR, step 5 proposes (γ = 0 again, so the wait doubles), 6-13 AR, step 14 proposes
+    assert in_steps == [4, 13], in_steps
     assert all(set(r.draft_lens) == {0} for r in reqs)
+    for _ in range(16):  # steps 16-30 AR (the wait is 16 = 4 x probe_every at most), step 31 proposes
+        engine.step()
+    assert [s for s in proposes if s > 0] == [4, 13, 30] and engine._ar_interval == 16
+    steps_ar = engine.stats.num_engine_steps
     pol.set_costs([1, 2, 3], *draft_cheap)  # in place: the next probe sees drafting pay
     while engine.has_unfinished():
         engine.step()
     for r, out in zip(reqs, ref):
         assert r.output_ids == out
     assert any(g > 0 for r in reqs for g in r.draft_lens[steps_ar:])  # back to drafting after the next probe
-    assert len([s for s in proposes if s >= steps_ar]) >= engine.stats.num_engine_steps - steps_ar - 5
+    first = min(s for s in proposes if s >= steps_ar)  # the probe after the longest wait: 16 AR steps
+    assert first == steps_ar + 16, (first, steps_ar)
+    assert [s for s in proposes if s >= first] == list(range(first, engine.stats.num_engine_steps))  # every step
     # a request that asks for its own γ: every step proposes, however cheap AR looks
     pol.set_costs([1, 2, 3], *ar_cheap)
     proposes.clear()

@@ -72,7 +72,8 @@ class SpecEngine:
         calibrate: with policy ``cost``, measure the step cost table now (:meth:`calibrate_costs`; a few
             seconds); False drafts whole blocks until it is called.
         ar_steps: with policy ``cost``, the policy may answer γ = 0 (an AR step beats drafting at this load and
-            acceptance); the engine then steps without proposing and proposes again every ``probe_every`` steps.
+            acceptance); the engine then steps without proposing and proposes again after ``probe_every`` steps,
+            waiting twice as long after each probe that still answers 0 (at most 4 x ``probe_every``).
         record: build a Trajectory per finished request. record_features: with ``record``, also copy out
             the captured target features / last hidden states (``distill.features: captured``); False
             leaves them None for a trainer that recomputes them (``recompute``: no device-to-host copy, and
@@ -117,6 +118,7 @@ class SpecEngine:
         self._published_loaded = False  # a published version (even 0) has been loaded: versions must rise
         self.cost_table: dict | None = None
         self._ar_run = 0  # AR steps since the last propose while the cost policy chose γ = 0
+        self._ar_interval = probe_every  # AR steps before the next propose (doubles while γ stays 0)
         if isinstance(self.policy, CostLength) and calibrate:
             self.calibrate_costs()
 
@@ -198,13 +200,18 @@ class SpecEngine:
             gammas = [0] * len(running)
         # the cost policy's γ = 0 (an AR step pays more than a draft here): step without proposing, and propose
         # again every probe_every steps to see whether drafting pays once more
+        # (each probe that still finds γ = 0 doubles the wait, up to 4 x probe_every; drafting again resets it)
         propose = True
         if spec and self.policy is not None and getattr(self.policy, "ar_steps", False) \
                 and all(r.next_draft_len == 0 and r.params.draft_len is None for r in running):
-            propose = self._ar_run >= self.policy.probe_every
-            self._ar_run = 0 if propose else self._ar_run + 1
-        else:
-            self._ar_run = 0
+            propose = self._ar_run >= self._ar_interval
+            if propose:
+                self._ar_run = 0
+                self._ar_interval = min(2 * self._ar_interval, 4 * self.policy.probe_every)
+            else:
+                self._ar_run += 1
+        elif self.policy is not None:
+            self._ar_run, self._ar_interval = 0, getattr(self.policy, "probe_every", 1)
         res = self.runner.step([r.slot for r in running], [r.last_token for r in running],
                                [r.num_tokens - 1 for r in running], gammas,
                                [r.params.temperature for r in running], [r.params.top_p for r in running], spec,
