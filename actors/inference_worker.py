@@ -72,7 +72,10 @@ class InferenceWorker:
             drafter, head = build_drafter(target, cfg.drafter, cfg.length_head, seed=cfg.seed)
             lh = cfg.length_head
             self.engine = SpecEngine(target, drafter, head, policy=lh.policy, rate=lh.rate, min_len=lh.min_len,
-                                     ar_steps=lh.ar_steps, probe_every=lh.probe_every,
+                                     # always draft: these workers' τ measures each drafter version (the canary's
+                                     # rollback, the held-out eval), which steps without drafts would dilute;
+                                     # length_head.ar_steps is for serving (Serve replicas) and the bench
+                                     ar_steps=False, probe_every=lh.probe_every,
                                      max_batch_size=cfg.engine.max_batch_size, max_seq_len=cfg.engine.max_seq_len,
                                      record=True, record_features=cfg.distill.features == "captured",
                                      seed=cfg.seed + 1000 * worker_index)

@@ -155,7 +155,9 @@ class LengthHeadConfig(_Section):
     min_len: int = Field(1, ge=1)
     lookahead: int = Field(1, ge=0)
     # cost policy only: γ = 0 allowed - an AR step (no drafter propose) when it commits more tokens per ms than any
-    # γ at this batch size and acceptance; while in it, the engine proposes again every probe_every steps
+    # γ at this batch size and acceptance; while in it, the engine proposes again after probe_every steps (the wait
+    # doubles while γ stays 0, up to 4x). Serve replicas and the bench; the main job's inference workers always
+    # draft, since their τ measures each drafter version (canary rollback, held-out eval)
     ar_steps: bool = True
     probe_every: int = Field(8, ge=1)
 
