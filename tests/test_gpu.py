@@ -128,3 +128,31 @@ def test_cost_policy_graphs_tiny():
     ar = [r.output_ids for r in ar_eng.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True),
                                                 mode="ar")]
     assert spec == ar
+
+
+def test_cost_policy_ar_steps_graphs_tiny():
+    """The ``cost`` policy's γ = 0 on CUDA graphs (tiny random fp32 target): calibration measures an AR step per
+    batch bucket; with AR cheap the engine steps without proposing (graphs keyed by ``propose``), probes, goes back
+    to drafting when the costs say so, and greedy output equals AR token for token throughout."""
+    from conftest import make_tiny_target
+
+    target = make_tiny_target("llama", logit_scale=4.0).to("cuda")
+    drafter, head = make_drafter(target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, target.config.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 17, 3)]
+    eng = SpecEngine(target, drafter, head, policy="cost", max_batch_size=4, max_seq_len=256, probe_every=2)
+    table = eng.cost_table
+    assert len(table["ar_costs_ms"]) == len(table["batch_sizes"]) and all(0 < c < 1e3 for c in table["ar_costs_ms"])
+    print("cost table (ms)", table)
+    pol, nb = eng.runner.length_policy, len(table["batch_sizes"])
+    pol.set_costs(table["batch_sizes"], torch.full((nb, 7), 100.0), torch.ones(nb))  # AR always pays
+    ar_first, reqs = _gen(eng, prompts)
+    assert {d for r in reqs for d in r.draft_lens} == {0}
+    assert any(k[-1] is False for k in eng.runner.graphs)  # AR steps ran through their own graphs
+    pol.set_costs(table["batch_sizes"], torch.ones(nb, 7), torch.full((nb,), 100.0))  # drafting always pays
+    drafted, reqs = _gen(eng, prompts)
+    assert any(d > 0 for r in reqs for d in r.draft_lens)
+    ar_eng = SpecEngine(target, None, None, max_batch_size=4, max_seq_len=256)
+    ar = [r.output_ids for r in ar_eng.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True),
+                                                mode="ar")]
+    assert ar_first == ar and drafted == ar
