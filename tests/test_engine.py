@@ -452,6 +452,60 @@ def test_cost_policy_ar_steps_lossless_and_probing(tiny_target):
     assert 0 in engine.stats.draft_len_hist
 
 
+def test_ar_regime_only_on_the_policys_answer(monkeypatch, tiny_target):
+    """AR steps follow the policy's own γ = 0 only: not an engine stepped in "ar" mode before, not an idle engine's
+    old wait; a drafter swap asks the policy again at the next step; a calibration that fails keeps the table in
+    use before it."""
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
+    engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=200,
+                        calibrate=False, probe_every=2)
+    proposes = []
+    real = engine.runner._propose
+
+    def counted(*a, **k):
+        proposes.append(engine.stats.num_engine_steps)
+        return real(*a, **k)
+
+    engine.runner._propose = counted
+    prompts = [[5, 6, 7], [9, 8], [1, 2, 3, 4]]
+    # no cost table: the policy never answers 0, so after an "ar" step every "spec" step proposes
+    reqs = [engine.add_request(p, SamplingParams(max_new_tokens=12)) for p in prompts]
+    engine.step("ar")
+    proposes.clear()
+    for _ in range(4):
+        engine.step("spec")
+    assert proposes == [1, 2, 3, 4] and all(max(r.draft_lens) > 0 for r in reqs)
+    while engine.has_unfinished():
+        engine.step()
+    # AR cheap: the wait grows to its cap; an idle engine starts the next batch from the shortest wait
+    pol = engine.runner.length_policy
+    pol.set_costs([1, 2, 3], torch.full((3, 7), 100.0), torch.ones(3))
+    engine.generate(prompts, SamplingParams(max_new_tokens=60))
+    assert engine._ar_chosen and engine._ar_interval == 8  # 4 x probe_every
+    reqs = [engine.add_request(p, SamplingParams(max_new_tokens=40)) for p in prompts]
+    engine.step()
+    assert engine._ar_chosen and engine._ar_interval == 2  # a new batch: the shortest wait again
+    for _ in range(12):
+        engine.step()
+    assert engine._ar_chosen and engine._ar_interval == 8
+    proposes.clear()
+    engine.load_drafter(engine.drafter_tensors(), version=1)  # a new version: the policy answers at the next step
+    engine.step()
+    assert proposes == [engine.stats.num_engine_steps - 1]
+    while engine.has_unfinished():
+        engine.step()
+    # a failed calibration leaves the table that was in use
+    table = (list(pol.batch_sizes), pol.costs.clone(), pol.ar_costs.clone())
+
+    def broken(*a, **k):
+        raise RuntimeError("timer failed")
+
+    monkeypatch.setattr(engine.runner, "time_step", broken)
+    with pytest.raises(RuntimeError, match="timer failed"):
+        engine.calibrate_costs(num_iters=1)
+    assert pol.batch_sizes == table[0] and torch.equal(pol.costs, table[1]) and torch.equal(pol.ar_costs, table[2])
+
+
 def test_max_new_tokens_truncation_exact(monkeypatch, tiny_target):
     """Budgets 1..33 with a perfect γ = 15 drafter: exactly max_new_tokens tokens, the reference prefix."""
     prompt = [5, 6, 7, 8]

@@ -117,7 +117,8 @@ class SpecEngine:
         self.num_reloads = 0
         self._published_loaded = False  # a published version (even 0) has been loaded: versions must rise
         self.cost_table: dict | None = None
-        self._ar_run = 0  # AR steps since the last propose while the cost policy chose γ = 0
+        self._ar_chosen = False  # the cost policy's last answer for the running batch was γ = 0
+        self._ar_run = 0  # AR steps since the last propose while it was
         self._ar_interval = probe_every  # AR steps before the next propose (doubles while γ stays 0)
         if isinstance(self.policy, CostLength) and calibrate:
             self.calibrate_costs()
@@ -186,6 +187,9 @@ class SpecEngine:
                 # running batch they take its γ, or one long block would widen every row's verify
                 cap = max(r.next_draft_len for r in running_before)
                 gammas = [min(g, cap) for g in gammas]
+            elif not running_before:  # a new batch: the prefill's propose is the policy's answer for it, and an
+                self._ar_chosen = spec and all(g == 0 for g in gammas)  # earlier batch's long probe wait is gone
+                self._ar_run, self._ar_interval = 0, getattr(self.policy, "probe_every", 1)
             for req, tok, g in zip(admitted, firsts, gammas):
                 req.next_draft_len = g
                 self._commit(req, [tok], finished)
@@ -202,8 +206,7 @@ class SpecEngine:
         # again every probe_every steps to see whether drafting pays once more
         # (each probe that still finds γ = 0 doubles the wait, up to 4 x probe_every; drafting again resets it)
         propose = True
-        if spec and self.policy is not None and getattr(self.policy, "ar_steps", False) \
-                and all(r.next_draft_len == 0 and r.params.draft_len is None for r in running):
+        if spec and self._ar_chosen and all(r.next_draft_len == 0 and r.params.draft_len is None for r in running):
             propose = self._ar_run >= self._ar_interval
             if propose:
                 self._ar_run = 0
@@ -216,6 +219,10 @@ class SpecEngine:
                                [r.num_tokens - 1 for r in running], gammas,
                                [r.params.temperature for r in running], [r.params.top_p for r in running], spec,
                                propose)
+        if not spec:
+            self._ar_chosen = False
+        elif propose:  # the policy answered for the whole batch (one γ per batch)
+            self._ar_chosen = all(n == 0 for n in res.next_draft_lens)
         for req, g, a, toks, nxt in zip(running, gammas, res.num_accepted, res.committed, res.next_draft_lens):
             if spec:
                 req.draft_lens.append(g)
@@ -336,6 +343,9 @@ class SpecEngine:
         self.num_reloads += 1
         for req in self.scheduler.running:
             self.runner.rebuild_context(req.slot, req.num_tokens - 1)
+        if self._ar_chosen:  # a new drafter may pay where the old one did not: ask the policy at the next step
+            self._ar_interval = getattr(self.policy, "probe_every", 1)
+            self._ar_run = self._ar_interval
         return self.drafter_sha256
 
     # ------------------------------------------------------------------ timing (benchmarks)
@@ -386,18 +396,26 @@ class SpecEngine:
         for b in batch_sizes:
             self._check_timing_args(b, bs, ctx)
         rows, ar_rows = [], []
-        if self.policy.costs is None or self.policy.batch_sizes != list(batch_sizes):
-            # a provisional table, so the timed proposes run the acceptance head as the real steps will
-            self.policy.set_costs(list(batch_sizes), torch.ones(len(batch_sizes), bs - 1), torch.ones(len(batch_sizes)))
+        pol = self.policy
+        before = (pol.batch_sizes, pol.costs, pol.ar_costs)
         # is_singleton: one lock object per path in this process, so a nested calibration re-enters it
         with FileLock(device_lock_path(runner.device), timeout=lock_timeout_s, is_singleton=True):
-            for b in batch_sizes:
-                ar_rows.append(runner.time_step(b, 0, ctx, num_iters, reduce="min", propose=False))
-                step = {w: runner.time_step(b, w - 1, ctx, num_iters, reduce="min") for w in grid if w >= 2}
-                rows.append([step[min(w for w in step if w >= g + 1)] for g in range(1, bs)])
+            try:
+                # a provisional table (new tensors; the old ones stay as they were), so the timed proposes run the
+                # acceptance head as the real steps will
+                pol.costs = pol.ar_costs = None
+                pol.set_costs(list(batch_sizes), torch.ones(len(batch_sizes), bs - 1), torch.ones(len(batch_sizes)))
+                for b in batch_sizes:
+                    ar_rows.append(runner.time_step(b, 0, ctx, num_iters, reduce="min", propose=False))
+                    step = {w: runner.time_step(b, w - 1, ctx, num_iters, reduce="min") for w in grid if w >= 2}
+                    rows.append([step[min(w for w in step if w >= g + 1)] for g in range(1, bs)])
+            except BaseException:  # timing failed: the table in use before stays in use
+                pol.batch_sizes, pol.costs, pol.ar_costs = before
+                runner.reset_graphs()  # the timing steps' graphs read the provisional tensors
+                raise
         rows = monotone_costs(torch.tensor(rows)).tolist()
-        # the timing steps ran with no costs (or the old ones): their graphs go, and come back with this table
-        self.policy.set_costs(list(batch_sizes), torch.tensor(rows), torch.tensor(ar_rows))
+        # the timing steps' graphs read the provisional table: they go, and come back with this one
+        pol.set_costs(list(batch_sizes), torch.tensor(rows), torch.tensor(ar_rows))
         runner.reset_graphs()
         if runner.is_cuda:  # the timing graphs' memory: back to the device for the engines beside this one
             torch.cuda.empty_cache()
