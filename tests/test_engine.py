@@ -392,6 +392,19 @@ def test_cost_policy_engine_lossless_with_measured_costs(tiny_target):
         SpecEngine(tiny_target, drafter, None, policy="fixed", max_batch_size=2, max_seq_len=200).calibrate_costs()
 
 
+def _count_proposes(engine) -> list[int]:
+    """Record, for every drafter propose of ``engine`` (CPU: no graphs), the engine steps completed before it."""
+    proposes = []
+    real = engine.runner._propose
+
+    def counted(*a, **k):
+        proposes.append(engine.stats.num_engine_steps)
+        return real(*a, **k)
+
+    engine.runner._propose = counted
+    return proposes
+
+
 def test_cost_policy_ar_steps_lossless_and_probing(tiny_target):
     """γ = 0 (an AR step beats every γ at this load): the engine steps without proposing, proposes again every
     probe_every steps, goes back to drafting once drafting pays again, and the output is the AR output throughout.
@@ -407,14 +420,7 @@ def test_cost_policy_ar_steps_lossless_and_probing(tiny_target):
     ar_cheap = (torch.full((3, 7), 100.0), torch.ones(3))  # drafting never pays: γ = 0
     draft_cheap = (torch.ones(3, 7), torch.full((3,), 100.0))  # drafting always pays: the whole block
     pol.set_costs([1, 2, 3], *ar_cheap)
-    proposes = []
-    real = engine.runner._propose
-
-    def counted(*a, **k):
-        proposes.append(engine.stats.num_engine_steps)
-        return real(*a, **k)
-
-    engine.runner._propose = counted
+    proposes = _count_proposes(engine)
     reqs = [engine.add_request(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, budgets)]
     engine.step()  # admits all three (one prefill propose each) and takes the first AR step
     for _ in range(14):
@@ -459,14 +465,7 @@ def test_ar_regime_only_on_the_policys_answer(monkeypatch, tiny_target):
     drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
     engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=200,
                         calibrate=False, probe_every=2)
-    proposes = []
-    real = engine.runner._propose
-
-    def counted(*a, **k):
-        proposes.append(engine.stats.num_engine_steps)
-        return real(*a, **k)
-
-    engine.runner._propose = counted
+    proposes = _count_proposes(engine)
     prompts = [[5, 6, 7], [9, 8], [1, 2, 3, 4]]
     # no cost table: the policy never answers 0, so after an "ar" step every "spec" step proposes
     reqs = [engine.add_request(p, SamplingParams(max_new_tokens=12)) for p in prompts]
