@@ -13,6 +13,7 @@
 # Call a (carry [".gpu_stage"]):     bash scripts/gpu_main_job.sh a       # install; check Ray + DeepSpeed + CUDA
 # Call b (carry [".gpu_stage2"]):    bash scripts/gpu_main_job.sh b       # GGUF part 2
 # Call c (carry [".gpu_stage3"]):    ADAFLASH_COMMIT=<sha> bash scripts/gpu_main_job.sh c   # start the main job
+#                                    (on a one-GPU machine it adds the fractional placement: both groups share it)
 # Call d (no carry):                 bash scripts/gpu_main_job.sh d   # wait for it; collect its results
 # Call e (no carry):                 bash scripts/gpu_main_job.sh e   # bench the final drafter
 #                                    (WEIGHT_SYNC=1: also time the Qwen3-8B-shape weight broadcast)
@@ -125,13 +126,20 @@ EOF
       || { echo "GGUF checksum mismatch: start again from call a" >&2; exit 1; }
     python3 -m adaflash_ray.data prepare 2>&1 | tail -2
     rm -rf "$RUN_DIR" "$JOB" && mkdir -p "$JOB"
+    # one GPU lent (e.g. nvidia-h200 while the two-GPU kinds are withheld): both groups share it (issue 6 allows
+    # this and asks to say so); the trainer's placement group would otherwise wait for a second GPU and time out
+    extra=()
+    if [ "$(nvidia-smi -L | grep -c '^GPU')" = 1 ] && [[ " ${*:2} " != *placement.gpus_per* ]]; then
+      extra=(--set placement.gpus_per_inference_worker=0.125 --set placement.gpus_per_trainer=0.5)
+      echo "one GPU: both groups share it (${extra[*]})"
+    fi
     echo "${ADAFLASH_COMMIT:-unknown}" > "$JOB/commit"
     # the main job in its own process session (setsid): it outlives this call (600 s at most) and call d
     # waits for it, so the run may take its whole 15 minutes
     setsid bash -c 't0=$(date +%s); timeout "${MAIN_JOB_TIMEOUT:-1000}" python3 -m adaflash_ray.pipeline \
       --recipe recipes/smollm2_135m_gpu.yaml --run-dir "$0" "${@:2}" > "$1/main_job.log" 2>&1; rc=$?;
       echo "main job rc=$rc wall $(( $(date +%s) - t0 )) s" >> "$1/main_job.log"; echo $rc > "$1/rc"' \
-      "$RUN_DIR" "$JOB" "${@:2}" < /dev/null > /dev/null 2>&1 &
+      "$RUN_DIR" "$JOB" "${@:2}" "${extra[@]}" < /dev/null > /dev/null 2>&1 &
     wait_job "${WAIT_S:-560}"
     ;;
   d)
