@@ -1,0 +1,196 @@
+"""Prompt lookup and suffix lookup (adaflash_ray.drafting.lookup): hand-built cases with known answers and a
+property test against brute-force references. Pure Python, no model."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adaflash_ray.drafting import (ContextIndex, PromptLookup, Proposal, SuffixCorpus, SuffixLookup,
+                                   greedy_verify_steps, lookup_tau, lookup_tau_by_domain)
+
+
+# ----------------------------------------------------------------------------------- brute-force references
+def _occurrences(seqs: list[list[int]], key: list[int]) -> list[list[int]]:
+    """The continuation (rest of its sequence) after every occurrence of ``key`` that has one, oldest first."""
+    n = len(key)
+    return [s[j + n:] for s in seqs for j in range(len(s) - n) if s[j:j + n] == key]
+
+
+def _ref_walk(conts: list[list[int]], k: int, frequent: bool) -> tuple[list[int], list[int]]:
+    """conts newest first. latest: conts[0][:k]; frequent: most common next token, ties to the newest."""
+    if not frequent:
+        tokens = conts[0][:k]
+    else:
+        tokens = []
+        for d in range(k):
+            live = [c for c in conts if len(c) > d and c[:d] == tokens]
+            if not live:
+                break
+            count = Counter(c[d] for c in live)
+            best = max(count.values())
+            tokens.append(next(c[d] for c in live if count[c[d]] == best))
+    counts = [sum(1 for c in conts if c[:i + 1] == tokens[:i + 1]) for i in range(len(tokens))]
+    return tokens, counts
+
+
+def _ref_propose(seqs: list[list[int]], ctx: list[int], k: int, max_n: int, min_n: int, max_occ: int,
+                 frequent: bool) -> Proposal:
+    if k == 0:
+        return Proposal()
+    for n in range(min(max_n, len(ctx)), min_n - 1, -1):
+        conts = _occurrences(seqs, ctx[len(ctx) - n:])[-max_occ:][::-1]
+        if conts:
+            tokens, counts = _ref_walk(conts, k, frequent)
+            return Proposal(tokens, n, "corpus" if frequent else "context", counts, len(conts))
+    return Proposal()
+
+
+# ----------------------------------------------------------------------------------- prompt lookup
+def test_prompt_lookup_takes_the_latest_earlier_match():
+    ctx = ContextIndex([1, 2, 3, 9, 9, 1, 2, 3, 7, 7, 1, 2, 3])
+    p = ctx.propose(3)
+    assert p.tokens == [7, 7, 1] and p.match_len == 3 and p.source == "context"
+    assert p.num_occurrences == 2 and p.counts == [1, 1, 1]  # the older occurrence continues with 9
+    assert ctx.propose(1).tokens == [7]
+    ctx.extend([7])  # "2 3 7" occurred once before: its continuation
+    assert ctx.propose(4).tokens == [7, 1, 2, 3]
+
+
+def test_prompt_lookup_falls_back_to_shorter_ngrams():
+    ctx = ContextIndex([5, 6, 7, 8, 4, 6, 7])  # "4 6 7" never occurred before, "6 7" did
+    p = ctx.propose(5)
+    assert p.match_len == 2 and p.tokens == [8, 4, 6, 7]  # cut where the context ends
+    ctx.extend([5])  # "7 5", "6 7 5" unseen; "5" seen at the start
+    assert ctx.propose(2) == Proposal([6, 7], 1, "context", [1, 1], 1)
+    ctx.extend([0])  # never seen at all
+    assert ctx.propose(3) == Proposal()
+    assert ContextIndex([1, 2, 3, 1, 2]).propose(3, min_ngram=3) == Proposal()  # only a 2-gram matches
+    assert ContextIndex([]).propose(3) == Proposal() and ContextIndex([4]).propose(3) == Proposal()
+
+
+def test_prompt_lookup_arguments_are_checked():
+    ctx = ContextIndex([1, 2, 1], max_ngram=2)
+    assert ctx.propose(0) == Proposal()
+    with pytest.raises(ValueError, match="k must be >= 0"):
+        ctx.propose(-1)
+    with pytest.raises(ValueError, match="exceeds the 2 the index holds"):
+        ctx.propose(2, max_ngram=3)
+    with pytest.raises(ValueError, match="min_ngram"):
+        PromptLookup(max_ngram=2, min_ngram=3)
+    with pytest.raises(ValueError, match="max_occurrences"):
+        ContextIndex([], max_occurrences=0)
+
+
+def test_occurrence_counts_give_empirical_prefix_probabilities():
+    # "1" is followed by 2 3, 2 4, 2 3 (newest last): latest rule proposes the newest continuation
+    ctx = ContextIndex([1, 2, 3, 0, 1, 2, 4, 0, 1, 2, 3, 0, 1], max_ngram=1)
+    p = ctx.propose(2)
+    assert p.tokens == [2, 3] and p.counts == [3, 2] and p.num_occurrences == 3
+    assert p.prefix_probs() == [1.0, 2 / 3] and p.expected_accepted() == pytest.approx(5 / 3)
+    assert Proposal().expected_accepted() == 0.0
+
+
+# ----------------------------------------------------------------------------------- suffix corpus
+def test_corpus_proposes_the_most_frequent_continuation():
+    corpus = SuffixCorpus(max_tokens=100, max_ngram=2)
+    for seq in ([8, 1, 2, 5, 6], [8, 1, 2, 5, 7], [8, 1, 2, 9, 9]):
+        corpus.add(seq)
+    p = corpus.propose([3, 1, 2], k=3)  # "1 2" -> 5 twice, 9 once; after "5": 6 and 7 once each: the newest
+    assert p.tokens == [5, 7] and p.match_len == 2 and p.counts == [2, 1] and p.num_occurrences == 3
+    assert p.source == "corpus"
+    assert corpus.propose([4, 4], k=3) == Proposal()
+
+
+def test_corpus_eviction_respects_the_token_budget():
+    corpus = SuffixCorpus(max_tokens=10, max_ngram=2)
+    corpus.add([1, 2, 3, 4])
+    corpus.add([5, 6, 7, 8])
+    assert corpus.num_tokens == 8 and corpus.propose([1], 2).tokens == [2, 3]
+    corpus.add([9, 1, 7])  # 11 > 10: the first sequence goes
+    assert corpus.num_tokens == 7 and corpus.num_sequences == 2 and corpus.num_evicted == 1
+    assert corpus.sequences() == [[5, 6, 7, 8], [9, 1, 7]]
+    assert corpus.propose([1], 2).tokens == [7]  # the evicted "1 2 3" is gone from the index
+    assert corpus.propose([2], 2) == Proposal()
+    corpus.add(list(range(100, 125)))  # longer than the budget: its last 10 tokens kept, everything else evicted
+    assert corpus.sequences() == [list(range(115, 125))] and corpus.num_tokens == 10
+    assert not any(k[0] < 100 for k in corpus._index)
+
+
+def test_suffix_state_prefers_the_longer_match_and_the_context_on_ties():
+    corpus = SuffixCorpus(max_ngram=3)
+    corpus.add([1, 2, 3, 4, 4])
+    look = SuffixLookup(corpus)
+    s = look.begin([2, 3, 9, 0, 1, 2, 3])  # context matches "2 3" (-> 9), the corpus "1 2 3" (-> 4)
+    assert s.propose(2) == Proposal([4, 4], 3, "corpus", [1, 1], 1)
+    s = look.begin([1, 2, 3, 8, 1, 2, 3])  # both match 3 tokens: the request's own context
+    assert s.propose(2).tokens == [8, 1] and s.propose(2).source == "context"
+    s = look.begin([7, 3])  # only the corpus knows "3"
+    assert s.propose(1).tokens == [4] and s.propose(1).match_len == 1
+    look.finish([6, 6, 6])
+    assert corpus.num_sequences == 2
+
+
+# ----------------------------------------------------------------------------------- offline τ
+def test_tau_of_a_tiny_example_by_hand():
+    # prompt 5 1 2 3 4, greedy output 1 2 3 4 1 2 3 4. Prefill commits "1". Step 1: context ...4 1, "3 4 1"
+    # and "4 1" unseen, "1" seen -> draft 2 3 4 1 (context end), k = 6: all 4 accepted, commit 5 (+ "2").
+    # Step 2: one token left to draft (k = 1): "4 1 2" -> 3, accepted, commit 2. τ = (5 + 2) / 2.
+    prompt, out = [5, 1, 2, 3, 4], [1, 2, 3, 4, 1, 2, 3, 4]
+    assert greedy_verify_steps(prompt, out, PromptLookup().begin(prompt)) == [4, 1]
+    assert lookup_tau(prompt, out, PromptLookup()) == 3.5
+    assert lookup_tau(prompt, out, PromptLookup(), max_draft=0) == 1.0  # autoregressive: 7 steps of 1
+    assert greedy_verify_steps(prompt, out, PromptLookup().begin(prompt), max_draft=2) == [2, 2, 0]
+    assert math.isnan(lookup_tau(prompt, [1], PromptLookup())) and math.isnan(lookup_tau(prompt, [], PromptLookup()))
+    with pytest.raises(ValueError, match="max_draft"):
+        lookup_tau(prompt, out, PromptLookup(), max_draft=16)
+
+
+def test_the_corpus_never_holds_the_requests_own_output():
+    # outputs of distinct tokens, never in the prompts: only a corpus that had seen this very output could draft
+    prompt, out = [900, 901], list(range(10, 40))
+    res = lookup_tau_by_domain([prompt, prompt, prompt], [out, out, out], ["code", "chat", "code"])
+    assert res["ngram"] == {"code": 1.0, "chat": 1.0}
+    assert res["suffix"]["chat"] == 1.0  # its own domain's corpus is empty: the code requests are not in it
+    # code: request 1 alone (29 steps of 1), request 2 drafted from request 1: its 29 tokens in 2 steps (16 + 13)
+    assert res["suffix"]["code"] == pytest.approx((29 + 29) / (29 + 2))
+    with pytest.raises(ValueError, match="differ in length"):
+        lookup_tau_by_domain([prompt], [out, out], ["code"])
+
+
+# ----------------------------------------------------------------------------------- property tests
+_tokens = st.lists(st.integers(0, 4), max_size=40)  # a small alphabet: many repeats
+
+
+@settings(max_examples=150, deadline=None)
+@given(_tokens, _tokens, st.integers(0, 6), st.integers(1, 4), st.integers(1, 3))
+def test_incremental_context_index_matches_brute_force(prompt, output, k, max_n, max_occ):
+    min_n = 1 + (k % max_n)  # some examples with min_ngram > 1
+    ctx = ContextIndex(prompt, max_ngram=max_n, max_occurrences=max_occ)
+    seq = list(prompt)
+    for tok in [None, *output]:
+        if tok is not None:
+            ctx.extend([tok])
+            seq.append(tok)
+        assert ctx.tokens == seq
+        assert ctx.propose(k, min_n) == _ref_propose([seq], seq, k, max_n, min_n, max_occ, frequent=False)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(_tokens, max_size=8), _tokens, st.integers(1, 60), st.integers(1, 3), st.integers(1, 4),
+       st.integers(0, 6))
+def test_corpus_matches_brute_force_and_stays_in_budget(seqs, ctx, budget, max_n, max_occ, k):
+    corpus = SuffixCorpus(max_tokens=budget, max_ngram=max_n, max_occurrences=max_occ)
+    held: list[list[int]] = []
+    for s in seqs:
+        corpus.add(s)
+        held.append(s[-budget:])
+        while sum(map(len, held)) > budget:
+            held.pop(0)
+        assert corpus.sequences() == held and corpus.num_tokens == sum(map(len, held)) <= budget
+        assert corpus.propose(ctx, k) == _ref_propose(held, ctx, k, max_n, 1, max_occ, frequent=True)
+    live = set(corpus._seqs)
+    assert all(code >> 32 in live for occ in corpus._index.values() for code in occ)
