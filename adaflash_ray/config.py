@@ -41,6 +41,7 @@ __all__ = [
     "ServeConfig",
     "DEFAULT_RECIPE",
     "add_recipe_args",
+    "check_serve_config",
     "config_from_args",
     "default_target_layer_ids",
     "load_recipe",
@@ -317,6 +318,31 @@ class ServeConfig(_Section):
     drain_timeout_s: float = Field(60.0, gt=0)  # SIGTERM / Ctrl-C waits this long for in-flight requests
     distill: bool = False  # live distillation: trainer group + weight registry beside the replicas
     weight_poll_s: float = Field(0.5, gt=0)  # how often a replica checks the registry for a new version
+
+
+def check_serve_config(cfg: RunConfig, source: str = "recipe") -> None:
+    """What serving a recipe needs beyond :class:`RunConfig`'s own checks (the main job does not read ``serve``).
+
+    Args:
+        cfg: the validated config; source: the recipe's name for the message.
+    Raises:
+        RecipeError: ``model.device`` cuda with ``serve.gpus_per_replica`` 0 (Ray hides GPUs from a replica that
+            reserves none, so its engine would fail at the first CUDA call), or ``engine.backend: sglang``
+            (Serve replicas drive the built-in engine only; the sglang backend runs in the main job's
+            inference workers).
+    """
+    problems = []
+    if cfg.model.device.startswith("cuda") and cfg.serve.gpus_per_replica <= 0:
+        problems.append(f"{source}: serve.gpus_per_replica: model.device is {cfg.model.device!r} but each Serve "
+                        "replica reserves 0 GPUs (Ray hides GPUs from it): set serve.gpus_per_replica, e.g. "
+                        "--set serve.gpus_per_replica=1")
+    if cfg.engine.backend != "torch":
+        problems.append(f"{source}: engine.backend: Serve drives the built-in engine only (got "
+                        f"{cfg.engine.backend!r}); the sglang backend serves the main job's inference workers - "
+                        "use engine.backend torch for Serve, or SGLang's own server with an exported drafter "
+                        "(python -m adaflash_ray.export)")
+    if problems:
+        raise RecipeError("\n".join(problems))
 
 
 class RayConfig(_Section):

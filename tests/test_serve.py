@@ -74,7 +74,7 @@ def test_text_stream_stop_string_inside_a_multi_token_step(tok):
 def test_parse_request_names_the_field(tok):
     kw = dict(tokenizer=tok, model_ids={MODEL}, context_limit=64, default_max_tokens=16, default_temperature=0.0,
               vocab_size=49152, record_default=True)
-    cases = [(("n", 400), {"n": 2}), (("logprobs", 400), {"logprobs": 2}), (("foo", 400), {"foo": 1}),
+    cases = [(("n", 400), {"n": 2}), (("logprobs", 400), {"logprobs": 2}),
              (("temperature", 400), {"temperature": 2.5}), (("top_p", 400), {"top_p": 0}),
              (("seed", 400), {"seed": 1, "temperature": 0.7}), (("max_tokens", 400), {"max_tokens": 0}),
              (("max_tokens", 400), {"max_tokens": "5"}), (("max_tokens", 400), {"max_tokens": True}),
@@ -104,6 +104,87 @@ def test_parse_request_names_the_field(tok):
     want = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True,
                                    return_dict=True)["input_ids"]
     assert spec.prompt_ids == list(want) and tok.decode(want).endswith("<|im_start|>assistant\n")
+
+
+def test_unknown_fields_are_ignored_known_unsupported_refused(tok, caplog):
+    """Fields this endpoint does not know, at any depth, are ignored with a logged warning (vLLM's behaviour), so
+    a vLLM client's extensions at their defaults pass; known parameters it cannot honour are still a 400 naming
+    the field, never dropped: tools, response_format other than text, vLLM's sampling extensions away from
+    their neutral values, usage in every chunk, tool calls in the history."""
+    import logging
+
+    kw = dict(tokenizer=tok, model_ids={MODEL}, context_limit=64, default_max_tokens=16, default_temperature=0.0,
+              vocab_size=49152, record_default=True)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi", "x_msg": 1}]}
+    vllm_defaults = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "ignore_eos": False, "min_tokens": 0,
+                     "skip_special_tokens": True, "response_format": {"type": "text"}, "tools": [],
+                     "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": False}}
+    serve_log = logging.getLogger("ray.serve")  # Ray Serve's logger does not propagate to the root: listen on it
+    serve_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ray.serve"):
+            spec = parse_request("chat", {**chat, **vllm_defaults, "foo": 1, "request_id": "abc",
+                                          "stream_options": {"include_usage": True, "bar": 2}}, **kw)
+    finally:
+        serve_log.removeHandler(caplog.handler)
+    assert spec.ignored == ["foo", "request_id", "stream_options.bar", "messages.0.x_msg"]
+    assert spec.include_usage and spec.prompt_ids == parse_request("chat", chat, **kw).prompt_ids
+    assert "foo" in caplog.text and "messages.0.x_msg" in caplog.text
+    spec = parse_request("completion", {"model": MODEL, "prompt": "hi", "foo": {"nested": 1}}, **kw)
+    assert spec.ignored == ["foo"]
+    refused = [("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
+               ("response_format", {"response_format": {"type": "json_object"}}),
+               ("top_k", {"top_k": 5}), ("min_p", {"min_p": 0.1}), ("repetition_penalty", {"repetition_penalty": 1.2}),
+               ("ignore_eos", {"ignore_eos": True}), ("min_tokens", {"min_tokens": 4}),
+               ("presence_penalty", {"presence_penalty": 0.5}), ("logprobs", {"logprobs": True}),
+               ("top_logprobs", {"top_logprobs": 2}), ("chat_template_kwargs", {"chat_template_kwargs": {"a": 1}}),
+               ("best_of", {"best_of": True}),  # JSON true is not the number 1
+               ("stream_options.continuous_usage_stats",
+                {"stream": True, "stream_options": {"continuous_usage_stats": True}}),
+               ("messages.0.tool_calls", {"messages": [{"role": "assistant", "content": "",
+                                                        "tool_calls": [{"id": "1"}]}]})]
+    for param, extra in refused:
+        with pytest.raises(APIError) as e:
+            parse_request("chat", {**chat, **extra}, **kw)
+        assert (e.value.status, e.value.param, e.value.code) == (400, param, "unsupported_parameter"), extra
+        assert param in e.value.message
+
+
+def test_served_model_id_and_serve_config_checks():
+    """The served id: serve.model_name, else the registry name, else the model directory's name; Serve refuses a
+    CUDA recipe whose replicas reserve no GPU and the sglang backend, naming the field."""
+    from adaflash_ray.config import RecipeError, check_serve_config, load_recipe
+    from adaflash_ray.serve.protocol import served_model_id
+
+    tiny = load_recipe("recipes/cpu_tiny.yaml")
+    assert served_model_id(tiny.model, tiny.serve) == MODEL
+    q = load_recipe("recipes/qwen3_8b.yaml")
+    assert served_model_id(q.model, q.serve) == "Qwen3-8B"  # model.path /models/Qwen3-8B, not smollm2's name
+    q2 = load_recipe("recipes/qwen3_8b.yaml", ["model.path=/m/Qwen3-8B/", "serve.model_name=qwen"])
+    assert served_model_id(q2.model, q2.serve) == "qwen"
+    assert served_model_id(load_recipe("recipes/qwen3_8b.yaml", ["model.path=/m/x/"]).model, q.serve) == "x"
+    check_serve_config(tiny)
+    check_serve_config(q)  # the recipe reserves one GPU per replica
+    with pytest.raises(RecipeError, match="serve.gpus_per_replica"):
+        check_serve_config(load_recipe("recipes/qwen3_8b.yaml", ["serve.gpus_per_replica=0"]))
+    with pytest.raises(RecipeError, match="engine.backend"):
+        check_serve_config(load_recipe("recipes/qwen3_coder_30b_a3b.yaml", ["serve.gpus_per_replica=1"]))
+    from adaflash_ray.serve import app
+
+    with pytest.raises(RecipeError, match="engine.backend"):  # the Serve app builder refuses it too
+        app({"recipe": "recipes/qwen3_coder_30b_a3b.yaml", "set": ["serve.gpus_per_replica=1"]})
+
+
+def test_check_health_raises_once_the_engine_died():
+    """Serve's replica health check: healthy while the engine thread runs, raises (naming why) once it died."""
+    from types import SimpleNamespace
+
+    from adaflash_ray.serve.app import AdaFlashServer
+
+    cls = AdaFlashServer.func_or_class
+    cls.check_health(SimpleNamespace(loop=SimpleNamespace(dead=None)))
+    with pytest.raises(RuntimeError, match="CUDA error: boom"):
+        cls.check_health(SimpleNamespace(loop=SimpleNamespace(dead=RuntimeError("CUDA error: boom"))))
 
 
 def test_app_builder_args_and_bad_recipe_exit_code():
@@ -238,6 +319,19 @@ def test_models_health_and_auth(server, client):
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server["url"] + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_retrieve_model_route(server, client):
+    """``GET /v1/models/{id}`` (the openai client's models.retrieve): the card, or 404 model_not_found."""
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    r = requests.get(server["url"] + "/v1/models/gpt-4", headers=HDR, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert requests.get(server["url"] + f"/v1/models/{MODEL}", timeout=30).status_code == 401
+    r = requests.post(server["url"] + "/v1/chat/completions", headers=HDR, timeout=60,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                            "temperature": 0, "ignore_eos": False, "top_k": -1, "vllm_unknown_extension": 1})
+    assert r.status_code == 200, r.text  # a vLLM client's extra fields at their defaults are served
 
 
 def test_openai_client_plain_and_streaming_agree(client):

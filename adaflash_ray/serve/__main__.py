@@ -24,8 +24,10 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
-from adaflash_ray.config import RecipeError, RunConfig, add_recipe_args, config_from_args  # noqa: E402
+from adaflash_ray.config import (RecipeError, RunConfig, add_recipe_args, check_serve_config,  # noqa: E402
+                                 config_from_args)
 from adaflash_ray.serve.app import APP_NAME, build_app  # noqa: E402
+from adaflash_ray.serve.protocol import served_model_id  # noqa: E402
 
 
 def _init_ray(cfg: RunConfig) -> bool:
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         ns.overrides.append(f"serve.host={ns.host}")
     try:
         cfg = config_from_args(ns)
+        check_serve_config(cfg, ns.recipe or "recipe")  # before Ray starts: exit 2 like any bad recipe
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
         for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
             signal.signal(sig, lambda *_: stop.set())
-        print(f"adaflash_ray serving {cfg.serve.model_name or cfg.model.name} at "
+        print(f"adaflash_ray serving {served_model_id(cfg.model, cfg.serve)} at "
               f"http://{cfg.serve.host}:{cfg.serve.port}", flush=True)
         while not stop.wait(0.5):
             pass

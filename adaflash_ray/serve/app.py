@@ -30,9 +30,9 @@ from ray import serve
 from ray.util import metrics as ray_metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from adaflash_ray.config import RunConfig, load_recipe
+from adaflash_ray.config import RunConfig, check_serve_config, load_recipe
 from adaflash_ray.metrics import strict_json
-from adaflash_ray.serve.protocol import APIError, GenSpec, TextStream, error_body, parse_request
+from adaflash_ray.serve.protocol import APIError, GenSpec, TextStream, error_body, parse_request, served_model_id
 from adaflash_ray.serve.runtime import EngineLoop, QueueFull
 
 log = logging.getLogger("ray.serve")
@@ -161,7 +161,7 @@ class AdaFlashServer:
         torch.set_num_threads(c.engine.num_threads)
         torch.manual_seed(c.seed)
         self.replica = serve.get_replica_context().replica_tag if serve.get_replica_context() else "local"
-        self.model_id = c.serve.model_name or c.model.name
+        self.model_id = served_model_id(c.model, c.serve)
         self.tokenizer = load_tokenizer(target_dir(c.model))
         target = load_target(c.model)
         drafter, head = build_drafter(target, c.drafter, c.length_head, seed=c.seed)
@@ -413,12 +413,33 @@ class AdaFlashServer:
         return JSONResponse({"status": "draining" if self.draining else "ok", "replica": self.replica},
                             status_code=503 if self.draining else 200)
 
+    def check_health(self) -> None:
+        """Ray Serve's replica health check (every ``health_check_period_s``): raises once the engine thread died,
+        so Serve marks the replica UNHEALTHY and replaces it instead of leaving it answering 503.
+
+        Raises:
+            RuntimeError: naming the engine thread's exception.
+        """
+        if self.loop.dead is not None:
+            raise RuntimeError(f"engine thread died: {self.loop.dead!r}")
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "adaflash_ray",
+                "max_model_len": self.context_limit}
+
     @api.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         self._auth(request)
-        return JSONResponse({"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0,
-                                                          "owned_by": "adaflash_ray",
-                                                          "max_model_len": self.context_limit}]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request) -> JSONResponse:
+        """One model's card (OpenAI's retrieve-model route); 404 ``model_not_found`` for any other id."""
+        self._auth(request)
+        if model_id != self.model_id:
+            raise APIError(404, f"The model '{model_id}' does not exist; this endpoint serves ['{self.model_id}'].",
+                           type="not_found_error", param="model", code="model_not_found")
+        return JSONResponse(self._model_card())
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -448,7 +469,12 @@ class AdaFlashServer:
 
 
 def build_app(cfg: RunConfig) -> serve.Application:
-    """The bound Serve application for a validated RunConfig (API key from the recipe or $ADAFLASH_API_KEY)."""
+    """The bound Serve application for a validated RunConfig (API key from the recipe or $ADAFLASH_API_KEY).
+
+    Raises:
+        RecipeError: what Serve cannot run (:func:`adaflash_ray.config.check_serve_config`).
+    """
+    check_serve_config(cfg)
     c = cfg.model_copy(deep=True)
     c.serve.api_key = c.serve.api_key or os.environ.get("ADAFLASH_API_KEY") or None
     d = c.model_dump(mode="json")

@@ -3,20 +3,47 @@
 Ray-free and engine-free (tests call it directly). :func:`parse_request` turns a raw JSON body of
 ``POST /v1/completions`` or ``POST /v1/chat/completions`` into a :class:`GenSpec` or raises
 :class:`APIError` (HTTP status + OpenAI-style ``{"error": {"message", "type", "param", "code"}}``) naming
-the offending field. Unsupported parameters (``n > 1``, ``logprobs``, ``tools``, ...) and unknown ones are
-refused with 400, never silently ignored. :class:`TextStream` turns committed token ids into text deltas
-that never split a UTF-8 character and cuts the output at a stop string.
+the offending field. Parameters this endpoint knows but does not implement (``n > 1``, ``logprobs``, ``tools``,
+``response_format`` other than text, vLLM's sampling extensions such as ``top_k`` / ``min_p`` /
+``repetition_penalty`` / ``ignore_eos`` ...) are refused with 400 naming the field unless they carry their neutral
+value, never silently ignored. Fields it does not know at all, at any depth, are ignored with a logged warning
+(what vLLM's OpenAI server does), so clients built for vLLM, which send its extensions, are served.
+:class:`TextStream` turns committed token ids into text deltas that never split a UTF-8 character and cuts the
+output at a stop string.
 """
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-__all__ = ["APIError", "GenSpec", "TextStream", "error_body", "parse_request"]
+__all__ = ["APIError", "GenSpec", "TextStream", "error_body", "parse_request", "served_model_id"]
+
+# Ray Serve routes this logger to the replica's log; outside Serve it is plain `logging`
+log = logging.getLogger("ray.serve")
+_warned_unknown: set[str] = set()  # unknown field paths already warned about in this process (once each)
+
+
+def served_model_id(model, serve) -> str:
+    """The model id of ``/v1/models`` and of every response.
+
+    Args:
+        model: the recipe's ``ModelConfig`` (``name``, ``path``); serve: its ``ServeConfig`` (``model_name``).
+    Returns:
+        ``serve.model_name`` if set; else ``model.name`` when the recipe names a registry model (no ``path``);
+        else the model directory's name (``/models/Qwen3-8B`` -> ``Qwen3-8B``), as vLLM names a local model by
+        its path.
+    """
+    if serve.model_name:
+        return serve.model_name
+    if not model.path:
+        return model.name
+    return PurePath(str(model.path).rstrip("/\\")).name or str(model.path)
 
 
 class APIError(Exception):
@@ -49,12 +76,14 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 # ------------------------------------------------------------------------------------------ request models
 class _Strict(BaseModel):
-    # strict: JSON types as the OpenAI schema states them - "max_tokens": "5" or true is a 400, not a 5 or a 1
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # strict: JSON types as the OpenAI schema states them - "max_tokens": "5" or true is a 400, not a 5 or a 1.
+    # extra="allow": unknown fields are kept aside (model_extra), reported by _unknown_fields, and ignored
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's extension: usage in every chunk (refused when true)
 
 
 class _TextPart(_Strict):
@@ -66,6 +95,7 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[_TextPart]
     name: str | None = None
+    tool_calls: list | None = None  # refused when non-empty (no tool use)
 
 
 class _Common(_Strict):
@@ -92,7 +122,8 @@ class ChatBody(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
 
 
-# parameters OpenAI defines that this endpoint cannot honour: refused unless at their neutral value
+# parameters this endpoint knows but cannot honour: refused (400 naming the field) unless at a neutral value.
+# OpenAI's (https://platform.openai.com/docs/api-reference/chat/create, .../completions/create) ...
 _NEUTRAL: dict[str, tuple] = {
     "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
@@ -102,6 +133,42 @@ _NEUTRAL: dict[str, tuple] = {
     "reasoning_effort": (None,), "web_search_options": (None,), "metadata": (None, {}),
     "service_tier": (None, "auto", "default"),
 }
+# ... and vLLM's extra sampling / templating parameters (vllm/entrypoints/openai/protocol.py ChatCompletionRequest,
+# CompletionRequest), at vLLM's own defaults: a vLLM client sending them at other values asks for behaviour this
+# engine does not have, so they are refused rather than dropped with the unknown fields
+_NEUTRAL.update({
+    "top_k": (None, -1, 0), "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
+    "ignore_eos": (None, False), "min_tokens": (None, 0), "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0), "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "prompt_logprobs": (None, 0), "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,),
+    "bad_words": (None, []), "logits_processors": (None,), "return_tokens_as_token_ids": (None, False),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structural_tag": (None,), "structured_outputs": (None,), "chat_template": (None,),
+    "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+    "add_special_tokens": (None, False), "documents": (None,), "mm_processor_kwargs": (None,),
+    "priority": (None, 0), "vllm_xargs": (None,),
+})
+
+
+def _is_neutral(value: Any, neutral: tuple) -> bool:
+    """Whether ``value`` equals one of ``neutral`` with JSON's types kept apart (``true`` is not ``1``, ``0`` is
+    not ``false``; ``0`` and ``0.0`` are the same number)."""
+    def kind(v):
+        return "bool" if isinstance(v, bool) else "num" if isinstance(v, (int, float)) else type(v).__name__
+    return any(kind(value) == kind(n) and value == n for n in neutral)
+
+
+def _unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted paths of the fields pydantic kept aside as unknown (``extra="allow"``), at any depth."""
+    out = [f"{prefix}{k}" for k in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        v = getattr(model, name)
+        items = enumerate(v) if isinstance(v, list) else [(None, v)]
+        for i, item in items:
+            if isinstance(item, BaseModel):
+                out += _unknown_fields(item, f"{prefix}{name}." + ("" if i is None else f"{i}."))
+    return out
 
 
 @dataclass
@@ -126,6 +193,7 @@ class GenSpec:
     include_usage: bool
     record: bool
     user: str | None
+    ignored: list[str] = field(default_factory=list)  # unknown request fields (dotted paths) that were ignored
     request_id: str = field(default_factory=lambda: f"{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -139,9 +207,6 @@ def _first_error(err: ValidationError) -> APIError:
     loc = [str(x) for x in e["loc"] if str(x) not in ("str", "int", "float", "bool", "none")
            and not str(x).startswith(("list[", "dict[", "function-", "literal[", "nullable["))]
     param = ".".join(loc) if loc else None
-    if e["type"] == "extra_forbidden":
-        return APIError(400, f"Unrecognized request argument supplied: {param}", param=param,
-                        code="unknown_parameter")
     if e["type"] == "missing":
         return APIError(400, f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
     got = e.get("input")
@@ -163,14 +228,17 @@ def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, m
         record_default: whether a request without ``store`` may be distilled on.
     Returns:
         GenSpec.
+    Unknown fields (at any depth) are ignored, listed in ``GenSpec.ignored`` and logged (a warning the first
+    time each field path is seen in the process).
+
     Raises:
-        APIError: 400 naming the field (unknown / unsupported / out of range, prompt over the context
-            limit: code ``context_length_exceeded``), 404 for an unknown model.
+        APIError: 400 naming the field (known but unsupported at a non-neutral value, out of range, a prompt
+            over the context limit: code ``context_length_exceeded``), 404 for an unknown model.
     """
     if not isinstance(raw, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
     for key, ok in _NEUTRAL.items():
-        if key in raw and raw[key] not in ok:
+        if key in raw and not _is_neutral(raw[key], ok):
             raise APIError(400, f"'{key}' is not supported by this endpoint (got {str(raw[key])[:60]}).",
                            param=key, code="unsupported_parameter")
     raw = {k: v for k, v in raw.items() if k not in _NEUTRAL}
@@ -178,6 +246,21 @@ def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, m
         body = (CompletionBody if kind == "completion" else ChatBody).model_validate(raw)
     except ValidationError as e:
         raise _first_error(e) from None
+    ignored = _unknown_fields(body)
+    new = [f for f in ignored if f not in _warned_unknown]
+    if new:
+        _warned_unknown.update(new)
+        log.warning("ignoring unknown request field(s) %s (not part of this endpoint's API; further requests "
+                    "with them are not reported again)", new)
+    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
+        raise APIError(400, "'stream_options.continuous_usage_stats' is not supported by this endpoint (got True): "
+                       "usage is sent once, in the last chunk, with 'include_usage'.",
+                       param="stream_options.continuous_usage_stats", code="unsupported_parameter")
+    if kind == "chat":
+        for i, m in enumerate(body.messages):
+            if m.tool_calls:
+                raise APIError(400, f"'messages.{i}.tool_calls' is not supported by this endpoint: no tool use.",
+                               param=f"messages.{i}.tool_calls", code="unsupported_parameter")
     if body.model not in model_ids:
         raise APIError(404, f"The model '{body.model}' does not exist; this endpoint serves {sorted(model_ids)}.",
                        type="not_found_error", param="model", code="model_not_found")
@@ -252,7 +335,7 @@ def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, m
                    top_p=1.0 if body.top_p is None else body.top_p, stop=stop_strings, stop_token_ids=stop_ids,
                    seed=body.seed, stream=body.stream,
                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                   record=record_default if body.store is None else body.store, user=body.user)
+                   record=record_default if body.store is None else body.store, user=body.user, ignored=ignored)
 
 
 # ------------------------------------------------------------------------------------------ detokenisation
