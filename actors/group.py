@@ -70,7 +70,7 @@ class ActorGroup:
             Ray Serve, whose replicas serve). Worker ``i`` is subscribed to the registry as ``worker-{i}``.
         run_dir: where the MetricsSink writes (``metrics.jsonl``, wandb); None: no sink (``self.sink`` is None).
 
-    Restart policy (issue 9): the buffer is restarted by Ray (twice; with ``buffer.spill_dir`` its journal
+    Restart policy: the buffer is restarted by Ray (twice; with ``buffer.spill_dir`` its journal
     comes back), each worker up to 3 times (it reloads the latest version from the registry), each trainer
     up to ``distill.trainer_max_restarts`` times (the driver then restarts every rank from its saved state).
 
@@ -103,18 +103,20 @@ class ActorGroup:
                 self.sink = MetricsSink(run_dir, cfg.logging.wandb_mode, cfg.logging.wandb_project, cfg_dict,
                                         Path(run_dir).name)
             self.buffer = TrajectoryBuffer.options(max_restarts=2, max_task_retries=-1).remote(
-                cfg.buffer.capacity, cfg.distill.max_version_lag, cfg.buffer.spill_dir)
-            self.registry = WeightRegistry.remote()
+                capacity=cfg.buffer.capacity, max_version_lag=cfg.distill.max_version_lag,
+                spill_dir=cfg.buffer.spill_dir)
+            self.registry = WeightRegistry.remote(buffer=self.buffer)  # it tells the buffer each version
             self.workers = [InferenceWorker.options(
                 num_cpus=pl.cpus_per_inference_worker, num_gpus=pl.gpus_per_inference_worker, max_restarts=3,
                 max_task_retries=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg_inf, placement_group_bundle_index=i),
-            ).remote(cfg_dict, i, self.buffer, self.registry) for i in range(num_workers)]
+            ).remote(cfg_dict, worker_index=i, buffer=self.buffer, registry=self.registry)
+                for i in range(num_workers)]
             self.trainers = [DistillTrainer.options(
                 num_cpus=pl.cpus_per_trainer, num_gpus=pl.gpus_per_trainer,
                 max_restarts=cfg.distill.trainer_max_restarts, max_task_retries=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg_train, placement_group_bundle_index=r),
-            ).remote(cfg_dict, r, pl.num_trainers) for r in range(pl.num_trainers)]
+            ).remote(cfg_dict, rank=r, world_size=pl.num_trainers) for r in range(pl.num_trainers)]
             ray.get([self.registry.subscribe.remote(f"worker-{i}", w) for i, w in enumerate(self.workers)])
         except BaseException:
             self.shutdown()
@@ -138,8 +140,9 @@ class ActorGroup:
             host, port = ray.get(self.trainers[0].master_address.remote())
             rdv = f"tcp://{host}:{port}"
         size = 1 + len(self.workers)
-        ray.get([self.trainers[0].join_weight_group.remote(rdv, size)]
-                + [w.join_weight_group.remote(rdv, size, i + 1) for i, w in enumerate(self.workers)])
+        ray.get([self.trainers[0].join_weight_group.remote(rendezvous=rdv, world_size=size)]
+                + [w.join_weight_group.remote(rendezvous=rdv, world_size=size, rank=i + 1)
+                   for i, w in enumerate(self.workers)])
         return rdv
 
     def start_training(self) -> list:

@@ -1,4 +1,4 @@
-"""Driver-side recovery over the actors (issue 9): a dead trainer is restarted with every rank and resumes
+"""Driver-side recovery over the actors: a dead trainer is restarted with every rank and resumes
 from its saved state (:func:`restart_trainers`, :func:`setup_trainers`, :func:`sync_version`), a stopped run
 continues from its directory (:func:`saved_versions`), and the τ canary judges each new version
 (:class:`TauCanary`). Used by ``adaflash_ray.pipeline`` (the driver); no logging here - the driver logs.
@@ -30,7 +30,8 @@ def setup_trainers(trainers: list, state_dir: str, resume: bool, attempts: int =
     for attempt in range(attempts):
         try:
             addr, port = ray.get(trainers[0].master_address.remote(), timeout=600)
-            return ray.get([t.setup.remote(addr, port, state_dir, resume) for t in trainers])
+            return ray.get([t.setup.remote(master_addr=addr, master_port=port, state_dir=state_dir, resume=resume)
+                            for t in trainers])
         except ray.exceptions.ActorUnavailableError:
             if attempt == attempts - 1:
                 raise
@@ -73,21 +74,21 @@ def saved_versions(ckpt_dir: Path) -> dict[int, str]:
     return out
 
 
-def sync_version(trainers: list, workers: list, registry, buffer, ckpt_dir: Path,
-                  shas: dict[int, str]) -> tuple[int, dict, str]:
+def sync_version(trainers: list, workers: list, registry, ckpt_dir: Path,
+                 shas: dict[int, str]) -> tuple[int, dict, str]:
     """Bring every side to the trainers' current version V (0 on a fresh start, else the one their saved
     state holds): a fresh start loads version 0 into every worker; V > 0 is published to the registry
-    (and so pushed to every worker) unless it already holds V. Saves ``checkpoints/vV`` if missing.
-    Returns (V, drafter config dict, sha256)."""
+    (and so pushed to every worker, then told to the buffer) unless it already holds V. Saves
+    ``checkpoints/vV`` if missing. Returns (V, drafter config dict, sha256)."""
     info = ray.get([t.initial_weights.remote() for t in trainers])  # every rank: ZeRO-3 gathers
     refs, sha, dcfg = info[0]
     version, step = ray.get(trainers[0].current_version.remote())
     meta = ray.get(registry.latest_meta.remote())
     if version == 0 and meta is None:
-        ray.get([w.load_drafter.remote(0, refs[0], sha, dcfg) for w in workers])
+        ray.get([w.load_drafter.remote(version=0, tensors=refs[0], sha256=sha, config=dcfg) for w in workers])
     elif meta is None or meta["version"] < version:
-        ray.get(registry.publish.remote(version, version - 1, step, refs, sha, dcfg))
-        ray.get(buffer.set_version.remote(version))
+        ray.get(registry.publish.remote(version=version, parent_version=version - 1, train_step=step,
+                                        tensors_ref=refs, sha256=sha, config=dcfg))
     if version not in shas:
         shas[version] = save_drafter_checkpoint(ckpt_dir / f"v{version}", DrafterModelConfig(**dcfg),
                                                 ray.get(refs[0]), {"version": version})
@@ -101,7 +102,7 @@ def versions_rising(history: list[dict]) -> bool:
 
 
 class TauCanary:
-    """τ canary (issue 9.3): after each publication one worker decodes a small fixed held-out prompt set
+    """τ canary: after each publication one worker decodes a small fixed held-out prompt set
     (greedy, EOS ignored, never trained on) with the new version; τ counts only the verify steps made with
     that version (``step_versions``). A version whose τ < (1 - ``delta``) x the last good version's fails;
     the driver then rolls every worker back to that good version (``WeightRegistry.rollback``). Decodes run
@@ -114,7 +115,8 @@ class TauCanary:
         self.pending: list[tuple[int, object]] = []
 
     def start(self, worker, version: int) -> None:
-        self.pending.append((version, worker.generate.remote(self.prompts, self.max_new_tokens, 0.0, False, True)))
+        self.pending.append((version, worker.generate.remote(self.prompts, max_new_tokens=self.max_new_tokens,
+                                                             temperature=0.0, record=False, ignore_eos=True)))
 
     def poll(self, wait: bool = False) -> list[tuple[int, float | None]]:
         """(version, τ or None) of the decodes finished so far (all of them with ``wait``), oldest first; None

@@ -12,7 +12,7 @@ without a lease). A buffer actor that dies is restarted by Ray (the pipeline cre
 ``max_restarts``) and recovers every file it finds there: trajectories already journaled come back, and a
 retried ``add`` of one it holds is not queued twice.
 
-Leases (issue 9.2): a trainer rank that names itself (``consumer``) in :meth:`get_batch` holds what it got
+Leases: a trainer rank that names itself (``consumer``) in :meth:`get_batch` holds what it got
 until it :meth:`commit` s (its trainer state, with those trajectories trained in, is saved); a restarted
 rank's uncommitted lease is put back first in line by :meth:`requeue`, so a trainer killed between two
 saves loses no trajectory and none is trained into the saved state twice.

@@ -1,7 +1,8 @@
-"""WeightRegistry: a named Ray actor holding the latest drafter publication (version, parent
-version, train step, flat tensor dict in the object store, sha256) and pushing each new version
-to every subscribed inference worker (one metadata call + one bulk object per version; never one
-RPC per parameter - OpenRLHF #533).
+"""WeightRegistry: a Ray actor holding the latest drafter publication (version, parent version, train step,
+flat tensor dict in the object store, sha256) - the source of truth for "the latest version" - pushing each
+new version to every subscribed inference worker (one metadata call + one bulk object per version; never one
+RPC per parameter - OpenRLHF #533) and then telling the TrajectoryBuffer, so stale trajectories are dropped
+against the version every worker now serves.
 """
 from __future__ import annotations
 
@@ -10,11 +11,18 @@ import time
 
 import ray
 
+from adaflash_ray.versions import is_newer
+
 
 @ray.remote(num_cpus=0)
 class WeightRegistry:
-    def __init__(self, keep_versions: int = 8):
+    """Args:
+        keep_versions: how many of the newest versions' tensor refs are held (:meth:`get`, :meth:`rollback`).
+        buffer: the TrajectoryBuffer actor told each published version (``set_version``), or None."""
+
+    def __init__(self, keep_versions: int = 8, buffer=None):
         self.keep_versions = keep_versions
+        self.buffer = buffer
         self.refs: dict[int, object] = {}  # the last ``keep_versions`` versions' tensor refs
         self.latest: dict | None = None
         self.history: list[dict] = []
@@ -38,7 +46,10 @@ class WeightRegistry:
         still fetches and keeps its own copy; a subscriber whose collective receive fails gets the copy
         through the object store instead (its report says ``"fallback": True``).
         The history entry gets ``broadcast_s`` (seconds from this call to the last worker's report),
-        ``num_bytes`` (the tensors' size), ``path`` and ``num_fallbacks``."""
+        ``num_bytes`` (the tensors' size), ``path`` and ``num_fallbacks``. Then the buffer (if any) is told
+        the version. The tensors are not hashed here: ``sha256`` is the publisher's, checked by each worker.
+        Raises:
+            ValueError: ``version`` is not newer than every version published before."""
         t0 = time.perf_counter()
         self._check_newer(version)
         # the registry owns its own copy: an object owned by the publishing trainer would be lost with it
@@ -67,18 +78,21 @@ class WeightRegistry:
                 reports = [again.get(r["subscriber"], r) for r in reports]
             entry["num_fallbacks"] = len(failed)
         # publish -> every worker loaded (or refused): fetching the trainer's object, this copy, and each
-        # worker's fetch (or collective receive) + hot reload between its engine steps (issue 6.6)
+        # worker's fetch (or collective receive) + hot reload between its engine steps
         entry["broadcast_s"] = time.perf_counter() - t0
         entry["num_bytes"] = sum(int(t.numel()) * t.element_size() for t in value.values())
         entry["path"] = ("collective" if collective and entry.get("num_fallbacks", 0) < len(reports)
                          else "object_store")  # every worker fell back: the version went through the store
         self.reports[version] = reports
+        if self.buffer is not None:  # after every worker loaded it: trajectories of older versions age from here
+            await self.buffer.set_version.remote(version=version)
         return reports
 
     def _check_newer(self, version: int) -> None:
-        """Raise ValueError unless ``version`` is newer than every version published (a rolled-back one counts)."""
+        """Raise ValueError unless ``version`` is newer (:func:`adaflash_ray.versions.is_newer`) than every
+        version published (a rolled-back one counts)."""
         newest = max((h["version"] for h in self.history), default=None)
-        if newest is not None and version <= newest:
+        if not is_newer(version, newest):
             raise ValueError(f"version {version} is not newer than the latest {newest}")
 
     async def weight_group_ready(self, version: int, timeout_s: float = 10.0) -> bool:
@@ -105,7 +119,9 @@ class WeightRegistry:
         if self._push_lock is None:
             self._push_lock = asyncio.Lock()
         async with self._push_lock:
-            calls = {name: getattr(w, method).remote(version, ref, sha256, config)
+            tensors_arg = {"receive_drafter": "_ref"}.get(method, "tensors")  # the collective path sends no ref
+            calls = {name: getattr(w, method).remote(version=version, sha256=sha256, config=config,
+                                                     **{tensors_arg: ref})
                      for name, w in self.subscribers.items() if names is None or name in names}
             reports = []
             for name, call in calls.items():

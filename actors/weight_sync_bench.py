@@ -86,8 +86,8 @@ def _member_class():
                 torch.cuda.synchronize()
             return ray.get(registry.publish.remote(version, version - 1, version, [ray.put(host)], "-", None))
 
-        def load_drafter(self, version: int, ref, sha256: str, config) -> dict:  # a worker's side
-            tensors = ref if isinstance(ref, dict) else ray.get(ref)  # Ray resolves a top-level ref argument
+        def load_drafter(self, version: int, tensors, sha256: str, config) -> dict:  # a worker's side
+            tensors = tensors if isinstance(tensors, dict) else ray.get(tensors)  # Ray resolves a top-level ref
             for k, t in self.tensors.items():
                 t.copy_(tensors[k], non_blocking=True)
             if self.device.startswith("cuda"):

@@ -96,16 +96,23 @@ class WorkerLost(RuntimeError):
     """An inference worker died for good (restarts exhausted) or its engine thread failed."""
 
 
-def _poll(refs: list, default):
-    """ray.get each ref; a worker being restarted by Ray yields ``default``; one that is dead for good
-    (restarts exhausted) raises :class:`WorkerLost`."""
+def _poll(refs: list, default, timeout_s: float = 120.0):
+    """The workers' answers, in the order of ``refs``, gathered by one ``ray.wait`` over all of them: one not
+    ready within ``timeout_s`` seconds, or from a worker being restarted by Ray, yields ``default``; a worker
+    dead for good (restarts exhausted) raises :class:`WorkerLost`."""
+    if not refs:
+        return []
+    ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])
     out = []
     for r in refs:
+        if r not in ready:
+            out.append(default)
+            continue
         try:
-            out.append(ray.get(r, timeout=120))
+            out.append(ray.get(r))
         except ray.exceptions.ActorDiedError as e:
             raise WorkerLost(f"an InferenceWorker died and will not be restarted: {str(e)[:1500]}") from e
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
             out.append(default)
     return out
 
@@ -123,7 +130,7 @@ def _check_canary(canary: recovery.TauCanary, registry, sink, wait: bool = False
         if passed:
             continue
         reason = f"canary τ {tau:.3f} < (1 - {canary.delta}) x {good[1]:.3f} (version {good[0]})"
-        reports = ray.get(registry.rollback.remote(good[0], reason, version))
+        reports = ray.get(registry.rollback.remote(version=good[0], reason=reason, only_if_latest=version))
         if reports is not None:
             console.print(f"canary: version {version} rolled back to {good[0]}: {reason}")
             sink.log({"canary/rollback_from": version, "canary/rollback_to": good[0],
@@ -164,8 +171,8 @@ class Driver:
         setup = g.setup_trainers(inp.state_dir, resume)
         if self.cfg.distill.weight_sync == "collective":
             console.print(f"weight sync: collective broadcast group {g.join_weight_group(inp.run_dir)}", markup=False)
-        self.last_version, self.dcfg, sha = recovery.sync_version(g.trainers, g.workers, g.registry, g.buffer,
-                                                                   inp.ckpt_dir, self.shas)
+        self.last_version, self.dcfg, sha = recovery.sync_version(g.trainers, g.workers, g.registry, inp.ckpt_dir,
+                                                                   self.shas)
         self.drafter_cfg = DrafterModelConfig(**self.dcfg)
         console.print(f"setup: trainers {setup}; workers at version {self.last_version} sha {sha[:12]}")
         self.step = setup[0]["step"]
@@ -223,7 +230,7 @@ class Driver:
                 batch = [train[(self.next_prompt + j) % len(train)] for j in range(self.low_water - d)]
                 self.next_prompt += len(batch)
                 self.fed += len(batch)
-                w.submit.remote(batch, cfg.engine.max_new_tokens, cfg.engine.temperature)
+                w.submit.remote(batch, max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature)
 
     def handle_trainer_death(self, died: str, done: list) -> None:
         """Restart every rank from the state saved with the last version (requeueing what the dead ranks had
@@ -242,7 +249,7 @@ class Driver:
         recovery.restart_trainers(g.trainers, g.runs, done)
         setup = g.setup_trainers(inp.state_dir, True)
         requeued = sum(ray.get([g.buffer.requeue.remote(f"trainer-{r}") for r in range(len(g.trainers))]))
-        recovery.sync_version(g.trainers, g.workers, g.registry, g.buffer, inp.ckpt_dir, self.shas)
+        recovery.sync_version(g.trainers, g.workers, g.registry, inp.ckpt_dir, self.shas)
         self.sink.log({"fault/trainer_resumed_version": setup[0]["version"],
                        "fault/trajectories_requeued": requeued}, kind="fault")
         g.start_training()
@@ -342,8 +349,9 @@ class Driver:
         for i, v in enumerate(sorted(self.shas)):
             _, tens, _ = load_drafter_checkpoint(self.inputs.ckpt_dir / f"v{v}")
             load = w0.rollback_drafter if i == 0 else w0.load_drafter
-            ray.get(load.remote(v, tens, self.shas[v], self.dcfg))
-            res = ray.get(w0.generate.remote(list(evalp), cfg.data.eval_max_new_tokens, 0.0, False))
+            ray.get(load.remote(version=v, tensors=tens, sha256=self.shas[v], config=self.dcfg))
+            res = ray.get(w0.generate.remote(list(evalp), max_new_tokens=cfg.data.eval_max_new_tokens,
+                                             temperature=0.0, record=False))
             eval_tau[v], eval_waste[v], eval_hist[v] = _eval_tau(res)
             self.sink.log({"eval/version": v, "eval/accept_len": eval_tau[v], "eval/draft_waste": eval_waste[v],
                            **{f"eval/gamma_{g}": n for g, n in eval_hist[v].items()}}, kind="eval")
@@ -354,7 +362,8 @@ class Driver:
             # the final version once more, drafting whole blocks (plain DFlash): the drafter's held-out τ whatever
             # γ the length policy picks - the cost policy trades τ for step time
             v, full = max(eval_tau), self.drafter_cfg.block_size - 1
-            res = ray.get(w0.generate.remote(list(evalp), cfg.data.eval_max_new_tokens, 0.0, False, False, full))
+            res = ray.get(w0.generate.remote(list(evalp), max_new_tokens=cfg.data.eval_max_new_tokens,
+                                             temperature=0.0, record=False, ignore_eos=False, draft_len=full))
             tau, waste, _ = _eval_tau(res)
             self.eval_full_block = {v: (tau, waste)}
             self.sink.log({"eval/version": v, "eval/full_block_accept_len": tau, "eval/full_block_draft_waste": waste},

@@ -39,14 +39,6 @@ class Trajectory:
     def num_response_tokens(self) -> int:
         return self.num_tokens - self.prompt_len
 
-    @property
-    def nbytes(self) -> int:
-        n = self.token_ids.numel() * 8
-        for t in (self.features, self.last_hidden):
-            if t is not None:
-                n += t.numel() * t.element_size()
-        return n
-
     def validate(self) -> None:
         """Raise ValueError if shapes are inconsistent (a corrupt or truncated record)."""
         t = self.num_tokens

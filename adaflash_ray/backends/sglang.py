@@ -56,6 +56,7 @@ from adaflash_ray.models.checkpoint import (CheckpointError, check_tensors_fit, 
                                             save_drafter_checkpoint, tensors_sha256)
 from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
 from adaflash_ray.trajectory import Trajectory
+from adaflash_ray.versions import is_newer
 
 __all__ = ["SGLANG_VERSION", "DRAFT_SELECTOR", "SGLangBackend", "engine_kwargs", "target_hf_config",
            "startup_drafter_config", "write_startup_checkpoint", "draft_update_tensors", "per_step_arrays",
@@ -488,7 +489,7 @@ class SGLangBackend:
             RuntimeError: the target's checksum changed (never expected; the worker must restart).
         """
         current = self.drafter_version
-        if not rollback and (version < current or (version == current and self.num_reloads > 0)):
+        if not rollback and not is_newer(version, current, current_published=self.num_reloads > 0):
             raise CheckpointError(f"drafter version {version} refused: the engine serves version {current} "
                                   "(versions must rise; pass rollback=True to return to an older one)")
         if isinstance(config, dict):

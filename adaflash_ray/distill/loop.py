@@ -1,0 +1,262 @@
+"""The trainer loop of on-policy distillation, without Ray: replay pool, leases, prefetch, publish cadence, time
+budget - with the trajectory source and the weight sink injected (torchtitan's habit: the loop runs on one
+process with fakes; the Ray actor ``actors/distill_trainer.py`` is a thin adapter over it).
+
+The same loop trains from a directory of trajectory files (the Parquet records ``TrajectoryBuffer`` spills,
+:mod:`adaflash_ray.distill.spill`) and writes ``checkpoints/v<N>`` - the offline warm start and the ablation
+harness - and a second command writes such a directory from the built-in engine, also without Ray::
+
+    python -m adaflash_ray.distill.loop generate --recipe recipes/cpu_tiny.yaml --prompts 16 --out traj/
+    python -m adaflash_ray.distill.loop --trajectories traj/ --recipe recipes/cpu_tiny.yaml --out run/ \\
+        [--set distill.num_versions=2] [--set distill.publish_every=4]
+
+The train command prints one line per published version (steps, mean loss, positions/s, top-1 agreement per
+block position) and, last, one JSON object (``out``, ``final_version``, ``train_steps``, ``versions``).
+"""
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from adaflash_ray.models import tensors_sha256
+from adaflash_ray.trajectory import Trajectory, within_version_lag
+
+__all__ = ["TrajectorySource", "WeightSink", "TrainerLoop"]
+
+Item = tuple  # (handle, version): a leased trajectory as the source names it, and the drafter version it carries
+
+
+class PendingBatch(Protocol):
+    def result(self) -> list[Item]: ...
+
+
+class TrajectorySource(Protocol):
+    """Where the loop's trajectories come from, leased to this trainer rank until it commits.
+
+    ``get_batch`` / ``prefetch`` hand out up to ``n`` items ``(handle, version)``, oldest first (fewer when
+    ``wait_s`` seconds pass first); ``resolve`` turns handles into :class:`Trajectory` objects (None for one
+    that is gone, e.g. its producer died); ``release`` hands back, untrained, leased items (first in line
+    again); ``commit`` ends the lease of everything handed out (the trainer state with it trained in is
+    saved); ``set_version`` is told each version this rank published; ``exhausted`` is True once nothing more
+    will ever arrive (a live buffer: never)."""
+
+    def get_batch(self, n: int, wait_s: float) -> list[Item]: ...
+    def prefetch(self, n: int, wait_s: float) -> PendingBatch: ...
+    def resolve(self, handles: Sequence) -> list[Trajectory | None]: ...
+    def release(self, handles: Sequence) -> None: ...
+    def commit(self) -> None: ...
+    def set_version(self, version: int) -> None: ...
+    def exhausted(self) -> bool: ...
+
+
+class WeightSink(Protocol):
+    """Where published versions go (rank 0 only). ``publish`` returns the receivers' reports (each
+    ``{"sha256": ..., "fallback": bool?}`` or ``{"error": ...}``) and extra ``sync/*`` metrics; ``close`` ends
+    it after the last version."""
+
+    def publish(self, version: int, parent_version: int, step: int, tensors: dict[str, torch.Tensor],
+                sha256: str, config: dict) -> tuple[list[dict], dict[str, float]]: ...
+    def close(self) -> None: ...
+
+
+class TrainerLoop:
+    """One trainer rank's loop over a built :class:`~adaflash_ray.distill.trainer.DistillTrainerCore`.
+
+    Args:
+        core: the rank's core (``train_step``, ``all_ranks``, ``save_state``, ``publish_tensors``, ``global_step``,
+            ``close``, ``drafter_model_config``).
+        distill_cfg: ``DistillConfig`` (``batch_size``, ``max_reuse``, ``max_version_lag``, ``publish_every``,
+            ``num_versions``, ``max_train_s`` in seconds or None, ``prefetch``).
+        seed: the run seed (the replay sampler draws from ``Random(seed + rank + 7919 * version)``).
+        rank: this rank; rank 0 publishes.
+        serving_dtype: the dtype published tensors are cast to (the workers' ``model.dtype``).
+        state_dir: where the trainer state is saved with every version (before it is published), or None.
+        state: the client state of a resumed trainer state (``version``, ``fresh_ids``, ``num_lost``), or None.
+        on_metrics: called with every flat metric dict (one per optimizer step, plus a publish-only one when a
+            starved rank publishes at its time budget or at the end of its data).
+        should_stop: polled between steps; True stops every rank after the current step.
+    """
+
+    def __init__(self, core, distill_cfg, *, seed: int = 0, rank: int = 0, serving_dtype=torch.float32,
+                 state_dir: str | None = None, state: dict | None = None,
+                 on_metrics: Callable[[dict], None] | None = None, should_stop: Callable[[], bool] | None = None):
+        self.core, self.dc, self.seed, self.rank = core, distill_cfg, seed, rank
+        self.serving_dtype, self.state_dir = serving_dtype, state_dir
+        state = state or {}
+        self.version = int(state.get("version", 0))
+        self.fresh_ids: list[str] = list(state.get("fresh_ids", []))  # first trained on in a saved state
+        self.num_lost = int(state.get("num_lost", 0))  # trajectories whose producer died before they were fetched
+        self.num_duplicates_skipped = 0  # trajectories delivered again (a recovered buffer) and not retrained
+        self._on_metrics = on_metrics or (lambda m: None)
+        self._should_stop = should_stop or (lambda: False)
+
+    def serving_tensors(self) -> dict[str, torch.Tensor]:
+        """The drafter (+ head) as the workers will hold it: the float32 master weights cast to the serving
+        dtype, so the published checksum names exactly what a faithful load holds. Every rank calls it
+        (under ZeRO-3 a collective gather)."""
+        return {k: v.to(self.serving_dtype) for k, v in self.core.publish_tensors().items()}
+
+    def run(self, source: TrajectorySource, sink: WeightSink, num_versions: int | None = None) -> dict:
+        """Train until ``num_versions`` (default ``distill.num_versions``) versions are published, the time
+        budget ``distill.max_train_s`` (from the first step) is spent, ``should_stop`` says so, or ``source``
+        is exhausted; then hand back what was leased untrained, close ``sink`` and the core. Returns
+        ``{rank, final_version, steps, seconds, num_fresh, num_counted_twice, num_lost, num_duplicates_skipped}``
+        - trajectories first trained on over the whole run (resumes included) and those among them trained as
+        fresh more than once (0 unless a resume replayed one)."""
+        dc, core = self.dc, self.core
+        num_versions = num_versions or dc.num_versions
+        cfg_dict = core.drafter_model_config().as_dict()
+        t_start = time.time()
+        pool: list[list] = []  # [trajectory, version, uses, handle]: leased on-policy data, and recent data for reuse
+        pending_ids: list[str] = []  # first trained since the last save
+        rng = random.Random(self.seed + self.rank + 7919 * self.version)
+        seen = set(self.fresh_ids)
+        t_first_step: float | None = None  # distill.max_train_s counts from here
+        time_up = False
+        prefetched: PendingBatch | None = None  # a batch requested before the last step (distill.prefetch)
+        step_times: list[float] = []  # recent optimizer-step seconds (the first, with warm-up, left out)
+        published_step = core.global_step  # the step of the last publication (or of the resumed state)
+
+        def hand_back_untrained() -> None:
+            """Before a commit: what this rank holds leased but never trained goes back to the source."""
+            nonlocal pool
+            unused = [p for p in pool if p[2] == 0]
+            if unused:
+                source.release([p[3] for p in unused])
+                seen.difference_update(p[0].request_id for p in unused)  # a redelivery is then new to it
+                pool = [p for p in pool if p[2] > 0]
+
+        while not time_up and core.all_ranks(self.version < num_versions and not self._should_stop()):
+            pool = [p for p in pool if p[2] < dc.max_reuse and within_version_lag(self.version, p[1], dc.max_version_lag)]
+            wait_s = 60.0  # for a batch when no step is possible without one
+            if dc.max_train_s is not None and t_first_step is not None:  # a starved trainer still times out
+                wait_s = max(0.0, min(wait_s, dc.max_train_s - (time.time() - t_first_step)))
+            if prefetched is not None:  # it waited while the last step computed
+                items, prefetched = list(prefetched.result()), None
+                if len(pool) + len(items) < dc.batch_size:  # no step possible yet: wait for the rest
+                    items += source.get_batch(dc.batch_size - len(items), wait_s)
+            else:
+                reusable = len(pool) >= dc.batch_size
+                items = list(source.get_batch(dc.batch_size, min(0.2, wait_s) if reusable else wait_s))
+            fresh, items = self._resolve(source, items)
+            keep = [i for i, t in enumerate(fresh) if t.request_id not in seen]  # a redelivery it already has
+            self.num_duplicates_skipped += len(fresh) - len(keep)
+            fresh, items = [fresh[i] for i in keep], [items[i] for i in keep]
+            seen.update(t.request_id for t in fresh)
+            pool.extend([t, it[1], 0, it[0]] for t, it in zip(fresh, items))
+            if not core.all_ranks(len(pool) >= dc.batch_size or bool(fresh)):
+                timed_out = (dc.max_train_s is not None and t_first_step is not None
+                             and not core.all_ranks(time.time() - t_first_step < dc.max_train_s))
+                if timed_out or core.all_ranks(source.exhausted()):
+                    # starved past the budget, or no data will ever come: publish what was trained since the
+                    # last version, then stop
+                    time_up = True
+                    hand_back_untrained()
+                    if core.global_step > published_step:
+                        m = {"train/step": float(core.global_step)}
+                        self._publish(source, sink, m, pending_ids, core.global_step, cfg_dict,
+                                      "train/time_up" if timed_out else "train/out_of_data")
+                        pending_ids = []
+                        self._on_metrics(m)
+                continue  # some rank has nothing to train on yet: every rank waits for data
+            # what was never trained first (oldest first), then replays of recent data
+            chosen = [p for p in pool if p[2] == 0][:dc.batch_size]
+            others = [p for p in pool if p[2] > 0]
+            chosen += rng.sample(others, min(len(others), dc.batch_size - len(chosen)))
+            for p in chosen:
+                if p[2] == 0:
+                    pending_ids.append(p[0].request_id)
+                p[2] += 1
+            trajs = [p[0] for p in chosen]
+            versions = [p[1] for p in chosen]
+            del fresh
+            if len(pool) > 4 * dc.batch_size * dc.max_reuse:
+                pool = pool[-4 * dc.batch_size * dc.max_reuse:]
+            recent_s = min(step_times[-5:]) if step_times else 0.0
+            if dc.prefetch and recent_s > 0 and not self._may_publish_next(t_first_step, recent_s):
+                # the next batch gathers in the source during this step (returns by the step's end)
+                prefetched = source.prefetch(dc.batch_size, 0.9 * recent_s)
+            m = core.train_step(trajs)
+            if t_first_step is not None:
+                step_times = step_times[-4:] + [m["train/seconds"]]
+            t_first_step = t_first_step or time.time() - m["train/seconds"]
+            if dc.max_train_s is not None:  # every rank stops together once any rank's budget is spent
+                time_up = not core.all_ranks(time.time() - t_first_step < dc.max_train_s)
+            if prefetched is not None and (time_up or self._should_stop()):  # sooner than foreseen: hand it back
+                source.release([it[0] for it in prefetched.result()])
+                prefetched = None
+            m["train/version_lag"] = sum(self.version - v for v in versions) / len(versions)
+            m["train/version"] = float(self.version)
+            m["train/num_fresh"] = float(sum(1 for p in chosen if p[2] == 1))
+            m["train/num_lost_trajectories"] = float(self.num_lost)
+            step = core.global_step
+            if step % dc.publish_every == 0 or time_up:  # every rank counts versions; rank 0 publishes
+                hand_back_untrained()
+                self._publish(source, sink, m, pending_ids, step, cfg_dict, "train/time_up" if time_up else None)
+                pending_ids, published_step = [], step
+            self._on_metrics(m)
+        if prefetched is not None:  # stopped from outside after it was issued
+            source.release([it[0] for it in prefetched.result()])
+        hand_back_untrained()  # stopped (or out of data) with leased trajectories never trained
+        sink.close()
+        core.close()  # ends the process group, removes the rendezvous file
+        return {"rank": self.rank, "final_version": self.version, "steps": core.global_step,
+                "seconds": time.time() - t_start, "num_fresh": len(self.fresh_ids),
+                "num_counted_twice": len(self.fresh_ids) - len(set(self.fresh_ids)), "num_lost": self.num_lost,
+                "num_duplicates_skipped": self.num_duplicates_skipped}
+
+    def _resolve(self, source: TrajectorySource, items: list) -> tuple[list[Trajectory], list]:
+        """Trajectories of ``items``; one the source lost (its producer died) is skipped and counted."""
+        fresh, kept = [], []
+        for it, traj in zip(items, source.resolve([it[0] for it in items])):
+            if traj is None:
+                self.num_lost += 1
+            else:
+                fresh.append(traj)
+                kept.append(it)
+        return fresh, kept
+
+    def _publish(self, source: TrajectorySource, sink: WeightSink, m: dict, pending_ids: list, step: int,
+                 cfg_dict: dict, last: str | None) -> None:
+        """Version v+1: save the state (with ``pending_ids``, the trajectories first trained since v), commit
+        the lease, and (rank 0) publish to ``sink``, recording ``sync/*`` timings in ``m``; ``last`` names the
+        metric (``train/time_up`` | ``train/out_of_data``) set to 1 when this is the last version. Every rank
+        calls it (ZeRO-3 gathers the weights collectively)."""
+        t0 = time.perf_counter()
+        tensors = self.serving_tensors()  # every rank: under ZeRO-3 a collective gather
+        new_version = self.version + 1
+        self.fresh_ids += pending_ids
+        if self.state_dir:  # saved before it is published: a resume never re-publishes a number
+            self.core.save_state(self.state_dir, f"v{new_version}", {
+                "version": new_version, "fresh_ids": self.fresh_ids, "num_lost": self.num_lost})
+            m["sync/save_seconds"] = time.perf_counter() - t0
+        source.commit()
+        if self.rank == 0:
+            sha = tensors_sha256(tensors)  # the one hash of this version on the publishing side
+            t_pub = time.perf_counter()
+            reports, extra = sink.publish(new_version, self.version, step, tensors, sha, cfg_dict)
+            m.update(extra)
+            m["sync/num_fallbacks"] = float(sum(1 for r in reports if r.get("fallback")))
+            m["sync/publish_s"] = time.perf_counter() - t_pub  # the sink's push, up to every receiver loaded
+            m["sync/num_workers_ok"] = float(sum(1 for r in reports if r.get("sha256") == sha))
+            m["sync/num_workers"] = float(len(reports))
+        m["sync/seconds"] = time.perf_counter() - t0
+        self.version = new_version
+        source.set_version(new_version)
+        m["sync/version"] = float(self.version)
+        if last is not None:
+            m[last] = 1.0  # distill.max_train_s spent (or the data ran out): this was the last version
+
+    def _may_publish_next(self, t_first_step: float | None, last_step_s: float) -> bool:
+        """Whether the coming optimizer step may end in a publication (its step count, or a time budget that
+        could run out within two steps): a batch prefetched before it would be leased at the commit untrained."""
+        dc = self.dc
+        if (self.core.global_step + 1) % dc.publish_every == 0 or self._should_stop():
+            return True
+        return (dc.max_train_s is not None and t_first_step is not None
+                and time.time() - t_first_step + 2 * last_step_s >= dc.max_train_s)
