@@ -1,0 +1,48 @@
+"""Whether the Triton kernels of this package can run, and the one switch that turns them off.
+
+Triton is optional (never a dependency of the project): without it every caller uses the pure-torch reference.
+``ADAFLASH_FUSED_KERNELS=off`` (or ``0`` / ``false``) in the environment disables the fused kernels even where
+Triton and CUDA are present (A/B timings without a code change); ``auto`` / unset leaves the choice to the caller.
+"""
+from __future__ import annotations
+
+import os
+
+try:  # optional: the GPU image carries it; CPU machines may not
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+ENV_VAR = "ADAFLASH_FUSED_KERNELS"
+_OFF = ("off", "0", "false", "no")
+_ON = ("auto", "on", "1", "true", "yes", "")
+
+
+def env_mode() -> str | None:
+    """``"off"``, ``"auto"`` or None (unset) from ``ADAFLASH_FUSED_KERNELS``. Raises ValueError on another value."""
+    raw = os.environ.get(ENV_VAR)
+    if raw is None:
+        return None
+    v = raw.strip().lower()
+    if v in _OFF:
+        return "off"
+    if v in _ON:
+        return "auto"
+    raise ValueError(f"{ENV_VAR}={raw!r}: expected auto or off")
+
+
+def interpreting() -> bool:
+    """True under Triton's CPU interpreter (``TRITON_INTERPRET=1``): kernels then accept CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_usable(device) -> bool:
+    """True when Triton imports and can launch on ``device`` (a CUDA device, or any device under the interpreter)."""
+    import torch
+
+    dev = torch.device(device)
+    return HAVE_TRITON and (dev.type == "cuda" or interpreting())
