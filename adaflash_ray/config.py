@@ -366,8 +366,10 @@ class LoggingConfig(_Section):
     """Where the driver writes logs, metrics and reports."""
 
     run_root: str = "runs"
-    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
-    wandb_project: str = "adaflash_ray"
+    # None = $WANDB_MODE / $WANDB_PROJECT when set, else offline / adaflash_ray (adaflash_ray.metrics.wandb_settings);
+    # a value here wins over the environment
+    wandb_mode: Literal["offline", "online", "disabled"] | None = None
+    wandb_project: str | None = None
     progress: bool = True  # a progress bar on a terminal; without one (ray job logs), a plain line ...
     progress_every_s: float = Field(30.0, gt=0)  # ... every this many seconds
 

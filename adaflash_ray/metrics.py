@@ -4,34 +4,75 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import warnings
 from pathlib import Path
 
 
+#: The x-axis of each record kind in wandb (``define_metric(..., step_metric=...)``): a kind's metrics are charted
+#: against this key when its record carries it, else against the kind's own record counter ``<kind>/record``.
+#: Per-worker records (a ``worker`` field) go under ``worker<i>/...`` with the axis ``worker<i>/poll``.
+WANDB_AXES = {"train": "train/step", "eval": "eval/version", "canary": "canary/version", "sync": "sync/version"}
+
+
+def wandb_settings(mode: str | None, project: str | None, env: dict | None = None) -> tuple[str, str]:
+    """(mode, project) for ``wandb.init``: the recipe's value when it sets one, else ``$WANDB_MODE`` /
+    ``$WANDB_PROJECT``, else ``offline`` / ``adaflash_ray`` (wandb's own environment variables, as its users
+    expect them to work; an explicit recipe value wins, as an explicit ``wandb.init`` argument does)."""
+    env = os.environ if env is None else env
+    return (mode or env.get("WANDB_MODE") or "offline", project or env.get("WANDB_PROJECT") or "adaflash_ray")
+
+
 class MetricsSink:
     """Append flat ``dict[str, float]`` records to ``<run_dir>/metrics.jsonl`` and to wandb.
 
-    wandb runs in the mode of the recipe (``offline`` writes under ``<run_dir>/wandb``); a wandb
-    failure is reported once and the JSONL log continues (nothing is lost).
+    wandb: mode and project from :func:`wandb_settings` (``offline`` writes under ``<run_dir>/wandb``; ``disabled``
+    starts nothing). Each record kind gets its own x-axis (:data:`WANDB_AXES`, registered with
+    ``wandb.define_metric`` the first time a metric appears), so train steps, eval versions and each worker's
+    polls are charted on their own axes instead of wandb's one global step; ``wandb.log`` is called without
+    ``step=``, which would have to grow monotonically across all kinds. A wandb failure is reported once and the
+    JSONL log continues (nothing is lost). The JSONL records keep their flat keys (``worker`` as a field).
     """
 
-    def __init__(self, run_dir: Path, wandb_mode: str = "offline", project: str = "adaflash_ray",
+    def __init__(self, run_dir: Path, wandb_mode: str | None = None, project: str | None = None,
                  config: dict | None = None, name: str | None = None):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self._fh = self.path.open("a")
         self._t0 = time.time()
         self._wandb = None
-        if wandb_mode != "disabled":
+        self._defined: set[str] = set()  # wandb keys already given their axis
+        self._counts: dict[str, int] = {}  # records per axis counter (<kind>/record, worker<i>/poll)
+        mode, project = wandb_settings(wandb_mode, project)
+        self.wandb_mode, self.wandb_project = mode, project
+        if mode != "disabled":
             try:
                 import wandb
 
-                self._wandb = wandb.init(project=project, mode=wandb_mode, dir=str(self.run_dir), config=config,
+                self._wandb = wandb.init(project=project, mode=mode, dir=str(self.run_dir), config=config,
                                          name=name, reinit="finish_previous")
             except Exception as e:  # wandb is a sink, not a dependency of correctness
                 warnings.warn(f"wandb disabled: {e!r}")
                 self._wandb = None
+
+    def _wandb_record(self, metrics: dict, step: int | None, kind: str) -> tuple[dict, str]:
+        """(the numeric record under its wandb keys, with its axis value; the axis key)."""
+        num = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        worker = num.pop("worker", None) if "worker" in metrics else None
+        if worker is not None:
+            prefix = f"worker{int(worker)}/"
+            num = {prefix + k: v for k, v in num.items()}
+            axis = prefix + "poll"
+        else:
+            axis = WANDB_AXES.get(kind, "")
+            if kind == "train" and step is not None:
+                num.setdefault(axis, step)
+            if axis not in num:
+                axis = f"{kind}/record"
+        if axis not in num:
+            self._counts[axis] = num[axis] = self._counts.get(axis, 0) + 1
+        return num, axis
 
     def log(self, metrics: dict, step: int | None = None, kind: str = "metrics") -> None:
         rec = {"kind": kind, "time": time.time(), "wall_s": time.time() - self._t0}
@@ -41,8 +82,15 @@ class MetricsSink:
         self._fh.write(json.dumps(rec) + "\n")
         self._fh.flush()
         if self._wandb is not None:
-            num = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            num, axis = self._wandb_record(metrics, step, kind)
             try:
+                if axis not in self._defined:
+                    self._wandb.define_metric(axis)
+                    self._defined.add(axis)
+                for k in num:
+                    if k not in self._defined:
+                        self._wandb.define_metric(k, step_metric=axis)
+                        self._defined.add(k)
                 self._wandb.log(num)
             except Exception as e:
                 warnings.warn(f"wandb log failed, continuing with JSONL only: {e!r}")
