@@ -72,6 +72,25 @@ def kl_terms(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_head
     return ce, div * (temperature * temperature), s_arg, t_arg, conf
 
 
+def check_head_inputs(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+                      chunk_size: int, temperature: float) -> None:
+    """Shared argument checks of the head losses (here and :mod:`adaflash_ray.kernels.fused_distill`).
+
+    Raises:
+        ValueError: ``student_hidden`` / ``teacher_hidden`` not both ``[M, H]``, ``lm_head_weight`` not ``[V, H]``,
+            ``chunk_size < 1`` or ``temperature <= 0``.
+    """
+    if student_hidden.dim() != 2 or student_hidden.shape != teacher_hidden.shape:
+        raise ValueError(f"student_hidden {tuple(student_hidden.shape)} and teacher_hidden "
+                         f"{tuple(teacher_hidden.shape)} must both be [M, H]")
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != student_hidden.shape[1]:
+        raise ValueError(f"lm_head_weight {tuple(lm_head_weight.shape)} must be [V, {student_hidden.shape[1]}]")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
 def chunked_kl_terms(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
                      *, temperature: float = 1.0, chunk_size: int = 1024, direction: Direction = "reverse",
                      want_conf: bool = True
@@ -88,15 +107,7 @@ def chunked_kl_terms(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
     Raises:
         ValueError: mismatched shapes, ``chunk_size < 1`` or ``temperature <= 0``.
     """
-    if student_hidden.dim() != 2 or student_hidden.shape != teacher_hidden.shape:
-        raise ValueError(f"student_hidden {tuple(student_hidden.shape)} and teacher_hidden "
-                         f"{tuple(teacher_hidden.shape)} must both be [M, H]")
-    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != student_hidden.shape[1]:
-        raise ValueError(f"lm_head_weight {tuple(lm_head_weight.shape)} must be [V, {student_hidden.shape[1]}]")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_head_inputs(student_hidden, teacher_hidden, lm_head_weight, chunk_size, temperature)
     num_rows = student_hidden.shape[0]
     teacher_hidden = teacher_hidden.detach()
     # a single chunk gains nothing from recomputation (its logits are the peak either way): skip it,

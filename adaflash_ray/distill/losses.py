@@ -2,7 +2,9 @@
 
 - :func:`mixture_rkl_loss`: the AdaFlash objective ``α·CE(z_S, argmax z_T) + (1-α)·L_RKL``
   (github ZinYY/AdaFlash, pipeline/training/rkl_model.py), computed in row chunks through
-  :func:`adaflash_ray.kernels.chunked_kl.chunked_kl_terms` so the full ``[M, V]`` softmax never exists at once.
+  :func:`adaflash_ray.kernels.chunked_kl.chunked_kl_terms` so the full ``[M, V]`` softmax never exists at once
+  (``impl="reference"``), or by :func:`adaflash_ray.kernels.fused_distill.fused_distill_loss`, which also computes
+  the gradient into the drafter's hidden states in its forward pass (``impl="torch" | "triton"``).
 - :func:`forward_kl_loss`: the OSD baseline (forward KL, α = 0).
 - :func:`accepted_length` / :func:`length_loss`: the label and MSE of the ``direct`` length head.
 - :func:`acceptance_loss`: the masked BCE of the ``cost`` policy's per-position acceptance head (labels from
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 
 from adaflash_ray.models.length_head import direct_length_label
 from adaflash_ray.kernels.chunked_kl import chunked_kl_terms
+from adaflash_ray.kernels.fused_distill import fused_distill_loss, resolve_loss_impl
 
 CLIP_MODES = ("per_token", "reference")
 
@@ -32,23 +35,34 @@ def _check_rows(student_hidden: torch.Tensor, weights: torch.Tensor,
 
 
 def _terms(student_hidden, teacher_hidden, lm_head_weight, temperature, chunk_size, direction, argmax_out,
-           confidence_out):
-    """:func:`chunked_kl_terms`, copying the student argmax / confidence into the caller's optional outputs."""
-    ce, div, s_arg, t_arg, conf = chunked_kl_terms(student_hidden, teacher_hidden, lm_head_weight,
-                                                   temperature=temperature, chunk_size=chunk_size,
-                                                   direction=direction, want_conf=confidence_out is not None)
+           confidence_out, fused: dict | None = None):
+    """Per-row terms ``(ce, div, s_arg, t_arg)`` and the fused loss (None on the reference path), copying the
+    student argmax / confidence into the caller's optional outputs.
+
+    ``fused=None``: :func:`chunked_kl_terms` (terms with autograd). Otherwise ``fused`` holds the remaining keyword
+    arguments of :func:`fused_distill_loss` (``weights, alpha, clip, clip_mode, backend``): its loss carries the
+    gradient and the terms are detached."""
+    loss = None
+    if fused is None:
+        ce, div, s_arg, t_arg, conf = chunked_kl_terms(student_hidden, teacher_hidden, lm_head_weight,
+                                                       temperature=temperature, chunk_size=chunk_size,
+                                                       direction=direction, want_conf=confidence_out is not None)
+    else:
+        loss, (ce, div, s_arg, t_arg, conf) = fused_distill_loss(
+            student_hidden, teacher_hidden, lm_head_weight, temperature=temperature, chunk_size=chunk_size,
+            direction=direction, want_conf=confidence_out is not None, **fused)
     if argmax_out is not None:
         argmax_out.copy_(s_arg)
     if confidence_out is not None:
         confidence_out.copy_(conf)
-    return ce, div, s_arg, t_arg
+    return ce, div, s_arg, t_arg, loss
 
 
 def mixture_rkl_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
                      weights: torch.Tensor, *, alpha: float = 0.8, temperature: float = 1.0, clip: float = 10.0,
                      clip_mode: str = "per_token", chunk_size: int = 1024,
-                     argmax_out: torch.Tensor | None = None, confidence_out: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, dict[str, float]]:
+                     argmax_out: torch.Tensor | None = None, confidence_out: torch.Tensor | None = None,
+                     impl: str = "reference") -> tuple[torch.Tensor, dict[str, float]]:
     """Mixture reverse-KL distillation loss (docs/design/ALGORITHMS.md §3; AdaFlash).
 
     ``L = α·CE + (1-α)·L_RKL`` with ``CE = Σ_i w_i·CE_i / Σ_i w_i``, ``CE_i = -log softmax(z_S,i)[argmax z_T,i]``
@@ -71,6 +85,9 @@ def mixture_rkl_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
         confidence_out: optional float32 ``[M, 2]`` tensor that receives the student's (max probability,
             entropy) at temperature 1 (no gradient; the ``cost`` length head's confidence input,
             :func:`adaflash_ray.models.length_head.draft_confidence`), taken from the loss's own logits.
+        impl: ``distill.loss_impl``: ``reference`` (:func:`chunked_kl_terms` under autograd), ``torch`` / ``triton``
+            (:func:`fused_distill_loss` with that backend: the same loss, its gradient computed in the forward
+            pass), ``auto`` (:func:`adaflash_ray.kernels.fused_distill.resolve_loss_impl` on the input's device).
     Returns:
         ``(loss, metrics)``: loss a float32 scalar with gradient into ``student_hidden``; metrics
         ``train/ce``, ``train/rkl`` (the clipped L_RKL), ``train/rkl_raw`` (unclipped weighted mean),
@@ -78,13 +95,17 @@ def mixture_rkl_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
         share of positions with student argmax == teacher argmax), all Python floats.
         With ``M = 0`` or ``Σw = 0`` the loss is an exact zero that still depends on ``student_hidden``.
     Raises:
-        ValueError: bad shapes (``confidence_out`` included), ``clip_mode``, ``chunk_size`` or ``temperature``.
+        ValueError: bad shapes (``confidence_out`` included), ``clip_mode``, ``chunk_size``, ``temperature`` or
+            ``impl`` (``triton`` off CUDA).
     """
     if clip_mode not in CLIP_MODES:
         raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
     _check_rows(student_hidden, weights, confidence_out)
-    ce, rkl, s_arg, t_arg = _terms(student_hidden, teacher_hidden, lm_head_weight, temperature, chunk_size,
-                                   "reverse", argmax_out, confidence_out)
+    impl = resolve_loss_impl(impl, student_hidden.device)
+    fused = None if impl == "reference" else dict(weights=weights, alpha=alpha, clip=clip, clip_mode=clip_mode,
+                                                   backend=impl)
+    ce, rkl, s_arg, t_arg, fused_loss = _terms(student_hidden, teacher_hidden, lm_head_weight, temperature,
+                                               chunk_size, "reverse", argmax_out, confidence_out, fused)
     w = weights.detach().float()
     den = w.sum()
     safe_den = den.clamp_min(1e-12)
@@ -97,7 +118,7 @@ def mixture_rkl_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
         per_token = rkl / safe_den
         rkl_loss = (w * per_token.clamp(max=clip)).sum()
         clipped = per_token.detach() > clip
-    loss = alpha * ce_loss + (1.0 - alpha) * rkl_loss
+    loss = alpha * ce_loss + (1.0 - alpha) * rkl_loss if fused_loss is None else fused_loss
     if student_hidden.shape[0] == 0:
         loss = loss + 0.0 * student_hidden.sum()  # an exact zero that still has a graph
     with torch.no_grad():
@@ -110,18 +131,22 @@ def mixture_rkl_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
 
 def forward_kl_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
                     weights: torch.Tensor, *, temperature: float = 1.0, chunk_size: int = 1024,
-                    confidence_out: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                    confidence_out: torch.Tensor | None = None, impl: str = "reference"
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
     """The OSD baseline: weighted forward KL ``Σ_i w_i·T²·KL(p_T,i || p_S,i) / Σ_i w_i`` (α = 0, no clip).
 
-    Shapes and ``confidence_out`` as :func:`mixture_rkl_loss`. Returns ``(loss, {"train/fkl",
-    "train/top1_match"})``. Raises ValueError on bad shapes.
+    Shapes, ``confidence_out`` and ``impl`` as :func:`mixture_rkl_loss`. Returns ``(loss, {"train/fkl",
+    "train/top1_match"})``. Raises ValueError on bad shapes or ``impl``.
     """
     _check_rows(student_hidden, weights, confidence_out)
-    _, fkl, s_arg, t_arg = _terms(student_hidden, teacher_hidden, lm_head_weight, temperature, chunk_size,
-                                  "forward", None, confidence_out)
+    impl = resolve_loss_impl(impl, student_hidden.device)
+    fused = None if impl == "reference" else dict(weights=weights, alpha=0.0, clip=float("inf"),
+                                                   clip_mode="per_token", backend=impl)
+    _, fkl, s_arg, t_arg, fused_loss = _terms(student_hidden, teacher_hidden, lm_head_weight, temperature,
+                                              chunk_size, "forward", None, confidence_out, fused)
     w = weights.detach().float()
     safe_den = w.sum().clamp_min(1e-12)
-    loss = (w * fkl).sum() / safe_den
+    loss = (w * fkl).sum() / safe_den if fused_loss is None else fused_loss
     if student_hidden.shape[0] == 0:
         loss = loss + 0.0 * student_hidden.sum()
     with torch.no_grad():

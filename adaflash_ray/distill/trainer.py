@@ -27,6 +27,7 @@ from torch import nn
 
 from adaflash_ray.distill.blocks import Batch, collate, with_recomputed_features
 from adaflash_ray.distill.losses import acceptance_loss, accepted_length, length_loss, mixture_rkl_loss
+from adaflash_ray.kernels.fused_distill import resolve_loss_impl
 from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
 from adaflash_ray.models.factory import build_drafter
 from adaflash_ray.models.length_head import AcceptanceHead, DirectLengthHead, acceptance_labels
@@ -93,7 +94,8 @@ class DistillModule(nn.Module):
         loss, metrics = mixture_rkl_loss(student, teacher, self._lm_head.weight, batch.weights[sel],
                                          alpha=cfg.alpha, temperature=cfg.temperature, clip=cfg.rkl_clip,
                                          clip_mode=cfg.rkl_clip_mode, chunk_size=cfg.loss_chunk_size,
-                                         argmax_out=s_arg, confidence_out=conf)
+                                         argmax_out=s_arg, confidence_out=conf,
+                                         impl=getattr(cfg, "loss_impl", "reference"))
         draft_ids = torch.full_like(batch.target_ids, -1)
         draft_ids[sel] = s_arg
         num_accepted = accepted_length(draft_ids, batch.target_ids, sel)  # [B, N]
@@ -163,6 +165,8 @@ class DistillTrainerCore:
         self.rank, self.world_size = rank, world_size
         self.target = target.requires_grad_(False)
         self.device = target.lm_head.weight.device
+        # the loss implementation this trainer runs (an unusable "triton" fails here, not at the first step)
+        self.loss_impl = resolve_loss_impl(getattr(distill_cfg, "loss_impl", "reference"), self.device)
         cuda = self.device.type == "cuda"
         accel = get_accelerator().device_name()
         if accel != self.device.type:
