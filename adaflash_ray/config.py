@@ -222,6 +222,18 @@ class DistillConfig(_Section):
     weight_sync: Literal["object_store", "collective"] = "object_store"
     weight_sync_timeout_s: float = Field(120.0, gt=0)  # a broadcast (or the group's set-up) waits this long
     loss_chunk_size: int = Field(1024, ge=1)  # positions per vocab-softmax chunk
+    # the loss over the shared frozen head (adaflash_ray.kernels.fused_distill): "reference" = chunked terms under
+    # autograd (activation-checkpointed per chunk); "torch" / "triton" = the fused loss that computes the gradient
+    # into the drafter's hidden states in its forward pass (3 GEMMs per chunk, no [positions, vocab] activations
+    # kept), per-row math in pure torch or in a Triton kernel (CUDA); "auto" = triton on CUDA when triton imports,
+    # else reference (the CPU default stays the reference computation)
+    loss_impl: Literal["auto", "reference", "torch", "triton"] = "auto"
+    # the loss over the shared frozen head (adaflash_ray.kernels.fused_distill): "reference" = chunked terms under
+    # autograd (activation-checkpointed per chunk); "torch" / "triton" = the fused loss that computes the gradient
+    # into the drafter's hidden states in its forward pass (3 GEMMs per chunk, no [positions, vocab] activations
+    # kept), per-row math in pure torch or in a Triton kernel (CUDA); "auto" = triton on CUDA when triton imports,
+    # else reference (the CPU default stays the reference computation)
+    loss_impl: Literal["auto", "reference", "torch", "triton"] = "auto"
     # times one trajectory may feed an optimizer step (fresh anchors each time); > 1 lets a trainer
     # that outpaces inference keep stepping on recent on-policy data (still within max_version_lag)
     max_reuse: int = Field(6, ge=1)
@@ -366,8 +378,10 @@ class LoggingConfig(_Section):
     """Where the driver writes logs, metrics and reports."""
 
     run_root: str = "runs"
-    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
-    wandb_project: str = "adaflash_ray"
+    # None = $WANDB_MODE / $WANDB_PROJECT when set, else offline / adaflash_ray (adaflash_ray.metrics.wandb_settings);
+    # a value here wins over the environment
+    wandb_mode: Literal["offline", "online", "disabled"] | None = None
+    wandb_project: str | None = None
     progress: bool = True  # a progress bar on a terminal; without one (ray job logs), a plain line ...
     progress_every_s: float = Field(30.0, gt=0)  # ... every this many seconds
 
