@@ -430,6 +430,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--trainer" in (sys.argv[1:] if argv is None else argv):  # trainer mode: adaflash_ray/trainer_bench.py
+        from adaflash_ray.trainer_bench import main as trainer_main
+        return trainer_main(argv)
     parser = _parser()
     ns = parser.parse_args(argv)
     if ns.concurrency is not None and min(ns.concurrency) < 1:

@@ -1,0 +1,284 @@
+"""Trainer benchmark: block positions per second of one distillation rank, the target recompute included.
+
+Builds :class:`adaflash_ray.distill.trainer.DistillTrainerCore` Ray-free (one rank, as tests/test_distill.py does),
+feeds it synthetic trajectories of the recipe's shape (token ids only - ``distill.features`` is forced to
+``recompute``, so every step runs the frozen target over the batch first, as the GPU recipe's trainer does) and
+times whole optimizer steps (:meth:`DistillTrainerCore.train_step`), then a few more steps with every phase
+bracketed by device synchronisations for the split::
+
+    python -m adaflash_ray.bench --trainer --recipe recipes/smollm2_135m_gpu.yaml --shape smollm2-135m \\
+        --batch-sizes 16 32 --set distill.loss_impl=triton --out trainer.json
+    python -m adaflash_ray.trainer_bench ...      # the same entry point
+
+Synthetic trajectories: ``--prompt-len`` prompt tokens then ``--new-tokens`` response tokens (default: the recipe's
+``engine.max_new_tokens``), ids uniform over the vocabulary (step cost does not depend on the values). ``--shape``
+uses random weights of a named shape (:data:`adaflash_ray.shapes.SHAPES`) in the recipe's ``model.dtype`` on its
+``model.device`` instead of loading the recipe's model.
+
+Output: one JSON object on the last stdout line (and in ``--out``): ``device, commit, torch_version, recipe,
+shape, loss_impl`` (resolved), ``peak_tflops`` (the bf16 dense peak the floor uses: 989 TFLOP/s, the H200 SXM data
+sheet figure; measured GEMMs reach ~790 there), ``rows`` - per batch size: ``batch_size, block_positions`` (valid
+blocks x (block_size-1) per step, the unit of the 118k positions/s baseline), ``supervised_positions`` (those with
+weight > 0), ``step_s`` (median of the timed steps), ``positions_per_s`` (block positions / mean step time),
+``split_s`` (``target_recompute, prep, drafter_forward, loss, forward_other, backward, optimizer, other`` - medians
+over the split steps, in seconds; ``loss`` is :func:`adaflash_ray.distill.losses.mixture_rkl_loss` whole, its
+backward share is in ``backward`` for ``loss_impl: reference`` and in ``loss`` for the fused ones),
+``peak_mem_gib`` (CUDA only), ``flops`` (``target, drafter, head, total`` per step) and ``floor_ratio`` (step time
+/ total FLOPs at ``peak_tflops``).
+
+FLOP model (multiply-adds x 2): target forward = matmul weights x tokens + causal attention ``2·nh·hd·t²`` per
+layer and sequence; drafter = 3 x its forward (forward + backward), forward = projections of the block positions
+and of the context K/V, the ``fc`` context projection, and attention over each block's visible keys
+(context before its anchor + its own block); head = 3 GEMMs ``2·M·H·V`` (student and teacher logits, input
+gradient; the frozen head has no weight gradient).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from adaflash_ray.config import RecipeError, add_recipe_args, config_from_args
+
+PEAK_TFLOPS = 989.0  # H200 SXM bf16 dense, NVIDIA data sheet (no sparsity)
+SPLIT_PHASES = ("target_recompute", "prep", "drafter_forward", "loss", "forward_other", "backward", "optimizer",
+                "other")
+
+
+def synthetic_trajectories(num: int, prompt_len: int, new_tokens: int, vocab_size: int, seed: int) -> list:
+    """``num`` :class:`~adaflash_ray.trajectory.Trajectory` of ``prompt_len + new_tokens`` uniform random token ids,
+    no features (``features: recompute``), drafter version 0. Raises ValueError if ``prompt_len < 1`` or
+    ``new_tokens < 2``."""
+    from adaflash_ray.trajectory import Trajectory
+
+    if prompt_len < 1 or new_tokens < 2:
+        raise ValueError(f"need prompt_len >= 1 and new_tokens >= 2, got {prompt_len}, {new_tokens}")
+    g = torch.Generator().manual_seed(seed)
+    return [Trajectory(request_id=f"bench{i}", token_ids=torch.randint(0, vocab_size, (prompt_len + new_tokens,),
+                                                                        generator=g),
+                       prompt_len=prompt_len, features=None, last_hidden=None, drafter_version=0)
+            for i in range(num)]
+
+
+def step_flops(tcfg, dcfg, seq_lens: list[int], anchors_per_seq: list[list[int]], positions: int) -> dict:
+    """FLOPs of one training step (the module docstring's model).
+
+    Args:
+        tcfg: the target's :class:`~adaflash_ray.models.target.TargetConfig`; dcfg: the drafter's
+            :class:`~adaflash_ray.models.drafter.DrafterModelConfig`.
+        seq_lens: tokens per trajectory (the target and the context see ``T - 1`` positions each).
+        anchors_per_seq: the valid anchors of each trajectory's blocks.
+        positions: supervised positions (rows of the head loss).
+    Returns:
+        ``{"target", "drafter", "head", "total"}`` in FLOPs (floats).
+    """
+    h, i, nh, nkv, hd = (tcfg.hidden_size, tcfg.intermediate_size, tcfg.num_attention_heads,
+                         tcfg.num_key_value_heads, tcfg.head_dim)
+    per_tok = 2 * tcfg.num_hidden_layers * (h * nh * hd + 2 * h * nkv * hd + nh * hd * h + 3 * h * i)
+    ctx = [t - 1 for t in seq_lens]
+    target = sum(per_tok * t + tcfg.num_hidden_layers * 2 * nh * hd * t * t for t in ctx)
+    dh, di, dnh, dnkv, dhd, bs = (dcfg.hidden_size, dcfg.intermediate_size, dcfg.num_attention_heads,
+                                  dcfg.num_key_value_heads, dcfg.head_dim, dcfg.block_size)
+    q = sum(len(a) for a in anchors_per_seq) * bs  # block query positions
+    n_ctx = sum(ctx)
+    k = len(dcfg.target_layer_ids)
+    fwd = 2 * n_ctx * k * dcfg.target_hidden_size * dh  # fc
+    per_layer_q = 2 * (dh * dnh * dhd + dnh * dhd * dh + 3 * dh * di + 2 * dh * dnkv * dhd)
+    per_layer_ctx = 2 * 2 * dh * dnkv * dhd  # context K and V
+    attn = sum(2 * 2 * dnh * dhd * bs * (a + bs) for anchors in anchors_per_seq for a in anchors)
+    fwd += dcfg.num_hidden_layers * (per_layer_q * q + per_layer_ctx * n_ctx + attn)
+    drafter = 3 * fwd
+    head = 3 * 2 * positions * tcfg.hidden_size * tcfg.vocab_size
+    return {"target": float(target), "drafter": float(drafter), "head": float(head),
+            "total": float(target + drafter + head)}
+
+
+class _PhaseTimer:
+    """Accumulates wall time of wrapped callables, synchronising the device before and after each call."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.times: dict[str, float] = {}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            self._sync()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self._sync()
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+            return out
+
+        return timed
+
+
+@contextlib.contextmanager
+def _instrumented(core, timer: _PhaseTimer):
+    """Time the phases of ``core.train_step`` by wrapping what it calls (restored on exit)."""
+    import adaflash_ray.distill.trainer as trainer_mod
+
+    saved_mod = {n: getattr(trainer_mod, n) for n in ("with_recomputed_features", "mixture_rkl_loss")}
+    setattr(trainer_mod, "with_recomputed_features",
+            timer.wrap("target_recompute", saved_mod["with_recomputed_features"]))
+    setattr(trainer_mod, "mixture_rkl_loss", timer.wrap("loss", saved_mod["mixture_rkl_loss"]))
+    inst = [(core.drafter, "forward_train", "drafter_forward"), (core.engine, "backward", "backward"),
+            (core.engine, "step", "optimizer")]
+    for obj, attr, name in inst:
+        setattr(obj, attr, timer.wrap(name, getattr(obj, attr)))
+    try:
+        yield
+    finally:
+        for n, fn in saved_mod.items():
+            setattr(trainer_mod, n, fn)
+        for obj, attr, _ in inst:
+            delattr(obj, attr)  # back to the class's method
+
+
+def bench_batch(core, trajectories: list, *, warmup: int, steps: int, split_steps: int) -> dict:
+    """Time ``core.train_step`` on ``trajectories``: ``warmup`` untimed steps, ``steps`` timed, ``split_steps``
+    instrumented. Returns one ``rows`` entry of the module docstring (without ``flops`` / ``floor_ratio``)."""
+    device = core.device
+    cuda = device.type == "cuda"
+    for _ in range(warmup):
+        core.train_step(trajectories)
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    times, blocks, positions = [], [], []
+    bs1 = core.drafter.block_size - 1
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        m = core.train_step(trajectories)  # ends with a device sync on CUDA
+        times.append(time.perf_counter() - t0)
+        blocks.append(m["train/num_blocks"] * bs1)
+        positions.append(m["train/num_positions"])
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+    splits: dict[str, list[float]] = {p: [] for p in SPLIT_PHASES}
+    for _ in range(split_steps):
+        timer = _PhaseTimer(device)
+        with _instrumented(core, timer):
+            m = core.train_step(trajectories)
+        t = dict(timer.times)
+        t["prep"] = max(0.0, m["train/prep_s"] - t.get("target_recompute", 0.0))
+        t["forward_other"] = max(0.0, m["train/forward_s"] - t.get("drafter_forward", 0.0) - t.get("loss", 0.0))
+        t["other"] = max(0.0, m["train/seconds"] - sum(t.get(p, 0.0) for p in SPLIT_PHASES if p != "other"))
+        for p in SPLIT_PHASES:
+            splits[p].append(t.get(p, 0.0))
+    return {"batch_size": len(trajectories), "block_positions": statistics.mean(blocks),
+            "supervised_positions": statistics.mean(positions), "step_s": statistics.median(times),
+            "positions_per_s": sum(blocks) / sum(times),
+            "split_s": {p: (statistics.median(v) if v else None) for p, v in splits.items()},
+            "peak_mem_gib": peak, "last_loss": m["train/loss"]}
+
+
+def _anchors_of(core, trajectories: list) -> list[list[int]]:
+    """Valid anchors one collate of ``trajectories`` samples (a fresh generator: same counts as the steps)."""
+    from adaflash_ray.distill.blocks import sample_anchors
+
+    g = torch.Generator().manual_seed(0)
+    return [sample_anchors(tr.prompt_len, tr.num_tokens, core.distill_cfg.num_anchors, core.drafter.block_size,
+                           g).tolist() for tr in trajectories]
+
+
+def run(cfg, *, shape: str | None, batch_sizes: list[int], prompt_len: int, new_tokens: int, warmup: int,
+        steps: int, split_steps: int, log=print) -> dict:
+    """The benchmark document (module docstring) for a loaded recipe ``cfg``.
+
+    Raises:
+        ValueError: bad sizes, an unknown shape, or a trainer construction error (e.g. ``loss_impl: triton``
+            off CUDA).
+    """
+    from adaflash_ray.bench import _header
+    from adaflash_ray.distill.trainer import DistillTrainerCore
+    from adaflash_ray.models.factory import load_target
+    from adaflash_ray.shapes import build_random_target, shape_config
+
+    if min(batch_sizes) < 1 or steps < 1 or warmup < 0 or split_steps < 0:
+        raise ValueError("batch sizes and --steps must be >= 1, --warmup and --split-steps >= 0")
+    device = cfg.model.device
+    if shape is not None:
+        target = build_random_target(shape_config(shape), device=device, dtype=getattr(torch, cfg.model.dtype),
+                                     seed=cfg.seed)
+    else:
+        target = load_target(cfg.model)
+    dcfg = cfg.distill.model_copy(update={"features": "recompute"})  # trajectories carry token ids only
+    rows, impl = [], None
+    if not torch.distributed.is_initialized():
+        DistillTrainerCore.setup_dist_env(0, 1)
+    for b in batch_sizes:
+        core = DistillTrainerCore(target, cfg.drafter, cfg.length_head, dcfg, seed=cfg.seed)
+        impl = core.loss_impl
+        trajs = synthetic_trajectories(b, prompt_len, new_tokens, target.config.vocab_size, cfg.seed)
+        row = bench_batch(core, trajs, warmup=warmup, steps=steps, split_steps=split_steps)
+        row["flops"] = step_flops(target.config, core.drafter.config, [tr.num_tokens for tr in trajs],
+                                  _anchors_of(core, trajs), int(row["supervised_positions"]))
+        row["floor_ratio"] = row["step_s"] / (row["flops"]["total"] / (PEAK_TFLOPS * 1e12))
+        log(f"trainer bench: batch {b} ({impl}): {row['positions_per_s']:,.0f} block positions/s, "
+            f"step {row['step_s'] * 1e3:.1f} ms, {row['floor_ratio']:.1f}x the FLOP floor, split "
+            + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in row["split_s"].items() if v is not None) + " ms")
+        rows.append(row)
+        del core
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return {**_header(device), "mode": "trainer", "recipe": cfg.name, "shape": shape, "loss_impl": impl,
+            "loss_chunk_size": cfg.distill.loss_chunk_size, "num_anchors": cfg.distill.num_anchors,
+            "prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": cfg.model.dtype,
+            "peak_tflops": PEAK_TFLOPS, "rows": rows}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m adaflash_ray.bench --trainer", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trainer", action="store_true", help="(the bench mode flag; accepted and ignored here)")
+    add_recipe_args(p)
+    p.add_argument("--shape", default=None, help="random weights of this shape (adaflash_ray.shapes.SHAPES) "
+                                                 "instead of the recipe's model")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                   help="trajectories per step (default: the recipe's distill.batch_size)")
+    p.add_argument("--prompt-len", type=int, default=200, help="prompt tokens per synthetic trajectory")
+    p.add_argument("--new-tokens", type=int, default=None, help="response tokens (default engine.max_new_tokens)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps (default 3 on CUDA, 1 on CPU)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 10 on CUDA, 2 on CPU)")
+    p.add_argument("--split-steps", type=int, default=None, help="instrumented steps (default 3 on CUDA, 1 on CPU)")
+    p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON document here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point (``python -m adaflash_ray.bench --trainer`` dispatches here). Returns the exit status: 0, or 2
+    on a recipe / argument error (message on stderr)."""
+    ns = _parser().parse_args(argv)
+    try:
+        cfg = config_from_args(ns)
+        cuda = cfg.model.device.startswith("cuda")
+        doc = run(cfg, shape=ns.shape, batch_sizes=ns.batch_sizes or [cfg.distill.batch_size],
+                  prompt_len=ns.prompt_len, new_tokens=ns.new_tokens or cfg.engine.max_new_tokens,
+                  warmup=ns.warmup if ns.warmup is not None else (3 if cuda else 1),
+                  steps=ns.steps or (10 if cuda else 2),
+                  split_steps=ns.split_steps if ns.split_steps is not None else (3 if cuda else 1),
+                  log=lambda msg: print(msg, file=sys.stderr))
+    except (RecipeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(doc)
+    if ns.out:
+        Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(ns.out).write_text(json.dumps(doc, indent=1) + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
