@@ -1,8 +1,10 @@
 """Drafter checkpoints in the DFlash format: a directory with a Hugging Face style ``config.json``
 (``model_type``, ``block_size``, ``dflash_config.{mask_token_id,target_layer_ids}``, widths) and
 ``model.safetensors`` (DFlash parameter names; the length head, if any, under ``length_head.``).
-Public DFlash drafters load; what adaflash_ray trains loads in SGLang's ``DFLASH`` drafter slot
-(it ignores ``length_head.*`` and ``mask_embedding``).
+Public DFlash drafters load (their architecture read from their ``config.json``; what the drafter does not
+implement, e.g. sliding-window layers, is refused naming the field). An exported drafter directory
+(``python -m adaflash_ray.export``: ``model.safetensors`` for SGLang / vLLM, the length head in
+``length_head.safetensors``) loads back too.
 """
 from __future__ import annotations
 
@@ -80,12 +82,39 @@ def save_drafter_checkpoint(path: str | Path, cfg: DrafterModelConfig, tensors: 
     return sha
 
 
+#: The length head's own file in an exported drafter directory (adaflash_ray.export); names without the prefix
+LENGTH_HEAD_FILE = "length_head.safetensors"
+
+
+def _read_safetensors(path: Path, where: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, metadata) of one safetensors file, its stored sha256 (if any) checked.
+
+    Raises:
+        CheckpointError: unreadable / truncated file, or a sha256 that does not match the tensors.
+    """
+    try:
+        tensors = load_file(str(path))
+        from safetensors import safe_open
+        with safe_open(str(path), framework="pt") as fh:
+            meta = dict(fh.metadata() or {})
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"drafter checkpoint {where}: {path.name} is corrupt or truncated: {e}") from e
+    if "sha256" in meta and meta["sha256"] not in (tensors_sha256(tensors), _legacy_sha256(tensors)):
+        raise CheckpointError(f"drafter checkpoint {where}: {path.name}: sha256 mismatch (file modified or corrupt)")
+    return tensors, meta
+
+
 def load_drafter_checkpoint(path: str | Path) -> tuple[DrafterModelConfig, dict[str, torch.Tensor], dict]:
     """Read a DFlash checkpoint directory -> (config, tensors, safetensors metadata).
 
+    The architecture comes from ``config.json`` (:meth:`DrafterModelConfig.from_hf_dict`). A
+    ``length_head.safetensors`` beside ``model.safetensors`` (an exported directory) adds its tensors under
+    ``length_head.``; the metadata returned is ``model.safetensors``'s.
+
     Raises:
-        CheckpointError: missing directory/files, unparsable config.json, or an unreadable /
-            truncated safetensors file, or a stored sha256 that does not match the tensors.
+        CheckpointError: missing directory/files, unparsable config.json or one describing an architecture the
+            drafter does not implement (e.g. sliding-window layers), an unreadable / truncated safetensors file,
+            a stored sha256 that does not match the tensors, or a length head in both files.
     """
     path = Path(path)
     cfg_file, st_file = path / "config.json", path / "model.safetensors"
@@ -96,15 +125,13 @@ def load_drafter_checkpoint(path: str | Path) -> tuple[DrafterModelConfig, dict[
         cfg = DrafterModelConfig.from_hf_dict(json.loads(cfg_file.read_text()))
     except (json.JSONDecodeError, ValueError, TypeError) as e:
         raise CheckpointError(f"drafter checkpoint {path}: bad config.json: {e}") from e
-    try:
-        tensors = load_file(str(st_file))
-        from safetensors import safe_open
-        with safe_open(str(st_file), framework="pt") as fh:
-            meta = dict(fh.metadata() or {})
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        raise CheckpointError(f"drafter checkpoint {path}: model.safetensors is corrupt or truncated: {e}") from e
-    if "sha256" in meta and meta["sha256"] not in (tensors_sha256(tensors), _legacy_sha256(tensors)):
-        raise CheckpointError(f"drafter checkpoint {path}: sha256 mismatch (file modified or corrupt)")
+    tensors, meta = _read_safetensors(st_file, path)
+    if (path / LENGTH_HEAD_FILE).exists():
+        head, _ = _read_safetensors(path / LENGTH_HEAD_FILE, path)
+        if any(k.startswith("length_head.") for k in tensors):
+            raise CheckpointError(f"drafter checkpoint {path}: a length head in both model.safetensors and "
+                                  f"{LENGTH_HEAD_FILE}")
+        tensors.update({f"length_head.{k}": v for k, v in head.items()})
     return cfg, tensors, meta
 
 
@@ -124,5 +151,5 @@ def check_tensors_fit(expected: dict[str, torch.Tensor], tensors: dict[str, torc
             raise CheckpointError(f"{what}: tensor {n} contains NaN/inf")
 
 
-__all__ = ["CheckpointError", "tensors_sha256", "save_drafter_checkpoint", "load_drafter_checkpoint",
+__all__ = ["CheckpointError", "LENGTH_HEAD_FILE", "tensors_sha256", "save_drafter_checkpoint", "load_drafter_checkpoint",
            "check_tensors_fit"]

@@ -94,24 +94,45 @@ class DrafterModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "DrafterModelConfig":
-        """Parse a DFlash ``config.json``. Raises ValueError naming a missing field."""
-        dc = d.get("dflash_config", {})
+        """Parse a DFlash ``config.json``: the architecture comes from the checkpoint.
+
+        Fields are read where SGLang 0.5.23's DFlash reader (``srt/speculative/dflash_utils.py``
+        ``parse_dflash_draft_config``) reads them: ``dflash_config.{block_size, target_layer_ids, mask_token_id,
+        num_target_layers}`` first, then the top level.
+
+        Raises:
+            ValueError: a missing field, or an architecture this drafter does not implement, named by its field
+                (:func:`unsupported_architecture`): sliding-window layers, causal attention, attention biases,
+                an activation other than SiLU, rope scaling, or a DFlash variant (convolution, selector, Domino
+                projector, output multiplier, logit soft-capping).
+        """
+        dc = d.get("dflash_config") or {}
         if dc.get("block_size", d.get("block_size")) is None:
             raise ValueError("DFlash config.json has no block_size (neither dflash_config.block_size nor block_size)")
+        problems = unsupported_architecture(d)
+        if problems:
+            raise ValueError("DFlash config.json describes an architecture this drafter does not implement: "
+                             + "; ".join(problems))
+        n_target = dc.get("num_target_layers", d.get("num_target_layers"))
+        if "num_target_layers" in dc and "num_target_layers" in d and dc["num_target_layers"] != d["num_target_layers"]:
+            raise ValueError(f"DFlash config.json: dflash_config.num_target_layers {dc['num_target_layers']} != "
+                             f"num_target_layers {d['num_target_layers']}")
         try:
             n_heads = d["num_attention_heads"]
             rope = d.get("rope_parameters") or {}
+            if n_target is None:
+                raise KeyError("num_target_layers")
             return cls(
                 hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
                 num_hidden_layers=d["num_hidden_layers"], num_attention_heads=n_heads,
                 num_key_value_heads=d.get("num_key_value_heads", n_heads),
                 head_dim=d.get("head_dim") or d["hidden_size"] // n_heads, vocab_size=d["vocab_size"],
                 block_size=dc.get("block_size", d.get("block_size")),
-                target_layer_ids=list(dc["target_layer_ids"]),
+                target_layer_ids=list(dc["target_layer_ids"] if "target_layer_ids" in dc else d["target_layer_ids"]),
                 target_hidden_size=d.get("target_hidden_size", d["hidden_size"]),
-                num_target_layers=d["num_target_layers"], rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                num_target_layers=n_target, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
                 rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
-                mask_token_id=dc.get("mask_token_id"), model_type=d.get("model_type", "qwen3"),
+                mask_token_id=dc.get("mask_token_id", d.get("mask_token_id")), model_type=d.get("model_type", "qwen3"),
                 extra=d.get("adaflash_extra", {}),
             )
         except KeyError as e:
@@ -137,6 +158,65 @@ class DrafterModelConfig:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+#: DFlash variants (``dflash_config`` keys, SGLang 0.5.23 ``parse_dflash_draft_config``) and their neutral values
+_DFLASH_VARIANTS = {"conv_kernel_size": (None, 0), "conv_group_size": (None, 0), "selector_rank": (None, 0),
+                    "selector_top_k": (None, 0), "projector_type": (None,), "output_multiplier": (None, 1, 1.0),
+                    "final_logit_softcapping": (None, 0, 0.0), "attention_sink_bias": (None, False),
+                    "attention_value_scale": (None,), "use_swa": (None, False), "causal": (None, False)}
+
+
+def unsupported_architecture(d: dict) -> list[str]:
+    """What a DFlash ``config.json`` asks for that :class:`DFlashDrafter` does not implement (empty: loadable).
+
+    The drafter is DFlash's Qwen3-style stack: full bidirectional attention inside the block over the context
+    (no sliding window, non-causal), no attention or MLP biases, SiLU-gated MLP, per-head q/k RMSNorm, default
+    (unscaled, full-width, neox half-split) rope. Each entry names the field and its value. Sliding-window
+    layers follow SGLang's / vLLM's reading: a ``"sliding_attention"`` entry in ``layer_types`` (or, without
+    ``layer_types``, ``use_sliding_window: true`` with a ``sliding_window``); a ``sliding_window`` value alone,
+    with every layer full, changes nothing and passes.
+    """
+    out = []
+    n = d.get("num_hidden_layers")
+    layer_types = d.get("layer_types")
+    if layer_types is not None:
+        if isinstance(layer_types, str) or not isinstance(layer_types, (list, tuple)):
+            out.append(f"layer_types must be a list of attention types, got {layer_types!r}")
+        else:
+            sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+            other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+            if sliding:
+                out.append(f"layer_types has sliding_attention at layers {sliding} (sliding_window "
+                           f"{d.get('sliding_window')}): sliding-window drafter layers are not implemented")
+            if other:
+                out.append(f"layer_types has unknown attention types {other}")
+            if n is not None and len(layer_types) != n:
+                out.append(f"layer_types has {len(layer_types)} entries for num_hidden_layers {n}")
+    elif d.get("use_sliding_window") and d.get("sliding_window") is not None:
+        out.append(f"use_sliding_window true with sliding_window {d['sliding_window']}: sliding-window drafter "
+                   "layers are not implemented")
+    if d.get("is_causal") is True:
+        out.append("is_causal true: the drafter attends bidirectionally inside the block (DFlash)")
+    for key in ("attention_bias", "mlp_bias", "use_gemma_norm"):
+        if d.get(key):
+            out.append(f"{key} {d[key]!r} is not implemented")
+    if d.get("hidden_act", "silu") != "silu":
+        out.append(f"hidden_act {d['hidden_act']!r}: only silu is implemented")
+    if float(d.get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        out.append(f"partial_rotary_factor {d['partial_rotary_factor']}: only full-width rope is implemented")
+    if d.get("is_neox_style", d.get("rope_is_neox_style", True)) is not True:
+        out.append("rope is_neox_style false: only the half-split (neox) rope layout is implemented")
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = d.get(key) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
+        if rope_type not in ("default", None):
+            out.append(f"{key}.rope_type {rope_type!r}: only the default (unscaled) rope is implemented")
+    dc = d.get("dflash_config") or {}
+    for key, neutral in _DFLASH_VARIANTS.items():
+        if key in dc and not any(dc[key] is v or (type(dc[key]) is type(v) and dc[key] == v) for v in neutral):
+            out.append(f"dflash_config.{key} {dc[key]!r}: this DFlash variant is not implemented")
+    return out
 
 
 class _DrafterAttention(AttentionProjections):
