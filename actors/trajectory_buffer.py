@@ -48,9 +48,11 @@ class TrajectoryBuffer:
         self.leases: dict[str, list] = {}  # consumer -> items handed out since its last commit
         self._cond = asyncio.Condition()
         if self.spill_dir is not None and self.spill_dir.is_dir():  # a restarted buffer: take back its journal
+            from adaflash_ray.distill.spill import spill_version  # lazy: only with spill_dir
+
             files = sorted(self.spill_dir.glob("*.parquet"), key=lambda f: f.stat().st_mtime)
             for f in files:
-                self.on_disk.append((f, int(f.stem.rsplit("-v", 1)[1])))
+                self.on_disk.append((f, spill_version(f)))
                 self.known.add(f.name)
             self.counts["recovered"] = len(files)
 
@@ -80,10 +82,10 @@ class TrajectoryBuffer:
 
     async def _journal(self, ref, version: int) -> Path | None:
         """Write the trajectory to the journal; None if it is already held (a retried add)."""
-        from adaflash_ray.distill.spill import write_parquet  # lazy: only with spill_dir
+        from adaflash_ray.distill.spill import spill_path, write_parquet  # lazy: only with spill_dir
 
         traj = await ref
-        path = self.spill_dir / f"{traj.request_id}-v{version}.parquet"
+        path = spill_path(self.spill_dir, traj.request_id, version)
         if path.name in self.known:
             return None
         self.spill_dir.mkdir(parents=True, exist_ok=True)

@@ -15,8 +15,10 @@ block position) and, last, one JSON object (``out``, ``final_version``, ``train_
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
+import uuid
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
@@ -26,7 +28,8 @@ import torch
 from adaflash_ray.models import tensors_sha256
 from adaflash_ray.trajectory import Trajectory, within_version_lag
 
-__all__ = ["TrajectorySource", "WeightSink", "TrainerLoop"]
+__all__ = ["TrajectorySource", "WeightSink", "TrainerLoop", "DirectorySource", "CheckpointSink", "version_table",
+           "train_from_files", "generate_files", "main"]
 
 Item = tuple  # (handle, version): a leased trajectory as the source names it, and the drafter version it carries
 
@@ -132,7 +135,8 @@ class TrainerLoop:
                 pool = [p for p in pool if p[2] > 0]
 
         while not time_up and core.all_ranks(self.version < num_versions and not self._should_stop()):
-            pool = [p for p in pool if p[2] < dc.max_reuse and within_version_lag(self.version, p[1], dc.max_version_lag)]
+            pool = [p for p in pool
+                    if p[2] < dc.max_reuse and within_version_lag(self.version, p[1], dc.max_version_lag)]
             wait_s = 60.0  # for a batch when no step is possible without one
             if dc.max_train_s is not None and t_first_step is not None:  # a starved trainer still times out
                 wait_s = max(0.0, min(wait_s, dc.max_train_s - (time.time() - t_first_step)))
@@ -260,3 +264,229 @@ class TrainerLoop:
             return True
         return (dc.max_train_s is not None and t_first_step is not None
                 and time.time() - t_first_step + 2 * last_step_s >= dc.max_train_s)
+
+
+# ---------------------------------------------------------------------- trajectory files, checkpoints
+class DirectorySource:
+    """A :class:`TrajectorySource` over a directory of trajectory files (:func:`~adaflash_ray.distill.spill.
+    trajectory_files`: ``<request_id>-v<version>.parquet``, the TrajectoryBuffer's journal format), each handed
+    out once, in file-name order; released files go back first in line; exhausted once every file was handed out.
+
+    Offline data has no version lag to the trainer: each item is reported at the version the loop last
+    published (:meth:`set_version`), so the replay pool keeps it for ``distill.max_reuse`` uses as it keeps
+    fresh on-policy data. Nothing is waited for (``wait_s`` is ignored): all the data is on disk.
+
+    Raises:
+        FileNotFoundError / ValueError: as :func:`~adaflash_ray.distill.spill.trajectory_files` (missing
+            directory, no files, a foreign file); :meth:`resolve` raises ValueError naming a corrupt file.
+    """
+
+    def __init__(self, directory: str | Path):
+        from collections import deque
+
+        from adaflash_ray.distill.spill import trajectory_files
+
+        self.directory = Path(directory)
+        self.queue = deque(trajectory_files(self.directory))
+        self.num_files = len(self.queue)
+        self.leased: list[Path] = []
+        self.num_committed = 0
+        self.version = 0
+
+    def get_batch(self, n: int, wait_s: float = 0.0) -> list[Item]:
+        out = []
+        while self.queue and len(out) < n:
+            path = self.queue.popleft()
+            self.leased.append(path)
+            out.append((path, self.version))
+        return out
+
+    def prefetch(self, n: int, wait_s: float = 0.0) -> PendingBatch:
+        done: Future = Future()
+        done.set_result(self.get_batch(n, wait_s))
+        return done
+
+    def resolve(self, handles: Sequence) -> list[Trajectory]:
+        from adaflash_ray.distill.spill import read_parquet
+
+        return [read_parquet(p) for p in handles]
+
+    def release(self, handles: Sequence) -> None:
+        wanted = set(handles)
+        back = [p for p in self.leased if p in wanted]
+        self.leased = [p for p in self.leased if p not in wanted]
+        self.queue.extendleft(reversed(back))  # first in line, in lease order
+
+    def commit(self) -> None:
+        self.num_committed += len(self.leased)
+        self.leased = []
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+
+    def exhausted(self) -> bool:
+        return not self.queue
+
+
+class CheckpointSink:
+    """A :class:`WeightSink` writing each published version to ``<ckpt_dir>/v<N>`` (the DFlash checkpoint
+    format, :func:`~adaflash_ray.models.save_drafter_checkpoint`); its one report carries the sha256 of what
+    was written, so ``sync/num_workers_ok`` is 1 when the checkpoint holds exactly the published tensors.
+    ``sync/write_s`` is the write time in seconds."""
+
+    def __init__(self, ckpt_dir: str | Path):
+        self.ckpt_dir = Path(ckpt_dir)
+
+    def publish(self, version: int, parent_version: int, step: int, tensors: dict[str, torch.Tensor],
+                sha256: str, config: dict) -> tuple[list[dict], dict[str, float]]:
+        from adaflash_ray.models import DrafterModelConfig, save_drafter_checkpoint
+
+        t0 = time.perf_counter()
+        path = self.ckpt_dir / f"v{version}"
+        written = save_drafter_checkpoint(path, DrafterModelConfig(**config), tensors,
+                                          {"version": version, "parent_version": parent_version, "train_step": step})
+        return ([{"worker": "checkpoint", "path": str(path), "version": version, "sha256": written}],
+                {"sync/write_s": time.perf_counter() - t0})
+
+    def close(self) -> None:
+        """Nothing to close: every version is on disk when :meth:`publish` returns."""
+
+
+def version_table(records: list[dict]) -> dict[int, dict[str, float]]:
+    """Per published version N, from the loop's metric dicts: the optimizer steps that trained it (those run
+    at version N-1) - ``steps``, mean ``loss``, ``positions_per_s`` (block positions trained per second of
+    optimizer step), mean ``block_accept_len`` and mean ``top1_pos<i>`` (top-1 agreement with the target at
+    block position i) - for every N some record published (``sync/version``)."""
+    published = sorted({int(m["sync/version"]) for m in records if "sync/version" in m})
+    out = {}
+    for v in published:
+        steps = [m for m in records if "train/loss" in m and int(m["train/version"]) == v - 1]
+        row = {"steps": float(len(steps))}
+        if steps:
+            row["loss"] = sum(m["train/loss"] for m in steps) / len(steps)
+            row["positions_per_s"] = (sum(m["train/num_positions"] for m in steps)
+                                      / max(sum(m["train/seconds"] for m in steps), 1e-9))
+            for key in ["train/block_accept_len"] + sorted(k for k in steps[0] if k.startswith("train/top1_pos")):
+                row[key.split("/", 1)[1]] = sum(m.get(key, 0.0) for m in steps) / len(steps)
+        out[v] = row
+    return out
+
+
+# ---------------------------------------------------------------------- the commands
+def train_from_files(cfg, trajectories: str | Path, out: str | Path) -> dict:
+    """Train the recipe's drafter (+ head) on the trajectory files of ``trajectories`` with no Ray, writing
+    ``out/config.yaml``, ``out/checkpoints/v<N>`` (v0: the starting weights), ``out/metrics.jsonl`` (every
+    metric dict) and ``out/summary.json``. Returns the summary: ``out``, ``final_version``, ``train_steps``,
+    ``num_files``, ``num_trained`` (files trained on), ``seconds``, ``versions`` (:func:`version_table`).
+    Raises:
+        FileNotFoundError / ValueError: a missing or corrupt trajectory directory (named), a model that
+            does not load, trajectories the recipe cannot train on (e.g. ``features: captured`` without features).
+    """
+    import json
+
+    from adaflash_ray.distill.trainer import DistillTrainerCore
+    from adaflash_ray.models import save_drafter_checkpoint
+    from adaflash_ray.models.factory import load_target
+
+    source = DirectorySource(trajectories)  # checks the directory before the model loads
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg.dump_yaml(out / "config.yaml")
+    torch.set_num_threads(cfg.engine.num_threads)
+    core = DistillTrainerCore(load_target(cfg.model), cfg.drafter, cfg.length_head, cfg.distill, seed=cfg.seed)
+    records: list[dict] = []
+    loop = TrainerLoop(core, cfg.distill, seed=cfg.seed, serving_dtype=getattr(torch, cfg.model.dtype),
+                       on_metrics=records.append)
+    save_drafter_checkpoint(out / "checkpoints" / "v0", core.drafter_model_config(), loop.serving_tensors(),
+                            {"version": 0})
+    result = loop.run(source, CheckpointSink(out / "checkpoints"))
+    with open(out / "metrics.jsonl", "w") as f:
+        for m in records:
+            f.write(json.dumps(m) + "\n")
+    summary = {"out": str(out), "final_version": result["final_version"], "train_steps": result["steps"],
+               "num_files": source.num_files, "num_trained": result["num_fresh"],
+               "seconds": round(result["seconds"], 3),
+               "versions": {str(v): {k: round(x, 5) for k, x in row.items()}
+                            for v, row in version_table(records).items()}}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def generate_files(cfg, num_prompts: int, out: str | Path, drafter: str | Path | None = None) -> list[Path]:
+    """Decode ``num_prompts`` training prompts (the recipe's ShareGPT sample, chat template,
+    ``data.max_prompt_tokens``) with the built-in engine, recording, and write each finished request's
+    trajectory to ``out`` (:func:`~adaflash_ray.distill.spill.spill_path`); no Ray. ``drafter``: a DFlash
+    checkpoint directory to draft with (its ``version`` metadata names the files), else the recipe's
+    starting drafter (version 0). Request ids get a per-call tag (``gen-<tag>-<id>``). Returns the files written.
+    Raises:
+        ValueError: ``num_prompts`` < 1; CheckpointError: an unreadable ``drafter``; as the engine and data loaders.
+    """
+    from adaflash_ray.data import encode_prompts, ensure_target, load_sharegpt, load_tokenizer
+    from adaflash_ray.distill.spill import spill_path, write_parquet
+    from adaflash_ray.engine import SamplingParams, SpecEngine
+    from adaflash_ray.models import load_drafter_checkpoint
+
+    if num_prompts < 1:
+        raise ValueError(f"--prompts must be >= 1, got {num_prompts}")
+    torch.set_num_threads(cfg.engine.num_threads)
+    tok = load_tokenizer(ensure_target(cfg.model.path or cfg.model.name))
+    prompts = encode_prompts(tok, load_sharegpt(num_prompts, cfg.seed, turns=cfg.data.sharegpt_turns),
+                             cfg.data.max_prompt_tokens)
+    engine = SpecEngine.from_config(cfg, record=True, record_features=cfg.distill.features == "captured")
+    if drafter is not None:
+        _, tensors, meta = load_drafter_checkpoint(drafter)
+        engine.load_drafter(tensors, int(meta.get("version", 0)), meta.get("sha256"))
+    params = SamplingParams(max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    run_tag = uuid.uuid4().hex[:8]  # request ids unique across runs written into one directory
+    written = []
+    for req in engine.generate(list(prompts), params):
+        if req.output_ids:
+            traj = dataclasses.replace(engine.to_trajectory(req), request_id=f"gen-{run_tag}-{req.request_id}")
+            written.append(write_parquet(traj, spill_path(out, traj.request_id, traj.drafter_version)))
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m adaflash_ray.distill.loop [generate] ...`` (see the module docstring); exit 2 on bad input."""
+    import argparse
+    import json
+    import sys
+
+    from adaflash_ray.config import RecipeError, add_recipe_args, config_from_args
+    from adaflash_ray.models import CheckpointError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    gen = bool(argv) and argv[0] == "generate"
+    parser = argparse.ArgumentParser(prog="python -m adaflash_ray.distill.loop" + (" generate" if gen else ""),
+                                     description=(__doc__ or "").split("\n")[0])
+    add_recipe_args(parser)
+    parser.add_argument("--out", required=True, help="output directory")
+    if gen:
+        parser.add_argument("--prompts", type=int, required=True, help="training prompts to decode")
+        parser.add_argument("--drafter", default=None, help="DFlash checkpoint to draft with (default: v0)")
+    else:
+        parser.add_argument("--trajectories", required=True, help="directory of trajectory files (*.parquet)")
+    ns = parser.parse_args(argv[1:] if gen else argv)
+    try:
+        cfg = config_from_args(ns)
+        if gen:
+            files = generate_files(cfg, ns.prompts, ns.out, ns.drafter)
+            print(json.dumps({"out": str(ns.out), "num_files": len(files)}))
+            return 0
+        summary = train_from_files(cfg, ns.trajectories, ns.out)
+    except (RecipeError, CheckpointError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for v, row in summary["versions"].items():
+        top1 = " ".join(f"{k[len('top1_pos'):]}:{x:.3f}" for k, x in row.items() if k.startswith("top1_pos"))
+        print(f"v{v}: steps {int(row['steps'])} loss {row.get('loss', float('nan')):.4f} "
+              f"positions/s {row.get('positions_per_s', 0.0):.1f} τ(block) {row.get('block_accept_len', 0.0):.3f} "
+              f"top-1 by position {top1}")
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,8 +1,9 @@
-"""Parquet spill of trajectories (so a full TrajectoryBuffer loses nothing) and the reader.
+"""Parquet spill of trajectories (so a full TrajectoryBuffer loses nothing), the reader, and the directory
+rules shared by the buffer's journal, the offline trainer loop and the trajectory generator.
 
-One file per trajectory, one row per token position: ``token_id`` (int64), ``feature`` and
-``last_hidden`` as fixed-size lists of bfloat16 bit patterns (int16; Arrow has no bfloat16), plus
-file-level metadata (request id, prompt_len, drafter version, per-step γ / a / versions as JSON).
+One file per trajectory, ``<request_id>-v<drafter version>.parquet``, one row per token position: ``token_id``
+(int64), ``feature`` and ``last_hidden`` as fixed-size lists of bfloat16 bit patterns (int16; Arrow has no
+bfloat16), plus file-level metadata (request id, prompt_len, drafter version, per-step γ / a / versions as JSON).
 """
 from __future__ import annotations
 
@@ -15,6 +16,47 @@ import pyarrow.parquet as pq
 import torch
 
 from adaflash_ray.trajectory import Trajectory
+
+
+_META_KEY = b"adaflash_trajectory"
+
+
+def spill_path(directory: str | Path, request_id: str, version: int) -> Path:
+    """The file of the trajectory of ``request_id`` produced by drafter ``version`` in ``directory``."""
+    return Path(directory) / f"{request_id}-v{version}.parquet"
+
+
+def spill_version(path: str | Path) -> int:
+    """The drafter version in a :func:`spill_path` file name. Raises ValueError for another name."""
+    stem = Path(path).stem
+    try:
+        return int(stem.rsplit("-v", 1)[1])
+    except (IndexError, ValueError):
+        raise ValueError(f"{path}: not a trajectory file name (<request_id>-v<version>.parquet)") from None
+
+
+def trajectory_files(directory: str | Path) -> list[Path]:
+    """The trajectory files of ``directory`` in name order, each checked to be a trajectory record (its
+    schema metadata only; the data is read by :func:`read_parquet`).
+
+    Raises:
+        FileNotFoundError: ``directory`` does not exist or is not a directory.
+        ValueError: it holds no ``*.parquet`` file, or one that is not a trajectory file (named).
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        raise FileNotFoundError(f"trajectory directory {d}: not found (or not a directory)")
+    files = sorted(d.glob("*.parquet"))
+    if not files:
+        raise ValueError(f"trajectory directory {d}: no trajectory files (*.parquet)")
+    for f in files:
+        try:
+            meta = pq.read_schema(f).metadata or {}
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a foreign or truncated file
+            raise ValueError(f"{f}: not a Parquet file: {e}") from e
+        if _META_KEY not in meta:
+            raise ValueError(f"{f}: a Parquet file without trajectory metadata (not written by write_parquet)")
+    return files
 
 
 def _bf16_bits(t: torch.Tensor | None, rows: int) -> pa.Array | None:
@@ -37,7 +79,7 @@ def write_parquet(traj: Trajectory, path: str | Path) -> Path:
     meta = {"request_id": traj.request_id, "prompt_len": traj.prompt_len, "drafter_version": traj.drafter_version,
             "draft_lens": traj.draft_lens.tolist(), "num_accepted": traj.num_accepted.tolist(),
             "step_versions": traj.step_versions.tolist()}
-    table = pa.table(cols).replace_schema_metadata({"adaflash_trajectory": json.dumps(meta)})
+    table = pa.table(cols).replace_schema_metadata({_META_KEY: json.dumps(meta)})
     tmp = path.with_suffix(".tmp")
     pq.write_table(table, tmp)
     tmp.replace(path)
@@ -49,7 +91,7 @@ def read_parquet(path: str | Path) -> Trajectory:
     corrupt file."""
     try:
         table = pq.read_table(path)
-        meta = json.loads(table.schema.metadata[b"adaflash_trajectory"])
+        meta = json.loads(table.schema.metadata[_META_KEY])
     except Exception as e:
         raise ValueError(f"{path}: not an adaflash trajectory file: {e}") from e
     n = table.num_rows

@@ -1,0 +1,270 @@
+"""The Ray-free trainer loop (adaflash_ray/distill/loop.py): publish cadence, commits before publications, state
+saved before a version is published, hand-back of prefetched data, duplicate and lost trajectories, the time
+budget of a starved trainer - on a fake core and fake or file-backed sources - and the offline commands
+(generate trajectory files with the engine, train from them) in a process that never imports Ray."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from adaflash_ray.config import DistillConfig
+from adaflash_ray.distill.loop import CheckpointSink, DirectorySource, TrainerLoop, main, version_table
+from adaflash_ray.distill.spill import spill_path, write_parquet
+from adaflash_ray.models import load_drafter_checkpoint, tensors_sha256
+from adaflash_ray.trajectory import Trajectory
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _traj(rid: str, n: int = 12) -> Trajectory:
+    return Trajectory(request_id=rid, token_ids=torch.arange(100, 100 + n), prompt_len=4, features=None,
+                      last_hidden=None, drafter_version=0)
+
+
+class _Config:
+    def __init__(self, block_size: int = 4):
+        self.block_size = block_size
+
+    def as_dict(self) -> dict:
+        return {"block_size": self.block_size}
+
+
+class FakeCore:
+    """DistillTrainerCore's surface for the loop, one rank, recording what it trained and saved."""
+
+    def __init__(self, events: list, step_s: float = 0.01, stop_at: int | None = None):
+        self.events, self.step_s, self.stop_at = events, step_s, stop_at
+        self.global_step, self.trained, self.closed, self.stop = 0, [], False, False
+
+    def train_step(self, trajectories: list) -> dict:
+        self.global_step += 1
+        self.trained.append([t.request_id for t in trajectories])
+        if self.stop_at is not None and self.global_step >= self.stop_at:
+            self.stop = True
+        return {"train/loss": 10.0 / self.global_step, "train/seconds": self.step_s, "train/num_positions": 8.0,
+                "train/top1_pos1": 0.5, "train/block_accept_len": 1.5, "train/step": float(self.global_step)}
+
+    def all_ranks(self, flag: bool) -> bool:
+        return bool(flag)
+
+    def save_state(self, save_dir: str, tag: str, client_state: dict) -> None:
+        self.events.append(("save", tag, json.loads(json.dumps(client_state))))  # as saved, then
+
+    def publish_tensors(self) -> dict:
+        return {"w": torch.full((3,), float(self.global_step))}
+
+    def drafter_model_config(self) -> _Config:
+        return _Config()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeSink:
+    def __init__(self, events: list):
+        self.events, self.published, self.closed = events, [], False
+
+    def publish(self, version, parent_version, step, tensors, sha256, config):
+        assert sha256 == tensors_sha256(tensors)
+        self.events.append(("publish", version))
+        self.published.append((version, parent_version, step, float(tensors["w"][0])))
+        return [{"worker": "w0", "sha256": sha256}], {}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class ListSource:
+    """An in-memory leased source: ``handles`` name trajectories (``request_id`` = the handle before a '#');
+    handles in ``lost`` resolve to None (their producer died); an empty queue sleeps up to 50 ms per call."""
+
+    def __init__(self, handles: list[str], events: list, lost: tuple = ()):
+        self.queue, self.events, self.lost = list(handles), events, set(lost)
+        self.leased, self.released, self.num_committed, self.versions = [], [], 0, []
+
+    def get_batch(self, n, wait_s):
+        if not self.queue:
+            time.sleep(min(wait_s, 0.05))
+        out, self.queue = self.queue[:n], self.queue[n:]
+        self.leased += out
+        return [(h, 0) for h in out]
+
+    def prefetch(self, n, wait_s):
+        batch = self.get_batch(n, wait_s)
+
+        class Done:
+            def result(self):
+                return batch
+        return Done()
+
+    def resolve(self, handles):
+        return [None if h in self.lost else _traj(h.split("#")[0]) for h in handles]
+
+    def release(self, handles):
+        self.released += list(handles)
+        self.leased = [h for h in self.leased if h not in handles]
+        self.queue = list(handles) + self.queue
+
+    def commit(self):
+        self.events.append(("commit", len(self.leased)))
+        self.num_committed += len(self.leased)
+        self.leased = []
+
+    def set_version(self, version):
+        self.versions.append(version)
+
+    def exhausted(self):
+        return False
+
+
+def _dc(**kw) -> DistillConfig:
+    base = dict(batch_size=2, max_reuse=1, publish_every=2, num_versions=5, max_version_lag=2, prefetch=False)
+    return DistillConfig(**{**base, **kw})
+
+
+def _spill_dir(tmp_path: Path, n: int) -> Path:
+    d = tmp_path / "traj"
+    d.mkdir()
+    for i in range(n):
+        write_parquet(_traj(f"r{i}", 10 + i), spill_path(d, f"r{i}", 0))
+    return d
+
+
+def test_loop_over_spill_files_publishes_on_cadence_saves_then_commits_then_publishes(tmp_path):
+    """Six spilled trajectories, batch 2, a version every 2 steps: 3 steps in file order, v1 at step 2, and -
+    the files used up - v2 at step 3 marked out of data; each version's state is saved before it is published;
+    every file trained once and committed; the sink and the core closed."""
+    events, records = [], []
+    core, sink = FakeCore(events), FakeSink(events)
+    source = DirectorySource(_spill_dir(tmp_path, 6))
+    loop = TrainerLoop(core, _dc(), seed=0, state_dir=str(tmp_path / "state"), on_metrics=records.append)
+    summary = loop.run(source, sink)
+    assert core.trained == [["r0", "r1"], ["r2", "r3"], ["r4", "r5"]]
+    assert sink.published == [(1, 0, 2, 2.0), (2, 1, 3, 3.0)]
+    assert [e[0] for e in events] == ["save", "publish", "save", "publish"]
+    assert events[0][1:] == ("v1", {"version": 1, "fresh_ids": ["r0", "r1", "r2", "r3"], "num_lost": 0})
+    assert source.num_committed == 6 and source.exhausted() and source.version == 2
+    assert summary == {"rank": 0, "final_version": 2, "steps": 3, "seconds": summary["seconds"], "num_fresh": 6,
+                       "num_counted_twice": 0, "num_lost": 0, "num_duplicates_skipped": 0}
+    assert sink.closed and core.closed
+    assert [m.get("sync/version") for m in records] == [None, 1.0, None, 2.0]  # v2: a publish-only record
+    assert records[3] == {**records[3], "train/step": 3.0, "train/out_of_data": 1.0} and "train/loss" not in records[3]
+    assert all(m["sync/num_workers_ok"] == 1.0 for m in records if "sync/version" in m)
+    table = version_table(records)
+    assert table[1]["steps"] == 2 and table[1]["loss"] == pytest.approx((10.0 + 5.0) / 2)
+    assert table[1]["positions_per_s"] == pytest.approx(8.0 / 0.01) and table[2]["top1_pos1"] == 0.5
+
+
+def test_loop_replays_up_to_max_reuse_then_publishes_what_it_trained():
+    """max_reuse 2: after the fresh data ran out the pool replays each trajectory once more (the replay
+    sampler's draws, seeded), then nothing is trainable and, starved past the budget, the loop publishes."""
+    events = []
+    core = FakeCore(events)
+    source = ListSource(["a", "b", "c", "d"], events)
+    loop = TrainerLoop(core, _dc(max_reuse=2, publish_every=100, max_train_s=0.5), seed=3)
+    t0 = time.time()
+    summary = loop.run(source, FakeSink(events))
+    assert time.time() - t0 < 10
+    assert core.trained[:2] == [["a", "b"], ["c", "d"]]
+    assert sorted(x for step in core.trained[2:] for x in step) == ["a", "b", "c", "d"]  # each replayed once
+    assert summary["final_version"] == 1 and summary["num_fresh"] == 4
+    assert events == [("commit", 4), ("publish", 1)]  # the lease ends before the version goes out
+
+
+def test_loop_skips_duplicates_and_counts_lost_trajectories():
+    events, records = [], []
+    core = FakeCore(events)
+    source = ListSource(["a", "gone", "b", "a#again"], events, lost=("gone",))
+    summary = TrainerLoop(core, _dc(num_versions=1), on_metrics=records.append).run(source, FakeSink(events))
+    assert core.trained == [["a"], ["b"]]
+    assert summary["num_lost"] == 1 and summary["num_duplicates_skipped"] == 1 and summary["final_version"] == 1
+    assert records[-1]["train/num_lost_trajectories"] == 1.0
+
+
+def test_loop_hands_back_a_prefetched_batch_when_stopped():
+    """distill.prefetch: from the third step on, the next batch is requested before the step; stopped from
+    outside during that step, the loop hands the prefetched batch back untrained and publishes nothing."""
+    events = []
+    core = FakeCore(events, stop_at=3)
+    source = ListSource([f"t{i}" for i in range(10)], events)
+    loop = TrainerLoop(core, _dc(prefetch=True, publish_every=100), should_stop=lambda: core.stop)
+    summary = loop.run(source, FakeSink(events))
+    assert core.trained == [["t0", "t1"], ["t2", "t3"], ["t4", "t5"]]
+    assert source.released == ["t6", "t7"] and source.queue[:2] == ["t6", "t7"]
+    assert summary["final_version"] == 0 and not [e for e in events if e[0] == "publish"]
+
+
+def test_directory_source_and_cli_name_what_is_wrong(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        DirectorySource(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no trajectory files"):
+        DirectorySource(tmp_path / "empty")
+    d = _spill_dir(tmp_path, 2)
+    pq.write_table(pa.table({"x": [1, 2]}), d / "foreign.parquet")
+    with pytest.raises(ValueError, match="foreign.parquet.*without trajectory metadata"):
+        DirectorySource(d)
+    (d / "foreign.parquet").write_bytes(b"PAR1 truncated")
+    with pytest.raises(ValueError, match="foreign.parquet: not a Parquet file"):
+        DirectorySource(d)
+    assert main(["--trajectories", str(tmp_path / "nowhere"), "--recipe", "recipes/cpu_tiny.yaml",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "nowhere" in capsys.readouterr().err
+    assert main(["--trajectories", str(d), "--recipe", "recipes/cpu_tiny.yaml", "--set", "distill.bogus=1",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "distill.bogus" in capsys.readouterr().err
+
+
+def test_checkpoint_sink_writes_the_published_tensors(tmp_path):
+    tensors = {"fc.weight": torch.randn(4, 8)}
+    from adaflash_ray.models.drafter import DrafterModelConfig
+
+    cfg = DrafterModelConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=4, vocab_size=32, block_size=4,
+                             target_layer_ids=[0], target_hidden_size=8, num_target_layers=2,
+                             mask_token_id=3).as_dict()
+    reports, extra = CheckpointSink(tmp_path).publish(3, 2, 30, tensors, tensors_sha256(tensors), cfg)
+    _, back, meta = load_drafter_checkpoint(tmp_path / "v3")
+    assert reports[0]["sha256"] == tensors_sha256(tensors) == tensors_sha256(back)
+    assert meta["version"] == "3" and meta["train_step"] == "30" and extra["sync/write_s"] >= 0
+
+
+def test_generate_then_train_from_files_without_ray(tmp_path):
+    """The offline commands end to end in one process that never imports Ray: the engine writes trajectory
+    files, the loop trains the real DeepSpeed core on them and writes a checkpoint per version whose sha256
+    is what the loop published."""
+    script = f"""
+import json, sys
+from adaflash_ray.distill.loop import main
+assert main(["generate", "--recipe", "recipes/cpu_tiny.yaml", "--prompts", "6", "--out", {str(tmp_path / 't')!r},
+             "--set", "engine.max_new_tokens=16"]) == 0
+assert main(["--trajectories", {str(tmp_path / 't')!r}, "--recipe", "recipes/cpu_tiny.yaml",
+             "--out", {str(tmp_path / 'o')!r}, "--set", "distill.batch_size=2", "--set", "distill.num_versions=2"]) == 0
+assert "ray" not in sys.modules, "the offline loop imported ray"
+"""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    files = sorted((tmp_path / "t").glob("*.parquet"))
+    assert len(files) >= 4 and summary["num_files"] == len(files)
+    assert summary["final_version"] == 2 and summary["train_steps"] >= 2 and set(summary["versions"]) == {"1", "2"}
+    assert summary["versions"]["1"]["steps"] == 2 and summary["versions"]["1"]["positions_per_s"] > 0
+    records = [json.loads(ln) for ln in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    for v in (1, 2):
+        _, tensors, meta = load_drafter_checkpoint(tmp_path / "o" / "checkpoints" / f"v{v}")
+        assert meta["version"] == str(v)
+        pub = next(m for m in records if m.get("sync/version") == v)
+        assert pub["sync/num_workers_ok"] == 1.0
+    assert (tmp_path / "o" / "checkpoints" / "v0" / "model.safetensors").is_file()
