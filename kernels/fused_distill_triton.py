@@ -27,9 +27,10 @@ BLOCK_V = 4096
 
 @triton.jit
 def _distill_rows_kernel(zs_ptr, zt_ptr, wn_ptr, den_ptr, ce_ptr, div_ptr, sarg_ptr, targ_ptr, conf_ptr,
-                         V, stride_s, stride_t, alpha, inv_t, temperature, clip,
+                         stride_s, stride_t, alpha, inv_t, temperature, clip, V: tl.constexpr,
                          PER_TOKEN: tl.constexpr, REVERSE: tl.constexpr, SAME_T: tl.constexpr,
                          WANT_CONF: tl.constexpr, BLOCK: tl.constexpr):
+    # V (the vocabulary) is a compile-time constant: one compilation per head, and a static loop bound
     row = tl.program_id(0).to(tl.int64)
     zs_row = zs_ptr + row * stride_s
     zt_row = zt_ptr + row * stride_t
@@ -173,8 +174,8 @@ def distill_rows_triton(zs: torch.Tensor, zt: torch.Tensor, wn: torch.Tensor, de
         raise ValueError("conf must be contiguous [c, 2]")
     _distill_rows_kernel[(c,)](
         zs, zt, wn, den, ce, div, s_arg, t_arg, conf if want_conf else ce,
-        v, zs.stride(0), zt.stride(0), float(alpha), 1.0 / float(temperature), float(temperature), float(clip),
-        PER_TOKEN=bool(per_token), REVERSE=bool(reverse), SAME_T=float(temperature) == 1.0, WANT_CONF=want_conf,
+        zs.stride(0), zt.stride(0), float(alpha), 1.0 / float(temperature), float(temperature), float(clip),
+        V=v, PER_TOKEN=bool(per_token), REVERSE=bool(reverse), SAME_T=float(temperature) == 1.0, WANT_CONF=want_conf,
         BLOCK=min(BLOCK_V, triton.next_power_of_2(v)), num_warps=8)
 
 
