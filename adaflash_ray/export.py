@@ -66,7 +66,7 @@ def exported_config(cfg: DrafterModelConfig, max_position_embeddings: int) -> di
     d["dflash_config"] = {**d["dflash_config"], "num_target_layers": cfg.num_target_layers}
     d.update({"hidden_act": "silu", "max_position_embeddings": int(max_position_embeddings),
               "layer_types": ["full_attention"] * cfg.num_hidden_layers, "use_sliding_window": False,
-              "sliding_window": None, "torch_dtype": "bfloat16"})
+              "sliding_window": None, "dtype": "bfloat16"})  # transformers 5 name (was torch_dtype)
     return d
 
 

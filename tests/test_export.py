@@ -143,7 +143,7 @@ def test_export_matches_sglangs_dflash_reader_field_by_field(tmp_path, sgl, caps
     # vLLM's qwen3_dflash.py reads these without a default (config.hidden_act, config.max_position_embeddings)
     assert d["hidden_act"] == "silu" and d["max_position_embeddings"] == 2048  # the target's
     assert d["is_causal"] is False and d["layer_types"] == ["full_attention"] * 2 and d["target_hidden_size"] == 64
-    assert "adaflash_extra" not in d
+    assert "adaflash_extra" not in d and d["dtype"] == "bfloat16" and hf.dtype == torch.bfloat16
     # weights: bf16, DFlash names only; the length head in its own file
     with safe_open(str(out / "model.safetensors"), framework="pt") as fh:
         names = set(fh.keys())
