@@ -50,6 +50,13 @@ class SwiGLU(nn.Module):
     def _fused(self) -> bool:  # false again if .to() moved the parameters away from the fused storage
         return self._gate_up is not None and self.gate_proj.weight.data_ptr() == self._gate_up.data_ptr()
 
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` with the SwiGLU product as one Triton kernel on the fused gate/up GEMM output
+        (:func:`adaflash_ray.kernels.swiglu.swiglu`); needs :meth:`fuse` and Triton (CUDA or its interpreter)."""
+        from adaflash_ray.kernels.swiglu import swiglu
+
+        return self.down_proj(swiglu(F.linear(x, self._gate_up)))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused():
             gate, up = F.linear(x, self._gate_up).chunk(2, dim=-1)
@@ -135,8 +142,20 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     hkv = k.shape[2]
     rep = hq // hkv
     qg = q.view(b, tq, hkv, rep, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, tq * rep, d)
+    return folded_attention(qg, k, v, mask, tq).view(b, tq, hq, d)
+
+
+def folded_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, tq: int) -> torch.Tensor:
+    """The SDPA call of :func:`grouped_attention` on queries already folded to ``[B, Hkv, Tq*rep, D]`` (row
+    ``t*rep + r`` is query head ``g*rep + r`` at position t; the fused rotary kernel writes this layout directly).
+
+    Args: k, v ``[B, Tk, Hkv, D]`` (may be strided cache views); mask ``[B, 1, Tq*rep, Tk]`` from :func:`gqa_mask`.
+    Returns ``[B, Tq, Hq*D]`` in qg's dtype (a view, no copy, when ``Tq == 1``).
+    """
+    b, hkv, rows, d = qg.shape
+    rep = rows // tq
     out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-    return out.view(b, hkv, tq, rep, d).permute(0, 2, 1, 3, 4).reshape(b, tq, hq, d)
+    return out.view(b, hkv, tq, rep, d).permute(0, 2, 1, 3, 4).reshape(b, tq, hkv * rep * d)
 
 
 class AttentionProjections(nn.Module):

@@ -18,12 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
 from adaflash_ray.config import BUILTIN_MODEL_TYPES, default_target_layer_ids  # noqa: F401  (one rule each)
-from adaflash_ray.models.layers import (AttentionProjections, DecoderLayerParams, RMSNorm, Rotary, gqa_mask,
-                                       grouped_attention)
+from adaflash_ray.kernels.triton_support import env_mode, triton_usable
+from adaflash_ray.models.layers import (AttentionProjections, DecoderLayerParams, RMSNorm, Rotary, folded_attention,
+                                       gqa_mask, grouped_attention)
+
+#: ``fused_kernels`` values of :class:`TargetModel` (recipe key ``engine.fused_kernels``).
+FUSED_KERNEL_MODES = ("auto", "off")
 
 SUPPORTED_MODEL_TYPES = BUILTIN_MODEL_TYPES
 
@@ -128,6 +133,29 @@ class _Attention(AttentionProjections):
         out = grouped_attention(q, k, v, mask)  # [B, W, Hq, D]
         return self.o_proj(out.reshape(b, w, -1))
 
+    def forward_fused(self, x, cos, sin, mask, k_cache, v_cache, rows, positions, span, slot_ids):
+        """:meth:`forward` over the static cache with Triton kernels (needs :meth:`fuse`): one GEMM for q/k/v,
+        one kernel for qk-norm + rotary + the K/V write at ``[rows[b], positions[b, t]]`` + the query fold
+        (:func:`adaflash_ray.kernels.rotary_cache.rotary_qkv_cache`), SDPA, o_proj.
+
+        x ``[B, W, H]``; k_cache/v_cache ``[slots, S_max, Hkv, D]`` (this layer); rows ``[B]`` int64 slots;
+        positions ``[B, W]`` int64; span: keys attended; slot_ids None = batch row b is slot b (keys read in place
+        as ``cache[:B, :span]``), else ``[B]`` slots whose keys are gathered (a copy). Returns ``[B, W, H]``."""
+        from adaflash_ray.kernels.rotary_cache import rotary_qkv_cache
+
+        b, w, _ = x.shape
+        qkv = F.linear(x, self._qkv_w, self._qkv_b)  # [B, W, (Hq + 2 Hkv) D]
+        qn = None if self.q_norm is None else self.q_norm.weight
+        kn = None if self.k_norm is None else self.k_norm.weight
+        eps = 0.0 if self.q_norm is None else self.q_norm.eps
+        qg = rotary_qkv_cache(qkv, cos, sin, qn, kn, eps, k_cache, v_cache, rows, positions,
+                              self.num_heads, self.num_kv_heads)  # [B, Hkv, W*rep, D]
+        if slot_ids is None:
+            k, v = k_cache[:b, :span], v_cache[:b, :span]
+        else:
+            k, v = k_cache[slot_ids, :span].to(x.dtype), v_cache[slot_ids, :span].to(x.dtype)
+        return self.o_proj(folded_attention(qg, k, v, mask, w))
+
 
 class _Layer(DecoderLayerParams):
     def __init__(self, cfg: TargetConfig):
@@ -154,6 +182,9 @@ class TargetModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        #: ``auto`` = :meth:`fuse_projections` also turns the Triton kernels on where they can run; ``off`` = never
+        self.fused_kernels = "auto"
+        self.fused_kernels_active = False  # set by use_fused_kernels
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -212,7 +243,44 @@ class TargetModel(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        self.use_fused_kernels(self.fused_kernels)
         return self
+
+    def use_fused_kernels(self, mode: str = "auto") -> bool:
+        """Choose the Triton kernels of adaflash_ray/kernels for cached forwards (decode, verify, prefill):
+        add + RMSNorm fused, SwiGLU fused, qk-norm + rotary + KV-cache write fused. ``mode`` ``auto`` turns them
+        on when Triton can launch on the model's device (CUDA; any device under ``TRITON_INTERPRET=1``) and every
+        parameter has one dtype; ``off`` keeps the pure-torch path. The environment variable
+        ``ADAFLASH_FUSED_KERNELS`` (auto/off), when set, overrides ``mode``. Fuses the projections when turning
+        the kernels on. Returns whether they are on (:attr:`fused_kernels_active`). CPU models stay on the
+        reference unless the interpreter is asked for explicitly.
+
+        Raises:
+            ValueError: ``mode`` (or the environment variable) not auto/off.
+        """
+        if mode not in FUSED_KERNEL_MODES:
+            raise ValueError(f"fused_kernels {mode!r}: expected one of {FUSED_KERNEL_MODES}")
+        mode = env_mode() or mode
+        self.fused_kernels = mode
+        w = self.lm_head.weight
+        on = (mode == "auto" and triton_usable(w.device) and self.config.head_dim % 2 == 0
+              and len({p.dtype for p in self.parameters()}) == 1)
+        self.fused_kernels_active = False
+        if on:
+            for layer in self.model.layers:
+                layer.self_attn.fuse()
+                layer.mlp.fuse()
+        self.fused_kernels_active = on
+        return on
+
+    def _fused_path(self, x: torch.Tensor) -> bool:
+        """The fused kernels apply to this forward: turned on, projections still fused (``.to()`` can undo it),
+        and x on a device Triton launches on."""
+        if not self.fused_kernels_active:
+            return False
+        first = self.model.layers[0] if len(self.model.layers) else None
+        return (first is not None and first.self_attn._fused() and first.mlp._fused()
+                and x.device == self.lm_head.weight.device and triton_usable(x.device))
 
     def default_layer_ids(self, num_target_layers: int) -> list[int]:
         """docs/design/ALGORITHMS.md §1 default: K evenly spaced ids from 1 to L-3 (DFlash/SpecForge)."""
@@ -283,13 +351,17 @@ class TargetModel(nn.Module):
         mask = gqa_mask(visible, rep, x.dtype)  # once per forward, shared by every layer
         want = set(capture_layer_ids or [])
         captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            h = layer.input_layernorm(x)
-            x = x + layer.self_attn(h, cos, sin, mask, kv_io_for(i))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-            if i in want:
-                captured[i] = x
-        last = self.model.norm(x)
+        if cache is not None and self._fused_path(x):
+            x, last = self._fused_layers(x, cos, sin, mask, cache, rows.view(-1), positions, span,
+                                         None if rows_are_slots else slot_ids, want, captured)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                h = layer.input_layernorm(x)
+                x = x + layer.self_attn(h, cos, sin, mask, kv_io_for(i))
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+                if i in want:
+                    captured[i] = x
+            last = self.model.norm(x)
         feats = torch.cat([captured[i] for i in capture_layer_ids], dim=-1) if capture_layer_ids else None
         logits = None
         if compute_logits:
@@ -297,3 +369,26 @@ class TargetModel(nn.Module):
             if logits_dtype is not None:
                 logits = logits.to(logits_dtype)
         return TargetOutput(logits=logits, features=feats, last_hidden=last)
+
+    def _fused_layers(self, x, cos, sin, mask, cache, rows, positions, span, slot_ids, want, captured):
+        """The decoder stack of :meth:`forward` over the cache with the fused kernels: each residual add is fused
+        into the next RMSNorm (:func:`adaflash_ray.kernels.fused_norm.add_rmsnorm`), so layer i's output
+        (captured when ``i in want``) is the residual the next norm returns. Returns ``(x, last_hidden)``."""
+        from adaflash_ray.kernels.fused_norm import add_rmsnorm
+
+        layers = self.model.layers
+        delta = None
+        for i, layer in enumerate(layers):
+            ln = layer.input_layernorm
+            x, h = add_rmsnorm(x, delta, ln.weight, ln.eps)
+            if i - 1 in want:
+                captured[i - 1] = x
+            a = layer.self_attn.forward_fused(h, cos, sin, mask, cache.k[i], cache.v[i], rows, positions, span,
+                                              slot_ids)
+            ln = layer.post_attention_layernorm
+            x, h = add_rmsnorm(x, a, ln.weight, ln.eps)
+            delta = layer.mlp.forward_fused(h)
+        x, last = add_rmsnorm(x, delta, self.model.norm.weight, self.model.norm.eps)
+        if len(layers) - 1 in want:
+            captured[len(layers) - 1] = x
+        return x, last

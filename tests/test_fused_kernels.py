@@ -1,0 +1,269 @@
+"""The Triton kernels of adaflash_ray/kernels against their pure-torch references.
+
+- ``gpu`` tests (skipped without CUDA or Triton): each kernel in bf16 at the shapes of SmolLM2-135M (hidden 576,
+  9 / 3 heads, head_dim 64) and Qwen3-8B (hidden 4096, 32 / 8 heads, head_dim 128, qk-norm), verify widths 1-16;
+  a random two-layer target of each shape, fused vs reference forward over the static cache; the fused forward
+  captured in a CUDA graph equals its eager run bit for bit.
+- a CPU test under Triton's interpreter (``TRITON_INTERPRET=1``, in a subprocess, since Triton chooses the
+  interpreter when a kernel is defined): the same kernels on float32 CPU tensors, and the fused target forward
+  on a small random model (skipped when Triton is not installed; it is never a dependency).
+
+Run on a GPU machine: python -m pytest -q -m gpu tests/test_fused_kernels.py
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+ROOT = Path(__file__).resolve().parents[1]
+
+needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON),
+                               reason="needs a CUDA device and triton")
+
+#: (name, hidden, intermediate, heads, kv heads, head_dim, qk_norm)
+SHAPES = [("smollm2-135m", 576, 1536, 9, 3, 64, False), ("qwen3-8b", 4096, 12288, 32, 8, 128, True)]
+
+
+def _close_bf16(a: torch.Tensor, b: torch.Tensor, ulps: float = 2.0) -> None:
+    """Equal within ``ulps`` bf16 units (8 significant bits) of each element's magnitude, except at most 0.1% of
+    elements (a rounding flip upstream of a cancellation), and those within 2 units of the largest magnitude."""
+    a, b = a.float(), b.float()
+    err = (a - b).abs()
+    tol = ulps * torch.maximum(a.abs(), b.abs()).clamp_min(1e-3) * 2.0 ** -7
+    bad = int((err > tol).sum())
+    assert bad <= 1e-3 * a.numel(), f"{bad} of {a.numel()} differ; max abs diff {err.max().item()}"
+    assert err.max().item() <= 2 * 2.0 ** -7 * b.abs().max().item(), err.max().item()
+
+
+# --------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+@pytest.mark.parametrize("rows", [1, 16, 1024])
+def test_add_rmsnorm_gpu(shape, rows):
+    from adaflash_ray.kernels.fused_norm import add_rmsnorm, add_rmsnorm_ref
+
+    hidden = shape[1]
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 1, hidden, device="cuda", generator=g).bfloat16()
+    d = torch.randn(rows, 1, hidden, device="cuda", generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=g)).bfloat16()
+    r, y = add_rmsnorm(x, d, w, 1e-6)
+    r0, y0 = add_rmsnorm_ref(x, d, w, 1e-6)
+    torch.testing.assert_close(r, r0, rtol=0, atol=0)  # the add rounds the same way
+    _close_bf16(y, y0, ulps=1.0)
+    r, y = add_rmsnorm(x, None, w, 1e-6)
+    assert r is x
+    _close_bf16(y, add_rmsnorm_ref(x, None, w, 1e-6)[1], ulps=1.0)
+
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+@pytest.mark.parametrize("rows", [1, 16, 1024])
+def test_swiglu_gpu(shape, rows):
+    from adaflash_ray.kernels.swiglu import swiglu, swiglu_ref
+
+    inter = shape[2]
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    gu = (2 * torch.randn(rows, 1, 2 * inter, device="cuda", generator=g)).bfloat16()
+    out = swiglu(gu)
+    assert out.shape == (rows, 1, inter) and out.dtype == torch.bfloat16
+    _close_bf16(out, swiglu_ref(gu), ulps=1.0)
+
+
+
+def _rotary_case(shape, batch, width, device, dtype, seed=0, slots=None):
+    from adaflash_ray.models.layers import Rotary
+
+    _, _, _, hq, hkv, d, qk = shape
+    g = torch.Generator(device=device).manual_seed(seed)
+    qkv = torch.randn(batch, width, (hq + 2 * hkv) * d, device=device, generator=g).to(dtype)
+    start = torch.randint(0, 200, (batch, 1), device=device, generator=g)
+    positions = start + torch.arange(width, device=device)
+    cos, sin = Rotary(d, 1e6).to(device).cos_sin(positions)
+    qn = (1 + 0.1 * torch.randn(d, device=device, generator=g)).to(dtype) if qk else None
+    kn = (1 + 0.1 * torch.randn(d, device=device, generator=g)).to(dtype) if qk else None
+    slots = slots or batch + 2
+    rows = torch.randperm(slots, device=device, generator=g)[:batch]
+    kc = torch.zeros(slots, 256, hkv, d, device=device, dtype=dtype)
+    return qkv, cos, sin, qn, kn, kc, kc.clone(), rows, positions
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+@pytest.mark.parametrize("batch,width", [(1, 1), (1, 16), (8, 1), (4, 16), (64, 2)])
+def test_rotary_qkv_cache_gpu(shape, batch, width):
+    from adaflash_ray.kernels.rotary_cache import rotary_qkv_cache, rotary_qkv_cache_ref
+
+    qkv, cos, sin, qn, kn, kc, vc, rows, pos = _rotary_case(shape, batch, width, "cuda", torch.bfloat16)
+    kc0, vc0 = kc.clone(), vc.clone()
+    hq, hkv = shape[3], shape[4]
+    q = rotary_qkv_cache(qkv, cos, sin, qn, kn, 1e-6, kc, vc, rows, pos, hq, hkv)
+    q0 = rotary_qkv_cache_ref(qkv, cos, sin, qn, kn, 1e-6, kc0, vc0, rows, pos, hq, hkv)
+    assert q.shape == (batch, hkv, width * (hq // hkv), shape[5])
+    _close_bf16(q, q0)
+    _close_bf16(kc, kc0)
+    torch.testing.assert_close(vc, vc0, rtol=0, atol=0)  # values are copied
+
+
+
+def _small_target(shape_name: str, layers: int, device: str, dtype: torch.dtype):
+    from adaflash_ray.shapes import SHAPES as REAL, build_random_target
+
+    cfg = dataclasses.replace(REAL[shape_name], num_hidden_layers=layers)
+    return build_random_target(cfg, device, dtype, seed=0)
+
+
+def _prefill_then_verify(target, batch, prompt, width, device, seed=0):
+    """Prefill ``prompt`` tokens per slot (slot_ids path), then a verify step of ``width`` (rows are slots).
+    Returns (prefill output, verify output, cache)."""
+    g = torch.Generator().manual_seed(seed)
+    v = target.config.vocab_size
+    ids = torch.randint(0, v, (batch, prompt), generator=g).to(device)
+    ids2 = torch.randint(0, v, (batch, width), generator=g).to(device)
+    pos = torch.arange(prompt, device=device).expand(batch, prompt)
+    pos2 = prompt + torch.arange(width, device=device).expand(batch, width)
+    cache = target.new_kv_cache(batch, prompt + width + 4)
+    layers = [0, target.config.num_hidden_layers - 1]
+    o1 = target(ids, pos, cache=cache, slot_ids=torch.arange(batch, device=device), capture_layer_ids=layers)
+    o2 = target(ids2, pos2, cache=cache, rows_are_slots=True, span=prompt + width, capture_layer_ids=layers,
+                logits_dtype=None)
+    return o1, o2, cache
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape_name", ["smollm2-135m", "qwen3-8b"])
+@pytest.mark.parametrize("batch,width", [(1, 1), (4, 16)])
+def test_target_fused_forward_gpu(shape_name, batch, width):
+    """Two-layer random target of the real shape: fused vs reference forward (prefill + verify over the cache)."""
+    target = _small_target(shape_name, 2, "cuda", torch.bfloat16)
+    target.fuse_projections()  # what the engine does on CUDA; auto turns the kernels on
+    assert target.fused_kernels_active
+    fused = _prefill_then_verify(target, batch, 40, width, "cuda")
+    target.use_fused_kernels("off")
+    ref = _prefill_then_verify(target, batch, 40, width, "cuda")
+    for a, b in ((fused[0], ref[0]), (fused[1], ref[1])):
+        for x, y in ((a.last_hidden, b.last_hidden), (a.features, b.features), (a.logits, b.logits)):
+            err = (x.float() - y.float()).abs().max().item()
+            assert err <= 0.02 * y.float().abs().max().item() + 1e-3, err
+    assert (fused[2].k.float() - ref[2].k.float()).abs().max() <= 0.02 * ref[2].k.float().abs().max()
+
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_fused_forward_in_cuda_graph_gpu():
+    """The fused decode forward captured in a CUDA graph: replay == eager, bit for bit (no host syncs inside)."""
+    target = _small_target("qwen3-8b", 2, "cuda", torch.bfloat16)
+    assert target.use_fused_kernels("auto")
+    b, prompt, width = 4, 24, 16
+    _, eager, cache = _prefill_then_verify(target, b, prompt, width, "cuda")
+    ids = torch.randint(0, target.config.vocab_size, (b, width), device="cuda")
+    pos = prompt + torch.arange(width, device="cuda").expand(b, width).contiguous()
+    step = lambda: target(ids, pos, cache=cache, rows_are_slots=True, span=prompt + width,  # noqa: E731
+                          capture_layer_ids=[1], logits_dtype=None)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up: Triton compiles here, outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    ref = step()
+    ids.copy_(torch.randint(0, target.config.vocab_size, (b, width), device="cuda"))
+    ref2 = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.logits, ref2.logits, rtol=0, atol=0)
+    torch.testing.assert_close(out.features, ref2.features, rtol=0, atol=0)
+    assert not torch.equal(ref.logits, ref2.logits)
+
+
+
+# --------------------------------------------------------------------------------------------- CPU
+_INTERPRETER_SCRIPT = textwrap.dedent("""
+    import dataclasses, torch
+    torch.set_num_threads(1)
+    from adaflash_ray.kernels.fused_norm import add_rmsnorm, add_rmsnorm_ref
+    from adaflash_ray.kernels.rotary_cache import rotary_qkv_cache, rotary_qkv_cache_ref
+    from adaflash_ray.kernels.swiglu import swiglu, swiglu_ref
+    from adaflash_ray.models.layers import Rotary
+    from adaflash_ray.shapes import SHAPES, build_random_target
+
+    def close(a, b, tol=2e-6):
+        err = (a.float() - b.float()).abs().max().item()
+        assert err <= tol * max(1.0, b.float().abs().max().item()), err
+
+    g = torch.Generator().manual_seed(0)
+    x, d = torch.randn(3, 2, 576, generator=g), torch.randn(3, 2, 576, generator=g)
+    w = 1 + 0.1 * torch.randn(576, generator=g)
+    for delta in (d, None):
+        (r, y), (r0, y0) = add_rmsnorm(x, delta, w, 1e-5), add_rmsnorm_ref(x, delta, w, 1e-5)
+        close(r, r0, 0.0); close(y, y0)
+    gu = torch.randn(5, 2 * 1536, generator=g)
+    close(swiglu(gu), swiglu_ref(gu))
+    for hq, hkv, hd, qk in ((9, 3, 64, False), (4, 2, 16, True)):
+        b, wd = 3, 5
+        qkv = torch.randn(b, wd, (hq + 2 * hkv) * hd, generator=g)
+        pos = torch.randint(0, 30, (b, 1), generator=g) + torch.arange(wd)
+        cos, sin = Rotary(hd, 1e4).cos_sin(pos)
+        qn = 1 + 0.1 * torch.randn(hd, generator=g) if qk else None
+        kn = 1 + 0.1 * torch.randn(hd, generator=g) if qk else None
+        kc = torch.zeros(6, 40, hkv, hd); vc = torch.zeros_like(kc); kc0, vc0 = kc.clone(), vc.clone()
+        rows = torch.tensor([4, 0, 2])
+        q = rotary_qkv_cache(qkv, cos, sin, qn, kn, 1e-6, kc, vc, rows, pos, hq, hkv)
+        q0 = rotary_qkv_cache_ref(qkv, cos, sin, qn, kn, 1e-6, kc0, vc0, rows, pos, hq, hkv)
+        close(q, q0); close(kc, kc0); close(vc, vc0, 0.0)
+
+    # the fused target forward on a 2-layer random model (Qwen3 layout: qk-norm), prefill then a verify step
+    t = build_random_target(dataclasses.replace(SHAPES["tiny"], num_hidden_layers=2), "cpu", torch.float32)
+    ids = torch.randint(0, 512, (3, 6), generator=g); ids2 = torch.randint(0, 512, (3, 4), generator=g)
+    pos = torch.arange(6).expand(3, 6); pos2 = 6 + torch.arange(4).expand(3, 4)
+    outs = []
+    for mode in ("off", "auto"):
+        assert t.use_fused_kernels(mode) == (mode == "auto")
+        c = t.new_kv_cache(3, 16)
+        o1 = t(ids, pos, cache=c, slot_ids=torch.tensor([2, 0, 1]), capture_layer_ids=[0, 1])
+        o2 = t(ids2, pos2, cache=c, rows_are_slots=True, span=10, capture_layer_ids=[0, 1])
+        outs.append((o1.logits, o1.features, o2.logits, o2.features, o2.last_hidden, c.k, c.v))
+    for a, b in zip(*outs):
+        close(a, b, 1e-5)
+    print("interpreter ok")
+""")
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton (optional; pip install triton)")
+def test_kernels_under_triton_interpreter():
+    """Every kernel and the fused target forward on CPU float32 tensors under ``TRITON_INTERPRET=1``."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("ADAFLASH_FUSED_KERNELS", None)
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_cpu_default_stays_reference(monkeypatch):
+    """On CPU without the interpreter, auto leaves the fused kernels off (the float32 reference path)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("ADAFLASH_FUSED_KERNELS", raising=False)
+    t = _small_target("tiny", 1, "cpu", torch.float32)
+    assert t.fuse_projections().fused_kernels_active is False
+    with pytest.raises(ValueError):
+        t.use_fused_kernels("on")
+    monkeypatch.setenv("ADAFLASH_FUSED_KERNELS", "off")
+    assert t.use_fused_kernels("auto") is False and t.fused_kernels == "off"
