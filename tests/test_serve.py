@@ -139,6 +139,7 @@ def test_unknown_fields_are_ignored_known_unsupported_refused(tok, caplog):
                ("presence_penalty", {"presence_penalty": 0.5}), ("logprobs", {"logprobs": True}),
                ("top_logprobs", {"top_logprobs": 2}), ("chat_template_kwargs", {"chat_template_kwargs": {"a": 1}}),
                ("best_of", {"best_of": True}),  # JSON true is not the number 1
+               ("prompt_logprobs", {"prompt_logprobs": 0}),  # 0 asks for the prompt tokens' own logprobs
                ("stream_options.continuous_usage_stats",
                 {"stream": True, "stream_options": {"continuous_usage_stats": True}}),
                ("messages.0.tool_calls", {"messages": [{"role": "assistant", "content": "",

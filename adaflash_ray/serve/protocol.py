@@ -141,7 +141,7 @@ _NEUTRAL.update({
     "ignore_eos": (None, False), "min_tokens": (None, 0), "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0), "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-    "prompt_logprobs": (None, 0), "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,),
+    "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,),
     "bad_words": (None, []), "logits_processors": (None,), "return_tokens_as_token_ids": (None, False),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "structural_tag": (None,), "structured_outputs": (None,), "chat_template": (None,),
