@@ -185,6 +185,9 @@ class EngineConfig(_Section):
     max_seq_len: int = Field(1024, ge=1)  # prompt + generation + one block of slack
     temperature: float = Field(0.0, ge=0)
     num_threads: int = Field(1, ge=1)  # torch.set_num_threads on CPU
+    # Triton kernels on the target's cached forward (adaflash_ray/kernels: add+RMSNorm, SwiGLU, rotary+KV write):
+    # auto = on when the model is on CUDA and triton imports (the CPU path is always the torch reference); off
+    fused_kernels: Literal["auto", "off"] = "auto"
 
 
 class DistillConfig(_Section):
