@@ -11,7 +11,9 @@ norm weights ones. :func:`measure_copy_bandwidth` gives the denominator of the m
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import statistics
 import time
 from typing import Iterator
@@ -24,7 +26,8 @@ from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
 from adaflash_ray.models.target import TargetConfig, TargetModel
 
 __all__ = ["SHAPES", "UNSUPPORTED_SHAPES", "ShapeError", "bench_shape", "build_random_drafter",
-           "build_random_target", "decode_weight_bytes", "measure_copy_bandwidth", "shape_config"]
+           "build_random_target", "count_forward_kernels", "decode_weight_bytes", "measure_copy_bandwidth",
+           "shape_config"]
 
 #: Real target shapes the built-in engine can run (dense Llama / Qwen3 decoders). ``tiny`` is for tests.
 SHAPES: dict[str, TargetConfig] = {
@@ -229,3 +232,71 @@ def bench_shape(name: str, *, device: str = "cuda", dtype: torch.dtype = torch.b
         "propose_ms": {str(b): v for b, v in propose_ms.items()},
         "propose_frac_of_ar": {str(b): propose_ms[b] / ar_step[b] for b in batch_sizes},
     }
+
+
+def count_forward_kernels(name: str, *, fused: bool, batch: int = 1, width: int = 1, context: int = 64,
+                          device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                          layer_counts: tuple[int, int] = (1, 3)) -> dict:
+    """Device kernels of one CUDA-graph replay of the target's cached forward (the engine's decode / verify step
+    body: rows are slots, ``width`` positions per row after ``context`` cached ones), counted with
+    ``torch.profiler`` on random models of shape ``name`` with ``layer_counts`` layers; kernels per layer =
+    the difference between the two counts over the difference in layers (what the rest of the forward launches
+    cancels out). ``fused`` chooses the Triton kernels (``TargetModel.use_fused_kernels``). Memcpy / memset
+    records count as kernels too (they are graph nodes); each count's kernel names come with it. The same
+    forward run eagerly is counted as well (``source`` says which count ``per_layer`` uses: the graph replay's
+    unless the profiler saw no kernel in it).
+
+    Returns ``{"shape", "fused", "fused_active", "batch", "width", "source", "per_layer",
+    "per_forward": {"graph_<layers>" | "eager_<layers>": n}, "names": {same keys: {kernel name: count}},
+    "per_layer_names": {name: count per layer}}``.
+    Raises ShapeError (unknown shape) and RuntimeError (not on CUDA).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise RuntimeError("count_forward_kernels needs a CUDA device (it profiles a CUDA-graph replay)")
+    base = shape_config(name)
+    counts: dict[tuple[str, int], collections.Counter] = {}
+    active = False
+    for n_layers in layer_counts:
+        target = build_random_target(dataclasses.replace(base, num_hidden_layers=n_layers), dev, dtype)
+        target.fuse_projections()
+        active = target.use_fused_kernels("auto" if fused else "off")
+        cache = target.new_kv_cache(batch, context + width + 1)
+        ids = torch.zeros(batch, width, dtype=torch.long, device=dev)
+        pos = (context + torch.arange(width, device=dev)).expand(batch, width).contiguous()
+
+        def step():
+            return target(ids, pos, cache=cache, rows_are_slots=True, span=context + width, capture_layer_ids=[0],
+                          logits_dtype=None)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            step()  # compile / autotune outside the capture
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        for key, fn in (("graph", graph.replay), ("eager", step)):
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize(dev)
+            counts[key, n_layers] = collections.Counter(e.name for e in prof.events()
+                                                        if e.device_type == torch.autograd.DeviceType.CUDA)
+        del graph, target, cache
+        torch.cuda.empty_cache()
+    lo, hi = layer_counts
+    span = hi - lo
+    # the graph replay's records when the profiler reports kernels inside graphs, else the eager run's
+    # (the same launches: the graph captured them)
+    src = "graph" if sum(counts["graph", lo].values()) else "eager"
+    c_lo, c_hi = counts[src, lo], counts[src, hi]
+    diff = {k: (c_hi[k] - c_lo[k]) / span for k in set(c_hi) | set(c_lo)}
+    return {"shape": name, "fused": fused, "fused_active": active, "batch": batch, "width": width, "source": src,
+            "per_layer": (sum(c_hi.values()) - sum(c_lo.values())) / span,
+            "per_forward": {f"{k}_{n}": sum(c.values()) for (k, n), c in counts.items()},
+            "names": {f"{k}_{n}": dict(c.most_common()) for (k, n), c in counts.items()},
+            "per_layer_names": {k: v for k, v in sorted(diff.items(), key=lambda kv: -kv[1]) if v}}

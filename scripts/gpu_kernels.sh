@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The fused Triton kernels of adaflash_ray/kernels on one GPU: their gpu tests, kernels per layer in the captured
+# decode / verify graph (torch.profiler), and the random-weight shape benches with the kernels off and on.
+#
+# Runs in the same `run` call right after the install step of scripts/gpu_main_job.sh (carry [".gpu_stage"]):
+#     bash scripts/gpu_main_job.sh a && ADAFLASH_COMMIT=<sha> bash scripts/gpu_kernels.sh
+# It reuses that script's env_setup (PYTHONPATH onto the installed wheels). KERNELS_BUDGET_S (default 420) bounds
+# its own wall time: each step gets at most what is left, in this order (most wanted first).
+# Writes under $OUT/kernels/:
+#   tests.log                         python -m pytest -q -m gpu tests/test_fused_kernels.py
+#   kernel_counts.json                count_forward_kernels for both shapes, fused off/on, (batch, width) (1,1) (1,16)
+#   bench_<shape>_<off|on>.json/.log  python -m adaflash_ray.bench --shape <shape> (ADAFLASH_FUSED_KERNELS=off|auto)
+#   summary.json                      AR step / verify ratio / propose share off vs on, kernels per layer, commit
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+eval "$(grep -E "^STAGE=" scripts/gpu_main_job.sh)"  # its staging folder and env_setup: the one definition
+eval "$(sed -n "/^env_setup() {/,/^}/p" scripts/gpu_main_job.sh)"
+env_setup
+OUT="${OUT:-/tmp/gpu_kernels_out}"
+K="$OUT/kernels"
+mkdir -p "$K"
+DEADLINE=$(( $(date +%s) + ${KERNELS_BUDGET_S:-420} ))
+left() { local l=$(( DEADLINE - $(date +%s) )); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
+run_step() {  # run_step MAX_S NAME CMD...: at most MAX_S seconds (less if the budget is short); logs its status
+  local max=$1 name=$2; shift 2
+  local t=$(left "$max")
+  if [ "$t" -lt 10 ]; then echo "$name: skipped (budget spent)" | tee -a "$K/steps.txt"; return 0; fi
+  local t0=$(date +%s)
+  timeout "$t" "$@"
+  local rc=$?
+  echo "$name: rc=$rc wall $(( $(date +%s) - t0 )) s (limit $t s)" | tee -a "$K/steps.txt"
+}
+: > "$K/steps.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))" \
+  2>&1 | tee "$K/versions.txt"
+
+run_step 150 tests bash -c "python3 -m pytest -q -m gpu tests/test_fused_kernels.py -p no:cacheprovider \
+  > '$K/tests.log' 2>&1"
+tail -3 "$K/tests.log"
+
+run_step 100 kernel_counts python3 - "$K/kernel_counts.json" <<'EOF'
+import json, sys
+from adaflash_ray.shapes import count_forward_kernels
+rows = []
+for shape in ("qwen3-8b", "smollm2-135m"):
+    for fused in (False, True):
+        for batch, width in ((1, 1), (1, 16)):
+            r = count_forward_kernels(shape, fused=fused, batch=batch, width=width)
+            rows.append(r)
+            print(f"{shape} fused={fused} (active {r['fused_active']}) batch {batch} width {width}: "
+                  f"{r['per_layer']:.1f} kernels per layer, {r['per_forward']} per forward", flush=True)
+            json.dump(rows, open(sys.argv[1], "w"), indent=1)
+EOF
+
+bench() {  # bench SHAPE MODE MAX_S ARGS...
+  local shape=$1 mode=$2 max=$3; shift 3
+  local tag=$([ "$mode" = off ] && echo off || echo on)
+  run_step "$max" "bench_${shape}_$tag" env ADAFLASH_FUSED_KERNELS="$mode" python3 -m adaflash_ray.bench --shape "$shape" \
+    "$@" --out "$K/bench_${shape}_$tag.json" > "$K/bench_${shape}_$tag.log" 2>&1
+  grep -E "ar |dflash|floor" "$K/bench_${shape}_$tag.log" | head -8
+}
+Q=(--concurrency 1 64 --max-new-tokens 32 --num-iters 10)
+S=(--concurrency 1 8 --max-new-tokens 32 --num-iters 10)
+bench qwen3-8b off 100 "${Q[@]}"
+bench qwen3-8b auto 100 "${Q[@]}"
+bench smollm2-135m off 60 "${S[@]}"
+bench smollm2-135m auto 60 "${S[@]}"
+
+python3 - "$K" "${ADAFLASH_COMMIT:-unknown}" <<'EOF'
+import json, os, sys
+k, commit = sys.argv[1:]
+doc = {"commit": commit, "steps": open(os.path.join(k, "steps.txt")).read().splitlines()}
+for shape in ("qwen3-8b", "smollm2-135m"):
+    for tag in ("off", "on"):
+        p = os.path.join(k, f"bench_{shape}_{tag}.json")
+        if not os.path.exists(p):
+            continue
+        b = json.load(open(p))
+        vc = b["verify_cost"]
+        doc[f"{shape}_{tag}"] = {
+            "ar_step_ms": b["ar_step_ms"], "spec_step_ms": b["spec_step_ms"], "memory_floor_ms": b["memory_floor_ms"],
+            "ar_step_x_floor": {bs: v / b["memory_floor_ms"] for bs, v in b["ar_step_ms"].items()},
+            "verify_w16_over_w1": {bs: row["16"] / row["1"] for bs, row in vc.items() if "16" in row},
+            "propose_frac_of_ar": b["propose_frac_of_ar"]}
+p = os.path.join(k, "kernel_counts.json")
+if os.path.exists(p):
+    doc["kernels_per_layer"] = {f"{r['shape']} fused={r['fused']} b{r['batch']} w{r['width']}": r["per_layer"]
+                                for r in json.load(open(p))}
+json.dump(doc, open(os.path.join(k, "summary.json"), "w"), indent=1)
+print(json.dumps(doc, indent=1))
+EOF
