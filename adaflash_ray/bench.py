@@ -220,11 +220,10 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
         def engine_for(method: str) -> SpecEngine:
             if method not in engines:
                 policy = "fixed" if method in ("ar", "dflash") else method.removeprefix("adaflash-")
-                eng = SpecEngine(target, None if method == "ar" else drafter, heads.get(policy),
-                                 policy=policy, rate=cfg.length_head.rate, min_len=cfg.length_head.min_len,
-                                 ar_steps=cfg.length_head.ar_steps, probe_every=cfg.length_head.probe_every,
-                                 max_batch_size=conc, max_seq_len=max_seq_len, seed=cfg.seed,
-                                 **(engine_kwargs or {}))
+                eng = SpecEngine.from_config(cfg, models=(target, None if method == "ar" else drafter,
+                                                          heads.get(policy)),
+                                             policy=policy, max_batch_size=conc, max_seq_len=max_seq_len,
+                                             **(engine_kwargs or {}))
                 if warmup == "short":  # allocator and first-call costs: untimed
                     eng.generate(prompts[domains[0]][:conc], SamplingParams(max_new_tokens=2),
                                  mode="ar" if method == "ar" else "spec")

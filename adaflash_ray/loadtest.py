@@ -131,16 +131,10 @@ def engine_baseline(cfg: RunConfig, prompt_ids: list[list[int]], concurrency: in
     import torch
 
     from adaflash_ray.engine import SamplingParams, SpecEngine
-    from adaflash_ray.models.factory import build_drafter, load_target
 
     torch.set_num_threads(cfg.engine.num_threads)
     torch.manual_seed(cfg.seed)
-    target = load_target(cfg.model)
-    drafter, head = build_drafter(target, cfg.drafter, cfg.length_head, seed=cfg.seed)
-    lh = cfg.length_head
-    eng = SpecEngine(target, drafter, head, policy=lh.policy, rate=lh.rate, min_len=lh.min_len,
-                     ar_steps=lh.ar_steps, probe_every=lh.probe_every,
-                     max_batch_size=cfg.engine.max_batch_size, max_seq_len=cfg.engine.max_seq_len, seed=cfg.seed)
+    eng = SpecEngine.from_config(cfg)
     reqs, num_done = [], 0
     t0 = time.perf_counter()
     # as the HTTP clients: keep `concurrency` requests in flight until the deadline, then let the tail finish

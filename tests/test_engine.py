@@ -432,7 +432,7 @@ def test_cost_policy_ar_steps_lossless_and_probing(tiny_target):
     assert all(set(r.draft_lens) == {0} for r in reqs)
     for _ in range(16):  # steps 16-30 AR (the wait is 16 = 4 x probe_every at most), step 31 proposes
         engine.step()
-    assert [s for s in proposes if s > 0] == [4, 13, 30] and engine._ar_interval == 16
+    assert [s for s in proposes if s > 0] == [4, 13, 30] and pol.probe_interval == 16
     steps_ar = engine.stats.num_engine_steps
     pol.set_costs([1, 2, 3], *draft_cheap)  # in place: the next probe sees drafting pay
     while engine.has_unfinished():
@@ -480,13 +480,13 @@ def test_ar_regime_only_on_the_policys_answer(monkeypatch, tiny_target):
     pol = engine.runner.length_policy
     pol.set_costs([1, 2, 3], torch.full((3, 7), 100.0), torch.ones(3))
     engine.generate(prompts, SamplingParams(max_new_tokens=60))
-    assert engine._ar_chosen and engine._ar_interval == 8  # 4 x probe_every
+    assert pol.ar_chosen and pol.probe_interval == 8  # 4 x probe_every
     reqs = [engine.add_request(p, SamplingParams(max_new_tokens=40)) for p in prompts]
     engine.step()
-    assert engine._ar_chosen and engine._ar_interval == 2  # a new batch: the shortest wait again
+    assert pol.ar_chosen and pol.probe_interval == 2  # a new batch: the shortest wait again
     for _ in range(12):
         engine.step()
-    assert engine._ar_chosen and engine._ar_interval == 8
+    assert pol.ar_chosen and pol.probe_interval == 8
     proposes.clear()
     engine.load_drafter(engine.drafter_tensors(), version=1)  # a new version: the policy answers at the next step
     engine.step()

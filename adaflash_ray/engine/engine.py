@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -23,7 +24,7 @@ from filelock import FileLock
 
 from adaflash_ray.engine.length_policy import CostLength, DirectLength, FixedLength
 from adaflash_ray.engine.request import Request, SamplingParams, Status
-from adaflash_ray.engine.runner import ModelRunner, _buckets
+from adaflash_ray.engine.runner import ModelRunner, StepResult, _buckets
 from adaflash_ray.engine.scheduler import Scheduler
 from adaflash_ray.engine.stats import SpecStats
 from adaflash_ray.models.checkpoint import CheckpointError, check_tensors_fit, tensors_sha256
@@ -31,6 +32,10 @@ from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
 from adaflash_ray.models.length_head import AcceptanceHead, DirectLengthHead
 from adaflash_ray.models.target import TargetModel
 from adaflash_ray.trajectory import Trajectory
+from adaflash_ray.versions import is_newer
+
+# float dtypes by the values they hold exactly: a tensor converted to a dtype at or above its own keeps its values
+_FLOAT_WIDTH = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
 
 def device_lock_path(device: torch.device | str) -> str:
@@ -60,6 +65,21 @@ def monotone_costs(costs_ms: torch.Tensor) -> torch.Tensor:
         Same shape and dtype, non-decreasing along the last dimension, elementwise <= the input.
     """
     return torch.flip(torch.cummin(torch.flip(costs_ms, [-1]), dim=-1).values, [-1])
+
+
+def _widens(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether converting ``src`` to ``dst`` keeps every value (the same dtype, or float16 / bfloat16 -> float32
+    and wider)."""
+    return src == dst or _FLOAT_WIDTH.get(src, 9) < _FLOAT_WIDTH.get(dst, 0)
+
+
+class _Batch(NamedTuple):
+    """One step's plan: the running requests, their γ (host ints), AR or speculative, and whether it proposes."""
+
+    requests: list[Request]
+    draft_lens: list[int]
+    spec: bool
+    propose: bool
 
 
 class SpecEngine:
@@ -114,14 +134,43 @@ class SpecEngine:
         self.stats = SpecStats()
         self.drafter_version = drafter_version
         self.drafter_sha256 = tensors_sha256(self.drafter_tensors()) if drafter is not None else None
-        self.num_reloads = 0
-        self._published_loaded = False  # a published version (even 0) has been loaded: versions must rise
+        self.num_reloads = 0  # drafter loads (load_drafter) so far; from the first one on, versions must rise
         self.cost_table: dict | None = None
-        self._ar_chosen = False  # the cost policy's last answer for the running batch was γ = 0
-        self._ar_run = 0  # AR steps since the last propose while it was
-        self._ar_interval = probe_every  # AR steps before the next propose (doubles while γ stays 0)
         if isinstance(self.policy, CostLength) and calibrate:
             self.calibrate_costs()
+
+    @classmethod
+    def from_config(cls, cfg, *, models: tuple | None = None, policy: str | None = None, record: bool = False,
+                    record_features: bool = True, ar_steps: bool | None = None, seed: int | None = None,
+                    max_batch_size: int | None = None, max_seq_len: int | None = None, **kwargs) -> "SpecEngine":
+        """An engine as a recipe describes it.
+
+        Args:
+            cfg: a ``RunConfig`` (adaflash_ray.config): ``model`` and ``drafter`` build the models, ``length_head``
+                gives the policy and its settings (rate, min_len, ar_steps, probe_every), ``engine`` the limits
+                (max_batch_size, max_seq_len), ``seed`` the sampling seed.
+            models: ``(target, drafter, length_head)`` already built (drafter None: AR only); None = load the
+                target (:func:`~adaflash_ray.models.factory.load_target`) and build the drafter and the policy's
+                head (:func:`~adaflash_ray.models.factory.build_drafter`, seeded with ``cfg.seed``).
+            policy: overrides ``cfg.length_head.policy`` (the head in ``models`` must be that policy's).
+            record, record_features: as in the constructor.
+            ar_steps, seed, max_batch_size, max_seq_len: override the recipe's values (None = the recipe's).
+            **kwargs: the constructor's other keywords (use_cuda_graph, calibrate, drafter_version).
+        Raises:
+            ValueError / CheckpointError: as the constructor and the model builders.
+        """
+        lh = cfg.length_head
+        if models is None:
+            from adaflash_ray.models.factory import build_drafter, load_target
+
+            target = load_target(cfg.model)
+            models = (target, *build_drafter(target, cfg.drafter, lh, seed=cfg.seed))
+        target, drafter, head = models
+        return cls(target, drafter, head, policy=policy or lh.policy, rate=lh.rate, min_len=lh.min_len,
+                   ar_steps=lh.ar_steps if ar_steps is None else ar_steps, probe_every=lh.probe_every,
+                   max_batch_size=max_batch_size or cfg.engine.max_batch_size,
+                   max_seq_len=max_seq_len or cfg.engine.max_seq_len, record=record,
+                   record_features=record_features, seed=cfg.seed if seed is None else seed, **kwargs)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -172,59 +221,65 @@ class SpecEngine:
         """Admit + prefill new requests, then one decode step for all running ones (one device -> host
         transfer); returns the requests finished now. ``mode="ar"`` decodes one token per step (no
         drafter work; a request decoded in AR mode should stay in AR mode)."""
-        if mode == "spec" and self.drafter is None:
-            mode = "ar"
-        spec = mode == "spec"
+        spec = mode == "spec" and self.drafter is not None
         finished: list[Request] = []
-        running_before = list(self.scheduler.running)
-        admitted = self.scheduler.admit()
-        if admitted:
-            firsts, gammas = self.runner.prefill([r.slot for r in admitted], [r.prompt_ids for r in admitted],
-                                                 [r.params.temperature for r in admitted],
-                                                 [r.params.top_p for r in admitted], spec)
-            if isinstance(self.policy, CostLength) and running_before:
-                # the prefill's propose saw only the admitted rows (the cost of a small batch): joining a
-                # running batch they take its γ, or one long block would widen every row's verify
-                cap = max(r.next_draft_len for r in running_before)
-                gammas = [min(g, cap) for g in gammas]
-            elif not running_before:  # a new batch: the prefill's propose is the policy's answer for it, and an
-                self._ar_chosen = spec and all(g == 0 for g in gammas)  # earlier batch's long probe wait is gone
-                self._ar_run, self._ar_interval = 0, getattr(self.policy, "probe_every", 1)
-            for req, tok, g in zip(admitted, firsts, gammas):
-                req.next_draft_len = g
-                self._commit(req, [tok], finished)
-        running = list(self.scheduler.running)
-        if not running:
+        self._admit(spec, finished)
+        if not self.scheduler.running:
             return finished
         t0 = time.perf_counter()
-        if spec:  # γ chosen by the policy when the block was proposed (or the request's own), capped by the budget
+        batch = self._schedule(spec)
+        res = self._run(batch)
+        self._postprocess(batch, res, finished)
+        self.stats.num_engine_steps += 1
+        self.stats.decode_seconds += time.perf_counter() - t0
+        return finished
+
+    def _admit(self, spec: bool, finished: list[Request]) -> None:
+        """Move waiting requests into free KV slots and prefill them: each commits its first token, and (with
+        ``spec``) its first block is proposed, with the γ the length policy gives it joining the batch."""
+        running_before = [r.next_draft_len for r in self.scheduler.running]
+        admitted = self.scheduler.admit()
+        if not admitted:
+            return
+        firsts, gammas = self.runner.prefill([r.slot for r in admitted], [r.prompt_ids for r in admitted],
+                                             [r.params.temperature for r in admitted],
+                                             [r.params.top_p for r in admitted], spec)
+        if self.policy is not None:
+            gammas = self.policy.on_admit(gammas, running_before, spec)
+        for req, tok, g in zip(admitted, firsts, gammas):
+            req.next_draft_len = g
+            self._commit(req, [tok], finished)
+
+    def _schedule(self, spec: bool) -> _Batch:
+        """The running requests' γ for this step - the policy's (or the request's own), capped by the tokens left -
+        and whether the step proposes the next block (the policy's probe schedule)."""
+        running = list(self.scheduler.running)
+        if spec:
             gammas = [max(min(r.next_draft_len if r.params.draft_len is None else r.params.draft_len,
                               r.remaining - 1), 0) for r in running]
         else:
             gammas = [0] * len(running)
-        # the cost policy's γ = 0 (an AR step pays more than a draft here): step without proposing, and propose
-        # again every probe_every steps to see whether drafting pays once more
-        # (each probe that still finds γ = 0 doubles the wait, up to 4 x probe_every; drafting again resets it)
         propose = True
-        if spec and self._ar_chosen and all(r.next_draft_len == 0 and r.params.draft_len is None for r in running):
-            propose = self._ar_run >= self._ar_interval
-            if propose:
-                self._ar_run = 0
-                self._ar_interval = min(2 * self._ar_interval, 4 * self.policy.probe_every)
-            else:
-                self._ar_run += 1
-        elif self.policy is not None:
-            self._ar_run, self._ar_interval = 0, getattr(self.policy, "probe_every", 1)
-        res = self.runner.step([r.slot for r in running], [r.last_token for r in running],
-                               [r.num_tokens - 1 for r in running], gammas,
-                               [r.params.temperature for r in running], [r.params.top_p for r in running], spec,
-                               propose)
-        if not spec:
-            self._ar_chosen = False
-        elif propose:  # the policy answered for the whole batch (one γ per batch)
-            self._ar_chosen = all(n == 0 for n in res.next_draft_lens)
-        for req, g, a, toks, nxt in zip(running, gammas, res.num_accepted, res.committed, res.next_draft_lens):
-            if spec:
+        if self.policy is not None:
+            propose = self.policy.propose_now(spec, [r.next_draft_len for r in running],
+                                              [r.params.draft_len is not None for r in running])
+        return _Batch(running, gammas, spec, propose)
+
+    def _run(self, batch: _Batch) -> StepResult:
+        """One batched step on the device (verify, accept, propose): one device -> host transfer."""
+        reqs = batch.requests
+        return self.runner.step([r.slot for r in reqs], [r.last_token for r in reqs],
+                                [r.num_tokens - 1 for r in reqs], batch.draft_lens,
+                                [r.params.temperature for r in reqs], [r.params.top_p for r in reqs], batch.spec,
+                                batch.propose)
+
+    def _postprocess(self, batch: _Batch, res: StepResult, finished: list[Request]) -> None:
+        """Record each request's step (γ, a, drafter version), commit its tokens, and tell the policy."""
+        if self.policy is not None:
+            self.policy.after_step(batch.spec, batch.propose, res.next_draft_lens)
+        for req, g, a, toks, nxt in zip(batch.requests, batch.draft_lens, res.num_accepted, res.committed,
+                                        res.next_draft_lens):
+            if batch.spec:
                 req.draft_lens.append(g)
                 req.num_accepted.append(a)
                 req.step_versions.append(self.drafter_version)
@@ -233,9 +288,6 @@ class SpecEngine:
                 self.stats.record_step(g, a)
             req.next_draft_len = nxt
             self._commit(req, toks, finished)
-        self.stats.num_engine_steps += 1
-        self.stats.decode_seconds += time.perf_counter() - t0
-        return finished
 
     def _commit(self, req: Request, tokens: list[int], finished: list[Request]) -> None:
         stop = set(req.params.stop_token_ids or [])
@@ -311,11 +363,10 @@ class SpecEngine:
         """
         if self.drafter is None:
             raise CheckpointError("engine has no drafter to reload")
-        if not rollback:
-            current = self.drafter_version
-            if version < current or (version == current and self._published_loaded):
-                raise CheckpointError(f"drafter version {version} refused: the engine serves version {current} "
-                                      "(versions must rise; pass rollback=True to return to an older one)")
+        if not rollback and not is_newer(version, self.drafter_version, current_published=self.num_reloads > 0):
+            raise CheckpointError(f"drafter version {version} refused: the engine serves version "
+                                  f"{self.drafter_version} (versions must rise; pass rollback=True to return to an "
+                                  "older one)")
         if config is not None:
             try:
                 config.check_target(self.target.config)
@@ -332,20 +383,22 @@ class SpecEngine:
         elif not any(k.startswith("length_head.") for k in tensors):
             current = {k: v for k, v in current.items() if not k.startswith("length_head.")}
         check_tensors_fit(current, tensors, f"drafter version {version}")
-        digest = tensors_sha256(tensors)
+        # the loaded values are the incoming ones when every tensor lands in an equal or wider float dtype and
+        # nothing of the engine's is left out (a head-less publication keeps the engine's head): then the one
+        # hash of the incoming tensors names the loaded drafter too (tensors_sha256 hashes values, not storage)
+        faithful = len(current) == len(self.drafter_tensors()) and all(
+            _widens(tensors[name].dtype, dst.dtype) for name, dst in current.items())
+        digest = tensors_sha256(tensors) if sha256 is not None or faithful else None
         if sha256 is not None and digest != sha256:
             raise CheckpointError(f"drafter version {version}: sha256 mismatch ({digest[:12]} != {sha256[:12]})")
         for name, dst in current.items():
             dst.copy_(tensors[name].to(dst.dtype))
         self.drafter_version = version
-        self._published_loaded = True
-        self.drafter_sha256 = tensors_sha256(self.drafter_tensors())
+        self.drafter_sha256 = digest if faithful else tensors_sha256(self.drafter_tensors())
         self.num_reloads += 1
         for req in self.scheduler.running:
             self.runner.rebuild_context(req.slot, req.num_tokens - 1)
-        if self._ar_chosen:  # a new drafter may pay where the old one did not: ask the policy at the next step
-            self._ar_interval = getattr(self.policy, "probe_every", 1)
-            self._ar_run = self._ar_interval
+        self.policy.on_drafter_reload()
         return self.drafter_sha256
 
     # ------------------------------------------------------------------ timing (benchmarks)

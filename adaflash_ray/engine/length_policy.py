@@ -3,6 +3,10 @@
 Every policy is called inside the engine step (CUDA-graph safe: no host synchronisation) as
 ``policy(block_hidden [B, bs, H], draft_logits [B, bs-1, V], live [B] bool | None) -> γ [B]`` int64; ``live``
 marks the rows that are real requests (the rest are idle slots or bucket padding; None = all real).
+
+Between steps the engine asks the policy, on the host, about the batch (:class:`LengthPolicy`'s hooks): which γ
+newly admitted requests start with, whether this step proposes a block at all (the ``cost`` policy's γ = 0
+regime and its probe schedule), what the step's answer was, and that the drafter weights changed.
 """
 from __future__ import annotations
 
@@ -14,7 +18,36 @@ from adaflash_ray.models.length_head import (AcceptanceHead, DirectLengthHead, d
                                              ratio_to_draft_len)
 
 
-class FixedLength:
+class LengthPolicy:
+    """The host-side hooks every length policy has; the defaults draft on every step.
+
+    The engine calls them between steps, in this order per step: :meth:`on_admit` (requests were just prefilled),
+    :meth:`propose_now` (whether the step proposes the next block), :meth:`after_step` (the step's answers), and
+    :meth:`on_drafter_reload` whenever the drafter weights change.
+    """
+
+    name = ""
+
+    def on_admit(self, draft_lens: list[int], running_draft_lens: list[int], spec: bool) -> list[int]:
+        """γ per admitted request (``draft_lens``: the prefill's propose, host ints) given the γ of the requests
+        already running (empty: a new batch); ``spec`` False for an AR-mode prefill. Returns the γ to use."""
+        return draft_lens
+
+    def propose_now(self, spec: bool, pending_draft_lens: list[int], own_draft_len: list[bool]) -> bool:
+        """Whether this step proposes the next block (read with ``spec`` only; an AR-mode step never does), given
+        the policy's pending γ per running request and which requests fix their own γ
+        (``SamplingParams.draft_len``)."""
+        return True
+
+    def after_step(self, spec: bool, proposed: bool, next_draft_lens: list[int]) -> None:
+        """The step's outcome: ``spec`` False for an AR-mode step; with ``proposed``, ``next_draft_lens`` is the
+        policy's γ per request for the next step."""
+
+    def on_drafter_reload(self) -> None:
+        """New drafter weights were loaded between steps."""
+
+
+class FixedLength(LengthPolicy):
     """Plain DFlash: γ = block_size - 1 for every request."""
 
     name = "fixed"
@@ -27,7 +60,7 @@ class FixedLength:
         return torch.full(block_hidden.shape[:1], self.block_size - 1, dtype=torch.long, device=block_hidden.device)
 
 
-class DirectLength:
+class DirectLength(LengthPolicy):
     """The reference AdaFlash ``direct`` head: γ = clamp(round(r·block_size·rate) - 1, min_len, bs-1)."""
 
     name = "direct"
@@ -42,7 +75,7 @@ class DirectLength:
         return ratio_to_draft_len(ratio, self.block_size, self.rate, self.min_len)
 
 
-class CostLength:
+class CostLength(LengthPolicy):
     """The ``cost`` policy (docs/design/ALGORITHMS.md §2, policy 3, adaflash_ray's own): per batch, the γ that maximises
     expected committed tokens per second.
 
@@ -56,10 +89,15 @@ class CostLength:
     γ = 0 (``ar_steps``, with an AR cost row): drafting is worth less than not drafting. An AR step commits one
     token per live row and costs ``t_AR(B)``, a target forward of width 1 with no drafter propose; when
     ``n_live / t_AR(B) > max_γ Σ_r E_r[c(γ)] / t(B, γ)`` the policy answers 0 and the engine decodes without
-    drafting, proposing again every ``probe_every`` steps to re-check (:meth:`SpecEngine.step`). That is the
+    drafting, proposing again every ``probe_every`` steps to re-check (the probe schedule below). That is the
     load-dependent switch the reference head lacks (it had to be turned off by hand below 48 concurrent requests,
     AdaFlash issue #2): at concurrency 64 on an H200 a speculative step of the 135M target cost 1.8x an AR step
     (``results/h200_ef18ca8_bench_trained_c64.json``), more than its τ of 1.96 made up for.
+
+    The probe schedule (host state, advanced by the engine's hooks between steps): while the policy's last answer
+    for the whole running batch was γ = 0 (``ar_chosen``), a step proposes only once ``steps_since_probe`` reaches
+    ``probe_interval``; each probe that answers 0 again doubles the interval (at most 4 x ``probe_every``), and an
+    answer of γ >= 1, a new batch, or a drafter reload brings it back to ``probe_every``.
     """
 
     name = "cost"
@@ -73,6 +111,45 @@ class CostLength:
         self.batch_sizes: list[int] = []
         self.costs: torch.Tensor | None = None  # [len(batch_sizes), bs-1] ms, device of the head
         self.ar_costs: torch.Tensor | None = None  # [len(batch_sizes)] ms of an AR step (no propose), or None
+        self.ar_chosen = False  # the last answer for the running batch was γ = 0
+        self.steps_since_probe = 0  # AR steps since the last propose while it was
+        self.probe_interval = probe_every  # AR steps before the next propose (doubles while γ stays 0)
+
+    # ------------------------------------------------------------------ probe schedule (host, between steps)
+    def on_admit(self, draft_lens: list[int], running_draft_lens: list[int], spec: bool) -> list[int]:
+        """Joining a running batch, admitted requests take at most its γ (their prefill's propose saw only the
+        admitted rows, the cost of a small batch, and one long block would widen every row's verify). A new batch:
+        the prefill's propose is the policy's answer for it, and an earlier batch's long probe wait is gone."""
+        if running_draft_lens:
+            cap = max(running_draft_lens)
+            return [min(g, cap) for g in draft_lens]
+        self.ar_chosen = spec and all(g == 0 for g in draft_lens)
+        self.steps_since_probe, self.probe_interval = 0, self.probe_every
+        return draft_lens
+
+    def propose_now(self, spec: bool, pending_draft_lens: list[int], own_draft_len: list[bool]) -> bool:
+        """In the γ = 0 regime (every request pending at γ = 0 by the policy's answer, none with its own γ) propose
+        only every ``probe_interval`` steps; otherwise propose and reset the schedule."""
+        if spec and self.ar_chosen and not any(pending_draft_lens) and not any(own_draft_len):
+            if self.steps_since_probe >= self.probe_interval:
+                self.steps_since_probe = 0
+                self.probe_interval = min(2 * self.probe_interval, 4 * self.probe_every)
+                return True
+            self.steps_since_probe += 1
+            return False
+        self.steps_since_probe, self.probe_interval = 0, self.probe_every
+        return True
+
+    def after_step(self, spec: bool, proposed: bool, next_draft_lens: list[int]) -> None:
+        if not spec:
+            self.ar_chosen = False
+        elif proposed:  # the policy answered for the whole batch (one γ per batch)
+            self.ar_chosen = all(n == 0 for n in next_draft_lens)
+
+    def on_drafter_reload(self) -> None:
+        """A new drafter may pay where the old one did not: the next step asks the policy."""
+        if self.ar_chosen:
+            self.probe_interval = self.steps_since_probe = self.probe_every
 
     def set_costs(self, batch_sizes: list[int], costs_ms: torch.Tensor, ar_costs_ms: torch.Tensor | None = None
                   ) -> bool:

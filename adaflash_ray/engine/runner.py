@@ -17,7 +17,8 @@ caches in place - no gather, no copy of the context):
 Proposing at the end of step t instead of the start of step t+1 means the host learns the accepted
 counts and the next γ in **one** device-to-host transfer per step; it then picks the next verify
 width bucket without any other synchronisation. On CUDA every step is a graph replay keyed by
-(batch bucket, width bucket, span bucket, spec, sampling, top-p), captured lazily the first time a key
+:class:`StepKey` (batch bucket, width bucket, span bucket, spec, sampling, top-p, propose), captured lazily the
+first time a key
 is seen (the engine's very first step runs eagerly to initialise cuBLAS and the allocator), all in one
 memory pool (nano-vllm's scheme). Inputs travel in one pinned int buffer and one float buffer.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -41,6 +43,24 @@ class StepResult:
     committed: list[list[int]]  # a_r + 1 tokens per request (before stop truncation)
     num_accepted: list[int]  # a_r
     next_draft_lens: list[int]  # γ chosen by the length policy for the request's next step (0 in AR mode)
+
+
+class StepKey(NamedTuple):
+    """The shape and mode of one step: what a captured CUDA graph is keyed by (fields in ``_step_fn``'s order).
+
+    batch_size: rows 0..batch_size-1 (a batch bucket on CUDA). width: verify positions, anchor + γ drafts (a width
+    bucket on CUDA). span: keys read per attention. spec: verify drafts (False = plain AR, width 1). sample: some
+    row samples (temperature > 0). use_top_p: some sampling row has top_p < 1. propose: with ``spec``, the step
+    proposes the next block.
+    """
+
+    batch_size: int
+    width: int
+    span: int
+    spec: bool
+    sample: bool
+    use_top_p: bool
+    propose: bool
 
 
 def _buckets(limit: int) -> list[int]:
@@ -158,7 +178,7 @@ class ModelRunner:
             torch.cuda.manual_seed(seed)
         self._batch_buckets = _buckets(num_slots) if self.is_cuda else None
         self._width_buckets = [x for x in (1, 2, 3, 4, 6, 8, 12, 16) if x < self.block_size] + [self.block_size]
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[StepKey, torch.cuda.CUDAGraph] = {}
         self._warm = False
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
@@ -306,7 +326,7 @@ class ModelRunner:
             self.out[:b, w + 1] = self._propose(rows[:, 0], nxt, pos + accepted + 1, span, temp, top_p, sample,
                                                 use_top_p, rows_are_slots=True, live=pos > 0)
 
-    def _run(self, key: tuple) -> None:
+    def _run(self, key: StepKey) -> None:
         if not self.use_graphs:
             self._step_fn(*key)
             return
@@ -359,7 +379,7 @@ class ModelRunner:
         floats[idx, 0], floats[idx, 1] = temperatures, top_ps
         self.in_ints[:b].copy_(self._ints_host[:b], non_blocking=True)
         self.in_floats[:b].copy_(self._floats_host[:b], non_blocking=True)
-        self._run((b, w, span, spec, sample, use_top_p, propose))
+        self._run(StepKey(b, w, span, spec, sample, use_top_p, propose))
         host = self.out[:b, : w + 2].cpu().numpy()  # the one device -> host transfer of the step
         rows = host[idx]
         acc = rows[:, w].tolist()

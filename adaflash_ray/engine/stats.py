@@ -1,72 +1,85 @@
 """SpecStats: the one definition of the speculative-decoding statistics (docs/design/ALGORITHMS.md §0 names), used by the
-engine, the inference worker, the driver's evaluation, the SGLang backend and the benchmark.
+engine, the inference worker, the Serve replica, the driver's evaluation, the SGLang backend and the benchmark.
 
-- τ (``accept_len``) = mean committed tokens per verify step = mean(a+1) = (Σa + #steps) / #steps
-  (SGLang's "average accept length" convention);
+- τ (``accept_len``) = committed tokens per target step = mean(a+1) over the speculative request-steps,
+  γ = 0 steps included (they commit one token) = (Σa + #steps) / #steps (SGLang's "average accept length");
+- per-draft acceptance length (``per_draft_accept_len``) = 1 + Σa / #drafts over the steps that drafted
+  (γ >= 1) only (vLLM's "mean acceptance length");
 - acceptance rate = Σa / Σγ; draft waste = 1 - Σa / Σγ (share of drafted tokens rejected);
-- γ histogram: verify steps per draft length.
+- γ histogram: request-steps per draft length γ = 0 .. block_size-1 (:meth:`SpecStats.draft_len_boundaries`
+  gives the matching bucket bounds for a metrics histogram).
 
-Undefined values are NaN, everywhere: τ with no verify step, acceptance rate and draft waste with nothing
-drafted (γ = 0 on every step). A metrics sink drops or plots NaN; it never reads as a real 0 or 1.
+Undefined values are NaN, everywhere: τ with no step, the per-draft acceptance length, acceptance rate and
+draft waste with nothing drafted (γ = 0 on every step). A metrics sink drops or plots NaN; it never reads as a
+real 0 or 1.
 """
 from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Iterable
 
 
 @dataclass
 class SpecStats:
-    """Running counts. Add one verify step with :meth:`record_step`, build from recorded per-step lists with
+    """Running counts. Add one request-step with :meth:`record_step`, build from recorded per-step lists with
     :meth:`from_steps`, combine with ``+`` and take a window with ``-`` (counts subtract)."""
 
-    num_verify_steps: int = 0  # request-steps that verified drafts
+    num_verify_steps: int = 0  # speculative request-steps: target steps of width γ+1, γ = 0 included
     num_drafted: int = 0  # Σγ
     num_accepted: int = 0  # Σa
     num_generated: int = 0  # committed tokens (prefill's first token included)
     num_engine_steps: int = 0  # batched decode steps
     decode_seconds: float = 0.0  # wall time inside decode steps (host + device)
-    draft_len_hist: Counter = field(default_factory=Counter)  # γ -> verify steps
+    draft_len_hist: Counter = field(default_factory=Counter)  # γ -> request-steps
+    num_drafting_steps: int = 0  # request-steps with γ >= 1 (#drafts)
 
     @classmethod
     def from_steps(cls, draft_lens: Iterable[int], num_accepted: Iterable[int]) -> "SpecStats":
-        """Statistics of recorded verify steps (e.g. a request's ``draft_lens`` / ``num_accepted``)."""
+        """Statistics of recorded steps (e.g. a request's ``draft_lens`` / ``num_accepted``)."""
         out = cls()
         for g, a in zip(draft_lens, num_accepted, strict=True):
             out.record_step(int(g), int(a))
         return out
 
+    @staticmethod
+    def draft_len_boundaries(block_size: int) -> list[float]:
+        """Upper bounds ``[0.5, 1.5, .., block_size - 0.5]`` of a γ histogram (Ray / Prometheus buckets count
+        x <= bound and need bounds > 0): each γ = 0 .. block_size-1 gets a bucket of its own."""
+        return [g + 0.5 for g in range(block_size)]
+
     def record_step(self, draft_len: int, num_accepted: int) -> None:
-        """Count one request's verify step: γ drafted, a accepted (0 <= a <= γ)."""
+        """Count one request's step: γ drafted (0 = a plain target step), a accepted (0 <= a <= γ)."""
         self.num_verify_steps += 1
+        self.num_drafting_steps += draft_len > 0
         self.num_drafted += draft_len
         self.num_accepted += num_accepted
         self.draft_len_hist[draft_len] += 1
 
     def __add__(self, other: "SpecStats") -> "SpecStats":
-        return SpecStats(self.num_verify_steps + other.num_verify_steps, self.num_drafted + other.num_drafted,
-                         self.num_accepted + other.num_accepted, self.num_generated + other.num_generated,
-                         self.num_engine_steps + other.num_engine_steps, self.decode_seconds + other.decode_seconds,
-                         self.draft_len_hist + other.draft_len_hist)
+        return SpecStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
     def __sub__(self, earlier: "SpecStats") -> "SpecStats":
-        hist = Counter(self.draft_len_hist)
-        hist.subtract(earlier.draft_len_hist)
-        return SpecStats(self.num_verify_steps - earlier.num_verify_steps, self.num_drafted - earlier.num_drafted,
-                         self.num_accepted - earlier.num_accepted, self.num_generated - earlier.num_generated,
-                         self.num_engine_steps - earlier.num_engine_steps,
-                         self.decode_seconds - earlier.decode_seconds, +hist)
+        out = {f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)}
+        out["draft_len_hist"] = +out["draft_len_hist"]  # Counter subtraction keeps positive counts only
+        return SpecStats(**out)
 
     def copy(self) -> "SpecStats":
         return self - SpecStats()
 
     @property
     def accept_len(self) -> float:
-        """τ = mean(a+1) per verify step; NaN with no verify step."""
+        """τ = committed tokens per target step = mean(a+1) over every speculative step, γ = 0 steps included;
+        NaN with no step."""
         s = self.num_verify_steps
         return (self.num_accepted + s) / s if s else math.nan
+
+    @property
+    def per_draft_accept_len(self) -> float:
+        """1 + Σa / #drafts over the steps that drafted (γ >= 1; vLLM's mean acceptance length); NaN with none."""
+        n = self.num_drafting_steps
+        return 1.0 + self.num_accepted / n if n else math.nan
 
     @property
     def acceptance_rate(self) -> float:
@@ -80,7 +93,7 @@ class SpecStats:
 
     @property
     def mean_draft_len(self) -> float:
-        """Mean γ per verify step; NaN with no verify step."""
+        """Mean γ per step (γ = 0 steps included); NaN with no step."""
         return self.num_drafted / self.num_verify_steps if self.num_verify_steps else math.nan
 
     @property
@@ -94,9 +107,10 @@ class SpecStats:
         return self.num_generated / self.decode_seconds if self.decode_seconds else math.nan
 
     def as_metrics(self, prefix: str = "spec") -> dict[str, float]:
-        """Flat metrics ``{prefix}/accept_len``, ``acceptance_rate``, ``draft_waste``, ``mean_draft_len``,
-        ``num_verify_steps``, ``num_generated``, ``decode_tokens_per_s``, ``ms_per_step``."""
+        """Flat metrics ``{prefix}/accept_len`` (τ), ``per_draft_accept_len``, ``acceptance_rate``, ``draft_waste``,
+        ``mean_draft_len``, ``num_verify_steps``, ``num_generated``, ``decode_tokens_per_s``, ``ms_per_step``."""
         return {f"{prefix}/accept_len": self.accept_len,
+                f"{prefix}/per_draft_accept_len": self.per_draft_accept_len,
                 f"{prefix}/acceptance_rate": self.acceptance_rate,
                 f"{prefix}/draft_waste": self.draft_waste,
                 f"{prefix}/mean_draft_len": self.mean_draft_len,

@@ -34,6 +34,7 @@ from adaflash_ray.config import RunConfig, check_serve_config, load_recipe
 from adaflash_ray.metrics import strict_json
 from adaflash_ray.serve.protocol import APIError, GenSpec, TextStream, error_body, parse_request, served_model_id
 from adaflash_ray.serve.runtime import EngineLoop, QueueFull
+from adaflash_ray.versions import is_newer
 
 log = logging.getLogger("ray.serve")
 
@@ -108,7 +109,8 @@ class DistillCoordinator:
         try:
             self.group.setup_trainers()
             refs, sha0, dcfg = ray.get([t.initial_weights.remote() for t in self.trainers])[0]  # every rank: ZeRO-3
-            ray.get(self.registry.publish.remote(0, -1, 0, refs, sha0, dcfg))
+            ray.get(self.registry.publish.remote(version=0, parent_version=-1, train_step=0, tensors_ref=refs,
+                                                 sha256=sha0, config=dcfg))
         except BaseException:  # Serve retries the constructor: leave no placement group behind
             self.group.shutdown()
             raise
@@ -152,9 +154,8 @@ class AdaFlashServer:
 
     async def __init__(self, cfg: dict, coordinator=None):
         from adaflash_ray.data import load_tokenizer, target_dir
-        from adaflash_ray.engine import SpecEngine
+        from adaflash_ray.engine import SpecEngine, SpecStats
         from adaflash_ray.models import DrafterModelConfig
-        from adaflash_ray.models.factory import build_drafter, load_target
 
         _bind_replica_grpc_to_node_ip()
         self.cfg = c = RunConfig.model_validate(cfg)
@@ -163,16 +164,11 @@ class AdaFlashServer:
         self.replica = serve.get_replica_context().replica_tag if serve.get_replica_context() else "local"
         self.model_id = served_model_id(c.model, c.serve)
         self.tokenizer = load_tokenizer(target_dir(c.model))
-        target = load_target(c.model)
-        drafter, head = build_drafter(target, c.drafter, c.length_head, seed=c.seed)
-        lh = c.length_head
-        self.engine = SpecEngine(target, drafter, head, policy=lh.policy, rate=lh.rate, min_len=lh.min_len,
-                                 ar_steps=lh.ar_steps, probe_every=lh.probe_every,
-                                 max_batch_size=c.engine.max_batch_size, max_seq_len=c.engine.max_seq_len,
-                                 record=c.serve.distill, seed=c.seed)
+        self.engine = SpecEngine.from_config(c, record=c.serve.distill)
+        target, block_size = self.engine.target, self.engine.drafter.block_size
         self.vocab_size = target.config.vocab_size
         self.eos_ids = list(target.config.eos_token_ids)
-        self.context_limit = min(c.serve.max_request_tokens, c.engine.max_seq_len - drafter.block_size)
+        self.context_limit = min(c.serve.max_request_tokens, c.engine.max_seq_len - block_size)
         self.api_key = c.serve.api_key
         self.draining = False
         self.buffer = self.registry = None
@@ -182,13 +178,13 @@ class AdaFlashServer:
         if coordinator is not None:
             self.buffer, self.registry = await coordinator.handles.remote()
             meta = await self.registry.latest_meta.remote()  # version 0: identical on every side
-            tensors = await (await self.registry.get.remote(meta["version"]))[0]
+            tensors = await (await self.registry.get.remote(version=meta["version"]))[0]
             self.engine.load_drafter(tensors, meta["version"], meta["sha256"], DrafterModelConfig(**meta["config"]))
         loop = asyncio.get_running_loop()
         self.loop = EngineLoop(self.engine, loop, c.engine.max_batch_size, c.serve.max_queued_requests,
                                on_finished=self._record if coordinator is not None else None)
         tags = {"replica": self.replica}
-        self.m_tau = ray_metrics.Gauge("adaflash_serve_accept_len", "tau: mean committed tokens per verify step",
+        self.m_tau = ray_metrics.Gauge("adaflash_serve_accept_len", "tau: committed tokens per target step",
                                        tag_keys=("replica",))
         self.m_version = ray_metrics.Gauge("adaflash_serve_drafter_version", "drafter version loaded",
                                            tag_keys=("replica",))
@@ -197,10 +193,10 @@ class AdaFlashServer:
         self.m_queue = ray_metrics.Gauge("adaflash_serve_queue_depth", "requests waiting / running",
                                          tag_keys=("replica", "state"))
         self.m_gamma = ray_metrics.Histogram("adaflash_serve_draft_len", "chosen draft length gamma",
-                                             boundaries=[float(b) for b in range(1, 17)], tag_keys=("replica",))
+                                             boundaries=SpecStats.draft_len_boundaries(block_size),
+                                             tag_keys=("replica",))
         for m in (self.m_tau, self.m_version, self.m_tps, self.m_queue, self.m_gamma):
             m.set_default_tags(tags)
-        self._last_stats = (0, 0)
         self._tasks = [asyncio.create_task(self._metrics_task())]
         if self.registry is not None:
             self._tasks.append(asyncio.create_task(self._weights_task()))
@@ -209,7 +205,7 @@ class AdaFlashServer:
     def _record(self, req) -> None:  # engine thread: ship the on-policy trajectory
         traj = self.engine.to_trajectory(req)
         ref = ray.put(traj)
-        self.buffer.add.remote([ref], traj.drafter_version, traj.num_response_tokens)
+        self.buffer.add.remote([ref], version=traj.drafter_version, num_tokens=traj.num_response_tokens)
         self.num_trajectories += 1
 
     async def _weights_task(self) -> None:
@@ -219,9 +215,11 @@ class AdaFlashServer:
             await asyncio.sleep(self.cfg.serve.weight_poll_s)
             try:
                 meta = await self.registry.latest_meta.remote()
-                if meta is None or meta["version"] <= self.engine.drafter_version:
+                eng = self.engine
+                if meta is None or not is_newer(meta["version"], eng.drafter_version,
+                                                current_published=eng.num_reloads > 0):
                     continue
-                tensors = await (await self.registry.get.remote(meta["version"]))[0]
+                tensors = await (await self.registry.get.remote(version=meta["version"]))[0]
                 await asyncio.wrap_future(self.loop.load_drafter(tensors, meta["version"], meta["sha256"],
                                                                  DrafterModelConfig(**meta["config"])))
                 self.weight_error = None
@@ -232,11 +230,9 @@ class AdaFlashServer:
     async def _metrics_task(self) -> None:
         while True:
             await asyncio.sleep(1.0)
-            s = self.engine.stats
-            steps, acc = s.num_verify_steps - self._last_stats[0], s.num_accepted - self._last_stats[1]
-            self._last_stats = (s.num_verify_steps, s.num_accepted)
-            if steps:
-                self.m_tau.set((acc + steps) / steps)
+            window = self.loop.pop_stats()
+            if window.num_verify_steps:
+                self.m_tau.set(window.accept_len)
             self.m_version.set(self.engine.drafter_version)
             self.m_tps.set(self.loop.tokens_per_s())
             for state, n in self.loop.queue_depth().items():
@@ -461,8 +457,9 @@ class AdaFlashServer:
             "replica": self.replica, "model": self.model_id, "context_limit": self.context_limit,
             "drafter_version": self.engine.drafter_version, "drafter_sha256": self.engine.drafter_sha256,
             "num_reloads": self.engine.num_reloads, "reloads": lp.reloads[-20:], "weight_error": self.weight_error,
-            "accept_len": s.accept_len,
-            "accept_len_convention": "mean committed tokens per verify step = mean(a+1)",
+            "accept_len": s.accept_len, "per_draft_accept_len": s.per_draft_accept_len,
+            "accept_len_convention": "committed tokens per target step = mean(a+1), gamma = 0 steps included; "
+                                     "per_draft_accept_len = 1 + sum(a) / #drafts, drafting steps only",
             "draft_waste": s.draft_waste, "draft_len_hist": {str(k): v for k, v in sorted(lp.gamma_hist.items())},
             "queue": lp.queue_depth(), "in_flight": lp.num_in_flight, "tokens_per_s_10s": lp.tokens_per_s(),
             "requests": dict(lp.counts), "draining": self.draining, "distill": distill, "time": time.time()}))

@@ -1,12 +1,14 @@
-"""EngineLoop: one SpecEngine stepped by a background thread, fed and drained from an asyncio loop.
+"""EngineLoop: a Serve replica's view of its :class:`~adaflash_ray.engine.EngineService` - per-request asyncio
+queues, the in-flight limit, counters for the status route.
 
-Ray-free (the Serve replica in :mod:`adaflash_ray.serve.app` wraps it). Every engine step the thread
-pushes the tokens each running request committed in that step (one step may commit several) to the
-request's :class:`asyncio.Queue` on the event loop; new requests, aborts and drafter swaps are applied
-by the thread between steps, never inside one. An abort finishes the request and frees its KV slot
-(``SpecEngine.abort``) before the next step.
+Ray-free (the Serve replica in :mod:`adaflash_ray.serve.app` wraps it). After every engine step the service's
+thread pushes the tokens each running request committed in that step (one step may commit several) to the
+request's :class:`asyncio.Queue` on the event loop (``loop.call_soon_threadsafe``); new requests, aborts and
+drafter swaps are applied by that thread between steps, never inside one. An abort finishes the request and frees
+its KV slot (``SpecEngine.abort``) before the next step.
 
-Queue items: ``("tokens", [ids], drafter_version)``, ``("done", finish_reason)``, ``("error", exc)``.
+Queue items: ``("tokens", [ids], drafter_version)``, ``("done", finish_reason)``, ``("error", exc)`` (then
+``("done", "error")``): exc is the engine's ValueError for a bad request, or the service's EngineDead.
 """
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ import time
 from collections import Counter, deque
 from typing import Callable
 
-from adaflash_ray.engine import SamplingParams, SpecEngine
-from adaflash_ray.engine.request import Request, Status
+from adaflash_ray.engine import (EngineDead, EngineService, RequestHandle, SamplingParams, SpecEngine, SpecStats,
+                                 StepEvent)
+from adaflash_ray.engine.request import Request
 
 __all__ = ["EngineLoop", "QueueFull", "RequestStream"]
 
@@ -28,16 +31,14 @@ class QueueFull(Exception):
 
 
 class RequestStream:
-    """One request's handle on the event-loop side: ``queue`` of items, ``req`` once admitted."""
+    """One request's handle on the event-loop side: ``queue`` of items, ``handle`` in the engine service."""
 
-    __slots__ = ("queue", "req", "record", "num_sent", "aborted", "prompt_ids", "params", "versions", "t_submit",
-                 "abort_reason")
+    __slots__ = ("queue", "handle", "record", "aborted", "abort_reason", "versions", "t_submit")
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, record: bool):
+    def __init__(self, record: bool):
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.req: Request | None = None
-        self.prompt_ids, self.params, self.record = prompt_ids, params, record
-        self.num_sent = 0  # output tokens already pushed
+        self.handle: RequestHandle | None = None
+        self.record = record
         self.aborted = False
         self.abort_reason = ""
         self.versions: list[int] = []  # drafter versions that served this request's steps
@@ -45,7 +46,7 @@ class RequestStream:
 
 
 class EngineLoop:
-    """Drive ``engine`` from a daemon thread; talk to it from ``loop`` (the asyncio event loop).
+    """Drive ``engine`` through an :class:`EngineService`; talk to it from ``loop`` (the asyncio event loop).
 
     Args:
         engine: a SpecEngine (``max_batch_size`` requests run together; the rest wait).
@@ -53,74 +54,72 @@ class EngineLoop:
         max_batch_size: the engine's KV slots (``engine.max_batch_size`` of the recipe).
         max_waiting: requests allowed to wait for a KV slot beyond the running batch; more -> QueueFull.
         on_finished: called in the engine thread with each finished (not aborted) recorded request,
-            e.g. to ship its trajectory to the distillation buffer.
+            e.g. to ship its trajectory to the distillation buffer; what it raises is counted
+            (``counts["record_errors"]``), never failing the request.
     """
 
     def __init__(self, engine: SpecEngine, loop: asyncio.AbstractEventLoop, max_batch_size: int, max_waiting: int,
                  on_finished: Callable[[Request], None] | None = None):
         self.engine, self.loop, self.on_finished = engine, loop, on_finished
         self.max_in_flight = max_batch_size + max_waiting
-        self._cond = threading.Condition()
-        self._new: list[RequestStream] = []
-        self._aborts: list[RequestStream] = []
-        self._swaps: list[tuple] = []
-        self._active: dict[str, RequestStream] = {}
-        self._stop = False
-        self.dead: BaseException | None = None
+        self._lock = threading.Lock()
         self.num_in_flight = 0  # submitted and not yet done (event-loop side counter)
-        self.counts = Counter()  # finished / aborted / rejected / errors / tokens
-        self.gamma_hist: Counter = Counter()  # γ chosen per verify step (since start)
+        self.counts = Counter()  # finished / aborted / rejected / errors / tokens / record_errors
+        self.gamma_hist: Counter = Counter()  # γ chosen per step (since start)
         self._gamma_new: Counter = Counter()  # since the last pop_gamma()
         self._tok_window: deque = deque(maxlen=4096)  # (t, num_tokens) per step
+        self._stats_window = SpecStats()  # since the last pop_stats()
         self.reloads: list[dict] = []
-        self._thread = threading.Thread(target=self._run, name="serve-engine-loop", daemon=True)
-        self._thread.start()
+        self.service = EngineService(engine, name="serve replica")
+        self.service.subscribe(self._on_step)
+
+    @property
+    def dead(self) -> EngineDead | None:
+        """The service's failure once its thread has stopped, else None."""
+        return self.service.dead
 
     # ------------------------------------------------------------------ event-loop side
     def submit(self, prompt_ids: list[int], params: SamplingParams, record: bool) -> RequestStream:
         """Queue a request; returns its stream. Raises QueueFull, or RuntimeError if the engine died."""
         if self.dead is not None:
             raise RuntimeError(f"engine loop failed: {self.dead!r}")
-        with self._cond:
-            if self.num_in_flight >= self.max_in_flight:
-                self.counts["rejected"] += 1
-                raise QueueFull(f"{self.num_in_flight} requests in flight, limit {self.max_in_flight}")
-            rs = RequestStream(prompt_ids, params, record)
-            self._new.append(rs)
-            self.num_in_flight += 1
-            self._cond.notify()
+        if self.num_in_flight >= self.max_in_flight:
+            self.counts["rejected"] += 1
+            raise QueueFull(f"{self.num_in_flight} requests in flight, limit {self.max_in_flight}")
+        rs = RequestStream(record)
+        try:
+            rs.handle = self.service.submit(prompt_ids, params, tag=rs)
+        except EngineDead as e:
+            raise RuntimeError(f"engine loop failed: {e!r}") from e
+        self.num_in_flight += 1
+        rs.handle.future.add_done_callback(lambda fut: self._done(rs, fut))
         return rs
 
     def abort(self, rs: RequestStream, reason: str = "aborted") -> None:
         """Cancel a request ("aborted": the client is gone; "stop_string": the text hit a stop string); its KV
         slot is freed before the next engine step. Counted in ``counts[reason]``."""
-        with self._cond:
-            if rs.aborted:
-                return
-            rs.aborted, rs.abort_reason = True, reason
-            if rs in self._new:
-                self._new.remove(rs)
-                self.num_in_flight -= 1
-                self.counts[reason] += 1
-            else:
-                self._aborts.append(rs)
-            self._cond.notify()
+        if rs.aborted:
+            return
+        rs.aborted, rs.abort_reason = True, reason
+        self.service.abort(rs.handle)
 
     def load_drafter(self, tensors: dict, version: int, sha256: str | None = None,
                      config=None) -> concurrent.futures.Future:
         """Swap the drafter between steps (requests in flight continue); the future gives the sha256 or
-        raises CheckpointError (the old drafter stays loaded)."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._cond:
-            self._swaps.append((tensors, version, sha256, config, fut))
-            self._cond.notify()
-        return fut
+        raises CheckpointError (the old drafter stays loaded). Each swap is kept in ``reloads``."""
+        def swap(eng: SpecEngine) -> str:
+            t0 = time.perf_counter()
+            digest = eng.load_drafter(tensors, version, sha256, config)
+            self.reloads.append({"version": version, "sha256": digest, "time": time.time(),
+                                 "seconds": round(time.perf_counter() - t0, 4),
+                                 "num_in_flight": eng.scheduler.num_unfinished})
+            return digest
+
+        return self.service.call(swap)
 
     def queue_depth(self) -> dict[str, int]:
-        with self._cond:
-            active = [rs.req for rs in self._active.values()]
-            num_running = sum(1 for r in active if r.status == Status.RUNNING)
-            return {"waiting": len(self._new) + len(active) - num_running, "running": num_running}
+        running = self.service.num_running
+        return {"waiting": max(self.service.num_open - running, 0), "running": running}
 
     def tokens_per_s(self, window_s: float = 10.0) -> float:
         """Committed tokens per second over the last ``window_s`` seconds."""
@@ -129,98 +128,58 @@ class EngineLoop:
         return n / window_s
 
     def pop_gamma(self) -> Counter:
-        with self._cond:
+        with self._lock:
             out, self._gamma_new = self._gamma_new, Counter()
         return out
 
+    def pop_stats(self) -> SpecStats:
+        """The engine's statistics since the last call (a window of whole steps)."""
+        with self._lock:
+            out, self._stats_window = self._stats_window, SpecStats()
+        return out
+
     def shutdown(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify()
-        self._thread.join(timeout=30)
+        self.service.shutdown(timeout_s=30)
 
     # ------------------------------------------------------------------ engine thread
-    def _push(self, rs: RequestStream, item: tuple) -> None:
-        self.loop.call_soon_threadsafe(rs.queue.put_nowait, item)
+    def _on_step(self, event: StepEvent) -> None:
+        num_new = 0
+        for h, tokens in event.committed:
+            num_new += len(tokens)
+            self.loop.call_soon_threadsafe(h.tag.queue.put_nowait, ("tokens", list(tokens), event.drafter_version))
+        self._tok_window.append((time.perf_counter(), num_new))
+        self.counts["tokens"] += num_new
+        with self._lock:
+            self._stats_window = self._stats_window + event.stats
+        for h in event.finished:
+            req = h.req
+            with self._lock:
+                for g in req.draft_lens:
+                    self.gamma_hist[g] += 1
+                    self._gamma_new[g] += 1
+            if h.tag.record and self.on_finished is not None and req.output_ids:
+                try:
+                    self.on_finished(req)
+                except Exception:  # noqa: BLE001 - recording must never fail a served request
+                    self.counts["record_errors"] += 1
 
-    def _done(self, rs: RequestStream, reason: str) -> None:
+    def _done(self, rs: RequestStream, fut: concurrent.futures.Future) -> None:
+        """The request's future resolved (engine thread): count it and end its stream."""
+        err = fut.exception()
+        if err is not None:
+            if not isinstance(err, EngineDead):
+                self.counts["errors"] += 1
+            items = [("error", err), ("done", "error")]
+        else:
+            req = fut.result()
+            if req.finish_reason == "abort":
+                self.counts[rs.abort_reason] += 1
+            else:
+                self.counts["finished"] += 1
+            items = [("done", "abort" if req.finish_reason == "abort" else req.finish_reason)]
+
         def finish():
             self.num_in_flight -= 1
-            rs.queue.put_nowait(("done", reason))
+            for item in items:
+                rs.queue.put_nowait(item)
         self.loop.call_soon_threadsafe(finish)
-
-    def _run(self) -> None:
-        eng = self.engine
-        try:
-            while True:
-                with self._cond:
-                    while not (self._stop or self._new or self._aborts or self._swaps or eng.has_unfinished()):
-                        self._cond.wait(timeout=1.0)
-                    if self._stop:
-                        return
-                    new, self._new = self._new, []
-                    aborts, self._aborts = self._aborts, []
-                    swaps, self._swaps = self._swaps, []
-                for rs in new:
-                    try:
-                        rs.req = eng.add_request(rs.prompt_ids, rs.params)
-                        self._active[rs.req.request_id] = rs
-                    except ValueError as e:
-                        self.counts["errors"] += 1
-                        self._push(rs, ("error", e))
-                        self._done(rs, "error")
-                for rs in aborts:
-                    if rs.req is not None and self._active.pop(rs.req.request_id, None) is not None:
-                        eng.abort(rs.req)
-                        self.counts[rs.abort_reason] += 1
-                        self._done(rs, "abort")
-                for tensors, version, sha, config, fut in swaps:
-                    t0 = time.perf_counter()
-                    try:
-                        digest = eng.load_drafter(tensors, version, sha, config)
-                    except Exception as e:  # refused: the old drafter stays loaded
-                        fut.set_exception(e)
-                        continue
-                    self.reloads.append({"version": version, "sha256": digest, "time": time.time(),
-                                         "seconds": round(time.perf_counter() - t0, 4),
-                                         "num_in_flight": len(self._active)})
-                    fut.set_result(digest)
-                if not eng.has_unfinished():
-                    continue
-                version = eng.drafter_version
-                finished = eng.step("spec")
-                num_new = 0
-                for rid, rs in list(self._active.items()):
-                    req = rs.req
-                    if len(req.output_ids) > rs.num_sent:
-                        num_new += len(req.output_ids) - rs.num_sent
-                        self._push(rs, ("tokens", list(req.output_ids[rs.num_sent:]), version))
-                        rs.num_sent = len(req.output_ids)
-                self._tok_window.append((time.perf_counter(), num_new))
-                self.counts["tokens"] += num_new
-                for req in finished:
-                    rs = self._active.pop(req.request_id, None)
-                    if rs is None:
-                        continue
-                    with self._cond:
-                        for g in req.draft_lens:
-                            self.gamma_hist[g] += 1
-                            self._gamma_new[g] += 1
-                    if rs.record and self.on_finished is not None and req.output_ids:
-                        try:
-                            self.on_finished(req)
-                        except Exception as e:  # recording must never fail a served request
-                            self.counts["record_errors"] += 1
-                            self.last_record_error = repr(e)[:500]
-                    req.feature_chunks, req.hidden_chunks = [], []
-                    self.counts["finished"] += 1
-                    self._done(rs, req.finish_reason)
-        except BaseException as e:  # fail every waiting request loudly instead of hanging them
-            self.dead = e
-            with self._cond:
-                pending = self._new + list(self._active.values())
-                self._new, self._active = [], {}
-            for rs in pending:
-                self._push(rs, ("error", RuntimeError(f"engine step failed: {e!r}")))
-                self._done(rs, "error")
-            raise
