@@ -16,7 +16,7 @@ uses random weights of a named shape (:data:`adaflash_ray.shapes.SHAPES`) in the
 ``model.device`` instead of loading the recipe's model.
 
 Output: one JSON object on the last stdout line (and in ``--out``): ``device, commit, torch_version, recipe,
-shape, loss_impl`` (resolved), ``peak_tflops`` (the bf16 dense peak the floor uses: 989 TFLOP/s, the H200 SXM data
+shape, loss_impl`` (resolved), ``loss_chunk_size, num_anchors, block_size, prompt_len, new_tokens, dtype``, ``peak_tflops`` (the bf16 dense peak the floor uses: 989 TFLOP/s, the H200 SXM data
 sheet figure; measured GEMMs reach ~790 there), ``rows`` - per batch size: ``batch_size, block_positions`` (valid
 blocks x (block_size-1) per step, the unit of the 118k positions/s baseline), ``supervised_positions`` (those with
 weight > 0), ``step_s`` (median of the timed steps), ``positions_per_s`` (block positions / mean step time),
@@ -213,12 +213,12 @@ def run(cfg, *, shape: str | None, batch_sizes: list[int], prompt_len: int, new_
     else:
         target = load_target(cfg.model)
     dcfg = cfg.distill.model_copy(update={"features": "recompute"})  # trajectories carry token ids only
-    rows, impl = [], None
+    rows, impl, block_size = [], None, None
     if not torch.distributed.is_initialized():
         DistillTrainerCore.setup_dist_env(0, 1)
     for b in batch_sizes:
         core = DistillTrainerCore(target, cfg.drafter, cfg.length_head, dcfg, seed=cfg.seed)
-        impl = core.loss_impl
+        impl, block_size = core.loss_impl, core.drafter.block_size
         trajs = synthetic_trajectories(b, prompt_len, new_tokens, target.config.vocab_size, cfg.seed)
         row = bench_batch(core, trajs, warmup=warmup, steps=steps, split_steps=split_steps)
         row["flops"] = step_flops(target.config, core.drafter.config, [tr.num_tokens for tr in trajs],
@@ -234,6 +234,7 @@ def run(cfg, *, shape: str | None, batch_sizes: list[int], prompt_len: int, new_
             torch.cuda.empty_cache()
     return {**_header(device), "mode": "trainer", "recipe": cfg.name, "shape": shape, "loss_impl": impl,
             "loss_chunk_size": cfg.distill.loss_chunk_size, "num_anchors": cfg.distill.num_anchors,
+            "block_size": block_size,
             "prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": cfg.model.dtype,
             "peak_tflops": PEAK_TFLOPS, "rows": rows}
 

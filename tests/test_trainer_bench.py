@@ -1,0 +1,69 @@
+"""``python -m adaflash_ray.bench --trainer`` (adaflash_ray/trainer_bench.py) on CPU: a tiny random-weight shape, two
+batch sizes, the JSON document's schema and consistency (block positions, split, FLOP floor), the fused loss
+switch through ``--set``, and the FLOP model against a hand count.
+
+Run: python -m pytest -q tests/test_trainer_bench.py   (CPU, ~40 s)
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from adaflash_ray.bench import main as bench_main
+from adaflash_ray.trainer_bench import SPLIT_PHASES, step_flops, synthetic_trajectories
+
+ARGS = ["--trainer", "--recipe", "recipes/cpu_tiny.yaml", "--shape", "tiny", "--prompt-len", "10",
+        "--new-tokens", "20", "--warmup", "1", "--steps", "1", "--split-steps", "1"]
+
+
+@pytest.mark.parametrize("impl", ["reference", "torch"])
+def test_trainer_bench_document(impl, tmp_path, capsys):
+    out = tmp_path / "t.json"
+    rc = bench_main(ARGS + ["--batch-sizes", "1", "2", "--set", f"distill.loss_impl={impl}", "--out", str(out)])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc == json.loads(out.read_text())
+    assert doc["mode"] == "trainer" and doc["device"] == "cpu" and doc["loss_impl"] == impl
+    assert doc["shape"] == "tiny" and doc["peak_tflops"] == 989.0
+    assert [r["batch_size"] for r in doc["rows"]] == [1, 2]
+    for r in doc["rows"]:
+        # cpu_tiny: 8 anchors; 20 response tokens leave >= 8 candidates: 8 full blocks per trajectory
+        assert doc["num_anchors"] == 8 and doc["block_size"] >= 2
+        assert r["block_positions"] == 8 * (doc["block_size"] - 1) * r["batch_size"]
+        assert 0 < r["supervised_positions"] <= r["block_positions"]
+        assert r["positions_per_s"] > 0 and r["step_s"] > 0 and r["peak_mem_gib"] is None
+        assert set(r["split_s"]) == set(SPLIT_PHASES) and all(v >= 0 for v in r["split_s"].values())
+        assert r["split_s"]["target_recompute"] > 0 and r["split_s"]["drafter_forward"] > 0
+        assert r["flops"]["total"] == pytest.approx(sum(r["flops"][k] for k in ("target", "drafter", "head")))
+        assert r["floor_ratio"] == pytest.approx(r["step_s"] / (r["flops"]["total"] / 989e12))
+        assert r["last_loss"] > 0
+
+
+def test_trainer_bench_bad_impl_exits_2(capsys):
+    assert bench_main(ARGS + ["--set", "distill.loss_impl=triton"]) == 2  # no CUDA here
+    assert "triton" in capsys.readouterr().err
+
+
+def test_step_flops_hand_count():
+    from adaflash_ray.models.drafter import DrafterModelConfig
+    from adaflash_ray.shapes import shape_config
+
+    t = shape_config("tiny")  # H 64, I 128, 8 layers, 4 heads / 2 kv of 16
+    d = DrafterModelConfig.for_target(t, num_hidden_layers=1, block_size=4, target_layer_ids=[1, 3])
+    f = step_flops(t, d, seq_lens=[11], anchors_per_seq=[[2, 5]], positions=6)
+    per_tok = 2 * 8 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128)
+    assert f["target"] == per_tok * 10 + 8 * 2 * 64 * 10 * 10
+    assert f["head"] == 3 * 2 * 6 * 64 * 512
+    q = 2 * 4
+    fwd = (2 * 10 * 2 * 64 * 64 + 2 * (64 * 64 + 64 * 64 + 3 * 64 * 128 + 2 * 64 * 32) * q + 4 * 64 * 32 * 10
+           + 4 * 64 * 4 * ((2 + 4) + (5 + 4)))
+    assert f["drafter"] == 3 * fwd
+
+
+def test_synthetic_trajectories():
+    trs = synthetic_trajectories(3, 5, 7, 100, seed=0)
+    assert [tr.num_tokens for tr in trs] == [12] * 3 and all(tr.prompt_len == 5 for tr in trs)
+    assert all(int(tr.token_ids.max()) < 100 for tr in trs)
+    with pytest.raises(ValueError):
+        synthetic_trajectories(1, 0, 7, 100, seed=0)
