@@ -32,7 +32,8 @@ def add_rmsnorm_ref(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.T
 
 
 if HAVE_TRITON:
-    @triton.jit
+    # one compiled variant for every batch size (CUDA graphs: see adaflash_ray/kernels/triton_support.py)
+    @triton.jit(do_not_specialize=["stride_x", "stride_d", "stride_r", "stride_y", "n"])
     def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, r_ptr, y_ptr, stride_x, stride_d, stride_r, stride_y, n, eps,
                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)

@@ -67,7 +67,10 @@ def rotary_qkv_cache_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 if HAVE_TRITON:
-    @triton.jit
+    # one compiled variant for every batch size and width (CUDA graphs: see adaflash_ray/kernels/triton_support.py)
+    @triton.jit(do_not_specialize=["width", "stride_tok", "stride_cs", "stride_qo_b", "stride_qo_h", "stride_qo_t",
+                                     "stride_kc_s", "stride_kc_p", "stride_kc_h", "stride_vc_s", "stride_vc_p",
+                                     "stride_vc_h"])
     def _rotary_qkv_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr, kc_ptr, vc_ptr, rows_ptr,
                                  pos_ptr, width, stride_tok, stride_cs, stride_qo_b, stride_qo_h, stride_qo_t,
                                  stride_kc_s, stride_kc_p, stride_kc_h, stride_vc_s, stride_vc_p, stride_vc_h,

@@ -25,7 +25,8 @@ def swiglu_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 if HAVE_TRITON:
-    @triton.jit
+    # one compiled variant for every batch size and width (CUDA graphs: see adaflash_ray/kernels/triton_support.py)
+    @triton.jit(do_not_specialize=["inter", "stride_gu", "stride_out"])
     def _swiglu_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_out, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

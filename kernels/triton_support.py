@@ -3,6 +3,12 @@
 Triton is optional (never a dependency of the project): without it every caller uses the pure-torch reference.
 ``ADAFLASH_FUSED_KERNELS=off`` (or ``0`` / ``false``) in the environment disables the fused kernels even where
 Triton and CUDA are present (A/B timings without a code change); ``auto`` / unset leaves the choice to the caller.
+
+CUDA graphs: a Triton kernel compiles (and loads its module, which a stream capture forbids) the first time it
+meets a new specialisation of its arguments; by default Triton specialises integer arguments equal to 1 or
+divisible by 16. The kernels here mark every integer argument ``do_not_specialize``, so one compiled variant
+per model serves every batch size and verify width, and the first eager call (the engine's prefill or first
+step) compiles it before any capture.
 """
 from __future__ import annotations
 
