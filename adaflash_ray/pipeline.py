@@ -44,6 +44,7 @@ from rich.table import Table  # noqa: E402
 
 from adaflash_ray.actors import ActorGroup, recovery  # noqa: E402
 from adaflash_ray.config import RecipeError, RunConfig, add_recipe_args, config_from_args  # noqa: E402
+from adaflash_ray.drafting import heldout  # noqa: E402
 from adaflash_ray.engine import SpecStats  # noqa: E402
 from adaflash_ray.inputs import Inputs, prepare_inputs  # noqa: E402
 from adaflash_ray.metrics import PlainProgress, plot_tau, strict_json  # noqa: E402
@@ -156,6 +157,10 @@ class Driver:
         self.serve_tau: dict[int, list[float]] = {}  # version -> the workers' on-policy τ while serving it
         self.eval_hist: dict[int, dict[int, int]] = {}  # version -> held-out γ histogram (evaluate_versions)
         self.eval_full_block: dict[int, tuple[float, float]] = {}  # final version -> (τ, waste) at γ = block_size-1
+        self.eval_by_domain: dict[int, dict[str, float]] = {}  # version -> {domain: held-out τ}
+        self.eval_full_block_by_domain: dict[str, float] = {}  # the final version's, at γ = block_size-1
+        self.eval_baselines: dict[str, dict[str, float]] = {}  # {"ngram" | "suffix": {domain: τ}}, same outputs
+        self.train_positions = 0.0  # rank 0's block positions trained (train/num_positions summed)
         self.step, self.last_loss = 0, None
         self.low_water = 2 * cfg.engine.max_batch_size  # requests queued per worker, topped up every poll
         self.t_train0, self.train_busy_s, self.train_wall_s = time.time(), 0.0, 0.0
@@ -277,6 +282,7 @@ class Driver:
         for m in tmetrics:
             self.step = int(m.get("train/step", self.step + 1))
             self.train_busy_s += m.get("train/seconds", 0.0)
+            self.train_positions += m.get("train/num_positions", 0.0)
             sink.log(m, step=self.step, kind="train")
         losses = [m["train/loss"] for m in tmetrics if "train/loss" in m]  # a publish-only record has none
         if losses:
@@ -345,6 +351,7 @@ class Driver:
         from adaflash_ray.models import load_drafter_checkpoint
 
         cfg, w0, evalp = self.cfg, self.group.workers[0], self.inputs.evalp
+        domains = [heldout.domain_of(p.source) for p in evalp.prompts]
         eval_tau, eval_waste, eval_hist = {}, {}, {}
         for i, v in enumerate(sorted(self.shas)):
             _, tens, _ = load_drafter_checkpoint(self.inputs.ckpt_dir / f"v{v}")
@@ -353,11 +360,19 @@ class Driver:
             res = ray.get(w0.generate.remote(list(evalp), max_new_tokens=cfg.data.eval_max_new_tokens,
                                              temperature=0.0, record=False))
             eval_tau[v], eval_waste[v], eval_hist[v] = _eval_tau(res)
+            self.eval_by_domain[v], outputs = heldout.tau_by_domain(res, domains), res
             self.sink.log({"eval/version": v, "eval/accept_len": eval_tau[v], "eval/draft_waste": eval_waste[v],
-                           **{f"eval/gamma_{g}": n for g, n in eval_hist[v].items()}}, kind="eval")
+                           **{f"eval/gamma_{g}": n for g, n in eval_hist[v].items()},
+                           **{f"eval/accept_len_{d}": t for d, t in self.eval_by_domain[v].items()}}, kind="eval")
             console.print(f"eval v{v}: τ={eval_tau[v]:.3f} draft waste={eval_waste[v]:.3f} γ hist={eval_hist[v]}",
                           soft_wrap=True)  # whole, not cut at the console's width
         self.eval_hist = eval_hist
+        if eval_tau:  # the free baselines, from the last version's greedy outputs (the target's, whatever the drafter)
+            self.eval_baselines = heldout.lookup_baselines(list(evalp), outputs, domains,
+                                                           self.drafter_cfg.block_size - 1)
+            console.print("eval, on the same outputs: " + "; ".join(
+                f"{name} lookup τ " + " ".join(f"{d} {t:.3f}" for d, t in self.eval_baselines[key].items())
+                for name, key in (("prompt", "ngram"), ("suffix", "suffix"))), soft_wrap=True)
         if eval_tau and cfg.engine.backend == "torch":
             # the final version once more, drafting whole blocks (plain DFlash): the drafter's held-out τ whatever
             # γ the length policy picks - the cost policy trades τ for step time
@@ -366,6 +381,7 @@ class Driver:
                                              temperature=0.0, record=False, ignore_eos=False, draft_len=full))
             tau, waste, _ = _eval_tau(res)
             self.eval_full_block = {v: (tau, waste)}
+            self.eval_full_block_by_domain = heldout.tau_by_domain(res, domains)
             self.sink.log({"eval/version": v, "eval/full_block_accept_len": tau, "eval/full_block_draft_waste": waste},
                           kind="eval")
             console.print(f"eval v{v} with γ = {full} on every step: τ={tau:.3f} draft waste={waste:.3f}")
@@ -385,6 +401,9 @@ class Driver:
             table.add_row(str(v), f"{eval_tau[v]:.3f}", f"{eval_waste[v]:.3f}",
                           f"{serve_mean[v]:.3f}" if v in serve_mean else "-")
         Console().print(table)
+        if self.eval_by_domain:
+            Console().print(heldout.domain_table(self.eval_by_domain, self.eval_full_block_by_domain,
+                                                 self.eval_baselines, f"{cfg.name}: held-out τ by domain"))
         t0 = train_summary[0]
         published = [h for h in ray.get(g.registry.get_history.remote()) if "broadcast_s" in h]
         summary = {"run_dir": str(run_dir), "final_version": max(r["final_version"] for r in train_summary),
@@ -416,6 +435,8 @@ class Driver:
                                     "redelivered_after_restart": int(bfinal["buffer/redelivered"])},
                    "prompts_cancelled_after_training": end["num_cancelled"],
                    "buffer": {k.split("/", 1)[1]: v for k, v in bfinal.items()},
+                   **heldout.heldout_summary(self.eval_by_domain, self.eval_full_block_by_domain, self.eval_baselines,
+                                             self.train_positions, self.train_busy_s, cfg.placement.num_trainers),
                    "num_eval_prompts": len(self.inputs.evalp), "wall_s": round(time.time() - t_start, 1)}
         summary = strict_json(summary)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

