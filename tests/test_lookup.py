@@ -243,3 +243,22 @@ def test_heldout_summary_fields_from_real_greedy_outputs():
     console.print(heldout.domain_table({0: by_domain, 3: by_domain}, by_domain, base, "held-out τ by domain"))
     text = console.export_text()
     assert "prompt lookup" in text and "suffix lookup" in text and "v3 γ = block_size - 1" in text
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(_tokens, max_size=5), _tokens, _tokens, st.integers(0, 6))
+def test_suffix_state_matches_brute_force(seqs, prompt, output, k):
+    """SuffixState: the context's (latest rule) or the corpus's (frequency rule) proposal, the longer match
+    winning and the context at equal length, at every step of a growing request."""
+    corpus = SuffixCorpus(max_tokens=1000, max_ngram=3, max_occurrences=4)
+    for s in seqs:
+        corpus.add(s)
+    state = SuffixLookup(corpus, max_ngram=3, max_occurrences=4).begin(prompt)
+    ctx = list(prompt)
+    for tok in [None, *output]:
+        if tok is not None:
+            state.extend([tok])
+            ctx.append(tok)
+        own = _ref_propose([ctx], ctx, k, 3, 1, 4, frequent=False)
+        other = _ref_propose(seqs, ctx, k, 3, 1, 4, frequent=True)
+        assert state.propose(k) == (other if other.match_len > own.match_len else own)
