@@ -34,11 +34,18 @@ env_setup() {
   export RAY_DEDUP_LOGS=0  # every worker's lines in the log (e.g. each one's cost table), not one per kind
 }
 
+install_wheels() {  # the wheels `stage` downloaded ($1: their folder, e.g. .gpu_stage/whl) into $STAGE/pydeps
+  mkdir -p "$STAGE/pydeps" && python3 -m pip install -q --no-index --no-deps --no-compile --target "$STAGE/pydeps" "$1"/*.whl
+}
+
 wait_job() {  # until the background main job has ended or $1 seconds have passed; shows its progress
   local t0=$(date +%s)
   while [ ! -f "$JOB/rc" ] && [ $(( $(date +%s) - t0 )) -lt "$1" ]; do sleep 5; done
   grep -E "^progress|^eval|main job rc" "$JOB/main_job.log" | tail -40
 }
+
+# sourced (scripts/gpu_trainer_bench.sh): the variables and functions above only
+if [ "${BASH_SOURCE[0]}" != "$0" ]; then return 0; fi
 
 case "${1:-}" in
   stage)
@@ -98,7 +105,7 @@ EOF
     ;;
   a)
     rm -rf "$STAGE" && mkdir -p "$STAGE/pydeps" && cp -r .gpu_stage/. "$STAGE/" || exit 1
-    python3 -m pip install -q --no-index --no-deps --no-compile --target "$STAGE/pydeps" "$STAGE"/whl/*.whl || exit 1
+    install_wheels "$STAGE/whl" || exit 1
     tar -xJf "$STAGE/ray-slim.tar.xz" -C "$STAGE/pydeps" || exit 1
     # zipfile extraction dropped the exec bits of Ray's binaries (gcs_server, raylet, ...)
     find "$STAGE/pydeps/ray/core" -type f ! -name '*.py' -exec chmod +x {} +

@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# The trainer benchmark of the fused distillation loss on ONE H200, in one `device` call (~4-5 min, 560 s at most).
+#
+# Here (CPU machine), once, if .gpu_stage/whl is missing:  bash scripts/gpu_main_job.sh stage
+# Device call (kind nvidia-h200, carry [".gpu_stage/whl"], timeout_s 600):
+#     ADAFLASH_COMMIT=<sha> bash scripts/gpu_trainer_bench.sh
+# Only the staged wheels travel (DeepSpeed, pydantic, omegaconf, ... ~6 MB; the GPU image has torch and triton):
+# the bench uses random weights of the SmolLM2-135M shape (adaflash_ray.shapes), so no model files are needed.
+#
+# Steps (each under its own timeout; a failed step is reported and the next one still runs):
+# 1. gpu-marked tests of the fused loss: Triton vs torch backend vs the original computation  -> gpu_tests.log
+# 2. trainer bench, recipe smollm2_135m_gpu, synthetic trajectories of 256 prompt + 256 response tokens, 96 anchors:
+#    baseline loss_impl=reference at batch 16 (today's settings, one 24,576-row chunk)  -> trainer_reference.json
+#    fused loss_impl=triton at batch 16, 32, 64                                          -> trainer_triton.json
+#    fused loss_impl=torch (pure-torch backend, chunks of 8,192) at batch 16              -> trainer_torch.json
+# 3. trainer_summary.json: block positions/s per (impl, batch), speedup over the baseline, FLOP-floor ratio, the
+#    split, peak memory, the >= 600k positions/s goal, the baseline/fused last-loss agreement, test outcome.
+# All in $OUT, with gpu.txt (nvidia-smi, versions) and trainer_bench.log (every step's stderr): 7 files.
+# Dry run on a CPU machine (no install, tiny sizes; the triton step fails there without CUDA, as it should):
+#     TB_DRY=1 TB_EXTRA="--set model.device=cpu --set model.dtype=float32 --set placement.gpus_per_trainer=0 \
+#       --set placement.gpus_per_inference_worker=0 --shape tiny --prompt-len 10 --new-tokens 20 --warmup 1 \
+#       --steps 1 --split-steps 1" OUT=/tmp/tb bash scripts/gpu_trainer_bench.sh
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+# shellcheck source=scripts/gpu_main_job.sh
+source scripts/gpu_main_job.sh  # STAGE, env_setup, install_wheels (returns before its subcommands)
+OUT="${OUT:-/tmp/gpu_trainer_bench_out}"
+mkdir -p "$OUT"
+LOG="$OUT/trainer_bench.log"
+: > "$LOG"
+
+if [ -z "${TB_DRY:-}" ] && ! ls .gpu_stage/whl/deepspeed-*.whl > /dev/null 2>&1; then
+  echo "no .gpu_stage/whl: run 'bash scripts/gpu_main_job.sh stage' on the CPU machine, carry .gpu_stage/whl" >&2
+  exit 1
+fi
+if [ -z "${TB_DRY:-}" ]; then
+  install_wheels .gpu_stage/whl || exit 1
+  env_setup
+else  # dry run on a CPU machine whose Python already has the packages (TB_EXTRA shrinks the bench)
+  export PYTHONPATH="$ROOT" PYTHONUNBUFFERED=1
+fi
+export ADAFLASH_COMMIT="${ADAFLASH_COMMIT:-unknown}"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
+  python3 -c "import torch, triton, deepspeed; print('torch', torch.__version__, 'triton', triton.__version__,
+'deepspeed', deepspeed.__version__, 'gpus', torch.cuda.device_count())"; } > "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+
+step() {  # step NAME TIMEOUT_S CMD...: run with a timeout, stderr+stdout into the log, report the status
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  echo "=== $name" >> "$LOG"
+  timeout "$limit" "$@" >> "$LOG" 2>&1
+  local rc=$?
+  echo "$name: rc $rc, $(( $(date +%s) - t0 )) s" | tee -a "$LOG"
+  return $rc
+}
+
+# 1. kernel tests (CUDA): the fused loss's Triton backend against the torch backend and the original computation
+step gpu_tests 150 python3 -m pytest -q -m gpu tests/test_gpu.py -k fused_loss -p no:cacheprovider
+sed -n '/=== gpu_tests/,/^gpu_tests: rc/p' "$LOG" > "$OUT/gpu_tests.log"
+tail -3 "$OUT/gpu_tests.log"
+
+# 2. trainer bench
+B=(python3 -m adaflash_ray.bench --trainer --recipe recipes/smollm2_135m_gpu.yaml --shape smollm2-135m
+   --prompt-len 256 --new-tokens 256)
+# shellcheck disable=SC2206
+B+=(${TB_EXTRA:-})  # dry run: e.g. --set model.device=cpu --shape tiny --steps 1 (later flags win)
+step reference 100 "${B[@]}" --batch-sizes 16 --set distill.loss_impl=reference --out "$OUT/trainer_reference.json"
+step triton 170 "${B[@]}" --batch-sizes 16 32 64 --set distill.loss_impl=triton --out "$OUT/trainer_triton.json"
+step torch 90 "${B[@]}" --batch-sizes 16 --set distill.loss_impl=torch --set distill.loss_chunk_size=8192 \
+  --out "$OUT/trainer_torch.json"
+grep "^trainer bench:" "$LOG"
+
+# 3. summary
+python3 - "$OUT" <<'EOF'
+import json, os, re, sys
+out = sys.argv[1]
+docs = {}
+for impl in ("reference", "triton", "torch"):
+    p = os.path.join(out, f"trainer_{impl}.json")
+    if os.path.exists(p):
+        docs[impl] = json.load(open(p))
+rows = [{"impl": impl, **{k: r[k] for k in ("batch_size", "block_positions", "positions_per_s", "step_s",
+                                            "floor_ratio", "peak_mem_gib", "last_loss", "split_s")}}
+        for impl, d in docs.items() for r in d["rows"]]
+base = next((r for r in rows if r["impl"] == "reference" and r["batch_size"] == 16), None)
+for r in rows:
+    r["speedup_vs_reference_b16"] = r["positions_per_s"] / base["positions_per_s"] if base else None
+same = [r for r in rows if r["impl"] != "reference" and r["batch_size"] == 16]
+log = open(os.path.join(out, "gpu_tests.log")).read() if os.path.exists(os.path.join(out, "gpu_tests.log")) else ""
+m = re.findall(r"^.*\d+ (?:passed|failed|skipped|errors?)\b.*$", log, re.M)  # pytest's closing line
+best = max(rows, key=lambda r: r["positions_per_s"]) if rows else None
+summary = {
+    "commit": os.environ.get("ADAFLASH_COMMIT"),
+    "device": next(iter(docs.values()))["device"] if docs else None,
+    "shape": "smollm2-135m (random weights)", "recipe": "smollm2_135m_gpu", "prompt_len": 256, "new_tokens": 256,
+    "peak_tflops": 989.0,
+    "gpu_tests": m[-1] if m else None,
+    "rows": rows,
+    "best": {k: best[k] for k in ("impl", "batch_size", "positions_per_s", "floor_ratio")} if best else None,
+    "goal_600k_positions_per_s": (best["positions_per_s"] >= 600_000) if best else None,
+    # same seed, same anchors, same number of steps: the fused losses should end close to the baseline's loss
+    "last_loss_rel_diff_vs_reference_b16": {r["impl"]: abs(r["last_loss"] - base["last_loss"]) / abs(base["last_loss"])
+                                            for r in same} if base else None,
+    "missing": [i for i in ("reference", "triton", "torch") if i not in docs],
+}
+json.dump(summary, open(os.path.join(out, "trainer_summary.json"), "w"), indent=1)
+print(json.dumps({k: summary[k] for k in ("gpu_tests", "best", "goal_600k_positions_per_s",
+                                          "last_loss_rel_diff_vs_reference_b16", "missing")}))
+for r in rows:
+    print(f"{r['impl']:9s} b{r['batch_size']:<3d} {r['positions_per_s']:>10,.0f} pos/s  step {r['step_s'] * 1e3:7.1f} ms "
+          f"floor x{r['floor_ratio']:.1f}  speedup {r['speedup_vs_reference_b16'] or 0:.2f}  "
+          f"mem {r['peak_mem_gib'] or 0:.1f} GiB")
+EOF
