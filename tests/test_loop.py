@@ -1,7 +1,8 @@
 """The Ray-free trainer loop (adaflash_ray/distill/loop.py): publish cadence, commits before publications, state
 saved before a version is published, hand-back of prefetched data, duplicate and lost trajectories, the time
-budget of a starved trainer - on a fake core and fake or file-backed sources - and the offline commands
-(generate trajectory files with the engine, train from them) in a process that never imports Ray."""
+budget of a starved trainer - on a fake core and fake or file-backed sources - the offline commands (generate
+trajectory files with the engine, train from them) in a process that never imports Ray, and, on Ray, the
+registry telling the buffer each version it published."""
 from __future__ import annotations
 
 import json
@@ -268,3 +269,30 @@ assert "ray" not in sys.modules, "the offline loop imported ray"
         pub = next(m for m in records if m.get("sync/version") == v)
         assert pub["sync/num_workers_ok"] == 1.0
     assert (tmp_path / "o" / "checkpoints" / "v0" / "model.safetensors").is_file()
+
+
+def test_registry_tells_the_buffer_each_version_once_every_worker_loaded():
+    """The loop's sink on Ray: the WeightRegistry, not the trainer, tells the TrajectoryBuffer the new version
+    after the push (trajectories now too stale are dropped there) and records publish -> loaded seconds; a
+    version that does not rise is refused by the one version rule."""
+    import ray
+
+    from adaflash_ray.actors import TrajectoryBuffer, WeightRegistry
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+    try:
+        buf = TrajectoryBuffer.remote(capacity=8, max_version_lag=0)
+        registry = WeightRegistry.remote(buffer=buf)
+        ray.get(buf.add.remote([ray.put(_traj("old"))], version=0, num_tokens=12))
+        tensors = {"w": torch.ones(3)}
+        assert ray.get(registry.publish.remote(version=1, parent_version=0, train_step=2,
+                                               tensors_ref=[ray.put(tensors)], sha256=tensors_sha256(tensors))) == []
+        s = ray.get(buf.stats.remote())
+        assert s["buffer/latest_version"] == 1.0 and s["buffer/dropped_stale"] == 1.0 and s["buffer/depth"] == 0
+        assert ray.get(registry.get_history.remote())[0]["broadcast_s"] >= 0
+        with pytest.raises(ray.exceptions.RayTaskError, match="version 1 is not newer than the latest 1"):
+            ray.get(registry.publish.remote(version=1, parent_version=0, train_step=3,
+                                            tensors_ref=[ray.put(tensors)], sha256=tensors_sha256(tensors)))
+    finally:
+        ray.shutdown()
