@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -98,6 +99,19 @@ def step_flops(tcfg, dcfg, seq_lens: list[int], anchors_per_seq: list[list[int]]
     head = 3 * 2 * positions * tcfg.hidden_size * tcfg.vocab_size
     return {"target": float(target), "drafter": float(drafter), "head": float(head),
             "total": float(target + drafter + head)}
+
+
+def _header(device: str) -> dict:
+    """``device, commit, torch_version`` as :mod:`adaflash_ray.bench` writes them; if that module (which imports the
+    engine) fails to import, the same keys from ``$ADAFLASH_COMMIT`` / torch plus ``header_note`` with the error -
+    the trainer bench itself needs no engine."""
+    try:
+        from adaflash_ray.bench import _header as bench_header
+    except Exception as e:  # noqa: BLE001 - any import-time failure of the engine side
+        name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
+        return {"device": name, "commit": os.environ.get("ADAFLASH_COMMIT"), "torch_version": torch.__version__,
+                "header_note": f"adaflash_ray.bench did not import: {e!r}"}
+    return bench_header(device)
 
 
 class _PhaseTimer:
@@ -199,7 +213,6 @@ def run(cfg, *, shape: str | None, batch_sizes: list[int], prompt_len: int, new_
         ValueError: bad sizes, an unknown shape, or a trainer construction error (e.g. ``loss_impl: triton``
             off CUDA).
     """
-    from adaflash_ray.bench import _header
     from adaflash_ray.distill.trainer import DistillTrainerCore
     from adaflash_ray.models.factory import load_target
     from adaflash_ray.shapes import build_random_target, shape_config

@@ -62,7 +62,8 @@ sed -n '/=== gpu_tests/,/^gpu_tests: rc/p' "$LOG" > "$OUT/gpu_tests.log"
 tail -3 "$OUT/gpu_tests.log"
 
 # 2. trainer bench
-B=(python3 -m adaflash_ray.bench --trainer --recipe recipes/smollm2_135m_gpu.yaml --shape smollm2-135m
+# adaflash_ray.trainer_bench is what `python -m adaflash_ray.bench --trainer` runs, called directly: it needs no engine
+B=(python3 -m adaflash_ray.trainer_bench --recipe recipes/smollm2_135m_gpu.yaml --shape smollm2-135m
    --prompt-len 256 --new-tokens 256)
 # shellcheck disable=SC2206
 B+=(${TB_EXTRA:-})  # dry run: e.g. --set model.device=cpu --shape tiny --steps 1 (later flags win)
