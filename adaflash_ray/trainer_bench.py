@@ -24,7 +24,7 @@ weight > 0), ``step_s`` (median of the timed steps), ``positions_per_s`` (block 
 over the split steps, in seconds; ``loss`` is :func:`adaflash_ray.distill.losses.mixture_rkl_loss` whole, its
 backward share is in ``backward`` for ``loss_impl: reference`` and in ``loss`` for the fused ones),
 ``peak_mem_gib`` (CUDA only), ``flops`` (``target, drafter, head, total`` per step) and ``floor_ratio`` (step time
-/ total FLOPs at ``peak_tflops``).
+/ total FLOPs at ``peak_tflops``); a batch size that ran out of CUDA memory has ``batch_size`` and ``error`` only.
 
 FLOP model (multiply-adds x 2): target forward = matmul weights x tokens + causal attention ``2·nh·hd·t²`` per
 layer and sequence; drafter = 3 x its forward (forward + backward), forward = projections of the block positions
@@ -206,9 +206,12 @@ def _anchors_of(core, trajectories: list) -> list[list[int]]:
 
 
 def run(cfg, *, shape: str | None, batch_sizes: list[int], prompt_len: int, new_tokens: int, warmup: int,
-        steps: int, split_steps: int, log=print) -> dict:
+        steps: int, split_steps: int, log=print, out: str | None = None) -> dict:
     """The benchmark document (module docstring) for a loaded recipe ``cfg``.
 
+    A batch size that runs out of CUDA memory gets the row ``{"batch_size": b, "error": "out of memory: ..."}``
+    and the next one still runs. With ``out``, the document so far is written there after every batch size (a
+    run stopped by a timeout keeps its finished rows).
     Raises:
         ValueError: bad sizes, an unknown shape, or a trainer construction error (e.g. ``loss_impl: triton``
             off CUDA).
@@ -226,30 +229,41 @@ def run(cfg, *, shape: str | None, batch_sizes: list[int], prompt_len: int, new_
     else:
         target = load_target(cfg.model)
     dcfg = cfg.distill.model_copy(update={"features": "recompute"})  # trajectories carry token ids only
-    rows, impl, block_size = [], None, None
+    doc = {**_header(device), "mode": "trainer", "recipe": cfg.name, "shape": shape, "loss_impl": None,
+           "loss_chunk_size": cfg.distill.loss_chunk_size, "num_anchors": cfg.distill.num_anchors,
+           "block_size": None, "prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": cfg.model.dtype,
+           "peak_tflops": PEAK_TFLOPS, "rows": []}
     if not torch.distributed.is_initialized():
         DistillTrainerCore.setup_dist_env(0, 1)
     for b in batch_sizes:
-        core = DistillTrainerCore(target, cfg.drafter, cfg.length_head, dcfg, seed=cfg.seed)
-        impl, block_size = core.loss_impl, core.drafter.block_size
-        trajs = synthetic_trajectories(b, prompt_len, new_tokens, target.config.vocab_size, cfg.seed)
-        row = bench_batch(core, trajs, warmup=warmup, steps=steps, split_steps=split_steps)
-        row["flops"] = step_flops(target.config, core.drafter.config, [tr.num_tokens for tr in trajs],
-                                  _anchors_of(core, trajs), int(row["supervised_positions"]))
-        row["floor_ratio"] = row["step_s"] / (row["flops"]["total"] / (PEAK_TFLOPS * 1e12))
-        log(f"trainer bench: batch {b} ({impl}): {row['positions_per_s']:,.0f} block positions/s, "
-            f"step {row['step_s'] * 1e3:.1f} ms, {row['floor_ratio']:.1f}x the FLOP floor, split "
-            + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in row["split_s"].items() if v is not None) + " ms")
-        rows.append(row)
+        core = None
+        try:
+            core = DistillTrainerCore(target, cfg.drafter, cfg.length_head, dcfg, seed=cfg.seed)
+            doc["loss_impl"], doc["block_size"] = core.loss_impl, core.drafter.block_size
+            trajs = synthetic_trajectories(b, prompt_len, new_tokens, target.config.vocab_size, cfg.seed)
+            row = bench_batch(core, trajs, warmup=warmup, steps=steps, split_steps=split_steps)
+            row["flops"] = step_flops(target.config, core.drafter.config, [tr.num_tokens for tr in trajs],
+                                      _anchors_of(core, trajs), int(row["supervised_positions"]))
+            row["floor_ratio"] = row["step_s"] / (row["flops"]["total"] / (PEAK_TFLOPS * 1e12))
+            log(f"trainer bench: batch {b} ({core.loss_impl}): {row['positions_per_s']:,.0f} block positions/s, "
+                f"step {row['step_s'] * 1e3:.1f} ms, {row['floor_ratio']:.1f}x the FLOP floor, split "
+                + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in row["split_s"].items() if v is not None) + " ms")
+        except torch.cuda.OutOfMemoryError as e:
+            row = {"batch_size": b, "error": f"out of memory: {str(e).splitlines()[0]}"}
+            log(f"trainer bench: batch {b}: {row['error']}")
+        doc["rows"].append(row)
         del core
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    return {**_header(device), "mode": "trainer", "recipe": cfg.name, "shape": shape, "loss_impl": impl,
-            "loss_chunk_size": cfg.distill.loss_chunk_size, "num_anchors": cfg.distill.num_anchors,
-            "block_size": block_size,
-            "prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": cfg.model.dtype,
-            "peak_tflops": PEAK_TFLOPS, "rows": rows}
+        if out:
+            _write(doc, out)
+    return doc
+
+
+def _write(doc: dict, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -282,15 +296,11 @@ def main(argv: list[str] | None = None) -> int:
                   warmup=ns.warmup if ns.warmup is not None else (3 if cuda else 1),
                   steps=ns.steps or (10 if cuda else 2),
                   split_steps=ns.split_steps if ns.split_steps is not None else (3 if cuda else 1),
-                  log=lambda msg: print(msg, file=sys.stderr))
+                  log=lambda msg: print(msg, file=sys.stderr), out=ns.out)
     except (RecipeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    text = json.dumps(doc)
-    if ns.out:
-        Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(ns.out).write_text(json.dumps(doc, indent=1) + "\n")
-    print(text)
+    print(json.dumps(doc))
     return 0
 
 
