@@ -9,6 +9,7 @@ bracketed by device synchronisations for the split::
     python -m adaflash_ray.bench --trainer --recipe recipes/smollm2_135m_gpu.yaml --shape smollm2-135m \\
         --batch-sizes 16 32 --set distill.loss_impl=triton --out trainer.json
     python -m adaflash_ray.trainer_bench ...      # the same entry point
+    python -m adaflash_ray.trainer_bench --loss --recipe recipes/smollm2_135m_gpu.yaml --out loss.json  # loss only
 
 Synthetic trajectories: ``--prompt-len`` prompt tokens then ``--new-tokens`` response tokens (default: the recipe's
 ``engine.max_new_tokens``), ids uniform over the vocabulary (step cost does not depend on the values). ``--shape``
@@ -31,6 +32,10 @@ layer and sequence; drafter = 3 x its forward (forward + backward), forward = pr
 and of the context K/V, the ``fc`` context projection, and attention over each block's visible keys
 (context before its anchor + its own block); head = 3 GEMMs ``2·M·H·V`` (student and teacher logits, input
 gradient; the frozen head has no weight gradient).
+
+``--loss``: :func:`bench_loss` - the head loss alone (forward + backward) at the shape's head (``--shape``,
+default smollm2-135m) for ``--rows`` positions, per implementation and Triton kernel configuration, against its
+3-GEMM floor.
 """
 from __future__ import annotations
 
@@ -261,6 +266,69 @@ def run(cfg, *, shape: str | None, batch_sizes: list[int], prompt_len: int, new_
     return doc
 
 
+#: Triton kernel (BLOCK_V, NUM_WARPS) configurations the loss bench compares
+KERNEL_CONFIGS = ((4096, 8), (2048, 8), (1024, 4), (4096, 16))
+
+
+def bench_loss(*, rows: int, hidden: int, vocab: int, device: str, dtype: torch.dtype, impls: list[str],
+               chunk_size: int, iters: int = 5, seed: int = 0) -> dict:
+    """Forward + backward of :func:`adaflash_ray.distill.losses.mixture_rkl_loss` alone on random data (``--loss``).
+
+    ``rows`` positions of width ``hidden``, a head ``[vocab, hidden]`` in ``dtype`` (std 0.2: logit std ~5),
+    the trainer's position weights (``exp(-(k-1)/7)`` over blocks of 15), ``α = 0.8``, confidence output on (the
+    ``cost`` head's). Each impl (``reference | torch | triton``; triton once per :data:`KERNEL_CONFIGS` entry) runs
+    2 untimed then ``iters`` timed calls. ``chunk_size`` is ``distill.loss_chunk_size`` (the torch backend uses
+    at most 8,192). Returns ``{"rows", "hidden", "vocab", "dtype", "flops"`` (3 GEMMs ``2·rows·hidden·vocab``),
+    ``"floor_ms"`` (at :data:`PEAK_TFLOPS`), ``"results": [{"impl", "kernel", "ms", "floor_ratio", "peak_mem_gib",
+    "loss"}]}``.
+    """
+    from adaflash_ray.distill.losses import mixture_rkl_loss
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = (0.2 * torch.randn(vocab, hidden, device=device, generator=g)).to(dtype)
+    ht = torch.randn(rows, hidden, device=device, generator=g)
+    hs = ht + 0.5 * torch.randn(rows, hidden, device=device, generator=g)
+    k = torch.arange(rows, device=device) % 15
+    weights = torch.exp(-k.float() / 7.0)
+    cuda = device.startswith("cuda")
+    flops = 3 * 2 * rows * hidden * vocab
+    results = []
+    for impl in impls:
+        for kernel in (KERNEL_CONFIGS if impl == "triton" else (None,)):
+            restore = None
+            if kernel is not None:
+                import adaflash_ray.kernels.fused_distill_triton as ker
+
+                restore = (ker.BLOCK_V, ker.NUM_WARPS)
+                ker.BLOCK_V, ker.NUM_WARPS = kernel
+            chunk = min(chunk_size, 8192) if impl == "torch" else chunk_size
+            conf = torch.empty(rows, 2, device=device)
+            times = []
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            for i in range(2 + iters):
+                x = hs.clone().requires_grad_(True)
+                t0 = time.perf_counter()
+                loss, _ = mixture_rkl_loss(x, ht, w, weights, alpha=0.8, chunk_size=chunk, confidence_out=conf,
+                                           impl=impl)
+                loss.backward()
+                if cuda:
+                    torch.cuda.synchronize()
+                if i >= 2:
+                    times.append(time.perf_counter() - t0)
+            if restore is not None:
+                ker.BLOCK_V, ker.NUM_WARPS = restore
+            ms = statistics.median(times) * 1e3
+            results.append({"impl": impl, "kernel": list(kernel) if kernel else None, "ms": ms,
+                            "floor_ratio": ms / (flops / (PEAK_TFLOPS * 1e12) * 1e3),
+                            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                            "loss": float(loss.detach())})
+    return {"rows": rows, "hidden": hidden, "vocab": vocab, "dtype": str(dtype).removeprefix("torch."),
+            "flops": float(flops), "floor_ms": flops / (PEAK_TFLOPS * 1e12) * 1e3, "peak_tflops": PEAK_TFLOPS,
+            "results": results}
+
+
 def _write(doc: dict, path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
@@ -281,6 +349,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 10 on CUDA, 2 on CPU)")
     p.add_argument("--split-steps", type=int, default=None, help="instrumented steps (default 3 on CUDA, 1 on CPU)")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON document here")
+    g = p.add_argument_group("loss mode (the head loss alone on random data: adaflash_ray.trainer_bench.bench_loss)")
+    g.add_argument("--loss", action="store_true", help="time mixture_rkl_loss forward + backward only")
+    g.add_argument("--rows", type=int, default=23040, help="positions (default 16 x 96 x 15)")
+    g.add_argument("--impls", nargs="+", default=None, choices=["reference", "torch", "triton"],
+                   help="default: reference torch, + triton on CUDA")
+    g.add_argument("--iters", type=int, default=5, help="timed calls per impl")
     return p
 
 
@@ -291,6 +365,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(ns)
         cuda = cfg.model.device.startswith("cuda")
+        if ns.loss:
+            from adaflash_ray.shapes import shape_config
+
+            tcfg = shape_config(ns.shape or "smollm2-135m")
+            impls = ns.impls or (["reference", "torch"] + (["triton"] if cuda else []))
+            doc = {**_header(cfg.model.device), "mode": "loss", "shape": ns.shape or "smollm2-135m",
+                   **bench_loss(rows=ns.rows, hidden=tcfg.hidden_size, vocab=tcfg.vocab_size,
+                                device=cfg.model.device, dtype=getattr(torch, cfg.model.dtype), impls=impls,
+                                chunk_size=cfg.distill.loss_chunk_size, iters=ns.iters)}
+            for r in doc["results"]:
+                print(f"loss bench: {r['impl']} {r['kernel'] or ''}: {r['ms']:.2f} ms "
+                      f"({r['floor_ratio']:.1f}x the 3-GEMM floor)", file=sys.stderr)
+            if ns.out:
+                _write(doc, ns.out)
+            print(json.dumps(doc))
+            return 0
         doc = run(cfg, shape=ns.shape, batch_sizes=ns.batch_sizes or [cfg.distill.batch_size],
                   prompt_len=ns.prompt_len, new_tokens=ns.new_tokens or cfg.engine.max_new_tokens,
                   warmup=ns.warmup if ns.warmup is not None else (3 if cuda else 1),

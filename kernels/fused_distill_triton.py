@@ -21,8 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-#: vocabulary elements per loop step of a program (49,152 = 12 steps for SmolLM2's head)
+#: vocabulary elements per loop step of a program (49,152 = 12 steps for SmolLM2's head) and warps per program;
+#: read at every launch (the loss bench, adaflash_ray/trainer_bench.py --loss, sets them to compare). At 4096 / 8
+#: ptxas (Triton 3.6, sm_90a) allocates 113 registers per thread with no spills; 2048 / 8: 75; 1024 / 4: 64.
 BLOCK_V = 4096
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -176,7 +179,7 @@ def distill_rows_triton(zs: torch.Tensor, zt: torch.Tensor, wn: torch.Tensor, de
         zs, zt, wn, den, ce, div, s_arg, t_arg, conf if want_conf else ce,
         zs.stride(0), zt.stride(0), float(alpha), 1.0 / float(temperature), float(temperature), float(clip),
         V=v, PER_TOKEN=bool(per_token), REVERSE=bool(reverse), SAME_T=float(temperature) == 1.0, WANT_CONF=want_conf,
-        BLOCK=min(BLOCK_V, triton.next_power_of_2(v)), num_warps=8)
+        BLOCK=min(BLOCK_V, triton.next_power_of_2(v)), num_warps=NUM_WARPS)
 
 
-__all__ = ["BLOCK_V", "distill_rows_triton"]
+__all__ = ["BLOCK_V", "NUM_WARPS", "distill_rows_triton"]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The trainer benchmark of the fused distillation loss on ONE H200, in one `device` call (~4-5 min, 560 s at most).
+# The trainer benchmark of the fused distillation loss on ONE H200, in one `device` call (~5 min expected, 550 s at most).
 #
 # Here (CPU machine), once, if .gpu_stage/whl is missing:  bash scripts/gpu_main_job.sh stage
 # Device call (kind nvidia-h200, carry [".gpu_stage/whl"], timeout_s 600):
@@ -13,9 +13,11 @@
 #    baseline loss_impl=reference at batch 16 (today's settings, one 24,576-row chunk)  -> trainer_reference.json
 #    fused loss_impl=triton at batch 16, 32, 64, 128                                     -> trainer_triton.json
 #    fused loss_impl=torch (pure-torch backend, chunks of 8,192) at batch 16              -> trainer_torch.json
+#    the head loss alone (forward + backward, 23,040 positions; triton at 4 kernel block/warp configurations)
+#                                                                                        -> loss_bench.json
 # 3. trainer_summary.json: block positions/s per (impl, batch), speedup over the baseline, FLOP-floor ratio, the
 #    split, peak memory, the >= 600k positions/s goal, the baseline/fused last-loss agreement, test outcome.
-# All in $OUT, with gpu.txt (nvidia-smi, versions) and trainer_bench.log (every step's stderr): 7 files.
+# All in $OUT, with gpu.txt (nvidia-smi, versions) and trainer_bench.log (every step's stderr): 8 files.
 # Dry run on a CPU machine (no install, tiny sizes; the triton step fails there without CUDA, as it should):
 #     TB_DRY=1 TB_EXTRA="--set model.device=cpu --set model.dtype=float32 --set placement.gpus_per_trainer=0 \
 #       --set placement.gpus_per_inference_worker=0 --shape tiny --prompt-len 10 --new-tokens 20 --warmup 1 \
@@ -71,7 +73,9 @@ step reference 90 "${B[@]}" --batch-sizes 16 --set distill.loss_impl=reference -
 step triton 170 "${B[@]}" --batch-sizes 16 32 64 128 --set distill.loss_impl=triton --out "$OUT/trainer_triton.json"
 step torch 80 "${B[@]}" --batch-sizes 16 --set distill.loss_impl=torch --set distill.loss_chunk_size=8192 \
   --out "$OUT/trainer_torch.json"
-grep "^trainer bench:" "$LOG"
+# the head loss alone at 23,040 positions: reference / torch / triton (4 kernel configurations) against its 3-GEMM floor
+step loss 60 "${B[@]}" --loss --out "$OUT/loss_bench.json"
+grep -E "^(trainer|loss) bench:" "$LOG"
 
 # 3. summary
 python3 - "$OUT" <<'EOF'
@@ -107,6 +111,9 @@ summary = {
                                             for r in same} if base else None,
     "missing": [i for i in ("reference", "triton", "torch") if i not in docs],
     "errors": errors,
+    "loss_bench": (lambda p: [{k: r[k] for k in ("impl", "kernel", "ms", "floor_ratio", "peak_mem_gib")}
+                              for r in json.load(open(p))["results"]] if os.path.exists(p) else None)(
+        os.path.join(out, "loss_bench.json")),
 }
 json.dump(summary, open(os.path.join(out, "trainer_summary.json"), "w"), indent=1)
 print(json.dumps({k: summary[k] for k in ("gpu_tests", "best", "goal_600k_positions_per_s",

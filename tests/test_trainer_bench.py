@@ -1,6 +1,6 @@
 """``python -m adaflash_ray.bench --trainer`` (adaflash_ray/trainer_bench.py) on CPU: a tiny random-weight shape, two
 batch sizes, the JSON document's schema and consistency (block positions, split, FLOP floor), the fused loss
-switch through ``--set``, and the FLOP model against a hand count.
+switch through ``--set``, the loss-only mode (``--loss``), and the FLOP model against a hand count.
 
 Run: python -m pytest -q tests/test_trainer_bench.py   (CPU, ~40 s)
 """
@@ -43,6 +43,19 @@ def test_trainer_bench_document(impl, tmp_path, capsys):
 def test_trainer_bench_bad_impl_exits_2(capsys):
     assert bench_main(ARGS + ["--set", "distill.loss_impl=triton"]) == 2  # no CUDA here
     assert "triton" in capsys.readouterr().err
+
+
+def test_loss_mode(tmp_path, capsys):
+    out = tmp_path / "loss.json"
+    rc = bench_main(["--trainer", "--loss", "--recipe", "recipes/cpu_tiny.yaml", "--shape", "tiny", "--rows", "60",
+                     "--iters", "1", "--out", str(out)])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc == json.loads(out.read_text()) and doc["mode"] == "loss" and doc["vocab"] == 512
+    assert [r["impl"] for r in doc["results"]] == ["reference", "torch"]  # no triton without CUDA
+    assert doc["flops"] == 3 * 2 * 60 * 64 * 512
+    assert all(r["ms"] > 0 and r["floor_ratio"] > 1 for r in doc["results"])
+    assert doc["results"][0]["loss"] == pytest.approx(doc["results"][1]["loss"], rel=1e-5)
 
 
 def test_step_flops_hand_count():
