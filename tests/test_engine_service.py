@@ -12,7 +12,7 @@ import torch
 
 from adaflash_ray.engine import EngineDead, EngineService, SamplingParams, SpecEngine, Status
 from adaflash_ray.models import CheckpointError
-from tests.conftest import greedy_reference, make_drafter
+from conftest import greedy_reference, make_drafter
 
 torch.set_num_threads(1)
 

@@ -6,9 +6,10 @@
   (``impl="reference"``), or by :func:`adaflash_ray.kernels.fused_distill.fused_distill_loss`, which also computes
   the gradient into the drafter's hidden states in its forward pass (``impl="torch" | "triton"``).
 - :func:`forward_kl_loss`: the OSD baseline (forward KL, α = 0).
-- :func:`accepted_length` / :func:`length_loss`: the label and MSE of the ``direct`` length head.
-- :func:`acceptance_loss`: the masked BCE of the ``cost`` policy's per-position acceptance head (labels from
-  :func:`adaflash_ray.models.length_head.acceptance_labels`).
+- :func:`accepted_length`: the accepted length a of each training block against the trajectory.
+- the length heads' own losses live beside the heads (:mod:`adaflash_ray.models.length_head`: ``length_loss``, the
+  ``direct`` head's MSE, and ``acceptance_loss``, the ``cost`` head's masked BCE; imported here too); which one a
+  policy trains with is its entry in :data:`adaflash_ray.engine.length_policy.LENGTH_POLICIES`.
 
 The teacher is always detached; weights ``w`` are the position weights of
 :func:`adaflash_ray.distill.blocks.collate` (decay ``exp(-(k-1)/7)`` times bounds and validity).
@@ -16,9 +17,8 @@ The teacher is always detached; weights ``w`` are the position weights of
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from adaflash_ray.models.length_head import direct_length_label
+from adaflash_ray.models.length_head import acceptance_loss, length_loss  # noqa: F401 - the length heads' losses
 from adaflash_ray.kernels.chunked_kl import chunked_kl_terms
 from adaflash_ray.kernels.fused_distill import fused_distill_loss, resolve_loss_impl
 
@@ -169,55 +169,3 @@ def accepted_length(draft_ids: torch.Tensor, target_ids: torch.Tensor, position_
     """
     ok = (draft_ids == target_ids) & position_valid
     return torch.cumprod(ok.long(), dim=-1).sum(dim=-1)
-
-
-def length_loss(pred_ratio: torch.Tensor, num_accepted: torch.Tensor, block_size: int, lookahead: int,
-                valid: torch.Tensor) -> torch.Tensor:
-    """MSE of the ``direct`` head (docs/design/ALGORITHMS.md §2; AdaFlash ``thresh_head_direct_len``).
-
-    Args:
-        pred_ratio: ``[N]`` float predicted ratio r (gradient flows into the head only).
-        num_accepted: ``[N]`` int64 accepted length a of each block (:func:`accepted_length`).
-        block_size, lookahead: label ``r* = clamp((a + lookahead) / block_size, 0, 1)``.
-        valid: ``[N]`` bool, False for padding blocks.
-    Returns:
-        float32 scalar ``Σ_valid (r - r*)² / max(#valid, 1)``.
-    Raises:
-        ValueError: if the three ``[N]`` inputs differ in shape.
-    """
-    if not (pred_ratio.shape == num_accepted.shape == valid.shape):
-        raise ValueError(f"pred_ratio {tuple(pred_ratio.shape)}, num_accepted {tuple(num_accepted.shape)} and "
-                         f"valid {tuple(valid.shape)} must have the same shape")
-    label = direct_length_label(num_accepted, block_size, lookahead)
-    v = valid.float()
-    return (v * (pred_ratio.float() - label) ** 2).sum() / v.sum().clamp_min(1.0)
-
-
-def acceptance_loss(logits: torch.Tensor, label: torch.Tensor, mask: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked BCE of the ``cost`` policy's :class:`~adaflash_ray.models.length_head.AcceptanceHead`
-    (docs/design/ALGORITHMS.md §2, policy 3).
-
-    Args:
-        logits: ``[...]`` acceptance logits (gradient flows into the head only).
-        label: ``[...]`` float 1.0 = draft accepted, 0.0 = rejected.
-        mask: ``[...]`` bool: positions that count (valid, every earlier draft of the block accepted).
-    Returns:
-        ``(loss, accuracy)``: loss = float32 scalar ``Σ_mask BCE-with-logits / max(#mask, 1)`` (an exact zero
-        that still has a graph into ``logits`` when no position counts); accuracy = detached float32 share of
-        masked positions where ``(logit > 0) == label`` (0 when none).
-    Raises:
-        ValueError: if the three inputs differ in shape.
-    """
-    if not (logits.shape == label.shape == mask.shape):
-        raise ValueError(f"logits {tuple(logits.shape)}, label {tuple(label.shape)} and mask {tuple(mask.shape)} "
-                         "must have the same shape")
-    m = mask.float()
-    lab = label.float()
-    z = logits.float()
-    bce = F.binary_cross_entropy_with_logits(z, lab, reduction="none")
-    count = m.sum().clamp_min(1.0)
-    loss = (m * bce).sum() / count
-    with torch.no_grad():
-        acc = (m * ((z > 0).float() == lab).float()).sum() / count
-    return loss, acc

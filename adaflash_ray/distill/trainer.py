@@ -26,11 +26,12 @@ import torch
 from torch import nn
 
 from adaflash_ray.distill.blocks import Batch, collate, with_recomputed_features
-from adaflash_ray.distill.losses import acceptance_loss, accepted_length, length_loss, mixture_rkl_loss
+from adaflash_ray.distill.losses import accepted_length, mixture_rkl_loss
+from adaflash_ray.engine.length_policy import length_policy
 from adaflash_ray.kernels.fused_distill import resolve_loss_impl
 from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
 from adaflash_ray.models.factory import build_drafter
-from adaflash_ray.models.length_head import AcceptanceHead, DirectLengthHead, acceptance_labels
+from adaflash_ray.models.length_head import HeadLossInputs
 from adaflash_ray.models.target import TargetModel
 
 _DIST_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
@@ -58,7 +59,8 @@ class DistillModule(nn.Module):
     """drafter + optional length head; ``forward(batch)`` computes the whole loss.
 
     The target's embeddings / lm_head are borrowed (not submodules, never trained). The head sees
-    ``hidden.detach()`` (no gradient into the drafter, AdaFlash). Heads:
+    ``hidden.detach()`` (no gradient into the drafter, AdaFlash) and trains with its policy's loss
+    (``LENGTH_POLICIES[head_cfg.policy].head_loss``). Heads:
 
     - :class:`DirectLengthHead` (policy ``direct``): ratio from the whole block's hidden states, MSE on
       ``(a + lookahead) / block_size``.
@@ -69,13 +71,14 @@ class DistillModule(nn.Module):
       draft of the block was accepted); masked mean BCE.
     """
 
-    def __init__(self, drafter: DFlashDrafter, length_head: DirectLengthHead | AcceptanceHead | None,
+    def __init__(self, drafter: DFlashDrafter, length_head: nn.Module | None,
                  lm_head: nn.Linear, distill_cfg, head_cfg):
         super().__init__()
         self.drafter = drafter
         self.length_head = length_head
         object.__setattr__(self, "_lm_head", lm_head)
         self.distill_cfg, self.head_cfg = distill_cfg, head_cfg
+        self.head_spec = length_policy(head_cfg.policy) if length_head is not None else None
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """Returns ``(loss, metrics)``: loss = mixture RKL (+ λ·length-head loss: MSE for ``direct``, BCE for
@@ -88,8 +91,9 @@ class DistillModule(nn.Module):
         student = hidden[:, :, 1:, :][sel]  # [M, H]
         teacher = batch.last_hidden[rows, batch.teacher_pos[sel]]  # [M, H]
         s_arg = torch.empty(student.shape[0], dtype=torch.long, device=student.device)
-        accept_head = isinstance(self.length_head, AcceptanceHead)
-        conf = (torch.empty(student.shape[0], 2, dtype=torch.float32, device=student.device) if accept_head
+        spec = self.head_spec
+        conf = (torch.empty(student.shape[0], 2, dtype=torch.float32, device=student.device)
+                if spec is not None and spec.needs_confidence
                 else None)  # [M, 2] student (max prob, entropy) at T = 1, filled by the loss's vocabulary pass
         loss, metrics = mixture_rkl_loss(student, teacher, self._lm_head.weight, batch.weights[sel],
                                          alpha=cfg.alpha, temperature=cfg.temperature, clip=cfg.rkl_clip,
@@ -102,15 +106,11 @@ class DistillModule(nn.Module):
         valid = batch.anchor_valid
         len_loss = torch.zeros((), device=loss.device)
         head_acc = None
-        if accept_head:
-            label, mask = acceptance_labels(draft_ids, batch.target_ids, sel)  # [B, N, bs-1]; mask implies sel
-            logits = self.length_head(student.detach(), conf)  # [M]
-            len_loss, head_acc = acceptance_loss(logits, label[sel], mask[sel])
-            loss = loss + cfg.length_loss_weight * len_loss
-        elif self.length_head is not None:
-            ratio = self.length_head(hidden.detach())  # [B, N]
-            len_loss = length_loss(ratio.reshape(-1), num_accepted.reshape(-1), bs, self.head_cfg.lookahead,
-                                   valid.reshape(-1))
+        if spec is not None:  # the policy's own head loss (LENGTH_POLICIES)
+            len_loss, head_acc = spec.head_loss(self.length_head, HeadLossInputs(
+                block_hidden=hidden.detach(), draft_hidden=student.detach(), confidence=conf, draft_ids=draft_ids,
+                target_ids=batch.target_ids, position_valid=sel, num_accepted=num_accepted, anchor_valid=valid,
+                block_size=bs, lookahead=self.head_cfg.lookahead))
             loss = loss + cfg.length_loss_weight * len_loss
         with torch.no_grad():
             num_blocks = valid.sum()

@@ -22,14 +22,13 @@ import numpy as np
 import torch
 from filelock import FileLock
 
-from adaflash_ray.engine.length_policy import CostLength, DirectLength, FixedLength
+from adaflash_ray.engine.length_policy import CostLength, length_policy
 from adaflash_ray.engine.request import Request, SamplingParams, Status
 from adaflash_ray.engine.runner import ModelRunner, StepResult, _buckets
 from adaflash_ray.engine.scheduler import Scheduler
 from adaflash_ray.engine.stats import SpecStats
 from adaflash_ray.models.checkpoint import CheckpointError, check_tensors_fit, tensors_sha256
 from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
-from adaflash_ray.models.length_head import AcceptanceHead, DirectLengthHead
 from adaflash_ray.models.target import TargetModel
 from adaflash_ray.trajectory import Trajectory
 from adaflash_ray.versions import is_newer
@@ -87,8 +86,10 @@ class SpecEngine:
 
     Args:
         target: the target model. drafter: a DFlash drafter attached to the target (None = AR only).
-        length_head: the policy's head: DirectLengthHead (``direct``), AcceptanceHead (``cost``), None (``fixed``).
-        policy: "direct" | "cost" | "fixed". max_batch_size: KV slots. max_seq_len: positions per slot.
+        length_head: the policy's head (``LENGTH_POLICIES[policy].head``: DirectLengthHead for ``direct``,
+            AcceptanceHead for ``cost``, None for ``fixed``).
+        policy: a name in :data:`~adaflash_ray.engine.length_policy.LENGTH_POLICIES`. max_batch_size: KV slots.
+            max_seq_len: positions per slot.
         calibrate: with policy ``cost``, measure the step cost table now (:meth:`calibrate_costs`; a few
             seconds); False drafts whole blocks until it is called.
         ar_steps: with policy ``cost``, the policy may answer γ = 0 (an AR step beats drafting at this load and
@@ -100,7 +101,7 @@ class SpecEngine:
             ~1.7 MB less per 256-token SmolLM2 trajectory through the object store).
     """
 
-    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, length_head: DirectLengthHead | None,
+    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, length_head: torch.nn.Module | None,
                  *, policy: str = "direct", rate: float = 1.3, min_len: int = 1, max_batch_size: int = 8,
                  max_seq_len: int = 1024, layer_ids: list[int] | None = None, record: bool = False,
                  record_features: bool = True, seed: int = 0, drafter_version: int = 0, use_cuda_graph: bool | None = None,
@@ -109,19 +110,9 @@ class SpecEngine:
         if drafter is not None:
             drafter.config.check_target(target.config)
             layer_ids = drafter.config.target_layer_ids
-            bs = drafter.block_size
-            if policy == "direct":
-                if not isinstance(length_head, DirectLengthHead):
-                    raise ValueError(f"policy 'direct' needs a DirectLengthHead, got {type(length_head).__name__}")
-                self.policy = DirectLength(length_head, bs, rate, min_len)
-            elif policy == "cost":
-                if not isinstance(length_head, AcceptanceHead):
-                    raise ValueError(f"policy 'cost' needs an AcceptanceHead, got {type(length_head).__name__}")
-                self.policy = CostLength(length_head, bs, min_len, ar_steps=ar_steps, probe_every=probe_every)
-            elif policy == "fixed":
-                self.policy = FixedLength(bs)
-            else:
-                raise ValueError(f"unknown length policy {policy!r} (expected 'direct', 'cost' or 'fixed')")
+            self.policy = length_policy(policy).build_policy(length_head, drafter.block_size, rate=rate,
+                                                             min_len=min_len, ar_steps=ar_steps,
+                                                             probe_every=probe_every)
         else:
             self.policy = None
         self.layer_ids = list(layer_ids or target.default_layer_ids(5))

@@ -7,14 +7,22 @@ marks the rows that are real requests (the rest are idle slots or bucket padding
 Between steps the engine asks the policy, on the host, about the batch (:class:`LengthPolicy`'s hooks): which γ
 newly admitted requests start with, whether this step proposes a block at all (the ``cost`` policy's γ = 0
 regime and its probe schedule), what the step's answer was, and that the drafter weights changed.
+
+:data:`LENGTH_POLICIES` is the one registry of policies: a name -> its engine policy, its head class, the head's
+checkpoint tensors and its training loss. The recipe's validation, the model factory, the engine, the trainer and
+the benchmark all read it; a new policy is its own module plus one entry here.
 """
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
+from torch import nn
 
-from adaflash_ray.models.length_head import (AcceptanceHead, DirectLengthHead, draft_confidence, expected_committed,
+from adaflash_ray.models.length_head import (AcceptanceHead, DirectLengthHead, HeadLossInputs, acceptance_head_loss,
+                                             direct_head_loss, draft_confidence, expected_committed,
                                              ratio_to_draft_len)
 
 
@@ -23,7 +31,9 @@ class LengthPolicy:
 
     The engine calls them between steps, in this order per step: :meth:`on_admit` (requests were just prefilled),
     :meth:`propose_now` (whether the step proposes the next block), :meth:`after_step` (the step's answers), and
-    :meth:`on_drafter_reload` whenever the drafter weights change.
+    :meth:`on_drafter_reload` whenever the drafter weights change. Each policy also defines the classmethod
+    ``create(head, block_size, *, rate, min_len, ar_steps, probe_every)`` (the recipe's ``length_head`` settings;
+    it reads the ones it uses), through which :class:`LengthPolicySpec` builds it.
     """
 
     name = ""
@@ -55,6 +65,10 @@ class FixedLength(LengthPolicy):
     def __init__(self, block_size: int):
         self.block_size = block_size
 
+    @classmethod
+    def create(cls, head, block_size, **settings) -> "FixedLength":
+        return cls(block_size)
+
     def __call__(self, block_hidden: torch.Tensor, draft_logits: torch.Tensor | None = None,
                  live: torch.Tensor | None = None) -> torch.Tensor:
         return torch.full(block_hidden.shape[:1], self.block_size - 1, dtype=torch.long, device=block_hidden.device)
@@ -67,6 +81,10 @@ class DirectLength(LengthPolicy):
 
     def __init__(self, head: DirectLengthHead, block_size: int, rate: float = 1.3, min_len: int = 1):
         self.head, self.block_size, self.rate, self.min_len = head, block_size, rate, min_len
+
+    @classmethod
+    def create(cls, head, block_size, *, rate, min_len, **settings) -> "DirectLength":
+        return cls(head, block_size, rate, min_len)
 
     @torch.no_grad()
     def __call__(self, block_hidden: torch.Tensor, draft_logits: torch.Tensor | None = None,
@@ -114,6 +132,10 @@ class CostLength(LengthPolicy):
         self.ar_chosen = False  # the last answer for the running batch was γ = 0
         self.steps_since_probe = 0  # AR steps since the last propose while it was
         self.probe_interval = probe_every  # AR steps before the next propose (doubles while γ stays 0)
+
+    @classmethod
+    def create(cls, head, block_size, *, min_len, ar_steps, probe_every, **settings) -> "CostLength":
+        return cls(head, block_size, min_len, ar_steps=ar_steps, probe_every=probe_every)
 
     # ------------------------------------------------------------------ probe schedule (host, between steps)
     def on_admit(self, draft_lens: list[int], running_draft_lens: list[int], spec: bool) -> list[int]:
@@ -231,3 +253,65 @@ class CostLength(LengthPolicy):
             return self.choose(block_hidden.new_zeros(block_hidden.shape[0], self.block_size - 1), None)
         p = torch.sigmoid(self.head(block_hidden[:, 1:], draft_confidence(draft_logits)))  # [B, bs-1]
         return self.choose(p, cost, live, self.ar_cost(block_hidden.shape[0]))
+
+
+# ---------------------------------------------------------------------------------------------- the registry
+@dataclass(frozen=True)
+class LengthPolicySpec:
+    """Everything that differs between draft-length policies, under the policy's name.
+
+    Attributes:
+        name: the recipe's ``length_head.policy``.
+        engine_policy: the engine's policy class (built with :meth:`LengthPolicy.create`).
+        head: the trained head's class (``from_recipe(hidden_size, head_cfg, block_size)`` builds a fresh one),
+            or None for a policy without a head.
+        head_tensors: the head's checkpoint tensor names (saved under ``length_head.``).
+        head_loss: ``(head, HeadLossInputs) -> (loss float32 scalar, accuracy or None)``, the head's training loss
+            (None without a head).
+        needs_confidence: the loss reads ``HeadLossInputs.confidence`` (the student's max prob and entropy, filled
+            by the distillation loss's vocabulary pass).
+    """
+
+    name: str
+    engine_policy: type[LengthPolicy]
+    head: type[nn.Module] | None = None
+    head_tensors: tuple[str, ...] = ()
+    head_loss: Callable[[nn.Module, HeadLossInputs], tuple[torch.Tensor, torch.Tensor | None]] | None = None
+    needs_confidence: bool = False
+
+    def build_head(self, hidden_size: int, head_cfg, block_size: int) -> nn.Module | None:
+        """A fresh head (float32, CPU) for a drafter of width ``hidden_size``, or None for a policy without one."""
+        return None if self.head is None else self.head.from_recipe(hidden_size, head_cfg, block_size)
+
+    def build_policy(self, head: nn.Module | None, block_size: int, **settings) -> LengthPolicy:
+        """The engine's policy; ``settings``: rate, min_len, ar_steps, probe_every (``length_head``).
+        Raises ValueError if ``head`` is not this policy's head class."""
+        if self.head is not None and not isinstance(head, self.head):
+            article = "an" if self.head.__name__[0] in "AEIOU" else "a"
+            raise ValueError(f"policy {self.name!r} needs {article} {self.head.__name__}, got {type(head).__name__}")
+        return self.engine_policy.create(head, block_size, **settings)
+
+
+LENGTH_POLICIES: dict[str, LengthPolicySpec] = {spec.name: spec for spec in (
+    LengthPolicySpec("direct", DirectLength, DirectLengthHead,
+                     ("inp.weight", "inp.bias", "res.weight", "res.bias", "out.weight", "out.bias"), direct_head_loss),
+    LengthPolicySpec("cost", CostLength, AcceptanceHead, ("inp.weight", "inp.bias", "out.weight", "out.bias"),
+                     acceptance_head_loss, needs_confidence=True),
+    LengthPolicySpec("fixed", FixedLength),
+)}
+
+
+def length_policy(name: str) -> LengthPolicySpec:
+    """The registered policy ``name``. Raises ValueError naming the known ones."""
+    spec = LENGTH_POLICIES.get(name)
+    if spec is None:
+        known = ", ".join(repr(n) for n in LENGTH_POLICIES)
+        raise ValueError(f"unknown length policy {name!r} (expected one of {known})")
+    return spec
+
+
+def policy_of_head_tensors(names) -> str | None:
+    """The policy whose head has exactly these checkpoint tensor names (without ``length_head.``), or None."""
+    found = [spec.name for spec in LENGTH_POLICIES.values() if spec.head is not None and set(spec.head_tensors) ==
+             set(names)]
+    return found[0] if found else None

@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from adaflash_ray.models.checkpoint import CheckpointError, check_tensors_fit, load_drafter_checkpoint
 from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
-from adaflash_ray.models.length_head import AcceptanceHead, DirectLengthHead
+from adaflash_ray.engine.length_policy import length_policy, policy_of_head_tensors
 from adaflash_ray.models.target import TargetModel
 
 
@@ -41,10 +42,9 @@ def check_checkpoint_matches_recipe(ckpt: DrafterModelConfig, drafter_cfg, where
 
 
 def build_drafter(target: TargetModel, drafter_cfg, head_cfg, seed: int = 0,
-                  init_path: str | Path | None = None
-                  ) -> tuple[DFlashDrafter, DirectLengthHead | AcceptanceHead | None]:
-    """Create drafter (+ the policy's head: ``direct`` -> DirectLengthHead, ``cost`` -> AcceptanceHead, ``fixed``
-    -> none) in the target's dtype/device.
+                  init_path: str | Path | None = None) -> tuple[DFlashDrafter, nn.Module | None]:
+    """Create drafter (+ the policy's head, ``LENGTH_POLICIES[head_cfg.policy].head``: ``direct`` ->
+    DirectLengthHead, ``cost`` -> AcceptanceHead, ``fixed`` -> none) in the target's dtype/device.
 
     With ``init_path`` (or ``drafter_cfg.init_path``) the weights come from a DFlash checkpoint;
     raises CheckpointError if it does not fit the target.
@@ -65,15 +65,10 @@ def build_drafter(target: TargetModel, drafter_cfg, head_cfg, seed: int = 0,
     drafter.init_weights(seed)
     if tensors is None and drafter_cfg.init_from_target:
         init_from_target(drafter, target)
-    head = None
-    if head_cfg.policy == "direct":
+    spec = length_policy(head_cfg.policy)
+    if spec.head is not None:
         torch.manual_seed(seed + 1)
-        head = DirectLengthHead(cfg.hidden_size, head_cfg.hidden_size)
-        head.init_prior(cfg.block_size, head_cfg.lookahead)
-    elif head_cfg.policy == "cost":
-        torch.manual_seed(seed + 1)
-        head = AcceptanceHead(cfg.hidden_size, head_cfg.hidden_size)
-        head.init_prior()
+    head = spec.build_head(cfg.hidden_size, head_cfg, cfg.block_size)
     if tensors is not None:
         own = {k: v for k, v in tensors.items() if not k.startswith("length_head.")}
         check_tensors_fit(drafter.drafter_state_dict(), own, f"drafter checkpoint {init_path}")
@@ -83,9 +78,11 @@ def build_drafter(target: TargetModel, drafter_cfg, head_cfg, seed: int = 0,
             try:
                 check_tensors_fit(head.state_dict(), head_t, f"length head in {init_path}")
             except CheckpointError as e:
+                held = policy_of_head_tensors(head_t)
+                held = f"the {held!r} policy's" if held is not None else "an unknown"
                 raise CheckpointError(f"{e} - the checkpoint holds another policy's head than "
-                                      f"length_head.policy {head_cfg.policy!r} builds (direct: inp/res/out, cost: "
-                                      f"inp/out with 2 confidence inputs); use the policy it was trained with") from e
+                                      f"length_head.policy {head_cfg.policy!r} builds ({held} head, tensors "
+                                      f"{sorted(head_t)}); use the policy it was trained with") from e
             head.load_state_dict(head_t)
     drafter.to(device=device, dtype=dtype)
     if head is not None:

@@ -10,8 +10,14 @@
   the engine's :class:`~adaflash_ray.engine.length_policy.CostLength` turns that into expected committed tokens
   per measured millisecond. Labels: :func:`acceptance_labels`, masked BCE.
 - ``fixed``: γ = block_size - 1 (plain DFlash).
+
+Each head's training loss sits beside it (:func:`direct_head_loss`, :func:`acceptance_head_loss`, on
+:class:`HeadLossInputs`); :data:`adaflash_ray.engine.length_policy.LENGTH_POLICIES` maps a policy name to its
+head, loss and engine policy.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +33,14 @@ class DirectLengthHead(nn.Module):
         self.inp = nn.Linear(2 * hidden_size, inner)
         self.res = nn.Linear(inner, inner)
         self.out = nn.Linear(inner, 1)
+
+    @classmethod
+    def from_recipe(cls, hidden_size: int, head_cfg, block_size: int) -> "DirectLengthHead":
+        """A fresh head for a drafter of width ``hidden_size``: ``head_cfg.hidden_size`` inner units (a
+        ``LengthHeadConfig``), started from :meth:`init_prior` with ``head_cfg.lookahead``."""
+        head = cls(hidden_size, head_cfg.hidden_size)
+        head.init_prior(block_size, head_cfg.lookahead)
+        return head
 
     @torch.no_grad()
     def init_prior(self, block_size: int, lookahead: int = 1) -> None:
@@ -86,6 +100,14 @@ class AcceptanceHead(nn.Module):
         self.inp = nn.Linear(hidden_size + 2, inner)
         self.out = nn.Linear(inner, 1)
 
+    @classmethod
+    def from_recipe(cls, hidden_size: int, head_cfg, block_size: int) -> "AcceptanceHead":
+        """A fresh head for a drafter of width ``hidden_size``: ``head_cfg.hidden_size`` inner units (a
+        ``LengthHeadConfig``), started from :meth:`init_prior` (``block_size`` unused: one logit per position)."""
+        head = cls(hidden_size, head_cfg.hidden_size)
+        head.init_prior()
+        return head
+
     @torch.no_grad()
     def init_prior(self, p: float = 0.05) -> None:
         """Start pessimistic: every draft accepted with probability ``p`` whatever its input (a fresh
@@ -122,3 +144,99 @@ def expected_committed(p_accept: torch.Tensor) -> torch.Tensor:
     ``p_accept`` ``[..., bs-1]`` -> ``[..., bs-1]``: ``1 + Σ_{i<=k} Π_{j<=i} p_j`` (the bonus / correction token
     plus the expected accepted prefix; docs/design/ALGORITHMS.md §2, policy 3)."""
     return 1.0 + torch.cumsum(torch.cumprod(p_accept.float(), dim=-1), dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------- training losses
+def length_loss(pred_ratio: torch.Tensor, num_accepted: torch.Tensor, block_size: int, lookahead: int,
+                valid: torch.Tensor) -> torch.Tensor:
+    """MSE of the ``direct`` head (docs/design/ALGORITHMS.md §2; AdaFlash ``thresh_head_direct_len``).
+
+    Args:
+        pred_ratio: ``[N]`` float predicted ratio r (gradient flows into the head only).
+        num_accepted: ``[N]`` int64 accepted length a of each block (``adaflash_ray.distill.losses.accepted_length``).
+        block_size, lookahead: label ``r* = clamp((a + lookahead) / block_size, 0, 1)``.
+        valid: ``[N]`` bool, False for padding blocks.
+    Returns:
+        float32 scalar ``Σ_valid (r - r*)² / max(#valid, 1)``.
+    Raises:
+        ValueError: if the three ``[N]`` inputs differ in shape.
+    """
+    if not (pred_ratio.shape == num_accepted.shape == valid.shape):
+        raise ValueError(f"pred_ratio {tuple(pred_ratio.shape)}, num_accepted {tuple(num_accepted.shape)} and "
+                         f"valid {tuple(valid.shape)} must have the same shape")
+    label = direct_length_label(num_accepted, block_size, lookahead)
+    v = valid.float()
+    return (v * (pred_ratio.float() - label) ** 2).sum() / v.sum().clamp_min(1.0)
+
+
+def acceptance_loss(logits: torch.Tensor, label: torch.Tensor, mask: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked BCE of the ``cost`` policy's :class:`~adaflash_ray.models.length_head.AcceptanceHead`
+    (docs/design/ALGORITHMS.md §2, policy 3).
+
+    Args:
+        logits: ``[...]`` acceptance logits (gradient flows into the head only).
+        label: ``[...]`` float 1.0 = draft accepted, 0.0 = rejected.
+        mask: ``[...]`` bool: positions that count (valid, every earlier draft of the block accepted).
+    Returns:
+        ``(loss, accuracy)``: loss = float32 scalar ``Σ_mask BCE-with-logits / max(#mask, 1)`` (an exact zero
+        that still has a graph into ``logits`` when no position counts); accuracy = detached float32 share of
+        masked positions where ``(logit > 0) == label`` (0 when none).
+    Raises:
+        ValueError: if the three inputs differ in shape.
+    """
+    if not (logits.shape == label.shape == mask.shape):
+        raise ValueError(f"logits {tuple(logits.shape)}, label {tuple(label.shape)} and mask {tuple(mask.shape)} "
+                         "must have the same shape")
+    m = mask.float()
+    lab = label.float()
+    z = logits.float()
+    bce = F.binary_cross_entropy_with_logits(z, lab, reduction="none")
+    count = m.sum().clamp_min(1.0)
+    loss = (m * bce).sum() / count
+    with torch.no_grad():
+        acc = (m * ((z > 0).float() == lab).float()).sum() / count
+    return loss, acc
+
+
+@dataclass
+class HeadLossInputs:
+    """What a training step hands a length head's loss (all detached from the drafter; M supervised positions).
+
+    block_hidden: ``[B, N, bs, H]`` drafter hidden states of every training block. draft_hidden: ``[M, H]`` those
+    of the supervised positions (``position_valid``, block positions 1..bs-1). confidence: ``[M, 2]`` float32
+    (max prob, entropy) of the student there, or None when the policy does not ask for it
+    (``LengthPolicySpec.needs_confidence``). draft_ids / target_ids: ``[B, N, bs-1]`` int64 student argmax
+    (-1 where invalid) and the trajectory's tokens. position_valid: ``[B, N, bs-1]`` bool. num_accepted: ``[B, N]``
+    int64 accepted length a per block. anchor_valid: ``[B, N]`` bool (False for padding blocks). block_size,
+    lookahead: the recipe's (``drafter.block_size``, ``length_head.lookahead``).
+    """
+
+    block_hidden: torch.Tensor
+    draft_hidden: torch.Tensor
+    confidence: torch.Tensor | None
+    draft_ids: torch.Tensor
+    target_ids: torch.Tensor
+    position_valid: torch.Tensor
+    num_accepted: torch.Tensor
+    anchor_valid: torch.Tensor
+    block_size: int
+    lookahead: int
+
+
+def direct_head_loss(head: DirectLengthHead, x: HeadLossInputs) -> tuple[torch.Tensor, None]:
+    """The ``direct`` head's training loss: :func:`length_loss` of its ratio per valid block. Returns
+    ``(loss, None)`` (no accuracy metric)."""
+    ratio = head(x.block_hidden)  # [B, N]
+    return length_loss(ratio.reshape(-1), x.num_accepted.reshape(-1), x.block_size, x.lookahead,
+                       x.anchor_valid.reshape(-1)), None
+
+
+def acceptance_head_loss(head: AcceptanceHead, x: HeadLossInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``cost`` policy's head loss: :func:`acceptance_loss` on :func:`acceptance_labels` of the supervised
+    positions (greedy acceptance against the trajectory, counted where every earlier draft was accepted).
+    Returns ``(loss, accuracy)``."""
+    label, mask = acceptance_labels(x.draft_ids, x.target_ids, x.position_valid)  # [B, N, bs-1]; mask => valid
+    logits = head(x.draft_hidden, x.confidence)  # [M]
+    sel = x.position_valid
+    return acceptance_loss(logits, label[sel], mask[sel])
