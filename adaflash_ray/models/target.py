@@ -114,10 +114,6 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_seq_len = max_seq_len
 
-    @property
-    def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
-
 
 class _Attention(AttentionProjections):
     def __init__(self, cfg: TargetConfig):
