@@ -234,19 +234,21 @@ def bench_shape(name: str, *, device: str = "cuda", dtype: torch.dtype = torch.b
     }
 
 
-def count_forward_kernels(name: str, *, fused: bool, batch: int = 1, width: int = 1, context: int = 64,
+def count_forward_kernels(name: str, *, fused: bool, split_k: bool = False, batch: int = 1, width: int = 1,
+                          context: int = 64,
                           device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
                           layer_counts: tuple[int, int] = (1, 3)) -> dict:
     """Device kernels of one CUDA-graph replay of the target's cached forward (the engine's decode / verify step
     body: rows are slots, ``width`` positions per row after ``context`` cached ones), counted with
     ``torch.profiler`` on random models of shape ``name`` with ``layer_counts`` layers; kernels per layer =
     the difference between the two counts over the difference in layers (what the rest of the forward launches
-    cancels out). ``fused`` chooses the Triton kernels (``TargetModel.use_fused_kernels``). Memcpy / memset
+    cancels out). ``fused`` chooses the Triton kernels (``TargetModel.use_fused_kernels``), ``split_k`` their
+    split-K decode attention (``TargetModel.fused_attention``). Memcpy / memset
     records count as kernels too (they are graph nodes); each count's kernel names come with it. The same
     forward run eagerly is counted as well (``source`` says which count ``per_layer`` uses: the graph replay's
     unless the profiler saw no kernel in it).
 
-    Returns ``{"shape", "fused", "fused_active", "batch", "width", "source", "per_layer",
+    Returns ``{"shape", "fused", "split_k", "fused_active", "batch", "width", "source", "per_layer",
     "per_forward": {"graph_<layers>" | "eager_<layers>": n}, "names": {same keys: {kernel name: count}},
     "per_layer_names": {name: count per layer}}``.
     Raises ShapeError (unknown shape) and RuntimeError (not on CUDA).
@@ -263,6 +265,7 @@ def count_forward_kernels(name: str, *, fused: bool, batch: int = 1, width: int 
         target = build_random_target(dataclasses.replace(base, num_hidden_layers=n_layers), dev, dtype)
         target.fuse_projections()
         active = target.use_fused_kernels("auto" if fused else "off")
+        target.fused_attention = split_k
         cache = target.new_kv_cache(batch, context + width + 1)
         ids = torch.zeros(batch, width, dtype=torch.long, device=dev)
         pos = (context + torch.arange(width, device=dev)).expand(batch, width).contiguous()
@@ -295,7 +298,8 @@ def count_forward_kernels(name: str, *, fused: bool, batch: int = 1, width: int 
     src = "graph" if sum(counts["graph", lo].values()) else "eager"
     c_lo, c_hi = counts[src, lo], counts[src, hi]
     diff = {k: (c_hi[k] - c_lo[k]) / span for k in set(c_hi) | set(c_lo)}
-    return {"shape": name, "fused": fused, "fused_active": active, "batch": batch, "width": width, "source": src,
+    return {"shape": name, "fused": fused, "split_k": split_k, "fused_active": active, "batch": batch, "width": width,
+            "source": src,
             "per_layer": (sum(c_hi.values()) - sum(c_lo.values())) / span,
             "per_forward": {f"{k}_{n}": sum(c.values()) for (k, n), c in counts.items()},
             "names": {f"{k}_{n}": dict(c.most_common()) for (k, n), c in counts.items()},

@@ -10,6 +10,8 @@
 #   tests.log                         python -m pytest -q -m gpu tests/test_fused_kernels.py
 #   kernel_counts.json                count_forward_kernels for both shapes, fused off/on, (batch, width) (1,1) (1,16)
 #   bench_<shape>_<off|on>.json/.log  python -m adaflash_ray.bench --shape <shape> (ADAFLASH_FUSED_KERNELS=off|auto)
+#   attention_micro.json              one Qwen3-8B layer's attention: SDPA + mask vs the split-K kernel, ms per call
+#   bench_qwen3-8b_on_splitk.json     the fused kernels plus the split-K attention (ADAFLASH_FUSED_ATTENTION=1)
 #   summary.json                      AR step / verify ratio / propose share off vs on, kernels per layer, commit
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -32,31 +34,21 @@ run_step() {  # run_step MAX_S NAME CMD...: at most MAX_S seconds (less if the b
   echo "$name: rc=$rc wall $(( $(date +%s) - t0 )) s (limit $t s)" | tee -a "$K/steps.txt"
 }
 : > "$K/steps.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))" \
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))" \
   2>&1 | tee "$K/versions.txt"
 
 run_step 150 tests bash -c "python3 -m pytest -q -m gpu tests/test_fused_kernels.py -p no:cacheprovider \
   > '$K/tests.log' 2>&1"
 tail -3 "$K/tests.log"
 
-run_step 100 kernel_counts python3 - "$K/kernel_counts.json" <<'EOF'
-import json, sys
-from adaflash_ray.shapes import count_forward_kernels
-rows = []
-for shape in ("qwen3-8b", "smollm2-135m"):
-    for fused in (False, True):
-        for batch, width in ((1, 1), (1, 16)):
-            r = count_forward_kernels(shape, fused=fused, batch=batch, width=width)
-            rows.append(r)
-            print(f"{shape} fused={fused} (active {r['fused_active']}) batch {batch} width {width}: "
-                  f"{r['per_layer']:.1f} kernels per layer, {r['per_forward']} per forward", flush=True)
-            json.dump(rows, open(sys.argv[1], "w"), indent=1)
-EOF
 
 bench() {  # bench SHAPE MODE MAX_S ARGS...
   local shape=$1 mode=$2 max=$3; shift 3
-  local tag=$([ "$mode" = off ] && echo off || echo on)
-  run_step "$max" "bench_${shape}_$tag" env ADAFLASH_FUSED_KERNELS="$mode" python3 -m adaflash_ray.bench --shape "$shape" \
+  local tag=on split=0
+  [ "$mode" = off ] && tag=off
+  [ "$mode" = auto_splitk ] && { tag=on_splitk; split=1; mode=auto; }
+  run_step "$max" "bench_${shape}_$tag" env ADAFLASH_FUSED_KERNELS="$mode" ADAFLASH_FUSED_ATTENTION="$split" \
+    python3 -m adaflash_ray.bench --shape "$shape" \
     "$@" --out "$K/bench_${shape}_$tag.json" > "$K/bench_${shape}_$tag.log" 2>&1
   grep -E "ar |dflash|floor" "$K/bench_${shape}_$tag.log" | head -8
 }
@@ -64,15 +56,73 @@ Q=(--concurrency 1 64 --max-new-tokens 32 --num-iters 10)
 S=(--concurrency 1 8 --max-new-tokens 32 --num-iters 10)
 bench qwen3-8b off 100 "${Q[@]}"
 bench qwen3-8b auto 100 "${Q[@]}"
+
+run_step 100 kernel_counts python3 - "$K/kernel_counts.json" <<'EOF'
+import json, sys
+from adaflash_ray.shapes import count_forward_kernels
+rows = []
+for shape, fused, split_k in (("qwen3-8b", False, False), ("qwen3-8b", True, False), ("qwen3-8b", True, True),
+                              ("smollm2-135m", False, False), ("smollm2-135m", True, False)):
+    for batch, width in ((1, 1), (1, 16)):
+        r = count_forward_kernels(shape, fused=fused, split_k=split_k, batch=batch, width=width)
+        rows.append(r)
+        print(f"{shape} fused={fused} split_k={split_k} (active {r['fused_active']}) b{batch} w{width}: "
+              f"{r['per_layer']:.1f} kernels per layer, {r['per_forward']} per forward", flush=True)
+        json.dump(rows, open(sys.argv[1], "w"), indent=1)
+EOF
+
+# one layer's attention at the Qwen3-8B shape: SDPA with the additive mask (what the engine runs) vs the split-K
+# kernel, 20 calls per CUDA graph, median of 5 replays
+run_step 60 attention_micro python3 - "$K/attention_micro.json" <<'EOF'
+import json, statistics, sys, torch
+from adaflash_ray.kernels.decode_attention import decode_attention
+from adaflash_ray.kernels.rotary_cache import fold_queries
+from adaflash_ray.models.layers import folded_attention, gqa_mask
+hq, hkv, d, span = 32, 8, 128, 768
+rows_out = []
+for batch in (1, 8, 64):
+    kc = torch.randn(batch, span, hkv, d, device="cuda").bfloat16()
+    vc = torch.randn_like(kc)
+    for width in (1, 16):
+        q = fold_queries(torch.randn(batch, width, hq, d, device="cuda").bfloat16(), hkv)
+        rows = torch.arange(batch, device="cuda")
+        pos = (span - 32 - width + torch.arange(width, device="cuda")).expand(batch, width).contiguous()
+        res = {"batch": batch, "width": width, "span": span}
+        # as the engine calls it: cache views, the mask built once per forward (outside the timing)
+        mask = gqa_mask(torch.arange(span, device="cuda")[None, None, :] <= pos[:, :, None], hq // hkv, q.dtype)
+        for name, fn in (("sdpa_ms", lambda: folded_attention(q, kc[:batch, :span], vc[:batch, :span], mask, width)),
+                         ("split_k_ms", lambda: decode_attention(q, kc, vc, rows, pos, span))):
+            fn()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(20):
+                    fn()
+            times = []
+            for _ in range(5):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                g.replay()
+                b.record()
+                torch.cuda.synchronize()
+                times.append(a.elapsed_time(b) / 20)
+            res[name] = statistics.median(times)
+        rows_out.append(res)
+        print(res, flush=True)
+        json.dump(rows_out, open(sys.argv[1], "w"), indent=1)
+EOF
+
 bench smollm2-135m off 60 "${S[@]}"
 bench smollm2-135m auto 60 "${S[@]}"
+# the fused kernels plus the split-K decode attention (off by default until measured faster)
+bench qwen3-8b auto_splitk 100 "${Q[@]}"
 
 python3 - "$K" "${ADAFLASH_COMMIT:-unknown}" <<'EOF'
 import json, os, sys
 k, commit = sys.argv[1:]
 doc = {"commit": commit, "steps": open(os.path.join(k, "steps.txt")).read().splitlines()}
 for shape in ("qwen3-8b", "smollm2-135m"):
-    for tag in ("off", "on"):
+    for tag in ("off", "on", "on_splitk"):
         p = os.path.join(k, f"bench_{shape}_{tag}.json")
         if not os.path.exists(p):
             continue
@@ -83,9 +133,13 @@ for shape in ("qwen3-8b", "smollm2-135m"):
             "ar_step_x_floor": {bs: v / b["memory_floor_ms"] for bs, v in b["ar_step_ms"].items()},
             "verify_w16_over_w1": {bs: row["16"] / row["1"] for bs, row in vc.items() if "16" in row},
             "propose_frac_of_ar": b["propose_frac_of_ar"]}
+p = os.path.join(k, "attention_micro.json")
+if os.path.exists(p):
+    doc["attention_micro"] = json.load(open(p))
 p = os.path.join(k, "kernel_counts.json")
 if os.path.exists(p):
-    doc["kernels_per_layer"] = {f"{r['shape']} fused={r['fused']} b{r['batch']} w{r['width']}": r["per_layer"]
+    doc["kernels_per_layer"] = {f"{r['shape']} fused={r['fused']} split_k={r['split_k']} b{r['batch']} w{r['width']}":
+                                r["per_layer"]
                                 for r in json.load(open(p))}
 json.dump(doc, open(os.path.join(k, "summary.json"), "w"), indent=1)
 print(json.dumps(doc, indent=1))

@@ -119,6 +119,32 @@ def test_rotary_qkv_cache_gpu(shape, batch, width):
 
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+@pytest.mark.parametrize("batch,width,span", [(1, 1, 600), (1, 16, 600), (8, 1, 1024), (64, 16, 600), (3, 2, 37)])
+def test_decode_attention_gpu(shape, batch, width, span):
+    from adaflash_ray.kernels.decode_attention import decode_attention, decode_attention_ref
+
+    _, _, _, hq, hkv, d, _ = shape
+    g = torch.Generator(device="cuda").manual_seed(batch * width)
+    slots = batch + 1
+    kc = torch.randn(slots, 1024, hkv, d, device="cuda", generator=g).bfloat16()
+    vc = torch.randn(slots, 1024, hkv, d, device="cuda", generator=g).bfloat16()
+    rows = torch.randperm(slots, device="cuda", generator=g)[:batch]
+    start = torch.randint(0, span - width + 1, (batch, 1), device="cuda", generator=g)
+    pos = start + torch.arange(width, device="cuda")
+    q = torch.randn(batch, hkv, width * (hq // hkv), d, device="cuda", generator=g).bfloat16()
+    out = decode_attention(q, kc, vc, rows, pos, span)
+    ref = decode_attention_ref(q, kc, vc, rows, pos, span)
+    assert out.shape == ref.shape == (batch, width, hq * d)
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= 0.02 * ref.float().abs().max().item(), err
+    for splits in (1, 3):
+        alt = decode_attention(q, kc, vc, rows, pos, span, num_splits=splits)
+        assert (alt.float() - ref.float()).abs().max().item() <= 0.02 * ref.float().abs().max().item()
+
+
 def _small_target(shape_name: str, layers: int, device: str, dtype: torch.dtype):
     from adaflash_ray.shapes import SHAPES as REAL, build_random_target
 
@@ -152,25 +178,31 @@ def test_target_fused_forward_gpu(shape_name, batch, width):
     target = _small_target(shape_name, 2, "cuda", torch.bfloat16)
     target.fuse_projections()  # what the engine does on CUDA; auto turns the kernels on
     assert target.fused_kernels_active
-    fused = _prefill_then_verify(target, batch, 40, width, "cuda")
+    runs = []
+    for split_k in (False, True):
+        target.fused_attention = split_k
+        runs.append(_prefill_then_verify(target, batch, 40, width, "cuda"))
     target.use_fused_kernels("off")
     ref = _prefill_then_verify(target, batch, 40, width, "cuda")
-    for a, b in ((fused[0], ref[0]), (fused[1], ref[1])):
-        for x, y in ((a.last_hidden, b.last_hidden), (a.features, b.features), (a.logits, b.logits)):
-            err = (x.float() - y.float()).abs().max().item()
-            assert err <= 0.02 * y.float().abs().max().item() + 1e-3, err
-    assert (fused[2].k.float() - ref[2].k.float()).abs().max() <= 0.02 * ref[2].k.float().abs().max()
+    for fused in runs:
+        for a, b in ((fused[0], ref[0]), (fused[1], ref[1])):
+            for x, y in ((a.last_hidden, b.last_hidden), (a.features, b.features), (a.logits, b.logits)):
+                err = (x.float() - y.float()).abs().max().item()
+                assert err <= 0.02 * y.float().abs().max().item() + 1e-3, err
+        assert (fused[2].k.float() - ref[2].k.float()).abs().max() <= 0.02 * ref[2].k.float().abs().max()
 
 
 
 @pytest.mark.gpu
 @needs_gpu
-def test_fused_forward_in_cuda_graph_gpu():
+@pytest.mark.parametrize("split_k", [False, True])
+def test_fused_forward_in_cuda_graph_gpu(split_k):
     """The fused decode / verify forward captured in CUDA graphs: replay == eager, bit for bit (no host syncs
     inside), including a batch size and width first met inside the capture (no Triton compile during capture:
     the engine captures new step shapes without a warm-up)."""
     target = _small_target("qwen3-8b", 2, "cuda", torch.bfloat16)
     assert target.use_fused_kernels("auto")
+    target.fused_attention = split_k
     batch, prompt = 4, 24
     _, _, cache = _prefill_then_verify(target, batch, prompt, 16, "cuda")  # compiles every kernel (eager)
     for b, width in ((4, 16), (2, 1), (3, 3)):
@@ -226,19 +258,31 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
         q0 = rotary_qkv_cache_ref(qkv, cos, sin, qn, kn, 1e-6, kc0, vc0, rows, pos, hq, hkv)
         close(q, q0); close(kc, kc0); close(vc, vc0, 0.0)
 
+    from adaflash_ray.kernels.decode_attention import decode_attention, decode_attention_ref
+    for hq, hkv, hd in ((9, 3, 64), (4, 2, 16)):
+        for b, wd, span, splits in ((2, 1, 40, None), (3, 4, 70, 3), (1, 16, 100, 2)):
+            kc, vc = torch.randn(5, 128, hkv, hd, generator=g), torch.randn(5, 128, hkv, hd, generator=g)
+            rows = torch.randperm(5, generator=g)[:b]
+            pos = torch.randint(0, span - wd + 1, (b, 1), generator=g) + torch.arange(wd)
+            q = torch.randn(b, hkv, wd * (hq // hkv), hd, generator=g)
+            close(decode_attention(q, kc, vc, rows, pos, span, num_splits=splits),
+                  decode_attention_ref(q, kc, vc, rows, pos, span))
+
     # the fused target forward on a 2-layer random model (Qwen3 layout: qk-norm), prefill then a verify step
     t = build_random_target(dataclasses.replace(SHAPES["tiny"], num_hidden_layers=2), "cpu", torch.float32)
     ids = torch.randint(0, 512, (3, 6), generator=g); ids2 = torch.randint(0, 512, (3, 4), generator=g)
     pos = torch.arange(6).expand(3, 6); pos2 = 6 + torch.arange(4).expand(3, 4)
     outs = []
-    for mode in ("off", "auto"):
+    for mode, split_k in (("off", False), ("auto", False), ("auto", True)):
         assert t.use_fused_kernels(mode) == (mode == "auto")
+        t.fused_attention = split_k
         c = t.new_kv_cache(3, 16)
         o1 = t(ids, pos, cache=c, slot_ids=torch.tensor([2, 0, 1]), capture_layer_ids=[0, 1])
         o2 = t(ids2, pos2, cache=c, rows_are_slots=True, span=10, capture_layer_ids=[0, 1])
         outs.append((o1.logits, o1.features, o2.logits, o2.features, o2.last_hidden, c.k, c.v))
-    for a, b in zip(*outs):
-        close(a, b, 1e-5)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            close(a, b, 1e-5)
     print("interpreter ok")
 """)
 

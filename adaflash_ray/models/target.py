@@ -14,6 +14,7 @@ Usage::
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,14 +130,16 @@ class _Attention(AttentionProjections):
         out = grouped_attention(q, k, v, mask)  # [B, W, Hq, D]
         return self.o_proj(out.reshape(b, w, -1))
 
-    def forward_fused(self, x, cos, sin, mask, k_cache, v_cache, rows, positions, span, slot_ids):
+    def forward_fused(self, x, cos, sin, mask, k_cache, v_cache, rows, positions, span, slot_ids, split_k=False):
         """:meth:`forward` over the static cache with Triton kernels (needs :meth:`fuse`): one GEMM for q/k/v,
         one kernel for qk-norm + rotary + the K/V write at ``[rows[b], positions[b, t]]`` + the query fold
         (:func:`adaflash_ray.kernels.rotary_cache.rotary_qkv_cache`), SDPA, o_proj.
 
         x ``[B, W, H]``; k_cache/v_cache ``[slots, S_max, Hkv, D]`` (this layer); rows ``[B]`` int64 slots;
         positions ``[B, W]`` int64; span: keys attended; slot_ids None = batch row b is slot b (keys read in place
-        as ``cache[:B, :span]``), else ``[B]`` slots whose keys are gathered (a copy). Returns ``[B, W, H]``."""
+        as ``cache[:B, :span]``), else ``[B]`` slots whose keys are gathered (a copy). ``split_k``: attention by
+        :func:`adaflash_ray.kernels.decode_attention.decode_attention` (rows are slots, W <= 16) instead of SDPA
+        with ``mask``. Returns ``[B, W, H]``."""
         from adaflash_ray.kernels.rotary_cache import rotary_qkv_cache
 
         b, w, _ = x.shape
@@ -146,6 +149,10 @@ class _Attention(AttentionProjections):
         eps = 0.0 if self.q_norm is None else self.q_norm.eps
         qg = rotary_qkv_cache(qkv, cos, sin, qn, kn, eps, k_cache, v_cache, rows, positions,
                               self.num_heads, self.num_kv_heads)  # [B, Hkv, W*rep, D]
+        if split_k:
+            from adaflash_ray.kernels.decode_attention import decode_attention
+
+            return self.o_proj(decode_attention(qg, k_cache, v_cache, rows, positions, span))
         if slot_ids is None:
             k, v = k_cache[:b, :span], v_cache[:b, :span]
         else:
@@ -181,6 +188,9 @@ class TargetModel(nn.Module):
         #: ``auto`` = :meth:`fuse_projections` also turns the Triton kernels on where they can run; ``off`` = never
         self.fused_kernels = "auto"
         self.fused_kernels_active = False  # set by use_fused_kernels
+        #: split-K decode attention (adaflash_ray/kernels/decode_attention.py) on rows-are-slots forwards of width
+        #: <= 16 when the fused kernels are on; off by default (``ADAFLASH_FUSED_ATTENTION=1`` turns it on)
+        self.fused_attention = os.environ.get("ADAFLASH_FUSED_ATTENTION", "0") not in ("", "0", "off", "false")
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -373,6 +383,9 @@ class TargetModel(nn.Module):
         from adaflash_ray.kernels.fused_norm import add_rmsnorm
 
         layers = self.model.layers
+        c = self.config
+        split_k = (self.fused_attention and slot_ids is None and positions.shape[1] <= 16 and c.head_dim >= 16
+                   and c.head_dim & (c.head_dim - 1) == 0)
         delta = None
         for i, layer in enumerate(layers):
             ln = layer.input_layernorm
@@ -380,7 +393,7 @@ class TargetModel(nn.Module):
             if i - 1 in want:
                 captured[i - 1] = x
             a = layer.self_attn.forward_fused(h, cos, sin, mask, cache.k[i], cache.v[i], rows, positions, span,
-                                              slot_ids)
+                                              slot_ids, split_k)
             ln = layer.post_attention_layernorm
             x, h = add_rmsnorm(x, a, ln.weight, ln.eps)
             delta = layer.mlp.forward_fused(h)
