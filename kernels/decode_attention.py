@@ -115,13 +115,13 @@ if HAVE_TRITON:
         offs_d = tl.arange(0, D)
         one = tl.arange(0, 1)
         m_max = tl.full([1], -1.0e30, tl.float32)
-        s = 0
+        s = num_splits * 0  # a tensor loop counter (while: see the split kernel)
         while s < num_splits:
             m_max = tl.maximum(m_max, tl.load(ml_ptr + ((bh * num_splits + s) * BLOCK_M + row) * 2 + one))
             s += 1
         num = tl.zeros([D], tl.float32)
         den = tl.zeros([1], tl.float32)
-        s = 0
+        s = num_splits * 0  # a tensor loop counter (while: see the split kernel)
         while s < num_splits:
             base = (bh * num_splits + s) * BLOCK_M + row
             wgt = tl.exp2(tl.load(ml_ptr + base * 2 + one) - m_max)
@@ -178,7 +178,7 @@ def decode_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         qg, k_cache, v_cache, rows, positions, acc, ml, span, chunk, w, num_splits, m, qg.stride(0), qg.stride(1),
         qg.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), qk_scale, HKV=hkv, REP=rep, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=4, num_stages=2)
+        num_warps=8 if d >= 128 else 4, num_stages=2)  # sm_90 ptxas: D=128 at 4 warps spills (255 registers)
     _merge_kernel[(b * hkv, m)](acc, ml, out, w, num_splits, m, HKV=hkv, REP=rep, D=d, BLOCK_M=block_m,
                                 num_warps=1)
     return out
