@@ -73,7 +73,8 @@ def known_methods() -> list[str]:
     """``ar``, ``dflash``, ``adaflash-<policy>`` for every registered policy with a trained head, ``hf-generate``."""
     adaptive = [ADAPTIVE_PREFIX + name for name, spec in LENGTH_POLICIES.items() if spec.head is not None]
     return ["ar", "dflash", *adaptive, HF_METHOD]
-TAU_CONVENTION = "tau = mean(a+1) committed tokens per verify step"
+TAU_CONVENTION = ("tau = mean(a+1) committed tokens per target step (gamma = 0 steps included); "
+                  "per_draft_accept_len = 1 + sum(a) / #drafts (drafting steps only)")
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -256,7 +257,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                     outs, steps, secs = hf.generate(ps, conc, max_new_tokens)
                     toks = sum(len(o) for o in outs)
                     row = {**base, "ms_per_step": 1000 * secs / max(steps, 1), "tokens_per_s": toks / secs,
-                           "tau": None, "acceptance_rate": None, "draft_waste": None, "gamma_hist": {},
+                           "tau": None, "per_draft_accept_len": None, "acceptance_rate": None, "draft_waste": None,
+                           "gamma_hist": {},
                            "lossless": None, "match_rate_vs_ar": None if ar_out is None else
                            sum(o == r for o, r in zip(outs, ar_out)) / len(ps), "num_tokens": toks, "seconds": secs}
                 else:
@@ -271,13 +273,14 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                            "num_engine_steps": st.num_engine_steps}
                     if method == "ar":
                         ar_out = outs
-                        row.update(tau=1.0, acceptance_rate=None, draft_waste=None, gamma_hist={}, lossless=True,
-                                   match_rate=1.0)
+                        row.update(tau=1.0, per_draft_accept_len=None, acceptance_rate=None, draft_waste=None,
+                                   gamma_hist={}, lossless=True, match_rate=1.0)
                     else:
+                        drafted = st.num_drafted > 0  # not at all (the cost policy's AR steps throughout): None
                         row.update(tau=st.accept_len,
-                                   # nothing drafted (the cost policy's AR steps throughout): no rate, not NaN
-                                   acceptance_rate=st.num_accepted / st.num_drafted if st.num_drafted else None,
-                                   draft_waste=st.draft_waste if st.num_drafted else None,
+                                   per_draft_accept_len=st.per_draft_accept_len if drafted else None,
+                                   acceptance_rate=st.acceptance_rate if drafted else None,
+                                   draft_waste=st.draft_waste if drafted else None,
                                    gamma_hist={str(k): v for k, v in sorted(st.draft_len_hist.items())})
                         row.update(_compare(target, ps, outs, ar_out) if ar_out is not None else
                                    {"lossless": None, "match_rate": None})

@@ -167,3 +167,20 @@ def test_failed_step_reaches_every_waiter(tiny_target):
         service.call(lambda eng: None)
     service.abort(running)  # no effect, no error
     assert service.num_open == 0
+
+
+def test_calibrate_waits_for_an_idle_engine(tiny_target):
+    """calibrate() overwrites the KV slots: queued behind running requests it runs only once they finished, and its
+    table reaches the cost policy."""
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
+    engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=200, calibrate=False)
+    service = EngineService(engine, name="test")
+    busy = [service.submit(p, SamplingParams(max_new_tokens=30, ignore_eos=True)) for p in _prompts(2)]
+    table = service.calibrate(batch_sizes=[1, 2], num_iters=1)
+    later = service.call(lambda eng: eng.has_unfinished())
+    assert later.result(timeout=120) is True  # a command issued after it ran while the requests still decoded
+    got = table.result(timeout=300)
+    assert all(h.future.done() and h.future.result().finish_reason == "length" for h in busy)
+    assert got["batch_sizes"] == [1, 2] and len(got["costs_ms"][0]) == 7
+    assert engine.runner.length_policy.batch_sizes == [1, 2]
+    service.shutdown()
