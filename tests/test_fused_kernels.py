@@ -223,6 +223,34 @@ def test_fused_forward_in_cuda_graph_gpu(split_k):
         torch.testing.assert_close(out.features, ref.features, rtol=0, atol=0)
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_engine_fused_lossless_gpu(model_type):
+    """The engine on CUDA graphs with the fused kernels (chosen at build: auto): a tiny random fp32 target, greedy
+    spec output == AR output == the same engine with the kernels off (fp32: no near ties)."""
+    from conftest import make_drafter, make_tiny_target
+
+    from adaflash_ray.engine import SamplingParams, SpecEngine
+
+    target = make_tiny_target(model_type, logit_scale=4.0).to("cuda")
+    drafter, head = make_drafter(target, block_size=8, layers=1, policy="direct", seed=5)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, target.config.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 17, 3)]
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    outs = {}
+    for mode in ("auto", "off"):
+        target.fused_kernels = mode  # read by fuse_projections() when the engine is built
+        for spec in (True, False):
+            eng = SpecEngine(target, drafter if spec else None, head if spec else None, max_batch_size=4,
+                             max_seq_len=256)
+            assert target.fused_kernels_active == (mode == "auto")
+            outs[mode, spec] = [r.output_ids for r in eng.generate(prompts, params, mode="spec" if spec else "ar")]
+            assert len(eng.runner.graphs) > 0
+    target.fused_kernels = "auto"
+    assert outs["auto", True] == outs["auto", False] == outs["off", False] == outs["off", True]
+
+
 # --------------------------------------------------------------------------------------------- CPU
 _INTERPRETER_SCRIPT = textwrap.dedent("""
     import dataclasses, torch
