@@ -300,7 +300,7 @@ class Driver:
         reports_all = ray.get(g.registry.get_reports.remote())
         for v in range(self.last_version + 1, meta["version"] + 1):
             h = history[v]
-            tens = ray.get(ray.get(g.registry.get.remote(v))[0])
+            tens = ray.get(ray.get(g.registry.get.remote(version=v))[0])
             self.shas[v] = save_drafter_checkpoint(self.inputs.ckpt_dir / f"v{v}", self.drafter_cfg, tens,
                                                    {"version": v, "parent_version": h["parent_version"],
                                                     "train_step": h["train_step"]})
