@@ -25,7 +25,8 @@ weight > 0), ``step_s`` (median of the timed steps), ``positions_per_s`` (block 
 over the split steps, in seconds; ``loss`` is :func:`adaflash_ray.distill.losses.mixture_rkl_loss` whole, its
 backward share is in ``backward`` for ``loss_impl: reference`` and in ``loss`` for the fused ones),
 ``peak_mem_gib`` (CUDA only), ``flops`` (``target, drafter, head, total`` per step) and ``floor_ratio`` (step time
-/ total FLOPs at ``peak_tflops``); a batch size that ran out of CUDA memory has ``batch_size`` and ``error`` only.
+/ total FLOPs at ``peak_tflops``); with ``--profile`` also ``profile_top`` (top operators by device time of one
+step); a batch size that ran out of CUDA memory has ``batch_size`` and ``error`` only.
 
 FLOP model (multiply-adds x 2): target forward = matmul weights x tokens + causal attention ``2·nh·hd·t²`` per
 layer and sequence; drafter = 3 x its forward (forward + backward), forward = projections of the block positions
@@ -201,6 +202,25 @@ def bench_batch(core, trajectories: list, *, warmup: int, steps: int, split_step
             "peak_mem_gib": peak, "last_loss": m["train/loss"]}
 
 
+def profile_step(core, trajectories: list, top: int = 20) -> list[dict]:
+    """One ``core.train_step`` under ``torch.profiler``: the ``top`` operators by self device time (CUDA; CPU time
+    on CPU), each ``{"name", "self_ms", "calls"}`` - which kernels the step's time goes to."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = core.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        core.train_step(trajectories)
+
+    def self_us(e) -> float:
+        if not cuda:
+            return e.self_cpu_time_total
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    events = sorted(prof.key_averages(), key=self_us, reverse=True)[:top]
+    return [{"name": e.key, "self_ms": self_us(e) / 1e3, "calls": e.count} for e in events]
+
+
 def _anchors_of(core, trajectories: list) -> list[list[int]]:
     """Valid anchors one collate of ``trajectories`` samples (a fresh generator: same counts as the steps)."""
     from adaflash_ray.distill.blocks import sample_anchors
@@ -211,12 +231,13 @@ def _anchors_of(core, trajectories: list) -> list[list[int]]:
 
 
 def run(cfg, *, shape: str | None, batch_sizes: list[int], prompt_len: int, new_tokens: int, warmup: int,
-        steps: int, split_steps: int, log=print, out: str | None = None) -> dict:
+        steps: int, split_steps: int, log=print, out: str | None = None, profile: bool = False) -> dict:
     """The benchmark document (module docstring) for a loaded recipe ``cfg``.
 
     A batch size that runs out of CUDA memory gets the row ``{"batch_size": b, "error": "out of memory: ..."}``
     and the next one still runs. With ``out``, the document so far is written there after every batch size (a
-    run stopped by a timeout keeps its finished rows).
+    run stopped by a timeout keeps its finished rows). ``profile`` adds ``profile_top`` (:func:`profile_step`) to
+    each row.
     Raises:
         ValueError: bad sizes, an unknown shape, or a trainer construction error (e.g. ``loss_impl: triton``
             off CUDA).
@@ -250,6 +271,8 @@ def run(cfg, *, shape: str | None, batch_sizes: list[int], prompt_len: int, new_
             row["flops"] = step_flops(target.config, core.drafter.config, [tr.num_tokens for tr in trajs],
                                       _anchors_of(core, trajs), int(row["supervised_positions"]))
             row["floor_ratio"] = row["step_s"] / (row["flops"]["total"] / (PEAK_TFLOPS * 1e12))
+            if profile:
+                row["profile_top"] = profile_step(core, trajs)
             log(f"trainer bench: batch {b} ({core.loss_impl}): {row['positions_per_s']:,.0f} block positions/s, "
                 f"step {row['step_s'] * 1e3:.1f} ms, {row['floor_ratio']:.1f}x the FLOP floor, split "
                 + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in row["split_s"].items() if v is not None) + " ms")
@@ -349,6 +372,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 10 on CUDA, 2 on CPU)")
     p.add_argument("--split-steps", type=int, default=None, help="instrumented steps (default 3 on CUDA, 1 on CPU)")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON document here")
+    p.add_argument("--profile", action="store_true", help="one more step under torch.profiler per batch size: "
+                                                          "the top operators by device time (profile_top)")
     g = p.add_argument_group("loss mode (the head loss alone on random data: adaflash_ray.trainer_bench.bench_loss)")
     g.add_argument("--loss", action="store_true", help="time mixture_rkl_loss forward + backward only")
     g.add_argument("--rows", type=int, default=23040, help="positions (default 16 x 96 x 15)")
@@ -386,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                   warmup=ns.warmup if ns.warmup is not None else (3 if cuda else 1),
                   steps=ns.steps or (10 if cuda else 2),
                   split_steps=ns.split_steps if ns.split_steps is not None else (3 if cuda else 1),
-                  log=lambda msg: print(msg, file=sys.stderr), out=ns.out)
+                  log=lambda msg: print(msg, file=sys.stderr), out=ns.out, profile=ns.profile)
     except (RecipeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@
 # 1. gpu-marked tests of the fused loss: Triton vs torch backend vs the original computation  -> gpu_tests.log
 # 2. trainer bench, recipe smollm2_135m_gpu, synthetic trajectories of 256 prompt + 256 response tokens, 96 anchors:
 #    baseline loss_impl=reference at batch 16 (today's settings, one 24,576-row chunk)  -> trainer_reference.json
-#    fused loss_impl=triton at batch 16, 32, 64, 128                                     -> trainer_triton.json
+#    fused loss_impl=triton at batch 16, 32, 64, 128 (+ one profiled step each)         -> trainer_triton.json
 #    fused loss_impl=torch (pure-torch backend, chunks of 8,192) at batch 16              -> trainer_torch.json
 #    the head loss alone (forward + backward, 23,040 positions; triton at 4 kernel block/warp configurations)
 #                                                                                        -> loss_bench.json
@@ -70,7 +70,8 @@ B=(python3 -m adaflash_ray.trainer_bench --recipe recipes/smollm2_135m_gpu.yaml 
 # shellcheck disable=SC2206
 B+=(${TB_EXTRA:-})  # dry run: e.g. --set model.device=cpu --shape tiny --steps 1 (later flags win)
 step reference 90 "${B[@]}" --batch-sizes 16 --set distill.loss_impl=reference --out "$OUT/trainer_reference.json"
-step triton 170 "${B[@]}" --batch-sizes 16 32 64 128 --set distill.loss_impl=triton --out "$OUT/trainer_triton.json"
+step triton 170 "${B[@]}" --batch-sizes 16 32 64 128 --set distill.loss_impl=triton --profile \
+  --out "$OUT/trainer_triton.json"
 step torch 80 "${B[@]}" --batch-sizes 16 --set distill.loss_impl=torch --set distill.loss_chunk_size=8192 \
   --out "$OUT/trainer_torch.json"
 # the head loss alone at 23,040 positions: reference / torch / triton (4 kernel configurations) against its 3-GEMM floor
@@ -111,6 +112,9 @@ summary = {
                                             for r in same} if base else None,
     "missing": [i for i in ("reference", "triton", "torch") if i not in docs],
     "errors": errors,
+    # one profiled fused step at batch 16: where the time goes, kernel by kernel
+    "profile_top_triton_b16": next((r.get("profile_top", [])[:12] for r in docs.get("triton", {}).get("rows", [])
+                                    if r.get("batch_size") == 16), None),
     "loss_bench": (lambda p: [{k: r[k] for k in ("impl", "kernel", "ms", "floor_ratio", "peak_mem_gib")}
                               for r in json.load(open(p))["results"]] if os.path.exists(p) else None)(
         os.path.join(out, "loss_bench.json")),

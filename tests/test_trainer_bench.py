@@ -20,7 +20,8 @@ ARGS = ["--trainer", "--recipe", "recipes/cpu_tiny.yaml", "--shape", "tiny", "--
 @pytest.mark.parametrize("impl", ["reference", "torch"])
 def test_trainer_bench_document(impl, tmp_path, capsys):
     out = tmp_path / "t.json"
-    rc = bench_main(ARGS + ["--batch-sizes", "1", "2", "--set", f"distill.loss_impl={impl}", "--out", str(out)])
+    rc = bench_main(ARGS + ["--batch-sizes", "1", "2", "--set", f"distill.loss_impl={impl}", "--out", str(out)]
+                    + (["--profile"] if impl == "torch" else []))
     assert rc == 0
     doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert doc == json.loads(out.read_text())
@@ -38,6 +39,10 @@ def test_trainer_bench_document(impl, tmp_path, capsys):
         assert r["flops"]["total"] == pytest.approx(sum(r["flops"][k] for k in ("target", "drafter", "head")))
         assert r["floor_ratio"] == pytest.approx(r["step_s"] / (r["flops"]["total"] / 989e12))
         assert r["last_loss"] > 0
+        if impl == "torch":  # --profile
+            top = r["profile_top"]
+            assert 0 < len(top) <= 20 and all(t["self_ms"] >= 0 and t["calls"] >= 1 for t in top)
+            assert [t["self_ms"] for t in top] == sorted((t["self_ms"] for t in top), reverse=True)
 
 
 def test_trainer_bench_bad_impl_exits_2(capsys):
