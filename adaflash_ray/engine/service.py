@@ -99,6 +99,7 @@ class EngineService:
         self.dead: EngineDead | None = None
         self._cond = threading.Condition()
         self._commands: deque[_Command] = deque()
+        self._applying: list[_Command] = []  # this round's commands not yet applied (engine thread)
         self._open: set[RequestHandle] = set()  # submitted, future not yet resolved (guarded by _cond)
         self._in_engine: dict[str, RequestHandle] = {}  # queued in the engine, not finished (engine thread only)
         self._subscribers: list[Callable[[StepEvent], None]] = []
@@ -200,10 +201,10 @@ class EngineService:
                         self._cond.wait(timeout=self.idle_wait_s)
                     if self._stop:
                         break
-                    commands = list(self._commands)
+                    self._applying = list(self._commands)
                     self._commands.clear()
-                for cmd in commands:
-                    self._apply(cmd)
+                while self._applying:
+                    self._apply(self._applying.pop(0))
                 if eng.has_unfinished():
                     self._step()
         except BaseException as e:  # every waiter gets the failure instead of hanging
@@ -228,6 +229,9 @@ class EngineService:
             result = cmd.fn(self.engine)
         except Exception as e:  # the command's failure, not the engine's (a refused swap: old drafter stays)
             cmd.future.set_exception(e)
+        except BaseException as e:  # the thread goes down with it (_fail): this waiter learns why first
+            cmd.future.set_exception(e)
+            raise
         else:
             cmd.future.set_result(result)
 
@@ -281,7 +285,8 @@ class EngineService:
     def _fail(self, dead: EngineDead) -> None:
         with self._cond:
             self.dead = dead
-            commands = list(self._commands)
+            commands = self._applying + list(self._commands)  # this round's rest, then the queue
+            self._applying = []
             self._commands.clear()
             handles = list(self._open)
         for cmd in commands:
