@@ -188,8 +188,9 @@ class _FusedDistill(torch.autograd.Function):
                 d_loss = (w * (div / den).clamp(max=clip)).sum()
             loss = (alpha * ce_loss + (1.0 - alpha) * d_loss).float()
         ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(ce, div, s_arg, t_arg, conf)
-        return loss, ce.float(), div.float(), s_arg, t_arg, conf.float()
+        stats = (ce.float(), div.float(), s_arg, t_arg, conf.float())  # no copies when acc is float32
+        ctx.mark_non_differentiable(*stats)
+        return (loss, *stats)
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
