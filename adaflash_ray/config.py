@@ -240,12 +240,6 @@ class DistillConfig(_Section):
     # kept), per-row math in pure torch or in a Triton kernel (CUDA); "auto" = triton on CUDA when triton imports,
     # else reference (the CPU default stays the reference computation)
     loss_impl: Literal["auto", "reference", "torch", "triton"] = "auto"
-    # the loss over the shared frozen head (adaflash_ray.kernels.fused_distill): "reference" = chunked terms under
-    # autograd (activation-checkpointed per chunk); "torch" / "triton" = the fused loss that computes the gradient
-    # into the drafter's hidden states in its forward pass (3 GEMMs per chunk, no [positions, vocab] activations
-    # kept), per-row math in pure torch or in a Triton kernel (CUDA); "auto" = triton on CUDA when triton imports,
-    # else reference (the CPU default stays the reference computation)
-    loss_impl: Literal["auto", "reference", "torch", "triton"] = "auto"
     # times one trajectory may feed an optimizer step (fresh anchors each time); > 1 lets a trainer
     # that outpaces inference keep stepping on recent on-policy data (still within max_version_lag)
     max_reuse: int = Field(6, ge=1)
