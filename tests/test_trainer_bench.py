@@ -35,7 +35,9 @@ def test_trainer_bench_document(impl, tmp_path, capsys):
         assert 0 < r["supervised_positions"] <= r["block_positions"]
         assert r["positions_per_s"] > 0 and r["step_s"] > 0 and r["peak_mem_gib"] is None
         assert set(r["split_s"]) == set(SPLIT_PHASES) and all(v >= 0 for v in r["split_s"].values())
-        assert r["split_s"]["target_recompute"] > 0 and r["split_s"]["drafter_forward"] > 0
+        # every wrapped phase of train_step was seen (the bench wraps what DistillTrainerCore calls by name)
+        assert all(r["split_s"][p] > 0 for p in ("target_recompute", "drafter_forward", "loss", "backward",
+                                                  "optimizer"))
         assert r["flops"]["total"] == pytest.approx(sum(r["flops"][k] for k in ("target", "drafter", "head")))
         assert r["floor_ratio"] == pytest.approx(r["step_s"] / (r["flops"]["total"] / 989e12))
         assert r["last_loss"] > 0
