@@ -5,31 +5,56 @@ KV head) against a long cached context, so one program per (row, KV head) leaves
 batch. Flash-decoding (Dao, Haziza, Massa, Sizov 2023, "Flash-Decoding for long-context inference"; the split-KV
 kernels of FlashInfer / vLLM) splits the keys into ``num_splits`` chunks: kernel 1 computes, per (row, KV head,
 chunk), the online-softmax partials (Milakov & Gimelshein 2018) of all ``W*rep`` query rows that share that KV
-head (the folded layout of :func:`adaflash_ray.models.layers.folded_attention`, so K/V are read once per KV head
-and never repeated); kernel 2 merges the chunks and writes the output straight into ``o_proj``'s input layout
-``[B, W, Hq*D]``.
+head (the folded layout of :func:`folded_attention`, so K/V are read once per KV head and never repeated);
+kernel 2 merges the chunks and writes the output straight into ``o_proj``'s input layout ``[B, W, Hq*D]``.
 
 Visibility is the engine's static-cache rule computed from positions, no mask tensor: query position p of row b
 sees cache entries ``0..p`` of its slot (and nothing at or beyond ``span``). Scale ``1/sqrt(D)`` (SDPA's default).
 
 :func:`decode_attention_ref` is the pure-torch reference (SDPA with the additive mask of ``gqa_mask``, exactly
-what adaflash_ray/models/target.py computes); :func:`decode_attention` the Triton kernels.
+what adaflash_ray/models/target.py computes; :func:`gqa_mask` and :func:`folded_attention`, re-exported by
+adaflash_ray/models/layers.py, are defined here); :func:`decode_attention` the Triton kernels.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 
 from adaflash_ray.kernels.triton_support import HAVE_TRITON, tl, triton
 
-__all__ = ["decode_attention", "decode_attention_ref", "default_num_splits"]
+__all__ = ["decode_attention", "decode_attention_ref", "default_num_splits", "folded_attention", "gqa_mask"]
+
+
+def gqa_mask(visible: torch.Tensor, num_groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expand a visibility mask ``[B, Tq, Tk]`` (bool) to the grouped-query layout of
+    :func:`adaflash_ray.models.layers.grouped_attention`: an additive mask ``[B, 1, Tq*num_groups, Tk]`` in
+    ``dtype`` (0 where visible, -inf elsewhere; query-position major, group minor). Built once per forward and
+    shared by every layer, so SDPA does not convert a bool mask in each layer."""
+    b, tq, tk = visible.shape
+    vis = visible[:, None, :, None, :].expand(b, 1, tq, num_groups, tk).reshape(b, 1, tq * num_groups, tk)
+    return torch.zeros(vis.shape, dtype=dtype, device=vis.device).masked_fill_(~vis, float("-inf"))
+
+
+def folded_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, tq: int) -> torch.Tensor:
+    """The SDPA call of :func:`adaflash_ray.models.layers.grouped_attention` on queries already folded to
+    ``[B, Hkv, Tq*rep, D]`` (row ``t*rep + r`` is query head ``g*rep + r`` at position t; the fused rotary kernel
+    writes this layout directly).
+
+    Args: k, v ``[B, Tk, Hkv, D]`` (may be strided cache views); mask ``[B, 1, Tq*rep, Tk]`` from :func:`gqa_mask`.
+    Returns ``[B, Tq, Hq*D]`` in qg's dtype (a view, no copy, when ``Tq == 1``).
+    """
+    b, hkv, rows, d = qg.shape
+    rep = rows // tq
+    out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    return out.view(b, hkv, tq, rep, d).permute(0, 2, 1, 3, 4).reshape(b, tq, hkv * rep * d)
 
 
 def decode_attention_ref(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
                          positions: torch.Tensor, span: int) -> torch.Tensor:
     """Reference: gather the rows' slots (``k_cache[rows, :span]``), the additive mask of ``gqa_mask`` from
-    ``key <= position``, then :func:`~adaflash_ray.models.layers.folded_attention`.
+    ``key <= position``, then :func:`folded_attention`.
 
     Args:
         qg: ``[B, Hkv, W*rep, D]`` folded queries (row ``t*rep + r`` = query head ``g*rep + r`` at position t).
@@ -39,8 +64,6 @@ def decode_attention_ref(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     Returns:
         ``[B, W, Hq*D]`` in qg's dtype.
     """
-    from adaflash_ray.models.layers import folded_attention, gqa_mask
-
     b, hkv, m, _ = qg.shape
     w = positions.shape[1]
     visible = torch.arange(span, device=qg.device)[None, None, :] <= positions[:, :, None]  # [B, W, S]

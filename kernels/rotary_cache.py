@@ -20,7 +20,18 @@ import torch
 
 from adaflash_ray.kernels.triton_support import HAVE_TRITON, tl, triton
 
-__all__ = ["fold_queries", "rotary_qkv_cache", "rotary_qkv_cache_ref"]
+__all__ = ["apply_rotary", "fold_queries", "rotary_qkv_cache", "rotary_qkv_cache_ref"]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[B, T, heads, D]`` by ``cos``/``sin`` ``[B, T, D]`` (float32 math), the
+    half-split ``rotate_half`` layout. The reference rotation (adaflash_ray/models/layers.py re-exports it)."""
+    dtype = x.dtype
+    x32 = x.float()
+    half = x32.shape[-1] // 2
+    rot = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
+    out = x32 * cos[:, :, None, :] + rot * sin[:, :, None, :]
+    return out.to(dtype)
 
 
 def fold_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -47,8 +58,6 @@ def rotary_qkv_cache_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         folded queries ``[B, Hkv, W*rep, D]`` in qkv's dtype.
     """
     import torch.nn.functional as F
-
-    from adaflash_ray.models.layers import apply_rotary
 
     b, w, _ = qkv.shape
     d = cos.shape[-1]

@@ -9,6 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# one definition each, beside the fused kernels that replace them on CUDA (re-exported here)
+from adaflash_ray.kernels.decode_attention import folded_attention, gqa_mask  # noqa: F401
+from adaflash_ray.kernels.rotary_cache import apply_rotary  # noqa: F401
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019) as in Llama/Qwen: computed in float32,
@@ -83,16 +87,6 @@ class Rotary(nn.Module):
         return emb.cos(), emb.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[B, T, heads, D]`` by ``cos``/``sin`` ``[B, T, D]`` (float32 math)."""
-    dtype = x.dtype
-    x32 = x.float()
-    half = x32.shape[-1] // 2
-    rot = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
-    out = x32 * cos[:, :, None, :] + rot * sin[:, :, None, :]
-    return out.to(dtype)
-
-
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Scaled dot-product attention with grouped-query heads and an explicit visibility mask.
 
@@ -115,16 +109,6 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     return out.transpose(1, 2)
 
 
-def gqa_mask(visible: torch.Tensor, num_groups: int, dtype: torch.dtype) -> torch.Tensor:
-    """Expand a visibility mask ``[B, Tq, Tk]`` (bool) to the grouped-query layout of
-    :func:`grouped_attention`: an additive mask ``[B, 1, Tq*num_groups, Tk]`` in ``dtype`` (0 where visible,
-    -inf elsewhere; query-position major, group minor). Built once per forward and shared by every layer,
-    so SDPA does not convert a bool mask in each layer."""
-    b, tq, tk = visible.shape
-    vis = visible[:, None, :, None, :].expand(b, 1, tq, num_groups, tk).reshape(b, 1, tq * num_groups, tk)
-    return torch.zeros(vis.shape, dtype=dtype, device=vis.device).masked_fill_(~vis, float("-inf"))
-
-
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Grouped-query SDPA over keys/values read in place (no ``repeat_interleave`` copy of K/V).
 
@@ -143,19 +127,6 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     rep = hq // hkv
     qg = q.view(b, tq, hkv, rep, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, tq * rep, d)
     return folded_attention(qg, k, v, mask, tq).view(b, tq, hq, d)
-
-
-def folded_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, tq: int) -> torch.Tensor:
-    """The SDPA call of :func:`grouped_attention` on queries already folded to ``[B, Hkv, Tq*rep, D]`` (row
-    ``t*rep + r`` is query head ``g*rep + r`` at position t; the fused rotary kernel writes this layout directly).
-
-    Args: k, v ``[B, Tk, Hkv, D]`` (may be strided cache views); mask ``[B, 1, Tq*rep, Tk]`` from :func:`gqa_mask`.
-    Returns ``[B, Tq, Hq*D]`` in qg's dtype (a view, no copy, when ``Tq == 1``).
-    """
-    b, hkv, rows, d = qg.shape
-    rep = rows // tq
-    out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-    return out.view(b, hkv, tq, rep, d).permute(0, 2, 1, 3, 4).reshape(b, tq, hkv * rep * d)
 
 
 class AttentionProjections(nn.Module):
