@@ -6,7 +6,8 @@
   captured in a CUDA graph equals its eager run bit for bit.
 - a CPU test under Triton's interpreter (``TRITON_INTERPRET=1``, in a subprocess, since Triton chooses the
   interpreter when a kernel is defined): the same kernels on float32 CPU tensors, and the fused target forward
-  on a small random model (skipped when Triton is not installed; it is never a dependency).
+  on a small random model; and a CPU test that every kernel compiles for sm_90 without spills (both skipped
+  when Triton is not installed; it is never a dependency).
 
 Run on a GPU machine: python -m pytest -q -m gpu tests/test_fused_kernels.py
 """
@@ -324,6 +325,54 @@ def test_kernels_under_triton_interpreter():
     proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def _arg_type(name: str, dtype: str = "*bf16") -> str:
+    """Triton signature type of a kernel argument, by the naming convention of adaflash_ray/kernels."""
+    if name in ("cos_ptr", "sin_ptr", "acc_ptr", "ml_ptr"):
+        return "*fp32"
+    if name in ("rows_ptr", "pos_ptr"):
+        return "*i64"
+    if name in ("eps", "qk_scale"):
+        return "fp32"
+    return dtype if name.endswith("_ptr") else "i32"
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton (optional; pip install triton)")
+def test_kernels_compile_for_sm90(tmp_path):
+    """Every kernel at the SmolLM2 and Qwen3-8B constants compiles to sm_90 machine code on this CPU machine
+    (Triton's compiler and its bundled ptxas need no GPU), and ptxas reports no register spills."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from adaflash_ray.kernels import decode_attention as da
+    from adaflash_ray.kernels import fused_norm, rotary_cache, swiglu
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    cases = [(fused_norm._add_rmsnorm_kernel, {"HAS_DELTA": True, "BLOCK": 4096}, 8),
+             (fused_norm._add_rmsnorm_kernel, {"HAS_DELTA": False, "BLOCK": 1024}, 4),
+             (swiglu._swiglu_kernel, {"BLOCK": 1024}, 4)]
+    for _, _, _, hq, hkv, d, qk in SHAPES:
+        cases.append((rotary_cache._rotary_qkv_cache_kernel,
+                      {"HQ": hq, "HKV": hkv, "D": d, "HALF": d // 2, "BLOCK_HALF": d // 2, "QK_NORM": qk}, 2))
+        rep = hq // hkv
+        bm = max(16, triton.next_power_of_2(16 * rep))
+        cases.append((da._split_kernel, {"HKV": hkv, "REP": rep, "D": d, "BLOCK_M": bm, "BLOCK_N": 64},
+                      8 if d >= 128 else 4))
+        cases.append((da._merge_kernel, {"HKV": hkv, "REP": rep, "D": d, "BLOCK_M": bm}, 1))
+    for kernel, consts, warps in cases:
+        sig = {n: "constexpr" if n in consts else _arg_type(n) for n in kernel.arg_names}
+        out = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": warps})
+        assert out.asm.get("cubin"), kernel
+        if ptxas.exists():
+            ptx = tmp_path / "k.ptx"
+            ptx.write_text(out.asm["ptx"])
+            r = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "k.cubin")],
+                               capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, r.stderr[-2000:]
+            assert " 0 bytes spill stores" in r.stderr, (kernel.fn.__name__, consts, r.stderr[-600:])
 
 
 def test_cpu_default_stays_reference(monkeypatch):
