@@ -259,8 +259,8 @@ def run(cfg, *, shape: str | None, batch_sizes: list[int], prompt_len: int, new_
            "loss_chunk_size": cfg.distill.loss_chunk_size, "num_anchors": cfg.distill.num_anchors,
            "block_size": None, "prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": cfg.model.dtype,
            "peak_tflops": PEAK_TFLOPS, "rows": []}
-    if not torch.distributed.is_initialized():
-        DistillTrainerCore.setup_dist_env(0, 1)
+    if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")):
+        DistillTrainerCore.setup_dist_env(0, 1)  # one rank (DeepSpeed reads LOCAL_RANK even when torch.distributed is up)
     for b in batch_sizes:
         core = None
         try:
