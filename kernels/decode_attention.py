@@ -12,43 +12,19 @@ Visibility is the engine's static-cache rule computed from positions, no mask te
 sees cache entries ``0..p`` of its slot (and nothing at or beyond ``span``). Scale ``1/sqrt(D)`` (SDPA's default).
 
 :func:`decode_attention_ref` is the pure-torch reference (SDPA with the additive mask of ``gqa_mask``, exactly
-what adaflash_ray/models/target.py computes; :func:`gqa_mask` and :func:`folded_attention`, re-exported by
-adaflash_ray/models/layers.py, are defined here); :func:`decode_attention` the Triton kernels.
+what adaflash_ray/models/target.py computes, from :mod:`adaflash_ray.kernels.reference`); :func:`decode_attention`
+the Triton kernels.
 """
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 
+from adaflash_ray.kernels.reference import folded_attention, gqa_mask
 from adaflash_ray.kernels.triton_support import HAVE_TRITON, tl, triton
 
-__all__ = ["decode_attention", "decode_attention_ref", "default_num_splits", "folded_attention", "gqa_mask"]
-
-
-def gqa_mask(visible: torch.Tensor, num_groups: int, dtype: torch.dtype) -> torch.Tensor:
-    """Expand a visibility mask ``[B, Tq, Tk]`` (bool) to the grouped-query layout of
-    :func:`adaflash_ray.models.layers.grouped_attention`: an additive mask ``[B, 1, Tq*num_groups, Tk]`` in
-    ``dtype`` (0 where visible, -inf elsewhere; query-position major, group minor). Built once per forward and
-    shared by every layer, so SDPA does not convert a bool mask in each layer."""
-    b, tq, tk = visible.shape
-    vis = visible[:, None, :, None, :].expand(b, 1, tq, num_groups, tk).reshape(b, 1, tq * num_groups, tk)
-    return torch.zeros(vis.shape, dtype=dtype, device=vis.device).masked_fill_(~vis, float("-inf"))
-
-
-def folded_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, tq: int) -> torch.Tensor:
-    """The SDPA call of :func:`adaflash_ray.models.layers.grouped_attention` on queries already folded to
-    ``[B, Hkv, Tq*rep, D]`` (row ``t*rep + r`` is query head ``g*rep + r`` at position t; the fused rotary kernel
-    writes this layout directly).
-
-    Args: k, v ``[B, Tk, Hkv, D]`` (may be strided cache views); mask ``[B, 1, Tq*rep, Tk]`` from :func:`gqa_mask`.
-    Returns ``[B, Tq, Hq*D]`` in qg's dtype (a view, no copy, when ``Tq == 1``).
-    """
-    b, hkv, rows, d = qg.shape
-    rep = rows // tq
-    out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-    return out.view(b, hkv, tq, rep, d).permute(0, 2, 1, 3, 4).reshape(b, tq, hkv * rep * d)
+__all__ = ["decode_attention", "decode_attention_ref", "default_num_splits"]
 
 
 def decode_attention_ref(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,

@@ -18,27 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from adaflash_ray.kernels.reference import apply_rotary, fold_queries
 from adaflash_ray.kernels.triton_support import HAVE_TRITON, tl, triton
 
-__all__ = ["apply_rotary", "fold_queries", "rotary_qkv_cache", "rotary_qkv_cache_ref"]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[B, T, heads, D]`` by ``cos``/``sin`` ``[B, T, D]`` (float32 math), the
-    half-split ``rotate_half`` layout. The reference rotation (adaflash_ray/models/layers.py re-exports it)."""
-    dtype = x.dtype
-    x32 = x.float()
-    half = x32.shape[-1] // 2
-    rot = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
-    out = x32 * cos[:, :, None, :] + rot * sin[:, :, None, :]
-    return out.to(dtype)
-
-
-def fold_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """``[B, W, Hq, D]`` -> ``[B, Hkv, W*rep, D]`` (contiguous), the layout of ``grouped_attention``'s SDPA call."""
-    b, w, hq, d = q.shape
-    rep = hq // num_kv_heads
-    return q.view(b, w, num_kv_heads, rep, d).permute(0, 2, 1, 3, 4).reshape(b, num_kv_heads, w * rep, d)
+__all__ = ["rotary_qkv_cache", "rotary_qkv_cache_ref"]
 
 
 def rotary_qkv_cache_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None,

@@ -80,7 +80,7 @@ EOF
 run_step 40 attention_micro python3 - "$K/attention_micro.json" <<'EOF'
 import json, statistics, sys, torch
 from adaflash_ray.kernels.decode_attention import decode_attention
-from adaflash_ray.kernels.rotary_cache import fold_queries
+from adaflash_ray.kernels.reference import fold_queries
 from adaflash_ray.models.layers import folded_attention, gqa_mask
 hq, hkv, d, span = 32, 8, 128, 768
 rows_out = []

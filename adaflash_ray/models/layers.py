@@ -10,8 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # one definition each, beside the fused kernels that replace them on CUDA (re-exported here)
-from adaflash_ray.kernels.decode_attention import folded_attention, gqa_mask  # noqa: F401
-from adaflash_ray.kernels.rotary_cache import apply_rotary  # noqa: F401
+from adaflash_ray.kernels.reference import apply_rotary, folded_attention, gqa_mask  # noqa: F401
 
 
 class RMSNorm(nn.Module):

@@ -24,7 +24,6 @@ from safetensors import safe_open
 from torch import nn
 
 from adaflash_ray.config import BUILTIN_MODEL_TYPES, default_target_layer_ids  # noqa: F401  (one rule each)
-from adaflash_ray.kernels.triton_support import env_mode, triton_usable
 from adaflash_ray.models.layers import (AttentionProjections, DecoderLayerParams, RMSNorm, Rotary, folded_attention,
                                        gqa_mask, grouped_attention)
 
@@ -264,6 +263,8 @@ class TargetModel(nn.Module):
         Raises:
             ValueError: ``mode`` (or the environment variable) not auto/off.
         """
+        from adaflash_ray.kernels.triton_support import env_mode, triton_usable  # imports triton: only here
+
         if mode not in FUSED_KERNEL_MODES:
             raise ValueError(f"fused_kernels {mode!r}: expected one of {FUSED_KERNEL_MODES}")
         mode = env_mode() or mode
@@ -284,6 +285,8 @@ class TargetModel(nn.Module):
         and x on a device Triton launches on."""
         if not self.fused_kernels_active:
             return False
+        from adaflash_ray.kernels.triton_support import triton_usable
+
         first = self.model.layers[0] if len(self.model.layers) else None
         return (first is not None and first.self_attn._fused() and first.mlp._fused()
                 and x.device == self.lm_head.weight.device and triton_usable(x.device))
