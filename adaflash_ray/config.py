@@ -240,6 +240,9 @@ class DistillConfig(_Section):
     # kept), per-row math in pure torch or in a Triton kernel (CUDA); "auto" = triton on CUDA when triton imports,
     # else reference (the CPU default stays the reference computation)
     loss_impl: Literal["auto", "reference", "torch", "triton"] = "auto"
+    # dtype of the drafter's training forward (autocast; the trainable weights and the optimizer stay float32):
+    # "auto" = the target's dtype when it is float16, else bfloat16, on CUDA, and float32 (no autocast) on CPU
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # times one trajectory may feed an optimizer step (fresh anchors each time); > 1 lets a trainer
     # that outpaces inference keep stepping on recent on-policy data (still within max_version_lag)
     max_reuse: int = Field(6, ge=1)

@@ -717,3 +717,44 @@ def test_save_and_resume_continue_exactly(dist_env, target, trajectories, tmp_pa
     assert set(wa) == set(wb) and "length_head.inp.weight" in wa
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], atol=1e-6, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------- compute dtype (autocast)
+def test_resolve_compute_dtype():
+    from adaflash_ray.distill.trainer import resolve_compute_dtype
+
+    assert resolve_compute_dtype("auto", "cpu", torch.float32) is None  # CPU stays float32
+    assert resolve_compute_dtype("auto", "cpu", torch.bfloat16) is None
+    assert resolve_compute_dtype("auto", "cuda", torch.bfloat16) is torch.bfloat16
+    assert resolve_compute_dtype("auto", "cuda", torch.float32) is torch.bfloat16
+    assert resolve_compute_dtype("auto", "cuda", torch.float16) is torch.float16
+    assert resolve_compute_dtype("float32", "cuda", torch.bfloat16) is None
+    assert resolve_compute_dtype("bfloat16", "cpu", torch.float32) is torch.bfloat16
+    with pytest.raises(ValueError, match="compute_dtype"):
+        resolve_compute_dtype("fp8", "cuda", torch.bfloat16)
+    assert DistillConfig().compute_dtype == "auto"
+
+
+def test_cpu_default_has_no_autocast_and_bf16_autocast_reaches_the_drafter(dist_env, target, trajectories):
+    """On CPU the default trainer computes in float32 (no autocast); ``compute_dtype: bfloat16`` runs the drafter's
+    projections and attention in bf16 through DeepSpeed's engine forward (which disables an autocast opened outside
+    it), keeps the weights and gradients float32, and lands near the float32 step's loss."""
+    plain = dist_env(target, *_cfgs(), seed=3)
+    assert plain.compute_dtype is None and plain.module.compute_dtype is None
+    bf16 = dist_env(target, *_cfgs(compute_dtype="bfloat16"), seed=3)
+    assert bf16.compute_dtype is torch.bfloat16
+    seen = {}
+    layer = bf16.drafter.layers[0]
+    h1 = layer.self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("q_proj", o.dtype))
+    h2 = layer.mlp.down_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("down_proj", o.dtype))
+    try:
+        a = plain.train_step(trajectories[:3])
+        b = bf16.train_step(trajectories[:3])
+    finally:
+        h1.remove()
+        h2.remove()
+    assert seen == {"q_proj": torch.bfloat16, "down_proj": torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in bf16.module.parameters())
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for p in bf16.module.parameters())
+    assert math.isfinite(b["train/loss"])
+    assert b["train/loss"] == pytest.approx(a["train/loss"], rel=3e-2)

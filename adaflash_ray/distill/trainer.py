@@ -38,6 +38,28 @@ _DIST_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 _RENDEZVOUS: dict[str, str] = {}  # "file": the rendezvous file of the process group this process initialised
 
 
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolve_compute_dtype(name: str, device: torch.device | str, target_dtype: torch.dtype) -> torch.dtype | None:
+    """The autocast dtype of the drafter's training forward for ``distill.compute_dtype``, or None (no autocast:
+    float32 compute on the float32 weights).
+
+    ``auto``: on CUDA float16 if the target is float16, else bfloat16; on any other device None (float32, the CPU
+    numbers stay those of the float32 computation). ``float32``: None. ``bfloat16`` / ``float16``: that dtype on
+    any device. The trainable weights and the optimizer state stay float32 in every case (autocast casts copies).
+    Raises:
+        ValueError: ``name`` not in :data:`COMPUTE_DTYPES`.
+    """
+    if name not in COMPUTE_DTYPES:
+        raise ValueError(f"distill.compute_dtype must be one of {COMPUTE_DTYPES}, got {name!r}")
+    if name == "auto":
+        if torch.device(device).type != "cuda":
+            return None
+        return torch.float16 if target_dtype == torch.float16 else torch.bfloat16
+    return None if name == "float32" else getattr(torch, name)
+
+
 def lr_factor(warmup_steps: int, decay_steps: int = 0, min_ratio: float = 0.1):
     """The lr multiplier per optimizer step ``s`` (0-based): linear warmup over ``warmup_steps``, then a
     cosine from 1 down to ``min_ratio`` reached at step ``decay_steps`` and held after (0 = constant after
@@ -69,6 +91,10 @@ class DistillModule(nn.Module):
       distillation loss's own vocabulary pass, so no extra lm_head matmul; labels/mask from
       :func:`acceptance_labels` (greedy acceptance against the trajectory, counted only where every earlier
       draft of the block was accepted); masked mean BCE.
+
+    ``compute_dtype`` (None = float32): the forward runs under ``torch.autocast`` in that dtype. The autocast
+    region is opened here, inside the module, because DeepSpeed's engine forward disables an autocast opened
+    around it unless its own ``torch_autocast`` section is on.
     """
 
     def __init__(self, drafter: DFlashDrafter, length_head: nn.Module | None,
@@ -79,10 +105,17 @@ class DistillModule(nn.Module):
         object.__setattr__(self, "_lm_head", lm_head)
         self.distill_cfg, self.head_cfg = distill_cfg, head_cfg
         self.head_spec = length_policy(head_cfg.policy) if length_head is not None else None
+        self.compute_dtype: torch.dtype | None = None
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """Returns ``(loss, metrics)``: loss = mixture RKL (+ λ·length-head loss: MSE for ``direct``, BCE for
-        ``cost``); metrics are floats (``train/accept_head_acc`` only with the ``cost`` head)."""
+        ``cost``), a float32 scalar; metrics are floats (``train/accept_head_acc`` only with the ``cost`` head)."""
+        if self.compute_dtype is None:
+            return self._forward(batch)
+        with torch.autocast(batch.input_ids.device.type, dtype=self.compute_dtype):
+            return self._forward(batch)
+
+    def _forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.distill_cfg
         bs = self.drafter.block_size
         hidden = self.drafter.forward_train(batch.features, batch.input_ids, batch.anchors)  # [B, N, bs, H]
@@ -144,10 +177,11 @@ class DistillTrainerCore:
             anchor sampling uses ``seed`` and ``rank``.
         rank, world_size: this rank in the trainer group. If ``RANK`` etc. are not in the environment
             and ``world_size == 1``, :meth:`setup_dist_env` is called here.
-    Trainable parameters are kept in float32 (ZeRO partitions them); on CUDA with a bf16/fp16 target
-    the forward runs under autocast in the target's dtype. ``bf16``/``fp16`` DeepSpeed modes are off.
+    Trainable parameters and the optimizer state are kept in float32 (ZeRO partitions them); the forward runs
+    under autocast in :func:`resolve_compute_dtype` of ``distill.compute_dtype`` (``auto``: bfloat16 on CUDA,
+    float16 with a float16 target, float32 on CPU). ``bf16``/``fp16`` DeepSpeed modes are off.
     Raises:
-        ValueError: unknown ``distill.features``; distributed env missing for world_size > 1 or
+        ValueError: unknown ``distill.features`` or ``distill.compute_dtype``; distributed env missing for world_size > 1 or
             inconsistent with ``rank``/``world_size``; the target's device type differs from
             DeepSpeed's accelerator.
     """
@@ -173,7 +207,7 @@ class DistillTrainerCore:
             raise ValueError(f"target is on {self.device} but DeepSpeed's accelerator is {accel!r} "
                              "(set DS_ACCELERATOR before deepspeed is first imported)")
         dtype = target.lm_head.weight.dtype
-        self.autocast_dtype = dtype if cuda and dtype in (torch.bfloat16, torch.float16) else None
+        self.compute_dtype = resolve_compute_dtype(getattr(distill_cfg, "compute_dtype", "auto"), self.device, dtype)
         self.feature_dtype = dtype if cuda else torch.float32
 
         drafter, head = build_drafter(target, drafter_cfg, head_cfg, seed)
@@ -182,6 +216,7 @@ class DistillTrainerCore:
             head.float()
         self.drafter, self.length_head = drafter, head
         self.module = DistillModule(drafter, head, target.lm_head, distill_cfg, head_cfg)
+        self.module.compute_dtype = self.compute_dtype
         groups = [{"params": [p for p in drafter.parameters()], "lr": distill_cfg.lr, "name": "drafter"}]
         if head is not None:
             groups.append({"params": [p for p in head.parameters()], "lr": distill_cfg.head_lr, "name": "length_head"})
@@ -304,10 +339,7 @@ class DistillTrainerCore:
         t1 = time.perf_counter()
         lr = float(self.engine.get_lr()[0])
         self.engine.train()
-        ctx = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
-               else contextlib.nullcontext())
-        with ctx:
-            loss, metrics = self.engine(batch)  # ends in one host sync (its metrics)
+        loss, metrics = self.engine(batch)  # autocast inside the module; ends in one host sync (its metrics)
         t2 = time.perf_counter()
         self.engine.backward(loss)
         grad_norm = self._stage0_grad_norm() if self.zero_stage == 0 else None
@@ -428,4 +460,4 @@ def _disable_cpu_shm_comm() -> None:
         ops["deepspeed_shm_comm"] = False
 
 
-__all__ = ["DistillModule", "DistillTrainerCore"]
+__all__ = ["COMPUTE_DTYPES", "DistillModule", "DistillTrainerCore", "resolve_compute_dtype"]

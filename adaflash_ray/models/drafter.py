@@ -232,13 +232,20 @@ class _DrafterLayer(DecoderLayerParams):
         super().__init__(cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, _DrafterAttention(cfg))
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, visible):
-        """x ``[B, Q, H]`` block positions; ctx_k/ctx_v ``[B, C, Hkv, D]``; visible ``[B, Q, C+Q]``."""
+        """x ``[B, Q, H]`` block positions; ctx_k/ctx_v ``[B, C, Hkv, D]``; visible ``[B, Q, C+Q]``.
+
+        Under autocast, queries, keys and values enter the attention in the autocast dtype (the q/k norms and the
+        rotary return float32, which would select a float32 attention kernel); otherwise in the block keys' dtype.
+        """
         h = self.input_layernorm(x)
         attn = self.self_attn
         q = attn.q(h, cos, sin)
         bk, bv = attn.kv(h, cos, sin)
-        k = torch.cat([ctx_k.to(bk.dtype), bk], dim=1)
-        v = torch.cat([ctx_v.to(bv.dtype), bv], dim=1)
+        dev = x.device.type
+        dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else bk.dtype
+        q = q.to(dt)
+        k = torch.cat([ctx_k.to(dt), bk.to(dt)], dim=1)
+        v = torch.cat([ctx_v.to(dt), bv.to(dt)], dim=1)
         out = masked_attention(q, k, v, visible)
         x = x + attn.o_proj(out.reshape(x.shape[0], x.shape[1], -1))
         return x + self.mlp(self.post_attention_layernorm(x))
