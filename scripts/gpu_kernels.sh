@@ -4,7 +4,7 @@
 #
 # Runs in the same `run` call right after the install step of scripts/gpu_main_job.sh (carry [".gpu_stage"]):
 #     bash scripts/gpu_main_job.sh a && ADAFLASH_COMMIT=<sha> bash scripts/gpu_kernels.sh
-# It reuses that script's env_setup (PYTHONPATH onto the installed wheels). KERNELS_BUDGET_S (default 420) bounds
+# It sources that script for its env_setup (PYTHONPATH onto the installed wheels). KERNELS_BUDGET_S (default 420) bounds
 # its own wall time: each step gets at most its own limit and what is left, in this order (most wanted first):
 # gpu tests (100 s), Qwen3-8B shape bench off then on (110 s each), kernel counts (60 s), attention timing (40 s),
 # SmolLM2 shape bench off then on (45 s each), Qwen3-8B with the split-K attention (110 s). A step cut short
@@ -20,8 +20,8 @@
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-eval "$(grep -E "^STAGE=" scripts/gpu_main_job.sh)"  # its staging folder and env_setup: the one definition
-eval "$(sed -n "/^env_setup() {/,/^}/p" scripts/gpu_main_job.sh)"
+# shellcheck source=scripts/gpu_main_job.sh
+source scripts/gpu_main_job.sh  # STAGE, env_setup (returns before its subcommands)
 env_setup
 OUT="${OUT:-/tmp/gpu_kernels_out}"
 K="$OUT/kernels"
