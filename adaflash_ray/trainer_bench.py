@@ -17,7 +17,7 @@ uses random weights of a named shape (:data:`adaflash_ray.shapes.SHAPES`) in the
 ``model.device`` instead of loading the recipe's model.
 
 Output: one JSON object on the last stdout line (and in ``--out``): ``device, commit, torch_version, recipe,
-shape, loss_impl`` (resolved), ``loss_chunk_size, num_anchors, block_size, prompt_len, new_tokens, dtype``, ``peak_tflops`` (the bf16 dense peak the floor uses: 989 TFLOP/s, the H200 SXM data
+shape, loss_impl`` (resolved), ``compute_dtype`` (the drafter's resolved training compute dtype), ``loss_chunk_size, num_anchors, block_size, prompt_len, new_tokens, dtype``, ``peak_tflops`` (the bf16 dense peak the floor uses: 989 TFLOP/s, the H200 SXM data
 sheet figure; measured GEMMs reach ~790 there), ``rows`` - per batch size: ``batch_size, block_positions`` (valid
 blocks x (block_size-1) per step, the unit of the 118k positions/s baseline), ``supervised_positions`` (those with
 weight > 0), ``step_s`` (median of the timed steps), ``positions_per_s`` (block positions / mean step time),
@@ -231,13 +231,13 @@ def _anchors_of(core, trajectories: list) -> list[list[int]]:
 
 
 def run(cfg, *, shape: str | None, batch_sizes: list[int], prompt_len: int, new_tokens: int, warmup: int,
-        steps: int, split_steps: int, log=print, out: str | None = None, profile: bool = False) -> dict:
+        steps: int, split_steps: int, log=print, out: str | None = None, profile: bool | list[int] = False) -> dict:
     """The benchmark document (module docstring) for a loaded recipe ``cfg``.
 
     A batch size that runs out of CUDA memory gets the row ``{"batch_size": b, "error": "out of memory: ..."}``
     and the next one still runs. With ``out``, the document so far is written there after every batch size (a
     run stopped by a timeout keeps its finished rows). ``profile`` adds ``profile_top`` (:func:`profile_step`) to
-    each row.
+    each row (True), or to the rows of the batch sizes it lists.
     Raises:
         ValueError: bad sizes, an unknown shape, or a trainer construction error (e.g. ``loss_impl: triton``
             off CUDA).
@@ -257,7 +257,7 @@ def run(cfg, *, shape: str | None, batch_sizes: list[int], prompt_len: int, new_
     dcfg = cfg.distill.model_copy(update={"features": "recompute"})  # trajectories carry token ids only
     doc = {**_header(device), "mode": "trainer", "recipe": cfg.name, "shape": shape, "loss_impl": None,
            "loss_chunk_size": cfg.distill.loss_chunk_size, "num_anchors": cfg.distill.num_anchors,
-           "block_size": None, "prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": cfg.model.dtype,
+           "block_size": None, "compute_dtype": None, "prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": cfg.model.dtype,
            "peak_tflops": PEAK_TFLOPS, "rows": []}
     if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")):
         DistillTrainerCore.setup_dist_env(0, 1)  # one rank (DeepSpeed reads LOCAL_RANK even when torch.distributed is up)
@@ -266,12 +266,13 @@ def run(cfg, *, shape: str | None, batch_sizes: list[int], prompt_len: int, new_
         try:
             core = DistillTrainerCore(target, cfg.drafter, cfg.length_head, dcfg, seed=cfg.seed)
             doc["loss_impl"], doc["block_size"] = core.loss_impl, core.drafter.block_size
+            doc["compute_dtype"] = str(core.compute_dtype or torch.float32).removeprefix("torch.")
             trajs = synthetic_trajectories(b, prompt_len, new_tokens, target.config.vocab_size, cfg.seed)
             row = bench_batch(core, trajs, warmup=warmup, steps=steps, split_steps=split_steps)
             row["flops"] = step_flops(target.config, core.drafter.config, [tr.num_tokens for tr in trajs],
                                       _anchors_of(core, trajs), int(row["supervised_positions"]))
             row["floor_ratio"] = row["step_s"] / (row["flops"]["total"] / (PEAK_TFLOPS * 1e12))
-            if profile:
+            if profile is True or (not isinstance(profile, bool) and b in profile):
                 row["profile_top"] = profile_step(core, trajs)
             log(f"trainer bench: batch {b} ({core.loss_impl}): {row['positions_per_s']:,.0f} block positions/s, "
                 f"step {row['step_s'] * 1e3:.1f} ms, {row['floor_ratio']:.1f}x the FLOP floor, split "
@@ -372,8 +373,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 10 on CUDA, 2 on CPU)")
     p.add_argument("--split-steps", type=int, default=None, help="instrumented steps (default 3 on CUDA, 1 on CPU)")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON document here")
-    p.add_argument("--profile", action="store_true", help="one more step under torch.profiler per batch size: "
-                                                          "the top operators by device time (profile_top)")
+    p.add_argument("--profile", type=int, nargs="*", default=None, metavar="B",
+                   help="one more step under torch.profiler per batch size (only those listed, if any): the top "
+                        "operators by device time (profile_top)")
     g = p.add_argument_group("loss mode (the head loss alone on random data: adaflash_ray.trainer_bench.bench_loss)")
     g.add_argument("--loss", action="store_true", help="time mixture_rkl_loss forward + backward only")
     g.add_argument("--rows", type=int, default=23040, help="positions (default 16 x 96 x 15)")
@@ -411,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
                   warmup=ns.warmup if ns.warmup is not None else (3 if cuda else 1),
                   steps=ns.steps or (10 if cuda else 2),
                   split_steps=ns.split_steps if ns.split_steps is not None else (3 if cuda else 1),
-                  log=lambda msg: print(msg, file=sys.stderr), out=ns.out, profile=ns.profile)
+                  log=lambda msg: print(msg, file=sys.stderr), out=ns.out,
+                  profile=False if ns.profile is None else (ns.profile or True))
     except (RecipeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The trainer benchmark of the fused distillation loss on ONE H200, in one `device` call (~5 min expected, 555 s at most).
+# The trainer benchmark on ONE H200, in one `device` call (~3 min expected, 330 s of steps at most).
 #
 # Here (CPU machine), once, if .gpu_stage/whl is missing:  bash scripts/gpu_main_job.sh stage
 # Device call (kind nvidia-h200, carry [".gpu_stage/whl"], timeout_s 600):
@@ -8,16 +8,16 @@
 # the bench uses random weights of the SmolLM2-135M shape (adaflash_ray.shapes), so no model files are needed.
 #
 # Steps (each under its own timeout; a failed step is reported and the next one still runs):
-# 1. gpu-marked tests of the fused loss: Triton vs torch backend vs the original computation  -> gpu_tests.log
+# 1. gpu-marked tests: the fused loss (Triton vs torch backend vs the original computation) and a bf16 trainer
+#    step against the float32 one on a tiny model                                          -> gpu_tests.log
 # 2. trainer bench, recipe smollm2_135m_gpu, synthetic trajectories of 256 prompt + 256 response tokens, 96 anchors:
-#    baseline loss_impl=reference at batch 16 (today's settings, one 24,576-row chunk)  -> trainer_reference.json
-#    fused loss_impl=triton at batch 16, 32, 64, 128 (+ one profiled step each)         -> trainer_triton.json
-#    fused loss_impl=torch (pure-torch backend, chunks of 8,192) at batch 16              -> trainer_torch.json
-#    the head loss alone (forward + backward, 23,040 positions; triton at 4 kernel block/warp configurations)
-#                                                                                        -> loss_bench.json
+#    baseline: loss_impl=reference, compute_dtype=float32 at batch 16 (the original settings: a float32 drafter,
+#    one 24,576-row loss chunk)                                                             -> trainer_reference.json
+#    the default path (loss_impl=triton, compute_dtype=auto = bf16 drafter compute) at batch 16, 32, 64, 128,
+#    one profiled step at batch 16                                                          -> trainer_triton.json
 # 3. trainer_summary.json: block positions/s per (impl, batch), speedup over the baseline, FLOP-floor ratio, the
 #    split, peak memory, the >= 600k positions/s goal, the baseline/fused last-loss agreement, test outcome.
-# All in $OUT, with gpu.txt (nvidia-smi, versions) and trainer_bench.log (every step's stderr): 8 files.
+# All in $OUT, with gpu.txt (nvidia-smi, versions) and trainer_bench.log (every step's stderr): 6 files.
 # Dry run on a CPU machine (no install, tiny sizes; the triton step fails there without CUDA, as it should):
 #     TB_DRY=1 TB_EXTRA="--set model.device=cpu --set model.dtype=float32 --set placement.gpus_per_trainer=0 \
 #       --set placement.gpus_per_inference_worker=0 --shape tiny --prompt-len 10 --new-tokens 20 --warmup 1 \
@@ -59,7 +59,7 @@ step() {  # step NAME TIMEOUT_S CMD...: run with a timeout, stderr+stdout into t
 }
 
 # 1. kernel tests (CUDA): the fused loss's Triton backend against the torch backend and the original computation
-step gpu_tests 120 python3 -m pytest -q -m gpu tests/test_gpu.py -k fused_loss -p no:cacheprovider
+step gpu_tests 120 python3 -m pytest -q -m gpu tests/test_gpu.py -k "fused_loss or train_step" -p no:cacheprovider
 sed -n '/=== gpu_tests/,/^gpu_tests: rc/p' "$LOG" > "$OUT/gpu_tests.log"
 tail -3 "$OUT/gpu_tests.log"
 
@@ -69,25 +69,22 @@ B=(python3 -m adaflash_ray.trainer_bench --recipe recipes/smollm2_135m_gpu.yaml 
    --prompt-len 256 --new-tokens 256)
 # shellcheck disable=SC2206
 B+=(${TB_EXTRA:-})  # dry run: e.g. --set model.device=cpu --shape tiny --steps 1 (later flags win)
-step reference 90 "${B[@]}" --batch-sizes 16 --set distill.loss_impl=reference --out "$OUT/trainer_reference.json"
-step triton 170 "${B[@]}" --batch-sizes 16 32 64 128 --set distill.loss_impl=triton --profile \
-  --out "$OUT/trainer_triton.json"
-step torch 80 "${B[@]}" --batch-sizes 16 --set distill.loss_impl=torch --set distill.loss_chunk_size=8192 \
-  --out "$OUT/trainer_torch.json"
-# the head loss alone at 23,040 positions: reference / torch / triton (4 kernel configurations) against its 3-GEMM floor
-step loss 75 "${B[@]}" --loss --out "$OUT/loss_bench.json"
-grep -E "^(trainer|loss) bench:" "$LOG"
+step reference 70 "${B[@]}" --batch-sizes 16 --set distill.loss_impl=reference --set distill.compute_dtype=float32 \
+  --out "$OUT/trainer_reference.json"
+step triton 140 "${B[@]}" --batch-sizes 16 32 64 128 --set distill.loss_impl=triton --set distill.compute_dtype=auto \
+  --profile 16 --out "$OUT/trainer_triton.json"
+grep -E "^trainer bench:" "$LOG"
 
 # 3. summary
 python3 - "$OUT" <<'EOF'
 import json, os, re, sys
 out = sys.argv[1]
 docs = {}
-for impl in ("reference", "triton", "torch"):
+for impl in ("reference", "triton"):
     p = os.path.join(out, f"trainer_{impl}.json")
     if os.path.exists(p):
         docs[impl] = json.load(open(p))
-rows = [{"impl": impl, **{k: r[k] for k in ("batch_size", "block_positions", "positions_per_s", "step_s",
+rows = [{"impl": impl, "compute_dtype": d.get("compute_dtype"), **{k: r[k] for k in ("batch_size", "block_positions", "positions_per_s", "step_s",
                                             "floor_ratio", "peak_mem_gib", "last_loss", "split_s")}}
         for impl, d in docs.items() for r in d["rows"] if "error" not in r]
 errors = [{"impl": impl, **r} for impl, d in docs.items() for r in d["rows"] if "error" in r]
@@ -110,20 +107,17 @@ summary = {
     # same seed, same anchors, same number of steps: the fused losses should end close to the baseline's loss
     "last_loss_rel_diff_vs_reference_b16": {r["impl"]: abs(r["last_loss"] - base["last_loss"]) / abs(base["last_loss"])
                                             for r in same} if base else None,
-    "missing": [i for i in ("reference", "triton", "torch") if i not in docs],
+    "missing": [i for i in ("reference", "triton") if i not in docs],
     "errors": errors,
     # one profiled fused step at batch 16: where the time goes, kernel by kernel
-    "profile_top_triton_b16": next((r.get("profile_top", [])[:12] for r in docs.get("triton", {}).get("rows", [])
+    "profile_top_triton_b16": next((r.get("profile_top", [])[:20] for r in docs.get("triton", {}).get("rows", [])
                                     if r.get("batch_size") == 16), None),
-    "loss_bench": (lambda p: [{k: r[k] for k in ("impl", "kernel", "ms", "floor_ratio", "peak_mem_gib")}
-                              for r in json.load(open(p))["results"]] if os.path.exists(p) else None)(
-        os.path.join(out, "loss_bench.json")),
 }
 json.dump(summary, open(os.path.join(out, "trainer_summary.json"), "w"), indent=1)
 print(json.dumps({k: summary[k] for k in ("gpu_tests", "best", "goal_600k_positions_per_s",
                                           "last_loss_rel_diff_vs_reference_b16", "missing", "errors")}))
 for r in rows:
-    print(f"{r['impl']:9s} b{r['batch_size']:<3d} {r['positions_per_s']:>10,.0f} pos/s  step {r['step_s'] * 1e3:7.1f} ms "
+    print(f"{r['impl']:9s} {r['compute_dtype'] or '?':8s} b{r['batch_size']:<3d} {r['positions_per_s']:>10,.0f} pos/s  step {r['step_s'] * 1e3:7.1f} ms "
           f"floor x{r['floor_ratio']:.1f}  speedup {r['speedup_vs_reference_b16'] or 0:.2f}  "
           f"mem {r['peak_mem_gib'] or 0:.1f} GiB")
 EOF

@@ -225,3 +225,35 @@ def test_fused_loss_matches_reference_impl(temperature, clip, clip_mode):
         assert m1 == pytest.approx(m0, rel=2e-3, abs=2e-3), impl
         assert _rel(g1, g0) < 2e-2, impl
         torch.testing.assert_close(c1, c0, atol=1e-3, rtol=1e-3)
+
+
+def test_bf16_train_step_matches_fp32_step_tiny():
+    """One trainer step of a tiny drafter on CUDA: ``distill.compute_dtype`` bfloat16 (the CUDA default) runs the
+    drafter's projections in bf16, keeps float32 weights, and its loss is within 3% of the float32 step's (same
+    seed, same anchors, same trajectories)."""
+    import dataclasses
+    import os
+
+    from test_distill import _cfgs, _greedy_trajectories, make_distill_target
+
+    from adaflash_ray.distill.trainer import DistillTrainerCore
+
+    target = make_distill_target()
+    trajs = _greedy_trajectories(target, num=3, num_new=24, seed=4, dtype=torch.float32)
+    target = target.to("cuda")
+    trajs = [dataclasses.replace(t, features=t.features.cuda(), last_hidden=t.last_hidden.cuda()) for t in trajs]
+    if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")):
+        DistillTrainerCore.setup_dist_env(0, 1)
+    fp32 = DistillTrainerCore(target, *_cfgs(compute_dtype="float32"), seed=5)
+    bf16 = DistillTrainerCore(target, *_cfgs(), seed=5)  # auto: bfloat16 on CUDA
+    assert fp32.compute_dtype is None and bf16.compute_dtype is torch.bfloat16
+    seen = []
+    hook = bf16.drafter.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    try:
+        a, b = fp32.train_step(trajs), bf16.train_step(trajs)
+    finally:
+        hook.remove()
+    assert seen == [torch.bfloat16]
+    assert all(p.dtype == torch.float32 for p in bf16.module.parameters())
+    assert b["train/loss"] == pytest.approx(a["train/loss"], rel=3e-2)
+    assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=0.1)

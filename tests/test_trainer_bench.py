@@ -87,3 +87,9 @@ def test_synthetic_trajectories():
     assert all(int(tr.token_ids.max()) < 100 for tr in trs)
     with pytest.raises(ValueError):
         synthetic_trajectories(1, 0, 7, 100, seed=0)
+
+
+def test_profile_only_listed_batch_sizes(capsys):
+    assert bench_main(ARGS + ["--batch-sizes", "1", "2", "--profile", "2"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [("profile_top" in r) for r in doc["rows"]] == [False, True]
