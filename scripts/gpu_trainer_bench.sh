@@ -59,7 +59,7 @@ step() {  # step NAME TIMEOUT_S CMD...: run with a timeout, stderr+stdout into t
 }
 
 # 1. kernel tests (CUDA): the fused loss's Triton backend against the torch backend and the original computation
-step gpu_tests 120 python3 -m pytest -q -m gpu tests/test_gpu.py -k "fused_loss or train_step" -p no:cacheprovider
+step gpu_tests 120 python3 -m pytest -q -m gpu tests/test_gpu.py -k "fused_loss or train_step or causal_features" -p no:cacheprovider
 sed -n '/=== gpu_tests/,/^gpu_tests: rc/p' "$LOG" > "$OUT/gpu_tests.log"
 tail -3 "$OUT/gpu_tests.log"
 

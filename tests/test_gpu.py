@@ -257,3 +257,27 @@ def test_bf16_train_step_matches_fp32_step_tiny():
     assert all(p.dtype == torch.float32 for p in bf16.module.parameters())
     assert b["train/loss"] == pytest.approx(a["train/loss"], rel=3e-2)
     assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=0.1)
+
+
+def test_recompute_causal_features_match_target_forward():
+    """The trainer's CUDA recompute path (SDPA is_causal, fused projections) against the target's masked forward,
+    bf16, a random target of 4 layers with grouped KV heads and right-padded rows."""
+    from adaflash_ray.distill.blocks import causal_features, recompute_features
+    from adaflash_ray.models.target import TargetConfig
+
+    cfg = TargetConfig(model_type="llama", vocab_size=256, hidden_size=128, intermediate_size=256,
+                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                       rms_norm_eps=1e-6, rope_theta=10000.0, eos_token_ids=[])
+    torch.manual_seed(0)
+    target = TargetModel(cfg).to("cuda", torch.bfloat16).requires_grad_(False).eval()
+    ids = torch.randint(0, 256, (3, 200), device="cuda")
+    pos = torch.arange(200, device="cuda")[None].expand(3, -1)
+    ref = target(ids, pos, capture_layer_ids=[1, 3], compute_logits=False)
+    f, h = causal_features(target, ids, [1, 3])
+    for got, want in ((f, ref.features), (h, ref.last_hidden)):
+        assert _rel(got.float(), want.float()) < 2e-2
+    seqs = [torch.randint(0, 256, (n,)) for n in (120, 201, 64)]
+    for s, (fs, hs) in zip(seqs, recompute_features(target, seqs, [1, 3])):
+        r = target(s[None, :-1].cuda(), torch.arange(len(s) - 1, device="cuda")[None], capture_layer_ids=[1, 3],
+                   compute_logits=False)
+        assert _rel(fs.float(), r.features[0].float()) < 2e-2 and _rel(hs.float(), r.last_hidden[0].float()) < 2e-2

@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from adaflash_ray.trajectory import Trajectory
 
@@ -158,6 +159,80 @@ def collate(trajectories: list[Trajectory], num_anchors: int, block_size: int,
 
 
 @torch.no_grad()
+def causal_features(target, input_ids: torch.Tensor, layer_ids: list[int],
+                    fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's features and final hidden states of ``input_ids`` ``[B, W]`` (positions ``0..W-1``, causal
+    attention inside each row): what ``target(input_ids, positions, capture_layer_ids=layer_ids,
+    compute_logits=False)`` returns, computed with SDPA's ``is_causal`` path (flash attention on CUDA) instead of
+    an explicit ``[B, 1, W*rep, W]`` mask tensor, with the target's own modules.
+
+    Args:
+        target: a :class:`~adaflash_ray.models.target.TargetModel`.
+        input_ids: ``[B, W]`` int64 on the target's device (W >= 1).
+        layer_ids: decoder layers whose outputs are captured (any order, repeats allowed), each in ``[0, L)``.
+        fused: each residual add fused into the next RMSNorm and the SwiGLU product in one kernel (the Triton
+            kernels of the engine's cached forward, :func:`adaflash_ray.kernels.fused_norm.add_rmsnorm` and
+            :meth:`~adaflash_ray.models.layers.SwiGLU.forward_fused`); needs fused gate/up projections
+            (``SwiGLU.fuse``). None: on when Triton launches on the device, every parameter has one dtype and the
+            projections are fused.
+    Returns:
+        ``(features [B, W, len(layer_ids)*H], last_hidden [B, W, H])`` in the target's dtype.
+    Raises:
+        ValueError: a layer id outside ``[0, L)``.
+    """
+    m = target.model
+    n_layers = len(m.layers)
+    bad = [i for i in layer_ids if not 0 <= i < n_layers]
+    if bad:
+        raise ValueError(f"layer ids {bad} outside [0, {n_layers})")
+    b, w = input_ids.shape
+    x = m.embed_tokens(input_ids)  # [B, W, H]
+    if fused is None:
+        from adaflash_ray.kernels.triton_support import triton_usable
+
+        fused = (triton_usable(x.device) and len({p.dtype for p in target.parameters()}) == 1
+                 and all(layer.mlp._fused() for layer in m.layers))
+    if fused:
+        from adaflash_ray.kernels.fused_norm import add_rmsnorm
+    pos = torch.arange(w, device=x.device)[None].expand(b, w)
+    cos, sin = target.rotary.cos_sin(pos)
+    want = set(layer_ids)
+    captured: dict[int, torch.Tensor] = {}
+    delta = None  # fused: the last branch output, not yet added to x
+    for i, layer in enumerate(m.layers):
+        attn = layer.self_attn
+        if fused:
+            ln = layer.input_layernorm
+            x, h = add_rmsnorm(x, delta, ln.weight, ln.eps)
+            if i - 1 in want:
+                captured[i - 1] = x
+        else:
+            h = layer.input_layernorm(x)
+        q, k, v = attn.qkv(h, cos, sin)  # [B, W, Hq | Hkv, D]
+        rep = q.shape[2] // k.shape[2]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        a = attn.o_proj(out.transpose(1, 2).reshape(b, w, -1))
+        if fused:
+            ln = layer.post_attention_layernorm
+            x, h = add_rmsnorm(x, a, ln.weight, ln.eps)
+            delta = layer.mlp.forward_fused(h)
+        else:
+            x = x + a
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in want:
+                captured[i] = x
+    if fused:
+        x, last = add_rmsnorm(x, delta, m.norm.weight, m.norm.eps)
+        if len(m.layers) - 1 in want:
+            captured[len(m.layers) - 1] = x
+    else:
+        last = m.norm(x)
+    return torch.cat([captured[i] for i in layer_ids], dim=-1), last
+
+
+@torch.no_grad()
 def recompute_features(target, token_ids_list: list[torch.Tensor], layer_ids: list[int],
                        max_batch_tokens: int = 32768) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Run the frozen target over each sequence (``features: recompute``, docs/design/ALGORITHMS.md §3).
@@ -165,7 +240,8 @@ def recompute_features(target, token_ids_list: list[torch.Tensor], layer_ids: li
     Sequences are right-padded and run together, up to ``max_batch_tokens`` padded positions per forward
     (a trainer GPU does a batch of 32 x 512 tokens in one pass instead of 32 passes). Attention is causal,
     so the padding after a row's end never reaches that row's own positions: the result equals one
-    forward per sequence (tests/test_distill.py checks it).
+    forward per sequence (tests/test_distill.py checks it). On CUDA the forward is :func:`causal_features`
+    (SDPA's causal fast path, no mask tensor); elsewhere the target's own forward.
 
     Args:
         target: a :class:`~adaflash_ray.models.target.TargetModel`.
@@ -193,11 +269,15 @@ def recompute_features(target, token_ids_list: list[torch.Tensor], layer_ids: li
         for r, i in enumerate(group):
             ids = token_ids_list[i]
             inp[r, : ids.shape[0] - 1] = ids[:-1].to(device)
-        pos = torch.arange(t_max, device=device)[None].expand(len(group), -1)
-        res = target(inp, pos, capture_layer_ids=list(layer_ids), compute_logits=False)
+        if device.type == "cuda":
+            feats, last = causal_features(target, inp, list(layer_ids))
+        else:
+            pos = torch.arange(t_max, device=device)[None].expand(len(group), -1)
+            res = target(inp, pos, capture_layer_ids=list(layer_ids), compute_logits=False)
+            feats, last = res.features, res.last_hidden
         for r, i in enumerate(group):
             n = token_ids_list[i].shape[0] - 1
-            out[i] = (res.features[r, :n], res.last_hidden[r, :n])
+            out[i] = (feats[r, :n], last[r, :n])
         start += rows
     return out
 
@@ -208,5 +288,5 @@ def with_recomputed_features(target, trajectories: list[Trajectory], layer_ids: 
     return [dataclasses.replace(tr, features=f, last_hidden=h) for tr, (f, h) in zip(trajectories, feats)]
 
 
-__all__ = ["Batch", "LOSS_DECAY_GAMMA", "collate", "recompute_features", "sample_anchors",
+__all__ = ["Batch", "LOSS_DECAY_GAMMA", "causal_features", "collate", "recompute_features", "sample_anchors",
            "with_recomputed_features"]

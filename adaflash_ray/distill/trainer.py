@@ -199,6 +199,10 @@ class DistillTrainerCore:
         self.rank, self.world_size = rank, world_size
         self.target = target.requires_grad_(False)
         self.device = target.lm_head.weight.device
+        if self.device.type == "cuda" and distill_cfg.features == "recompute":
+            for layer in target.model.layers:  # one GEMM for q/k/v and one for gate/up in the recompute forward
+                layer.self_attn.fuse()  # (parameters become views of the fused weights: same names and values)
+                layer.mlp.fuse()
         # the loss implementation this trainer runs (an unusable "triton" fails here, not at the first step)
         self.loss_impl = resolve_loss_impl(getattr(distill_cfg, "loss_impl", "reference"), self.device)
         cuda = self.device.type == "cuda"
