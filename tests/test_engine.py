@@ -804,3 +804,26 @@ def test_a_new_policy_joins_through_the_registry_alone(monkeypatch, tiny_target)
     for r, p in zip(reqs, prompts):
         assert r.output_ids == greedy_reference(tiny_target, p, 16)
         assert set(r.draft_lens) - {0, 1, 2, 3} == {4}  # γ = bs // 2, capped near the end of the budget
+
+
+def test_load_drafter_hashes_once_and_follows_the_version_rule(monkeypatch, tiny_target):
+    """A load whose tensors land unchanged hashes them once (the digest names the loaded drafter); the initial
+    version may be loaded once as a publication, every later load must rise (versions.is_newer), or roll back."""
+    import adaflash_ray.engine.engine as engine_mod
+    from adaflash_ray.models import CheckpointError
+
+    drafter, head = make_drafter(tiny_target, block_size=4, policy="direct")
+    engine = SpecEngine(tiny_target, drafter, head, max_batch_size=2, max_seq_len=64)
+    tensors = {k: v.clone() + 0.01 for k, v in engine.drafter_tensors().items()}
+    sha = tensors_sha256(tensors)
+    calls = []
+    monkeypatch.setattr(engine_mod, "tensors_sha256", lambda t: calls.append(1) or tensors_sha256(t))
+    assert engine.load_drafter(tensors, version=0, sha256=sha) == sha == engine.drafter_sha256  # the initial v0
+    assert len(calls) == 1
+    with pytest.raises(CheckpointError, match="version 0 refused"):
+        engine.load_drafter(tensors, version=0, sha256=sha)
+    headless = {k: v for k, v in tensors.items() if not k.startswith("length_head.")}
+    calls.clear()
+    engine.load_drafter(headless, version=1)  # the engine keeps its own head: the loaded set is hashed instead
+    assert len(calls) == 1 and engine.drafter_sha256 == tensors_sha256(engine.drafter_tensors())
+    assert engine.load_drafter(tensors, version=0, sha256=sha, rollback=True) == sha
