@@ -170,11 +170,13 @@ def causal_features(target, input_ids: torch.Tensor, layer_ids: list[int],
         target: a :class:`~adaflash_ray.models.target.TargetModel`.
         input_ids: ``[B, W]`` int64 on the target's device (W >= 1).
         layer_ids: decoder layers whose outputs are captured (any order, repeats allowed), each in ``[0, L)``.
-        fused: each residual add fused into the next RMSNorm and the SwiGLU product in one kernel (the Triton
-            kernels of the engine's cached forward, :func:`adaflash_ray.kernels.fused_norm.add_rmsnorm` and
-            :meth:`~adaflash_ray.models.layers.SwiGLU.forward_fused`); needs fused gate/up projections
-            (``SwiGLU.fuse``). None: on when Triton launches on the device, every parameter has one dtype and the
-            projections are fused.
+        fused: the Triton kernels of the engine's cached forward: each residual add fused into the next RMSNorm
+            (:func:`adaflash_ray.kernels.fused_norm.add_rmsnorm`), qk-norm + rotary in one pass over the fused q/k/v
+            GEMM's output (:func:`adaflash_ray.kernels.rotary_cache.rotary_qkv_cache`, its "cache" a ``[B, W, Hkv,
+            D]`` buffer per layer), the SwiGLU product in one kernel
+            (:meth:`~adaflash_ray.models.layers.SwiGLU.forward_fused`); needs fused projections
+            (``AttentionProjections.fuse``, ``SwiGLU.fuse``). None: on when Triton launches on the device, every
+            parameter has one dtype and the projections are fused.
     Returns:
         ``(features [B, W, len(layer_ids)*H], last_hidden [B, W, H])`` in the target's dtype.
     Raises:
@@ -191,10 +193,13 @@ def causal_features(target, input_ids: torch.Tensor, layer_ids: list[int],
         from adaflash_ray.kernels.triton_support import triton_usable
 
         fused = (triton_usable(x.device) and len({p.dtype for p in target.parameters()}) == 1
-                 and all(layer.mlp._fused() for layer in m.layers))
+                 and all(layer.mlp._fused() and layer.self_attn._fused() for layer in m.layers))
     if fused:
         from adaflash_ray.kernels.fused_norm import add_rmsnorm
-    pos = torch.arange(w, device=x.device)[None].expand(b, w)
+        from adaflash_ray.kernels.rotary_cache import rotary_qkv_cache
+
+        rows = torch.arange(b, device=x.device)
+    pos = torch.arange(w, device=x.device)[None].expand(b, w).contiguous()
     cos, sin = target.rotary.cos_sin(pos)
     want = set(layer_ids)
     captured: dict[int, torch.Tensor] = {}
@@ -208,11 +213,23 @@ def causal_features(target, input_ids: torch.Tensor, layer_ids: list[int],
                 captured[i - 1] = x
         else:
             h = layer.input_layernorm(x)
-        q, k, v = attn.qkv(h, cos, sin)  # [B, W, Hq | Hkv, D]
-        rep = q.shape[2] // k.shape[2]
+        hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        rep = hq // hkv
+        if fused:
+            k = torch.empty(b, w, hkv, d, dtype=x.dtype, device=x.device)
+            v = torch.empty_like(k)
+            qn = None if attn.q_norm is None else attn.q_norm.weight
+            kn = None if attn.k_norm is None else attn.k_norm.weight
+            eps = 0.0 if attn.q_norm is None else attn.q_norm.eps
+            qg = rotary_qkv_cache(F.linear(h, attn._qkv_w, attn._qkv_b), cos, sin, qn, kn, eps, k, v, rows, pos,
+                                  hq, hkv)  # [B, Hkv, W*rep, D]: row t*rep + r is head g*rep + r at position t
+            q = qg.view(b, hkv, w, rep, d).transpose(2, 3).reshape(b, hq, w, d)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, W, D]
+        else:
+            q, k, v = (t.transpose(1, 2) for t in attn.qkv(h, cos, sin))  # [B, Hq | Hkv, W, D]
         if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, Hq, W, D]
         a = attn.o_proj(out.transpose(1, 2).reshape(b, w, -1))
         if fused:
             ln = layer.post_attention_layernorm

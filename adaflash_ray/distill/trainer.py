@@ -224,7 +224,8 @@ class DistillTrainerCore:
         groups = [{"params": [p for p in drafter.parameters()], "lr": distill_cfg.lr, "name": "drafter"}]
         if head is not None:
             groups.append({"params": [p for p in head.parameters()], "lr": distill_cfg.head_lr, "name": "length_head"})
-        optimizer = torch.optim.AdamW(groups, lr=distill_cfg.lr, weight_decay=distill_cfg.weight_decay)
+        optimizer = torch.optim.AdamW(groups, lr=distill_cfg.lr, weight_decay=distill_cfg.weight_decay,
+                                      fused=True if cuda else None)  # CUDA: one fused kernel for the whole step
         factor = lr_factor(int(distill_cfg.warmup_steps), int(distill_cfg.lr_decay_steps),
                            float(distill_cfg.lr_min_ratio))
 
