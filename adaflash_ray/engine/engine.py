@@ -414,16 +414,14 @@ class SpecEngine:
         ``t(B, γ)`` = least wall-clock ms over ``num_iters`` runs of one whole engine step at batch B that verifies
         γ drafts (width γ+1) and proposes the next block (:meth:`ModelRunner.time_step`: CUDA graphs on GPU as the
         engine steps, plus the step's host work and its device -> host transfer, which is the same for every γ and
-        so makes long blocks relatively cheaper than graph time alone says: run ef18ca8's H200 steps took
-        2.8-2.9 ms at batch 1 against 2.1-2.5 ms of graph time). ``t_AR(B)`` = the same for an AR step (width 1,
-        no propose), the cost of the policy's γ = 0. Widths are measured on the engine's width buckets (GPU: the
-        step pads to them, so this is exact) or on a grid of widths rounded up (CPU). Each row goes through
+        so makes long blocks relatively cheaper than graph time alone says). ``t_AR(B)`` = the same for an AR step
+        (width 1, no propose), the cost of the policy's γ = 0. Widths are measured on the engine's width buckets
+        (GPU: the step pads to them, so this is exact) or on a grid of widths rounded up (CPU). Each row goes through
         :func:`monotone_costs`. Least, not median, and the lower envelope: other processes on the
         same GPU (several inference workers share one) and timer noise only ever add time, and one slowed width
         must not make every longer γ look dear. The timing runs under :func:`device_lock_path`'s lock (waiting up
-        to ``lock_timeout_s``), so engines sharing the device calibrate one after another: four workers that
-        calibrated on one GPU at once logged tables in which, from one width on, every longer γ cost 14-82% more
-        (``results/h200x2_b3a8224_short_calibration_job.log``). Call on an idle engine: it overwrites the KV slots.
+        to ``lock_timeout_s``), so engines sharing the device calibrate one after another (timed at once, each one's
+        longer widths read the others' work). Call on an idle engine: it overwrites the KV slots.
         Returns ``{"batch_sizes", "costs_ms" [len(batch_sizes)][bs-1], "ar_costs_ms" [len(batch_sizes)],
         "context_len"}`` (also kept as ``self.cost_table``).
         Raises:

@@ -108,9 +108,8 @@ class CostLength(LengthPolicy):
     token per live row and costs ``t_AR(B)``, a target forward of width 1 with no drafter propose; when
     ``n_live / t_AR(B) > max_γ Σ_r E_r[c(γ)] / t(B, γ)`` the policy answers 0 and the engine decodes without
     drafting, proposing again every ``probe_every`` steps to re-check (the probe schedule below). That is the
-    load-dependent switch the reference head lacks (it had to be turned off by hand below 48 concurrent requests,
-    AdaFlash issue #2): at concurrency 64 on an H200 a speculative step of the 135M target cost 1.8x an AR step
-    (``results/h200_ef18ca8_bench_trained_c64.json``), more than its τ of 1.96 made up for.
+    load-dependent switch the reference head lacks (the reference AdaFlash head has to be turned off by hand at low
+    concurrency): at high concurrency a speculative step can cost more than its τ makes up for.
 
     The probe schedule (host state, advanced by the engine's hooks between steps): while the policy's last answer
     for the whole running batch was γ = 0 (``ar_chosen``), a step proposes only once ``steps_since_probe`` reaches
