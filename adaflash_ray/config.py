@@ -243,6 +243,9 @@ class DistillConfig(_Section):
     # dtype of the drafter's training forward (autocast; the trainable weights and the optimizer stay float32):
     # "auto" = the target's dtype when it is float16, else bfloat16, on CUDA, and float32 (no autocast) on CPU
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # the drafter's training attention: "sdpa" (an explicit visibility mask) or "flex" (flex attention with a block
+    # mask that skips the key tiles a block never sees; compiled on CUDA on the first step)
+    drafter_attention: Literal["sdpa", "flex"] = "sdpa"
     # times one trajectory may feed an optimizer step (fresh anchors each time); > 1 lets a trainer
     # that outpaces inference keep stepping on recent on-policy data (still within max_version_lag)
     max_reuse: int = Field(6, ge=1)

@@ -17,7 +17,7 @@ uses random weights of a named shape (:data:`adaflash_ray.shapes.SHAPES`) in the
 ``model.device`` instead of loading the recipe's model.
 
 Output: one JSON object on the last stdout line (and in ``--out``): ``device, commit, torch_version, recipe,
-shape, loss_impl`` (resolved), ``compute_dtype`` (the drafter's resolved training compute dtype), ``loss_chunk_size, num_anchors, block_size, prompt_len, new_tokens, dtype``, ``peak_tflops`` (the bf16 dense peak the floor uses: 989 TFLOP/s, the H200 SXM data
+shape, loss_impl`` (resolved), ``compute_dtype`` (the drafter's resolved training compute dtype), ``drafter_attention``, ``loss_chunk_size, num_anchors, block_size, prompt_len, new_tokens, dtype``, ``peak_tflops`` (the bf16 dense peak the floor uses: 989 TFLOP/s, the H200 SXM data
 sheet figure; measured GEMMs reach ~790 there), ``rows`` - per batch size: ``batch_size, block_positions`` (valid
 blocks x (block_size-1) per step, the unit of the 118k positions/s baseline), ``supervised_positions`` (those with
 weight > 0), ``step_s`` (median of the timed steps), ``positions_per_s`` (block positions / mean step time),
@@ -257,7 +257,7 @@ def run(cfg, *, shape: str | None, batch_sizes: list[int], prompt_len: int, new_
     dcfg = cfg.distill.model_copy(update={"features": "recompute"})  # trajectories carry token ids only
     doc = {**_header(device), "mode": "trainer", "recipe": cfg.name, "shape": shape, "loss_impl": None,
            "loss_chunk_size": cfg.distill.loss_chunk_size, "num_anchors": cfg.distill.num_anchors,
-           "block_size": None, "compute_dtype": None, "prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": cfg.model.dtype,
+           "block_size": None, "compute_dtype": None, "drafter_attention": None, "prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": cfg.model.dtype,
            "peak_tflops": PEAK_TFLOPS, "rows": []}
     if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")):
         DistillTrainerCore.setup_dist_env(0, 1)  # one rank (DeepSpeed reads LOCAL_RANK even when torch.distributed is up)
@@ -267,6 +267,7 @@ def run(cfg, *, shape: str | None, batch_sizes: list[int], prompt_len: int, new_
             core = DistillTrainerCore(target, cfg.drafter, cfg.length_head, dcfg, seed=cfg.seed)
             doc["loss_impl"], doc["block_size"] = core.loss_impl, core.drafter.block_size
             doc["compute_dtype"] = str(core.compute_dtype or torch.float32).removeprefix("torch.")
+            doc["drafter_attention"] = getattr(dcfg, "drafter_attention", "sdpa")
             trajs = synthetic_trajectories(b, prompt_len, new_tokens, target.config.vocab_size, cfg.seed)
             row = bench_batch(core, trajs, warmup=warmup, steps=steps, split_steps=split_steps)
             row["flops"] = step_flops(target.config, core.drafter.config, [tr.num_tokens for tr in trajs],

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The trainer benchmark on ONE H200, in one `device` call (~3 min expected, 330 s of steps at most).
+# The trainer benchmark on ONE H200, in one `device` call (~2.5 min expected, 480 s of steps at most).
 #
 # Here (CPU machine), once, if .gpu_stage/whl is missing:  bash scripts/gpu_main_job.sh stage
 # Device call (kind nvidia-h200, carry [".gpu_stage/whl"], timeout_s 600):
@@ -15,9 +15,11 @@
 #    one 24,576-row loss chunk)                                                             -> trainer_reference.json
 #    the default path (loss_impl=triton, compute_dtype=auto = bf16 drafter compute) at batch 16, 32, 64, 128,
 #    one profiled step at batch 16                                                          -> trainer_triton.json
+#    the same at batch 16 with distill.drafter_attention=flex (compiled flex attention, block mask; the first
+#    step compiles)                                                                         -> trainer_flex.json
 # 3. trainer_summary.json: block positions/s per (impl, batch), speedup over the baseline, FLOP-floor ratio, the
 #    split, peak memory, the >= 600k positions/s goal, the baseline/fused last-loss agreement, test outcome.
-# All in $OUT, with gpu.txt (nvidia-smi, versions) and trainer_bench.log (every step's stderr): 6 files.
+# All in $OUT, with gpu.txt (nvidia-smi, versions) and trainer_bench.log (every step's stderr): 7 files.
 # Dry run on a CPU machine (no install, tiny sizes; the triton step fails there without CUDA, as it should):
 #     TB_DRY=1 TB_EXTRA="--set model.device=cpu --set model.dtype=float32 --set placement.gpus_per_trainer=0 \
 #       --set placement.gpus_per_inference_worker=0 --shape tiny --prompt-len 10 --new-tokens 20 --warmup 1 \
@@ -59,7 +61,8 @@ step() {  # step NAME TIMEOUT_S CMD...: run with a timeout, stderr+stdout into t
 }
 
 # 1. kernel tests (CUDA): the fused loss's Triton backend against the torch backend and the original computation
-step gpu_tests 120 python3 -m pytest -q -m gpu tests/test_gpu.py -k "fused_loss or train_step or causal_features" -p no:cacheprovider
+step gpu_tests 150 python3 -m pytest -q -m gpu tests/test_gpu.py -k "fused_loss or train_step or causal_features or flex" \
+  -p no:cacheprovider
 sed -n '/=== gpu_tests/,/^gpu_tests: rc/p' "$LOG" > "$OUT/gpu_tests.log"
 tail -3 "$OUT/gpu_tests.log"
 
@@ -73,6 +76,8 @@ step reference 70 "${B[@]}" --batch-sizes 16 --set distill.loss_impl=reference -
   --out "$OUT/trainer_reference.json"
 step triton 140 "${B[@]}" --batch-sizes 16 32 64 128 --set distill.loss_impl=triton --set distill.compute_dtype=auto \
   --profile 16 --out "$OUT/trainer_triton.json"
+step flex 120 "${B[@]}" --batch-sizes 16 --set distill.loss_impl=triton --set distill.compute_dtype=auto \
+  --set distill.drafter_attention=flex --profile 16 --out "$OUT/trainer_flex.json"
 grep -E "^trainer bench:" "$LOG"
 
 # 3. summary
@@ -80,7 +85,7 @@ python3 - "$OUT" <<'EOF'
 import json, os, re, sys
 out = sys.argv[1]
 docs = {}
-for impl in ("reference", "triton"):
+for impl in ("reference", "triton", "flex"):
     p = os.path.join(out, f"trainer_{impl}.json")
     if os.path.exists(p):
         docs[impl] = json.load(open(p))
@@ -107,11 +112,13 @@ summary = {
     # same seed, same anchors, same number of steps: the fused losses should end close to the baseline's loss
     "last_loss_rel_diff_vs_reference_b16": {r["impl"]: abs(r["last_loss"] - base["last_loss"]) / abs(base["last_loss"])
                                             for r in same} if base else None,
-    "missing": [i for i in ("reference", "triton") if i not in docs],
+    "missing": [i for i in ("reference", "triton", "flex") if i not in docs],
     "errors": errors,
     # one profiled fused step at batch 16: where the time goes, kernel by kernel
     "profile_top_triton_b16": next((r.get("profile_top", [])[:20] for r in docs.get("triton", {}).get("rows", [])
                                     if r.get("batch_size") == 16), None),
+    "profile_top_flex_b16": next((r.get("profile_top", [])[:20] for r in docs.get("flex", {}).get("rows", [])
+                                  if r.get("batch_size") == 16), None),
 }
 json.dump(summary, open(os.path.join(out, "trainer_summary.json"), "w"), indent=1)
 print(json.dumps({k: summary[k] for k in ("gpu_tests", "best", "goal_600k_positions_per_s",

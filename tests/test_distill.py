@@ -811,3 +811,29 @@ def test_causal_features_fused_kernels_under_interpreter():
                          timeout=300, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "fused recompute ok" in out.stdout
+
+
+def test_forward_train_flex_attention_equals_sdpa(target, trajectories):
+    """The drafter's training forward with flex attention (block mask; eager flex on CPU, forward only: flex has no
+    CPU backward) equals the explicit-mask SDPA forward; the trainer refuses ``flex`` off CUDA."""
+    import warnings
+
+    from adaflash_ray.models.factory import build_drafter
+
+    drafter_cfg, head_cfg, _ = _cfgs()
+    drafter, _ = build_drafter(target, drafter_cfg, head_cfg, 0)
+    drafter.float()
+    batch = collate(trajectories[:3], num_anchors=5, block_size=drafter.block_size,
+                    generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex attention warns that it is not compiled
+        ref = drafter.forward_train(batch.features, batch.input_ids, batch.anchors)
+        got = drafter.forward_train(batch.features, batch.input_ids, batch.anchors, attention="flex")
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="attention"):
+        drafter.forward_train(batch.features, batch.input_ids, batch.anchors, attention="dense")
+
+
+def test_trainer_rejects_flex_attention_off_cuda(dist_env, target):
+    with pytest.raises(ValueError, match="drafter_attention"):
+        dist_env(target, *_cfgs(drafter_attention="flex"), seed=0)

@@ -281,3 +281,32 @@ def test_recompute_causal_features_match_target_forward():
         r = target(s[None, :-1].cuda(), torch.arange(len(s) - 1, device="cuda")[None], capture_layer_ids=[1, 3],
                    compute_logits=False)
         assert _rel(fs.float(), r.features[0].float()) < 2e-2 and _rel(hs.float(), r.last_hidden[0].float()) < 2e-2
+
+
+def test_drafter_flex_attention_matches_sdpa_cuda():
+    """The drafter's training forward with compiled flex attention (block mask) against the explicit-mask SDPA
+    forward on CUDA, float32: values and the gradients into the features and the weights."""
+    import dataclasses
+
+    from test_distill import _cfgs, _greedy_trajectories, make_distill_target
+
+    from adaflash_ray.distill.blocks import collate
+    from adaflash_ray.models.factory import build_drafter
+
+    target = make_distill_target()
+    trajs = _greedy_trajectories(target, num=3, num_new=24, seed=4, dtype=torch.float32)
+    target = target.to("cuda")
+    trajs = [dataclasses.replace(t, features=t.features.cuda(), last_hidden=t.last_hidden.cuda()) for t in trajs]
+    drafter_cfg, head_cfg, _ = _cfgs()
+    drafter, _ = build_drafter(target, drafter_cfg, head_cfg, 0)
+    drafter = drafter.float().cuda()
+    batch = collate(trajs, num_anchors=8, block_size=drafter.block_size, generator=torch.Generator().manual_seed(2))
+    outs = []
+    for attention in ("sdpa", "flex"):
+        drafter.zero_grad()
+        feats = batch.features.clone().requires_grad_(True)
+        h = drafter.forward_train(feats, batch.input_ids, batch.anchors, attention=attention)
+        h.square().sum().backward()
+        outs.append((h.detach(), feats.grad, drafter.fc.weight.grad.clone()))
+    for got, want in zip(outs[1], outs[0]):
+        assert _rel(got, want) < 1e-3

@@ -118,7 +118,8 @@ class DistillModule(nn.Module):
     def _forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.distill_cfg
         bs = self.drafter.block_size
-        hidden = self.drafter.forward_train(batch.features, batch.input_ids, batch.anchors)  # [B, N, bs, H]
+        hidden = self.drafter.forward_train(batch.features, batch.input_ids, batch.anchors,
+                                            attention=getattr(cfg, "drafter_attention", "sdpa"))  # [B, N, bs, H]
         sel = batch.weights > 0  # [B, N, bs-1]
         rows = torch.arange(sel.shape[0], device=sel.device)[:, None, None].expand_as(sel)[sel]  # [M]
         student = hidden[:, :, 1:, :][sel]  # [M, H]
@@ -181,7 +182,8 @@ class DistillTrainerCore:
     under autocast in :func:`resolve_compute_dtype` of ``distill.compute_dtype`` (``auto``: bfloat16 on CUDA,
     float16 with a float16 target, float32 on CPU). ``bf16``/``fp16`` DeepSpeed modes are off.
     Raises:
-        ValueError: unknown ``distill.features`` or ``distill.compute_dtype``; distributed env missing for world_size > 1 or
+        ValueError: unknown ``distill.features`` or ``distill.compute_dtype``; ``distill.drafter_attention: flex``
+            off CUDA; distributed env missing for world_size > 1 or
             inconsistent with ``rank``/``world_size``; the target's device type differs from
             DeepSpeed's accelerator.
     """
@@ -203,6 +205,9 @@ class DistillTrainerCore:
             for layer in target.model.layers:  # one GEMM for q/k/v and one for gate/up in the recompute forward
                 layer.self_attn.fuse()  # (parameters become views of the fused weights: same names and values)
                 layer.mlp.fuse()
+        if getattr(distill_cfg, "drafter_attention", "sdpa") == "flex" and self.device.type != "cuda":
+            raise ValueError(f"distill.drafter_attention 'flex' needs a CUDA device (flex attention has no backward "
+                             f"on {self.device.type})")
         # the loss implementation this trainer runs (an unusable "triton" fails here, not at the first step)
         self.loss_impl = resolve_loss_impl(getattr(distill_cfg, "loss_impl", "reference"), self.device)
         cuda = self.device.type == "cuda"

@@ -232,7 +232,8 @@ class _DrafterLayer(DecoderLayerParams):
         super().__init__(cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, _DrafterAttention(cfg))
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, visible):
-        """x ``[B, Q, H]`` block positions; ctx_k/ctx_v ``[B, C, Hkv, D]``; visible ``[B, Q, C+Q]``.
+        """x ``[B, Q, H]`` block positions; ctx_k/ctx_v ``[B, C, Hkv, D]``; visible ``[B, Q, C+Q]`` bool, or a
+        flex-attention ``BlockMask`` of the same visibility (:func:`_flex_attention`).
 
         Under autocast, queries, keys and values enter the attention in the autocast dtype (the q/k norms and the
         rotary return float32, which would select a float32 attention kernel); otherwise in the block keys' dtype.
@@ -246,7 +247,11 @@ class _DrafterLayer(DecoderLayerParams):
         q = q.to(dt)
         k = torch.cat([ctx_k.to(dt), bk.to(dt)], dim=1)
         v = torch.cat([ctx_v.to(dt), bv.to(dt)], dim=1)
-        out = masked_attention(q, k, v, visible)
+        if isinstance(visible, torch.Tensor):
+            out = masked_attention(q, k, v, visible)
+        else:
+            out = _flex_attention(q.device)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                            block_mask=visible, enable_gqa=True).transpose(1, 2)
         x = x + attn.o_proj(out.reshape(x.shape[0], x.shape[1], -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -262,6 +267,22 @@ class _DrafterLayer(DecoderLayerParams):
         out = grouped_attention(q, k_cache[:, :span].to(q.dtype), v_cache[:, :span].to(q.dtype), mask)
         x = x + attn.o_proj(out.reshape(x.shape[0], x.shape[1], -1))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+_FLEX_COMPILED = None
+
+
+def _flex_attention(device: torch.device):
+    """``torch.nn.attention.flex_attention.flex_attention``: compiled (once per process) on CUDA, where only the
+    compiled form runs fused block-sparse kernels; eager elsewhere (the reference math, for tests)."""
+    global _FLEX_COMPILED
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if _FLEX_COMPILED is None:
+        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
+    return _FLEX_COMPILED
 
 
 class DFlashDrafter(nn.Module):
@@ -397,7 +418,8 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     # ------------------------------------------------------------------ training
-    def forward_train(self, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    def forward_train(self, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,
+                      attention: str = "sdpa") -> torch.Tensor:
         """Many blocks per sequence (DFlash/SpecForge training layout).
 
         Args:
@@ -405,10 +427,16 @@ class DFlashDrafter(nn.Module):
             input_ids: ``[B, T']`` token ids (T' >= T); the anchor token is ``input_ids[b, anchor]``.
             anchors: ``[B, N]`` int64 anchor positions (>= 1; padding anchors may repeat a valid
                 one - their loss weight must be zero).
+            attention: ``sdpa`` (SDPA with an explicit ``[B, N*bs, T + N*bs]`` visibility mask) or ``flex``
+                (flex attention with a block mask: key tiles no query of a tile sees are skipped; compiled on CUDA).
         Returns:
             ``[B, N, block_size, H]`` final hidden states; block position k predicts token anchor+k.
         Block n sees context positions ``< anchors[b, n]`` and the positions of its own block only.
+        Raises:
+            ValueError: unknown ``attention``.
         """
+        if attention not in ("sdpa", "flex"):
+            raise ValueError(f"attention must be 'sdpa' or 'flex', got {attention!r}")
         bsz, t, _ = features.shape
         n, bs = anchors.shape[1], self.block_size
         c = self.project_context(features)  # [B, T, H]
@@ -419,10 +447,18 @@ class DFlashDrafter(nn.Module):
         pos = (anchors[:, :, None] + torch.arange(bs, device=c.device)).reshape(bsz, n * bs)
         cos, sin = self.rotary.cos_sin(pos)
         q_anchor = anchors.repeat_interleave(bs, dim=1)  # [B, N*bs]
-        ctx_vis = ctx_pos[:, None, :] < q_anchor[:, :, None]  # [B, N*bs, T]
-        blk = torch.arange(n, device=c.device).repeat_interleave(bs)
-        blk_vis = (blk[:, None] == blk[None, :]).expand(bsz, n * bs, n * bs)
-        visible = torch.cat([ctx_vis, blk_vis], dim=-1)
+        if attention == "flex":
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            def visible_mod(b, h, q_idx, kv_idx):  # keys: context 0..T-1, then the N*bs block positions
+                return torch.where(kv_idx < t, kv_idx < q_anchor[b, q_idx], (kv_idx - t) // bs == q_idx // bs)
+
+            visible = create_block_mask(visible_mod, bsz, None, n * bs, t + n * bs, device=c.device)
+        else:
+            ctx_vis = ctx_pos[:, None, :] < q_anchor[:, :, None]  # [B, N*bs, T]
+            blk = torch.arange(n, device=c.device).repeat_interleave(bs)
+            blk_vis = (blk[:, None] == blk[None, :]).expand(bsz, n * bs, n * bs)
+            visible = torch.cat([ctx_vis, blk_vis], dim=-1)
         for layer in self.layers:
             ck, cv = layer.self_attn.kv(c, ccos, csin)
             x = layer(x, cos, sin, ck, cv, visible)
