@@ -439,7 +439,10 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"attention must be 'sdpa' or 'flex', got {attention!r}")
         bsz, t, _ = features.shape
         n, bs = anchors.shape[1], self.block_size
-        c = self.project_context(features)  # [B, T, H]
+        if torch.is_autocast_enabled(features.device.type):  # fc runs in the autocast dtype: no float32 copy first
+            c = self.hidden_norm(self.fc(features))  # [B, T, H], = project_context(features)
+        else:
+            c = self.project_context(features)  # [B, T, H]
         ctx_pos = torch.arange(t, device=c.device).expand(bsz, t)
         ccos, csin = self.rotary.cos_sin(ctx_pos)
         anchor_ids = input_ids.gather(1, anchors)  # [B, N]
