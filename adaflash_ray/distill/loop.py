@@ -413,35 +413,40 @@ def train_from_files(cfg, trajectories: str | Path, out: str | Path) -> dict:
 
 
 def generate_files(cfg, num_prompts: int, out: str | Path, drafter: str | Path | None = None) -> list[Path]:
-    """Decode ``num_prompts`` training prompts (the recipe's ShareGPT sample, chat template,
-    ``data.max_prompt_tokens``) with the built-in engine, recording, and write each finished request's
-    trajectory to ``out`` (:func:`~adaflash_ray.distill.spill.spill_path`); no Ray. ``drafter``: a DFlash
-    checkpoint directory to draft with (its ``version`` metadata names the files), else the recipe's
-    starting drafter (version 0). Request ids get a per-call tag (``gen-<tag>-<id>``). Returns the files written.
+    """Decode ``num_prompts`` training prompts with the built-in engine, recording, and write each finished
+    request's trajectory to ``out`` (:func:`~adaflash_ray.distill.spill.spill_path`); no Ray.
+
+    The prompts are the main job's training set, in its order (:func:`adaflash_ray.inputs.prepare_inputs`: the
+    ShareGPT sample with ``data.num_domain_train_prompts`` in-domain prompts mixed in, chat template,
+    ``data.max_prompt_tokens``; checked disjoint from the held-out prompts). Sampling follows
+    ``engine.temperature`` / ``engine.max_new_tokens``. Without ``drafter`` the engine decodes in AR mode (one
+    token per step, no drafter work: the target's text at full engine throughput - greedy or sampled, the
+    output is the target's whatever drafts); with ``drafter`` (a DFlash checkpoint directory, its ``version``
+    metadata naming the files) it drafts with it, so the trajectories record its proposals' acceptance.
+    Request ids get a per-call tag (``gen-<tag>-<id>``). Returns the files written.
     Raises:
-        ValueError: ``num_prompts`` < 1; CheckpointError: an unreadable ``drafter``; as the engine and data loaders.
+        ValueError: ``num_prompts`` < 1; CheckpointError: an unreadable ``drafter``; as prepare_inputs and the engine.
     """
-    from adaflash_ray.data import encode_prompts, ensure_target, load_sharegpt, load_tokenizer
     from adaflash_ray.distill.spill import spill_path, write_parquet
     from adaflash_ray.engine import SamplingParams, SpecEngine
+    from adaflash_ray.inputs import prepare_inputs
     from adaflash_ray.models import load_drafter_checkpoint
 
     if num_prompts < 1:
         raise ValueError(f"--prompts must be >= 1, got {num_prompts}")
     torch.set_num_threads(cfg.engine.num_threads)
-    tok = load_tokenizer(ensure_target(cfg.model.path or cfg.model.name))
-    prompts = encode_prompts(tok, load_sharegpt(num_prompts, cfg.seed, turns=cfg.data.sharegpt_turns),
-                             cfg.data.max_prompt_tokens)
-    engine = SpecEngine.from_config(cfg, record=True, record_features=cfg.distill.features == "captured")
+    out = Path(out)
+    prompts = list(prepare_inputs(cfg, out / "inputs").train)[:num_prompts]
+    engine = SpecEngine.from_config(cfg, record=True, record_features=cfg.distill.features == "captured",
+                                    calibrate=False)
     if drafter is not None:
         _, tensors, meta = load_drafter_checkpoint(drafter)
         engine.load_drafter(tensors, int(meta.get("version", 0)), meta.get("sha256"))
     params = SamplingParams(max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature)
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     run_tag = uuid.uuid4().hex[:8]  # request ids unique across runs written into one directory
     written = []
-    for req in engine.generate(list(prompts), params):
+    for req in engine.generate(prompts, params, mode="spec" if drafter is not None else "ar"):
         if req.output_ids:
             traj = dataclasses.replace(engine.to_trajectory(req), request_id=f"gen-{run_tag}-{req.request_id}")
             written.append(write_parquet(traj, spill_path(out, traj.request_id, traj.drafter_version)))
