@@ -260,8 +260,8 @@ def test_bf16_train_step_matches_fp32_step_tiny():
 
 
 def test_recompute_causal_features_match_target_forward():
-    """The trainer's CUDA recompute path (SDPA is_causal, fused projections) against the target's masked forward,
-    bf16, a random target of 4 layers with grouped KV heads and right-padded rows."""
+    """The trainer's CUDA recompute path (SDPA is_causal, fused projections; also its Triton-kernel variant) against
+    the target's masked forward, bf16, a random target of 4 layers with grouped KV heads and right-padded rows."""
     from adaflash_ray.distill.blocks import causal_features, recompute_features
     from adaflash_ray.models.target import TargetConfig
 
@@ -273,9 +273,13 @@ def test_recompute_causal_features_match_target_forward():
     ids = torch.randint(0, 256, (3, 200), device="cuda")
     pos = torch.arange(200, device="cuda")[None].expand(3, -1)
     ref = target(ids, pos, capture_layer_ids=[1, 3], compute_logits=False)
-    f, h = causal_features(target, ids, [1, 3])
-    for got, want in ((f, ref.features), (h, ref.last_hidden)):
-        assert _rel(got.float(), want.float()) < 2e-2
+    for layer in target.model.layers:  # as DistillTrainerCore does on CUDA (the fused variant needs it)
+        layer.self_attn.fuse()
+        layer.mlp.fuse()
+    for fused in (False, True):
+        f, h = causal_features(target, ids, [1, 3], fused=fused)
+        for got, want in ((f, ref.features), (h, ref.last_hidden)):
+            assert _rel(got.float(), want.float()) < 2e-2, fused
     seqs = [torch.randint(0, 256, (n,)) for n in (120, 201, 64)]
     for s, (fs, hs) in zip(seqs, recompute_features(target, seqs, [1, 3])):
         r = target(s[None, :-1].cuda(), torch.arange(len(s) - 1, device="cuda")[None], capture_layer_ids=[1, 3],

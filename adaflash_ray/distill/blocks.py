@@ -160,7 +160,7 @@ def collate(trajectories: list[Trajectory], num_anchors: int, block_size: int,
 
 @torch.no_grad()
 def causal_features(target, input_ids: torch.Tensor, layer_ids: list[int],
-                    fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's features and final hidden states of ``input_ids`` ``[B, W]`` (positions ``0..W-1``, causal
     attention inside each row): what ``target(input_ids, positions, capture_layer_ids=layer_ids,
     compute_logits=False)`` returns, computed with SDPA's ``is_causal`` path (flash attention on CUDA) instead of
@@ -175,8 +175,9 @@ def causal_features(target, input_ids: torch.Tensor, layer_ids: list[int],
             GEMM's output (:func:`adaflash_ray.kernels.rotary_cache.rotary_qkv_cache`, its "cache" a ``[B, W, Hkv,
             D]`` buffer per layer), the SwiGLU product in one kernel
             (:meth:`~adaflash_ray.models.layers.SwiGLU.forward_fused`); needs fused projections
-            (``AttentionProjections.fuse``, ``SwiGLU.fuse``). None: on when Triton launches on the device, every
-            parameter has one dtype and the projections are fused.
+            (``AttentionProjections.fuse``, ``SwiGLU.fuse``) and a device Triton launches on. Off by default: the
+            kernels are launched from Python, 3-4 per layer, and at a few thousand tokens per forward their host-side
+            launch cost outweighs the device time they save (the engine runs them inside CUDA graphs instead).
     Returns:
         ``(features [B, W, len(layer_ids)*H], last_hidden [B, W, H])`` in the target's dtype.
     Raises:
@@ -189,11 +190,6 @@ def causal_features(target, input_ids: torch.Tensor, layer_ids: list[int],
         raise ValueError(f"layer ids {bad} outside [0, {n_layers})")
     b, w = input_ids.shape
     x = m.embed_tokens(input_ids)  # [B, W, H]
-    if fused is None:
-        from adaflash_ray.kernels.triton_support import triton_usable
-
-        fused = (triton_usable(x.device) and len({p.dtype for p in target.parameters()}) == 1
-                 and all(layer.mlp._fused() and layer.self_attn._fused() for layer in m.layers))
     if fused:
         from adaflash_ray.kernels.fused_norm import add_rmsnorm
         from adaflash_ray.kernels.rotary_cache import rotary_qkv_cache
@@ -258,7 +254,7 @@ def recompute_features(target, token_ids_list: list[torch.Tensor], layer_ids: li
     (a trainer GPU does a batch of 32 x 512 tokens in one pass instead of 32 passes). Attention is causal,
     so the padding after a row's end never reaches that row's own positions: the result equals one
     forward per sequence (tests/test_distill.py checks it). On CUDA the forward is :func:`causal_features`
-    (SDPA's causal fast path, no mask tensor); elsewhere the target's own forward.
+    (SDPA's causal fast path, no mask tensor, the target's torch modules); elsewhere the target's own forward.
 
     Args:
         target: a :class:`~adaflash_ray.models.target.TargetModel`.
