@@ -9,7 +9,7 @@
 #
 # Steps (each under its own timeout; a failed step is reported and the next one still runs):
 # 1. gpu-marked tests: the fused loss (Triton vs torch backend vs the original computation) and a bf16 trainer
-#    step against the float32 one on a tiny model                                          -> gpu_tests.log
+#    step against the float32 one on a tiny model                                  -> its section of trainer_bench.log
 # 2. trainer bench, recipe smollm2_135m_gpu, synthetic trajectories of 256 prompt + 256 response tokens, 96 anchors:
 #    baseline: loss_impl=reference, compute_dtype=float32 at batch 16 (the original settings: a float32 drafter,
 #    one 24,576-row loss chunk)                                                             -> trainer_reference.json
@@ -19,7 +19,7 @@
 #    step compiles)                                                                         -> trainer_flex.json
 # 3. trainer_summary.json: block positions/s per (impl, batch), speedup over the baseline, FLOP-floor ratio, the
 #    split, peak memory, the >= 600k positions/s goal, the baseline/fused last-loss agreement, test outcome.
-# All in $OUT, with gpu.txt (nvidia-smi, versions) and trainer_bench.log (every step's stderr): 7 files.
+# All in $OUT, with trainer_bench.log (nvidia-smi and versions, then every step's output): 5 files.
 # Dry run on a CPU machine (no install, tiny sizes; the triton step fails there without CUDA, as it should):
 #     TB_DRY=1 TB_EXTRA="--set model.device=cpu --set model.dtype=float32 --set placement.gpus_per_trainer=0 \
 #       --set placement.gpus_per_inference_worker=0 --shape tiny --prompt-len 10 --new-tokens 20 --warmup 1 \
@@ -33,6 +33,7 @@ OUT="${OUT:-/tmp/gpu_trainer_bench_out}"
 mkdir -p "$OUT"
 LOG="$OUT/trainer_bench.log"
 : > "$LOG"
+TESTS_LOG="$(mktemp)"  # the gpu_tests section of the log, read by the summary (kept out of $OUT: fewer files)
 
 if [ -z "${TB_DRY:-}" ] && ! ls .gpu_stage/whl/deepspeed-*.whl > /dev/null 2>&1; then
   echo "no .gpu_stage/whl: run 'bash scripts/gpu_main_job.sh stage' on the CPU machine, carry .gpu_stage/whl" >&2
@@ -47,8 +48,8 @@ fi
 export ADAFLASH_COMMIT="${ADAFLASH_COMMIT:-unknown}"
 { nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
   python3 -c "import torch, triton, deepspeed; print('torch', torch.__version__, 'triton', triton.__version__,
-'deepspeed', deepspeed.__version__, 'gpus', torch.cuda.device_count())"; } > "$OUT/gpu.txt" 2>&1
-cat "$OUT/gpu.txt"
+'deepspeed', deepspeed.__version__, 'gpus', torch.cuda.device_count())"; } >> "$LOG" 2>&1
+cat "$LOG"
 
 step() {  # step NAME TIMEOUT_S CMD...: run with a timeout, stderr+stdout into the log, report the status
   local name=$1 limit=$2; shift 2
@@ -63,8 +64,8 @@ step() {  # step NAME TIMEOUT_S CMD...: run with a timeout, stderr+stdout into t
 # 1. kernel tests (CUDA): the fused loss's Triton backend against the torch backend and the original computation
 step gpu_tests 150 python3 -m pytest -q -m gpu tests/test_gpu.py -k "fused_loss or train_step or causal_features or flex" \
   -p no:cacheprovider
-sed -n '/=== gpu_tests/,/^gpu_tests: rc/p' "$LOG" > "$OUT/gpu_tests.log"
-tail -3 "$OUT/gpu_tests.log"
+sed -n '/=== gpu_tests/,/^gpu_tests: rc/p' "$LOG" > "$TESTS_LOG"
+tail -3 "$TESTS_LOG"
 
 # 2. trainer bench
 # adaflash_ray.trainer_bench is what `python -m adaflash_ray.bench --trainer` runs, called directly: it needs no engine
@@ -81,7 +82,7 @@ step flex 120 "${B[@]}" --batch-sizes 16 --set distill.loss_impl=triton --set di
 grep -E "^trainer bench:" "$LOG"
 
 # 3. summary
-python3 - "$OUT" <<'EOF'
+python3 - "$OUT" "$TESTS_LOG" <<'EOF'
 import json, os, re, sys
 out = sys.argv[1]
 docs = {}
@@ -97,7 +98,7 @@ base = next((r for r in rows if r["impl"] == "reference" and r["batch_size"] == 
 for r in rows:
     r["speedup_vs_reference_b16"] = r["positions_per_s"] / base["positions_per_s"] if base else None
 same = [r for r in rows if r["impl"] != "reference" and r["batch_size"] == 16]
-log = open(os.path.join(out, "gpu_tests.log")).read() if os.path.exists(os.path.join(out, "gpu_tests.log")) else ""
+log = open(sys.argv[2]).read() if os.path.exists(sys.argv[2]) else ""
 m = re.findall(r"^.*\d+ (?:passed|failed|skipped|errors?)\b.*$", log, re.M)  # pytest's closing line
 best = max(rows, key=lambda r: r["positions_per_s"]) if rows else None
 summary = {
@@ -128,3 +129,4 @@ for r in rows:
           f"floor x{r['floor_ratio']:.1f}  speedup {r['speedup_vs_reference_b16'] or 0:.2f}  "
           f"mem {r['peak_mem_gib'] or 0:.1f} GiB")
 EOF
+rm -f "$TESTS_LOG"
