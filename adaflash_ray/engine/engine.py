@@ -157,6 +157,7 @@ class SpecEngine:
             target = load_target(cfg.model)
             models = (target, *build_drafter(target, cfg.drafter, lh, seed=cfg.seed))
         target, drafter, head = models
+        target.fused_kernels = cfg.engine.fused_kernels  # read when the runner fuses the projections (CUDA only)
         return cls(target, drafter, head, policy=policy or lh.policy, rate=lh.rate, min_len=lh.min_len,
                    ar_steps=lh.ar_steps if ar_steps is None else ar_steps, probe_every=lh.probe_every,
                    max_batch_size=max_batch_size or cfg.engine.max_batch_size,
