@@ -414,7 +414,6 @@ def test_error_cases_raw_http(server):
         ("/v1/chat/completions", {**chat, "n": 2}, 400, "n"),
         ("/v1/chat/completions", {**chat, "logprobs": True}, 400, "logprobs"),
         ("/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}, 400, "tools"),
-        ("/v1/chat/completions", {**chat, "frobnicate": 1}, 400, "frobnicate"),
         ("/v1/chat/completions", {**chat, "temperature": -1}, 400, "temperature"),
         ("/v1/chat/completions", {**chat, "top_p": 1.5}, 400, "top_p"),
         ("/v1/chat/completions", {**chat, "seed": 3, "temperature": 0.8}, 400, "seed"),
@@ -434,6 +433,13 @@ def test_error_cases_raw_http(server):
     for path, body, status, param in cases:
         got, err = post(path, body)
         assert (got, err["param"]) == (status, param), (body, err)
+    # an unknown field is ignored (vLLM's behaviour): 200, and the reply names what it ignored
+    r = requests.post(u + "/v1/chat/completions", json={**chat, "max_tokens": 2, "frobnicate": 1,
+                                                        "messages": [{"role": "user", "content": "hi", "x_msg": 0}]},
+                      headers=HDR, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["adaflash"]["ignored_fields"] == ["frobnicate", "messages.0.x_msg"]
+    assert r.headers["x-adaflash-ignored-fields"] == "frobnicate,messages.0.x_msg"
     from adaflash_ray.config import load_recipe
 
     c = load_recipe("recipes/cpu_tiny.yaml")

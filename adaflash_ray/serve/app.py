@@ -5,6 +5,8 @@ Routes (all JSON; errors are ``{"error": {"message", "type", "param", "code"}}``
 ``"stream": true``), ``GET /v1/adaflash/status``. Every generation response carries the header
 ``x-adaflash-drafter-version`` (the drafter version loaded when the response started) and, in its body
 (the last chunk when streaming), ``adaflash.drafter_versions`` - every version that served one of its steps.
+Unknown request fields are ignored with a logged warning (vLLM's behaviour); a response to such a request names
+them in the header ``x-adaflash-ignored-fields`` (comma-separated dotted paths) and in ``adaflash.ignored_fields``.
 
 With ``serve.distill: true`` a :class:`DistillCoordinator` deployment starts the TrajectoryBuffer, the
 WeightRegistry and the DeepSpeed DistillTrainer group; each replica ships the trajectories of the requests it
@@ -66,6 +68,7 @@ def _bind_replica_grpc_to_node_ip() -> None:
 _bind_replica_grpc_to_node_ip()
 APP_NAME = "adaflash"
 VERSION_HEADER = "x-adaflash-drafter-version"
+IGNORED_HEADER = "x-adaflash-ignored-fields"  # comma-separated dotted paths of the unknown fields ignored
 
 api = FastAPI(title="adaflash_ray", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -350,6 +353,9 @@ class AdaFlashServer:
         rid = ("chatcmpl-" if chat else "cmpl-") + spec.request_id
         obj = "chat.completion" if chat else "text_completion"
         headers = {VERSION_HEADER: str(self.engine.drafter_version)}
+        if spec.ignored:  # unknown request fields, ignored with a logged warning (vLLM's behaviour)
+            headers[IGNORED_HEADER] = ",".join(spec.ignored)
+        ext = {"ignored_fields": spec.ignored} if spec.ignored else {}
         base = {"id": rid, "created": spec.created, "model": spec.model}
         if not spec.stream:
             parts, done = [], None
@@ -364,7 +370,7 @@ class AdaFlashServer:
                       if chat else {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
             headers[VERSION_HEADER] = str(versions[-1] if versions else self.engine.drafter_version)
             return JSONResponse({**base, "object": obj, "choices": [choice], "usage": self._usage(spec, n),
-                                 "adaflash": {"drafter_versions": versions}}, headers=headers)
+                                 "adaflash": {"drafter_versions": versions, **ext}}, headers=headers)
 
         def chunk(delta: str | None, reason: str | None, **extra) -> str:
             if chat:
@@ -389,7 +395,7 @@ class AdaFlashServer:
                             yield chunk(val, None)
                         continue
                     reason, n, versions = val
-                    yield chunk(None, reason, adaflash={"drafter_versions": versions})
+                    yield chunk(None, reason, adaflash={"drafter_versions": versions, **ext})
                     if spec.include_usage:
                         body = {**base, "object": obj + ".chunk" if chat else obj, "choices": [],
                                 "usage": self._usage(spec, n)}
