@@ -6,6 +6,8 @@ engine, the inference worker, the Serve replica, the driver's evaluation, the SG
 - per-draft acceptance length (``per_draft_accept_len``) = 1 + Σa / #drafts over the steps that drafted
   (γ >= 1) only (vLLM's "mean acceptance length");
 - acceptance rate = Σa / Σγ; draft waste = 1 - Σa / Σγ (share of drafted tokens rejected);
+- accepted per position (``accepted_per_pos``): drafts whose token at draft position i (0-based) was accepted,
+  i.e. a > i (vLLM's ``num_accepted_tokens_per_pos``; its sum over i is Σa);
 - γ histogram: request-steps per draft length γ = 0 .. block_size-1 (:meth:`SpecStats.draft_len_boundaries`
   gives the matching bucket bounds for a metrics histogram).
 
@@ -34,6 +36,7 @@ class SpecStats:
     decode_seconds: float = 0.0  # wall time inside decode steps (host + device)
     draft_len_hist: Counter = field(default_factory=Counter)  # γ -> request-steps
     num_drafting_steps: int = 0  # request-steps with γ >= 1 (#drafts)
+    accepted_per_pos: Counter = field(default_factory=Counter)  # draft position i (0-based) -> drafts accepting it
 
     @classmethod
     def from_steps(cls, draft_lens: Iterable[int], num_accepted: Iterable[int]) -> "SpecStats":
@@ -56,13 +59,16 @@ class SpecStats:
         self.num_drafted += draft_len
         self.num_accepted += num_accepted
         self.draft_len_hist[draft_len] += 1
+        for i in range(num_accepted):  # a accepted = the draft's positions 0 .. a-1 accepted
+            self.accepted_per_pos[i] += 1
 
     def __add__(self, other: "SpecStats") -> "SpecStats":
         return SpecStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
     def __sub__(self, earlier: "SpecStats") -> "SpecStats":
         out = {f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)}
-        out["draft_len_hist"] = +out["draft_len_hist"]  # Counter subtraction keeps positive counts only
+        for k in ("draft_len_hist", "accepted_per_pos"):
+            out[k] = +out[k]  # Counter subtraction keeps positive counts only
         return SpecStats(**out)
 
     def copy(self) -> "SpecStats":
