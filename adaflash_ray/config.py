@@ -311,6 +311,18 @@ class DataConfig(_Section):
     num_eval_prompts: int = Field(12, ge=1)  # total, round-robin across eval_sources, <= HELD_OUT_SPAN
     max_prompt_tokens: int = Field(256, ge=1)  # longer prompts are dropped, not truncated
     eval_max_new_tokens: int = Field(64, ge=1)
+    # data diversity: this share of the training requests (on-policy workers, the warm start, `loop generate`) is
+    # decoded at sampled_temperature with the engine's lossless sampling - the target's distribution, not only
+    # its greedy text - the rest at engine.temperature. Every k-th request by a deterministic even spread.
+    sample_fraction: float = Field(0.0, ge=0, le=1)
+    sampled_temperature: float = Field(0.8, gt=0, le=2)
+
+    def is_sampled(self, index: int) -> bool:
+        """Whether training request ``index`` (0, 1, ... in issue order) is one of the ``sample_fraction`` share
+        decoded at ``sampled_temperature``: request i is iff ``floor((i+1)·f) > floor(i·f)`` (an even spread;
+        f = 0: none, f = 1: all)."""
+        f = self.sample_fraction
+        return int((index + 1) * f + 1e-9) > int(index * f + 1e-9)
 
     @model_validator(mode="after")
     def _check_sources(self) -> DataConfig:

@@ -412,21 +412,33 @@ def train_from_files(cfg, trajectories: str | Path, out: str | Path) -> dict:
     return summary
 
 
-def generate_files(cfg, num_prompts: int, out: str | Path, drafter: str | Path | None = None) -> list[Path]:
-    """Decode ``num_prompts`` training prompts with the built-in engine, recording, and write each finished
-    request's trajectory to ``out`` (:func:`~adaflash_ray.distill.spill.spill_path`); no Ray.
+def generate_files(cfg, num_prompts: int, out: str | Path, drafter: str | Path | None = None, *,
+                   progress_s: float = 10.0) -> list[Path]:
+    """Decode ``num_prompts`` training prompts with the built-in engine, recording, and write each request's
+    trajectory to ``out`` (:func:`~adaflash_ray.distill.spill.spill_path`) as soon as it finishes; no Ray.
 
     The prompts are the main job's training set, in its order (:func:`adaflash_ray.inputs.prepare_inputs`: the
     ShareGPT sample with ``data.num_domain_train_prompts`` in-domain prompts mixed in, chat template,
     ``data.max_prompt_tokens``; checked disjoint from the held-out prompts). Sampling follows
-    ``engine.temperature`` / ``engine.max_new_tokens``. Without ``drafter`` the engine decodes in AR mode (one
-    token per step, no drafter work: the target's text at full engine throughput - greedy or sampled, the
-    output is the target's whatever drafts); with ``drafter`` (a DFlash checkpoint directory, its ``version``
-    metadata naming the files) it drafts with it, so the trajectories record its proposals' acceptance.
-    Request ids get a per-call tag (``gen-<tag>-<id>``). Returns the files written.
+    ``engine.temperature`` / ``engine.max_new_tokens``, except the ``data.sample_fraction`` share of the prompts
+    (:meth:`~adaflash_ray.config.DataConfig.is_sampled`) decoded at ``data.sampled_temperature``. Without
+    ``drafter`` the engine decodes in AR mode (one token per step, no drafter work: the target's text at full
+    engine throughput - greedy or sampled, the output is the target's whatever drafts); with ``drafter`` (a DFlash
+    checkpoint directory, its ``version`` metadata naming the files) it drafts with it, so the trajectories record
+    its proposals' acceptance.
+
+    Throughput: freed KV slots are refilled in groups of ``engine.max_batch_size // 8`` (one batched prefill,
+    :meth:`SpecEngine.generate`'s ``admit_min``), and the files are written by two background threads while the
+    engine steps (each atomically renamed into place: a run killed part way leaves only whole files). Every
+    ``progress_s`` seconds a line goes to stderr (requests finished, tokens/s). Request ids get a per-call tag
+    (``gen-<tag>-<id>``). Returns the files written, in finishing order.
     Raises:
-        ValueError: ``num_prompts`` < 1; CheckpointError: an unreadable ``drafter``; as prepare_inputs and the engine.
+        ValueError: ``num_prompts`` < 1; CheckpointError: an unreadable ``drafter``; as prepare_inputs, the
+            engine and the writer (an error in a background write is raised here).
     """
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
     from adaflash_ray.distill.spill import spill_path, write_parquet
     from adaflash_ray.engine import SamplingParams, SpecEngine
     from adaflash_ray.inputs import prepare_inputs
@@ -442,14 +454,36 @@ def generate_files(cfg, num_prompts: int, out: str | Path, drafter: str | Path |
     if drafter is not None:
         _, tensors, meta = load_drafter_checkpoint(drafter)
         engine.load_drafter(tensors, int(meta.get("version", 0)), meta.get("sha256"))
-    params = SamplingParams(max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature)
+    greedy = SamplingParams(max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature)
+    sampled = SamplingParams(max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.data.sampled_temperature)
+    params = [sampled if cfg.data.is_sampled(i) else greedy for i in range(len(prompts))]
     out.mkdir(parents=True, exist_ok=True)
     run_tag = uuid.uuid4().hex[:8]  # request ids unique across runs written into one directory
-    written = []
-    for req in engine.generate(prompts, params, mode="spec" if drafter is not None else "ar"):
+    writes: list[Future] = []
+    t0 = last = time.perf_counter()
+    num_done = num_tokens = 0
+
+    def on_finish(req) -> None:
+        nonlocal num_done, num_tokens, last
+        num_done += 1
+        num_tokens += len(req.output_ids)
         if req.output_ids:
             traj = dataclasses.replace(engine.to_trajectory(req), request_id=f"gen-{run_tag}-{req.request_id}")
-            written.append(write_parquet(traj, spill_path(out, traj.request_id, traj.drafter_version)))
+            req.features = req.last_hidden = None  # the trajectory holds them; the request list keeps no copy
+            writes.append(pool.submit(write_parquet, traj, spill_path(out, traj.request_id, traj.drafter_version)))
+        now = time.perf_counter()
+        if progress_s and now - last >= progress_s:
+            last = now
+            print(f"[generate] {num_done}/{len(prompts)} requests, {num_tokens / (now - t0):.0f} tokens/s, "
+                  f"{now - t0:.0f} s", file=sys.stderr, flush=True)
+
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="traj-writer") as pool:
+        engine.generate(prompts, params, mode="spec" if drafter is not None else "ar", on_finish=on_finish,
+                        admit_min=max(1, cfg.engine.max_batch_size // 8))
+        written = [f.result() for f in writes]
+    dt = time.perf_counter() - t0
+    print(f"[generate] {num_done} requests, {num_tokens} tokens in {dt:.1f} s ({num_tokens / max(dt, 1e-9):.0f} "
+          f"tokens/s), {len(written)} files", file=sys.stderr, flush=True)
     return written
 
 

@@ -300,16 +300,61 @@ class SpecEngine:
             self.scheduler.finish(req, reason)
             finished.append(req)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None, mode: str = "spec",
-                 on_step=None) -> list[Request]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 mode: str = "spec", on_step=None, on_finish=None, admit_min: int = 1) -> list[Request]:
         """Run ``prompts`` to completion (continuous batching); returns requests in input order.
-        ``on_step(engine)`` is called between steps (e.g. to hot-swap drafter weights)."""
-        reqs = [self.add_request(p, SamplingParams(**vars(params)) if params else None) for p in prompts]
-        while any(r.status != Status.FINISHED for r in reqs):
-            self.step(mode)
+
+        Args:
+            prompts: token id lists. params: one :class:`SamplingParams` for every prompt (copied per request), a
+                list of one per prompt, or None (the defaults).
+            mode: ``"spec"`` or ``"ar"`` (as :meth:`step`).
+            on_step: ``on_step(engine)`` is called between steps (e.g. to hot-swap drafter weights).
+            on_finish: ``on_finish(request)`` is called for each of these requests as the step that finishes it
+                returns (before the next step), e.g. to write its trajectory while the others decode; a request
+                aborted from ``on_step`` is not passed.
+            admit_min: these requests join the engine's queue only when at least ``min(admit_min, requests not
+                yet queued)`` KV slots are free (or nothing is running), so a refill prefills many prompts in one
+                batched forward instead of one prompt per finishing request each step; 1 = every request is
+                queued at once (each free slot refilled in the next step). The outputs do not depend on it
+                (greedy: token for token; sampled: the same distribution, other random draws).
+        All requests are validated (:meth:`add_request`) before the first step. The host work per step is
+        independent of ``len(prompts)`` (the finished requests are counted, not rescanned).
+        Raises:
+            ValueError: as :meth:`add_request`; ``params`` a list of another length; ``admit_min`` < 1.
+        """
+        from collections import deque
+
+        if admit_min < 1:
+            raise ValueError(f"admit_min must be >= 1, got {admit_min}")
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+            per_prompt = [SamplingParams(**vars(p)) for p in params]
+        else:
+            per_prompt = [SamplingParams(**vars(params)) if params else None for _ in prompts]
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
+        held: deque[Request] = deque()  # validated, not yet queued (admit_min > 1); still WAITING
+        if admit_min > 1:
+            for _ in reqs:  # ours are the newest in the queue
+                held.appendleft(self.scheduler.waiting.pop())
+        mine = {id(r) for r in reqs}
+        first_unfinished = 0  # every request before it has finished
+        while True:
+            while first_unfinished < len(reqs) and reqs[first_unfinished].status == Status.FINISHED:
+                first_unfinished += 1
+            if first_unfinished == len(reqs):
+                return reqs
+            if held:
+                sched = self.scheduler
+                free = len(sched.free_slots) - len(sched.waiting)
+                if free >= min(admit_min, len(held)) or not sched.running:
+                    for _ in range(min(max(free, 1), len(held))):
+                        sched.waiting.append(held.popleft())
+            for req in self.step(mode):
+                if on_finish is not None and id(req) in mine:
+                    on_finish(req)
             if on_step is not None:
                 on_step(self)
-        return reqs
 
     # ------------------------------------------------------------------ trajectories
     def to_trajectory(self, req: Request) -> Trajectory:
