@@ -144,7 +144,9 @@ class DistillModule(nn.Module):
             len_loss, head_acc = spec.head_loss(self.length_head, HeadLossInputs(
                 block_hidden=hidden.detach(), draft_hidden=student.detach(), confidence=conf, draft_ids=draft_ids,
                 target_ids=batch.target_ids, position_valid=sel, num_accepted=num_accepted, anchor_valid=valid,
-                block_size=bs, lookahead=self.head_cfg.lookahead))
+                block_size=bs, lookahead=self.head_cfg.lookahead,
+                anchor_hidden=batch.last_hidden[torch.arange(valid.shape[0], device=valid.device)[:, None],
+                                                batch.anchors - 1]))  # [B, N, H]: the state that gave the anchor
             loss = loss + cfg.length_loss_weight * len_loss
         with torch.no_grad():
             num_blocks = valid.sum()

@@ -142,6 +142,7 @@ class ModelRunner:
                  max_seq_len: int, layer_ids: list[int], record: bool = False, use_cuda_graph: bool | None = None,
                  seed: int = 0):
         self.target, self.drafter, self.length_policy = target, drafter, length_policy
+        self.wants_anchor_hidden = bool(getattr(length_policy, "needs_anchor_hidden", False))
         self.layer_ids = list(layer_ids)
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         w = target.lm_head.weight
@@ -253,16 +254,17 @@ class ModelRunner:
             self.drafter.append_context(self.ctx, rows, positions, out.features)
             if spec:
                 gamma = self._propose(slot_t, first, lens, plen + self.block_size, temp, top_p, sample, use_top_p,
-                                      rows_are_slots=False)
+                                      rows_are_slots=False, anchor_hidden=last)
         host = torch.stack([first, gamma]).tolist()  # one transfer
         return host[0], host[1]
 
     # ------------------------------------------------------------------ propose
     def _propose(self, slot_ids, anchors, anchor_pos, span, temp, top_p, sample, use_top_p, rows_are_slots,
-                 live=None):
+                 live=None, anchor_hidden=None):
         """Drafter forward on ``[anchor, MASK...]`` -> pending drafts (+ their probabilities when sampling)
         stored per slot; returns γ ``[B]`` from the length policy (``live`` [B] bool: the rows that are real
-        requests, None = all)."""
+        requests, None = all). A policy with ``needs_anchor_hidden`` also gets ``anchor_hidden`` ``[B, H]``: the
+        target's final-normed hidden state whose logits gave each anchor token."""
         span = min(span, self.max_seq_len)
         hidden = self.drafter.propose_hidden(self.ctx, slot_ids, anchors, anchor_pos, span=span,
                                              rows_are_slots=rows_are_slots)  # [B, bs, H]
@@ -280,6 +282,8 @@ class ModelRunner:
             self.drafts[:b] = drafts
         else:
             self.drafts[slot_ids] = drafts
+        if self.wants_anchor_hidden:
+            return self.length_policy(hidden, draft_logits, live, anchor_hidden=anchor_hidden).to(torch.long)
         return self.length_policy(hidden, draft_logits, live).to(torch.long)
 
     # ------------------------------------------------------------------ one step (graph body)
@@ -323,8 +327,10 @@ class ModelRunner:
             self.drafter.append_context(self.ctx, rows.expand(b, w), positions, out.features)
         if spec and propose:
             # rows of idle slots and of the padded bucket carry position 0 (a real request's anchor is >= 1)
+            anchor_hidden = out.last_hidden[rows[:, 0], accepted] if self.wants_anchor_hidden else None  # [B, H]
             self.out[:b, w + 1] = self._propose(rows[:, 0], nxt, pos + accepted + 1, span, temp, top_p, sample,
-                                                use_top_p, rows_are_slots=True, live=pos > 0)
+                                                use_top_p, rows_are_slots=True, live=pos > 0,
+                                                anchor_hidden=anchor_hidden)
 
     def _run(self, key: StepKey) -> None:
         if not self.use_graphs:
@@ -484,5 +490,6 @@ class ModelRunner:
         pos = torch.full((batch_size,), context_len, device=dev)
         span = self._span(context_len + self.block_size)
         ones = torch.ones(batch_size, device=dev)
-        return self._time(lambda: self._propose(rows, anchors, pos, span, ones, ones, False, False, True), num_iters,
-                          reduce)
+        hid = torch.zeros(batch_size, self.target.config.hidden_size, dtype=self.dtype, device=dev)
+        return self._time(lambda: self._propose(rows, anchors, pos, span, ones, ones, False, False, True,
+                                                anchor_hidden=hid), num_iters, reduce)

@@ -209,7 +209,9 @@ class HeadLossInputs:
     (``LengthPolicySpec.needs_confidence``). draft_ids / target_ids: ``[B, N, bs-1]`` int64 student argmax
     (-1 where invalid) and the trajectory's tokens. position_valid: ``[B, N, bs-1]`` bool. num_accepted: ``[B, N]``
     int64 accepted length a per block. anchor_valid: ``[B, N]`` bool (False for padding blocks). block_size,
-    lookahead: the recipe's (``drafter.block_size``, ``length_head.lookahead``).
+    lookahead: the recipe's (``drafter.block_size``, ``length_head.lookahead``). anchor_hidden: ``[B, N, H]``
+    the target's final-normed hidden state whose logits gave each block's anchor token (trajectory position
+    anchor - 1; the state a head reading the target sees when the block is drafted), or None where not given.
     """
 
     block_hidden: torch.Tensor
@@ -222,6 +224,7 @@ class HeadLossInputs:
     anchor_valid: torch.Tensor
     block_size: int
     lookahead: int
+    anchor_hidden: torch.Tensor | None = None
 
 
 def direct_head_loss(head: DirectLengthHead, x: HeadLossInputs) -> tuple[torch.Tensor, None]:
