@@ -14,6 +14,7 @@ import ray
 import torch
 from ray.util import metrics as ray_metrics
 
+from adaflash_ray.actors.spec_metrics import SpecMetrics
 from adaflash_ray.config import RunConfig
 from adaflash_ray.engine import EngineService, SamplingParams, SpecEngine, SpecStats, StepEvent
 from adaflash_ray.models import CheckpointError, DrafterModelConfig
@@ -62,34 +63,30 @@ class InferenceWorker:
         self._num_traj_tokens = 0
         self._window, self._window_t0 = SpecStats(), time.perf_counter()  # since the last stats() call
         tags = {"worker": str(worker_index)}
-        self._g_version = ray_metrics.Gauge("adaflash_drafter_version", "drafter version loaded", tag_keys=("worker",))
         self._g_tau = ray_metrics.Gauge("adaflash_accept_len", "tau: committed tokens per target step",
                                         tag_keys=("worker",))
-        self._c_tokens = ray_metrics.Counter("adaflash_generated_tokens", "tokens generated", tag_keys=("worker",))
+        self._g_tau.set_default_tags(tags)
         block_size = (self.backend.drafter_config if self.backend is not None else self.engine.drafter).block_size
-        self._h_gamma = ray_metrics.Histogram("adaflash_draft_len", "chosen draft length gamma",
-                                              boundaries=SpecStats.draft_len_boundaries(block_size),
-                                              tag_keys=("worker",))
-        for m in (self._g_version, self._g_tau, self._h_gamma, self._c_tokens):
-            m.set_default_tags(tags)
-        self._g_version.set(0)
+        # the vLLM-shaped counters / histograms, the same as the Serve replicas'
+        self._metrics = SpecMetrics(block_size, "worker", str(worker_index))
+        self._metrics.set_drafter_version(0)
         if registry is not None:  # a restarted worker catches up with the latest published version
             meta = ray.get(registry.latest_meta.remote())
             if meta is not None:
                 tensors = ray.get(ray.get(registry.get.remote(version=meta["version"]))[0])
                 self.engine.load_drafter(tensors, meta["version"], meta["sha256"])
-                self._g_version.set(meta["version"])
+                self._metrics.set_drafter_version(meta["version"])
         # SGLang schedules its own requests: there the service's thread only applies the drafter swaps
         self.service = EngineService(self.engine, name=f"worker {worker_index}")
         if self.backend is None:
             self.service.subscribe(self._on_step)
+            self.service.subscribe(self._metrics.on_step)
 
     # ------------------------------------------------------------------ engine thread
     def _on_step(self, event: StepEvent) -> None:
         """After every engine step: the stats window, the token counter, and each finished recorded request's
         trajectory to the buffer (before its waiter wakes)."""
         self._window = self._window + event.stats  # a new object: stats() swaps it out atomically
-        self._c_tokens.inc(max(event.stats.num_generated, 0))
         for h in event.finished:
             req = h.req
             if h.tag and self.buffer is not None and req.output_ids:
@@ -99,8 +96,6 @@ class InferenceWorker:
                 self._num_traj += 1
                 self._num_traj_tokens += traj.num_response_tokens
             req.features = req.last_hidden = None  # in the object store now; the waiter needs only the ids
-            for g in req.draft_lens:
-                self._h_gamma.observe(g)
 
     def _count_rejection(self, prompt_len: int, fut) -> None:
         err = fut.exception() if not fut.cancelled() else None
@@ -113,7 +108,9 @@ class InferenceWorker:
         handles = []
         for p, sp in zip(prompts, params):
             # ids unique across workers, restarts and runs: the trainer counts trajectories by them
-            h = self.service.submit(p, sp, tag=record, request_id=f"w{self.index}-{uuid.uuid4().hex[:16]}")
+            rid = f"w{self.index}-{uuid.uuid4().hex[:16]}"
+            h = self._metrics.timed_submit(lambda p=p, sp=sp, rid=rid: self.service.submit(p, sp, tag=record,
+                                                                                         request_id=rid))
             h.future.add_done_callback(lambda fut, n=len(p): self._count_rejection(n, fut))
             handles.append(h)
         return handles
@@ -224,7 +221,7 @@ class InferenceWorker:
 
         def swap(eng) -> dict:  # engine thread, between steps
             out = self._apply_swap(version, self._receive_now() if receive else tensors, sha256, cfg, rollback)
-            self._g_version.set(eng.drafter_version)
+            self._metrics.set_drafter_version(eng.drafter_version)
             return out
 
         fut = self.service.call(swap)
@@ -280,8 +277,10 @@ class InferenceWorker:
             self.buffer.add.remote([ray.put(traj)], version=traj.drafter_version,
                                    num_tokens=traj.num_response_tokens)
             self._num_traj += 1
-        for g in result.get("draft_lens", ()):
-            self._h_gamma.observe(g)
+        if result.get("draft_lens") is not None and result.get("num_accepted") is not None:
+            st = SpecStats.from_steps(result["draft_lens"], result["num_accepted"])  # SGLang steps itself
+            st.num_generated = len(result.get("output_ids", ()))
+            self._metrics.observe_stats(st)
         return result
 
     def queue_depth(self) -> int:

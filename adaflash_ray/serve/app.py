@@ -157,7 +157,8 @@ class AdaFlashServer:
 
     async def __init__(self, cfg: dict, coordinator=None):
         from adaflash_ray.data import load_tokenizer, target_dir
-        from adaflash_ray.engine import SpecEngine, SpecStats
+        from adaflash_ray.actors.spec_metrics import SpecMetrics
+        from adaflash_ray.engine import SpecEngine
         from adaflash_ray.models import DrafterModelConfig
 
         _bind_replica_grpc_to_node_ip()
@@ -184,21 +185,18 @@ class AdaFlashServer:
             tensors = await (await self.registry.get.remote(version=meta["version"]))[0]
             self.engine.load_drafter(tensors, meta["version"], meta["sha256"], DrafterModelConfig(**meta["config"]))
         loop = asyncio.get_running_loop()
+        # the vLLM-shaped counters / histograms, shared with the main job's inference workers
+        self.spec_metrics = SpecMetrics(block_size, "serve", self.replica)
+        self.spec_metrics.set_drafter_version(self.engine.drafter_version)
         self.loop = EngineLoop(self.engine, loop, c.engine.max_batch_size, c.serve.max_queued_requests,
-                               on_finished=self._record if coordinator is not None else None)
+                               on_finished=self._record if coordinator is not None else None,
+                               metrics=self.spec_metrics)
         tags = {"replica": self.replica}
-        self.m_tau = ray_metrics.Gauge("adaflash_serve_accept_len", "tau: committed tokens per target step",
-                                       tag_keys=("replica",))
-        self.m_version = ray_metrics.Gauge("adaflash_serve_drafter_version", "drafter version loaded",
-                                           tag_keys=("replica",))
         self.m_tps = ray_metrics.Gauge("adaflash_serve_tokens_per_s", "committed tokens/s (10 s window)",
                                        tag_keys=("replica",))
         self.m_queue = ray_metrics.Gauge("adaflash_serve_queue_depth", "requests waiting / running",
                                          tag_keys=("replica", "state"))
-        self.m_gamma = ray_metrics.Histogram("adaflash_serve_draft_len", "chosen draft length gamma",
-                                             boundaries=SpecStats.draft_len_boundaries(block_size),
-                                             tag_keys=("replica",))
-        for m in (self.m_tau, self.m_version, self.m_tps, self.m_queue, self.m_gamma):
+        for m in (self.m_tps, self.m_queue):
             m.set_default_tags(tags)
         self._tasks = [asyncio.create_task(self._metrics_task())]
         if self.registry is not None:
@@ -233,16 +231,10 @@ class AdaFlashServer:
     async def _metrics_task(self) -> None:
         while True:
             await asyncio.sleep(1.0)
-            window = self.loop.pop_stats()
-            if window.num_verify_steps:
-                self.m_tau.set(window.accept_len)
-            self.m_version.set(self.engine.drafter_version)
+            self.spec_metrics.set_drafter_version(self.engine.drafter_version)
             self.m_tps.set(self.loop.tokens_per_s())
             for state, n in self.loop.queue_depth().items():
                 self.m_queue.set(n, tags={"state": state})
-            for g, n in self.loop.pop_gamma().items():
-                for _ in range(n):
-                    self.m_gamma.observe(g)
 
     # ------------------------------------------------------------------ control (python -m adaflash_ray.serve)
     def begin_drain(self) -> int:

@@ -19,7 +19,7 @@ import time
 from collections import Counter, deque
 from typing import Callable
 
-from adaflash_ray.engine import (EngineDead, EngineService, RequestHandle, SamplingParams, SpecEngine, SpecStats,
+from adaflash_ray.engine import (EngineDead, EngineService, RequestHandle, SamplingParams, SpecEngine,
                                  StepEvent)
 from adaflash_ray.engine.request import Request
 
@@ -56,22 +56,25 @@ class EngineLoop:
         on_finished: called in the engine thread with each finished (not aborted) recorded request,
             e.g. to ship its trajectory to the distillation buffer; what it raises is counted
             (``counts["record_errors"]``), never failing the request.
+        metrics: an :class:`adaflash_ray.actors.spec_metrics.SpecMetrics` (or anything with its ``on_step`` /
+            ``timed_submit``), fed with every step event and submission; None: no exported metrics.
     """
 
     def __init__(self, engine: SpecEngine, loop: asyncio.AbstractEventLoop, max_batch_size: int, max_waiting: int,
-                 on_finished: Callable[[Request], None] | None = None):
+                 on_finished: Callable[[Request], None] | None = None, metrics=None):
         self.engine, self.loop, self.on_finished = engine, loop, on_finished
         self.max_in_flight = max_batch_size + max_waiting
         self._lock = threading.Lock()
         self.num_in_flight = 0  # submitted and not yet done (event-loop side counter)
         self.counts = Counter()  # finished / aborted / rejected / errors / tokens / record_errors
         self.gamma_hist: Counter = Counter()  # γ chosen per step (since start)
-        self._gamma_new: Counter = Counter()  # since the last pop_gamma()
         self._tok_window: deque = deque(maxlen=4096)  # (t, num_tokens) per step
-        self._stats_window = SpecStats()  # since the last pop_stats()
         self.reloads: list[dict] = []
+        self.metrics = metrics
         self.service = EngineService(engine, name="serve replica")
         self.service.subscribe(self._on_step)
+        if metrics is not None:
+            self.service.subscribe(metrics.on_step)
 
     @property
     def dead(self) -> EngineDead | None:
@@ -88,7 +91,10 @@ class EngineLoop:
             raise QueueFull(f"{self.num_in_flight} requests in flight, limit {self.max_in_flight}")
         rs = RequestStream(record)
         try:
-            rs.handle = self.service.submit(prompt_ids, params, tag=rs)
+            if self.metrics is not None:
+                rs.handle = self.metrics.timed_submit(lambda: self.service.submit(prompt_ids, params, tag=rs))
+            else:
+                rs.handle = self.service.submit(prompt_ids, params, tag=rs)
         except EngineDead as e:
             raise RuntimeError(f"engine loop failed: {e!r}") from e
         self.num_in_flight += 1
@@ -127,17 +133,6 @@ class EngineLoop:
         n = sum(k for t, k in list(self._tok_window) if now - t <= window_s)
         return n / window_s
 
-    def pop_gamma(self) -> Counter:
-        with self._lock:
-            out, self._gamma_new = self._gamma_new, Counter()
-        return out
-
-    def pop_stats(self) -> SpecStats:
-        """The engine's statistics since the last call (a window of whole steps)."""
-        with self._lock:
-            out, self._stats_window = self._stats_window, SpecStats()
-        return out
-
     def shutdown(self) -> None:
         self.service.shutdown(timeout_s=30)
 
@@ -149,14 +144,11 @@ class EngineLoop:
             self.loop.call_soon_threadsafe(h.tag.queue.put_nowait, ("tokens", list(tokens), event.drafter_version))
         self._tok_window.append((time.perf_counter(), num_new))
         self.counts["tokens"] += num_new
-        with self._lock:
-            self._stats_window = self._stats_window + event.stats
         for h in event.finished:
             req = h.req
             with self._lock:
                 for g in req.draft_lens:
                     self.gamma_hist[g] += 1
-                    self._gamma_new[g] += 1
             if h.tag.record and self.on_finished is not None and req.output_ids:
                 try:
                     self.on_finished(req)
