@@ -296,8 +296,19 @@ def test_drafter_flex_attention_matches_sdpa_cuda():
 
     from adaflash_ray.distill.blocks import collate
     from adaflash_ray.models.factory import build_drafter
+    from adaflash_ray.models.target import TargetModel
 
-    target = make_distill_target()
+    # flex attention (torch >= 2.11) needs head_dim >= 16: make_distill_target's 4 heads of 8 dims become 2 of 16
+    base = make_distill_target()
+    target = TargetModel(dataclasses.replace(base.config, num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.5 if "embed_tokens" in name or "lm_head" in name else 0.1)
+    target = target.requires_grad_(False).eval()
     trajs = _greedy_trajectories(target, num=3, num_new=24, seed=4, dtype=torch.float32)
     target = target.to("cuda")
     trajs = [dataclasses.replace(t, features=t.features.cuda(), last_hidden=t.last_hidden.cuda()) for t in trajs]
