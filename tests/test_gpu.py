@@ -301,13 +301,11 @@ def test_drafter_flex_attention_matches_sdpa_cuda():
     # flex attention (torch >= 2.11) needs head_dim >= 16: make_distill_target's 4 heads of 8 dims become 2 of 16
     base = make_distill_target()
     target = TargetModel(dataclasses.replace(base.config, num_attention_heads=2, num_key_value_heads=1, head_dim=16))
-    torch.manual_seed(0)
-    with torch.no_grad():
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # make_distill_target's init: unit norms, N(0, 0.5²) embeddings / head, N(0, 0.1²) else
         for name, p in target.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.5 if "embed_tokens" in name or "lm_head" in name else 0.1)
+            std = 0.5 if "embed_tokens" in name or "lm_head" in name else 0.1
+            p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=g) * std)
     target = target.requires_grad_(False).eval()
     trajs = _greedy_trajectories(target, num=3, num_new=24, seed=4, dtype=torch.float32)
     target = target.to("cuda")
