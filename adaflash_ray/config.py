@@ -246,6 +246,10 @@ class DistillConfig(_Section):
     # the drafter's training attention: "sdpa" (an explicit visibility mask) or "flex" (flex attention with a block
     # mask that skips the key tiles a block never sees; compiled on CUDA on the first step)
     drafter_attention: Literal["sdpa", "flex"] = "sdpa"
+    # learn from the drafter's own mistakes (Draft-OPD, arXiv 2605.29343): in each training block, the first position
+    # whose current top-1 differs from the trajectory's token (where greedy verification rejects the block) gets
+    # weight x (1 + reject_boost); costs one no-grad pass over the shared head per step. 0 = off (the plain loss)
+    reject_boost: float = Field(0.0, ge=0)
     # times one trajectory may feed an optimizer step (fresh anchors each time); > 1 lets a trainer
     # that outpaces inference keep stepping on recent on-policy data (still within max_version_lag)
     max_reuse: int = Field(6, ge=1)
@@ -359,6 +363,9 @@ class ServeConfig(_Section):
     api_key: str | None = None  # or $ADAFLASH_API_KEY; set -> "Authorization: Bearer <key>" required (401)
     drain_timeout_s: float = Field(60.0, gt=0)  # SIGTERM / Ctrl-C waits this long for in-flight requests
     distill: bool = False  # live distillation: trainer group + weight registry beside the replicas
+    # live distillation's run directory (checkpoints/v<N>, trainer_state, metrics.jsonl, config.yaml); None =
+    # <logging.run_root>/<name>-serve-<time>. A coordinator started on a directory holding trainer state resumes.
+    run_dir: str | None = None
     weight_poll_s: float = Field(0.5, gt=0)  # how often a replica checks the registry for a new version
 
 
@@ -371,13 +378,16 @@ def check_serve_config(cfg: RunConfig, source: str = "recipe") -> None:
         RecipeError: ``model.device`` cuda with ``serve.gpus_per_replica`` 0 (Ray hides GPUs from a replica that
             reserves none, so its engine would fail at the first CUDA call), or ``engine.backend: sglang``
             (Serve replicas drive the built-in engine only; the sglang backend runs in the main job's
-            inference workers).
+            inference workers), or live distillation with ``distill.weight_sync`` other than object_store.
     """
     problems = []
     if cfg.model.device.startswith("cuda") and cfg.serve.gpus_per_replica <= 0:
         problems.append(f"{source}: serve.gpus_per_replica: model.device is {cfg.model.device!r} but each Serve "
                         "replica reserves 0 GPUs (Ray hides GPUs from it): set serve.gpus_per_replica, e.g. "
                         "--set serve.gpus_per_replica=1")
+    if cfg.serve.distill and cfg.distill.weight_sync != "object_store":
+        problems.append(f"{source}: distill.weight_sync: Serve's replicas read new versions from the weight "
+                        f"registry (object_store), got {cfg.distill.weight_sync!r}")
     if cfg.engine.backend != "torch":
         problems.append(f"{source}: engine.backend: Serve drives the built-in engine only (got "
                         f"{cfg.engine.backend!r}); the sglang backend serves the main job's inference workers - "

@@ -836,3 +836,41 @@ def test_forward_train_flex_attention_equals_sdpa(target, trajectories):
 def test_trainer_rejects_flex_attention_off_cuda(dist_env, target):
     with pytest.raises(ValueError, match="drafter_attention"):
         dist_env(target, *_cfgs(drafter_attention="flex"), seed=0)
+
+
+def test_first_rejection_weights_follow_the_rule():
+    """distill.reject_boost (Draft-OPD): in each block only the first valid position whose student top-1 differs
+    from the trajectory's token gets 1 + boost - not earlier accepted ones, not later ones, none in a block
+    accepted whole or past the sequence end; the weights reach the loss through the trainer unchanged when 0."""
+    from adaflash_ray.distill.losses import first_rejection_weights
+
+    vocab, hid = 8, 8
+    head = torch.eye(vocab, hid)  # logits = hidden: a one-hot hidden state names the student's top-1
+    target_ids = torch.tensor([[[1, 2, 3, 4], [5, 6, 7, 0], [1, 1, 1, 1]]])  # [B=1, N=3, bs-1=4]
+    student_top1 = torch.tensor([[[1, 2, 0, 0], [6, 6, 7, 0], [1, 1, 1, 1]]])  # rejects at k=3, k=1, never
+    valid = torch.tensor([[[True] * 4, [True] * 4, [True, True, True, False]]])
+    hidden = torch.nn.functional.one_hot(student_top1[valid], vocab).float()  # [M, H]
+    w = first_rejection_weights(hidden, head, target_ids, valid, boost=2.0, chunk_size=3)
+    want = torch.ones(valid.shape)
+    want[0, 0, 2] = 3.0  # block 0: positions 1, 2 accepted, 3 rejected (4 never verified: 1)
+    want[0, 1, 0] = 3.0  # block 1: rejected at its first position, later matches do not count
+    assert torch.equal(w, want[valid]), (w, want[valid])  # block 2: accepted whole (its 4th position is invalid)
+    assert torch.equal(first_rejection_weights(hidden, head, target_ids, valid, boost=0.0), torch.ones(11))
+    with pytest.raises(ValueError):
+        first_rejection_weights(hidden[:3], head, target_ids, valid, boost=1.0)
+    with pytest.raises(ValueError):
+        first_rejection_weights(hidden, head, target_ids, valid, boost=-1.0)
+
+
+def test_trainer_reject_boost_changes_only_the_weights(dist_env, target, trajectories):
+    """With reject_boost the first step's loss differs from the plain loss (the rejected positions weigh more) and
+    its metrics keep their meaning (same blocks and positions); reject_boost=0 is the plain step exactly."""
+    results = []
+    for boost in (0.0, 0.0, 4.0):
+        drafter_cfg, head_cfg, distill_cfg = _cfgs(zero_stage=0, reject_boost=boost)
+        core = dist_env(target, drafter_cfg, head_cfg, distill_cfg, seed=0)
+        results.append(core.train_step(trajectories[:3]))
+    plain, again, boosted = results
+    assert plain["train/loss"] == again["train/loss"]
+    assert boosted["train/loss"] != pytest.approx(plain["train/loss"], rel=1e-4)
+    assert boosted["train/num_positions"] == plain["train/num_positions"]

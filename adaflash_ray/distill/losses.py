@@ -169,3 +169,46 @@ def accepted_length(draft_ids: torch.Tensor, target_ids: torch.Tensor, position_
     """
     ok = (draft_ids == target_ids) & position_valid
     return torch.cumprod(ok.long(), dim=-1).sum(dim=-1)
+
+
+@torch.no_grad()
+def first_rejection_weights(student_hidden: torch.Tensor, lm_head_weight: torch.Tensor, target_ids: torch.Tensor,
+                            position_valid: torch.Tensor, boost: float, chunk_size: int = 4096) -> torch.Tensor:
+    """Per-position weight factors that up-weight where greedy verification would reject the current drafter's
+    block - the drafter's own mistakes (Draft-OPD, arXiv 2605.29343: target text alone carries little on-policy
+    signal; train on the positions verification rejects).
+
+    In each block the first valid position k whose student top-1 differs from the trajectory's token (the draft
+    token verification rejects: positions before it would be accepted, after it never verified) gets factor
+    ``1 + boost``; every other position 1. The student's top-1 comes from a no-grad pass over the shared head in
+    row chunks of ``chunk_size`` (one ``[chunk, V]`` logit tile at a time, the hidden states' dtype).
+
+    Args:
+        student_hidden: ``[M, H]`` the drafter's hidden states at the valid positions, in ``position_valid``'s
+            row-major order (``hidden[:, :, 1:][position_valid]``).
+        lm_head_weight: ``[V, H]`` the shared frozen head.
+        target_ids: ``[B, N, bs-1]`` int64 trajectory tokens per block position.
+        position_valid: ``[B, N, bs-1]`` bool, ``M`` of them True.
+        boost: ``>= 0``; 0 returns ones.
+        chunk_size: rows per logit tile (>= 1).
+    Returns:
+        ``[M]`` float32 factors (1 or ``1 + boost``), on ``student_hidden``'s device.
+    Raises:
+        ValueError: ``boost < 0``, ``chunk_size < 1`` or ``M`` != ``position_valid.sum()``.
+    """
+    if boost < 0 or chunk_size < 1:
+        raise ValueError(f"boost must be >= 0 and chunk_size >= 1, got {boost}, {chunk_size}")
+    m = student_hidden.shape[0]
+    if m != int(position_valid.sum()):
+        raise ValueError(f"student_hidden has {m} rows, position_valid {int(position_valid.sum())} True")
+    ones = torch.ones(m, dtype=torch.float32, device=student_hidden.device)
+    if boost == 0 or m == 0:
+        return ones
+    w = lm_head_weight.to(student_hidden.dtype)
+    s_arg = torch.cat([(student_hidden[i:i + chunk_size] @ w.T).argmax(-1) for i in range(0, m, chunk_size)])
+    draft = torch.full_like(target_ids, -1)
+    draft[position_valid] = s_arg
+    a = accepted_length(draft, target_ids, position_valid)  # [B, N]: the first rejected position's index
+    k = torch.arange(target_ids.shape[-1], device=target_ids.device)
+    first_reject = (k == a[..., None]) & position_valid  # [B, N, bs-1]; none where the whole block is accepted
+    return ones + boost * first_reject[position_valid].float()

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from adaflash_ray.distill.blocks import Batch, collate, with_recomputed_features
-from adaflash_ray.distill.losses import accepted_length, mixture_rkl_loss
+from adaflash_ray.distill.losses import accepted_length, first_rejection_weights, mixture_rkl_loss
 from adaflash_ray.engine.length_policy import length_policy
 from adaflash_ray.kernels.fused_distill import resolve_loss_impl
 from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
@@ -129,7 +129,11 @@ class DistillModule(nn.Module):
         conf = (torch.empty(student.shape[0], 2, dtype=torch.float32, device=student.device)
                 if spec is not None and spec.needs_confidence
                 else None)  # [M, 2] student (max prob, entropy) at T = 1, filled by the loss's vocabulary pass
-        loss, metrics = mixture_rkl_loss(student, teacher, self._lm_head.weight, batch.weights[sel],
+        weights = batch.weights[sel]  # [M]
+        if cfg.reject_boost > 0:  # the drafter's own mistakes weigh more (distill.reject_boost, Draft-OPD)
+            weights = weights * first_rejection_weights(student.detach(), self._lm_head.weight, batch.target_ids,
+                                                        sel, cfg.reject_boost, cfg.loss_chunk_size)
+        loss, metrics = mixture_rkl_loss(student, teacher, self._lm_head.weight, weights,
                                          alpha=cfg.alpha, temperature=cfg.temperature, clip=cfg.rkl_clip,
                                          clip_mode=cfg.rkl_clip_mode, chunk_size=cfg.loss_chunk_size,
                                          argmax_out=s_arg, confidence_out=conf,
