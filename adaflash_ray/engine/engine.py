@@ -22,7 +22,10 @@ import numpy as np
 import torch
 from filelock import FileLock
 
+from adaflash_ray.drafting.lookup import MAX_DRAFT, PromptLookup, SuffixCorpus, SuffixLookup
+from adaflash_ray.engine.hybrid import HybridPlanner, RowChoice, check_draft_sources
 from adaflash_ray.engine.length_policy import CostLength, length_policy
+from adaflash_ray.models.length_head import AcceptanceHead, draft_confidence, expected_committed
 from adaflash_ray.engine.request import Request, SamplingParams, Status
 from adaflash_ray.engine.runner import ModelRunner, StepResult, _buckets
 from adaflash_ray.engine.scheduler import Scheduler
@@ -73,12 +76,16 @@ def _widens(src: torch.dtype, dst: torch.dtype) -> bool:
 
 
 class _Batch(NamedTuple):
-    """One step's plan: the running requests, their γ (host ints), AR or speculative, and whether it proposes."""
+    """One step's plan: the running requests, their γ (host ints), AR or speculative, whether it proposes and
+    appends the drafter context, and with draft sources the per-request choices (their lookup drafts)."""
 
     requests: list[Request]
     draft_lens: list[int]
     spec: bool
     propose: bool
+    append: bool | None = None
+    choices: list[RowChoice] | None = None
+    host_drafts: list[list[int] | None] | None = None
 
 
 class SpecEngine:
@@ -99,14 +106,32 @@ class SpecEngine:
             the captured target features / last hidden states (``distill.features: captured``); False
             leaves them None for a trainer that recomputes them (``recompute``: no device-to-host copy, and
             ~1.7 MB less per 256-token SmolLM2 trajectory through the object store).
+        draft_sources: None = the drafter's block only (the length policy's γ), or a subset of ``("dflash",
+            "ngram", "suffix")`` (:mod:`adaflash_ray.engine.hybrid`): per request per step a
+            :class:`~adaflash_ray.engine.hybrid.HybridPlanner` chooses the source and γ. ``("ngram",)`` /
+            ``("suffix",)`` alone: prompt / suffix lookup drafts of up to :data:`MAX_DRAFT` tokens, no drafter needed.
+            With ``"dflash"`` and a lookup: the hybrid, which needs the ``cost`` policy (its acceptance head
+            estimates the block, its calibration measures the step costs). Lookup drafts are verified as a
+            point-mass q: lossless, greedy and sampled.
+        suffix_corpus: the ``suffix`` source's corpus of earlier requests (None = a new empty one); finished
+            requests are added to it. lookup_max_ngram: the longest suffix n-gram the lookups match (tokens).
+    Raises:
+        ValueError: bad ``draft_sources`` (:func:`~adaflash_ray.engine.hybrid.check_draft_sources`), or the hybrid
+            without the ``cost`` policy.
     """
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, length_head: torch.nn.Module | None,
                  *, policy: str = "direct", rate: float = 1.3, min_len: int = 1, max_batch_size: int = 8,
                  max_seq_len: int = 1024, layer_ids: list[int] | None = None, record: bool = False,
                  record_features: bool = True, seed: int = 0, drafter_version: int = 0, use_cuda_graph: bool | None = None,
-                 calibrate: bool = True, ar_steps: bool = True, probe_every: int = 8):
+                 calibrate: bool = True, ar_steps: bool = True, probe_every: int = 8,
+                 draft_sources=None, suffix_corpus: SuffixCorpus | None = None, lookup_max_ngram: int = 3):
         self.target, self.drafter, self.length_head = target, drafter, length_head
+        self.draft_sources = (check_draft_sources(draft_sources, drafter is not None) if draft_sources is not None
+                              else None)
+        if self.draft_sources is not None and "dflash" in self.draft_sources and len(self.draft_sources) > 1 and \
+                not isinstance(length_head, AcceptanceHead):
+            raise ValueError("the hybrid of 'dflash' and a lookup source needs the 'cost' policy's acceptance head")
         if drafter is not None:
             drafter.config.check_target(target.config)
             layer_ids = drafter.config.target_layer_ids
@@ -118,9 +143,28 @@ class SpecEngine:
         self.layer_ids = list(layer_ids or target.default_layer_ids(5))
         self.max_seq_len = max_seq_len
         self.scheduler = Scheduler(max_batch_size)
+        sources = self.draft_sources or ()
+        lookup = next((s for s in sources if s != "dflash"), None)
         self.runner = ModelRunner(target, drafter, self.policy, num_slots=max_batch_size, max_seq_len=max_seq_len,
                                   layer_ids=self.layer_ids, record=record and record_features,  # hid_hist
-                                  use_cuda_graph=use_cuda_graph, seed=seed)
+                                  use_cuda_graph=use_cuda_graph, seed=seed,
+                                  max_draft=MAX_DRAFT if lookup is not None else None)
+        self.lookup = None  # the lookup source's proposer (PromptLookup / SuffixLookup), or None
+        if lookup == "ngram":
+            self.lookup = PromptLookup(lookup_max_ngram)
+        elif lookup == "suffix":
+            corpus = suffix_corpus if suffix_corpus is not None else SuffixCorpus(max_ngram=lookup_max_ngram)
+            self.lookup = SuffixLookup(corpus, max_ngram=min(lookup_max_ngram, corpus.max_ngram))
+        self.planner: HybridPlanner | None = None
+        if self.draft_sources is not None:
+            self.planner = HybridPlanner(self.draft_sources, self.runner.max_draft, self.runner.block_size,
+                                         self.runner._width_buckets, probe_every=probe_every)
+            if "dflash" in self.draft_sources and isinstance(length_head, AcceptanceHead):
+                head = length_head
+
+                def block_expected(block_hidden, draft_logits):  # [B, bs, H], [B, bs-1, V] -> [B, bs-1]
+                    return expected_committed(torch.sigmoid(head(block_hidden[:, 1:], draft_confidence(draft_logits))))
+                self.runner.expected_fn = block_expected
         self.record, self.record_features = record, record_features
         self.stats = SpecStats()
         self.drafter_version = drafter_version
@@ -129,6 +173,17 @@ class SpecEngine:
         self.cost_table: dict | None = None
         if isinstance(self.policy, CostLength) and calibrate:
             self.calibrate_costs()
+
+    def reset_corpus(self, sequences=()) -> None:
+        """Replace the ``suffix`` source's corpus by a new one (same budget and n-gram length) holding
+        ``sequences`` (token id lists, oldest first), e.g. after a warm-up pass whose outputs must not be looked up
+        by the timed requests. Raises ValueError without a ``suffix`` source."""
+        if not isinstance(self.lookup, SuffixLookup):
+            raise ValueError("reset_corpus needs the 'suffix' draft source")
+        old = self.lookup.corpus
+        self.lookup.corpus = SuffixCorpus(old.max_tokens, old.max_ngram, old.max_occurrences)
+        for seq in sequences:
+            self.lookup.corpus.add(seq)
 
     @classmethod
     def from_config(cls, cfg, *, models: tuple | None = None, policy: str | None = None, record: bool = False,
@@ -180,7 +235,8 @@ class SpecEngine:
             limit = "an engine without a drafter takes none" if self.drafter is None else \
                 f"at most block_size - 1 = {self.drafter.block_size - 1}"
             raise ValueError(f"draft_len {params.draft_len}: {limit}")
-        headroom = self.drafter.block_size if self.drafter is not None else 1
+        headroom = max(self.drafter.block_size if self.drafter is not None else 1,
+                       self.runner.max_draft + 1 if self.lookup is not None else 1)
         need = len(prompt_ids) + params.max_new_tokens + headroom
         if need > self.max_seq_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) + "
@@ -213,7 +269,7 @@ class SpecEngine:
         """Admit + prefill new requests, then one decode step for all running ones (one device -> host
         transfer); returns the requests finished now. ``mode="ar"`` decodes one token per step (no
         drafter work; a request decoded in AR mode should stay in AR mode)."""
-        spec = mode == "spec" and self.drafter is not None
+        spec = mode == "spec" and (self.drafter is not None or self.lookup is not None)
         finished: list[Request] = []
         self._admit(spec, finished)
         if not self.scheduler.running:
@@ -233,19 +289,29 @@ class SpecEngine:
         admitted = self.scheduler.admit()
         if not admitted:
             return
+        propose = spec and self.drafter is not None and (self.planner is None or self.planner.use_dflash)
         firsts, gammas = self.runner.prefill([r.slot for r in admitted], [r.prompt_ids for r in admitted],
                                              [r.params.temperature for r in admitted],
-                                             [r.params.top_p for r in admitted], spec)
-        if self.policy is not None:
+                                             [r.params.top_p for r in admitted], propose)
+        expected = self.runner.prefill_expected if propose else None
+        if self.policy is not None and self.planner is None:
             gammas = self.policy.on_admit(gammas, running_before, spec)
-        for req, tok, g in zip(admitted, firsts, gammas):
+        if self.planner is not None and not running_before:
+            self.planner.reset()
+        for i, (req, tok, g) in enumerate(zip(admitted, firsts, gammas)):
             req.next_draft_len = g
+            if self.planner is not None:
+                req.dflash_expected = expected[i] if expected is not None else None
+                if self.lookup is not None:
+                    req.lookup_state, req.lookup_synced = self.lookup.begin(req.prompt_ids), 0
             self._commit(req, [tok], finished)
 
     def _schedule(self, spec: bool) -> _Batch:
         """The running requests' γ for this step - the policy's (or the request's own), capped by the tokens left -
         and whether the step proposes the next block (the policy's probe schedule)."""
         running = list(self.scheduler.running)
+        if spec and self.planner is not None:
+            return self._plan(running)
         if spec:
             gammas = [max(min(r.next_draft_len if r.params.draft_len is None else r.params.draft_len,
                               r.remaining - 1), 0) for r in running]
@@ -255,7 +321,32 @@ class SpecEngine:
         if self.policy is not None:
             propose = self.policy.propose_now(spec, [r.next_draft_len for r in running],
                                               [r.params.draft_len is not None for r in running])
-        return _Batch(running, gammas, spec, propose)
+        # a step that does not propose is an AR step (the cost policy's γ = 0): its drafter context append is
+        # deferred and caught up from the feature history when the next step proposes
+        return _Batch(running, gammas, spec, propose, append=propose)
+
+    def _plan(self, running: list[Request]) -> _Batch:
+        """The draft sources' step: each request's lookup proposal (host; when the planner wants lookups this step),
+        then the planner's source and γ per request and whether the step proposes the next DFlash block."""
+        planner, nd = self.planner, self.runner.max_draft
+        caps = [max(r.remaining - 1, 0) for r in running]
+        proposals = [None] * len(running)
+        if self.lookup is not None and (planner.lookup_due() or planner.spec_costs is None):
+            proposals = [self._lookup(r, min(nd, c)) if c > 0 else None for r, c in zip(running, caps)]
+        choices, propose = planner.plan(max(r.slot for r in running) + 1, caps,
+                                        [r.dflash_expected for r in running], proposals,
+                                        [r.params.draft_len for r in running])
+        host = [c.tokens if c.source not in ("dflash", "none") else None for c in choices]
+        return _Batch(running, [c.draft_len for c in choices], True, propose, append=propose, choices=choices,
+                      host_drafts=host if any(h is not None for h in host) else None)
+
+    def _lookup(self, req: Request, k: int):
+        """The lookup source's proposal of up to ``k`` tokens for ``req``, its index brought up to date first."""
+        state, out = req.lookup_state, req.output_ids
+        if req.lookup_synced < len(out):
+            state.extend(out[req.lookup_synced:])
+            req.lookup_synced = len(out)
+        return state.propose(k)
 
     def _run(self, batch: _Batch) -> StepResult:
         """One batched step on the device (verify, accept, propose): one device -> host transfer."""
@@ -263,22 +354,31 @@ class SpecEngine:
         return self.runner.step([r.slot for r in reqs], [r.last_token for r in reqs],
                                 [r.num_tokens - 1 for r in reqs], batch.draft_lens,
                                 [r.params.temperature for r in reqs], [r.params.top_p for r in reqs], batch.spec,
-                                batch.propose)
+                                batch.propose, batch.host_drafts, batch.append)
 
     def _postprocess(self, batch: _Batch, res: StepResult, finished: list[Request]) -> None:
-        """Record each request's step (γ, a, drafter version), commit its tokens, and tell the policy."""
-        if self.policy is not None:
+        """Record each request's step (γ, a, drafter version, draft source), commit its tokens, and tell the policy
+        (or the planner, which calibrates its acceptance estimates on the outcome)."""
+        if self.planner is not None:
+            if batch.choices is not None:
+                self.planner.record(batch.choices, res.num_accepted)
+        elif self.policy is not None:
             self.policy.after_step(batch.spec, batch.propose, res.next_draft_lens)
-        for req, g, a, toks, nxt in zip(batch.requests, batch.draft_lens, res.num_accepted, res.committed,
-                                        res.next_draft_lens):
+        for i, (req, g, a, toks, nxt) in enumerate(zip(batch.requests, batch.draft_lens, res.num_accepted,
+                                                       res.committed, res.next_draft_lens)):
             if batch.spec:
+                source = batch.choices[i].source if batch.choices is not None else ("dflash" if g else "none")
+                source = source if g else "none"
                 req.draft_lens.append(g)
                 req.num_accepted.append(a)
+                req.step_sources.append(source)
                 req.step_versions.append(self.drafter_version)
                 if req.first_version is None:
                     req.first_version = self.drafter_version
-                self.stats.record_step(g, a)
+                self.stats.record_step(g, a, source)
             req.next_draft_len = nxt
+            if self.planner is not None:
+                req.dflash_expected = res.expected[i] if batch.propose and res.expected is not None else None
             self._commit(req, toks, finished)
 
     def _commit(self, req: Request, tokens: list[int], finished: list[Request]) -> None:
@@ -299,6 +399,9 @@ class SpecEngine:
                 req.last_hidden = self.runner.last_hidden(req.slot, n).to(torch.bfloat16).cpu()
             self.scheduler.finish(req, reason)
             finished.append(req)
+            if self.lookup is not None:  # a suffix corpus learns the finished sequence (prompt lookup ignores it)
+                self.lookup.finish(req.prompt_ids + req.output_ids)
+                req.lookup_state = None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  mode: str = "spec", on_step=None, on_finish=None, admit_min: int = 1) -> list[Request]:
@@ -436,6 +539,8 @@ class SpecEngine:
         for req in self.scheduler.running:
             self.runner.rebuild_context(req.slot, req.num_tokens - 1)
         self.policy.on_drafter_reload()
+        if self.planner is not None:
+            self.planner.reset()
         return self.drafter_sha256
 
     # ------------------------------------------------------------------ timing (benchmarks)
@@ -483,7 +588,7 @@ class SpecEngine:
         grid = runner._width_buckets  # the step pads its verify width to these on GPU
         for b in batch_sizes:
             self._check_timing_args(b, bs, ctx)
-        rows, ar_rows = [], []
+        rows, ar_rows, lookup_rows = [], [], []
         pol = self.policy
         before = (pol.batch_sizes, pol.costs, pol.ar_costs)
         # is_singleton: one lock object per path in this process, so a nested calibration re-enters it
@@ -493,10 +598,20 @@ class SpecEngine:
                 # acceptance head as the real steps will
                 pol.costs = pol.ar_costs = None
                 pol.set_costs(list(batch_sizes), torch.ones(len(batch_sizes), bs - 1), torch.ones(len(batch_sizes)))
+                spec_widths = sorted({min(w, bs) for w in grid if w >= 2})
+                lookup_widths = [w for w in grid if w >= 2] if self.planner is not None and \
+                    self.planner.lookup is not None else []
                 for b in batch_sizes:
-                    ar_rows.append(runner.time_step(b, 0, ctx, num_iters, reduce="min", propose=False))
-                    step = {w: runner.time_step(b, w - 1, ctx, num_iters, reduce="min") for w in grid if w >= 2}
+                    # an AR step appends no drafter context (deferred: caught up when a step proposes again)
+                    ar_rows.append(runner.time_step(b, 0, ctx, num_iters, reduce="min", propose=False, append=False))
+                    step = {w: runner.time_step(b, w - 1, ctx, num_iters, reduce="min") for w in spec_widths}
                     rows.append([step[min(w for w in step if w >= g + 1)] for g in range(1, bs)])
+                    if lookup_widths:  # lookup drafts only: no propose, no context append
+                        look = {w: runner.time_step(b, w - 1, ctx, num_iters, reduce="min", propose=False,
+                                                    host_drafts=True, append=False) for w in lookup_widths}
+                        look[1] = ar_rows[-1]
+                        lookup_rows.append([look[min(w for w in look if w >= g)] for g in
+                                            range(1, runner.max_draft + 2)])
             except BaseException:  # timing failed: the table in use before stays in use
                 pol.batch_sizes, pol.costs, pol.ar_costs = before
                 runner.reset_graphs()  # the timing steps' graphs read the provisional tensors
@@ -504,11 +619,17 @@ class SpecEngine:
         rows = monotone_costs(torch.tensor(rows)).tolist()
         # the timing steps' graphs read the provisional table: they go, and come back with this one
         pol.set_costs(list(batch_sizes), torch.tensor(rows), torch.tensor(ar_rows))
+        if self.planner is not None:  # lookup-only steps: the lookup table; without a lookup source, AR and spec only
+            lookup_rows = monotone_costs(torch.tensor(lookup_rows)).tolist() if lookup_rows else \
+                [[a] + r + [r[-1]] * (runner.max_draft + 1 - bs) for a, r in zip(ar_rows, rows)]
+            self.planner.set_costs(list(batch_sizes), rows, lookup_rows)
         runner.reset_graphs()
         if runner.is_cuda:  # the timing graphs' memory: back to the device for the engines beside this one
             torch.cuda.empty_cache()
         self.cost_table = {"batch_sizes": list(batch_sizes), "costs_ms": rows, "ar_costs_ms": ar_rows,
                            "context_len": ctx}
+        if self.planner is not None:
+            self.cost_table["lookup_costs_ms"] = lookup_rows
         return self.cost_table
 
     def _check_timing_args(self, batch_size: int, width: int, context_len: int) -> None:

@@ -62,6 +62,13 @@ class Request:
     features: torch.Tensor | None = None
     last_hidden: torch.Tensor | None = None
     first_version: int | None = None
+    # draft sources (SpecEngine draft_sources): per step the source that drafted ("dflash", "ngram", "suffix" or
+    # "none" for γ = 0); the lookup's per-request state and how many output tokens it has seen; the pending drafter
+    # block's E[committed | γ] for γ = 1..bs-1 (None: no pending block)
+    step_sources: list[str] = field(default_factory=list)
+    lookup_state: object | None = None
+    lookup_synced: int = 0
+    dflash_expected: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:

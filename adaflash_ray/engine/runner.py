@@ -43,6 +43,8 @@ class StepResult:
     committed: list[list[int]]  # a_r + 1 tokens per request (before stop truncation)
     num_accepted: list[int]  # a_r
     next_draft_lens: list[int]  # γ chosen by the length policy for the request's next step (0 in AR mode)
+    # with an ``expected_fn`` and a propose: per request E[committed tokens | γ] of the new block, γ = 1..bs-1
+    expected: list[list[float]] | None = None
 
 
 class StepKey(NamedTuple):
@@ -51,7 +53,9 @@ class StepKey(NamedTuple):
     batch_size: rows 0..batch_size-1 (a batch bucket on CUDA). width: verify positions, anchor + γ drafts (a width
     bucket on CUDA). span: keys read per attention. spec: verify drafts (False = plain AR, width 1). sample: some
     row samples (temperature > 0). use_top_p: some sampling row has top_p < 1. propose: with ``spec``, the step
-    proposes the next block.
+    proposes the next block. host_drafts: some row verifies drafts the host supplied (a lookup source; a point-mass q)
+    instead of the drafter's. append: with ``spec``, the drafter context takes the step's positions (False: they are
+    caught up from the feature history before the next step that needs them).
     """
 
     batch_size: int
@@ -61,6 +65,12 @@ class StepKey(NamedTuple):
     sample: bool
     use_top_p: bool
     propose: bool
+    host_drafts: bool = False
+    append: bool = True
+
+
+#: E[committed tokens] travel to the host as fixed-point integers in the step's one output buffer (int64)
+EXPECTED_SCALE = 1000
 
 
 def _buckets(limit: int) -> list[int]:
@@ -101,25 +111,35 @@ def sample_from(p: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
     return (p / e).argmax(-1)
 
 
-def rejection_sample(d, p, q, live, generator):
+def rejection_sample(d, p, q, live, generator, point=None):
     """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023), batched.
 
     d ``[B, Γ]`` drafts; p ``[B, Γ+1, V]`` target probs; q ``[B, Γ, V]`` drafter probs (drafts were
-    sampled from q); live ``[B, Γ]`` marks drafts within each row's γ. Accept d_i with probability
-    min(1, p_i(d_i)/q_i(d_i)); at the first rejection sample from normalize(max(0, p_i - q_i)); if all
-    γ accepted, sample the bonus from p_{γ+1}. Returns (accepted ``[B]``, next token ``[B]``).
+    sampled from q) or None (every row is a point mass); live ``[B, Γ]`` marks drafts within each row's γ;
+    point ``[B]`` bool or None: rows whose drafts are deterministic (a lookup proposal), i.e. q_i = one-hot(d_i).
+    Accept d_i with probability min(1, p_i(d_i)/q_i(d_i)) (a point mass: p_i(d_i)); at the first rejection sample
+    from normalize(max(0, p_i - q_i)) (a point mass: p_i with d_i removed, renormalised); if all γ accepted, sample
+    the bonus from p_{γ+1}. Returns (accepted ``[B]``, next token ``[B]``).
     """
     b, gm = d.shape
     if gm == 0:
         return torch.zeros(b, dtype=torch.long, device=p.device), sample_from(p[:, 0], generator)
+    if q is None:  # no drafter distribution at all: every row's drafts are a point mass
+        point = torch.ones(b, dtype=torch.bool, device=p.device)
     pd = p[:, :gm].gather(2, d[..., None])[..., 0]  # [B, Γ]
-    qd = q.gather(2, d[..., None])[..., 0]
+    qd = q.gather(2, d[..., None])[..., 0] if q is not None else torch.ones_like(pd)
+    if point is not None:
+        qd = torch.where(point[:, None], torch.ones_like(qd), qd)
     u = torch.rand(pd.shape, generator=generator, device=p.device)
     ok = (u * qd < pd) & live
     accepted = ok.long().cumprod(1).sum(1)  # [B]
     idx = accepted[:, None, None].expand(b, 1, p.shape[-1])
     p_at = p.gather(1, idx)[:, 0]  # [B, V]
-    q_at = torch.cat([q, torch.zeros_like(q[:, :1])], 1).gather(1, idx)[:, 0]
+    q_at = (torch.cat([q, torch.zeros_like(q[:, :1])], 1).gather(1, idx)[:, 0] if q is not None
+            else torch.zeros_like(p_at))
+    if point is not None:  # one-hot of the draft at the first rejected position (unused where none was rejected)
+        d_at = torch.cat([d, torch.zeros_like(d[:, :1])], 1).gather(1, accepted[:, None])  # [B, 1]
+        q_at = torch.where(point[:, None], torch.zeros_like(p_at).scatter_(1, d_at, 1.0), q_at)
     rejected = accepted < live.sum(1)  # stopped before γ: residual; else bonus from p
     resid = (p_at - q_at).clamp(min=0)
     norm = resid.sum(-1, keepdim=True)
@@ -136,13 +156,14 @@ class ModelRunner:
         record: also keep the final hidden state per position (trajectories).
         use_cuda_graph: None = on for CUDA devices. seed: sampling RNG (CPU; on CUDA the default
             generator is used, which CUDA graphs support natively).
+        max_draft: the longest draft a step verifies (host-supplied lookup drafts included); None = block_size - 1
+            (at least 1). It sets the width buckets and the host-draft columns of the input buffer.
     """
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, length_policy, *, num_slots: int,
                  max_seq_len: int, layer_ids: list[int], record: bool = False, use_cuda_graph: bool | None = None,
-                 seed: int = 0):
+                 seed: int = 0, max_draft: int | None = None):
         self.target, self.drafter, self.length_policy = target, drafter, length_policy
-        self.wants_anchor_hidden = bool(getattr(length_policy, "needs_anchor_hidden", False))
         self.layer_ids = list(layer_ids)
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         w = target.lm_head.weight
@@ -164,24 +185,40 @@ class ModelRunner:
                           if drafter is not None or record else None)
         self.hid_hist = (torch.zeros(num_slots, max_seq_len, target.config.hidden_size, dtype=self.dtype, device=dev)
                          if record else None)
-        nd = max(self.block_size - 1, 1)
+        nd = max(self.block_size - 1, max_draft or 0, 1)
+        self.max_draft = nd
         self.drafts = torch.zeros(num_slots, nd, dtype=torch.long, device=dev)  # pending drafts per slot
         self.draft_probs: torch.Tensor | None = None  # [slots, bs-1, V] float32, allocated at the first sample
-        # static step inputs / output (graph-captured code reads and writes only these)
-        self.in_ints = torch.zeros(num_slots, 3, dtype=torch.long, device=dev)  # anchor, position, γ
+        # static step inputs / output (graph-captured code reads and writes only these). in_ints columns: anchor,
+        # position, γ, host-draft flag (1: the row verifies the host's drafts, a point-mass q), host drafts [nd]
+        self.in_ints = torch.zeros(num_slots, 4 + nd, dtype=torch.long, device=dev)
         self.in_floats = torch.zeros(num_slots, 2, dtype=torch.float32, device=dev)  # temperature, top_p
-        self.out = torch.zeros(num_slots, self.block_size + 2, dtype=torch.long, device=dev)
+        # out columns: committed [width], accepted, next γ, then (with expected_fn) E[c(γ)] x EXPECTED_SCALE [bs-1]
+        self._exp_col = nd + 3
+        self.out = torch.zeros(num_slots, self._exp_col + max(self.block_size - 1, 0), dtype=torch.long, device=dev)
+        # (block_hidden [B, bs, H], draft_logits [B, bs-1, V]) -> E[committed | γ] [B, bs-1] float, or None: set by
+        # an engine whose scheduler weighs the drafter's block against other sources (graph-safe, no host sync)
+        self.expected_fn = None
+        # host: per slot, the drafter context holds positions < ctx_len (steps with append=False leave it behind)
+        self.ctx_len = [0] * num_slots
+        self.prefill_expected: list[list[float]] | None = None
         pin = self.is_cuda
-        self._ints_host = torch.zeros(num_slots, 3, dtype=torch.long, pin_memory=pin)
+        self._ints_host = torch.zeros(num_slots, 4 + nd, dtype=torch.long, pin_memory=pin)
         self._floats_host = torch.zeros(num_slots, 2, dtype=torch.float32, pin_memory=pin)
         self.generator = None if self.is_cuda else torch.Generator(device=dev).manual_seed(seed)
         if self.is_cuda:
             torch.cuda.manual_seed(seed)
         self._batch_buckets = _buckets(num_slots) if self.is_cuda else None
-        self._width_buckets = [x for x in (1, 2, 3, 4, 6, 8, 12, 16) if x < self.block_size] + [self.block_size]
+        self._width_buckets = [x for x in (1, 2, 3, 4, 6, 8, 12, 16) if x < nd + 1] + [nd + 1]
         self.graphs: dict[StepKey, torch.cuda.CUDAGraph] = {}
         self._warm = False
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+
+    @property
+    def wants_anchor_hidden(self) -> bool:
+        """The length policy reads the target's hidden state at the anchor (its ``needs_anchor_hidden``; read
+        per call, so a policy swapped in later is honoured)."""
+        return bool(getattr(self.length_policy, "needs_anchor_hidden", False))
 
     def reset_graphs(self) -> None:
         """Drop every captured step graph (each is captured again on its next use) and start a fresh memory pool
@@ -201,7 +238,8 @@ class ModelRunner:
     def _ensure_sampling(self) -> None:
         if self.draft_probs is None and self.drafter is not None:
             v = self.target.config.vocab_size
-            self.draft_probs = torch.zeros(self.num_slots, self.block_size - 1, v, dtype=torch.float32,
+            # max_draft columns (>= bs-1): a step whose lookup rows are wider than the block reads zeros past it
+            self.draft_probs = torch.zeros(self.num_slots, self.max_draft, v, dtype=torch.float32,
                                            device=self.device)
 
     # ------------------------------------------------------------------ prefill
@@ -216,11 +254,13 @@ class ModelRunner:
         prompt at a time (no padding waste).
         """
         if not self.is_cuda and len(prompts) > 1:
-            firsts, gammas = [], []
+            firsts, gammas, expected = [], [], []
             for args in zip(slots, prompts, temperatures, top_ps):
                 f, g = self.prefill(*[[a] for a in args], spec)
                 firsts += f
                 gammas += g
+                expected += self.prefill_expected or []
+            self.prefill_expected = expected or None
             return firsts, gammas
         dev = self.device
         n, plen = len(prompts), max(map(len, prompts))
@@ -249,57 +289,71 @@ class ModelRunner:
             self.feat_hist[rows, positions] = out.features.to(self.feat_hist.dtype)
         if self.hid_hist is not None:
             self.hid_hist[rows, positions] = out.last_hidden.to(self.hid_hist.dtype)
-        gamma = torch.zeros_like(first)
+        gamma, expected = torch.zeros_like(first), None
         if self.drafter is not None:
             self.drafter.append_context(self.ctx, rows, positions, out.features)
+            for s, prompt in zip(slots, prompts):
+                self.ctx_len[s] = len(prompt)
             if spec:
-                gamma = self._propose(slot_t, first, lens, plen + self.block_size, temp, top_p, sample, use_top_p,
-                                      rows_are_slots=False, anchor_hidden=last)
-        host = torch.stack([first, gamma]).tolist()  # one transfer
-        return host[0], host[1]
+                gamma, expected = self._propose(slot_t, first, lens, plen + self.block_size, temp, top_p, sample,
+                                                use_top_p, rows_are_slots=False, anchor_hidden=last)
+        cols = [first[:, None], gamma[:, None]]
+        if expected is not None:
+            cols.append((expected * EXPECTED_SCALE).round().long())
+        host = torch.cat(cols, 1).tolist()  # one transfer
+        self.prefill_expected = ([[v / EXPECTED_SCALE for v in r[2:]] for r in host] if expected is not None
+                                 else None)
+        return [r[0] for r in host], [r[1] for r in host]
 
     # ------------------------------------------------------------------ propose
     def _propose(self, slot_ids, anchors, anchor_pos, span, temp, top_p, sample, use_top_p, rows_are_slots,
                  live=None, anchor_hidden=None):
         """Drafter forward on ``[anchor, MASK...]`` -> pending drafts (+ their probabilities when sampling)
-        stored per slot; returns γ ``[B]`` from the length policy (``live`` [B] bool: the rows that are real
-        requests, None = all). A policy with ``needs_anchor_hidden`` also gets ``anchor_hidden`` ``[B, H]``: the
+        stored per slot; returns (γ ``[B]`` from the length policy (``live`` [B] bool: the rows that are real
+        requests, None = all), E[committed | γ] ``[B, bs-1]`` float from ``expected_fn`` or None). A policy with ``needs_anchor_hidden`` also gets ``anchor_hidden`` ``[B, H]``: the
         target's final-normed hidden state whose logits gave each anchor token."""
         span = min(span, self.max_seq_len)
         hidden = self.drafter.propose_hidden(self.ctx, slot_ids, anchors, anchor_pos, span=span,
                                              rows_are_slots=rows_are_slots)  # [B, bs, H]
         draft_logits = self.drafter.logits(hidden[:, 1:])  # [B, bs-1, V]
         drafts = draft_logits.argmax(-1)
-        b = anchors.shape[0]
+        b, nb = anchors.shape[0], drafts.shape[1]
         if sample:
             q = processed_probs(draft_logits, temp, top_p if use_top_p else None)
             drafts = torch.where((temp > 0)[:, None], sample_from(q, self.generator), drafts)
             if rows_are_slots:
-                self.draft_probs[:b] = q
+                self.draft_probs[:b, :nb] = q
             else:
-                self.draft_probs[slot_ids] = q
+                self.draft_probs[slot_ids, :nb] = q
         if rows_are_slots:
-            self.drafts[:b] = drafts
+            self.drafts[:b, :nb] = drafts
         else:
-            self.drafts[slot_ids] = drafts
+            self.drafts[slot_ids, :nb] = drafts
+        expected = self.expected_fn(hidden, draft_logits) if self.expected_fn is not None else None
         if self.wants_anchor_hidden:
-            return self.length_policy(hidden, draft_logits, live, anchor_hidden=anchor_hidden).to(torch.long)
-        return self.length_policy(hidden, draft_logits, live).to(torch.long)
+            return self.length_policy(hidden, draft_logits, live, anchor_hidden=anchor_hidden).to(torch.long), expected
+        return self.length_policy(hidden, draft_logits, live).to(torch.long), expected
 
     # ------------------------------------------------------------------ one step (graph body)
     def _step_fn(self, b: int, w: int, span: int, spec: bool, sample: bool, use_top_p: bool,
-                 propose: bool = True) -> None:
+                 propose: bool = True, host_drafts: bool = False, append: bool = True) -> None:
         """Rows 0..b-1, verify width w, keys 0..span-1. Reads in_ints / in_floats / drafts; writes out,
-        caches, histories, drafts. ``spec`` without ``propose``: the drafter context takes the new positions but
-        no block is proposed (an AR step of the ``cost`` policy's γ = 0). No host synchronisation (CUDA-graph
-        safe)."""
+        caches, histories, drafts. ``spec`` without ``propose``: no block is proposed (an AR step of the ``cost``
+        policy's γ = 0, or a step that verifies only host drafts); with ``append`` the drafter context still takes
+        the new positions. ``host_drafts``: rows flagged in in_ints column 3 verify in_ints' host drafts (a
+        point-mass q when sampling) instead of the drafter's. No host synchronisation (CUDA-graph safe)."""
         dev = self.device
-        anchor, pos, gamma = self.in_ints[:b].unbind(1)
+        ints = self.in_ints[:b]
+        anchor, pos, gamma = ints[:, 0], ints[:, 1], ints[:, 2]
         temp, top_p = self.in_floats[:b].unbind(1)
         ar = torch.arange(w, device=dev)
         positions = (pos[:, None] + ar).clamp(max=self.max_seq_len - 1)  # [B, W] (clamp: padded columns only)
         g_max = w - 1
         d = self.drafts[:b, :g_max]  # [B, Γ]
+        point = None
+        if host_drafts:
+            point = ints[:, 3] > 0
+            d = torch.where(point[:, None], ints[:, 4:4 + g_max], d)
         inp = torch.cat([anchor[:, None], d], 1)  # [B, W]
         out = self.target(inp, positions, cache=self.kv, capture_layer_ids=self.layer_ids, span=span,
                           rows_are_slots=True, logits_dtype=None)
@@ -310,7 +364,7 @@ class ModelRunner:
         if sample:
             p = processed_probs(out.logits, temp, top_p if use_top_p else None)  # [B, W, V]
             q = self.draft_probs[:b, :g_max] if self.draft_probs is not None else None
-            acc_s, nxt_s = rejection_sample(d, p, q, live, self.generator)
+            acc_s, nxt_s = rejection_sample(d, p, q, live, self.generator, point)
             stochastic = temp > 0
             accepted = torch.where(stochastic, acc_s, accepted)
             nxt = torch.where(stochastic, nxt_s, nxt)
@@ -323,14 +377,17 @@ class ModelRunner:
             self.hid_hist[rows, positions] = out.last_hidden.to(self.hid_hist.dtype)
         self.out[:b, :w] = committed
         self.out[:b, w] = accepted
-        if spec:
+        if spec and append and self.drafter is not None:
             self.drafter.append_context(self.ctx, rows.expand(b, w), positions, out.features)
         if spec and propose:
             # rows of idle slots and of the padded bucket carry position 0 (a real request's anchor is >= 1)
             anchor_hidden = out.last_hidden[rows[:, 0], accepted] if self.wants_anchor_hidden else None  # [B, H]
-            self.out[:b, w + 1] = self._propose(rows[:, 0], nxt, pos + accepted + 1, span, temp, top_p, sample,
-                                                use_top_p, rows_are_slots=True, live=pos > 0,
-                                                anchor_hidden=anchor_hidden)
+            gamma_next, expected = self._propose(rows[:, 0], nxt, pos + accepted + 1, span, temp, top_p, sample,
+                                                 use_top_p, rows_are_slots=True, live=pos > 0,
+                                                 anchor_hidden=anchor_hidden)
+            self.out[:b, w + 1] = gamma_next
+            if expected is not None:
+                self.out[:b, self._exp_col:] = (expected * EXPECTED_SCALE).round().long()
 
     def _run(self, key: StepKey) -> None:
         if not self.use_graphs:
@@ -351,7 +408,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step (host side)
     @torch.no_grad()
     def step(self, slots: list[int], anchors: list[int], anchor_pos: list[int], draft_lens: list[int],
-             temperatures: list[float], top_ps: list[float], spec: bool, propose: bool = True) -> StepResult:
+             temperatures: list[float], top_ps: list[float], spec: bool, propose: bool = True,
+             host_drafts: list[list[int] | None] | None = None, append: bool | None = None) -> StepResult:
         """One decoding step for the running requests in ``slots``.
 
         Args:
@@ -360,12 +418,33 @@ class ModelRunner:
                 the host (remaining budget).
             temperatures, top_ps: per request sampling settings (0 = greedy).
             spec: verify the pending drafts and propose the next block; False = plain AR (W = 1).
-            propose: with ``spec``, False skips the drafter's propose (draft_lens must all be 0): the drafter
-                context still takes the new positions, so a later step can propose again; next_draft_lens are 0.
+            propose: with ``spec``, False skips the drafter's propose (only host drafts may then be verified):
+                next_draft_lens are 0. Without a drafter a step never proposes.
+            host_drafts: per request None (verify the drafter's pending drafts) or token ids the host proposes
+                (a lookup source), at least ``draft_lens[i]`` of them; verified as a point-mass q. None = none.
+            append: with ``spec`` and a drafter, whether the drafter context takes this step's positions (None =
+                ``spec``). A step that skips it leaves the slot's context behind; the next step that proposes or
+                appends first recomputes the missing positions from the feature history (:meth:`catch_up_context`),
+                so AR stretches pay no drafter work.
+        Raises:
+            ValueError: drafter drafts to verify without a drafter, or host drafts shorter than their γ or longer
+                than ``max_draft``.
         """
-        propose = propose or not spec
-        if spec and not propose and any(draft_lens):
-            raise ValueError(f"a step without propose verifies no drafts, got draft_lens {draft_lens}")
+        has_drafter = self.drafter is not None
+        propose = (propose or not spec) and has_drafter
+        append = (spec if append is None else append and spec) and has_drafter
+        use_host = host_drafts is not None and any(h is not None for h in host_drafts)
+        for i, g in enumerate(draft_lens):
+            h = host_drafts[i] if use_host else None
+            if h is not None:
+                if len(h) < g or len(h) > self.max_draft:
+                    raise ValueError(f"host drafts of request {i}: {len(h)} tokens for γ {g} (max {self.max_draft})")
+            elif spec and g and not has_drafter:
+                raise ValueError(f"request {i}: γ {g} without host drafts needs a drafter's pending block")
+        if has_drafter and (propose or append):  # a context left behind by AR steps comes back first
+            for s, p in zip(slots, anchor_pos):
+                if self.ctx_len[s] < p:
+                    self.catch_up_context(s, self.ctx_len[s], p)
         b = max(slots) + 1
         g_max = max(draft_lens) if spec else 0
         w = g_max + 1
@@ -382,16 +461,38 @@ class ModelRunner:
         floats[:b, 0], floats[:b, 1] = 0.0, 1.0
         idx = np.asarray(slots)
         ints[idx, 0], ints[idx, 1], ints[idx, 2] = anchors, anchor_pos, draft_lens
+        if use_host:  # the host's drafts ride in the same input buffer: still one host -> device copy of ints
+            for s, h in zip(slots, host_drafts):
+                if h is not None:
+                    ints[s, 3] = 1
+                    ints[s, 4:4 + len(h)] = h
         floats[idx, 0], floats[idx, 1] = temperatures, top_ps
         self.in_ints[:b].copy_(self._ints_host[:b], non_blocking=True)
         self.in_floats[:b].copy_(self._floats_host[:b], non_blocking=True)
-        self._run(StepKey(b, w, span, spec, sample, use_top_p, propose))
-        host = self.out[:b, : w + 2].cpu().numpy()  # the one device -> host transfer of the step
+        self._run(StepKey(b, w, span, spec, sample, use_top_p, propose, use_host and spec, append))
+        with_exp = spec and propose and self.expected_fn is not None
+        ncols = self.out.shape[1] if with_exp else w + 2
+        host = self.out[:b, :ncols].cpu().numpy()  # the one device -> host transfer of the step
         rows = host[idx]
         acc = rows[:, w].tolist()
         committed = [r[: a + 1].tolist() for r, a in zip(rows, acc)]
         nxt = rows[:, w + 1].tolist() if spec and propose else [0] * len(slots)
-        return StepResult(committed=committed, num_accepted=acc, next_draft_lens=nxt)
+        if append:
+            for s, p, a in zip(slots, anchor_pos, acc):
+                self.ctx_len[s] = p + a + 1
+        expected = (rows[:, self._exp_col:] / EXPECTED_SCALE).tolist() if with_exp else None
+        return StepResult(committed=committed, num_accepted=acc, next_draft_lens=nxt, expected=expected)
+
+    @torch.no_grad()
+    def catch_up_context(self, slot: int, start: int, stop: int) -> None:
+        """Append the drafter context of positions ``start .. stop-1`` of ``slot`` from its feature history (the
+        committed positions that steps with ``append=False`` skipped); eager, one drafter projection for all of
+        them. Afterwards the slot's context holds positions < ``stop``."""
+        if stop > start:
+            pos = torch.arange(start, stop, device=self.device)
+            self.drafter.append_context(self.ctx, torch.full((stop - start,), slot, device=self.device), pos,
+                                        self.feat_hist[slot, start:stop])
+        self.ctx_len[slot] = max(self.ctx_len[slot], stop)
 
     # ------------------------------------------------------------------ history, reload
     def features(self, slot: int, n: int) -> torch.Tensor:
@@ -409,6 +510,7 @@ class ModelRunner:
         pos = torch.arange(n, device=self.device)
         self.drafter.append_context(self.ctx, torch.full((n,), slot, device=self.device), pos,
                                     self.feat_hist[slot, :n])
+        self.ctx_len[slot] = n
 
     # ------------------------------------------------------------------ timing (benchmarks)
     def _time(self, fn, num_iters: int, reduce: str = "median") -> float:
@@ -460,15 +562,18 @@ class ModelRunner:
 
     @torch.no_grad()
     def time_step(self, batch_size: int, draft_len: int, context_len: int = 128, num_iters: int = 20,
-                  reduce: str = "median", propose: bool = True) -> float:
+                  reduce: str = "median", propose: bool = True, host_drafts: bool = False,
+                  append: bool | None = None) -> float:
         """Median (or least) wall-clock ms of one whole :meth:`step` - host inputs, the (graph-replayed) verify of
-        width ``draft_len + 1``, the drafter propose (unless ``propose`` is False: an AR step, ``draft_len`` 0) and
-        the one device -> host transfer - on slots 0..batch_size-1 after ``context_len`` tokens, greedy. What an
-        engine step costs including its host work, which a graph's own time leaves out. Overwrites those slots'
-        KV, drafter context and drafts: call on an idle engine."""
+        width ``draft_len + 1``, the drafter propose (unless ``propose`` is False: an AR step, or with
+        ``host_drafts`` a step verifying lookup drafts) and the one device -> host transfer - on slots
+        0..batch_size-1 after ``context_len`` tokens, greedy. ``append``: as in :meth:`step`. What an engine step
+        costs including its host work, which a graph's own time leaves out. Overwrites those slots' KV, drafter
+        context and drafts: call on an idle engine."""
         slots = list(range(batch_size))
+        hd = [[0] * draft_len] * batch_size if host_drafts else None
         args = (slots, [0] * batch_size, [context_len] * batch_size, [draft_len] * batch_size,
-                [0.0] * batch_size, [1.0] * batch_size, True, propose)
+                [0.0] * batch_size, [1.0] * batch_size, True, propose, hd, append)
         self.drafts.zero_()
         self.step(*args)  # warm-up: the eager first step / graph capture for this key
         self.step(*args)

@@ -37,6 +37,10 @@ class SpecStats:
     draft_len_hist: Counter = field(default_factory=Counter)  # γ -> request-steps
     num_drafting_steps: int = 0  # request-steps with γ >= 1 (#drafts)
     accepted_per_pos: Counter = field(default_factory=Counter)  # draft position i (0-based) -> drafts accepting it
+    # draft source of each request-step ("dflash", "ngram", "suffix"; "none" for γ = 0) -> request-steps, Σγ, Σa
+    source_hist: Counter = field(default_factory=Counter)
+    source_drafted: Counter = field(default_factory=Counter)
+    source_accepted: Counter = field(default_factory=Counter)
 
     @classmethod
     def from_steps(cls, draft_lens: Iterable[int], num_accepted: Iterable[int]) -> "SpecStats":
@@ -52,8 +56,10 @@ class SpecStats:
         x <= bound and need bounds > 0): each γ = 0 .. block_size-1 gets a bucket of its own."""
         return [g + 0.5 for g in range(block_size)]
 
-    def record_step(self, draft_len: int, num_accepted: int) -> None:
-        """Count one request's step: γ drafted (0 = a plain target step), a accepted (0 <= a <= γ)."""
+    def record_step(self, draft_len: int, num_accepted: int, source: str | None = None) -> None:
+        """Count one request's step: γ drafted (0 = a plain target step), a accepted (0 <= a <= γ), and with
+        ``source`` the draft source that proposed it (counted in ``source_hist`` / ``source_drafted`` /
+        ``source_accepted``)."""
         self.num_verify_steps += 1
         self.num_drafting_steps += draft_len > 0
         self.num_drafted += draft_len
@@ -61,18 +67,27 @@ class SpecStats:
         self.draft_len_hist[draft_len] += 1
         for i in range(num_accepted):  # a accepted = the draft's positions 0 .. a-1 accepted
             self.accepted_per_pos[i] += 1
+        if source is not None:
+            self.source_hist[source] += 1
+            self.source_drafted[source] += draft_len
+            self.source_accepted[source] += num_accepted
 
     def __add__(self, other: "SpecStats") -> "SpecStats":
         return SpecStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
     def __sub__(self, earlier: "SpecStats") -> "SpecStats":
         out = {f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)}
-        for k in ("draft_len_hist", "accepted_per_pos"):
+        for k in ("draft_len_hist", "accepted_per_pos", "source_hist", "source_drafted", "source_accepted"):
             out[k] = +out[k]  # Counter subtraction keeps positive counts only
         return SpecStats(**out)
 
     def copy(self) -> "SpecStats":
         return self - SpecStats()
+
+    def source_accept_len(self, source: str) -> float:
+        """Per-draft acceptance length 1 + Σa / #steps of one draft source (its steps only); NaN if it never ran."""
+        n = self.source_hist.get(source, 0)
+        return 1.0 + self.source_accepted.get(source, 0) / n if n else math.nan
 
     @property
     def accept_len(self) -> float:

@@ -1,0 +1,291 @@
+"""Draft sources beside the DFlash drafter, and the hybrid per-request choice among them
+(docs/design/ALGORITHMS.md §2, policy 4).
+
+Sources (engine option ``draft_sources``):
+
+- ``dflash``: the drafter's block, proposed in the step's CUDA graph (:class:`~adaflash_ray.engine.runner.ModelRunner`);
+- ``ngram``: prompt lookup in the request's own context (prompt lookup decoding; vLLM's ``ngram`` speculator) -
+  :class:`~adaflash_ray.drafting.lookup.PromptLookup`;
+- ``suffix``: the same plus a bounded corpus of earlier requests (SuffixDecoding, Oliaro et al., arXiv 2411.04975) -
+  :class:`~adaflash_ray.drafting.lookup.SuffixLookup`.
+
+A lookup proposal is deterministic, so the verify step treats it as a point-mass q (accept d_i with probability
+p_i(d_i), on rejection resample from p_i without d_i): greedy output stays the target's token for token and sampled
+output follows the target's distribution, whatever the source.
+
+:class:`HybridPlanner` (host side, between steps) picks per request per step the source and γ - the DFlash block,
+the lookup continuation, or none (γ = 0) - that maximise expected committed tokens per measured millisecond of the
+whole batch step:
+
+    value(W, plan) = Σ_r max(1, E_r^src(min(W - 1, cap_r))) / t_plan(B, W)
+
+over verify widths W (the runner's width buckets) and two plans: with the drafter's block available (the step also
+proposes the next block: ``t_spec(B, W)``, the ``cost`` policy's measured table) or lookup only (no drafter work:
+``t_lookup(B, W)``, measured the same way; ``t_lookup(B, 1) = t_AR(B)``). Each row then takes its best source at
+that width. Acceptance estimates:
+
+- DFlash: the ``cost`` policy's acceptance head, E[c(γ)] = 1 + Σ_{i<=γ} Π_{j<=i} p_j (computed in the step's graph);
+- lookup: the proposal's empirical continuation probabilities (:meth:`Proposal.prefix_probs`, SuffixDecoding's
+  path score: of the occurrences of the matched suffix, the share that continue with the proposal's prefix).
+
+Both are calibrated online by this replica's own record: per source, the ratio of exponential moving averages of
+realised to estimated accepted tokens (:class:`SourceCalibration`) scales the estimate. When the drafter's block
+was not chosen for any request, the next steps skip its propose (no drafter forward) and probe again after
+``probe_every`` steps, twice as long after each probe that still does not choose it (at most 4 x ``probe_every``);
+lookups are skipped the same way when they paid nothing, so their host time is not spent every step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from adaflash_ray.drafting.lookup import Proposal
+
+#: every draft source the engine knows; "none" labels γ = 0 steps in the statistics
+DRAFT_SOURCES = ("dflash", "ngram", "suffix")
+LOOKUP_SOURCES = ("ngram", "suffix")
+
+
+def check_draft_sources(sources, has_drafter: bool) -> tuple[str, ...]:
+    """Validated, de-duplicated ``draft_sources``. Raises ValueError for an unknown name, for ``dflash`` without a
+    drafter, or for both lookups at once (``suffix`` already includes the request's own context)."""
+    out = tuple(dict.fromkeys(sources))
+    bad = [s for s in out if s not in DRAFT_SOURCES]
+    if bad or not out:
+        raise ValueError(f"draft_sources {list(sources)}: expected a non-empty subset of {list(DRAFT_SOURCES)}")
+    if "dflash" in out and not has_drafter:
+        raise ValueError("draft source 'dflash' needs a drafter")
+    if "ngram" in out and "suffix" in out:
+        raise ValueError("draft_sources: 'suffix' already looks up the request's own context; give one of 'ngram', "
+                         "'suffix'")
+    return out
+
+
+class SourceCalibration:
+    """Online calibration of acceptance estimates per draft source: ``factor(src)`` = EMA(realised accepted) /
+    EMA(estimated accepted) over that source's recent request-steps, starting at ``prior``.
+
+    Args:
+        prior: the factor before any record (a lookup's raw estimate counts every earlier occurrence as a vote).
+        decay: weight of each new request-step in the moving averages (0 < decay <= 1).
+    Raises:
+        ValueError: ``prior <= 0`` or ``decay`` outside (0, 1].
+    """
+
+    def __init__(self, prior: float = 0.6, decay: float = 0.02):
+        if prior <= 0 or not 0 < decay <= 1:
+            raise ValueError(f"need prior > 0 and 0 < decay <= 1, got {prior}, {decay}")
+        self.prior, self.decay = prior, decay
+        self._real: dict[str, float] = {}
+        self._est: dict[str, float] = {}
+
+    def factor(self, source: str) -> float:
+        est = self._est.get(source)
+        if est is None:
+            return self.prior
+        return min(max(self._real[source] / max(est, 1e-6), 0.0), 2.0)
+
+    def record(self, source: str, estimated: float, realised: int) -> None:
+        """One verified draft of ``source``: ``estimated`` accepted tokens (uncalibrated, >= 0), ``realised`` a."""
+        if source not in self._est:  # the prior as one pseudo-observation of one estimated token
+            self._est[source], self._real[source] = 1.0, self.prior
+        k = self.decay
+        self._est[source] = (1 - k) * self._est[source] + k * estimated
+        self._real[source] = (1 - k) * self._real[source] + k * realised
+
+
+@dataclass
+class RowChoice:
+    """One request's draft for the next step: ``source`` in :data:`DRAFT_SOURCES` or "none", γ (0 for "none"),
+    ``tokens`` (the lookup's drafts, None for the drafter's block) and the uncalibrated estimated accepted tokens
+    (for :meth:`SourceCalibration.record`)."""
+
+    source: str
+    draft_len: int
+    tokens: list[int] | None = None
+    estimated: float = 0.0
+
+
+class HybridPlanner:
+    """The per-request choice of draft source and γ (module docstring). Host-side, numpy; state: the calibration
+    and the probe schedules.
+
+    Args:
+        sources: the engine's draft sources (:func:`check_draft_sources`).
+        max_draft: the longest γ (the runner's ``max_draft``). block_size: the drafter's (its block gives at most
+            block_size - 1 drafts).
+        widths: verify widths considered (the runner's width buckets; each <= max_draft + 1).
+        probe_every: AR / lookup-only steps before the drafter's block (or the lookups) are tried again.
+        calibration: a :class:`SourceCalibration` (a fresh one when None).
+    """
+
+    def __init__(self, sources: tuple[str, ...], max_draft: int, block_size: int, widths: list[int],
+                 probe_every: int = 8, calibration: SourceCalibration | None = None):
+        self.sources, self.max_draft, self.block_size = sources, max_draft, block_size
+        self.widths = sorted(w for w in set(widths) if 1 <= w <= max_draft + 1) or [1]
+        self.probe_every = probe_every
+        self.calibration = calibration or SourceCalibration()
+        self.lookup = next((s for s in sources if s in LOOKUP_SOURCES), None)
+        self.use_dflash = "dflash" in sources
+        # cost tables (ms): set_costs; None = choose by expected tokens alone
+        self.batch_sizes: list[int] = []
+        self.spec_costs: np.ndarray | None = None  # [nb, max_draft + 1] by width (index W - 1), propose included
+        self.lookup_costs: np.ndarray | None = None  # [nb, max_draft + 1] by width, no propose (W = 1: AR step)
+        self._since = {"dflash": 0, "lookup": 0}
+        self._interval = {"dflash": probe_every, "lookup": probe_every}
+        self._idle = {"dflash": False, "lookup": False}
+        self.last_value: float | None = None  # expected tokens per ms of the last plan (None without costs)
+
+    # ------------------------------------------------------------------ costs
+    def set_costs(self, batch_sizes: list[int], spec_costs_ms, lookup_costs_ms) -> None:
+        """``spec_costs_ms`` ``[len(batch_sizes), bs-1]``: a step that verifies γ = 1..bs-1 drafts and proposes (the
+        ``cost`` policy's table); ``lookup_costs_ms`` ``[len(batch_sizes), max_draft + 1]``: a step of width
+        W = 1..max_draft+1 without propose (W = 1: the AR step). Spec costs beyond the block take the lookup cost
+        plus the propose's measured share. Raises ValueError on shapes or a non-positive cost."""
+        spec = np.asarray(spec_costs_ms, dtype=np.float64)
+        look = np.asarray(lookup_costs_ms, dtype=np.float64)
+        nb = len(batch_sizes)
+        if spec.shape != (nb, self.block_size - 1) or look.shape != (nb, self.max_draft + 1):
+            raise ValueError(f"costs must be [{nb}, {self.block_size - 1}] and [{nb}, {self.max_draft + 1}], got "
+                             f"{spec.shape} and {look.shape}")
+        if (spec <= 0).any() or (look <= 0).any():
+            raise ValueError("every cost must be > 0 ms")
+        full = np.empty((nb, self.max_draft + 1))
+        full[:, 0] = spec[:, 0]  # a width-1 step that proposes: no cheaper than width 2
+        full[:, 1:self.block_size] = spec
+        if self.max_draft + 1 > self.block_size:  # widths past the block: lookup cost + the propose's share
+            extra = (spec[:, -1] - look[:, self.block_size - 1])[:, None]
+            full[:, self.block_size:] = look[:, self.block_size:] + np.maximum(extra, 0.0)
+        self.batch_sizes, self.spec_costs, self.lookup_costs = list(batch_sizes), full, look
+
+    def _row(self, batch_size: int) -> int:
+        i = int(np.searchsorted(self.batch_sizes, batch_size))
+        return min(i, len(self.batch_sizes) - 1)
+
+    # ------------------------------------------------------------------ schedules
+    def lookup_due(self) -> bool:
+        """Whether this step computes lookup proposals (host time) at all: always while they pay, else every
+        ``probe_interval`` steps."""
+        if self.lookup is None:
+            return False
+        return not self._idle["lookup"] or self._since["lookup"] >= self._interval["lookup"]
+
+    def _advance(self, key: str, used: bool, tried: bool) -> None:
+        if used:
+            self._idle[key], self._since[key], self._interval[key] = False, 0, self.probe_every
+        elif tried:  # tried and not chosen: wait, twice as long after each such probe
+            if self._idle[key]:
+                self._interval[key] = min(2 * self._interval[key], 4 * self.probe_every)
+            self._idle[key], self._since[key] = True, 0
+        else:
+            self._since[key] += 1
+
+    def reset(self) -> None:
+        """A new batch or new drafter weights: both sources are tried on the next step."""
+        for key in self._since:
+            self._idle[key], self._since[key], self._interval[key] = False, 0, self.probe_every
+
+    # ------------------------------------------------------------------ the choice
+    def plan(self, batch_size: int, caps: list[int], dflash_expected: list[list[float] | None],
+             proposals: list[Proposal | None], fixed: list[int | None] | None = None) -> tuple[list[RowChoice], bool]:
+        """Per request the source and γ of this step, and whether the step proposes the next DFlash block.
+
+        Args:
+            batch_size: the step's rows (the cost table's batch size: ``max(slot) + 1``).
+            caps: per request the largest γ allowed (tokens left - 1, >= 0).
+            dflash_expected: per request E[committed | γ] for γ = 1..bs-1 of its pending drafter block (uncalibrated;
+                None: no pending block).
+            proposals: per request the lookup's proposal (None: not looked up this step).
+            fixed: per request a γ the request fixes (``SamplingParams.draft_len``: the drafter's block at that γ) or
+                None.
+        Returns:
+            (choices, propose): one :class:`RowChoice` per request; ``propose`` True when the drafter's block is to
+            be proposed in this step (it was chosen for some request, or its probe is due).
+        """
+        n = len(caps)
+        fixed = fixed or [None] * n
+        nd = self.max_draft
+        cal = self.calibration
+        # cumulative estimated accepted tokens by γ (index γ; 0 at γ = 0), calibrated, flat past each proposal's end
+        dfl = np.full((n, nd + 1), -1.0)
+        look = np.zeros((n, nd + 1))
+        has_d = np.zeros(n, dtype=bool)
+        f_d = cal.factor("dflash")
+        f_l = cal.factor(self.lookup) if self.lookup else 0.0
+        raw_l = np.zeros((n, nd + 1))
+        for i, (e, prop) in enumerate(zip(dflash_expected, proposals)):
+            if e is not None and self.use_dflash:
+                ev = np.asarray(e[: min(len(e), nd)], dtype=np.float64) - 1.0
+                dfl[i, 0] = 0.0
+                dfl[i, 1:len(ev) + 1] = ev
+                dfl[i, len(ev) + 1:] = ev[-1] if len(ev) else 0.0
+                has_d[i] = True
+            if prop is not None and len(prop):
+                c = np.cumsum(prop.prefix_probs()[:nd])
+                raw_l[i, 1:len(c) + 1] = c
+                raw_l[i, len(c) + 1:] = c[-1]
+        dfl[has_d] *= f_d
+        look = raw_l * f_l
+        caps_a = np.minimum(np.asarray(caps, dtype=np.int64), nd).clip(min=0)
+        prop_len = np.array([len(p) if p is not None else 0 for p in proposals], dtype=np.int64)
+        widths = np.asarray(self.widths)
+        gam = np.minimum(widths[None, :] - 1, caps_a[:, None])  # [n, nw]
+        rows = np.arange(n)[:, None]
+        v_d = np.where(has_d[:, None], dfl[rows, gam], -1.0)  # [n, nw]
+        v_l = look[rows, np.minimum(gam, prop_len[:, None])]
+        plans = []  # (value, width index, dflash allowed)
+        probe_d = self.use_dflash and self._idle["dflash"] and self._since["dflash"] >= self._interval["dflash"]
+        costs = self.spec_costs is not None
+        r = self._row(batch_size) if costs else 0
+        for allow_d in ((True, False) if has_d.any() else (False,)):
+            best = np.maximum(np.maximum(v_d if allow_d else -1.0, v_l), 0.0)  # [n, nw] expected accepted
+            total = n + best.sum(0)  # expected committed tokens per width
+            if costs:
+                table = self.spec_costs if (allow_d or probe_d) else self.lookup_costs
+                value = total / table[r, widths - 1]
+            else:
+                value = total + 1e-9 * widths  # no costs: the most tokens, the longest width on a tie
+            j = int(np.argmax(value))
+            plans.append((float(value[j]), j, allow_d))
+        # forced rows (a request's own γ) always take the drafter's block: such a step drafts and proposes
+        forced = any(f is not None for f in fixed)
+        value, j, allow_d = max(plans, key=lambda t: t[0])
+        if forced and has_d.any():
+            allow_d = True
+        self.last_value = value if costs else None
+        choices: list[RowChoice] = []
+        used_d = used_l = False
+        for i in range(n):
+            g_w = int(gam[i, j])
+            if fixed[i] is not None and has_d[i]:
+                g = min(fixed[i], int(caps_a[i]), self.block_size - 1)
+                choices.append(RowChoice("dflash", g, None, float(dflash_expected[i][g - 1] - 1) if g else 0.0))
+                used_d = used_d or g > 0
+                continue
+            d_val = v_d[i, j] if allow_d else -1.0
+            l_val = v_l[i, j]
+            g_l = min(g_w, int(prop_len[i]))
+            if d_val > 0 and d_val >= l_val and g_w > 0:
+                g = min(g_w, self.block_size - 1)
+                choices.append(RowChoice("dflash", g, None, float(dflash_expected[i][g - 1] - 1)))
+                used_d = True
+            elif l_val > 0 and g_l > 0:
+                prop = proposals[i]
+                choices.append(RowChoice(self.lookup, g_l, prop.tokens[:g_l], float(raw_l[i, g_l])))
+                used_l = True
+            else:
+                choices.append(RowChoice("none", 0))
+        looked = any(p is not None for p in proposals)
+        propose = self.use_dflash and (used_d or probe_d or forced or
+                                       (not self._idle["dflash"] and not has_d.any()))
+        self._advance("dflash", used_d, has_d.any())
+        if self.lookup is not None:
+            self._advance("lookup", used_l, looked)
+        return choices, propose
+
+    def record(self, choices: list[RowChoice], num_accepted: list[int]) -> None:
+        """The verified outcome of a plan's drafts: calibrates each source's estimate."""
+        for c, a in zip(choices, num_accepted):
+            if c.draft_len > 0:
+                self.calibration.record(c.source, c.estimated, a)
