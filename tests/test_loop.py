@@ -296,3 +296,64 @@ def test_registry_tells_the_buffer_each_version_once_every_worker_loaded():
                                             tensors_ref=[ray.put(tensors)], sha256=tensors_sha256(tensors)))
     finally:
         ray.shutdown()
+
+
+def test_directory_source_reads_ahead_in_threads_the_same_trajectories(tmp_path):
+    """Read-ahead hands out exactly what synchronous reads give, in the same order; a released file is read again
+    when handed out again; at most ``read_ahead`` files are read beyond the lease; a corrupt file raises at resolve."""
+    d = _spill_dir(tmp_path, 7)
+    sync, ahead = DirectorySource(d, read_ahead=0), DirectorySource(d, read_ahead=3, num_threads=2)
+    assert len(ahead._reads) == 3 and not sync._reads
+    got, want = [], []
+    for n in (2, 3):
+        items = ahead.get_batch(n)
+        assert len(ahead._reads) <= 3 + n
+        got += ahead.resolve([h for h, _ in items])
+        want += sync.resolve([h for h, _ in sync.get_batch(n)])
+    assert [t.request_id for t in got] == [t.request_id for t in want] == [f"r{i}" for i in range(5)]
+    assert all(torch.equal(a.token_ids, b.token_ids) and a.prompt_len == b.prompt_len for a, b in zip(got, want))
+    items = ahead.get_batch(2)
+    ahead.release([items[1][0]])  # the last file back: first in line again, read again
+    again = ahead.get_batch(5)
+    assert [p.name for p, _ in again] == [items[1][0].name]
+    assert ahead.resolve([again[0][0]])[0].request_id == "r6" and ahead.exhausted()
+    assert ahead.read_s >= 0 and ahead._pool is None  # exhausted: the reader threads are stopped
+    bad = DirectorySource(d, read_ahead=4)
+    first = bad.get_batch(1)[0][0]
+    bad._reads.pop(first).result()
+    first.write_bytes(b"PAR1 truncated")
+    with pytest.raises(ValueError, match=first.name):
+        bad.resolve([first])
+    bad.close()
+    with pytest.raises(ValueError):
+        DirectorySource(d, read_ahead=-1)
+
+
+def test_engine_generate_refills_in_groups_and_reports_each_finish():
+    """SpecEngine.generate with admit_min: the same greedy outputs as one-by-one refills, every request passed to
+    on_finish once as it finishes, a per-prompt SamplingParams list, and bad arguments refused."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from conftest import make_tiny_target
+
+    from adaflash_ray.engine import SamplingParams, SpecEngine, Status
+
+    torch.manual_seed(0)
+    target = make_tiny_target("llama")
+    prompts = [torch.randint(1, 128, (int(n),)).tolist() for n in torch.randint(2, 12, (13,))]
+    params = [SamplingParams(max_new_tokens=int(n), ignore_eos=True) for n in torch.randint(2, 14, (13,))]
+    runs = []
+    for admit_min in (1, 3):
+        engine = SpecEngine(target, None, None, layer_ids=[1, 2], max_batch_size=4, max_seq_len=64)
+        finished = []
+        reqs = engine.generate(prompts, params, mode="ar", admit_min=admit_min,
+                               on_finish=lambda r: finished.append((r.request_id, r.status)))
+        assert all(r.status == Status.FINISHED for r in reqs) and not engine.has_unfinished()
+        assert sorted(i for i, _ in finished) == sorted(r.request_id for r in reqs)
+        assert all(s == Status.FINISHED for _, s in finished)
+        assert [len(r.output_ids) for r in reqs] == [p.max_new_tokens for p in params]
+        runs.append([r.output_ids for r in reqs])
+    assert runs[0] == runs[1]
+    with pytest.raises(ValueError, match="admit_min"):
+        engine.generate(prompts, params, mode="ar", admit_min=0)
+    with pytest.raises(ValueError, match="SamplingParams"):
+        engine.generate(prompts, params[:3], mode="ar")

@@ -83,6 +83,17 @@ def evaluate_checkpoint(engine, ckpt: str | Path, version: int, prompts: list[li
     return heldout.tau_by_domain(results, domains), results
 
 
+def _checkpoint_sha(ckpt: Path) -> str | None:
+    """The sha256 a DFlash checkpoint directory's ``model.safetensors`` metadata records (None if none)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+            return (f.metadata() or {}).get("sha256")
+    except Exception:  # an unreadable file: evaluate_checkpoint names the error
+        return None
+
+
 def _train_seconds(run_dir: Path) -> dict[int, float]:
     """Version -> cumulative ``train/seconds`` of the optimizer steps up to its publication (``metrics.jsonl``)."""
     total, out = 0.0, {0: 0.0}
@@ -95,7 +106,8 @@ def _train_seconds(run_dir: Path) -> dict[int, float]:
 
 
 def run_ablation(cfg: RunConfig, variants: list[tuple[str, list[str]]], trajectories: str | Path, out: str | Path,
-                 train_s: float, recipe_path: str | None = None, base_sets: list[str] | None = None) -> dict:
+                 train_s: float, recipe_path: str | None = None, base_sets: list[str] | None = None,
+                 stop_at: float | None = None, overhead_s: float = 40.0) -> dict:
     """Train and evaluate every variant (see the module docstring); returns the ``ablation.json`` document.
 
     Args:
@@ -104,8 +116,16 @@ def run_ablation(cfg: RunConfig, variants: list[tuple[str, list[str]]], trajecto
         trajectories: a directory of trajectory files (:class:`adaflash_ray.distill.loop.DirectorySource`).
         train_s: training budget per variant in seconds of the trainer loop (``distill.max_train_s``).
         recipe_path: the recipe file (None: the embedded default).
+        stop_at: a wall-clock deadline (epoch seconds) or None: a variant starts only if ``train_s + overhead_s``
+            seconds (its process start, model load, evaluations) fit before it, else it is recorded as
+            ``{"skipped": "deadline"}``; a variant's training process is killed at the deadline.
+        overhead_s: see ``stop_at``.
+    A variant whose training process fails is recorded as ``{"sets", "error"}`` and the next one runs;
+    ``ablation.json`` is rewritten after each variant (a run killed part way keeps the variants done). A
+    checkpoint identical to one already evaluated (its sha256: e.g. every variant's v0 of the same architecture
+    and seed) reuses that evaluation.
     Raises:
-        RecipeError: a variant's overrides do not validate. RuntimeError: a variant's training process failed.
+        RecipeError: a variant's overrides do not validate.
     """
     from adaflash_ray.config import load_recipe
     from adaflash_ray.drafting import heldout
@@ -117,17 +137,36 @@ def run_ablation(cfg: RunConfig, variants: list[tuple[str, list[str]]], trajecto
     doc = {"recipe": recipe_path, "base_sets": base_sets or [], "train_s": train_s,
            "num_eval_prompts": len(prompts), "eval_max_new_tokens": cfg.data.eval_max_new_tokens,
            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "variants": {}}
+    evaluated: dict[str, dict] = {}  # checkpoint sha256 -> τ by domain
+
+    def save() -> None:
+        (out / "ablation.json").write_text(json.dumps(doc, indent=1, default=lambda x: None if x != x else x))
+
     for name, sets in variants:
         vcfg = load_recipe(recipe_path, list(base_sets or []) + sets + [f"distill.max_train_s={train_s}"])
+        if stop_at is not None and time.time() + train_s + overhead_s > stop_at:
+            doc["variants"][name] = {"sets": sets, "skipped": "deadline"}
+            print(f"[ablate] {name}: skipped (deadline)", flush=True)
+            save()
+            continue
         t0 = time.time()
         # each variant trains in a process of its own: DeepSpeed keeps process-group state per process
         cmd = [sys.executable, "-m", "adaflash_ray.distill.loop", "--trajectories", str(trajectories),
                "--out", str(out / name)] + (["--recipe", str(recipe_path)] if recipe_path else [])
         for s in list(base_sets or []) + sets + [f"distill.max_train_s={train_s}"]:
             cmd += ["--set", s]
-        proc = subprocess.run(cmd)
-        if proc.returncode != 0:
-            raise RuntimeError(f"variant {name}: training failed (exit {proc.returncode}): {' '.join(cmd)}")
+        try:
+            proc = subprocess.run(cmd, timeout=None if stop_at is None else max(1.0, stop_at - time.time()))
+            failed = f"training failed (exit {proc.returncode})" if proc.returncode != 0 else None
+        except subprocess.TimeoutExpired:
+            failed = "training killed at the deadline"
+        if failed is None and not (out / name / "summary.json").exists():
+            failed = "training wrote no summary.json"
+        if failed is not None:
+            doc["variants"][name] = {"sets": sets, "error": failed}
+            print(f"[ablate] {name}: {failed}: {' '.join(cmd)}", flush=True)
+            save()
+            continue
         summary = json.loads((out / name / "summary.json").read_text())
         wall_train = time.time() - t0
         seconds = _train_seconds(out / name)
@@ -136,21 +175,31 @@ def run_ablation(cfg: RunConfig, variants: list[tuple[str, list[str]]], trajecto
         for ck in sorted((out / name / "checkpoints").glob("v*"), key=lambda p: int(p.name[1:])):
             v = int(ck.name[1:])
             t1 = time.time()
-            by_domain, results = evaluate_checkpoint(engine, ck, v, prompts, domains, vcfg.data.eval_max_new_tokens)
+            sha = _checkpoint_sha(ck)
+            if sha is not None and sha in evaluated:
+                by_domain = evaluated[sha]
+            else:
+                by_domain, results = evaluate_checkpoint(engine, ck, v, prompts, domains,
+                                                         vcfg.data.eval_max_new_tokens)
+                if sha is not None:
+                    evaluated[sha] = by_domain
+                if "baselines" not in doc:
+                    doc["baselines"] = heldout.lookup_baselines(prompts, results, domains,
+                                                                vcfg.drafter.block_size - 1)
+                    print("[ablate] lookup τ " + json.dumps(doc["baselines"]), flush=True)
             rows[v] = {"train_s": round(seconds.get(v, float("nan")), 2), "tau_by_domain": by_domain,
                        "eval_s": round(time.time() - t1, 1)}
             print(f"[ablate] {name} v{v}: train {rows[v]['train_s']} s, τ "
                   + " ".join(f"{d} {t:.3f}" for d, t in by_domain.items()), flush=True)
-            if "baselines" not in doc:
-                doc["baselines"] = heldout.lookup_baselines(prompts, results, domains, vcfg.drafter.block_size - 1)
-                print("[ablate] lookup τ " + json.dumps(doc["baselines"]), flush=True)
         del engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         doc["variants"][name] = {"sets": sets, "train_steps": summary["train_steps"], "wall_train_s": round(wall_train, 1),
-                                 "num_trained": summary["num_trained"], "versions": rows,
+                                 "num_trained": summary["num_trained"], "num_files": summary.get("num_files"),
+                                 "positions_per_s_wall": summary.get("positions_per_s_wall"),
+                                 "read_wait_s": summary.get("read_wait_s"), "versions": rows,
                                  "train_versions": summary["versions"]}
-        (out / "ablation.json").write_text(json.dumps(doc, indent=1, default=lambda x: None if x != x else x))
+        save()
     _plot(doc, out / "ablation.png")
     return doc
 
@@ -191,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--train-s", type=float, required=True, help="training budget per variant, seconds")
     parser.add_argument("--variant", action="append", required=True, help="NAME[:key=value,key=value] (repeatable)")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="seconds from now: variants that do not fit are skipped, a training past it is killed")
     args = parser.parse_args(argv)
     try:
         variants = [parse_variant(s) for s in args.variant]
@@ -202,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RecipeError, ValueError) as e:
         print(f"error: {e}", flush=True)
         return 2
-    run_ablation(cfg, variants, args.trajectories, args.out, args.train_s, args.recipe, list(args.overrides or []))
+    stop_at = None if args.deadline_s is None else time.time() + args.deadline_s
+    run_ablation(cfg, variants, args.trajectories, args.out, args.train_s, args.recipe, list(args.overrides or []),
+                 stop_at=stop_at)
     return 0
 
 
