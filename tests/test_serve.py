@@ -208,6 +208,103 @@ def test_app_builder_args_and_bad_recipe_exit_code():
     assert r.returncode == 2 and "serve.port" in r.stderr and not r.stdout
 
 
+# ------------------------------------------------------------------------------------ persisted learning
+def _start_server(args: list[str], port: int) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for k in ("RAY_ADDRESS", "ADAFLASH_API_KEY"):
+        env.pop(k, None)
+    proc = subprocess.Popen([sys.executable, "-m", "adaflash_ray.serve", "--port", str(port),
+                             "--set", "ray.include_dashboard=false", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    first = proc.stdout.readline()
+    if proc.poll() is not None or "http://" not in first:
+        proc.kill()
+        pytest.fail(f"server did not start: {first!r}")
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
+    return proc, first.strip().rsplit(" ", 1)[-1]
+
+
+def _stop_server(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(180)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
+@pytest.mark.slow
+def test_live_distillation_persists_and_resumes_the_learned_version(tmp_path):
+    """A Serve run with live distillation writes its run directory (config.yaml without the API key,
+    checkpoints/v0..vN, trainer state, metrics.jsonl with train records); stopped (SIGTERM) and started again with
+    ``--resume RUN_DIR`` it serves version N from the first request (header and status route), without training
+    further. The same directory without --resume, or a --resume of a non-run, is refused (exit 2)."""
+    run_dir = tmp_path / "serve_run"
+    n = 2
+    proc, url = _start_server(["--recipe", "recipes/cpu_tiny.yaml", "--set", "serve.distill=true",
+                               "--set", f"serve.run_dir={run_dir}", "--set", f"distill.num_versions={n}",
+                               "--set", "serve.api_key=secret-1", "--set", "logging.wandb_mode=disabled"], _free_port())
+    hdr = {"Authorization": "Bearer secret-1"}
+    try:
+        stop = threading.Event()
+        errors: list[str] = []
+
+        def traffic(i: int) -> None:
+            k = 0
+            while not stop.is_set():
+                k += 1
+                r = requests.post(url + "/v1/completions", headers=hdr, timeout=120,
+                                  json={"model": MODEL, "prompt": f"Story {i}-{k}: once upon a time", "max_tokens": 16,
+                                        "temperature": 0})
+                if r.status_code != 200:
+                    errors.append(r.text[:300])
+
+        threads = [threading.Thread(target=traffic, args=(i,), daemon=True) for i in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            st = requests.get(url + "/v1/adaflash/status", headers=hdr, timeout=60).json()["distill"]
+            if st["training_done"] and n in st["saved_versions"]:
+                break
+            assert st["trainer_error"] is None, st
+            time.sleep(2)
+        stop.set()
+        for t in threads:
+            t.join(180)
+        assert st["training_done"] and st["saved_versions"] == list(range(n + 1)), st
+        assert not st["resumed"] and st["run_dir"] == str(run_dir.resolve())
+        assert not errors, errors[:3]
+    finally:
+        assert _stop_server(proc) == 0
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"v{v}" for v in range(n + 1)]
+    assert (run_dir / "trainer_state" / "latest").is_file()
+    kinds = [json.loads(line).get("kind") for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {"train", "buffer", "sync"} <= set(kinds), set(kinds)
+    saved = (run_dir / "config.yaml").read_text()
+    assert "secret-1" not in saved and str(run_dir.resolve()) in saved
+
+    r = subprocess.run([sys.executable, "-m", "adaflash_ray.serve", "--recipe", "recipes/cpu_tiny.yaml",
+                        "--set", "serve.distill=true", "--set", f"serve.run_dir={run_dir}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--resume" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "adaflash_ray.serve", "--resume", str(tmp_path / "nothing")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "not a live-distillation run directory" in r.stderr, r.stderr
+
+    proc, url = _start_server(["--resume", str(run_dir)], _free_port())  # no API key: it was never saved
+    try:
+        r = requests.post(url + "/v1/chat/completions", timeout=120,
+                          json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+        assert r.status_code == 200 and r.headers["x-adaflash-drafter-version"] == str(n), (r.status_code, r.text)
+        assert r.json()["adaflash"]["drafter_versions"] == [n]
+        st = requests.get(url + "/v1/adaflash/status", timeout=60).json()
+        assert st["drafter_version"] == n
+        assert st["distill"]["resumed"] and st["distill"]["start_version"] == n and st["distill"]["latest_version"] == n
+    finally:
+        assert _stop_server(proc) == 0
+
+
 # ------------------------------------------------------------------------------------ the live server
 def _free_port() -> int:
     with socket.socket() as s:

@@ -2,13 +2,19 @@
 
     python -m adaflash_ray.serve                                   # local Ray on 127.0.0.1, CPU, SmolLM2-135M
     python -m adaflash_ray.serve --recipe recipes/cpu_tiny.yaml --set serve.distill=true --port 8001
+    python -m adaflash_ray.serve --resume runs/cpu_tiny-serve-<time>    # continue a live-distillation run
     RAY_ADDRESS=127.0.0.1:6379 python -m adaflash_ray.serve ...     # deploy onto a running cluster instead
 
 Starts (or joins) Ray, starts Serve's HTTP proxy on ``serve.host:serve.port`` (127.0.0.1:8000 by default),
 deploys the app and prints ONE stdout line, ``adaflash_ray serving <model> at http://HOST:PORT``, once it
 answers. SIGTERM or Ctrl-C drains: every replica refuses new generations (503 + Retry-After) while the
 requests in flight finish (up to ``serve.drain_timeout_s``), then Serve and Ray stop and the exit code is 0.
-Exit 2: a bad recipe / override (the message names the field); 1: startup failed.
+With ``serve.distill: true`` live distillation writes its run directory (``serve.run_dir``, default
+``<logging.run_root>/<name>-serve-<time>``, printed on stderr): config.yaml, checkpoints/v<N>, trainer_state,
+metrics.jsonl. ``--resume RUN_DIR`` serves again from that directory's config.yaml (plus any --set): the trainers
+resume from its saved state and every replica starts at the latest version it learned.
+Exit 2: a bad recipe / override (the message names the field), a --resume directory that is not a live
+distillation run, or a serve.run_dir that already holds trainer state without --resume; 1: startup failed.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
@@ -64,14 +71,31 @@ def main(argv: list[str] | None = None) -> int:
     add_recipe_args(parser)
     parser.add_argument("--port", type=int, default=None, help="HTTP port (default: serve.port, 8000)")
     parser.add_argument("--host", default=None, help="bind address (default: serve.host, 127.0.0.1)")
+    parser.add_argument("--resume", default=None, metavar="RUN_DIR",
+                        help="continue a live-distillation run: its config.yaml (plus any --set), trainer state "
+                             "and checkpoints; the replicas serve its latest version")
     ns = parser.parse_args(argv)
     if ns.port is not None:
         ns.overrides.append(f"serve.port={ns.port}")
     if ns.host is not None:
         ns.overrides.append(f"serve.host={ns.host}")
     try:
+        if ns.resume:
+            run_dir = Path(ns.resume).resolve()
+            if ns.recipe:
+                raise RecipeError("--resume RUN_DIR takes the run's own config.yaml: drop --recipe "
+                                  "(use --set to change a field)")
+            if not (run_dir / "config.yaml").is_file() or not (run_dir / "trainer_state").is_dir():
+                raise RecipeError(f"--resume {ns.resume}: not a live-distillation run directory "
+                                  "(needs config.yaml and trainer_state/)")
+            ns.recipe = str(run_dir / "config.yaml")
+            ns.overrides = ["serve.distill=true", f"serve.run_dir={run_dir}", *ns.overrides]
         cfg = config_from_args(ns)
         check_serve_config(cfg, ns.recipe or "recipe")  # before Ray starts: exit 2 like any bad recipe
+        if (cfg.serve.distill and not ns.resume and cfg.serve.run_dir
+                and (Path(cfg.serve.run_dir) / "trainer_state" / "latest").is_file()):
+            raise RecipeError(f"serve.run_dir {cfg.serve.run_dir} holds a run's trainer state: continue it with "
+                              f"--resume {cfg.serve.run_dir}, or pick a new directory")
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -80,7 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         started = _init_ray(cfg)
         serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
-        serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
+        application = build_app(cfg)
+        if cfg.serve.distill:
+            run_dir = application._bound_deployment.init_args[0]["serve"]["run_dir"]
+            print(f"live distillation run directory: {run_dir}" + (" (resumed)" if ns.resume else ""),
+                  file=sys.stderr, flush=True)
+        serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
         for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own
             signal.signal(sig, lambda *_: stop.set())
         print(f"adaflash_ray serving {served_model_id(cfg.model, cfg.serve)} at "

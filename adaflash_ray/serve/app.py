@@ -21,7 +21,9 @@ import hmac
 import json
 import logging
 import os
+import threading
 import time
+from pathlib import Path
 from typing import AsyncIterator
 
 import ray
@@ -95,33 +97,95 @@ async def _internal_error(_: Request, e: Exception) -> JSONResponse:
 class DistillCoordinator:
     """Live distillation beside the replicas: TrajectoryBuffer, WeightRegistry, DistillTrainer x M - the main
     job's :class:`~adaflash_ray.actors.group.ActorGroup` with no inference workers (trainers on their own
-    placement group).
+    placement group), driven by the main job's :class:`~adaflash_ray.pipeline.Driver` steps.
 
-    Publishes version 0 (the trainer's initial weights) before answering, then trains on the served
-    traffic and publishes ``distill.num_versions`` versions, every ``distill.publish_every`` steps.
+    It writes the run directory ``serve.run_dir`` (set by :func:`build_app`) as the main job does:
+    ``config.yaml``, ``checkpoints/v<N>`` for every version, ``trainer_state/`` (saved with every version),
+    ``metrics.jsonl`` (+ wandb) of the trainer, buffer and sync records. On a directory that already holds trainer
+    state (``python -m adaflash_ray.serve --resume RUN_DIR``, or Serve restarting this replica) the trainers
+    resume from it and the registry starts at their version, which the replicas then load; on a fresh directory it
+    publishes version 0 (the trainer's initial weights). Either way before answering; then it trains on the
+    served traffic up to ``distill.num_versions`` versions, every ``distill.publish_every`` steps.
+
+    Raises:
+        RuntimeError: the trainers' placement group cannot be placed; ValueError: saved trainer state that
+            cannot be loaded (nothing is left behind in either case).
     """
 
     def __init__(self, cfg: dict):
         from adaflash_ray.actors import ActorGroup
+        from adaflash_ray.inputs import Inputs
+        from adaflash_ray.pipeline import Driver
 
         _bind_replica_grpc_to_node_ip()  # Serve pickles this class by value: the module import may not run here
         self.cfg = RunConfig.model_validate(cfg)
+        if not self.cfg.serve.run_dir:
+            raise ValueError("DistillCoordinator needs serve.run_dir (build_app sets it)")
+        run_dir = Path(self.cfg.serve.run_dir).resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        saved = self.cfg.model_copy(deep=True)
+        saved.serve.api_key = None  # never on disk: --resume takes it from --set or $ADAFLASH_API_KEY again
+        saved.dump_yaml(run_dir / "config.yaml")
+        self.inputs = Inputs(run_dir=run_dir, ckpt_dir=run_dir / "checkpoints", state_dir=str(run_dir / "trainer_state"),
+                             model_dir=None, tokenizer=None, train=[], evalp=[], canary_prompts=[])
+        self.resumed = (Path(self.inputs.state_dir) / "latest").is_file()
         # the main job's actor group with no inference workers: the Serve replicas are the inference side
-        self.group = ActorGroup(self.cfg, num_inference_workers=0)
+        self.group = ActorGroup(self.cfg, num_inference_workers=0, run_dir=run_dir)
         self.buffer, self.registry, self.trainers = self.group.buffer, self.group.registry, self.group.trainers
+        self._stop = threading.Event()
         try:
-            self.group.setup_trainers()
-            refs, sha0, dcfg = ray.get([t.initial_weights.remote() for t in self.trainers])[0]  # every rank: ZeRO-3
-            ray.get(self.registry.publish.remote(version=0, parent_version=-1, train_step=0, tensors_ref=refs,
-                                                 sha256=sha0, config=dcfg))
+            self.driver = Driver(self.cfg, self.inputs, self.group)
+            self.driver.setup(self.resumed)  # trainers built / resumed, checkpoints/v<V> saved, V published if > 0
+            if ray.get(self.registry.latest_meta.remote()) is None:  # a fresh start: version 0 for the replicas
+                refs, sha0, dcfg = ray.get([t.initial_weights.remote() for t in self.trainers])[0]  # every rank
+                ray.get(self.registry.publish.remote(version=0, parent_version=-1, train_step=0, tensors_ref=refs,
+                                                     sha256=sha0, config=dcfg))
+            self.start_version = self.driver.last_version
+            self.runs = self.group.start_training()
         except BaseException:  # Serve retries the constructor: leave no placement group behind
             self.group.shutdown()
             raise
-        self.runs = self.group.start_training()
-        self.last_train: dict = {}
         self.error: str | None = None
+        self.training_done = False
+        self._thread = threading.Thread(target=self._drive, name="distill driver", daemon=True)
+        self._thread.start()
+
+    def _drive(self) -> None:
+        """Every 2 s: restart dead trainers (up to ``distill.trainer_max_restarts``), log the trainer and buffer
+        metrics, save each new version's checkpoint; ends when training is done or failed."""
+        from adaflash_ray.actors.recovery import trainer_death
+
+        d = self.driver
+        while not self._stop.is_set():
+            try:
+                done, _ = ray.wait(self.group.runs, num_returns=len(self.group.runs), timeout=2.0)
+                died = trainer_death(done)
+                if died is not None:
+                    d.handle_trainer_death(died, done)
+                    continue
+                d.collect_metrics()
+                d.save_new_versions()
+                if len(done) == len(self.group.runs):
+                    ray.get(self.group.runs)
+                    self.training_done = True
+                    return
+            except Exception as e:  # a trainer dead for good: serving continues with the last saved version
+                self.error = f"{type(e).__name__}: {str(e)[:500]}"
+                log.warning("live distillation stopped: %s", self.error)
+                return
 
     def __del__(self):  # Serve calls it on a graceful shutdown: the trainers' placement group goes with it
+        stop, thread = getattr(self, "_stop", None), getattr(self, "_thread", None)
+        if stop is not None:
+            stop.set()
+        if thread is not None:
+            thread.join(timeout=30)
+        driver = getattr(self, "driver", None)
+        if driver is not None and self.error is None:
+            try:  # a version published since the last poll is saved too
+                driver.save_new_versions()
+            except Exception as e:  # noqa: BLE001 - shutting down: log and continue
+                log.warning("saving the last versions failed: %r", e)
         group = getattr(self, "group", None)
         if group is not None:
             group.shutdown()
@@ -131,18 +195,14 @@ class DistillCoordinator:
         return self.buffer, self.registry
 
     async def status(self) -> dict:
-        done, _ = ray.wait(self.runs, num_returns=len(self.runs), timeout=0)
-        for ref in done:
-            try:
-                await ref
-            except Exception as e:  # a dead trainer: serving continues with the last version
-                self.error = f"{type(e).__name__}: {str(e)[:500]}"
-        for m in await self.trainers[0].pop_metrics.remote():
-            self.last_train = m
+        d = self.driver
         meta = await self.registry.latest_meta.remote()
         return {"enabled": True, "latest_version": None if meta is None else meta["version"],
-                "num_versions_target": self.cfg.distill.num_versions, "training_done": len(done) == len(self.runs),
-                "trainer_error": self.error, "last_train": self.last_train, "buffer": await self.buffer.stats.remote()}
+                "saved_versions": sorted(d.shas.copy()), "run_dir": str(self.inputs.run_dir), "resumed": self.resumed,
+                "start_version": self.start_version, "num_versions_target": self.cfg.distill.num_versions,
+                "training_done": self.training_done, "trainer_error": self.error,
+                "last_train": {"step": d.step, "loss": d.last_loss, "num_trainer_restarts": d.num_trainer_restarts},
+                "buffer": await self.buffer.stats.remote()}
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})
@@ -458,13 +518,21 @@ class AdaFlashServer:
             "accept_len": s.accept_len, "per_draft_accept_len": s.per_draft_accept_len,
             "accept_len_convention": "committed tokens per target step = mean(a+1), gamma = 0 steps included; "
                                      "per_draft_accept_len = 1 + sum(a) / #drafts, drafting steps only",
+            "num_verify_steps": s.num_verify_steps, "num_engine_steps": s.num_engine_steps,
+            "num_generated": s.num_generated,
             "draft_waste": s.draft_waste, "draft_len_hist": {str(k): v for k, v in sorted(lp.gamma_hist.items())},
             "queue": lp.queue_depth(), "in_flight": lp.num_in_flight, "tokens_per_s_10s": lp.tokens_per_s(),
             "requests": dict(lp.counts), "draining": self.draining, "distill": distill, "time": time.time()}))
 
 
+def default_serve_run_dir(cfg: RunConfig) -> Path:
+    """``<logging.run_root>/<name>-serve-<YYYYmmdd-HHMMSS>``: live distillation's run directory by default."""
+    return Path(cfg.logging.run_root) / f"{cfg.name}-serve-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
 def build_app(cfg: RunConfig) -> serve.Application:
-    """The bound Serve application for a validated RunConfig (API key from the recipe or $ADAFLASH_API_KEY).
+    """The bound Serve application for a validated RunConfig (API key from the recipe or $ADAFLASH_API_KEY;
+    with ``serve.distill``, ``serve.run_dir`` resolved to an absolute path, :func:`default_serve_run_dir` if unset).
 
     Raises:
         RecipeError: what Serve cannot run (:func:`adaflash_ray.config.check_serve_config`).
@@ -472,6 +540,8 @@ def build_app(cfg: RunConfig) -> serve.Application:
     check_serve_config(cfg)
     c = cfg.model_copy(deep=True)
     c.serve.api_key = c.serve.api_key or os.environ.get("ADAFLASH_API_KEY") or None
+    if c.serve.distill:  # fixed here, so a coordinator that Serve restarts resumes from the same directory
+        c.serve.run_dir = str(Path(c.serve.run_dir or default_serve_run_dir(c)).resolve())
     d = c.model_dump(mode="json")
     coordinator = DistillCoordinator.bind(d) if c.serve.distill else None
     s = c.serve

@@ -33,7 +33,7 @@ class QueueFull(Exception):
 class RequestStream:
     """One request's handle on the event-loop side: ``queue`` of items, ``handle`` in the engine service."""
 
-    __slots__ = ("queue", "handle", "record", "aborted", "abort_reason", "versions", "t_submit")
+    __slots__ = ("queue", "handle", "record", "aborted", "abort_reason", "versions", "t_submit", "started")
 
     def __init__(self, record: bool):
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -43,6 +43,7 @@ class RequestStream:
         self.abort_reason = ""
         self.versions: list[int] = []  # drafter versions that served this request's steps
         self.t_submit = time.perf_counter()
+        self.started = False  # the prefill committed its first token
 
 
 class EngineLoop:
@@ -66,7 +67,9 @@ class EngineLoop:
         self.max_in_flight = max_batch_size + max_waiting
         self._lock = threading.Lock()
         self.num_in_flight = 0  # submitted and not yet done (event-loop side counter)
-        self.counts = Counter()  # finished / aborted / rejected / errors / tokens / record_errors
+        # finished / aborted / rejected / errors / tokens / record_errors / decode_steps (request-steps after the
+        # prefill that committed tokens)
+        self.counts = Counter()
         self.gamma_hist: Counter = Counter()  # γ chosen per step (since start)
         self._tok_window: deque = deque(maxlen=4096)  # (t, num_tokens) per step
         self.reloads: list[dict] = []
@@ -141,6 +144,9 @@ class EngineLoop:
         num_new = 0
         for h, tokens in event.committed:
             num_new += len(tokens)
+            if h.tag.started:  # a decode step of this request (its prefill excluded)
+                self.counts["decode_steps"] += 1
+            h.tag.started = True
             self.loop.call_soon_threadsafe(h.tag.queue.put_nowait, ("tokens", list(tokens), event.drafter_version))
         self._tok_window.append((time.perf_counter(), num_new))
         self.counts["tokens"] += num_new
