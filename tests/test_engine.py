@@ -746,7 +746,7 @@ def test_registry_entries_are_consistent(tiny_target):
     from adaflash_ray.engine.length_policy import LENGTH_POLICIES, policy_of_head_tensors
     from adaflash_ray.models.length_head import HeadLossInputs
 
-    assert set(LENGTH_POLICIES) == {"direct", "cost", "fixed"}
+    assert set(LENGTH_POLICIES) == {"direct", "cost", "bucket", "fixed"}
     bs, hidden = 8, 32
     g = torch.Generator().manual_seed(0)
     b, n = 2, 3
@@ -757,7 +757,8 @@ def test_registry_entries_are_consistent(tiny_target):
                        target_ids=torch.randint(0, 3, (b, n, bs - 1), generator=g),
                        position_valid=torch.ones(b, n, bs - 1, dtype=torch.bool),
                        num_accepted=torch.randint(0, bs, (b, n), generator=g),
-                       anchor_valid=torch.ones(b, n, dtype=torch.bool), block_size=bs, lookahead=1)
+                       anchor_valid=torch.ones(b, n, dtype=torch.bool), block_size=bs, lookahead=1,
+                       anchor_hidden=torch.randn(b, n, hidden, generator=g))
     for name, spec in LENGTH_POLICIES.items():
         cfg = LengthHeadConfig(policy=name, hidden_size=16)
         head = spec.build_head(hidden, cfg, bs)

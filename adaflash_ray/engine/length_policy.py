@@ -24,6 +24,7 @@ from torch import nn
 from adaflash_ray.models.length_head import (AcceptanceHead, DirectLengthHead, HeadLossInputs, acceptance_head_loss,
                                              direct_head_loss, draft_confidence, expected_committed,
                                              ratio_to_draft_len)
+from adaflash_ray.models.length_head import BucketLengthHead, bucket_head_loss
 
 
 class LengthPolicy:
@@ -254,6 +255,38 @@ class CostLength(LengthPolicy):
         return self.choose(p, cost, live, self.ar_cost(block_hidden.shape[0]))
 
 
+class BucketLength(LengthPolicy):
+    """The ``bucket`` policy (docs/design/ALGORITHMS.md §2, policy 2; the AdaFlash seed guide's
+    ``AdaptiveLengthHead``): γ = G[argmax p(g | h_t)] - 1 per request, clamped to [min_len, block_size - 1].
+
+    ``h_t`` is the target's final-normed hidden state whose logits gave the anchor token (``anchor_hidden``, which
+    the engine passes to policies with ``needs_anchor_hidden``); G are the :class:`BucketLengthHead`'s verify-width
+    buckets (:func:`~adaflash_ray.models.length_head.bucket_sizes`). The engine caps γ by each request's remaining
+    budget on the host. No host synchronisation (CUDA-graph safe). Like the guide's head it always drafts (γ >= 1).
+    """
+
+    name = "bucket"
+    needs_anchor_hidden = True
+
+    def __init__(self, head: BucketLengthHead, block_size: int, min_len: int = 1):
+        self.head, self.block_size, self.min_len = head, block_size, min_len
+
+    @classmethod
+    def create(cls, head, block_size, *, min_len, **settings) -> "BucketLength":
+        return cls(head, block_size, min_len)
+
+    @torch.no_grad()
+    def __call__(self, block_hidden: torch.Tensor, draft_logits: torch.Tensor | None = None,
+                 live: torch.Tensor | None = None, anchor_hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """γ ``[B]`` int64 from ``anchor_hidden`` ``[B, H]`` (``block_hidden`` ``[B, bs, H]`` sets only B and the
+        device). Raises ValueError without ``anchor_hidden``."""
+        if anchor_hidden is None:
+            raise ValueError("the bucket policy needs the target's hidden state at the anchor (anchor_hidden)")
+        sizes = self.head.sizes
+        gamma = sizes[self.head(anchor_hidden).argmax(-1)] - 1
+        return gamma.clamp(min=min(self.min_len, self.block_size - 1), max=self.block_size - 1).to(torch.long)
+
+
 # ---------------------------------------------------------------------------------------------- the registry
 @dataclass(frozen=True)
 class LengthPolicySpec:
@@ -296,6 +329,8 @@ LENGTH_POLICIES: dict[str, LengthPolicySpec] = {spec.name: spec for spec in (
                      ("inp.weight", "inp.bias", "res.weight", "res.bias", "out.weight", "out.bias"), direct_head_loss),
     LengthPolicySpec("cost", CostLength, AcceptanceHead, ("inp.weight", "inp.bias", "out.weight", "out.bias"),
                      acceptance_head_loss, needs_confidence=True),
+    LengthPolicySpec("bucket", BucketLength, BucketLengthHead, ("proj.weight", "proj.bias", "out.weight", "out.bias"),
+                     bucket_head_loss),
     LengthPolicySpec("fixed", FixedLength),
 )}
 

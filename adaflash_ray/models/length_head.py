@@ -9,9 +9,14 @@
   draft's acceptance given its prefix was accepted (from its hidden state and :func:`draft_confidence`);
   the engine's :class:`~adaflash_ray.engine.length_policy.CostLength` turns that into expected committed tokens
   per measured millisecond. Labels: :func:`acceptance_labels`, masked BCE.
+- ``bucket`` (the AdaFlash seed guide's ``AdaptiveLengthHead``, docs/design/ALGORITHMS.md §2, policy 2):
+  :class:`BucketLengthHead` classifies the target's final hidden state at the anchor into verify-width buckets
+  (:func:`bucket_sizes`: {2, 4, 8, 16} for block 16, {2, 4} for block 4); γ = bucket - 1. Label
+  :func:`bucket_label` = the smallest bucket >= a + 1, cross-entropy (:func:`bucket_loss`).
 - ``fixed``: γ = block_size - 1 (plain DFlash).
 
-Each head's training loss sits beside it (:func:`direct_head_loss`, :func:`acceptance_head_loss`, on
+Each head's training loss sits beside it (:func:`direct_head_loss`, :func:`acceptance_head_loss`,
+:func:`bucket_head_loss`, on
 :class:`HeadLossInputs`); :data:`adaflash_ray.engine.length_policy.LENGTH_POLICIES` maps a policy name to its
 head, loss and engine policy.
 """
@@ -146,6 +151,92 @@ def expected_committed(p_accept: torch.Tensor) -> torch.Tensor:
     return 1.0 + torch.cumsum(torch.cumprod(p_accept.float(), dim=-1), dim=-1)
 
 
+def bucket_sizes(block_size: int) -> list[int]:
+    """The ``bucket`` head's verify widths for a drafter block of ``block_size`` positions.
+
+    The AdaFlash seed guide's ``AdaptiveLengthHead`` uses G = {2, 4, 8, 16} for a block of 16 (16 = the whole
+    block, γ = 15). Here G = the powers of two 2, 4, ... below ``block_size``, then ``block_size`` itself: {2, 4}
+    for block 4, {2, 4, 8, 16} for 16, {2, 4, 8, 16, 24} for 24 (the guide's extra bucket for 70B+ targets), {2}
+    for 2. A bucket g means verify width g, i.e. γ = g - 1 drafts.
+
+    Returns:
+        strictly increasing ints, the last one ``block_size``.
+    Raises:
+        ValueError: ``block_size < 2`` (no draft fits).
+    """
+    if block_size < 2:
+        raise ValueError(f"the bucket head needs block_size >= 2, got {block_size}")
+    sizes, g = [], 2
+    while g < block_size:
+        sizes.append(g)
+        g *= 2
+    return sizes + [block_size]
+
+
+class BucketLengthHead(nn.Module):
+    """The ``bucket`` policy's head: the AdaFlash seed guide's ``AdaptiveLengthHead`` (docs/design/ALGORITHMS.md
+    §2, policy 2).
+
+    Input: ``h_t``, the target's final-normed hidden state whose logits gave the anchor token (the newest target
+    state when the block is drafted). Linear(H -> H/4), GELU, Linear(H/4 -> |G|) = logits over the buckets G of
+    :func:`bucket_sizes`; the engine takes γ = G[argmax] - 1. ``length_head.hidden_size`` does not apply (the
+    guide fixes the inner width at H/4, at least 1).
+
+    Parameter names ``proj.weight/bias``, ``out.weight/bias`` (saved under ``length_head.``); the bucket sizes are
+    a non-persistent int64 buffer ``sizes`` ``[|G|]`` (rebuilt from the block size, not in the checkpoint; a
+    checkpoint of another block size has an ``out`` of another shape and is refused when loaded).
+    """
+
+    def __init__(self, hidden_size: int, block_size: int):
+        super().__init__()
+        sizes = bucket_sizes(block_size)
+        inner = max(1, hidden_size // 4)
+        self.proj = nn.Linear(hidden_size, inner)
+        self.out = nn.Linear(inner, len(sizes))
+        self.register_buffer("sizes", torch.tensor(sizes, dtype=torch.long), persistent=False)
+
+    @classmethod
+    def from_recipe(cls, hidden_size: int, head_cfg, block_size: int) -> "BucketLengthHead":
+        """A fresh head for a target (= drafter) of width ``hidden_size`` and a block of ``block_size``, started
+        from :meth:`init_prior` (``head_cfg`` unused: the inner width is H/4)."""
+        head = cls(hidden_size, block_size)
+        head.init_prior()
+        return head
+
+    @torch.no_grad()
+    def init_prior(self, p_smallest: float = 0.9) -> None:
+        """Start from the prior of a fresh drafter (a = 0 accepted, label the smallest bucket): zero output weights,
+        output bias giving the smallest bucket probability ``p_smallest`` and the others equal shares, so version
+        0 drafts γ = 1 until training moves it."""
+        n = self.out.out_features
+        self.out.weight.zero_()
+        self.out.bias.zero_()
+        if n > 1:
+            p = min(max(p_smallest, 1e-3), 1 - 1e-3)
+            self.out.bias[0] = float(torch.log(torch.tensor(p * (n - 1) / (1 - p))))
+
+    def forward(self, anchor_hidden: torch.Tensor) -> torch.Tensor:
+        """``anchor_hidden`` ``[..., H]`` (any float dtype) -> bucket logits ``[..., |G|]`` float32."""
+        h = anchor_hidden.to(self.proj.weight.dtype)
+        return self.out(F.gelu(self.proj(h))).float()
+
+
+def bucket_label(num_accepted: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """Target bucket of the ``bucket`` head (the seed guide's rule): the index of the smallest bucket >= a + 1, the
+    largest where none is (every draft accepted: a + 1 = block_size, the largest bucket).
+
+    Args:
+        num_accepted: ``[...]`` int64 accepted drafts a of each block (0..block_size-1).
+        sizes: ``[|G|]`` int64 bucket sizes, strictly increasing (:func:`bucket_sizes`).
+    Returns:
+        ``[...]`` int64 indices into ``sizes``: for block 16, a = 0, 1 -> 0 (bucket 2); 2, 3 -> 1 (4); 4..7 -> 2
+        (8); 8..15 -> 3 (16).
+    """
+    need = (num_accepted.long() + 1).contiguous()
+    idx = torch.searchsorted(sizes.to(need.device), need.reshape(-1)).reshape(need.shape)
+    return idx.clamp(max=sizes.numel() - 1)
+
+
 # ---------------------------------------------------------------------------------------------- training losses
 def length_loss(pred_ratio: torch.Tensor, num_accepted: torch.Tensor, block_size: int, lookahead: int,
                 valid: torch.Tensor) -> torch.Tensor:
@@ -188,14 +279,21 @@ def acceptance_loss(logits: torch.Tensor, label: torch.Tensor, mask: torch.Tenso
     if not (logits.shape == label.shape == mask.shape):
         raise ValueError(f"logits {tuple(logits.shape)}, label {tuple(label.shape)} and mask {tuple(mask.shape)} "
                          "must have the same shape")
-    m = mask.float()
     lab = label.float()
     z = logits.float()
     bce = F.binary_cross_entropy_with_logits(z, lab, reduction="none")
+    return _masked_mean_and_accuracy(bce, (z > 0).float() == lab, mask)
+
+
+def _masked_mean_and_accuracy(per_item: torch.Tensor, hit: torch.Tensor, mask: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Σ_mask per_item / max(#mask, 1), detached Σ_mask hit / max(#mask, 1))``, float32 scalars; ``per_item``,
+    ``hit`` (bool) and ``mask`` (bool) of one shape."""
+    m = mask.float()
     count = m.sum().clamp_min(1.0)
-    loss = (m * bce).sum() / count
+    loss = (m * per_item).sum() / count
     with torch.no_grad():
-        acc = (m * ((z > 0).float() == lab).float()).sum() / count
+        acc = (m * hit.float()).sum() / count
     return loss, acc
 
 
@@ -243,3 +341,44 @@ def acceptance_head_loss(head: AcceptanceHead, x: HeadLossInputs) -> tuple[torch
     logits = head(x.draft_hidden, x.confidence)  # [M]
     sel = x.position_valid
     return acceptance_loss(logits, label[sel], mask[sel])
+
+
+def bucket_loss(logits: torch.Tensor, num_accepted: torch.Tensor, sizes: torch.Tensor, valid: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of the ``bucket`` head (the seed guide's ``AdaptiveLengthHead``; docs/design/ALGORITHMS.md §2,
+    policy 2) against :func:`bucket_label`.
+
+    Args:
+        logits: ``[N, |G|]`` bucket logits (gradient flows into the head only).
+        num_accepted: ``[N]`` int64 accepted drafts a of each block.
+        sizes: ``[|G|]`` int64 bucket sizes.
+        valid: ``[N]`` bool, False for padding blocks.
+    Returns:
+        ``(loss, accuracy)``: loss = float32 scalar ``Σ_valid CE / max(#valid, 1)`` (an exact zero with a graph
+        into ``logits`` when no block is valid); accuracy = detached float32 share of valid blocks whose argmax is
+        the label (0 when none).
+    Raises:
+        ValueError: ``logits`` is not ``[N, len(sizes)]`` or ``num_accepted`` / ``valid`` are not ``[N]``.
+    """
+    if logits.dim() != 2 or logits.shape[1] != sizes.numel() or not (
+            num_accepted.shape == valid.shape == logits.shape[:1]):
+        raise ValueError(f"logits {tuple(logits.shape)} must be [N, {sizes.numel()}] with num_accepted "
+                         f"{tuple(num_accepted.shape)} and valid {tuple(valid.shape)} of shape [N]")
+    label = bucket_label(num_accepted, sizes)
+    z = logits.float()
+    return _masked_mean_and_accuracy(F.cross_entropy(z, label, reduction="none"), z.argmax(-1) == label, valid)
+
+
+def bucket_head_loss(head: BucketLengthHead, x: HeadLossInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``bucket`` head's training loss: :func:`bucket_loss` of its logits from ``x.anchor_hidden`` (the target's
+    state that gave each block's anchor) against each block's accepted drafts ``x.num_accepted``, over the valid
+    blocks. Returns ``(loss, accuracy)``.
+
+    Raises:
+        ValueError: ``x.anchor_hidden`` is None (the trainer fills it from the trajectory's final hidden states).
+    """
+    if x.anchor_hidden is None:
+        raise ValueError("the bucket head needs HeadLossInputs.anchor_hidden (the target's state at each anchor)")
+    logits = head(x.anchor_hidden.detach())  # [B, N, |G|]
+    return bucket_loss(logits.reshape(-1, logits.shape[-1]), x.num_accepted.reshape(-1), head.sizes,
+                       x.anchor_valid.reshape(-1))
