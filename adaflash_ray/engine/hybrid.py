@@ -171,13 +171,18 @@ class HybridPlanner:
             return False
         return not self._idle["lookup"] or self._since["lookup"] >= self._interval["lookup"]
 
-    def _advance(self, key: str, used: bool, tried: bool) -> None:
+    def _advance(self, key: str, used: bool, tried: bool, probed: bool = False) -> None:
+        """One step of a source's probe schedule: ``used`` (chosen for some request), ``tried`` (evaluated and not
+        chosen), ``probed`` (this step fetches the source's next proposal although it is idle: the drafter's
+        propose)."""
         if used:
             self._idle[key], self._since[key], self._interval[key] = False, 0, self.probe_every
-        elif tried:  # tried and not chosen: wait, twice as long after each such probe
+        elif tried:  # evaluated and not chosen: wait, twice as long after each probe that still is not
             if self._idle[key]:
                 self._interval[key] = min(2 * self._interval[key], 4 * self.probe_every)
             self._idle[key], self._since[key] = True, 0
+        elif probed:
+            self._since[key] = 0
         else:
             self._since[key] += 1
 
@@ -279,7 +284,7 @@ class HybridPlanner:
         looked = any(p is not None for p in proposals)
         propose = self.use_dflash and (used_d or probe_d or forced or
                                        (not self._idle["dflash"] and not has_d.any()))
-        self._advance("dflash", used_d, has_d.any())
+        self._advance("dflash", used_d, bool(has_d.any()), probed=propose)
         if self.lookup is not None:
             self._advance("lookup", used_l, looked)
         return choices, propose

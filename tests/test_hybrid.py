@@ -1,0 +1,268 @@
+"""Draft sources beside DFlash (engine ``draft_sources``): prompt lookup (``ngram``), suffix lookup (``suffix``,
+SuffixDecoding, arXiv 2411.04975) and the hybrid per-request choice (adaflash_ray.engine.hybrid).
+
+- greedy ngram / suffix / hybrid output == the target's greedy output, token for token (tiny random float32 targets);
+- sampled lookup drafts (a point-mass q) follow the target distribution (χ² on pairs of tokens);
+- a perfect lookup (a corpus holding the request's own greedy continuation) commits > 1 token per step;
+- the planner answers "none" when no source pays (cost table by hand), the lookup when its estimate wins, the
+  drafter's block when its estimate wins, and skips the drafter's propose while it is not chosen;
+- the source histogram counts every request-step; a deferred drafter context (AR steps) is caught up exactly.
+
+Run: python -m pytest -q tests/test_hybrid.py
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import greedy_reference, make_drafter, make_tiny_target
+from test_engine import _assert_context_matches, _chi2_pvalue
+
+from adaflash_ray.drafting.lookup import Proposal, SuffixCorpus
+from adaflash_ray.engine import SamplingParams, SpecEngine, SpecStats
+from adaflash_ray.engine.hybrid import HybridPlanner, SourceCalibration, check_draft_sources
+
+
+def _prompts(n=3, vocab=128, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    out = [torch.randint(0, vocab, (k,), generator=g).tolist() for k in [4, 11, 25][:n]]
+    out[0] = out[0] * 3  # a repeated prompt: prompt lookup finds matches
+    return out
+
+
+@pytest.mark.parametrize("sources", [("ngram",), ("suffix",)])
+def test_lookup_sources_greedy_lossless(tiny_target, sources):
+    """Lookup drafts alone (no drafter): greedy output == the target's; every step's source is the lookup or none."""
+    prompts, budgets = _prompts(), [40, 24, 33]
+    ref = [greedy_reference(tiny_target, p, n) for p, n in zip(prompts, budgets)]
+    engine = SpecEngine(tiny_target, None, None, max_batch_size=2, max_seq_len=160, draft_sources=sources)
+    reqs = [engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, budgets)]
+    while engine.has_unfinished():
+        engine.step()
+    for r, out in zip(reqs, ref):
+        assert r.output_ids == out
+    s = engine.stats
+    assert set(s.source_hist) <= {sources[0], "none"} and sum(s.source_hist.values()) == s.num_verify_steps
+    assert s.source_hist[sources[0]] > 0 and s.num_drafted > 0  # lookups were verified (3-slot slot reuse too)
+    assert sum(len(r.step_sources) for r in reqs) == s.num_verify_steps
+
+
+def test_perfect_suffix_lookup_commits_several_tokens(tiny_target):
+    """A corpus holding the request's own greedy sequence (a server that answered the same prompt before): the suffix
+    proposal is the target's continuation, so steps commit many tokens each, and the output is still exact."""
+    prompt = _prompts()[1]
+    ref = greedy_reference(tiny_target, prompt, 48)
+    corpus = SuffixCorpus(max_ngram=3)
+    corpus.add(prompt + ref)
+    engine = SpecEngine(tiny_target, None, None, max_batch_size=1, max_seq_len=128, draft_sources=("suffix",),
+                        suffix_corpus=corpus)
+    req = engine.generate([prompt], SamplingParams(max_new_tokens=48, ignore_eos=True))[0]
+    assert req.output_ids == ref
+    assert engine.stats.accept_len > 4.0, engine.stats.accept_len
+    assert engine.lookup.corpus.num_sequences == 2  # the finished request joined the corpus
+    engine.reset_corpus([prompt])
+    assert engine.lookup.corpus.num_sequences == 1
+
+
+def test_ngram_on_a_repetitive_target_commits_several_tokens():
+    """A small-vocabulary target whose greedy output cycles: prompt lookup finds the cycle, τ > 1, exact output."""
+    target = make_tiny_target("llama", vocab_size=16, seed=1, logit_scale=3.0)
+    prompt = [1, 2, 3, 4, 5]
+    ref = greedy_reference(target, prompt, 64)
+    engine = SpecEngine(target, None, None, max_batch_size=1, max_seq_len=128, draft_sources=("ngram",))
+    req = engine.generate([prompt], SamplingParams(max_new_tokens=64, ignore_eos=True))[0]
+    assert req.output_ids == ref
+    assert engine.stats.accept_len > 1.5, (engine.stats.accept_len, ref)
+
+
+def test_hybrid_greedy_lossless_with_measured_costs(tiny_target):
+    """DFlash + suffix through the planner, with the cost table this engine measured (CPU), drafter head random:
+    greedy output == the target's; the corpus then makes the suffix source pay, and it is chosen."""
+    prompts, budgets = _prompts(), [40, 24, 33]
+    ref = [greedy_reference(tiny_target, p, n) for p, n in zip(prompts, budgets)]
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
+    engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=160,
+                        draft_sources=("dflash", "suffix"))
+    assert engine.planner.spec_costs is not None and len(engine.cost_table["lookup_costs_ms"][0]) == 16
+    reqs = engine.generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    for r in reqs:
+        assert r.output_ids == greedy_reference(tiny_target, r.prompt_ids, 40)
+    engine.stats = SpecStats()
+    reqs = [engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, budgets)]
+    while engine.has_unfinished():
+        engine.step()
+    for r, out in zip(reqs, ref):  # second pass: the corpus holds each prompt's first-pass output
+        assert r.output_ids == out
+    assert engine.stats.source_hist["suffix"] > 0
+    assert engine.stats.accept_len > 1.5
+
+
+def test_hybrid_sources_chosen_by_hand_costs_lossless(tiny_target):
+    """Hand-set tables: drafting never pays -> every step "none" (no propose after the first block); the drafter's
+    block always pays -> "dflash" steps; output exact in both."""
+    prompts = _prompts()
+    ref = [greedy_reference(tiny_target, p, 30) for p in prompts]
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
+    engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=160,
+                        draft_sources=("dflash", "ngram"), calibrate=False, probe_every=4)
+    nd = engine.runner.max_draft
+    planner = engine.planner
+    planner.set_costs([1, 2, 3], np.full((3, 7), 100.0), np.concatenate([np.ones((3, 1)), np.full((3, nd), 100.0)], 1))
+    calls = []
+    real = engine.runner._propose
+    engine.runner._propose = lambda *a, **k: calls.append(1) or real(*a, **k)
+    reqs = engine.generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    assert [r.output_ids for r in reqs] == ref
+    hist = engine.stats.source_hist
+    assert "dflash" not in hist and hist["none"] > 0.7 * engine.stats.num_verify_steps, hist  # lookups: probes only
+    assert len(calls) < 3 + engine.stats.num_engine_steps // 2  # the probe schedule skips most proposes
+    planner.set_costs([1, 2, 3], np.ones((3, 7)), np.concatenate([np.ones((3, 1)), np.full((3, nd), 100.0)], 1))
+    planner.calibration = SourceCalibration(prior=1.0, decay=1e-9)  # trust the (random) head as it is
+    engine.stats = SpecStats()
+    reqs = engine.generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    assert [r.output_ids for r in reqs] == ref
+    assert engine.stats.source_hist["dflash"] > 0
+
+
+def _planner(sources=("dflash", "ngram"), nd=15, bs=16):
+    p = HybridPlanner(sources, nd, bs, [1, 2, 3, 4, 6, 8, 12, 16], probe_every=2,
+                      calibration=SourceCalibration(prior=1.0, decay=0.5))
+    return p
+
+
+def _costs(p, spec, look_w1, look_rest):
+    p.set_costs([1, 4], np.full((2, p.block_size - 1), spec),
+                np.concatenate([np.full((2, 1), look_w1), np.full((2, p.max_draft), look_rest)], 1))
+
+
+def test_planner_choices_by_hand():
+    """Expected tokens per ms by hand: nothing pays -> none; a perfect lookup that costs about an AR step -> the
+    lookup at its whole length; a confident drafter block -> dflash; no costs -> the longest estimate."""
+    p = _planner()
+    sure = Proposal([7, 8, 9, 10], 3, "context", [4, 4, 4, 4], 4)
+    weak = Proposal([7, 8], 1, "context", [1, 1], 8)
+    low_block = [1.05] * 15  # E[c(γ)] ≈ 1: the drafter's block is worthless
+    high_block = [1 + 0.9 * (1 - 0.9 ** g) / 0.1 for g in range(1, 16)]
+    # drafting costs 10x an AR step: none for everyone
+    _costs(p, 10.0, 1.0, 10.0)
+    ch, propose = p.plan(2, [20, 20], [low_block, low_block], [sure, weak])
+    assert [c.source for c in ch] == ["none", "none"] and [c.draft_len for c in ch] == [0, 0] and not propose
+    # lookup verify costs about an AR step: the perfect proposal is taken whole, the weak one not worse than none
+    _costs(p, 10.0, 1.0, 1.05)
+    ch, propose = p.plan(2, [20, 20], [low_block, low_block], [sure, weak])
+    assert (ch[0].source, ch[0].draft_len, ch[0].tokens) == ("ngram", 4, [7, 8, 9, 10]) and not propose
+    # a capped request (2 tokens left: γ <= 1)
+    ch, _ = p.plan(1, [1], [None], [sure])
+    assert (ch[0].source, ch[0].draft_len) == ("ngram", 1)
+    # a drafter block worth ~6 tokens at cheap verify: dflash, and the step proposes the next block
+    p.reset()
+    _costs(p, 1.1, 1.0, 1.05)
+    ch, propose = p.plan(2, [20, 20], [high_block, high_block], [weak, None])
+    assert [c.source for c in ch] == ["dflash", "dflash"] and ch[0].draft_len == 15 and propose
+    # no cost table: the larger estimate at full length
+    q = _planner()
+    ch, _ = q.plan(2, [20, 20], [low_block, None], [sure, None])
+    assert [c.source for c in ch] == ["ngram", "none"]
+
+
+def test_planner_calibration_and_probe_schedule():
+    """Realised acceptance below the estimate lowers a source's factor until it stops paying; the drafter's block,
+    once not chosen, is proposed again only at the probes (every probe_every steps, doubling)."""
+    cal = SourceCalibration(prior=1.0, decay=0.5)
+    for _ in range(6):
+        cal.record("ngram", 4.0, 0)
+    assert cal.factor("ngram") < 0.05 and cal.factor("dflash") == 1.0
+    p = _planner()
+    _costs(p, 10.0, 1.0, 10.0)
+    low = [1.05] * 15
+    proposes = []
+    pending = low
+    for _ in range(12):
+        _, propose = p.plan(1, [30], [pending], [None])
+        proposes.append(propose)
+        pending = low if propose else None
+    # step 0 sees a block and skips it (no propose); 2 AR steps, a probe (step 3), its block not chosen (step 4),
+    # then 4 AR steps (the wait doubled) and the next probe (step 9)
+    assert proposes == [False, False, False, True, False, False, False, False, False, True, False, False], proposes
+    with pytest.raises(ValueError, match="needs a drafter"):
+        check_draft_sources(["dflash"], has_drafter=False)
+    with pytest.raises(ValueError, match="one of"):
+        check_draft_sources(["ngram", "suffix"], has_drafter=True)
+    with pytest.raises(ValueError, match="subset"):
+        check_draft_sources(["eagle"], has_drafter=True)
+
+
+def test_source_histogram_counts():
+    s = SpecStats()
+    s.record_step(3, 2, "ngram")
+    s.record_step(0, 0, "none")
+    s.record_step(7, 7, "dflash")
+    s.record_step(2, 0, "ngram")
+    assert dict(s.source_hist) == {"ngram": 2, "none": 1, "dflash": 1}
+    assert dict(s.source_drafted) == {"ngram": 5, "none": 0, "dflash": 7} and s.source_accepted["ngram"] == 2
+    assert s.source_accept_len("ngram") == 2.0 and s.source_accept_len("dflash") == 8.0
+    window = s - SpecStats.from_steps([3], [2])
+    assert dict(window.source_hist) == dict(s.source_hist)  # from_steps records no source
+    assert dict((s + s).source_hist) == {"ngram": 4, "none": 2, "dflash": 2}
+
+
+def test_sampled_lookup_drafts_follow_the_target():
+    """Temperature 0.8, vocab 12, suffix drafts from a corpus of the target's own samples (a point-mass q, accepted
+    and rejected both): the joint law of the first 4 generated tokens equals the target's (χ² on pairs, p > 0.001);
+    the same samples reject the law of a greedy-fallback bug."""
+    vocab, temp, num = 12, 0.8, 3072
+    target = make_tiny_target("qwen3", vocab_size=vocab, seed=2, logit_scale=2.0)
+    prompt = [1, 2, 3, 4, 5]
+    seen = SpecEngine(target, None, None, max_batch_size=16, max_seq_len=32, seed=5).generate(
+        [prompt] * 16, SamplingParams(max_new_tokens=8, temperature=temp, ignore_eos=True), mode="ar")
+    corpus = SuffixCorpus(max_ngram=2)
+    for r in seen:
+        corpus.add(prompt + r.output_ids)
+    engine = SpecEngine(target, None, None, max_batch_size=64, max_seq_len=32, seed=11, draft_sources=("suffix",),
+                        suffix_corpus=corpus, lookup_max_ngram=2)
+    engine.lookup.finish = lambda tokens: None  # keep the corpus fixed: every request sees the same proposal law
+    reqs = engine.generate([prompt] * num, SamplingParams(max_new_tokens=4, temperature=temp))
+    toks = np.array([r.output_ids for r in reqs])  # [num, 4]
+    s = engine.stats
+    assert s.num_drafted > num and 0.1 < s.num_accepted / s.num_drafted < 0.9, (s.num_drafted, s.num_accepted)
+    prefixes = torch.cartesian_prod(*[torch.arange(vocab)] * 3)  # [1728, 3], t1 major
+    ids = torch.cat([torch.tensor(prompt).expand(len(prefixes), -1), prefixes], 1)
+    with torch.no_grad():
+        logits = target(ids, torch.arange(ids.shape[1]).expand_as(ids)).logits[:, -4:]  # [1728, 4, V]
+    cond = torch.softmax(logits.double() / temp, -1).reshape(vocab, vocab, vocab, 4, vocab)
+    p1, p2, p3, p4 = cond[0, 0, 0, 0], cond[:, 0, 0, 1], cond[:, :, 0, 2], cond[:, :, :, 3]
+    joint = p1[:, None, None, None] * p2[:, :, None, None] * p3[:, :, :, None] * p4
+    checks = {"t1,t2": (toks[:, 0] * vocab + toks[:, 1], joint.sum((2, 3))),
+              "t2,t3": (toks[:, 1] * vocab + toks[:, 2], joint.sum((0, 3))),
+              "t3,t4": (toks[:, 2] * vocab + toks[:, 3], joint.sum((0, 1)))}
+    for name, (cells, law) in checks.items():
+        observed = np.bincount(cells, minlength=law.numel()).astype(float)
+        assert _chi2_pvalue(observed, law.flatten().numpy() * num) > 1e-3, name
+    greedy2 = torch.nn.functional.one_hot(p2.argmax(-1), vocab).double()
+    wrong = (p1[:, None] * (0.5 * p2 + 0.5 * greedy2)).flatten().numpy() * num
+    assert _chi2_pvalue(np.bincount(toks[:, 0] * vocab + toks[:, 1], minlength=vocab ** 2).astype(float), wrong) < 1e-6
+
+
+def test_cost_ar_steps_defer_the_drafter_context(tiny_target):
+    """The cost policy's AR steps append no drafter context; the next propose catches it up from the feature
+    history, equal to a fresh projection, and the output stays exact."""
+    prompts = _prompts()
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
+    engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=200,
+                        calibrate=False, probe_every=4)
+    engine.runner.length_policy.set_costs([1, 2, 3], torch.full((3, 7), 100.0), torch.ones(3))
+    caught = []
+    real = engine.runner.catch_up_context
+    engine.runner.catch_up_context = lambda s, a, b: caught.append(b - a) or real(s, a, b)
+    reqs = [engine.add_request(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in prompts]
+    for _ in range(6):
+        engine.step()
+    assert caught and all(n > 1 for n in caught)  # the probe at step 5 caught up several positions per slot
+    running = [r for r in reqs if r.status.value == "running"]
+    for r in running:  # bring every slot up to date, then compare with a fresh projection
+        engine.runner.catch_up_context(r.slot, engine.runner.ctx_len[r.slot], r.num_tokens - 1)
+    _assert_context_matches(engine, running, drafter)
+    while engine.has_unfinished():
+        engine.step()
+    for r, p in zip(reqs, prompts):
+        assert r.output_ids == greedy_reference(tiny_target, p, 40)
