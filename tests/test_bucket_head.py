@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 from conftest import greedy_reference, make_drafter
+from test_distill import NUM_ALL_ANCHORS, _cfgs, _greedy_trajectories, _train_alternating, dist_env, target  # noqa: F401
 
 from adaflash_ray.config import LengthHeadConfig
 from adaflash_ray.engine import SamplingParams, SpecEngine
@@ -231,6 +232,61 @@ def test_bucket_head_checkpoint_round_trip(tmp_path, tiny_target):
     assert req.output_ids == greedy_reference(tiny_target, [3, 4, 5], 20)
     _assert_gammas(req, 20, {3})
     assert req.draft_lens[0] == 3
+
+
+# ----------------------------------------------------------------------------------- the trainer
+def test_trainer_trains_bucket_head(dist_env, target, tmp_path):
+    """policy ``bucket``: the trainer steps the BucketLengthHead (its own lr) on the trajectories' target state
+    at each anchor and publishes it under the engine's ``length_head.`` names; restarted from that checkpoint with
+    the drafter (nearly) frozen, so that the labels stand still, the cross-entropy falls below that of the best
+    constant predictor and the head's accuracy rises above the majority bucket's share."""
+    import math
+
+    from adaflash_ray.distill.blocks import collate
+    from adaflash_ray.distill.losses import accepted_length
+
+    trajs = _greedy_trajectories(target, num=6, num_new=24, seed=4)
+    drafter_cfg, head_cfg, distill_cfg = _cfgs(policy="bucket", zero_stage=0)
+    core = dist_env(target, drafter_cfg, head_cfg, distill_cfg, seed=0)
+    assert isinstance(core.length_head, BucketLengthHead) and core.length_head.sizes.tolist() == [2, 4]
+    assert [g["lr"] for g in core.optimizer.param_groups] == pytest.approx([3e-3, 2e-3])
+    before = core.publish_tensors()
+    _, _, m = _train_alternating(core, trajs, 30, check=lambda m: (
+        0.0 <= m["train/accept_head_acc"] <= 1.0 and m["train/len_loss"] > 0.0))
+    after = core.publish_tensors()
+    hidden = target.config.hidden_size
+    head_names = {f"length_head.{k}" for k in HEAD_TENSORS}
+    assert set(after) == set(core.drafter.drafter_state_dict()) | head_names
+    assert after["length_head.proj.weight"].shape == (hidden // 4, hidden)
+    assert after["length_head.out.weight"].shape == (2, hidden // 4)
+    assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in after.values())
+    assert not before["length_head.out.weight"].any() and after["length_head.out.weight"].abs().max() > 1e-3
+    for k in head_names:  # every head tensor moved (weight_decay 0: only gradients move them)
+        assert float((after[k] - before[k]).abs().max()) > 1e-4, k
+
+    # phase 2: start from the published checkpoint (drafter + head), drafter lr ~ 0, every anchor each step
+    save_drafter_checkpoint(tmp_path / "v1", core.drafter_model_config(), after)
+    drafter2 = drafter_cfg.model_copy(update={"init_path": str(tmp_path / "v1")})
+    _, _, distill2 = _cfgs(policy="bucket", zero_stage=0, lr=1e-8, head_lr=3e-2, num_anchors=NUM_ALL_ANCHORS)
+    core2 = dist_env(target, drafter2, head_cfg, distill2, seed=1)
+    metrics = [core2.train_step(trajs) for _ in range(40)]
+    ce = [m["train/len_loss"] for m in metrics]
+    accs = [m["train/accept_head_acc"] for m in metrics]
+    # the labels the head was fitted to: every anchor (the batch of every step), the frozen drafter's greedy drafts
+    full = collate(trajs, NUM_ALL_ANCHORS, 4, torch.Generator(), torch.float32)
+    exists = full.weights > 0
+    with torch.no_grad():
+        drafts = core2.drafter.logits(core2.drafter.forward_train(full.features, full.input_ids,
+                                                                  full.anchors)[:, :, 1:]).argmax(-1)
+    a = accepted_length(drafts.masked_fill(~exists, -1), full.target_ids, exists)
+    label = bucket_label(a, torch.tensor([2, 4]))[full.anchor_valid]
+    rate = float(label.float().mean())  # share of bucket 4 (a >= 2)
+    assert 0.05 < rate < 0.95, rate
+    const_ce = -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
+    print(f"bucket 4 share {rate:.3f}, CE {ce[0]:.3f} -> {ce[-1]:.3f} (constant {const_ce:.3f}), acc {accs[-1]:.3f}")
+    assert ce[-1] < 0.6 * ce[0], (ce[0], ce[-1])
+    assert ce[-1] < 0.9 * const_ce, (ce[-1], const_ce)
+    assert accs[-1] > max(rate, 1 - rate), (accs[-1], rate)
 
 
 # ----------------------------------------------------------------------------------- the bench

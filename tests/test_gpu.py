@@ -158,6 +158,42 @@ def test_cost_policy_ar_steps_graphs_tiny():
     assert ar_first == ar and drafted == ar
 
 
+def test_bucket_policy_graphs_tiny():
+    """The ``bucket`` length policy (the seed guide's head on the target's state at the anchor) through CUDA
+    graphs on a tiny random fp32 target: the steps run through captured graphs, the head's γ varies, every γ is a
+    bucket - 1 or the budget's cap, and greedy output equals AR token for token (fp32: no near ties)."""
+    from conftest import make_tiny_target
+
+    from adaflash_ray.models.length_head import bucket_sizes
+
+    target = make_tiny_target("llama", logit_scale=4.0).to("cuda")
+    drafter, head = make_drafter(target, block_size=16, layers=1, policy="bucket", seed=5)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, target.config.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 17, 3)]
+    eng = SpecEngine(target, drafter, head, policy="bucket", max_batch_size=4, max_seq_len=256)
+    spec, reqs = _gen(eng, prompts)
+    assert len(eng.runner.graphs) > 0 and eng.stats.num_verify_steps > 0
+    chosen = sorted({d for r in reqs for d in r.draft_lens})
+    print("γ chosen", chosen)
+    allowed = {s - 1 for s in bucket_sizes(16)}
+    assert len(set(chosen) & allowed) > 1, chosen
+    for r in reqs:
+        remaining = NEW_TOKENS - 1
+        for drafted, accepted in zip(r.draft_lens, r.num_accepted):
+            cap = max(remaining - 1, 0)
+            assert drafted in allowed and drafted <= cap or drafted == cap, (drafted, cap)
+            remaining -= accepted + 1
+    ar_eng = SpecEngine(target, None, None, max_batch_size=4, max_seq_len=256)
+    ar = [r.output_ids for r in ar_eng.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True),
+                                                mode="ar")]
+    assert spec == ar
+    # the same engine without graphs chooses the same γ (the head reads the same anchor states)
+    eager = SpecEngine(target, drafter, head, policy="bucket", max_batch_size=4, max_seq_len=256,
+                       use_cuda_graph=False)
+    out, reqs_eager = _gen(eager, prompts)
+    assert out == ar and [r.draft_lens for r in reqs_eager] == [r.draft_lens for r in reqs]
+
+
 # ------------------------------------------------------------------ fused distillation loss (kernels/)
 # The Triton backend of adaflash_ray.kernels.fused_distill against its pure-torch backend (same bf16 logits GEMMs,
 # per-row math in fp32 either way) and against the original computation (mixture_rkl_loss impl="reference"),
