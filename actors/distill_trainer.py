@@ -93,6 +93,46 @@ class DistillTrainer:
         source = _BufferSource(buffer, f"trainer-{self.rank}")
         return self.loop.run(source, _RegistrySink(registry, self), num_versions)
 
+    def warm_start(self, prompts: list[list[int]], registry) -> dict:
+        """The offline warm start (``distill.warm_start``) on this rank's device, before :meth:`run`: decode
+        ``prompts`` (this rank's share of the training prompts, token ids) with the frozen target - AR steps, no
+        drafter, ``distill.warm_start_batch_size`` KV slots (None: ``engine.max_batch_size``), the
+        ``data.sample_fraction`` share sampled - for at most ``distill.warm_start_generate_s`` seconds, free the
+        engine, then train on that text for ``distill.warm_start_train_s`` seconds and (rank 0) publish the next
+        version to ``registry`` (:meth:`TrainerLoop.warm_start`). Every rank calls it concurrently. Returns
+        ``{rank, num_requests, num_tokens, tokens_per_s, generate_s, version, steps}``; a resumed rank past
+        version 0 does nothing (``version`` only).
+        Raises:
+            ValueError: no prompts, or none decoded with output."""
+        from adaflash_ray.distill.loop import decode_for_training
+        from adaflash_ray.engine import SpecEngine
+
+        if self.loop.version > 0:
+            return {"rank": self.rank, "version": self.loop.version, "skipped": "resumed past version 0"}
+        if not prompts:
+            raise ValueError("warm start: no prompts for this rank")
+        cfg, dc = self.cfg, self.cfg.distill
+        engine = SpecEngine(self.core.target, None, None, layer_ids=self.core.layer_ids,
+                            max_batch_size=dc.warm_start_batch_size or cfg.engine.max_batch_size,
+                            max_seq_len=cfg.engine.max_seq_len, record=True,
+                            record_features=dc.features == "captured", seed=cfg.seed + 7 + self.rank)
+        trajs: list = []
+        stats = decode_for_training(engine, cfg, prompts, trajs.append, mode="ar",
+                                    time_limit_s=dc.warm_start_generate_s, tag=f"warm{self.rank}-",
+                                    log_prefix=f"[warm start rank {self.rank}]")
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the engine's KV cache and graphs back to the device before training
+        if not trajs:
+            raise ValueError(f"warm start: none of {len(prompts)} prompts gave output")
+        self._record({"train/step": float(self.core.global_step), "warm/num_requests": float(stats["num_requests"]),
+                      "warm/num_tokens": float(stats["num_tokens"]),
+                      "warm/tokens_per_s": stats["tokens_per_s"], "warm/generate_s": stats["seconds"]})
+        out = self.loop.warm_start(trajs, _RegistrySink(registry, self), dc.warm_start_train_s)
+        return {"rank": self.rank, "num_requests": stats["num_requests"], "num_tokens": stats["num_tokens"],
+                "tokens_per_s": round(stats["tokens_per_s"], 1), "generate_s": round(stats["seconds"], 2),
+                "version": out["final_version"], "steps": out["steps"]}
+
     def join_weight_group(self, rendezvous: str, world_size: int) -> int:
         """Rank 0 only (``distill.weight_sync: collective``): become the sender (group rank 0) of the weight
         broadcast group whose receivers are the inference workers (ranks 1..world_size-1). Every member must

@@ -246,6 +246,17 @@ class DistillConfig(_Section):
     # the drafter's training attention: "sdpa" (an explicit visibility mask) or "flex" (flex attention with a block
     # mask that skips the key tiles a block never sees; compiled on CUDA on the first step)
     drafter_attention: Literal["sdpa", "flex"] = "sdpa"
+    # offline warm start (AdaFlash starts its on-policy stage from an offline-trained drafter): before on-policy
+    # training, every trainer rank decodes warm_start_prompts training prompts (its share) with the frozen target
+    # on its own device - AR steps, no drafter, warm_start_batch_size slots (None = engine.max_batch_size),
+    # data.sample_fraction of them sampled - for at most warm_start_generate_s seconds, trains on that text for
+    # warm_start_train_s seconds and publishes version 1; only then are the inference workers fed, drafting with
+    # version 1 (on-policy). Off on a resumed run that is past version 0. Part of the run's wall-clock budget.
+    warm_start: bool = False
+    warm_start_prompts: int = Field(2048, ge=1)
+    warm_start_generate_s: float = Field(60.0, gt=0)
+    warm_start_train_s: float = Field(60.0, gt=0)
+    warm_start_batch_size: int | None = Field(None, ge=1)
     # learn from the drafter's own mistakes (Draft-OPD, arXiv 2605.29343): in each training block, the first position
     # whose current top-1 differs from the trajectory's token (where greedy verification rejects the block) gets
     # weight x (1 + reject_boost); costs one no-grad pass over the shared head per step. 0 = off (the plain loss)

@@ -165,6 +165,7 @@ class Driver:
         self.low_water = 2 * cfg.engine.max_batch_size  # requests queued per worker, topped up every poll
         self.t_train0, self.train_busy_s, self.train_wall_s = time.time(), 0.0, 0.0
         self.plain: PlainProgress | None = None  # progress lines without a terminal (set by train)
+        self.warm_summary: dict | None = None  # the warm start's reports (distill.warm_start), None without one
 
     # ------------------------------------------------------------------ setup
     def setup(self, resume: bool) -> None:
@@ -192,6 +193,9 @@ class Driver:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         cfg, show = self.cfg, self.cfg.logging.progress
+        self.t_train0, self.train_busy_s = time.time(), 0.0
+        if cfg.distill.warm_start and self.last_version == 0:
+            self.warm_start()
         self.group.start_training()
         progress = Progress(TextColumn("[bold]versions"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                             TimeElapsedColumn(), TextColumn("{task.description}"), console=console,
@@ -199,7 +203,6 @@ class Driver:
         # no terminal (ray job logs, CI): a plain line every logging.progress_every_s instead of the bar
         self.plain = (PlainProgress(sys.stderr, cfg.logging.progress_every_s, cfg.distill.num_versions)
                       if show and not console.is_terminal else None)
-        self.t_train0, self.train_busy_s = time.time(), 0.0
         with progress:
             task = progress.add_task("starting", total=cfg.distill.num_versions)
             while True:
@@ -226,16 +229,49 @@ class Driver:
                               trainer_util=self.train_busy_s / max(self.train_wall_s, 1e-9))
         return train_summary
 
+    def warm_start(self) -> None:
+        """The offline warm start (``distill.warm_start``): the first ``distill.warm_start_prompts`` training
+        prompts, split across the trainer ranks, are decoded by the ranks themselves with the frozen target (AR
+        steps, no drafter work) and trained on (:meth:`DistillTrainer.warm_start`); rank 0 publishes version 1,
+        which the registry pushes to every worker. The workers are fed nothing meanwhile (on-policy traffic
+        starts with version 1, from the prompt after the warm start's). Metrics, the version-1 checkpoint and its
+        canary are handled as in the loop; the ranks' reports go to the summary (``warm_start``).
+        Raises: as the trainers (a rank that dies here ends the run: its state holds no version yet)."""
+        cfg, g, train = self.cfg, self.group, self.inputs.train
+        n, k = cfg.distill.warm_start_prompts, len(g.trainers)
+        prompts = [list(train[j % len(train)]) for j in range(n)]
+        self.next_prompt = n
+        t0 = time.time()
+        refs = [t.warm_start.remote(prompts[r::k], g.registry) for r, t in enumerate(g.trainers)]
+        while True:
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=2.0)
+            self.collect_metrics()
+            if self.save_new_versions() and self.canary.prompts:
+                self.canary.start(g.workers[0], self.last_version)
+            if len(done) == len(refs):
+                break
+        reports = ray.get(refs)
+        self.warm_summary = {"seconds": round(time.time() - t0, 1), "ranks": reports}
+        console.print(f"warm start: {reports} in {self.warm_summary['seconds']} s; workers at version "
+                      f"{self.last_version}", soft_wrap=True, markup=False)
+
     def feed_workers(self) -> None:
-        """Keep every worker busy with on-policy traffic: top its queue up to ``low_water`` training prompts."""
+        """Keep every worker busy with on-policy traffic: top its queue up to ``low_water`` training prompts, the
+        ``data.sample_fraction`` share of them (:meth:`~adaflash_ray.config.DataConfig.is_sampled` of the issue
+        index) decoded at ``data.sampled_temperature``, the rest at ``engine.temperature``."""
         cfg, train = self.cfg, self.inputs.train
         workers = self.group.workers
         for w, d in zip(workers, _poll([w.queue_depth.remote() for w in workers], self.low_water)):
             if d < self.low_water:
-                batch = [train[(self.next_prompt + j) % len(train)] for j in range(self.low_water - d)]
-                self.next_prompt += len(batch)
-                self.fed += len(batch)
-                w.submit.remote(batch, max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature)
+                idx = range(self.next_prompt, self.next_prompt + self.low_water - d)
+                self.next_prompt += len(idx)
+                self.fed += len(idx)
+                # data.sample_fraction of the requests (by issue index) at data.sampled_temperature, lossless
+                sampled = [cfg.data.is_sampled(j) for j in idx]
+                for temp, pick in ((cfg.engine.temperature, False), (cfg.data.sampled_temperature, True)):
+                    batch = [train[j % len(train)] for j, s in zip(idx, sampled) if s == pick]
+                    if batch:
+                        w.submit.remote(batch, max_new_tokens=cfg.engine.max_new_tokens, temperature=temp)
 
     def handle_trainer_death(self, died: str, done: list) -> None:
         """Restart every rank from the state saved with the last version (requeueing what the dead ranks had
@@ -437,6 +473,7 @@ class Driver:
                    "buffer": {k.split("/", 1)[1]: v for k, v in bfinal.items()},
                    **heldout.heldout_summary(self.eval_by_domain, self.eval_full_block_by_domain, self.eval_baselines,
                                              self.train_positions, self.train_busy_s, cfg.placement.num_trainers),
+                   "warm_start": self.warm_summary,
                    "num_eval_prompts": len(self.inputs.evalp), "wall_s": round(time.time() - t_start, 1)}
         summary = strict_json(summary)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -4,15 +4,19 @@
 #
 #   call a (carry [".gpu_stage"]):   bash scripts/gpu_main_job.sh a     # wheels, data files, GGUF part 0
 #   call b (carry [".gpu_stage2"]):  bash scripts/gpu_main_job.sh b     # GGUF part 1
-#   call c (carry [".gpu_stage3"]):  ADAFLASH_COMMIT=<sha> bash scripts/gpu_ablation.sh [VARIANT ...]
+#   call c (carry [".gpu_stage3"], timeout_s 300):  ADAFLASH_COMMIT=<sha> bash scripts/gpu_ablation.sh [VARIANT ...]
 #
-# Call c assembles the model, writes the target's own text at full engine throughput (AR steps, batch 256;
-# greedy and sampled at temperature 0.8; the main job's training prompts: ShareGPT plus in-domain prompts,
-# held-out prompts excluded) with `python -m adaflash_ray.distill.loop generate`, then trains each VARIANT
-# (default: base, depth5, batch64) from those files for ABL_TRAIN_S seconds of trainer time and evaluates every
-# version it publishes on the recipe's held-out prompts (`python -m adaflash_ray.distill.ablate`).
-# $OUT: ablation.json (per variant and version: training seconds, held-out τ per domain; the prompt-lookup and
-# suffix-lookup τ on the same outputs), ablation.png, gen.log, ablate.log.
+# Call c assembles the model, writes the target's own text at full engine throughput (AR steps, batch 256: 4,000
+# greedy and 1,000 sampled at temperature 0.8 - data.sample_fraction 0.2 -; the main job's training prompts:
+# ShareGPT plus in-domain prompts, held-out prompts excluded) with `python -m adaflash_ray.distill.loop generate`
+# (files stream to disk as requests finish: a generation cut by its timeout keeps what it wrote), then trains each
+# VARIANT (default: base, opd, batch64, depth5) from those files for ABL_TRAIN_S seconds of trainer time and
+# evaluates every version it publishes on the recipe's held-out prompts (`python -m adaflash_ray.distill.ablate`).
+# Every step runs under a timeout and the whole call under ABL_BUDGET_S (default 285 s): ablate skips the variants
+# that no longer fit (recorded as skipped) and kills a training past the budget; ablation.json is rewritten after
+# each variant, so a cut call keeps the variants done. VARIANT: name[:key=value,...] (ablate's --variant).
+# $OUT (5 files): ablation.json (per variant and version: training seconds, held-out τ per domain, positions/s;
+# the prompt-lookup and suffix-lookup τ on the same outputs), ablation.png, gen.log, ablate.log, timeline.txt.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -23,35 +27,56 @@ OUT="${OUT:-/tmp/gpu_ablation_out}"
 mkdir -p "$OUT"
 R=recipes/smollm2_135m_gpu.yaml
 TRAJ=/root/ablation_traj
-TRAIN_S="${ABL_TRAIN_S:-75}"
-prepare_model || exit 1
+ABL=/root/ablation
+TRAIN_S="${ABL_TRAIN_S:-45}"
+BUDGET_S="${ABL_BUDGET_S:-285}"
+T0=$(date +%s)
+left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+mark() { echo "$(( $(date +%s) - T0 )) s: $*" | tee -a "$OUT/timeline.txt"; }
+: > "$OUT/timeline.txt"
 
-t0=$(date +%s)
-rm -rf "$TRAJ"
-G=(python3 -m adaflash_ray.distill.loop generate --recipe "$R" --out "$TRAJ" --set engine.max_batch_size=256
-   --set data.num_train_prompts=8000)
-{ timeout 150 "${G[@]}" --prompts "${ABL_GREEDY_PROMPTS:-6000}"
-  timeout 90 "${G[@]}" --prompts "${ABL_SAMPLED_PROMPTS:-2000}" --set engine.temperature=0.8; } > "$OUT/gen.log" 2>&1
-echo "generate: $(ls "$TRAJ"/*.parquet | wc -l) trajectories in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gen.log"
-
-V=()
-for v in "${@:-base depth5:drafter.num_hidden_layers=5,distill.lr=6e-4 batch64:distill.batch_size=64,distill.publish_every=100}"; do
-  for w in $v; do V+=(--variant "$w"); done
-done
-# offline data: each trajectory may feed up to 4 steps (fresh anchors each time); every variant sees the same files
-timeout "${ABL_TIMEOUT_S:-420}" python3 -m adaflash_ray.distill.ablate --recipe "$R" --trajectories "$TRAJ" \
-  --out /root/ablation --train-s "$TRAIN_S" --set distill.max_reuse=4 --set engine.max_batch_size=256 "${V[@]}" \
-  > "$OUT/ablate.log" 2>&1
-echo "ablate rc $? in $(( $(date +%s) - t0 )) s"
-grep -E "^\[ablate\]" "$OUT/ablate.log"
-python3 - "$OUT" "${ADAFLASH_COMMIT:-unknown}" <<'EOF'
+collect() {  # ablation.json (+ commit) and the PNG into $OUT; safe to run more than once
+  python3 - "$OUT" "${ADAFLASH_COMMIT:-unknown}" "$ABL" <<'EOF'
 import json, os, shutil, sys
-out, commit = sys.argv[1:]
-p = "/root/ablation/ablation.json"
+out, commit, abl = sys.argv[1:]
+p = os.path.join(abl, "ablation.json")
 if os.path.exists(p):
     d = json.load(open(p))
     d["commit"] = commit
     json.dump(d, open(os.path.join(out, "ablation.json"), "w"), indent=1)
-if os.path.exists("/root/ablation/ablation.png"):
-    shutil.copy("/root/ablation/ablation.png", out)
+    try:  # the plot of what is there, also when ablate was cut before drawing it
+        from adaflash_ray.distill.ablate import _plot
+        from pathlib import Path
+        _plot(d, Path(out) / "ablation.png")
+    except Exception as e:
+        print(f"plot: {e}")
 EOF
+}
+
+timeout 60 bash -c "source scripts/gpu_main_job.sh && env_setup && prepare_model" > "$OUT/gen.log" 2>&1 \
+  || { mark "prepare_model failed"; tail -5 "$OUT/gen.log"; exit 1; }
+mark "model ready"
+
+rm -rf "$TRAJ" "$ABL"
+GEN_S="${ABL_GEN_S:-80}"
+timeout "$GEN_S" python3 -m adaflash_ray.distill.loop generate --recipe "$R" --out "$TRAJ" \
+  --prompts "${ABL_PROMPTS:-5000}" --set engine.max_batch_size=256 --set data.num_train_prompts=5400 \
+  --set data.sample_fraction="${ABL_SAMPLE_FRACTION:-0.2}" --set data.sampled_temperature=0.8 >> "$OUT/gen.log" 2>&1
+rc=$?
+n=$(ls "$TRAJ"/*.parquet 2>/dev/null | wc -l)
+mark "generate rc $rc (124 = cut at ${GEN_S} s; files kept): $n trajectories"
+[ "$n" -ge 64 ] || { echo "too few trajectories"; tail -20 "$OUT/gen.log"; exit 1; }
+
+V=()
+for v in "${@:-base:distill.publish_every=500 opd:distill.reject_boost=2.0,distill.publish_every=500 batch64:distill.batch_size=64,distill.publish_every=150 depth5:drafter.num_hidden_layers=5,distill.lr=6e-4,distill.publish_every=500}"; do
+  for w in $v; do V+=(--variant "$w"); done
+done
+# offline data: each trajectory may feed up to 4 steps (fresh anchors each time); every variant sees the same files
+DEADLINE=$(( $(left) - 5 ))
+timeout "$(( DEADLINE + 3 ))" python3 -m adaflash_ray.distill.ablate --recipe "$R" --trajectories "$TRAJ" \
+  --out "$ABL" --train-s "$TRAIN_S" --deadline-s "$DEADLINE" --set distill.max_reuse=4 \
+  --set engine.max_batch_size=256 "${V[@]}" > "$OUT/ablate.log" 2>&1
+mark "ablate rc $?"
+collect >> "$OUT/timeline.txt" 2>&1
+grep -E "^\[ablate\]|^v[0-9]+:" "$OUT/ablate.log"
+mark "done"

@@ -286,3 +286,29 @@ def test_two_trainers_zero3_run_publish_and_clean_up(tmp_path):
     assert set(summary["eval_tau"]) == {"0", "1", "2"}
     left = set(glob.glob(os.path.join(tempfile.gettempdir(), "adaflash_pg_*"))) - before
     assert not left, f"rendezvous files left behind: {left}"
+
+
+@pytest.mark.slow
+def test_warm_start_stage_publishes_version_1_before_on_policy(tmp_path):
+    """distill.warm_start on cpu_tiny: the trainer decodes target text itself (AR, no drafter), trains on it and
+    publishes version 1 before any worker is fed; on-policy training then continues from version 1 to
+    num_versions, every version saved, evaluated and loaded by the workers; a quarter of the requests sampled."""
+    import json
+
+    from adaflash_ray.config import load_recipe
+    from adaflash_ray.pipeline import run
+
+    cfg = load_recipe("recipes/cpu_tiny.yaml", [
+        "distill.warm_start=true", "distill.warm_start_prompts=6", "distill.warm_start_generate_s=30",
+        "distill.warm_start_train_s=8", "distill.num_versions=2", "data.sample_fraction=0.25",
+        "logging.wandb_mode=disabled", "data.num_eval_prompts=2", "data.eval_max_new_tokens=16"])
+    summary = run(cfg, tmp_path / "run")
+    warm = summary["warm_start"]
+    assert warm is not None and warm["ranks"][0]["version"] == 1 and warm["ranks"][0]["num_requests"] >= 1
+    assert warm["ranks"][0]["steps"] >= 1
+    assert summary["final_version"] == 2 and summary["workers_loaded_final"] is True
+    assert set(summary["eval_tau"]) == {"0", "1", "2"} and summary["versions_rising"] is True
+    records = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    warm_steps = [m for m in records if m.get("train/warm_start") == 1.0 and "train/loss" in m]
+    assert warm_steps and all(m["train/version"] == 0.0 for m in warm_steps)
+    assert not any(m.get("train/time_up") for m in records if m.get("train/warm_start"))

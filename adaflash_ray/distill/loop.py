@@ -28,8 +28,8 @@ import torch
 from adaflash_ray.models import tensors_sha256
 from adaflash_ray.trajectory import Trajectory, within_version_lag
 
-__all__ = ["TrajectorySource", "WeightSink", "TrainerLoop", "DirectorySource", "CheckpointSink", "version_table",
-           "train_from_files", "generate_files", "main"]
+__all__ = ["TrajectorySource", "WeightSink", "TrainerLoop", "DirectorySource", "MemorySource", "CheckpointSink",
+           "version_table", "decode_for_training", "train_from_files", "generate_files", "main"]
 
 Item = tuple  # (handle, version): a leased trajectory as the source names it, and the drafter version it carries
 
@@ -104,10 +104,12 @@ class TrainerLoop:
         (under ZeRO-3 a collective gather)."""
         return {k: v.to(self.serving_dtype) for k, v in self.core.publish_tensors().items()}
 
-    def run(self, source: TrajectorySource, sink: WeightSink, num_versions: int | None = None) -> dict:
+    def run(self, source: TrajectorySource, sink: WeightSink, num_versions: int | None = None,
+            close: bool = True) -> dict:
         """Train until ``num_versions`` (default ``distill.num_versions``) versions are published, the time
         budget ``distill.max_train_s`` (from the first step) is spent, ``should_stop`` says so, or ``source``
-        is exhausted; then hand back what was leased untrained, close ``sink`` and the core. Returns
+        is exhausted; then hand back what was leased untrained and (``close``) close ``sink`` and the core
+        (``close=False``: a stage before another ``run``, e.g. :meth:`warm_start`). Returns
         ``{rank, final_version, steps, seconds, num_fresh, num_counted_twice, num_lost, num_duplicates_skipped}``
         - trajectories first trained on over the whole run (resumes included) and those among them trained as
         fresh more than once (0 unless a resume replayed one)."""
@@ -207,12 +209,39 @@ class TrainerLoop:
         if prefetched is not None:  # stopped from outside after it was issued
             source.release([it[0] for it in prefetched.result()])
         hand_back_untrained()  # stopped (or out of data) with leased trajectories never trained
-        sink.close()
-        core.close()  # ends the process group, removes the rendezvous file
+        if close:
+            sink.close()
+            core.close()  # ends the process group, removes the rendezvous file
         return {"rank": self.rank, "final_version": self.version, "steps": core.global_step,
                 "seconds": time.time() - t_start, "num_fresh": len(self.fresh_ids),
                 "num_counted_twice": len(self.fresh_ids) - len(set(self.fresh_ids)), "num_lost": self.num_lost,
                 "num_duplicates_skipped": self.num_duplicates_skipped}
+
+    def warm_start(self, trajectories: list[Trajectory], sink: WeightSink, train_s: float) -> dict:
+        """The offline warm start: train on ``trajectories`` (target text, e.g. :func:`decode_for_training`'s)
+        for ``train_s`` seconds of optimizer steps (or until they are used ``distill.max_reuse`` times each) and
+        publish the result as the next version - version 1 on a fresh run - without closing ``sink`` or the core
+        (the on-policy :meth:`run` follows). Every rank calls it with its own share. Each metric dict carries
+        ``train/warm_start = 1``; the publication's ``train/time_up`` / ``train/out_of_data`` marker is dropped
+        (it ends the stage, not the run). Returns :meth:`run`'s summary.
+        Raises:
+            ValueError: ``train_s`` <= 0 or no trajectories."""
+        if not train_s > 0 or not trajectories:
+            raise ValueError(f"warm start needs train_s > 0 and trajectories, got {train_s}, {len(trajectories)}")
+        dc, on_metrics = self.dc, self._on_metrics
+
+        def tagged(m: dict) -> None:
+            m.pop("train/time_up", None)
+            m.pop("train/out_of_data", None)
+            m["train/warm_start"] = 1.0
+            on_metrics(m)
+
+        self.dc = dc.model_copy(update={"max_train_s": train_s, "publish_every": 1 << 30, "prefetch": False})
+        self._on_metrics = tagged
+        try:
+            return self.run(MemorySource(trajectories), sink, num_versions=self.version + 1, close=False)
+        finally:
+            self.dc, self._on_metrics = dc, on_metrics
 
     def _resolve(self, source: TrajectorySource, items: list) -> tuple[list[Trajectory], list]:
         """Trajectories of ``items``; one the source lost (its producer died) is skipped and counted."""
@@ -267,7 +296,55 @@ class TrainerLoop:
 
 
 # ---------------------------------------------------------------------- trajectory files, checkpoints
-class DirectorySource:
+class _QueueSource:
+    """Hands out the handles of a fixed collection once each, in order; released ones go back first in line;
+    exhausted once all were handed out (the bookkeeping :class:`DirectorySource` and :class:`MemorySource`
+    share). ``_changed`` is called after the queue changed."""
+
+    def __init__(self, handles):
+        from collections import deque
+
+        self.queue = deque(handles)
+        self.leased: list = []
+        self.num_committed = 0
+        self.version = 0
+
+    def _changed(self) -> None:
+        """Nothing by default."""
+
+    def get_batch(self, n: int, wait_s: float = 0.0) -> list[Item]:
+        out = []
+        while self.queue and len(out) < n:
+            h = self.queue.popleft()
+            self.leased.append(h)
+            out.append((h, self.version))
+        self._changed()
+        return out
+
+    def prefetch(self, n: int, wait_s: float = 0.0) -> PendingBatch:
+        done: Future = Future()
+        done.set_result(self.get_batch(n, wait_s))
+        return done
+
+    def release(self, handles: Sequence) -> None:
+        wanted = set(handles)
+        back = [h for h in self.leased if h in wanted]
+        self.leased = [h for h in self.leased if h not in wanted]
+        self.queue.extendleft(reversed(back))  # first in line, in lease order
+        self._changed()
+
+    def commit(self) -> None:
+        self.num_committed += len(self.leased)
+        self.leased = []
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+
+    def exhausted(self) -> bool:
+        return not self.queue
+
+
+class DirectorySource(_QueueSource):
     """A :class:`TrajectorySource` over a directory of trajectory files (:func:`~adaflash_ray.distill.spill.
     trajectory_files`: ``<request_id>-v<version>.parquet``, the TrajectoryBuffer's journal format), each handed
     out once, in file-name order; released files go back first in line; exhausted once every file was handed out.
@@ -289,7 +366,6 @@ class DirectorySource:
     """
 
     def __init__(self, directory: str | Path, *, read_ahead: int = 256, num_threads: int = 4):
-        from collections import deque
         from concurrent.futures import ThreadPoolExecutor
 
         from adaflash_ray.distill.spill import trajectory_files
@@ -297,15 +373,15 @@ class DirectorySource:
         if read_ahead < 0 or num_threads < 1:
             raise ValueError(f"read_ahead must be >= 0 and num_threads >= 1, got {read_ahead}, {num_threads}")
         self.directory = Path(directory)
-        self.queue = deque(trajectory_files(self.directory))
+        super().__init__(trajectory_files(self.directory))
         self.num_files = len(self.queue)
-        self.leased: list[Path] = []
-        self.num_committed = 0
-        self.version = 0
         self.read_ahead = read_ahead
         self.read_s = 0.0  # seconds resolve spent waiting for reads (or reading, read_ahead=0)
         self._reads: dict[Path, Future] = {}  # path -> its read, for files in line or leased and not yet resolved
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="traj-reader") if read_ahead else None
+        self._fill()
+
+    def _changed(self) -> None:
         self._fill()
 
     def _fill(self) -> None:
@@ -320,20 +396,6 @@ class DirectorySource:
             if path not in self._reads:
                 self._reads[path] = self._pool.submit(read_parquet, path)
 
-    def get_batch(self, n: int, wait_s: float = 0.0) -> list[Item]:
-        out = []
-        while self.queue and len(out) < n:
-            path = self.queue.popleft()
-            self.leased.append(path)
-            out.append((path, self.version))
-        self._fill()
-        return out
-
-    def prefetch(self, n: int, wait_s: float = 0.0) -> PendingBatch:
-        done: Future = Future()
-        done.set_result(self.get_batch(n, wait_s))
-        return done
-
     def resolve(self, handles: Sequence) -> list[Trajectory]:
         from adaflash_ray.distill.spill import read_parquet
 
@@ -347,28 +409,23 @@ class DirectorySource:
             self.close()
         return out
 
-    def release(self, handles: Sequence) -> None:
-        wanted = set(handles)
-        back = [p for p in self.leased if p in wanted]
-        self.leased = [p for p in self.leased if p not in wanted]
-        self.queue.extendleft(reversed(back))  # first in line, in lease order
-        self._fill()
-
-    def commit(self) -> None:
-        self.num_committed += len(self.leased)
-        self.leased = []
-
-    def set_version(self, version: int) -> None:
-        self.version = version
-
-    def exhausted(self) -> bool:
-        return not self.queue
-
     def close(self) -> None:
         """Stop the reader threads (reads in flight finish; later resolves read on the calling thread)."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=False)
             self._pool = None
+
+
+class MemorySource(_QueueSource):
+    """A :class:`TrajectorySource` over trajectories in memory (the warm start's): each handed out once, in list
+    order (handles are list indices); released ones go back first in line; exhausted once all were handed out."""
+
+    def __init__(self, trajectories: list[Trajectory]):
+        self.trajectories = list(trajectories)
+        super().__init__(range(len(self.trajectories)))
+
+    def resolve(self, handles: Sequence) -> list[Trajectory]:
+        return [self.trajectories[i] for i in handles]
 
 
 class CheckpointSink:
@@ -461,6 +518,57 @@ def train_from_files(cfg, trajectories: str | Path, out: str | Path) -> dict:
     return summary
 
 
+def decode_for_training(engine, cfg, prompts: list[list[int]], on_trajectory: Callable[[Trajectory], None], *,
+                        mode: str = "ar", time_limit_s: float | None = None, tag: str = "",
+                        progress_s: float = 10.0, log_prefix: str = "[generate]") -> dict:
+    """Decode training ``prompts`` with ``engine`` (a recording :class:`~adaflash_ray.engine.SpecEngine`) and hand
+    each finished request's trajectory (request id prefixed with ``tag``) to ``on_trajectory`` as it finishes.
+
+    Sampling: ``engine.temperature`` / ``engine.max_new_tokens``, except the ``data.sample_fraction`` share of
+    the prompts (:meth:`~adaflash_ray.config.DataConfig.is_sampled`, by index in ``prompts``) decoded at
+    ``data.sampled_temperature``. Freed KV slots are refilled in groups of ``max_batch_size // 8`` (one batched
+    prefill; :meth:`SpecEngine.generate`'s ``admit_min``). With ``time_limit_s`` the prompts go in chunks of 4 x
+    the engine's slots and no chunk starts after the limit (a started chunk finishes: it may run past it by one
+    chunk's decode). Every ``progress_s`` seconds a line goes to stderr.
+
+    Returns ``{"num_requests", "num_tokens", "seconds", "tokens_per_s"}`` (requests finished, tokens generated).
+    Raises: as the engine (ValueError for a prompt that does not fit) and ``on_trajectory``.
+    """
+    import sys
+
+    from adaflash_ray.engine import SamplingParams
+
+    greedy = SamplingParams(max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature)
+    sampled = SamplingParams(max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.data.sampled_temperature)
+    params = [sampled if cfg.data.is_sampled(i) else greedy for i in range(len(prompts))]
+    slots = engine.runner.num_slots
+    t0 = last = time.perf_counter()
+    done = {"num_requests": 0, "num_tokens": 0}
+
+    def on_finish(req) -> None:
+        nonlocal last
+        done["num_requests"] += 1
+        done["num_tokens"] += len(req.output_ids)
+        if req.output_ids:
+            traj = dataclasses.replace(engine.to_trajectory(req), request_id=f"{tag}{req.request_id}")
+            req.features = req.last_hidden = None  # the trajectory holds them; the request list keeps no copy
+            on_trajectory(traj)
+        now = time.perf_counter()
+        if progress_s and now - last >= progress_s:
+            last = now
+            print(f"{log_prefix} {done['num_requests']}/{len(prompts)} requests, "
+                  f"{done['num_tokens'] / (now - t0):.0f} tokens/s, {now - t0:.0f} s", file=sys.stderr, flush=True)
+
+    chunk = len(prompts) if time_limit_s is None else 4 * slots
+    for i in range(0, len(prompts), max(chunk, 1)):
+        if time_limit_s is not None and time.perf_counter() - t0 >= time_limit_s:
+            break
+        engine.generate(prompts[i:i + chunk], params[i:i + chunk], mode=mode, on_finish=on_finish,
+                        admit_min=max(1, slots // 8))
+    dt = time.perf_counter() - t0
+    return {**done, "seconds": dt, "tokens_per_s": done["num_tokens"] / max(dt, 1e-9)}
+
+
 def generate_files(cfg, num_prompts: int, out: str | Path, drafter: str | Path | None = None, *,
                    progress_s: float = 10.0) -> list[Path]:
     """Decode ``num_prompts`` training prompts with the built-in engine, recording, and write each request's
@@ -468,19 +576,16 @@ def generate_files(cfg, num_prompts: int, out: str | Path, drafter: str | Path |
 
     The prompts are the main job's training set, in its order (:func:`adaflash_ray.inputs.prepare_inputs`: the
     ShareGPT sample with ``data.num_domain_train_prompts`` in-domain prompts mixed in, chat template,
-    ``data.max_prompt_tokens``; checked disjoint from the held-out prompts). Sampling follows
-    ``engine.temperature`` / ``engine.max_new_tokens``, except the ``data.sample_fraction`` share of the prompts
-    (:meth:`~adaflash_ray.config.DataConfig.is_sampled`) decoded at ``data.sampled_temperature``. Without
-    ``drafter`` the engine decodes in AR mode (one token per step, no drafter work: the target's text at full
-    engine throughput - greedy or sampled, the output is the target's whatever drafts); with ``drafter`` (a DFlash
-    checkpoint directory, its ``version`` metadata naming the files) it drafts with it, so the trajectories record
-    its proposals' acceptance.
+    ``data.max_prompt_tokens``; checked disjoint from the held-out prompts), decoded by
+    :func:`decode_for_training` (greedy at ``engine.temperature``, the ``data.sample_fraction`` share at
+    ``data.sampled_temperature``; slots refilled in groups). Without ``drafter`` the engine decodes in AR mode
+    (one token per step, no drafter work: the target's text at full engine throughput - greedy or sampled, the
+    output is the target's whatever drafts); with ``drafter`` (a DFlash checkpoint directory, its ``version``
+    metadata naming the files) it drafts with it, so the trajectories record its proposals' acceptance.
 
-    Throughput: freed KV slots are refilled in groups of ``engine.max_batch_size // 8`` (one batched prefill,
-    :meth:`SpecEngine.generate`'s ``admit_min``), and the files are written by two background threads while the
-    engine steps (each atomically renamed into place: a run killed part way leaves only whole files). Every
-    ``progress_s`` seconds a line goes to stderr (requests finished, tokens/s). Request ids get a per-call tag
-    (``gen-<tag>-<id>``). Returns the files written, in finishing order.
+    The files are written by two background threads while the engine steps (each atomically renamed into place:
+    a run killed part way leaves only whole files). Request ids get a per-call tag (``gen-<tag>-<id>``). Returns
+    the files written, in finishing order.
     Raises:
         ValueError: ``num_prompts`` < 1; CheckpointError: an unreadable ``drafter``; as prepare_inputs, the
             engine and the writer (an error in a background write is raised here).
@@ -489,7 +594,7 @@ def generate_files(cfg, num_prompts: int, out: str | Path, drafter: str | Path |
     from concurrent.futures import ThreadPoolExecutor
 
     from adaflash_ray.distill.spill import spill_path, write_parquet
-    from adaflash_ray.engine import SamplingParams, SpecEngine
+    from adaflash_ray.engine import SpecEngine
     from adaflash_ray.inputs import prepare_inputs
     from adaflash_ray.models import load_drafter_checkpoint
 
@@ -503,36 +608,17 @@ def generate_files(cfg, num_prompts: int, out: str | Path, drafter: str | Path |
     if drafter is not None:
         _, tensors, meta = load_drafter_checkpoint(drafter)
         engine.load_drafter(tensors, int(meta.get("version", 0)), meta.get("sha256"))
-    greedy = SamplingParams(max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature)
-    sampled = SamplingParams(max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.data.sampled_temperature)
-    params = [sampled if cfg.data.is_sampled(i) else greedy for i in range(len(prompts))]
     out.mkdir(parents=True, exist_ok=True)
     run_tag = uuid.uuid4().hex[:8]  # request ids unique across runs written into one directory
     writes: list[Future] = []
-    t0 = last = time.perf_counter()
-    num_done = num_tokens = 0
-
-    def on_finish(req) -> None:
-        nonlocal num_done, num_tokens, last
-        num_done += 1
-        num_tokens += len(req.output_ids)
-        if req.output_ids:
-            traj = dataclasses.replace(engine.to_trajectory(req), request_id=f"gen-{run_tag}-{req.request_id}")
-            req.features = req.last_hidden = None  # the trajectory holds them; the request list keeps no copy
-            writes.append(pool.submit(write_parquet, traj, spill_path(out, traj.request_id, traj.drafter_version)))
-        now = time.perf_counter()
-        if progress_s and now - last >= progress_s:
-            last = now
-            print(f"[generate] {num_done}/{len(prompts)} requests, {num_tokens / (now - t0):.0f} tokens/s, "
-                  f"{now - t0:.0f} s", file=sys.stderr, flush=True)
-
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="traj-writer") as pool:
-        engine.generate(prompts, params, mode="spec" if drafter is not None else "ar", on_finish=on_finish,
-                        admit_min=max(1, cfg.engine.max_batch_size // 8))
+        stats = decode_for_training(
+            engine, cfg, prompts,
+            lambda t: writes.append(pool.submit(write_parquet, t, spill_path(out, t.request_id, t.drafter_version))),
+            mode="spec" if drafter is not None else "ar", tag=f"gen-{run_tag}-", progress_s=progress_s)
         written = [f.result() for f in writes]
-    dt = time.perf_counter() - t0
-    print(f"[generate] {num_done} requests, {num_tokens} tokens in {dt:.1f} s ({num_tokens / max(dt, 1e-9):.0f} "
-          f"tokens/s), {len(written)} files", file=sys.stderr, flush=True)
+    print(f"[generate] {stats['num_requests']} requests, {stats['num_tokens']} tokens in {stats['seconds']:.1f} s "
+          f"({stats['tokens_per_s']:.0f} tokens/s), {len(written)} files", file=sys.stderr, flush=True)
     return written
 
 
