@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Draft sources on ONE H200: ar, dflash, adaflash-cost, ngram, suffix and hybrid on the real SmolLM2-135M-Instruct
+# (bf16, CUDA graphs), code and chat, concurrency 1 and 64, 256 new tokens; ~4-5 minutes in one device call.
+#
+# The model needs the main job's staged files, so this runs as call c of that sequence (kind nvidia-h200):
+#   Here (CPU machine), once, if .gpu_stage* are missing:  bash scripts/gpu_main_job.sh stage
+#   Call a (carry [".gpu_stage"]):   bash scripts/gpu_main_job.sh a      # install the wheels
+#   Call b (carry [".gpu_stage2"]):  bash scripts/gpu_main_job.sh b      # GGUF part 2
+#   Call c (carry [".gpu_stage3"]):  ADAFLASH_COMMIT=<sha> bash scripts/gpu_hybrid_bench.sh [--drafter DIR]
+# Without --drafter the recipe's untrained drafter is used (the cost policy then mostly answers γ = 0; the hybrid
+# lives on its lookup source). Extra arguments go to every bench command.
+#
+# Steps (each under its own timeout; a failed step is reported and the next one still runs):
+# 1. gpu tests of the draft sources and the cost policy's AR steps on CUDA graphs (tiny fp32 target)
+# 2. bench at concurrency 1: 8 prompts per domain, 3 timed repeats per cell (median row; the first repeat also
+#    captures the CUDA graphs, warm-up "short")                                        -> bench_c1.json/.png/.log
+# 3. bench at concurrency 64: 64 prompts per domain, warm-up "repeat", 3 timed repeats -> bench_c64.json/.png/.log
+# The suffix / hybrid corpus starts from the AR outputs of other held-out prompts of the same domain and is reset
+# before every timed repeat (it never holds a timed request's own output).
+# Everything (hybrid_bench.log with versions and each step's output, the JSON, PNG and logs) is tarred into ONE
+# file, $OUT/hybrid_bench.tar.gz.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+# shellcheck source=scripts/gpu_main_job.sh
+source scripts/gpu_main_job.sh  # STAGE, env_setup, prepare_model (returns before its subcommands)
+OUT="${OUT:-/tmp/gpu_hybrid_bench_out}"
+mkdir -p "$OUT"
+W="$(mktemp -d)"
+LOG="$W/hybrid_bench.log"
+: > "$LOG"
+pack() { tar -czf "$OUT/hybrid_bench.tar.gz" -C "$W" . && ls -la "$OUT"; }
+
+env_setup
+export ADAFLASH_COMMIT="${ADAFLASH_COMMIT:-unknown}"
+{ echo "commit $ADAFLASH_COMMIT"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())"; } >> "$LOG" 2>&1
+if ! prepare_model >> "$LOG" 2>&1; then
+  echo "prepare_model failed (calls a and b of scripts/gpu_main_job.sh first, this one with .gpu_stage3)" | tee -a "$LOG"
+  pack; exit 1
+fi
+
+step() {  # step NAME TIMEOUT_S CMD...: run with a timeout, output into the log, report the status
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  echo "=== $name: $*" >> "$LOG"
+  timeout "$limit" "$@" >> "$LOG" 2>&1
+  local rc=$?
+  echo "$name: rc $rc, $(( $(date +%s) - t0 )) s" | tee -a "$LOG"
+}
+
+RECIPE=recipes/smollm2_135m_gpu.yaml
+METHODS=(ar dflash adaflash-cost ngram suffix hybrid)
+step gpu_tests 120 python3 -m pytest -q -m gpu tests/test_gpu.py -k "lookup_and_hybrid or cost_policy_ar_steps" \
+  -p no:cacheprovider -s
+step bench_c1 "${C1_TIMEOUT:-250}" python3 -m adaflash_ray.bench --recipe "$RECIPE" --methods "${METHODS[@]}" \
+  --concurrency 1 --domains code chat --num-prompts 8 --max-new-tokens 256 --warmup short \
+  --repeats "${C1_REPEATS:-3}" --out "$W/bench_c1.json" --plot "$W/bench_c1.png" "$@"
+step bench_c64 "${C64_TIMEOUT:-200}" python3 -m adaflash_ray.bench --recipe "$RECIPE" --methods "${METHODS[@]}" \
+  --concurrency 64 --domains code chat --num-prompts 64 --max-new-tokens 256 --warmup repeat \
+  --repeats "${C64_REPEATS:-3}" --out "$W/bench_c64.json" --plot "$W/bench_c64.png" "$@"
+# the tables (the bench prints them before its JSON line) at the end of the log, for a quick read
+for c in c1 c64; do
+  [ -f "$W/bench_$c.json" ] && python3 - "$W/bench_$c.json" >> "$LOG" 2>&1 <<'EOF'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+for r in doc["rows"]:
+    print(f"{r['domain']:5s} c={r['concurrency']:<3d} {r['method']:14s} tau {r['tau'] or 0:5.2f} "
+          f"{r['ms_per_step']:6.2f} ms/step {r['tokens_per_s']:9.1f} tok/s x{r['speedup_vs_ar'] or 0:4.2f} "
+          f"lossless {r['lossless']} ({r.get('match_rate')}) sources {r.get('source_hist')} "
+          f"repeats {[round(x) for x in r.get('repeat_tokens_per_s', [])]}")
+EOF
+done
+tail -40 "$LOG"
+pack
