@@ -10,7 +10,8 @@
 # greedy and 1,000 sampled at temperature 0.8 - data.sample_fraction 0.2 -; the main job's training prompts:
 # ShareGPT plus in-domain prompts, held-out prompts excluded) with `python -m adaflash_ray.distill.loop generate`
 # (files stream to disk as requests finish: a generation cut by its timeout keeps what it wrote), then trains each
-# VARIANT (default: base, opd, batch64, depth5) from those files for ABL_TRAIN_S seconds of trainer time and
+# VARIANT (default, in this order: base - batch 16 -, batch64, opd - distill.reject_boost 2 -, depth5) from those
+# files for ABL_TRAIN_S (default 35) seconds of trainer time (the first, warm-up step not counted) and
 # evaluates every version it publishes on the recipe's held-out prompts (`python -m adaflash_ray.distill.ablate`).
 # Every step runs under a timeout and the whole call under ABL_BUDGET_S (default 285 s): ablate skips the variants
 # that no longer fit (recorded as skipped) and kills a training past the budget; ablation.json is rewritten after
@@ -28,7 +29,7 @@ mkdir -p "$OUT"
 R=recipes/smollm2_135m_gpu.yaml
 TRAJ=/root/ablation_traj
 ABL=/root/ablation
-TRAIN_S="${ABL_TRAIN_S:-45}"
+TRAIN_S="${ABL_TRAIN_S:-35}"
 BUDGET_S="${ABL_BUDGET_S:-285}"
 T0=$(date +%s)
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
@@ -58,7 +59,7 @@ timeout 60 bash -c "source scripts/gpu_main_job.sh && env_setup && prepare_model
 mark "model ready"
 
 rm -rf "$TRAJ" "$ABL"
-GEN_S="${ABL_GEN_S:-80}"
+GEN_S="${ABL_GEN_S:-75}"
 timeout "$GEN_S" python3 -m adaflash_ray.distill.loop generate --recipe "$R" --out "$TRAJ" \
   --prompts "${ABL_PROMPTS:-5000}" --set engine.max_batch_size=256 --set data.num_train_prompts=5400 \
   --set data.sample_fraction="${ABL_SAMPLE_FRACTION:-0.2}" --set data.sampled_temperature=0.8 >> "$OUT/gen.log" 2>&1
@@ -68,14 +69,16 @@ mark "generate rc $rc (124 = cut at ${GEN_S} s; files kept): $n trajectories"
 [ "$n" -ge 64 ] || { echo "too few trajectories"; tail -20 "$OUT/gen.log"; exit 1; }
 
 V=()
-for v in "${@:-base:distill.publish_every=500 opd:distill.reject_boost=2.0,distill.publish_every=500 batch64:distill.batch_size=64,distill.publish_every=150 depth5:drafter.num_hidden_layers=5,distill.lr=6e-4,distill.publish_every=500}"; do
+# the recipe's defaults are set back to the plain batch-16 trainer here, so each variant changes one thing
+for v in "${@:-base batch64:distill.batch_size=64,distill.publish_every=150 opd:distill.reject_boost=2.0 depth5:drafter.num_hidden_layers=5,distill.lr=6e-4}"; do
   for w in $v; do V+=(--variant "$w"); done
 done
 # offline data: each trajectory may feed up to 4 steps (fresh anchors each time); every variant sees the same files
 DEADLINE=$(( $(left) - 5 ))
 timeout "$(( DEADLINE + 3 ))" python3 -m adaflash_ray.distill.ablate --recipe "$R" --trajectories "$TRAJ" \
-  --out "$ABL" --train-s "$TRAIN_S" --deadline-s "$DEADLINE" --set distill.max_reuse=4 \
-  --set engine.max_batch_size=256 "${V[@]}" > "$OUT/ablate.log" 2>&1
+  --out "$ABL" --train-s "$TRAIN_S" --deadline-s "$DEADLINE" --overhead-s "${ABL_OVERHEAD_S:-30}" \
+  --set distill.max_reuse=4 --set distill.batch_size=16 --set distill.publish_every=400 \
+  --set distill.warm_start=false --set engine.max_batch_size=256 "${V[@]}" > "$OUT/ablate.log" 2>&1
 mark "ablate rc $?"
 collect >> "$OUT/timeline.txt" 2>&1
 grep -E "^\[ablate\]|^v[0-9]+:" "$OUT/ablate.log"

@@ -357,3 +357,55 @@ def test_engine_generate_refills_in_groups_and_reports_each_finish():
         engine.generate(prompts, params, mode="ar", admit_min=0)
     with pytest.raises(ValueError, match="SamplingParams"):
         engine.generate(prompts, params[:3], mode="ar")
+
+
+def test_ablation_keeps_going_past_a_failed_variant_skips_at_the_deadline_and_reuses_v0(tmp_path, monkeypatch):
+    """run_ablation with fake training processes and a fake evaluation: a variant whose training exits non-zero is
+    recorded with its error and the next one runs; a variant that no longer fits before ``stop_at`` is recorded as
+    skipped; identical v0 checkpoints are decoded once; ablation.json holds every variant; the first optimizer step
+    is left out of the training seconds."""
+    from adaflash_ray.config import load_recipe
+    from adaflash_ray.distill import ablate
+    from adaflash_ray.models import save_drafter_checkpoint
+    from adaflash_ray.models.drafter import DrafterModelConfig
+
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(ablate.time, "time", lambda: clock["now"])
+    dcfg = DrafterModelConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=4, vocab_size=32, block_size=4, target_layer_ids=[0],
+                              target_hidden_size=8, num_target_layers=2, mask_token_id=3)
+    v0 = {"fc.weight": torch.zeros(4, 8)}
+
+    def fake_run(cmd, timeout=None):
+        out = Path(cmd[cmd.index("--out") + 1])
+        clock["now"] += 50.0
+        if out.name == "broken":
+            return subprocess.CompletedProcess(cmd, 1)
+        save_drafter_checkpoint(out / "checkpoints" / "v0", dcfg, v0, {"version": 0})
+        save_drafter_checkpoint(out / "checkpoints" / "v1", dcfg, {"fc.weight": torch.rand(4, 8)}, {"version": 1})
+        steps = [{"train/seconds": 9.0}, {"train/seconds": 1.0}, {"train/seconds": 2.0, "sync/version": 1}]
+        (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in steps))
+        (out / "summary.json").write_text(json.dumps({"train_steps": 3, "num_trained": 5, "versions": {}}))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    decoded = []
+
+    def fake_eval(engine, ckpt, version, prompts, domains, max_new_tokens):
+        decoded.append(str(ckpt))
+        return {"code": 1.0 + version}, [{"output_ids": [1, 2], "draft_lens": [1], "num_accepted": [0]}]
+
+    monkeypatch.setattr(ablate.subprocess, "run", fake_run)
+    monkeypatch.setattr(ablate, "_heldout", lambda cfg: ([[1, 2, 3]], ["code"]))
+    monkeypatch.setattr(ablate, "evaluate_checkpoint", fake_eval)
+    monkeypatch.setattr("adaflash_ray.engine.SpecEngine.from_config", classmethod(lambda cls, *a, **k: None))
+    monkeypatch.setattr("adaflash_ray.drafting.heldout.lookup_baselines", lambda *a, **k: {"ngram": {"code": 2.0}})
+    cfg = load_recipe("recipes/cpu_tiny.yaml")
+    doc = ablate.run_ablation(cfg, [("a", []), ("broken", ["distill.lr=1e-3"]), ("b", ["distill.batch_size=2"]),
+                                    ("late", [])], tmp_path / "traj", tmp_path / "abl", train_s=10.0,
+                              recipe_path="recipes/cpu_tiny.yaml", stop_at=1000.0 + 160.0, overhead_s=5.0)
+    v = doc["variants"]
+    assert v["broken"]["error"].startswith("training failed (exit 1)") and v["late"] == {"sets": [], "skipped": "deadline"}
+    assert v["a"]["versions"][1]["tau_by_domain"] == {"code": 2.0} and v["b"]["versions"][0]["tau_by_domain"] == {"code": 1.0}
+    assert v["a"]["versions"][1]["train_s"] == 3.0  # 1 + 2: the first step's 9 s left out
+    assert sorted(Path(p).parts[-3] + "/" + Path(p).name for p in decoded) == ["a/v0", "a/v1", "b/v1"]
+    assert json.loads((tmp_path / "abl" / "ablation.json").read_text())["variants"].keys() == v.keys()

@@ -11,7 +11,8 @@ Each ``--variant NAME[:KEY=VALUE,...]`` is the recipe with those ``--set`` overr
 quality, as the main job's ``eval_full_block``) with the built-in engine. Greedy outputs are the target's whatever
 the drafter, so the prompt-lookup and suffix-lookup τ (:func:`adaflash_ray.drafting.heldout.lookup_baselines`) are
 computed once, from the first evaluation's outputs. ``OUT/ablation.json`` holds per variant and version the
-training seconds (sum of the optimizer steps' ``train/seconds``: GPU-seconds of one trainer rank) and the held-out
+training seconds (sum of the optimizer steps' ``train/seconds`` after the first, warm-up step: GPU-seconds of one
+trainer rank) and the held-out
 τ per domain; ``OUT/ablation.png`` draws τ against training seconds per domain with the lookup lines.
 """
 from __future__ import annotations
@@ -95,11 +96,16 @@ def _checkpoint_sha(ckpt: Path) -> str | None:
 
 
 def _train_seconds(run_dir: Path) -> dict[int, float]:
-    """Version -> cumulative ``train/seconds`` of the optimizer steps up to its publication (``metrics.jsonl``)."""
-    total, out = 0.0, {0: 0.0}
+    """Version -> cumulative ``train/seconds`` of the optimizer steps up to its publication (``metrics.jsonl``),
+    the first step left out: it holds one-time warm-up (Triton kernel compilation - only the first variant of a
+    machine pays it, the cache serves the rest -, allocator growth), not training."""
+    total, out, first = 0.0, {0: 0.0}, True
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         m = json.loads(line)
-        total += float(m.get("train/seconds", 0.0))
+        if first and "train/seconds" in m:
+            first = False
+        else:
+            total += float(m.get("train/seconds", 0.0))
         if "sync/version" in m:
             out[int(m["sync/version"])] = total
     return out
@@ -211,12 +217,13 @@ def _plot(doc: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    domains = sorted({d for v in doc["variants"].values() for r in v["versions"].values() for d in r["tau_by_domain"]})
+    done = {name: v for name, v in doc["variants"].items() if "versions" in v}  # not the failed or skipped ones
+    domains = sorted({d for v in done.values() for r in v["versions"].values() for d in r["tau_by_domain"]})
     if not domains:
         return
     fig, axes = plt.subplots(1, len(domains), figsize=(4 * len(domains), 3.4), squeeze=False)
     for ax, d in zip(axes[0], domains):
-        for name, v in doc["variants"].items():
+        for name, v in done.items():
             pts = sorted((r["train_s"], r["tau_by_domain"].get(d, math.nan)) for r in v["versions"].values())
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         for key, style in (("ngram", "--"), ("suffix", ":")):
@@ -242,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", action="append", required=True, help="NAME[:key=value,key=value] (repeatable)")
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="seconds from now: variants that do not fit are skipped, a training past it is killed")
+    parser.add_argument("--overhead-s", type=float, default=40.0,
+                        help="with --deadline-s: seconds a variant needs beyond --train-s (start, evaluations)")
     args = parser.parse_args(argv)
     try:
         variants = [parse_variant(s) for s in args.variant]
@@ -255,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     stop_at = None if args.deadline_s is None else time.time() + args.deadline_s
     run_ablation(cfg, variants, args.trajectories, args.out, args.train_s, args.recipe, list(args.overrides or []),
-                 stop_at=stop_at)
+                 stop_at=stop_at, overhead_s=args.overhead_s)
     return 0
 
 
