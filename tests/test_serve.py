@@ -313,7 +313,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tok):
+def server(tok, tmp_path_factory):
     port = _free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
@@ -323,7 +323,8 @@ def server(tok):
            "--set", "serve.distill=true", "--set", f"serve.api_key={KEY}", "--set", "ray.include_dashboard=false",
            "--set", f"engine.max_batch_size={MAX_BATCH}", "--set", f"serve.max_queued_requests={MAX_QUEUED}",
            "--set", "serve.max_body_bytes=4096", "--set", "distill.num_versions=3",
-           "--set", "serve.drain_timeout_s=120"]
+           "--set", "serve.drain_timeout_s=120", "--set", f"serve.run_dir={tmp_path_factory.mktemp('serve_run')}",
+           "--set", "logging.wandb_mode=disabled"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     first = proc.stdout.readline()  # the one "ready" line (blocks until the app answers)
     if proc.poll() is not None or "http://" not in first:

@@ -181,7 +181,7 @@ class DistillCoordinator:
         if thread is not None:
             thread.join(timeout=30)
         driver = getattr(self, "driver", None)
-        if driver is not None and self.error is None:
+        if driver is not None and getattr(self, "error", None) is None:
             try:  # a version published since the last poll is saved too
                 driver.save_new_versions()
             except Exception as e:  # noqa: BLE001 - shutting down: log and continue
