@@ -409,3 +409,25 @@ def test_ablation_keeps_going_past_a_failed_variant_skips_at_the_deadline_and_re
     assert v["a"]["versions"][1]["train_s"] == 3.0  # 1 + 2: the first step's 9 s left out
     assert sorted(Path(p).parts[-3] + "/" + Path(p).name for p in decoded) == ["a/v0", "a/v1", "b/v1"]
     assert json.loads((tmp_path / "abl" / "ablation.json").read_text())["variants"].keys() == v.keys()
+
+
+def test_engine_generate_stop_admitting_ends_without_starting_the_rest():
+    """stop_admitting: once it says so, the requests not yet started end as aborted with no output; the started
+    ones finish whole; generate returns."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from conftest import make_tiny_target
+
+    from adaflash_ray.engine import SamplingParams, SpecEngine, Status
+
+    engine = SpecEngine(make_tiny_target("llama"), None, None, layer_ids=[1, 2], max_batch_size=2, max_seq_len=64)
+    steps = {"n": 0}
+
+    def on_step(eng):
+        steps["n"] += 1
+
+    reqs = engine.generate([[1, 2, 3]] * 7, SamplingParams(max_new_tokens=5, ignore_eos=True), mode="ar",
+                           on_step=on_step, stop_admitting=lambda: steps["n"] >= 3)
+    assert all(r.status == Status.FINISHED for r in reqs) and not engine.has_unfinished()
+    started = [r for r in reqs if r.output_ids]
+    assert len(started) == 2 and all(len(r.output_ids) == 5 for r in started)
+    assert all(r.finish_reason == "abort" and not r.output_ids for r in reqs if r not in started)

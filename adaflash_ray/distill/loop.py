@@ -527,9 +527,9 @@ def decode_for_training(engine, cfg, prompts: list[list[int]], on_trajectory: Ca
     Sampling: ``engine.temperature`` / ``engine.max_new_tokens``, except the ``data.sample_fraction`` share of
     the prompts (:meth:`~adaflash_ray.config.DataConfig.is_sampled`, by index in ``prompts``) decoded at
     ``data.sampled_temperature``. Freed KV slots are refilled in groups of ``max_batch_size // 8`` (one batched
-    prefill; :meth:`SpecEngine.generate`'s ``admit_min``). With ``time_limit_s`` the prompts go in chunks of 4 x
-    the engine's slots and no chunk starts after the limit (a started chunk finishes: it may run past it by one
-    chunk's decode). Every ``progress_s`` seconds a line goes to stderr.
+    prefill; :meth:`SpecEngine.generate`'s ``admit_min``). With ``time_limit_s`` no request starts after that many
+    seconds (the started ones finish: at most one request's decode past it; the rest never run). Every
+    ``progress_s`` seconds a line goes to stderr.
 
     Returns ``{"num_requests", "num_tokens", "seconds", "tokens_per_s"}`` (requests finished, tokens generated).
     Raises: as the engine (ValueError for a prompt that does not fit) and ``on_trajectory``.
@@ -559,12 +559,9 @@ def decode_for_training(engine, cfg, prompts: list[list[int]], on_trajectory: Ca
             print(f"{log_prefix} {done['num_requests']}/{len(prompts)} requests, "
                   f"{done['num_tokens'] / (now - t0):.0f} tokens/s, {now - t0:.0f} s", file=sys.stderr, flush=True)
 
-    chunk = len(prompts) if time_limit_s is None else 4 * slots
-    for i in range(0, len(prompts), max(chunk, 1)):
-        if time_limit_s is not None and time.perf_counter() - t0 >= time_limit_s:
-            break
-        engine.generate(prompts[i:i + chunk], params[i:i + chunk], mode=mode, on_finish=on_finish,
-                        admit_min=max(1, slots // 8))
+    stop = None if time_limit_s is None else (lambda: time.perf_counter() - t0 >= time_limit_s)
+    engine.generate(prompts, params, mode=mode, on_finish=on_finish, admit_min=max(1, slots // 8),
+                    stop_admitting=stop)
     dt = time.perf_counter() - t0
     return {**done, "seconds": dt, "tokens_per_s": done["num_tokens"] / max(dt, 1e-9)}
 

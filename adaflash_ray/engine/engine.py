@@ -331,11 +331,14 @@ class SpecEngine:
         planner, nd = self.planner, self.runner.max_draft
         caps = [max(r.remaining - 1, 0) for r in running]
         proposals = [None] * len(running)
+        lookup_ms = 0.0
         if self.lookup is not None and (planner.lookup_due() or planner.spec_costs is None):
+            t0 = time.perf_counter()
             proposals = [self._lookup(r, min(nd, c)) if c > 0 else None for r, c in zip(running, caps)]
+            lookup_ms = 1e3 * (time.perf_counter() - t0)
         choices, propose = planner.plan(max(r.slot for r in running) + 1, caps,
                                         [r.dflash_expected for r in running], proposals,
-                                        [r.params.draft_len for r in running])
+                                        [r.params.draft_len for r in running], lookup_ms=lookup_ms)
         host = [c.tokens if c.source not in ("dflash", "none") else None for c in choices]
         return _Batch(running, [c.draft_len for c in choices], True, propose, append=propose, choices=choices,
                       host_drafts=host if any(h is not None for h in host) else None)
@@ -404,7 +407,8 @@ class SpecEngine:
                 req.lookup_state = None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 mode: str = "spec", on_step=None, on_finish=None, admit_min: int = 1) -> list[Request]:
+                 mode: str = "spec", on_step=None, on_finish=None, admit_min: int = 1,
+                 stop_admitting=None) -> list[Request]:
         """Run ``prompts`` to completion (continuous batching); returns requests in input order.
 
         Args:
@@ -420,6 +424,9 @@ class SpecEngine:
                 batched forward instead of one prompt per finishing request each step; 1 = every request is
                 queued at once (each free slot refilled in the next step). The outputs do not depend on it
                 (greedy: token for token; sampled: the same distribution, other random draws).
+            stop_admitting: polled before each step; once it returns True, the requests not yet queued never
+                start: they end with ``finish_reason == "abort"`` and no output (not passed to ``on_finish``) and
+                generate returns when the started ones finish - a time limit that costs no drain of a new batch.
         All requests are validated (:meth:`add_request`) before the first step. The host work per step is
         independent of ``len(prompts)`` (the finished requests are counted, not rescanned).
         Raises:
@@ -436,8 +443,8 @@ class SpecEngine:
         else:
             per_prompt = [SamplingParams(**vars(params)) if params else None for _ in prompts]
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
-        held: deque[Request] = deque()  # validated, not yet queued (admit_min > 1); still WAITING
-        if admit_min > 1:
+        held: deque[Request] = deque()  # validated, not yet queued (admit_min > 1 or stop_admitting); WAITING
+        if admit_min > 1 or stop_admitting is not None:
             for _ in reqs:  # ours are the newest in the queue
                 held.appendleft(self.scheduler.waiting.pop())
         mine = {id(r) for r in reqs}
@@ -447,6 +454,11 @@ class SpecEngine:
                 first_unfinished += 1
             if first_unfinished == len(reqs):
                 return reqs
+            if held and stop_admitting is not None and stop_admitting():
+                for req in held:
+                    req.status, req.finish_reason = Status.FINISHED, "abort"
+                held.clear()
+                continue
             if held:
                 sched = self.scheduler
                 free = len(sched.free_slots) - len(sched.waiting)
