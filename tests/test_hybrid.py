@@ -159,6 +159,13 @@ def test_planner_choices_by_hand():
     _costs(p, 1.1, 1.0, 1.05)
     ch, propose = p.plan(2, [20, 20], [high_block, high_block], [weak, None])
     assert [c.source for c in ch] == ["dflash", "dflash"] and ch[0].draft_len == 15 and propose
+    # a lookup worth a quarter token: taken, but when its host time (50 ms) outweighs that, later steps skip lookups
+    # until the next probe
+    for ms, due in ((0.0, True), (50.0, False)):
+        r = _planner()
+        _costs(r, 10.0, 1.0, 1.05)
+        ch, _ = r.plan(2, [20, 20], [None, None], [weak, None], lookup_ms=ms)
+        assert ch[0].source == "ngram" and r.lookup_due() is due
     # no cost table: the larger estimate at full length
     q = _planner()
     ch, _ = q.plan(2, [20, 20], [low_block, None], [sure, None])

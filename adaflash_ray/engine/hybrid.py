@@ -193,7 +193,8 @@ class HybridPlanner:
 
     # ------------------------------------------------------------------ the choice
     def plan(self, batch_size: int, caps: list[int], dflash_expected: list[list[float] | None],
-             proposals: list[Proposal | None], fixed: list[int | None] | None = None) -> tuple[list[RowChoice], bool]:
+             proposals: list[Proposal | None], fixed: list[int | None] | None = None, lookup_ms: float = 0.0
+             ) -> tuple[list[RowChoice], bool]:
         """Per request the source and γ of this step, and whether the step proposes the next DFlash block.
 
         Args:
@@ -204,6 +205,9 @@ class HybridPlanner:
             proposals: per request the lookup's proposal (None: not looked up this step).
             fixed: per request a γ the request fixes (``SamplingParams.draft_len``: the drafter's block at that γ) or
                 None.
+            lookup_ms: host milliseconds this step's lookups took. With a cost table, lookups whose expected gain
+                does not cover that time (tokens per ms with it added to the step, against the best plan without
+                lookups) count as not chosen for the lookup probe schedule, so later steps skip them.
         Returns:
             (choices, propose): one :class:`RowChoice` per request; ``propose`` True when the drafter's block is to
             be proposed in this step (it was chosen for some request, or its probe is due).
@@ -239,20 +243,30 @@ class HybridPlanner:
         rows = np.arange(n)[:, None]
         v_d = np.where(has_d[:, None], dfl[rows, gam], -1.0)  # [n, nw]
         v_l = look[rows, np.minimum(gam, prop_len[:, None])]
-        plans = []  # (value, width index, dflash allowed)
         probe_d = self.use_dflash and self._idle["dflash"] and self._since["dflash"] >= self._interval["dflash"]
         costs = self.spec_costs is not None
         r = self._row(batch_size) if costs else 0
-        for allow_d in ((True, False) if has_d.any() else (False,)):
-            best = np.maximum(np.maximum(v_d if allow_d else -1.0, v_l), 0.0)  # [n, nw] expected accepted
-            total = n + best.sum(0)  # expected committed tokens per width
-            if costs:
-                table = self.spec_costs if (allow_d or probe_d) else self.lookup_costs
-                value = total / table[r, widths - 1]
-            else:
-                value = total + 1e-9 * widths  # no costs: the most tokens, the longest width on a tie
-            j = int(np.argmax(value))
-            plans.append((float(value[j]), j, allow_d))
+
+        def best_plans(lookup_values, extra_ms=0.0):  # [(tokens per ms, width index, dflash allowed)]
+            out = []
+            for allow_d in ((True, False) if has_d.any() else (False,)):
+                best = np.maximum(np.maximum(v_d if allow_d else -1.0, lookup_values), 0.0)  # [n, nw] E[accepted]
+                total = n + best.sum(0)  # expected committed tokens per width
+                if costs:
+                    table = self.spec_costs if (allow_d or probe_d) else self.lookup_costs
+                    value = total / (table[r, widths - 1] + extra_ms)
+                else:
+                    value = total + 1e-9 * widths  # no costs: the most tokens, the longest width on a tie
+                j = int(np.argmax(value))
+                out.append((float(value[j]), j, allow_d))
+            return out
+
+        plans = best_plans(v_l)  # this step's lookups are computed already: their host time is spent
+        looked = any(p is not None for p in proposals)
+        # do the lookups pay for their host time? (else they go on the probe schedule, like the drafter's block)
+        lookup_pays = True
+        if costs and looked and lookup_ms > 0:
+            lookup_pays = max(best_plans(v_l, lookup_ms))[0] > max(best_plans(np.zeros_like(v_l)))[0]
         # forced rows (a request's own γ) always take the drafter's block: such a step drafts and proposes
         forced = any(f is not None for f in fixed)
         value, j, allow_d = max(plans, key=lambda t: t[0])
@@ -281,12 +295,11 @@ class HybridPlanner:
                 used_l = True
             else:
                 choices.append(RowChoice("none", 0))
-        looked = any(p is not None for p in proposals)
         propose = self.use_dflash and (used_d or probe_d or forced or
                                        (not self._idle["dflash"] and not has_d.any()))
         self._advance("dflash", used_d, bool(has_d.any()), probed=propose)
         if self.lookup is not None:
-            self._advance("lookup", used_l, looked)
+            self._advance("lookup", used_l and lookup_pays, looked)
         return choices, propose
 
     def record(self, choices: list[RowChoice], num_accepted: list[int]) -> None:
