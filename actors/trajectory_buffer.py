@@ -6,7 +6,7 @@ trajectories whose version lag exceeds ``max_version_lag`` are dropped and count
 the oldest entries are evicted (counted), or - with ``spill_dir`` - kept on disk and read back when
 the queue runs low, so nothing is lost.
 
-Journal (``spill_dir``, issue 9.4): every added trajectory is written to ``spill_dir`` as Parquet before it
+Journal (``spill_dir``): every added trajectory is written to ``spill_dir`` as Parquet before it
 is queued, and its file is deleted only once it is consumed for good (a trainer's commit, or a hand-out
 without a lease). A buffer actor that dies is restarted by Ray (the pipeline creates it with
 ``max_restarts``) and recovers every file it finds there: trajectories already journaled come back, and a

@@ -1,4 +1,4 @@
-"""Weight-broadcast benchmark (issue 6.6): publish -> every worker loaded, for drafters of a real shape.
+"""Weight-broadcast benchmark: publish -> every worker loaded, for drafters of a real shape.
 
 Two paths, same tensors (a random DFlash drafter of ``shape`` with 1..5 layers, in bf16):
 

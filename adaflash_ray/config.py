@@ -269,9 +269,9 @@ class DistillConfig(_Section):
     # is always trained in)
     prefetch: bool = True
     # a trainer that dies (every rank together) is restarted by Ray this many times and resumes from the
-    # state saved with the last published version (issue 9.2)
+    # state saved with the last published version
     trainer_max_restarts: int = Field(2, ge=0)
-    # τ canary (issue 9.3): after each publish, worker 0 decodes `canary_prompts` held-out prompts (greedy,
+    # τ canary: after each publish, worker 0 decodes `canary_prompts` held-out prompts (greedy,
     # never trained on, disjoint from the eval set); if τ < (1 - canary_delta) x the last good version's,
     # every worker is rolled back to that version (logged, counted). 0 prompts = off.
     canary_prompts: int = Field(4, ge=0)

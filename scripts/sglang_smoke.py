@@ -1,4 +1,4 @@
-"""GPU smoke test of the SGLang backend (issue 10 part 4) - for a CUDA machine where sglang==0.5.23 installs
+"""GPU smoke test of the SGLang backend - for a CUDA machine where sglang==0.5.23 installs
 with its dependencies; not part of CI, and NOT run on the development machines (no GPU, no SGLang runtime).
 
     pip install sglang==0.5.23          # full install, CUDA machine

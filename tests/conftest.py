@@ -155,3 +155,20 @@ def greedy_reference(target: TargetModel, prompt: list[int], num_new: int, stop:
             if tok in stop:
                 break
     return out
+
+
+# ---------------------------------------------------------------------- the fast subset: -m "not slow"
+#: fixtures that load the real model's weights, start Ray or start a server: the tests using them are ``slow``
+SLOW_FIXTURES = frozenset({"real_target", "hf_real", "gguf_model", "gpu_target", "real_ar", "ray_local", "workers",
+                           "server", "client"})
+#: test files whose every test runs whole jobs, Ray clusters or processes of their own
+SLOW_FILES = frozenset({"test_pipeline.py", "test_faults.py", "test_golden.py", "test_weight_sync.py",
+                        "test_fidelity.py"})
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark ``slow`` every test of :data:`SLOW_FILES` and every test that uses a :data:`SLOW_FIXTURES` fixture, so
+    ``python -m pytest -q -m "not slow"`` runs the unit tests on tiny random models and fakes alone."""
+    for item in items:
+        if item.path.name in SLOW_FILES or SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -1,4 +1,4 @@
-"""Collective weight broadcast from the trainer's rank 0 to the inference workers (issue 6.6).
+"""Collective weight broadcast from the trainer's rank 0 to the inference workers.
 
 The object-store path (WeightRegistry) moves a version GPU -> host -> plasma -> host -> GPU. For a
 drafter of the Qwen3-8B shape (0.4-2 GB in bf16 for 1-5 layers) that is over a second, so the GPU-direct
