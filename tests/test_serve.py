@@ -131,7 +131,9 @@ def test_unknown_fields_are_ignored_known_unsupported_refused(tok, caplog):
     assert spec.include_usage and spec.prompt_ids == parse_request("chat", chat, **kw).prompt_ids
     assert "foo" in caplog.text and "messages.0.x_msg" in caplog.text
     spec = parse_request("completion", {"model": MODEL, "prompt": "hi", "foo": {"nested": 1}}, **kw)
-    assert spec.ignored == ["foo"]
+    assert spec.ignored == ["foo"] and not spec.continuous_usage
+    spec = parse_request("chat", {**chat, "stream": True, "stream_options": {"continuous_usage_stats": True}}, **kw)
+    assert spec.continuous_usage and not spec.include_usage  # implemented: usage so far in every chunk
     refused = [("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
                ("response_format", {"response_format": {"type": "json_object"}}),
                ("top_k", {"top_k": 5}), ("min_p", {"min_p": 0.1}), ("repetition_penalty", {"repetition_penalty": 1.2}),
@@ -140,8 +142,6 @@ def test_unknown_fields_are_ignored_known_unsupported_refused(tok, caplog):
                ("top_logprobs", {"top_logprobs": 2}), ("chat_template_kwargs", {"chat_template_kwargs": {"a": 1}}),
                ("best_of", {"best_of": True}),  # JSON true is not the number 1
                ("prompt_logprobs", {"prompt_logprobs": 0}),  # 0 asks for the prompt tokens' own logprobs
-               ("stream_options.continuous_usage_stats",
-                {"stream": True, "stream_options": {"continuous_usage_stats": True}}),
                ("messages.0.tool_calls", {"messages": [{"role": "assistant", "content": "",
                                                         "tool_calls": [{"id": "1"}]}]})]
     for param, extra in refused:
@@ -495,6 +495,20 @@ def test_utf8_streaming_never_splits_characters(server):
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == text
     assert any(ord(ch) > 0x2000 for ch in text), f"expected emoji/CJK in {text!r}"
+
+
+def test_continuous_usage_stats_in_every_chunk(server):
+    """vLLM's stream_options.continuous_usage_stats (sent by serving benchmarks): every chunk carries the usage so
+    far, completion tokens never decreasing, the last equal to the final usage chunk's."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 12,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    r = requests.post(server["url"] + "/v1/chat/completions", json=body, headers=HDR, stream=True, timeout=120)
+    assert r.status_code == 200
+    events = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True)
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert all(e["usage"]["prompt_tokens"] > 0 for e in events) and counts == sorted(counts)
+    assert events[-1]["choices"] == [] and counts[-1] == counts[-2] > 0
 
 
 def test_error_cases_raw_http(server):

@@ -359,6 +359,7 @@ class AdaFlashServer:
                     if item[2] not in rs.versions:
                         rs.versions.append(item[2])
                     delta = "".join(ts.add(t) for t in item[1] if not ts.stopped)
+                    rs.num_tokens = ts.num_tokens
                     if ts.stopped:
                         self.loop.abort(rs, "stop_string")
                         finished = True
@@ -370,6 +371,7 @@ class AdaFlashServer:
                 elif item[0] == "done":
                     finished = True
                     tail = ts.finish()
+                    rs.num_tokens = ts.num_tokens
                     if tail:
                         yield "text", tail
                     yield "done", (item[1], ts.num_tokens, rs.versions)
@@ -433,7 +435,9 @@ class AdaFlashServer:
                 extra.pop("first", None)
                 choice = {"index": 0, "text": delta or "", "finish_reason": reason, "logprobs": None}
             body = {**base, "object": obj + ".chunk" if chat else obj, "choices": [choice], **extra}
-            if spec.include_usage:
+            if spec.continuous_usage:  # vLLM's continuous_usage_stats: the usage so far in every chunk
+                body["usage"] = self._usage(spec, rs.num_tokens)
+            elif spec.include_usage:
                 body.setdefault("usage", None)
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 

@@ -83,7 +83,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's extension: usage in every chunk (refused when true)
+    continuous_usage_stats: bool = False  # vLLM's extension: usage (so far) in every chunk
 
 
 class _TextPart(_Strict):
@@ -194,6 +194,7 @@ class GenSpec:
     record: bool
     user: str | None
     ignored: list[str] = field(default_factory=list)  # unknown request fields (dotted paths) that were ignored
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far in every chunk
     request_id: str = field(default_factory=lambda: f"{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -252,10 +253,6 @@ def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, m
         _warned_unknown.update(new)
         log.warning("ignoring unknown request field(s) %s (not part of this endpoint's API; further requests "
                     "with them are not reported again)", new)
-    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
-        raise APIError(400, "'stream_options.continuous_usage_stats' is not supported by this endpoint (got True): "
-                       "usage is sent once, in the last chunk, with 'include_usage'.",
-                       param="stream_options.continuous_usage_stats", code="unsupported_parameter")
     if kind == "chat":
         for i, m in enumerate(body.messages):
             if m.tool_calls:
@@ -335,6 +332,7 @@ def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, m
                    top_p=1.0 if body.top_p is None else body.top_p, stop=stop_strings, stop_token_ids=stop_ids,
                    seed=body.seed, stream=body.stream,
                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                   continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
                    record=record_default if body.store is None else body.store, user=body.user, ignored=ignored)
 
 

@@ -33,7 +33,8 @@ class QueueFull(Exception):
 class RequestStream:
     """One request's handle on the event-loop side: ``queue`` of items, ``handle`` in the engine service."""
 
-    __slots__ = ("queue", "handle", "record", "aborted", "abort_reason", "versions", "t_submit", "started")
+    __slots__ = ("queue", "handle", "record", "aborted", "abort_reason", "versions", "t_submit", "started",
+                 "num_tokens")
 
     def __init__(self, record: bool):
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -44,6 +45,7 @@ class RequestStream:
         self.versions: list[int] = []  # drafter versions that served this request's steps
         self.t_submit = time.perf_counter()
         self.started = False  # the prefill committed its first token
+        self.num_tokens = 0  # completion tokens delivered so far (set by the replica's text stream)
 
 
 class EngineLoop:
