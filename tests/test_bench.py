@@ -165,3 +165,21 @@ def test_bad_arguments_fail_up_front(args, msg, capsys):
     with pytest.raises(SystemExit) as e:
         main(args)
     assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_model_mode_draft_source_methods(capsys):
+    """ngram / suffix / hybrid rows on the real SmolLM2 (CPU float32): lossless against AR, a source histogram per
+    row that counts every request-step, the suffix corpus seeded from held-out prompts, the median of 2 repeats."""
+    rc = main(["--methods", "ar", "ngram", "suffix", "hybrid", "--concurrency", "2", "--num-prompts", "2",
+               "--max-new-tokens", "12", "--domains", "code", "--repeats", "2", "--corpus-prompts", "2"])
+    assert rc == 0
+    rows = {r["method"]: r for r in _last_json(capsys)["rows"]}
+    assert set(rows) == {"ar", "ngram", "suffix", "hybrid"}
+    for m in ("ngram", "suffix", "hybrid"):
+        r = rows[m]
+        assert r["lossless"] is True and r["match_rate"] == 1.0, m
+        assert r["repeats"] == 2 and len(r["repeat_tokens_per_s"]) == 2
+        assert set(r["source_hist"]) <= {m if m != "hybrid" else "suffix", "dflash", "none"}
+        assert sum(r["source_hist"].values()) == sum(r["gamma_hist"].values())
+    assert rows["suffix"]["corpus_seed_sequences"] == 2 and rows["hybrid"]["corpus_seed_sequences"] == 2
