@@ -95,6 +95,19 @@ def _checkpoint_sha(ckpt: Path) -> str | None:
         return None
 
 
+def _step_means(run_dir: Path) -> dict[str, float]:
+    """Means over a run's optimizer steps after the first (``metrics.jsonl``) of what decides its positions/s:
+    ``num_positions`` (valid block positions per step), ``num_blocks``, ``seconds`` and its split ``prep_s`` (target
+    recompute + collate + copy), ``forward_s``, ``backward_step_s``; ``steps`` counted. Empty without steps."""
+    keys = ("num_positions", "num_blocks", "seconds", "prep_s", "forward_s", "backward_step_s")
+    steps = [m for m in (json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines())
+             if "train/loss" in m][1:]
+    if not steps:
+        return {}
+    return {"steps": float(len(steps)),
+            **{k: round(sum(float(m.get(f"train/{k}", 0.0)) for m in steps) / len(steps), 5) for k in keys}}
+
+
 def _train_seconds(run_dir: Path) -> dict[int, float]:
     """Version -> cumulative ``train/seconds`` of the optimizer steps up to its publication (``metrics.jsonl``),
     the first step left out: it holds one-time warm-up (Triton kernel compilation - only the first variant of a
@@ -203,7 +216,8 @@ def run_ablation(cfg: RunConfig, variants: list[tuple[str, list[str]]], trajecto
         doc["variants"][name] = {"sets": sets, "train_steps": summary["train_steps"], "wall_train_s": round(wall_train, 1),
                                  "num_trained": summary["num_trained"], "num_files": summary.get("num_files"),
                                  "positions_per_s_wall": summary.get("positions_per_s_wall"),
-                                 "read_wait_s": summary.get("read_wait_s"), "versions": rows,
+                                 "read_wait_s": summary.get("read_wait_s"), "step_means": _step_means(out / name),
+                                 "versions": rows,
                                  "train_versions": summary["versions"]}
         save()
     _plot(doc, out / "ablation.png")
