@@ -1,7 +1,8 @@
 """The ``bucket`` length policy (docs/design/ALGORITHMS.md §2, policy 2; the AdaFlash seed guide's
 ``AdaptiveLengthHead``): bucket sizes and labels by hand, the head's loss on a toy batch, the engine policy's
 γ = bucket - 1, lossless greedy decoding on a tiny random model with the target's anchor state reaching the head,
-a checkpoint round trip of the head's tensors, the trainer training it and the bench running ``adaflash-bucket``.
+a checkpoint round trip of the head's tensors, the trainer training it (ZeRO-3 too) and the bench running
+``adaflash-bucket``.
 
 Run: python -m pytest -q tests/test_bucket_head.py   (CPU; the bench and trainer tests take ~1 min each)
 """
@@ -287,6 +288,22 @@ def test_trainer_trains_bucket_head(dist_env, target, tmp_path):
     assert ce[-1] < 0.6 * ce[0], (ce[0], ce[-1])
     assert ce[-1] < 0.9 * const_ce, (ce[-1], const_ce)
     assert accs[-1] > max(rate, 1 - rate), (accs[-1], rate)
+
+
+def test_zero3_partitions_the_bucket_head_like_stage0(dist_env, target):
+    """ZeRO-3 partitions and gathers the BucketLengthHead (its ``sizes`` buffer stays whole) and reproduces stage
+    0's losses and published head under a fixed seed."""
+    trajs = _greedy_trajectories(target, num=3, num_new=16, seed=2, dtype=torch.float32)
+    runs = []
+    for stage in (0, 3):
+        core = dist_env(target, *_cfgs("bucket", zero_stage=stage), seed=1)
+        runs.append(([core.train_step(trajs)["train/loss"] for _ in range(3)], core.publish_tensors()))
+        assert core.length_head.sizes.tolist() == [2, 4]
+    (loss0, t0), (loss3, t3) = runs
+    assert loss3 == pytest.approx(loss0, rel=1e-4, abs=1e-5)
+    assert {f"length_head.{k}" for k in HEAD_TENSORS} <= set(t3) and set(t3) == set(t0)
+    for k in t0:
+        torch.testing.assert_close(t3[k], t0[k], atol=1e-5, rtol=1e-4)
 
 
 # ----------------------------------------------------------------------------------- the bench
