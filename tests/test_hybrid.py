@@ -260,14 +260,14 @@ def test_cost_ar_steps_defer_the_drafter_context(tiny_target):
     engine.runner.length_policy.set_costs([1, 2, 3], torch.full((3, 7), 100.0), torch.ones(3))
     caught = []
     real = engine.runner.catch_up_context
-    engine.runner.catch_up_context = lambda s, a, b: caught.append(b - a) or real(s, a, b)
+    engine.runner.catch_up_context = lambda spans: caught.extend(b - a for _, a, b in spans) or real(spans)
     reqs = [engine.add_request(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in prompts]
     for _ in range(6):
         engine.step()
     assert caught and all(n > 1 for n in caught)  # the probe at step 5 caught up several positions per slot
     running = [r for r in reqs if r.status.value == "running"]
     for r in running:  # bring every slot up to date, then compare with a fresh projection
-        engine.runner.catch_up_context(r.slot, engine.runner.ctx_len[r.slot], r.num_tokens - 1)
+        engine.runner.catch_up_context([(r.slot, engine.runner.ctx_len[r.slot], r.num_tokens - 1)])
     _assert_context_matches(engine, running, drafter)
     while engine.has_unfinished():
         engine.step()

@@ -442,9 +442,9 @@ class ModelRunner:
             elif spec and g and not has_drafter:
                 raise ValueError(f"request {i}: γ {g} without host drafts needs a drafter's pending block")
         if has_drafter and (propose or append):  # a context left behind by AR steps comes back first
-            for s, p in zip(slots, anchor_pos):
-                if self.ctx_len[s] < p:
-                    self.catch_up_context(s, self.ctx_len[s], p)
+            stale = [(s, self.ctx_len[s], p) for s, p in zip(slots, anchor_pos) if self.ctx_len[s] < p]
+            if stale:
+                self.catch_up_context(stale)
         b = max(slots) + 1
         g_max = max(draft_lens) if spec else 0
         w = g_max + 1
@@ -484,15 +484,21 @@ class ModelRunner:
         return StepResult(committed=committed, num_accepted=acc, next_draft_lens=nxt, expected=expected)
 
     @torch.no_grad()
-    def catch_up_context(self, slot: int, start: int, stop: int) -> None:
-        """Append the drafter context of positions ``start .. stop-1`` of ``slot`` from its feature history (the
-        committed positions that steps with ``append=False`` skipped); eager, one drafter projection for all of
-        them. Afterwards the slot's context holds positions < ``stop``."""
-        if stop > start:
-            pos = torch.arange(start, stop, device=self.device)
-            self.drafter.append_context(self.ctx, torch.full((stop - start,), slot, device=self.device), pos,
-                                        self.feat_hist[slot, start:stop])
-        self.ctx_len[slot] = max(self.ctx_len[slot], stop)
+    def catch_up_context(self, spans: list[tuple[int, int, int]]) -> None:
+        """Append the drafter context of positions ``start .. stop-1`` of each ``(slot, start, stop)`` from the
+        feature history (the committed positions that steps with ``append=False`` skipped): eager, ONE drafter
+        projection for every slot's positions together (a handful of kernels whatever the batch). Afterwards each
+        slot's context holds positions < its ``stop``."""
+        spans = [(s, a, b) for s, a, b in spans if b > a]
+        if not spans:
+            return
+        rows = np.concatenate([np.full(b - a, s) for s, a, b in spans])
+        pos = np.concatenate([np.arange(a, b) for s, a, b in spans])
+        rows_t = torch.from_numpy(rows).to(self.device)
+        pos_t = torch.from_numpy(pos).to(self.device)
+        self.drafter.append_context(self.ctx, rows_t, pos_t, self.feat_hist[rows_t, pos_t])
+        for s, _, b in spans:
+            self.ctx_len[s] = max(self.ctx_len[s], b)
 
     # ------------------------------------------------------------------ history, reload
     def features(self, slot: int, n: int) -> torch.Tensor:
