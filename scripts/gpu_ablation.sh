@@ -54,7 +54,7 @@ if os.path.exists(p):
 EOF
 }
 
-timeout 60 bash -c "source scripts/gpu_main_job.sh && env_setup && prepare_model" > "$OUT/gen.log" 2>&1 \
+timeout 90 bash -c "source scripts/gpu_main_job.sh && env_setup && prepare_model" > "$OUT/gen.log" 2>&1 \
   || { mark "prepare_model failed"; tail -5 "$OUT/gen.log"; exit 1; }
 mark "model ready"
 
