@@ -208,6 +208,22 @@ def test_bucket_engine_batch_lossless(tiny_target):
     assert set(engine.stats.draft_len_hist) <= set(range(8))
 
 
+def test_bucket_engine_samples_with_the_budget(tiny_target):
+    """Sampling (temperature 0.8, top-p 0.9) with the bucket policy: every request ends at its budget with
+    in-vocabulary tokens and the same seed reproduces the same output (the policy adds no randomness)."""
+    outs = []
+    for _ in range(2):
+        drafter, head = make_drafter(tiny_target, block_size=8, policy="bucket", seed=6)
+        engine = SpecEngine(tiny_target, drafter, head, policy="bucket", max_batch_size=2, max_seq_len=128, seed=3)
+        reqs = engine.generate([[1, 2, 3], [7, 7, 9, 4]], SamplingParams(max_new_tokens=20, temperature=0.8,
+                                                                          top_p=0.9, ignore_eos=True))
+        for r in reqs:
+            assert len(r.output_ids) == 20 and all(0 <= t < 128 for t in r.output_ids)
+            _assert_gammas(r, 20, {1, 3, 7})
+        outs.append([r.output_ids for r in reqs])
+    assert outs[0] == outs[1]
+
+
 # ----------------------------------------------------------------------------------- checkpoint round trip
 def test_bucket_head_checkpoint_round_trip(tmp_path, tiny_target):
     drafter, head = make_drafter(tiny_target, block_size=4, policy="bucket", seed=5)
