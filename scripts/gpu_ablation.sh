@@ -16,6 +16,9 @@
 # Every step runs under a timeout and the whole call under ABL_BUDGET_S (default 285 s): ablate skips the variants
 # that no longer fit (recorded as skipped) and kills a training past the budget; ablation.json is rewritten after
 # each variant, so a cut call keeps the variants done. VARIANT: name[:key=value,...] (ablate's --variant).
+# Knobs (environment): ABL_TRAIN_S, ABL_BUDGET_S, ABL_GEN_S (generation timeout, 75), ABL_PROMPTS (5000),
+# ABL_SAMPLE_FRACTION (0.2), ABL_OVERHEAD_S (30: a variant's start + evaluations), ABL_GEN_BATCH (256 slots);
+# for a CPU smoke run of the script itself: ABL_RECIPE, ABL_ROOT (instead of /root), ABL_SKIP_PREPARE=1.
 # $OUT (5 files): ablation.json (per variant and version: training seconds, held-out τ per domain, positions/s;
 # the prompt-lookup and suffix-lookup τ on the same outputs), ablation.png, gen.log, ablate.log, timeline.txt.
 set -uo pipefail
@@ -26,9 +29,10 @@ source scripts/gpu_main_job.sh  # STAGE, env_setup, prepare_model
 env_setup
 OUT="${OUT:-/tmp/gpu_ablation_out}"
 mkdir -p "$OUT"
-R=recipes/smollm2_135m_gpu.yaml
-TRAJ=/root/ablation_traj
-ABL=/root/ablation
+R="${ABL_RECIPE:-recipes/smollm2_135m_gpu.yaml}"
+TRAJ="${ABL_ROOT:-/root}/ablation_traj"
+ABL="${ABL_ROOT:-/root}/ablation"
+SLOTS="${ABL_GEN_BATCH:-256}"
 TRAIN_S="${ABL_TRAIN_S:-35}"
 BUDGET_S="${ABL_BUDGET_S:-285}"
 T0=$(date +%s)
@@ -54,14 +58,16 @@ if os.path.exists(p):
 EOF
 }
 
-timeout 90 bash -c "source scripts/gpu_main_job.sh && env_setup && prepare_model" > "$OUT/gen.log" 2>&1 \
-  || { mark "prepare_model failed"; tail -5 "$OUT/gen.log"; exit 1; }
+if [ -z "${ABL_SKIP_PREPARE:-}" ]; then  # set on a machine whose model cache is ready (a CPU smoke run)
+  timeout 90 bash -c "source scripts/gpu_main_job.sh && env_setup && prepare_model" > "$OUT/gen.log" 2>&1 \
+    || { mark "prepare_model failed"; tail -5 "$OUT/gen.log"; exit 1; }
+fi
 mark "model ready"
 
 rm -rf "$TRAJ" "$ABL"
 GEN_S="${ABL_GEN_S:-75}"
 timeout "$GEN_S" python3 -m adaflash_ray.distill.loop generate --recipe "$R" --out "$TRAJ" \
-  --prompts "${ABL_PROMPTS:-5000}" --set engine.max_batch_size=256 --set data.num_train_prompts=5400 \
+  --prompts "${ABL_PROMPTS:-5000}" --set engine.max_batch_size="$SLOTS" --set data.num_train_prompts=5400 \
   --set data.sample_fraction="${ABL_SAMPLE_FRACTION:-0.2}" --set data.sampled_temperature=0.8 >> "$OUT/gen.log" 2>&1
 rc=$?
 n=$(ls "$TRAJ"/*.parquet 2>/dev/null | wc -l)
@@ -78,7 +84,7 @@ DEADLINE=$(( $(left) - 5 ))
 timeout "$(( DEADLINE + 3 ))" python3 -m adaflash_ray.distill.ablate --recipe "$R" --trajectories "$TRAJ" \
   --out "$ABL" --train-s "$TRAIN_S" --deadline-s "$DEADLINE" --overhead-s "${ABL_OVERHEAD_S:-30}" \
   --set distill.max_reuse=4 --set distill.batch_size=16 --set distill.publish_every=400 \
-  --set distill.warm_start=false --set engine.max_batch_size=256 "${V[@]}" > "$OUT/ablate.log" 2>&1
+  --set distill.warm_start=false --set engine.max_batch_size="$SLOTS" "${V[@]}" > "$OUT/ablate.log" 2>&1
 mark "ablate rc $?"
 collect >> "$OUT/timeline.txt" 2>&1
 grep -E "^\[ablate\]|^v[0-9]+:" "$OUT/ablate.log"
