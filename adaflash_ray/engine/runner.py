@@ -14,6 +14,13 @@ caches in place - no gather, no copy of the context):
 4. propose the *next* block from the new anchor (the correction/bonus token) and pick its γ with the
    length policy.
 
+Rows may verify drafts the host supplies instead (a lookup source: prompt / suffix lookup, packed into the
+step's int input buffer, so the step still makes one host -> device copy of its ints): they are a point-mass q,
+so acceptance is ``p(d_i)`` and a rejection resamples from ``p`` without ``d_i`` - the same rejection sampling.
+A step may skip the propose (no row will use the drafter's block next) and the context append (an AR or
+lookup-only stretch): the skipped positions are caught up from the feature history, all slots in one drafter
+projection, before the next step that proposes (``StepKey.append``).
+
 Proposing at the end of step t instead of the start of step t+1 means the host learns the accepted
 counts and the next γ in **one** device-to-host transfer per step; it then picks the next verify
 width bucket without any other synchronisation. On CUDA every step is a graph replay keyed by

@@ -9,7 +9,9 @@ engine, the inference worker, the Serve replica, the driver's evaluation, the SG
 - accepted per position (``accepted_per_pos``): drafts whose token at draft position i (0-based) was accepted,
   i.e. a > i (vLLM's ``num_accepted_tokens_per_pos``; its sum over i is Σa);
 - γ histogram: request-steps per draft length γ = 0 .. block_size-1 (:meth:`SpecStats.draft_len_boundaries`
-  gives the matching bucket bounds for a metrics histogram).
+  gives the matching bucket bounds for a metrics histogram);
+- source histogram: request-steps per draft source ("dflash", "ngram", "suffix"; "none" for γ = 0), with Σγ and
+  Σa per source (:meth:`SpecStats.source_accept_len`: a source's per-draft acceptance length).
 
 Undefined values are NaN, everywhere: τ with no step, the per-draft acceptance length, acceptance rate and
 draft waste with nothing drafted (γ = 0 on every step). A metrics sink drops or plots NaN; it never reads as a
