@@ -273,3 +273,28 @@ def test_cost_ar_steps_defer_the_drafter_context(tiny_target):
         engine.step()
     for r, p in zip(reqs, prompts):
         assert r.output_ids == greedy_reference(tiny_target, p, 40)
+
+
+def test_argmax_drafter_blocks_follow_the_target():
+    """``argmax_drafts``: at temperature 0.8 the drafter's block is its argmax, verified as a point-mass q; the joint
+    law of the first 3 tokens is still the target's (χ² on pairs), and both accept and reject paths ran."""
+    vocab, temp, num = 12, 0.8, 3072
+    target = make_tiny_target("qwen3", vocab_size=vocab, seed=2, logit_scale=2.0)
+    prompt = [1, 2, 3, 4, 5]
+    drafter, _ = make_drafter(target, block_size=4, policy="fixed", seed=4)
+    engine = SpecEngine(target, drafter, None, policy="fixed", max_batch_size=64, max_seq_len=16, seed=123,
+                        argmax_drafts=True)
+    reqs = engine.generate([prompt] * num, SamplingParams(max_new_tokens=3, temperature=temp))
+    toks = np.array([r.output_ids for r in reqs])
+    s = engine.stats
+    assert 0.05 < s.num_accepted / s.num_drafted < 0.95
+    prefixes = torch.cartesian_prod(*[torch.arange(vocab)] * 2)
+    ids = torch.cat([torch.tensor(prompt).expand(len(prefixes), -1), prefixes], 1)
+    with torch.no_grad():
+        logits = target(ids, torch.arange(ids.shape[1]).expand_as(ids)).logits[:, -3:]
+    cond = torch.softmax(logits.double() / temp, -1).reshape(vocab, vocab, 3, vocab)
+    p1, p2, p3 = cond[0, 0, 0], cond[:, 0, 1], cond[:, :, 2]
+    joint = p1[:, None, None] * p2[:, :, None] * p3
+    for cells, law in ((toks[:, 0] * vocab + toks[:, 1], joint.sum(2)), (toks[:, 1] * vocab + toks[:, 2], joint.sum(0))):
+        observed = np.bincount(cells, minlength=law.numel()).astype(float)
+        assert _chi2_pvalue(observed, law.flatten().numpy() * num) > 1e-3

@@ -115,6 +115,8 @@ class SpecEngine:
             point-mass q: lossless, greedy and sampled.
         suffix_corpus: the ``suffix`` source's corpus of earlier requests (None = a new empty one); finished
             requests are added to it. lookup_max_ngram: the longest suffix n-gram the lookups match (tokens).
+        argmax_drafts: at temperature > 0 the drafter's block is its argmax, verified as a point-mass q (lossless:
+            docs/design/ALGORITHMS.md §4.2), instead of one independent sample per block position from q.
     Raises:
         ValueError: bad ``draft_sources`` (:func:`~adaflash_ray.engine.hybrid.check_draft_sources`), or the hybrid
             without the ``cost`` policy.
@@ -125,7 +127,8 @@ class SpecEngine:
                  max_seq_len: int = 1024, layer_ids: list[int] | None = None, record: bool = False,
                  record_features: bool = True, seed: int = 0, drafter_version: int = 0, use_cuda_graph: bool | None = None,
                  calibrate: bool = True, ar_steps: bool = True, probe_every: int = 8,
-                 draft_sources=None, suffix_corpus: SuffixCorpus | None = None, lookup_max_ngram: int = 3):
+                 draft_sources=None, suffix_corpus: SuffixCorpus | None = None, lookup_max_ngram: int = 3,
+                 argmax_drafts: bool = False):
         self.target, self.drafter, self.length_head = target, drafter, length_head
         self.draft_sources = (check_draft_sources(draft_sources, drafter is not None) if draft_sources is not None
                               else None)
@@ -149,6 +152,7 @@ class SpecEngine:
                                   layer_ids=self.layer_ids, record=record and record_features,  # hid_hist
                                   use_cuda_graph=use_cuda_graph, seed=seed,
                                   max_draft=MAX_DRAFT if lookup is not None else None)
+        self.runner.argmax_drafts = bool(argmax_drafts)
         self.lookup = None  # the lookup source's proposer (PromptLookup / SuffixLookup), or None
         if lookup == "ngram":
             self.lookup = PromptLookup(lookup_max_ngram)

@@ -206,6 +206,9 @@ class ModelRunner:
         # (block_hidden [B, bs, H], draft_logits [B, bs-1, V]) -> E[committed | γ] [B, bs-1] float, or None: set by
         # an engine whose scheduler weighs the drafter's block against other sources (graph-safe, no host sync)
         self.expected_fn = None
+        # sampling rows draft the drafter's argmax, verified as a point-mass q (still lossless), instead of sampling
+        # each block position from q independently
+        self.argmax_drafts = False
         # host: per slot, the drafter context holds positions < ctx_len (steps with append=False leave it behind)
         self.ctx_len = [0] * num_slots
         self.prefill_expected: list[list[float]] | None = None
@@ -325,7 +328,7 @@ class ModelRunner:
         draft_logits = self.drafter.logits(hidden[:, 1:])  # [B, bs-1, V]
         drafts = draft_logits.argmax(-1)
         b, nb = anchors.shape[0], drafts.shape[1]
-        if sample:
+        if sample and not self.argmax_drafts:
             q = processed_probs(draft_logits, temp, top_p if use_top_p else None)
             drafts = torch.where((temp > 0)[:, None], sample_from(q, self.generator), drafts)
             if rows_are_slots:
@@ -361,6 +364,8 @@ class ModelRunner:
         if host_drafts:
             point = ints[:, 3] > 0
             d = torch.where(point[:, None], ints[:, 4:4 + g_max], d)
+        if self.argmax_drafts:  # every row's drafts are deterministic: the drafter's argmax or the host's
+            point = torch.ones_like(pos, dtype=torch.bool)
         inp = torch.cat([anchor[:, None], d], 1)  # [B, W]
         out = self.target(inp, positions, cache=self.kv, capture_layer_ids=self.layer_ids, span=span,
                           rows_are_slots=True, logits_dtype=None)
