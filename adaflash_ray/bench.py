@@ -276,7 +276,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
         def engine_for(method: str) -> SpecEngine:
             if method not in engines:
                 policy = method_policy(method)
-                extra = {"draft_sources": SOURCE_METHODS[method]} if method in SOURCE_METHODS else {}
+                extra = {"draft_sources": SOURCE_METHODS.get(method)}  # the method's own, never the recipe's
                 eng = SpecEngine.from_config(cfg, models=(target, None if method in NO_DRAFTER else drafter,
                                                           heads.get(policy) if method not in NO_DRAFTER else None),
                                              policy=policy, max_batch_size=conc, max_seq_len=max_seq_len,

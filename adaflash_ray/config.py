@@ -162,6 +162,19 @@ class LengthHeadConfig(_Section):
     # draft, since their τ measures each drafter version (canary rollback, held-out eval)
     ar_steps: bool = True
     probe_every: int = Field(8, ge=1)
+    # draft sources beside (or instead of) the drafter's block (adaflash_ray.engine.hybrid): null = the block only;
+    # a subset of [dflash, ngram, suffix]; [dflash, suffix] (or ngram) = the hybrid, per request per step the source
+    # and γ by expected tokens per measured ms (needs policy cost)
+    draft_sources: list[str] | None = None
+
+    @field_validator("draft_sources")
+    @classmethod
+    def _known_sources(cls, sources: list[str] | None) -> list[str] | None:
+        if sources is not None:
+            from adaflash_ray.engine.hybrid import check_draft_sources  # numpy only
+
+            check_draft_sources(sources, has_drafter=True)  # raises ValueError naming the known sources
+        return sources
 
     @field_validator("policy")
     @classmethod

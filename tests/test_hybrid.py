@@ -298,3 +298,23 @@ def test_argmax_drafter_blocks_follow_the_target():
     for cells, law in ((toks[:, 0] * vocab + toks[:, 1], joint.sum(2)), (toks[:, 1] * vocab + toks[:, 2], joint.sum(0))):
         observed = np.bincount(cells, minlength=law.numel()).astype(float)
         assert _chi2_pvalue(observed, law.flatten().numpy() * num) > 1e-3
+
+
+def test_recipe_draft_sources_reach_the_engine(tiny_target):
+    """``length_head.draft_sources`` in a recipe builds the engine's sources through ``from_config`` (the drafter's
+    block dropped for an engine without a drafter); an explicit ``draft_sources=None`` keeps the block only."""
+    from adaflash_ray.config import load_recipe
+
+    cfg = load_recipe("recipes/cpu_tiny.yaml", ["length_head.draft_sources=[dflash,ngram]", "length_head.policy=cost"])
+    assert cfg.length_head.draft_sources == ["dflash", "ngram"]
+    drafter, head = make_drafter(tiny_target, block_size=8, policy="cost")
+    eng = SpecEngine.from_config(cfg, models=(tiny_target, drafter, head), calibrate=False, max_seq_len=128)
+    assert eng.draft_sources == ("dflash", "ngram") and eng.planner is not None
+    ar = SpecEngine.from_config(cfg, models=(tiny_target, None, None), max_seq_len=128)
+    assert ar.draft_sources == ("ngram",)
+    plain = SpecEngine.from_config(cfg, models=(tiny_target, drafter, head), calibrate=False, max_seq_len=128,
+                                   draft_sources=None)
+    assert plain.planner is None
+    prompt = _prompts()[0]
+    assert ar.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].output_ids == \
+        greedy_reference(tiny_target, prompt, 12)

@@ -205,7 +205,8 @@ class SpecEngine:
             policy: overrides ``cfg.length_head.policy`` (the head in ``models`` must be that policy's).
             record, record_features: as in the constructor.
             ar_steps, seed, max_batch_size, max_seq_len: override the recipe's values (None = the recipe's).
-            **kwargs: the constructor's other keywords (use_cuda_graph, calibrate, drafter_version).
+            **kwargs: the constructor's other keywords (use_cuda_graph, calibrate, drafter_version, draft_sources:
+                default ``cfg.length_head.draft_sources``, without ``dflash`` for an engine built without a drafter).
         Raises:
             ValueError / CheckpointError: as the constructor and the model builders.
         """
@@ -217,6 +218,8 @@ class SpecEngine:
             models = (target, *build_drafter(target, cfg.drafter, lh, seed=cfg.seed))
         target, drafter, head = models
         target.fused_kernels = cfg.engine.fused_kernels  # read when the runner fuses the projections (CUDA only)
+        if lh.draft_sources is not None and "draft_sources" not in kwargs:
+            kwargs["draft_sources"] = [s for s in lh.draft_sources if s != "dflash" or drafter is not None] or None
         return cls(target, drafter, head, policy=policy or lh.policy, rate=lh.rate, min_len=lh.min_len,
                    ar_steps=lh.ar_steps if ar_steps is None else ar_steps, probe_every=lh.probe_every,
                    max_batch_size=max_batch_size or cfg.engine.max_batch_size,
