@@ -2,7 +2,9 @@
 
 Every policy is called inside the engine step (CUDA-graph safe: no host synchronisation) as
 ``policy(block_hidden [B, bs, H], draft_logits [B, bs-1, V], live [B] bool | None) -> γ [B]`` int64; ``live``
-marks the rows that are real requests (the rest are idle slots or bucket padding; None = all real).
+marks the rows that are real requests (the rest are idle slots or bucket padding; None = all real). A policy
+whose class sets ``needs_anchor_hidden = True`` (the ``bucket`` policy) is also given ``anchor_hidden=[B, H]``, the
+target's final-normed hidden state whose logits gave each row's anchor token.
 
 Between steps the engine asks the policy, on the host, about the batch (:class:`LengthPolicy`'s hooks): which γ
 newly admitted requests start with, whether this step proposes a block at all (the ``cost`` policy's γ = 0
