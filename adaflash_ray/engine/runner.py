@@ -453,7 +453,7 @@ class ModelRunner:
                     raise ValueError(f"host drafts of request {i}: {len(h)} tokens for γ {g} (max {self.max_draft})")
             elif spec and g and not has_drafter:
                 raise ValueError(f"request {i}: γ {g} without host drafts needs a drafter's pending block")
-        if has_drafter and (propose or append):  # a context left behind by AR steps comes back first
+        if has_drafter and spec and (propose or append):  # a context left behind by AR steps comes back first
             stale = [(s, self.ctx_len[s], p) for s, p in zip(slots, anchor_pos) if self.ctx_len[s] < p]
             if stale:
                 self.catch_up_context(stale)
