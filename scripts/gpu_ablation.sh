@@ -17,7 +17,8 @@
 # that no longer fit (recorded as skipped) and kills a training past the budget; ablation.json is rewritten after
 # each variant, so a cut call keeps the variants done. VARIANT: name[:key=value,...] (ablate's --variant).
 # Knobs (environment): ABL_TRAIN_S, ABL_BUDGET_S, ABL_GEN_S (generation timeout, 75), ABL_PROMPTS (5000),
-# ABL_SAMPLE_FRACTION (0.2), ABL_OVERHEAD_S (30: a variant's start + evaluations), ABL_GEN_BATCH (256 slots);
+# ABL_SAMPLE_FRACTION (0.2), ABL_OVERHEAD_S (30: a variant's start + evaluations), ABL_GEN_BATCH (256 slots),
+# ABL_MIN_TRAJ (64: fewer trajectories end the call before training);
 # for a CPU smoke run of the script itself: ABL_RECIPE, ABL_ROOT (instead of /root), ABL_SKIP_PREPARE=1.
 # $OUT (5 files): ablation.json (per variant and version: training seconds, held-out τ per domain, positions/s;
 # the prompt-lookup and suffix-lookup τ on the same outputs), ablation.png, gen.log, ablate.log, timeline.txt.
@@ -72,7 +73,7 @@ timeout "$GEN_S" python3 -m adaflash_ray.distill.loop generate --recipe "$R" --o
 rc=$?
 n=$(ls "$TRAJ"/*.parquet 2>/dev/null | wc -l)
 mark "generate rc $rc (124 = cut at ${GEN_S} s; files kept): $n trajectories"
-[ "$n" -ge 64 ] || { echo "too few trajectories"; tail -20 "$OUT/gen.log"; exit 1; }
+[ "$n" -ge "${ABL_MIN_TRAJ:-64}" ] || { echo "too few trajectories"; tail -20 "$OUT/gen.log"; exit 1; }
 
 V=()
 # the recipe's defaults are set back to the plain batch-16 trainer here, so each variant changes one thing
