@@ -20,8 +20,8 @@ The last stdout line is one JSON object with every number. Exit 1 if a request f
 completions and streaming chat - until the server has run ``--soak-steps`` decode steps (request-steps after the
 prefill; the status route's ``requests.decode_steps``), against a server with live distillation hot-reloading
 drafter versions in between. Checked: no failed request, no stuck one (each has ``--request-timeout`` s and
-nothing is in flight at the end), token counts exact (``finish_reason`` "length" iff ``max_tokens`` tokens; the
-completion tokens of all replies sum to the tokens the server committed), every greedy reply to a prompt the
+nothing is in flight at the end), token counts exact (never more than ``max_tokens``, exactly ``max_tokens`` when
+``finish_reason`` is "length"; the completion tokens of all replies sum to the tokens the server committed), every greedy reply to a prompt the
 same whatever version served it, and the first token's distribution on a fixed prompt (``--chi2-samples``
 replies) against the target's own softmax at T = 0.8 / top-p 0.9 by a χ² test (p >= ``--chi2-alpha``).
 """
@@ -240,7 +240,8 @@ async def _soak_one(session, url: str, model: str, kind: str, prompt, max_tokens
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as e:
         out["failures"].append(f"{type(e).__name__}: {str(e)[:200]}")
         return
-    if reason not in ("stop", "length") or n > max_tokens or (reason == "length") != (n == max_tokens):
+    # exact: "length" only at max_tokens; "stop" (EOS, which counts) at or below it - EOS can be the last token
+    if reason not in ("stop", "length") or n > max_tokens or (reason == "length" and n != max_tokens):
         out["token_errors"].append({"finish_reason": reason, "completion_tokens": n, "max_tokens": max_tokens})
     out["completion_tokens"] += n
     out["num_sampled" if sampled else "num_greedy"] += 1
@@ -425,7 +426,7 @@ def soak_main(ns, cfg: RunConfig) -> int:
         "num_requests": raw["num_sampled"] + raw["num_greedy"], "num_sampled": raw["num_sampled"],
         "num_greedy": raw["num_greedy"], "completion_tokens": raw["completion_tokens"],
         "server_tokens": raw["server_tokens"], "failures_sample": raw["failures"][:5],
-        "token_errors_sample": raw["token_errors"][:5], "greedy_prompts": len(raw["greedy"]),
+        "num_token_errors": len(raw["token_errors"]), "token_errors_sample": raw["token_errors"][:5], "greedy_prompts": len(raw["greedy"]),
         "greedy_replies_stable": not greedy_changed, "greedy_changed": greedy_changed, "reloads": [{k: r[k] for k in ("version", "seconds", "num_in_flight")}
                                                        for r in raw["reloads"]],
         "drafter_versions_seen": sorted(raw["versions_seen"]), "soak_wall_s": raw["soak_wall_s"],
