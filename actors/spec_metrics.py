@@ -9,7 +9,10 @@ re-windowable with ``rate()``:
 - ``adaflash_spec_decode_num_accepted_tokens``: Σa, accepted drafted tokens;
 - ``adaflash_spec_decode_num_accepted_tokens_per_pos`` (label ``position``, 0-based): drafts whose token at
   that draft position was accepted (a > position);
-- ``adaflash_generation_tokens``: committed output tokens (the prefill's first token included).
+- ``adaflash_generation_tokens``: committed output tokens (the prefill's first token included);
+- ``adaflash_spec_decode_num_drafts_per_source`` / ``_num_draft_tokens_per_source`` /
+  ``_num_accepted_tokens_per_source`` (label ``source``: "dflash", "ngram", "suffix"; γ = 0 steps are not drafts):
+  the same three counts split by the draft source that proposed each draft.
 
 So per-draft acceptance length = 1 + rate(accepted) / rate(drafts) over any window and any set of replicas.
 
@@ -49,6 +52,9 @@ METRIC_NAMES = {
     "accepted": "adaflash_spec_decode_num_accepted_tokens",
     "accepted_per_pos": "adaflash_spec_decode_num_accepted_tokens_per_pos",
     "generation_tokens": "adaflash_generation_tokens",
+    "drafts_per_source": "adaflash_spec_decode_num_drafts_per_source",
+    "draft_tokens_per_source": "adaflash_spec_decode_num_draft_tokens_per_source",
+    "accepted_per_source": "adaflash_spec_decode_num_accepted_tokens_per_source",
     "ttft": "adaflash_time_to_first_token_seconds",
     "itl": "adaflash_inter_token_latency_seconds",
     "e2e": "adaflash_e2e_request_latency_seconds",
@@ -117,6 +123,10 @@ class SpecMetrics:
         self.accepted_per_pos = b.counter(n["accepted_per_pos"], "drafts whose token at this draft position "
                                           "(0-based) was accepted", TAG_KEYS + ("position",))
         self.generation_tokens = b.counter(n["generation_tokens"], "committed output tokens", TAG_KEYS)
+        src = TAG_KEYS + ("source",)
+        self.drafts_per_source = b.counter(n["drafts_per_source"], "drafts (gamma >= 1) per draft source", src)
+        self.draft_tokens_per_source = b.counter(n["draft_tokens_per_source"], "drafted tokens per draft source", src)
+        self.accepted_per_source = b.counter(n["accepted_per_source"], "accepted drafted tokens per draft source", src)
         self.ttft = b.histogram(n["ttft"], "submission to first token, seconds", TTFT_BUCKETS, TAG_KEYS)
         self.itl = b.histogram(n["itl"], "latency per output token after the first, seconds", ITL_BUCKETS, TAG_KEYS)
         self.e2e = b.histogram(n["e2e"], "submission to finish, seconds", E2E_BUCKETS, TAG_KEYS)
@@ -125,7 +135,8 @@ class SpecMetrics:
         self.drafter_version = b.gauge(n["drafter_version"], "drafter version loaded", TAG_KEYS)
         tags = {"component": component, "instance": str(instance)}
         for m in (self.drafts, self.draft_tokens, self.accepted, self.accepted_per_pos, self.generation_tokens,
-                  self.ttft, self.itl, self.e2e, self.draft_len, self.drafter_version):
+                  self.drafts_per_source, self.draft_tokens_per_source, self.accepted_per_source, self.ttft,
+                  self.itl, self.e2e, self.draft_len, self.drafter_version):
             m.set_default_tags(tags)
         self._lock = threading.Lock()
         self._timing: dict[Any, _Timing] = {}  # request key (its RequestHandle) -> timing, until it ends
@@ -182,6 +193,15 @@ class SpecMetrics:
         for pos, v in sorted(st.accepted_per_pos.items()):
             if v > 0:
                 self.accepted_per_pos.inc(v, tags={"position": str(pos)})
+        for source, v in sorted(st.source_hist.items()):
+            drafted = st.source_drafted.get(source, 0)
+            if source == "none" or drafted <= 0:  # γ = 0 steps: no draft
+                continue
+            tags = {"source": source}
+            self.drafts_per_source.inc(v, tags=tags)
+            self.draft_tokens_per_source.inc(drafted, tags=tags)
+            if st.source_accepted.get(source, 0) > 0:
+                self.accepted_per_source.inc(st.source_accepted[source], tags=tags)
         for g, v in sorted(st.draft_len_hist.items()):
             for _ in range(v):
                 self.draft_len.observe(g)

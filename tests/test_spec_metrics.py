@@ -136,6 +136,19 @@ def test_aborted_requests_stop_being_timed_without_an_e2e(tiny_target):
     assert len(backend.values("e2e")) == 1 and m.num_timed == 0
 
 
+def test_per_source_counters():
+    st = SpecStats()
+    for g, a, src in [(4, 2, "dflash"), (3, 3, "ngram"), (0, 0, "none"), (5, 0, "dflash"), (2, 1, "suffix")]:
+        st.record_step(g, a, src)
+    backend = RecordingBackend()
+    SpecMetrics(6, "worker", "0", backend=backend).observe_stats(st)
+    assert [backend.total(k, source="dflash") for k in ("drafts_per_source", "draft_tokens_per_source",
+                                                         "accepted_per_source")] == [2, 9, 2]
+    assert backend.total("drafts_per_source") == backend.total("drafts") == 4
+    assert backend.total("accepted_per_source") == backend.total("accepted") == 6
+    assert backend.total("draft_tokens_per_source", source="none") == 0
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="block_size"):
         SpecMetrics(0, "serve", "x", backend=RecordingBackend())
