@@ -357,8 +357,10 @@ def test_drafter_flex_attention_matches_sdpa_cuda():
         h = drafter.forward_train(feats, batch.input_ids, batch.anchors, attention=attention)
         h.square().sum().backward()
         outs.append((h.detach(), feats.grad, drafter.fc.weight.grad.clone()))
+    # the compiled flex kernels may run their float32 matmuls at TF32 precision (10-bit mantissa, ~1e-3 relative):
+    # on the H200 the worst of the three tensors differed by 1.2e-3 from SDPA's; a wrong mask differs by O(1)
     for got, want in zip(outs[1], outs[0]):
-        assert _rel(got, want) < 1e-3
+        assert _rel(got, want) < 5e-3
 
 
 def test_lookup_and_hybrid_greedy_equal_ar_graphs_tiny():
