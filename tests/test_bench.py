@@ -26,6 +26,7 @@ def _last_json(capsys) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_model_mode_rows_lossless_and_outputs(tmp_path, capsys):
     out, png = tmp_path / "res" / "bench.json", tmp_path / "bench.png"
     rc = main(["--concurrency", "1", "2", "--num-prompts", "2", "--max-new-tokens", "8", "--domains", "qa", "chat",

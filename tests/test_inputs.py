@@ -33,6 +33,7 @@ print(json.dumps({"ray_imported": "ray" in sys.modules, "run_dir": str(inp.run_d
 """
 
 
+@pytest.mark.slow
 def test_prepare_inputs_alone_without_ray(tmp_path):
     """In a fresh interpreter: every input of the cpu_tiny recipe prepared, and Ray never imported."""
     out = subprocess.run([sys.executable, "-c", _PROBE, RECIPE, str(tmp_path / "run")], capture_output=True,

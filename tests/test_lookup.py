@@ -197,6 +197,7 @@ def test_corpus_matches_brute_force_and_stays_in_budget(seqs, ctx, budget, max_n
 
 
 # ----------------------------------------------------------------------------------- the held-out report
+@pytest.mark.slow
 def test_heldout_summary_fields_from_real_greedy_outputs():
     """The main job's held-out fields from real inputs without an engine: held-out prompts of the four domains,
     the real target's greedy outputs (transformers' generate), per-step records as a worker returns them."""

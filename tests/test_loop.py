@@ -240,6 +240,7 @@ def test_checkpoint_sink_writes_the_published_tensors(tmp_path):
     assert meta["version"] == "3" and meta["train_step"] == "30" and extra["sync/write_s"] >= 0
 
 
+@pytest.mark.slow
 def test_generate_then_train_from_files_without_ray(tmp_path):
     """The offline commands end to end in one process that never imports Ray: the engine writes trajectory
     files, the loop trains the real DeepSpeed core on them and writes a checkpoint per version whose sha256
@@ -271,6 +272,7 @@ assert "ray" not in sys.modules, "the offline loop imported ray"
     assert (tmp_path / "o" / "checkpoints" / "v0" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_registry_tells_the_buffer_each_version_once_every_worker_loaded():
     """The loop's sink on Ray: the WeightRegistry, not the trainer, tells the TrajectoryBuffer the new version
     after the push (trajectories now too stale are dropped there) and records publish -> loaded seconds; a
