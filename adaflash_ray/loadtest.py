@@ -71,6 +71,17 @@ class LoadResult:
                 "failures_sample": self.failures[:5]}
 
 
+async def _sse_events(content):
+    """The events of a server-sent-events body (OpenAI streaming): each ``data: {json}`` line parsed to a dict, in
+    order, then None for ``data: [DONE]``; other lines are skipped. Raises json.JSONDecodeError on a bad event."""
+    async for raw in content:
+        line = raw.decode().strip()
+        if line == "data: [DONE]":
+            yield None
+        elif line.startswith("data: "):
+            yield json.loads(line[6:])
+
+
 async def _one(session: aiohttp.ClientSession, url: str, model: str, messages: list, max_tokens: int,
                res: LoadResult) -> None:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -83,14 +94,10 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, messages: l
                 res.failures.append(f"HTTP {r.status}: {(await r.text())[:200]}")
                 return
             version = int(r.headers.get("x-adaflash-drafter-version", -1))
-            async for raw in r.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
+            async for ev in _sse_events(r.content):
+                if ev is None:
                     done = True
                     break
-                ev = json.loads(line[6:])
                 if ev.get("usage"):
                     usage = ev["usage"]
                 if ttft is None and ev.get("choices") and ev["choices"][0]["delta"].get("content"):
@@ -217,14 +224,10 @@ async def _soak_one(session, url: str, model: str, kind: str, prompt, max_tokens
                 if r.status != 200:
                     out["failures"].append(f"HTTP {r.status}: {(await r.text())[:200]}")
                     return
-                async for raw in r.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data: "):
-                        continue
-                    if line == "data: [DONE]":
+                async for ev in _sse_events(r.content):
+                    if ev is None:
                         done = True
                         break
-                    ev = json.loads(line[6:])
                     if "error" in ev:
                         out["failures"].append(f"stream error: {ev['error']['message'][:200]}")
                         return
