@@ -20,6 +20,16 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus sampling (temperature > 0 only); 1 = off
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # logits processing, vLLM's semantics and order (penalties -> min_tokens -> temperature -> min_p -> top_k -> top_p);
+    # verification stays lossless against the processed distribution, the drafts included in the penalty counts
+    top_k: int = 0  # keep the k most likely tokens; 0 (or -1) = off
+    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability; 0 = off
+    repetition_penalty: float = 1.0  # CTRL (Keskar et al. 2019) over prompt + output: logit/rp if > 0 else logit*rp
+    frequency_penalty: float = 0.0  # logit -= fp x the token's count in the output (OpenAI's definition)
+    presence_penalty: float = 0.0  # logit -= pp if the token occurs in the output
+    min_tokens: int = 0  # stop tokens (EOS and stop_token_ids) get probability 0 until this many are generated
+    seed: int | None = None  # per-request random stream at temperature > 0 (reproducible whatever the batch)
+    logprobs: int | None = None  # None = none; 0 = the chosen token's log-probability; k <= 20: and the top k
     # draft exactly this γ every step, whatever the length policy picks (e.g. block_size - 1: plain DFlash, for a
     # held-out τ that does not depend on the policy); None = the policy's γ. Capped by the tokens left, as any γ.
     draft_len: int | None = None
@@ -33,6 +43,19 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20] (or None), got {self.logprobs}")
 
 
 class Status(enum.Enum):
@@ -69,6 +92,10 @@ class Request:
     lookup_state: object | None = None
     lookup_synced: int = 0
     dflash_expected: list[float] | None = None
+    # with params.logprobs set: per output token its log-probability under the target's raw distribution
+    # (log_softmax of the verify logits, before any processing - vLLM's default) and the top-k (token id, logprob)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
