@@ -9,7 +9,8 @@ real shape (the verify-cost table a cost-aware length policy needs).
         --out results/smollm2_h200.json --plot results/smollm2_h200.png        # GPU: concurrency 1 8 32 64
     python -m adaflash_ray.bench --shape qwen3-8b --out results/qwen3_8b_shape.json   # random weights
 
-Real-model mode. Methods: ``ar``, ``dflash`` (fixed γ = block_size-1), ``adaflash-direct`` (the ``direct``
+Real-model mode. Methods: ``ar``, ``dflash`` (fixed γ = block_size-1), ``dflash-argmax`` (the same with the
+drafter's argmax block, a point-mass q, at ``--temperature`` > 0), ``adaflash-direct`` (the ``direct``
 length head), ``adaflash-cost`` (the ``cost`` policy: acceptance head + this engine's measured step costs; needs a
 drafter trained with it), ``ngram`` (prompt lookup drafts in each request's own context, no drafter), ``suffix``
 (the same plus a per-engine corpus of earlier requests, SuffixDecoding arXiv 2411.04975; seeded with the AR outputs
@@ -69,6 +70,10 @@ ADAPTIVE_PREFIX = "adaflash-"  # + a registered length policy with a head (LENGT
 #: prompt lookup, suffix lookup (no drafter), and the hybrid of the DFlash block and suffix lookup (``cost`` policy)
 SOURCE_METHODS = {"ngram": ("ngram",), "suffix": ("suffix",), "hybrid": ("dflash", "suffix")}
 NO_DRAFTER = ("ar", "ngram", "suffix")
+#: fixed γ = block_size-1 with the drafter's argmax block verified as a point-mass q at temperature > 0 (lossless),
+#: against ``dflash``'s block sampled position by position from the drafter's q (z-lab/dflash PR #169: independent
+#: per-position samples can wreck whole blocks); at temperature 0 the two are the same
+ARGMAX_METHOD = "dflash-argmax"
 
 
 def method_policy(method: str) -> str:
@@ -77,6 +82,8 @@ def method_policy(method: str) -> str:
     acceptance head and measured step costs)."""
     if method == "hybrid":
         return "cost"
+    if method == ARGMAX_METHOD:
+        return FixedLength.name
     return method.removeprefix(ADAPTIVE_PREFIX) if method.startswith(ADAPTIVE_PREFIX) else FixedLength.name
 
 
@@ -84,7 +91,7 @@ def known_methods() -> list[str]:
     """``ar``, ``dflash``, ``adaflash-<policy>`` for every registered policy with a trained head, ``ngram``,
     ``suffix``, ``hybrid``, ``hf-generate``."""
     adaptive = [ADAPTIVE_PREFIX + name for name, spec in LENGTH_POLICIES.items() if spec.head is not None]
-    return ["ar", "dflash", *adaptive, *SOURCE_METHODS, HF_METHOD]
+    return ["ar", "dflash", ARGMAX_METHOD, *adaptive, *SOURCE_METHODS, HF_METHOD]
 
 
 def _spare_prompts(tok, domain: str, main: list[list[int]], n: int, max_prompt_tokens: int, seed: int
@@ -173,12 +180,13 @@ def _compare(target, prompts, outs: list[list[int]], ref: list[list[int]]) -> di
             "mismatch_margins": margins, "max_mismatch_margin": max(margins) if margins else None}
 
 
-def _run_engine(engine: SpecEngine, prompts, max_new: int, mode: str, device: str) -> tuple[list, float]:
+def _run_engine(engine: SpecEngine, prompts, max_new: int, mode: str, device: str,
+                temperature: float = 0.0) -> tuple[list, float]:
     """Fresh stats, one timed ``generate``; returns (requests, wall seconds)."""
     engine.stats = SpecStats()
     _sync(device)
     t0 = time.perf_counter()
-    reqs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new), mode=mode)
+    reqs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new, temperature=temperature), mode=mode)
     _sync(device)
     return reqs, time.perf_counter() - t0
 
@@ -224,14 +232,17 @@ class _HFGenerate:
 # ------------------------------------------------------------------------------------ real-model mode
 def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concurrency: list[int],
           domains: list[str], num_prompts: int, max_new_tokens: int, warmup: str,
-          engine_kwargs: dict | None = None, log=print, repeats: int = 1, corpus_prompts: int | None = None) -> dict:
+          engine_kwargs: dict | None = None, log=print, repeats: int = 1, corpus_prompts: int | None = None,
+          temperature: float = 0.0) -> dict:
     """Run every method per (domain, concurrency) on the recipe's target; returns the JSON document.
 
     ``repeats``: timed runs per engine cell; the row is the one with the median tokens/s (all in
     ``repeat_tokens_per_s``). ``corpus_prompts``: held-out prompts per domain (not timed; default: as many as the
     cell's) whose AR outputs seed the ``suffix`` / ``hybrid`` corpus; the corpus is reset to exactly those before
     every timed run (after any warm-up pass over the same prompts), so it never holds a timed request's own output,
-    and fills as the timed requests finish.
+    and fills as the timed requests finish. ``temperature`` > 0: every timed request samples (the engine's lossless
+    rejection sampling; ``lossless`` / ``match_rate`` are then None - outputs differ from AR's by chance, the
+    distribution is what the engine's tests check); the suffix corpus seeds stay AR greedy outputs.
 
     Raises:
         ValueError / RecipeError / CheckpointError (a ValueError) / MissingDataPackageError: user errors.
@@ -277,6 +288,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
             if method not in engines:
                 policy = method_policy(method)
                 extra = {"draft_sources": SOURCE_METHODS.get(method)}  # the method's own, never the recipe's
+                if method == ARGMAX_METHOD:
+                    extra["argmax_drafts"] = True
                 eng = SpecEngine.from_config(cfg, models=(target, None if method in NO_DRAFTER else drafter,
                                                           heads.get(policy) if method not in NO_DRAFTER else None),
                                              policy=policy, max_batch_size=conc, max_seq_len=max_seq_len,
@@ -296,6 +309,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                 seeds[domain] = [p + r.output_ids for p, r in zip(sp, done)]
             for method in methods:
                 base = {"method": method, "concurrency": conc, "domain": domain, "model": name,
+                        "temperature": temperature,
                         "num_prompts": len(ps), "max_new_tokens": max_new_tokens}
                 if method == HF_METHOD:
                     if warmup != "none" and conc == concurrency[0] and domain == domains[0]:
@@ -312,12 +326,12 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                     mode = "ar" if method == "ar" else "spec"
                     with_corpus = method in ("suffix", "hybrid")
                     if warmup == "repeat":  # the same run untimed first: every CUDA graph it needs is captured
-                        _run_engine(eng, ps, max_new_tokens, mode, device)
+                        _run_engine(eng, ps, max_new_tokens, mode, device, temperature)
                     runs = []
                     for _ in range(max(repeats, 1)):
                         if with_corpus:  # only the held-out outputs: never a timed request's own (warm-up) output
                             eng.reset_corpus(seeds.get(domain, []))
-                        reqs, secs = _run_engine(eng, ps, max_new_tokens, mode, device)
+                        reqs, secs = _run_engine(eng, ps, max_new_tokens, mode, device, temperature)
                         runs.append((sum(len(r.output_ids) for r in reqs) / secs, reqs, secs, eng.stats))
                     order = sorted(range(len(runs)), key=lambda i: runs[i][0])
                     _, reqs, secs, st = runs[order[len(runs) // 2]]  # the median repeat (upper median if even)
@@ -343,8 +357,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                                    acceptance_rate=st.acceptance_rate if drafted else None,
                                    draft_waste=st.draft_waste if drafted else None,
                                    gamma_hist={str(k): v for k, v in sorted(st.draft_len_hist.items())})
-                        row.update(_compare(target, ps, outs, ar_out) if ar_out is not None else
-                                   {"lossless": None, "match_rate": None})
+                        row.update(_compare(target, ps, outs, ar_out) if ar_out is not None and temperature == 0
+                                   else {"lossless": None, "match_rate": None})
                 if method == "ar":
                     ar_tps = row["tokens_per_s"]
                 rows.append(row)
@@ -361,6 +375,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
             "drafter": drafter_path or "untrained (recipe init)", "block_size": block_size, "dtype": dtype,
             "threads": cfg.engine.num_threads, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens,
             "max_seq_len": max_seq_len, "warmup": warmup, "engine_kwargs": engine_kwargs or {},
+            "temperature": temperature,
             "tau_convention": TAU_CONVENTION,
             "domains": {d: DOMAINS[d] for d in domains}, "rows": rows}
 
@@ -488,6 +503,8 @@ def _parser() -> argparse.ArgumentParser:
                         "default on CUDA), short = one 2-token pass per engine (default on CPU), none")
     p.add_argument("--eager", action="store_true", help="engine without CUDA graphs (use_cuda_graph=False)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per engine cell; the row is the median one")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every timed request (0 = greedy, the lossless match against AR)")
     p.add_argument("--corpus-prompts", type=int, default=None,
                    help="held-out prompts per domain whose AR outputs seed the suffix / hybrid corpus (default: as "
                         "many as the cell's prompts, where the source has them)")
@@ -575,13 +592,17 @@ def main(argv: list[str] | None = None) -> int:
             if bad:
                 raise ValueError(f"unknown method(s) {bad}; known: {', '.join(known)}")
             methods = sorted(dict.fromkeys(methods), key=lambda m: m != "ar")  # AR first: the reference
+            if ns.temperature < 0:
+                raise ValueError(f"--temperature must be >= 0, got {ns.temperature}")
+            if ns.temperature > 0 and HF_METHOD in methods:
+                raise ValueError(f"--temperature > 0: {HF_METHOD} is greedy only; leave it out of --methods")
             conc = ns.concurrency or ([1, 8, 32, 64] if on_cuda else [1, 8])
             doc = bench(cfg, ns.drafter, methods=methods, concurrency=conc,
                         domains=list(dict.fromkeys(ns.domains)), num_prompts=ns.num_prompts,
                         max_new_tokens=ns.max_new_tokens,
                         warmup=ns.warmup or ("repeat" if on_cuda else "short"),
                         engine_kwargs={"use_cuda_graph": False} if ns.eager else None, log=log,
-                        repeats=ns.repeats, corpus_prompts=ns.corpus_prompts)
+                        repeats=ns.repeats, corpus_prompts=ns.corpus_prompts, temperature=ns.temperature)
     except (RecipeError, ValueError, MissingDataPackageError) as e:  # incl. ShapeError, CheckpointError
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -110,6 +110,11 @@ class DrafterConfig(_Section):
     # random init only: copy the target's top decoder layers into the drafter layers and the target's
     # final norm into the drafter's (a warm start for the shared lm_head; ignored with init_path)
     init_from_target: bool = True
+    # with init_from_target: fc starts as the identity on the deepest conditioning layer's slice (zeros on the
+    # others) and hidden_norm as the first copied layer's input norm, so the context K/V of the first drafter layer
+    # start as the target's own K/V of that layer when the deepest id is the layer below it (the default ids do this
+    # for the top 2 layers of a 30-layer target: id 27 -> layer 28); needs drafter and target hidden sizes equal
+    init_context_from_target: bool = False
 
     @model_validator(mode="after")
     def _check_layer_ids(self) -> DrafterConfig:
@@ -274,6 +279,12 @@ class DistillConfig(_Section):
     # whose current top-1 differs from the trajectory's token (where greedy verification rejects the block) gets
     # weight x (1 + reject_boost); costs one no-grad pass over the shared head per step. 0 = off (the plain loss)
     reject_boost: float = Field(0.0, ge=0)
+    # block-position weights of the loss: exp_decay = exp(-(k-1)/7) (SpecForge, AdaFlash); dpace = D-PACE (arXiv
+    # 2605.18810, the default of vLLM's speculators): position k weighs the sum over j >= k of the prefix product of
+    # the drafter's smoothed confidence (1 - dpace_alpha) q_i + dpace_alpha in the trajectory's token - one no-grad
+    # pass over the shared head per step (shared with reject_boost's)
+    position_weighting: Literal["exp_decay", "dpace"] = "exp_decay"
+    dpace_alpha: float = Field(0.5, ge=0, le=1)
     # times one trajectory may feed an optimizer step (fresh anchors each time); > 1 lets a trainer
     # that outpaces inference keep stepping on recent on-policy data (still within max_version_lag)
     max_reuse: int = Field(6, ge=1)

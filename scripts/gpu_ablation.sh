@@ -10,7 +10,8 @@
 # greedy and 1,000 sampled at temperature 0.8 - data.sample_fraction 0.2 -; the main job's training prompts:
 # ShareGPT plus in-domain prompts, held-out prompts excluded) with `python -m adaflash_ray.distill.loop generate`
 # (files stream to disk as requests finish: a generation cut by its timeout keeps what it wrote), then trains each
-# VARIANT (default, in this order: base - batch 16 -, batch64, opd - distill.reject_boost 2 -, depth5) from those
+# VARIANT (default, in this order: base - the recipe's trainer -, ctxinit - drafter.init_context_from_target -,
+# dpace - distill.position_weighting dpace -, lr5e-3) from those
 # files for ABL_TRAIN_S (default 35) seconds of trainer time (the first, warm-up step not counted) and
 # evaluates every version it publishes on the recipe's held-out prompts (`python -m adaflash_ray.distill.ablate`).
 # Every step runs under a timeout and the whole call under ABL_BUDGET_S (default 285 s): ablate skips the variants
@@ -18,7 +19,7 @@
 # each variant, so a cut call keeps the variants done. VARIANT: name[:key=value,...] (ablate's --variant).
 # Knobs (environment): ABL_TRAIN_S, ABL_BUDGET_S, ABL_GEN_S (generation timeout, 75), ABL_PROMPTS (5000),
 # ABL_SAMPLE_FRACTION (0.2), ABL_OVERHEAD_S (30: a variant's start + evaluations), ABL_GEN_BATCH (256 slots),
-# ABL_MIN_TRAJ (64: fewer trajectories end the call before training);
+# ABL_MIN_TRAJ (64: fewer trajectories end the call before training), ABL_BATCH (64), ABL_PUBLISH (150);
 # for a CPU smoke run of the script itself: ABL_RECIPE, ABL_ROOT (instead of /root), ABL_SKIP_PREPARE=1.
 # $OUT (5 files): ablation.json (per variant and version: training seconds, held-out τ per domain, positions/s;
 # the prompt-lookup and suffix-lookup τ on the same outputs), ablation.png, gen.log, ablate.log, timeline.txt.
@@ -76,15 +77,15 @@ mark "generate rc $rc (124 = cut at ${GEN_S} s; files kept): $n trajectories"
 [ "$n" -ge "${ABL_MIN_TRAJ:-64}" ] || { echo "too few trajectories"; tail -20 "$OUT/gen.log"; exit 1; }
 
 V=()
-# the recipe's defaults are set back to the plain batch-16 trainer here, so each variant changes one thing
-for v in "${@:-base batch64:distill.batch_size=64,distill.publish_every=150 opd:distill.reject_boost=2.0 depth5:drafter.num_hidden_layers=5,distill.lr=6e-4}"; do
+# every variant: the recipe's trainer (batch ABL_BATCH = 64, a version every ABL_PUBLISH = 150 steps) plus one change
+for v in "${@:-base ctxinit:drafter.init_context_from_target=true dpace:distill.position_weighting=dpace lr5e-3:distill.lr=5e-3}"; do
   for w in $v; do V+=(--variant "$w"); done
 done
 # offline data: each trajectory may feed up to 4 steps (fresh anchors each time); every variant sees the same files
 DEADLINE=$(( $(left) - 5 ))
 timeout "$(( DEADLINE + 3 ))" python3 -m adaflash_ray.distill.ablate --recipe "$R" --trajectories "$TRAJ" \
   --out "$ABL" --train-s "$TRAIN_S" --deadline-s "$DEADLINE" --overhead-s "${ABL_OVERHEAD_S:-30}" \
-  --set distill.max_reuse=4 --set distill.batch_size=16 --set distill.publish_every=400 \
+  --set distill.max_reuse=4 --set distill.batch_size="${ABL_BATCH:-64}" --set distill.publish_every="${ABL_PUBLISH:-150}" \
   --set distill.warm_start=false --set engine.max_batch_size="$SLOTS" "${V[@]}" > "$OUT/ablate.log" 2>&1
 mark "ablate rc $?"
 collect >> "$OUT/timeline.txt" 2>&1

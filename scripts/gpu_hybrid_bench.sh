@@ -8,7 +8,9 @@
 #   Call b (carry [".gpu_stage2"]):  bash scripts/gpu_main_job.sh b      # GGUF part 2
 #   Call c (carry [".gpu_stage3"]):  ADAFLASH_COMMIT=<sha> bash scripts/gpu_hybrid_bench.sh [--drafter DIR]
 # Without --drafter the recipe's untrained drafter is used (the cost policy then mostly answers γ = 0; the hybrid
-# lives on its lookup source). Extra arguments go to every bench command.
+# lives on its lookup source). Extra arguments go to every bench command. Right after scripts/gpu_ablation.sh on the
+# same warm machine, HYBRID_DRAFTER=ablation-best benches the ablation's best checkpoint: the last version of the
+# variant with the highest mean held-out τ (/root/ablation/ablation.json), named in the log.
 #
 # Steps (each under its own timeout; a failed step is reported and the next one still runs):
 # 1. gpu tests of the draft sources and the cost policy's AR steps on CUDA graphs (tiny fp32 target)
@@ -51,6 +53,27 @@ step() {  # step NAME TIMEOUT_S CMD...: run with a timeout, output into the log,
 }
 
 RECIPE=recipes/smollm2_135m_gpu.yaml
+if [ "${HYBRID_DRAFTER:-}" = ablation-best ]; then
+  best=$(python3 - "${ABL_ROOT:-/root}/ablation" <<'EOF'
+import json, sys
+from pathlib import Path
+root = Path(sys.argv[1])
+doc = json.load(open(root / "ablation.json"))
+def score(v):
+    vs = v.get("versions", {})
+    if not vs:
+        return -1.0, None
+    last = max(vs, key=int)
+    t = vs[last]["tau_by_domain"]
+    return sum(t.values()) / len(t), last
+name, (tau, ver) = max(((n, score(v)) for n, v in doc["variants"].items()), key=lambda x: x[1][0])
+print(root / name / "checkpoints" / f"v{ver}", name, round(tau, 4))
+EOF
+  ) || { echo "no ablation result to pick a drafter from" | tee -a "$LOG"; pack; exit 1; }
+  read -r ck name tau <<< "$best"
+  echo "drafter: $ck (ablation variant $name, mean held-out τ $tau at γ = 15)" | tee -a "$LOG"
+  set -- --drafter "$ck" "$@"
+fi
 METHODS=(ar dflash adaflash-cost ngram suffix hybrid)
 step gpu_tests 90 python3 -m pytest -q -m gpu tests/test_gpu.py -k "lookup_and_hybrid or cost_policy_ar_steps" \
   -p no:cacheprovider -s

@@ -184,3 +184,21 @@ def test_model_mode_draft_source_methods(capsys):
         assert set(r["source_hist"]) <= {m if m != "hybrid" else "suffix", "dflash", "none"}
         assert sum(r["source_hist"].values()) == sum(r["gamma_hist"].values())
     assert rows["suffix"]["corpus_seed_sequences"] == 2 and rows["hybrid"]["corpus_seed_sequences"] == 2
+
+
+def test_model_mode_sampled_with_argmax_drafts(capsys):
+    """--temperature 0.8: every method samples (rows say so, no token-for-token match against AR is claimed);
+    dflash-argmax drafts the drafter's argmax block at the fixed γ; bad temperatures are user errors (exit 2)."""
+    rc = main(["--concurrency", "1", "--num-prompts", "1", "--max-new-tokens", "6", "--domains", "chat",
+               "--methods", "ar", "dflash", "dflash-argmax", "--temperature", "0.8"])
+    assert rc == 0
+    doc = _last_json(capsys)
+    assert doc["temperature"] == 0.8
+    rows = {r["method"]: r for r in doc["rows"]}
+    assert set(rows) == {"ar", "dflash", "dflash-argmax"}
+    for m in ("dflash", "dflash-argmax"):
+        r = rows[m]
+        assert r["temperature"] == 0.8 and r["lossless"] is None and 1 <= r["num_tokens"] <= 6
+        assert 1.0 <= r["tau"] <= doc["block_size"] and r["speedup_vs_ar"] > 0
+    assert main(["--methods", "ar", "--temperature", "-1", "--num-prompts", "1", "--concurrency", "1"]) == 2
+    assert main(["--methods", "ar", HF_METHOD, "--temperature", "0.5", "--num-prompts", "1", "--concurrency", "1"]) == 2

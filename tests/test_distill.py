@@ -842,7 +842,7 @@ def test_first_rejection_weights_follow_the_rule():
     """distill.reject_boost (Draft-OPD): in each block only the first valid position whose student top-1 differs
     from the trajectory's token gets 1 + boost - not earlier accepted ones, not later ones, none in a block
     accepted whole or past the sequence end; the weights reach the loss through the trainer unchanged when 0."""
-    from adaflash_ray.distill.losses import first_rejection_weights
+    from adaflash_ray.distill.losses import first_rejection_weights, student_token_stats
 
     vocab, hid = 8, 8
     head = torch.eye(vocab, hid)  # logits = hidden: a one-hot hidden state names the student's top-1
@@ -850,16 +850,39 @@ def test_first_rejection_weights_follow_the_rule():
     student_top1 = torch.tensor([[[1, 2, 0, 0], [6, 6, 7, 0], [1, 1, 1, 1]]])  # rejects at k=3, k=1, never
     valid = torch.tensor([[[True] * 4, [True] * 4, [True, True, True, False]]])
     hidden = torch.nn.functional.one_hot(student_top1[valid], vocab).float()  # [M, H]
-    w = first_rejection_weights(hidden, head, target_ids, valid, boost=2.0, chunk_size=3)
+    top1, prob = student_token_stats(hidden, head, target_ids, valid, chunk_size=3)
+    assert torch.equal(top1, student_top1[valid])
+    logits = hidden @ head.T
+    assert torch.allclose(prob, torch.softmax(logits, -1).gather(-1, target_ids[valid][:, None])[:, 0])
+    w = first_rejection_weights(top1, target_ids, valid, boost=2.0)
     want = torch.ones(valid.shape)
     want[0, 0, 2] = 3.0  # block 0: positions 1, 2 accepted, 3 rejected (4 never verified: 1)
     want[0, 1, 0] = 3.0  # block 1: rejected at its first position, later matches do not count
     assert torch.equal(w, want[valid]), (w, want[valid])  # block 2: accepted whole (its 4th position is invalid)
-    assert torch.equal(first_rejection_weights(hidden, head, target_ids, valid, boost=0.0), torch.ones(11))
+    assert torch.equal(first_rejection_weights(top1, target_ids, valid, boost=0.0), torch.ones(11))
     with pytest.raises(ValueError):
-        first_rejection_weights(hidden[:3], head, target_ids, valid, boost=1.0)
+        student_token_stats(hidden[:3], head, target_ids, valid)
     with pytest.raises(ValueError):
-        first_rejection_weights(hidden, head, target_ids, valid, boost=-1.0)
+        first_rejection_weights(top1, target_ids, valid, boost=-1.0)
+
+
+def test_dpace_weights_by_hand():
+    """D-PACE (arXiv 2605.18810): w_k = sum_{j >= k} prod_{i <= j} ((1 - a) q_i + a) over a block's valid positions,
+    computed here by hand for two blocks (one cut by the sequence end); a = 1 gives #valid - k + 1."""
+    from adaflash_ray.distill.losses import dpace_weights
+
+    valid = torch.tensor([[[True, True, True], [True, True, False]]])  # [B=1, N=2, bs-1=3]
+    q = torch.tensor([0.5, 0.2, 0.9, 1.0, 0.0])
+    w = dpace_weights(q, valid, alpha=0.5)
+    s = [0.75, 0.6, 0.95]
+    p = [s[0], s[0] * s[1], s[0] * s[1] * s[2]]
+    want = [p[0] + p[1] + p[2], p[1] + p[2], p[2], 1.0 + 0.5, 0.5]
+    assert torch.allclose(w, torch.tensor(want)), (w, want)
+    assert torch.equal(dpace_weights(q, valid, alpha=1.0), torch.tensor([3.0, 2.0, 1.0, 2.0, 1.0]))
+    with pytest.raises(ValueError):
+        dpace_weights(q, valid, alpha=1.5)
+    with pytest.raises(ValueError):
+        dpace_weights(q[:3], valid)
 
 
 def test_trainer_reject_boost_changes_only_the_weights(dist_env, target, trajectories):
@@ -874,3 +897,13 @@ def test_trainer_reject_boost_changes_only_the_weights(dist_env, target, traject
     assert plain["train/loss"] == again["train/loss"]
     assert boosted["train/loss"] != pytest.approx(plain["train/loss"], rel=1e-4)
     assert boosted["train/num_positions"] == plain["train/num_positions"]
+
+
+def test_trainer_dpace_weighting_changes_the_loss(dist_env, target, trajectories):
+    """distill.position_weighting dpace gives a different first-step loss than exp_decay over the same blocks."""
+    out = {}
+    for mode in ("exp_decay", "dpace"):
+        drafter_cfg, head_cfg, distill_cfg = _cfgs(zero_stage=0, position_weighting=mode)
+        out[mode] = dist_env(target, drafter_cfg, head_cfg, distill_cfg, seed=0).train_step(trajectories[:3])
+    assert out["dpace"]["train/loss"] != pytest.approx(out["exp_decay"]["train/loss"], rel=1e-4)
+    assert out["dpace"]["train/num_positions"] == out["exp_decay"]["train/num_positions"]

@@ -376,3 +376,33 @@ def test_build_drafter_refuses_a_checkpoint_that_differs_from_the_recipe(tmp_pat
     with pytest.raises(CheckpointError, match=r"drafter\.block_size 8 \(recipe\) != 4 \(checkpoint\); "
                                               r"drafter\.num_hidden_layers 2 \(recipe\) != 1"):
         build_drafter(tiny_target, other, LengthHeadConfig(policy="fixed"), init_path=tmp_path / "c")
+
+
+def test_init_context_from_target_gives_the_target_layers_own_input(tiny_target):
+    """drafter.init_context_from_target: with the deepest conditioning id just below the first copied layer, the
+    drafter's context c = hidden_norm(fc(features)) equals that target layer's normed input (input_layernorm of the
+    residual stream entering it), position by position."""
+    from adaflash_ray.config import DrafterConfig, LengthHeadConfig
+    from adaflash_ray.models.factory import build_drafter
+
+    L, n = tiny_target.config.num_hidden_layers, 1
+    ids = [0, L - n - 1]
+    cfg = DrafterConfig(num_hidden_layers=n, block_size=4, num_target_layers=2, target_layer_ids=ids,
+                        init_from_target=True, init_context_from_target=True)
+    drafter, _ = build_drafter(tiny_target, cfg, LengthHeadConfig(policy="fixed"))
+    layer = tiny_target.model.layers[L - n]
+    seen = {}
+    hook = layer.input_layernorm.register_forward_hook(lambda mod, args, out: seen.setdefault("h", out.detach().clone()))
+    try:
+        ids_t = torch.tensor([[3, 17, 42, 7, 99, 5]])
+        with torch.no_grad():
+            out = tiny_target(ids_t, torch.arange(6)[None], capture_layer_ids=ids)
+            ctx = drafter.project_context(out.features)
+            want = seen["h"]  # the layer's normed input, as the target computed it
+    finally:
+        hook.remove()
+    assert torch.allclose(ctx, want, atol=1e-5, rtol=1e-4), (ctx - want).abs().max()
+    with torch.no_grad():  # and a plain init_from_target keeps fc random: the context is something else
+        plain, _ = build_drafter(tiny_target, cfg.model_copy(update={"init_context_from_target": False}),
+                                 LengthHeadConfig(policy="fixed"))
+        assert not torch.allclose(plain.project_context(out.features), want, atol=1e-2)

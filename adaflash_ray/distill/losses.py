@@ -172,16 +172,11 @@ def accepted_length(draft_ids: torch.Tensor, target_ids: torch.Tensor, position_
 
 
 @torch.no_grad()
-def first_rejection_weights(student_hidden: torch.Tensor, lm_head_weight: torch.Tensor, target_ids: torch.Tensor,
-                            position_valid: torch.Tensor, boost: float, chunk_size: int = 4096) -> torch.Tensor:
-    """Per-position weight factors that up-weight where greedy verification would reject the current drafter's
-    block - the drafter's own mistakes (Draft-OPD, arXiv 2605.29343: target text alone carries little on-policy
-    signal; train on the positions verification rejects).
-
-    In each block the first valid position k whose student top-1 differs from the trajectory's token (the draft
-    token verification rejects: positions before it would be accepted, after it never verified) gets factor
-    ``1 + boost``; every other position 1. The student's top-1 comes from a no-grad pass over the shared head in
-    row chunks of ``chunk_size`` (one ``[chunk, V]`` logit tile at a time, the hidden states' dtype).
+def student_token_stats(student_hidden: torch.Tensor, lm_head_weight: torch.Tensor, target_ids: torch.Tensor,
+                        position_valid: torch.Tensor, chunk_size: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's top-1 and its probability of the trajectory's token at every valid block position, from one
+    no-grad pass over the shared head in row chunks of ``chunk_size`` (one ``[chunk, V]`` logit tile at a time, in
+    the hidden states' dtype; the softmax in float32).
 
     Args:
         student_hidden: ``[M, H]`` the drafter's hidden states at the valid positions, in ``position_valid``'s
@@ -189,26 +184,85 @@ def first_rejection_weights(student_hidden: torch.Tensor, lm_head_weight: torch.
         lm_head_weight: ``[V, H]`` the shared frozen head.
         target_ids: ``[B, N, bs-1]`` int64 trajectory tokens per block position.
         position_valid: ``[B, N, bs-1]`` bool, ``M`` of them True.
-        boost: ``>= 0``; 0 returns ones.
         chunk_size: rows per logit tile (>= 1).
     Returns:
-        ``[M]`` float32 factors (1 or ``1 + boost``), on ``student_hidden``'s device.
+        ``(top1 [M] int64, prob [M] float32)``.
     Raises:
-        ValueError: ``boost < 0``, ``chunk_size < 1`` or ``M`` != ``position_valid.sum()``.
+        ValueError: ``chunk_size < 1`` or ``M`` != ``position_valid.sum()``.
     """
-    if boost < 0 or chunk_size < 1:
-        raise ValueError(f"boost must be >= 0 and chunk_size >= 1, got {boost}, {chunk_size}")
     m = student_hidden.shape[0]
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if m != int(position_valid.sum()):
         raise ValueError(f"student_hidden has {m} rows, position_valid {int(position_valid.sum())} True")
-    ones = torch.ones(m, dtype=torch.float32, device=student_hidden.device)
-    if boost == 0 or m == 0:
-        return ones
+    tgt = target_ids[position_valid]  # [M]
     w = lm_head_weight.to(student_hidden.dtype)
-    s_arg = torch.cat([(student_hidden[i:i + chunk_size] @ w.T).argmax(-1) for i in range(0, m, chunk_size)])
+    top1, prob = [], []
+    for i in range(0, m, chunk_size):
+        z = (student_hidden[i:i + chunk_size] @ w.T).float()  # [c, V]
+        top1.append(z.argmax(-1))
+        prob.append(torch.softmax(z, -1).gather(-1, tgt[i:i + chunk_size, None])[:, 0])
+    if m == 0:
+        return tgt.new_empty(0), torch.empty(0, dtype=torch.float32, device=student_hidden.device)
+    return torch.cat(top1), torch.cat(prob)
+
+
+def first_rejection_weights(top1: torch.Tensor, target_ids: torch.Tensor, position_valid: torch.Tensor,
+                            boost: float) -> torch.Tensor:
+    """Per-position weight factors that up-weight where greedy verification would reject the current drafter's
+    block - the drafter's own mistakes (Draft-OPD, arXiv 2605.29343: target text alone carries little on-policy
+    signal; train on the positions verification rejects).
+
+    In each block the first valid position k whose student top-1 differs from the trajectory's token (the draft
+    token verification rejects: positions before it would be accepted, after it never verified) gets factor
+    ``1 + boost``; every other position 1.
+
+    Args:
+        top1: ``[M]`` int64 the drafter's top-1 at the valid positions (:func:`student_token_stats`).
+        target_ids: ``[B, N, bs-1]`` int64 trajectory tokens per block position.
+        position_valid: ``[B, N, bs-1]`` bool, ``M`` of them True.
+        boost: ``>= 0``; 0 returns ones.
+    Returns:
+        ``[M]`` float32 factors (1 or ``1 + boost``), on ``top1``'s device.
+    Raises:
+        ValueError: ``boost < 0``.
+    """
+    if boost < 0:
+        raise ValueError(f"boost must be >= 0, got {boost}")
+    ones = torch.ones(top1.shape[0], dtype=torch.float32, device=top1.device)
+    if boost == 0 or top1.shape[0] == 0:
+        return ones
     draft = torch.full_like(target_ids, -1)
-    draft[position_valid] = s_arg
+    draft[position_valid] = top1
     a = accepted_length(draft, target_ids, position_valid)  # [B, N]: the first rejected position's index
     k = torch.arange(target_ids.shape[-1], device=target_ids.device)
     first_reject = (k == a[..., None]) & position_valid  # [B, N, bs-1]; none where the whole block is accepted
     return ones + boost * first_reject[position_valid].float()
+
+
+def dpace_weights(prob: torch.Tensor, position_valid: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    """D-PACE position weights (arXiv 2605.18810; vLLM speculators' ``dpace_loss_decay``): a block position's loss
+    weighs by how many later positions its acceptance unlocks. With the smoothed confidence
+    ``s_k = (1 - alpha) * q_k + alpha`` (``q_k`` the drafter's probability of the trajectory's token at block
+    position k) and the prefix products ``P_j = prod_{i <= j} s_i`` over the valid positions, the weight of
+    position k is ``w_k = sum_{j >= k} P_j``. Computed without gradient; it replaces the fixed ``exp(-(k-1)/7)``.
+
+    Args:
+        prob: ``[M]`` float32 ``q`` at the valid positions, in ``position_valid``'s row-major order.
+        position_valid: ``[B, N, bs-1]`` bool, ``M`` of them True; the valid positions of a block are a prefix.
+        alpha: smoothing in [0, 1] (speculators' default 0.5; 1 gives ``w_k = #valid - k + 1``).
+    Returns:
+        ``[M]`` float32 weights (> 0).
+    Raises:
+        ValueError: ``alpha`` outside [0, 1] or ``M`` != ``position_valid.sum()``.
+    """
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"dpace alpha must be in [0, 1], got {alpha}")
+    if prob.shape[0] != int(position_valid.sum()):
+        raise ValueError(f"prob has {prob.shape[0]} rows, position_valid {int(position_valid.sum())} True")
+    s = torch.ones(position_valid.shape, dtype=torch.float32, device=prob.device)
+    s[position_valid] = (1.0 - alpha) * prob.float() + alpha
+    mask = position_valid.float()
+    prefix = torch.cumprod(s, dim=-1) * mask
+    w = prefix.flip(-1).cumsum(-1).flip(-1)
+    return w[position_valid]

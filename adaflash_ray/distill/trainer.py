@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from adaflash_ray.distill.blocks import Batch, collate, with_recomputed_features
-from adaflash_ray.distill.losses import accepted_length, first_rejection_weights, mixture_rkl_loss
+from adaflash_ray.distill.losses import (accepted_length, dpace_weights, first_rejection_weights,
+                                         mixture_rkl_loss, student_token_stats)
 from adaflash_ray.engine.length_policy import length_policy
 from adaflash_ray.kernels.fused_distill import resolve_loss_impl
 from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
@@ -130,9 +131,14 @@ class DistillModule(nn.Module):
                 if spec is not None and spec.needs_confidence
                 else None)  # [M, 2] student (max prob, entropy) at T = 1, filled by the loss's vocabulary pass
         weights = batch.weights[sel]  # [M]
-        if cfg.reject_boost > 0:  # the drafter's own mistakes weigh more (distill.reject_boost, Draft-OPD)
-            weights = weights * first_rejection_weights(student.detach(), self._lm_head.weight, batch.target_ids,
-                                                        sel, cfg.reject_boost, cfg.loss_chunk_size)
+        dpace = getattr(cfg, "position_weighting", "exp_decay") == "dpace"
+        if cfg.reject_boost > 0 or dpace:  # one no-grad pass over the shared head serves both
+            top1, prob = student_token_stats(student.detach(), self._lm_head.weight, batch.target_ids, sel,
+                                             cfg.loss_chunk_size)
+            if dpace:  # D-PACE replaces the fixed exp(-(k-1)/7) decay
+                weights = dpace_weights(prob, sel, cfg.dpace_alpha)
+            if cfg.reject_boost > 0:  # the drafter's own mistakes weigh more (distill.reject_boost, Draft-OPD)
+                weights = weights * first_rejection_weights(top1, batch.target_ids, sel, cfg.reject_boost)
         loss, metrics = mixture_rkl_loss(student, teacher, self._lm_head.weight, weights,
                                          alpha=cfg.alpha, temperature=cfg.temperature, clip=cfg.rkl_clip,
                                          clip_mode=cfg.rkl_clip_mode, chunk_size=cfg.loss_chunk_size,

@@ -64,7 +64,7 @@ def build_drafter(target: TargetModel, drafter_cfg, head_cfg, seed: int = 0,
     drafter = DFlashDrafter(cfg).attach_target(target.model.embed_tokens, target.lm_head)
     drafter.init_weights(seed)
     if tensors is None and drafter_cfg.init_from_target:
-        init_from_target(drafter, target)
+        init_from_target(drafter, target, context=getattr(drafter_cfg, "init_context_from_target", False))
     spec = length_policy(head_cfg.policy)
     if spec.head is not None:
         torch.manual_seed(seed + 1)
@@ -91,12 +91,21 @@ def build_drafter(target: TargetModel, drafter_cfg, head_cfg, seed: int = 0,
 
 
 @torch.no_grad()
-def init_from_target(drafter: DFlashDrafter, target: TargetModel) -> None:
+def init_from_target(drafter: DFlashDrafter, target: TargetModel, context: bool = False) -> None:
     """Warm start: drafter layer i <- target layer ``L - n + i`` (the top n layers; tensors of equal
     shape only: norms, q/k/v/o, MLP) and drafter ``norm`` <- the target's final norm, so the drafter's
     output lands in the space the shared ``lm_head`` expects. ``fc``, ``hidden_norm`` and the mask
     embedding keep their fresh init, so version 0 still proposes near-random drafts (τ ≈ 1).
-    Speeds up the first minutes of distillation on small budgets (the CPU recipes)."""
+    Speeds up the first minutes of distillation on small budgets (the CPU recipes).
+
+    With ``context``: ``fc.weight`` ``[H, K*Ht]`` becomes the identity on the last (deepest) conditioning layer's
+    ``Ht`` columns and zero on the others, and ``hidden_norm`` takes target layer ``L - n``'s input norm: the
+    context ``c`` is then that layer's normed input when the deepest conditioning id is ``L - n - 1``, and the
+    first drafter layer's context K/V are the target layer's own (up to the drafter's q/k norms).
+
+    Raises:
+        ValueError: ``context`` with drafter hidden size != target hidden size.
+    """
     n = len(drafter.layers)
     src_layers = target.model.layers[len(target.model.layers) - n:]
     for dst, src in zip(drafter.layers, src_layers):
@@ -106,6 +115,15 @@ def init_from_target(drafter: DFlashDrafter, target: TargetModel) -> None:
             if sp is not None and sp.shape == p.shape:
                 p.copy_(sp.to(p.dtype))
     drafter.norm.weight.copy_(target.model.norm.weight.to(drafter.norm.weight.dtype))
+    if context:
+        h, kh = drafter.fc.weight.shape
+        ht = kh // len(drafter.config.target_layer_ids)
+        if ht != h:
+            raise ValueError(f"init_context_from_target needs the drafter hidden size ({h}) equal to the target's "
+                             f"({ht})")
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, kh - ht:].copy_(torch.eye(h, dtype=drafter.fc.weight.dtype))
+        drafter.hidden_norm.weight.copy_(src_layers[0].input_layernorm.weight.to(drafter.hidden_norm.weight.dtype))
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
