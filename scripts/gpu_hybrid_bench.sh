@@ -17,10 +17,13 @@
 # 2. bench at concurrency 1: 8 prompts per domain, 3 timed repeats per cell (median row; the first repeat also
 #    captures the CUDA graphs, warm-up "short")                                        -> bench_c1.json/.png/.log
 # 3. bench at concurrency 64: 64 prompts per domain, warm-up "repeat", 3 timed repeats -> bench_c64.json/.png/.log
+# 4. chat at temperature 0.8, concurrency 1: ar, dflash (sampled drafts), dflash-argmax, hybrid -> bench_t08.json
+# GPU_TESTS=0 skips step 1, T08=0 step 4.
 # The suffix / hybrid corpus starts from the AR outputs of other held-out prompts of the same domain and is reset
 # before every timed repeat (it never holds a timed request's own output).
 # Everything (hybrid_bench.log with versions and each step's output, the JSON, PNG and logs) is tarred into ONE
-# file, $OUT/hybrid_bench.tar.gz. The step timeouts (90 + 230 + 190 s, plus ~30 s to prepare the model) keep the
+# file, $OUT/hybrid_bench.tar.gz. The step timeouts (90 + 230 + 190 + 80 s, plus ~30 s to prepare the model; run with
+# GPU_TESTS=0 after the ablation) keep the
 # call under the device's 600 s, so the tarball always comes back.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -75,16 +78,25 @@ EOF
   set -- --drafter "$ck" "$@"
 fi
 METHODS=(ar dflash adaflash-cost ngram suffix hybrid)
-step gpu_tests 90 python3 -m pytest -q -m gpu tests/test_gpu.py -k "lookup_and_hybrid or cost_policy_ar_steps" \
-  -p no:cacheprovider -s
+if [ "${GPU_TESTS:-1}" != 0 ]; then
+  step gpu_tests 90 python3 -m pytest -q -m gpu tests/test_gpu.py -k "lookup_and_hybrid or cost_policy_ar_steps" \
+    -p no:cacheprovider -s
+fi
 step bench_c1 "${C1_TIMEOUT:-230}" python3 -m adaflash_ray.bench --recipe "$RECIPE" --methods "${METHODS[@]}" \
   --concurrency 1 --domains code chat --num-prompts 8 --max-new-tokens 256 --warmup short \
   --repeats "${C1_REPEATS:-3}" --out "$W/bench_c1.json" --plot "$W/bench_c1.png" "$@"
 step bench_c64 "${C64_TIMEOUT:-190}" python3 -m adaflash_ray.bench --recipe "$RECIPE" --methods "${METHODS[@]}" \
   --concurrency 64 --domains code chat --num-prompts 64 --max-new-tokens 256 --warmup repeat \
   --repeats "${C64_REPEATS:-3}" --out "$W/bench_c64.json" --plot "$W/bench_c64.png" "$@"
+# chat at temperature 0.8: the drafter's block sampled position by position (dflash) against its argmax block
+# (dflash-argmax, a point-mass q), beside AR and the hybrid; one timed run per cell
+if [ "${T08:-1}" != 0 ]; then
+  step bench_t08 "${T08_TIMEOUT:-80}" python3 -m adaflash_ray.bench --recipe "$RECIPE" \
+    --methods ar dflash dflash-argmax hybrid --concurrency 1 --domains chat --num-prompts 8 --max-new-tokens 256 \
+    --warmup short --temperature 0.8 --out "$W/bench_t08.json" "$@"
+fi
 # the tables (the bench prints them before its JSON line) at the end of the log, for a quick read
-for c in c1 c64; do
+for c in c1 c64 t08; do
   [ -f "$W/bench_$c.json" ] && python3 - "$W/bench_$c.json" >> "$LOG" 2>&1 <<'EOF'
 import json, sys
 doc = json.load(open(sys.argv[1]))
