@@ -74,9 +74,9 @@ def test_text_stream_stop_string_inside_a_multi_token_step(tok):
 def test_parse_request_names_the_field(tok):
     kw = dict(tokenizer=tok, model_ids={MODEL}, context_limit=64, default_max_tokens=16, default_temperature=0.0,
               vocab_size=49152, record_default=True)
-    cases = [(("n", 400), {"n": 2}), (("logprobs", 400), {"logprobs": 2}),
+    cases = [(("n", 400), {"n": 0}), (("logprobs", 400), {"logprobs": 21}),
              (("temperature", 400), {"temperature": 2.5}), (("top_p", 400), {"top_p": 0}),
-             (("seed", 400), {"seed": 1, "temperature": 0.7}), (("max_tokens", 400), {"max_tokens": 0}),
+             (("seed", 400), {"seed": 2 ** 64, "temperature": 0.7}), (("max_tokens", 400), {"max_tokens": 0}),
              (("max_tokens", 400), {"max_tokens": "5"}), (("max_tokens", 400), {"max_tokens": True}),
              (("stream", 400), {"stream": "yes"}), (("temperature", 400), {"temperature": "0"}),
              (("stream_options", 400), {"stream_options": {"include_usage": True}}),
@@ -109,8 +109,8 @@ def test_parse_request_names_the_field(tok):
 def test_unknown_fields_are_ignored_known_unsupported_refused(tok, caplog):
     """Fields this endpoint does not know, at any depth, are ignored with a logged warning (vLLM's behaviour), so
     a vLLM client's extensions at their defaults pass; known parameters it cannot honour are still a 400 naming
-    the field, never dropped: tools, response_format other than text, vLLM's sampling extensions away from
-    their neutral values, usage in every chunk, tool calls in the history."""
+    the field, never dropped: tools, response_format other than text, best_of, prompt logprobs, tool calls in
+    the history (the implemented sampling fields: tests/test_serve_params.py)."""
     import logging
 
     kw = dict(tokenizer=tok, model_ids={MODEL}, context_limit=64, default_max_tokens=16, default_temperature=0.0,
@@ -136,10 +136,6 @@ def test_unknown_fields_are_ignored_known_unsupported_refused(tok, caplog):
     assert spec.continuous_usage and not spec.include_usage  # implemented: usage so far in every chunk
     refused = [("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
                ("response_format", {"response_format": {"type": "json_object"}}),
-               ("top_k", {"top_k": 5}), ("min_p", {"min_p": 0.1}), ("repetition_penalty", {"repetition_penalty": 1.2}),
-               ("ignore_eos", {"ignore_eos": True}), ("min_tokens", {"min_tokens": 4}),
-               ("presence_penalty", {"presence_penalty": 0.5}), ("logprobs", {"logprobs": True}),
-               ("top_logprobs", {"top_logprobs": 2}), ("chat_template_kwargs", {"chat_template_kwargs": {"a": 1}}),
                ("best_of", {"best_of": True}),  # JSON true is not the number 1
                ("prompt_logprobs", {"prompt_logprobs": 0}),  # 0 asks for the prompt tokens' own logprobs
                ("messages.0.tool_calls", {"messages": [{"role": "assistant", "content": "",
@@ -523,12 +519,13 @@ def test_error_cases_raw_http(server):
 
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     cases = [
-        ("/v1/chat/completions", {**chat, "n": 2}, 400, "n"),
-        ("/v1/chat/completions", {**chat, "logprobs": True}, 400, "logprobs"),
+        ("/v1/chat/completions", {**chat, "n": 0}, 400, "n"),
+        ("/v1/chat/completions", {**chat, "n": MAX_BATCH + MAX_QUEUED + 1}, 400, "n"),  # never fits the replica
+        ("/v1/chat/completions", {**chat, "top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs: true
         ("/v1/chat/completions", {**chat, "tools": [{"type": "function"}]}, 400, "tools"),
         ("/v1/chat/completions", {**chat, "temperature": -1}, 400, "temperature"),
         ("/v1/chat/completions", {**chat, "top_p": 1.5}, 400, "top_p"),
-        ("/v1/chat/completions", {**chat, "seed": 3, "temperature": 0.8}, 400, "seed"),
+        ("/v1/chat/completions", {**chat, "top_k": -2}, 400, "top_k"),
         ("/v1/chat/completions", {**chat, "max_tokens": 10_000}, 400, "max_tokens"),
         ("/v1/chat/completions", {**chat, "max_tokens": 4, "max_completion_tokens": 5}, 400, "max_completion_tokens"),
         ("/v1/chat/completions", {**chat, "messages": []}, 400, "messages"),

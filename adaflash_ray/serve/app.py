@@ -24,7 +24,6 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import AsyncIterator
 
 import ray
 import torch
@@ -36,7 +35,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adaflash_ray.config import RunConfig, check_serve_config, load_recipe
 from adaflash_ray.metrics import strict_json
-from adaflash_ray.serve.protocol import APIError, GenSpec, TextStream, error_body, parse_request, served_model_id
+from adaflash_ray.serve.protocol import APIError, GenSpec, error_body, parse_request, served_model_id
+from adaflash_ray.serve.responses import ResponseWriter
 from adaflash_ray.serve.runtime import EngineLoop, QueueFull
 from adaflash_ray.versions import is_newer
 
@@ -344,123 +344,30 @@ class AdaFlashServer:
         return parse_request(kind, raw, tokenizer=self.tokenizer, model_ids={self.model_id},
                              context_limit=self.context_limit, default_max_tokens=self.cfg.serve.default_max_tokens,
                              default_temperature=self.cfg.engine.temperature, vocab_size=self.vocab_size,
-                             record_default=True)
+                             record_default=True, max_n=self.loop.max_in_flight)
 
-    async def _events(self, spec: GenSpec, rs) -> AsyncIterator[tuple[str, object]]:
-        """Yield ("text", delta) per engine step with new text, then ("done", (finish_reason, n_tokens, versions)).
-        The request is aborted (KV slot freed) if the consumer stops early (client gone) or a stop string hits."""
-        hidden = set(spec.stop_token_ids) - set(self.eos_ids)
-        ts = TextStream(self.tokenizer, spec.stop, hidden)
-        finished = False
-        try:
-            while True:
-                item = await rs.queue.get()
-                if item[0] == "tokens":
-                    if item[2] not in rs.versions:
-                        rs.versions.append(item[2])
-                    delta = "".join(ts.add(t) for t in item[1] if not ts.stopped)
-                    rs.num_tokens = ts.num_tokens
-                    if ts.stopped:
-                        self.loop.abort(rs, "stop_string")
-                        finished = True
-                        yield "text", delta + ts.finish()
-                        yield "done", ("stop", ts.num_tokens, rs.versions)
-                        return
-                    if delta:
-                        yield "text", delta
-                elif item[0] == "done":
-                    finished = True
-                    tail = ts.finish()
-                    rs.num_tokens = ts.num_tokens
-                    if tail:
-                        yield "text", tail
-                    yield "done", (item[1], ts.num_tokens, rs.versions)
-                    return
-                else:
-                    finished = True
-                    err = item[1]
-                    raise APIError(400, str(err), param="prompt") if isinstance(err, ValueError) else \
-                        APIError(500, str(err), type="server_error")
-        finally:
-            if not finished:
-                self.loop.abort(rs)
-
-    def _submit(self, spec: GenSpec):
-        from adaflash_ray.engine import SamplingParams
-
-        params = SamplingParams(max_new_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
-                                stop_token_ids=(self.eos_ids + spec.stop_token_ids) if spec.stop_token_ids else None)
+    def _submit(self, spec: GenSpec) -> list:
+        """The request's ``n`` choices as engine requests (all queued or none: 429)."""
+        params = [spec.choice_params(i, self.eos_ids) for i in range(spec.n)]
         try:
             return self.loop.submit(spec.prompt_ids, params, spec.record and self.buffer is not None)
         except QueueFull as e:
             raise self._retry(429, f"Too many requests in flight on this replica ({e}); retry later.",
                               "queue_full") from None
 
-    def _usage(self, spec: GenSpec, n: int) -> dict:
-        return {"prompt_tokens": len(spec.prompt_ids), "completion_tokens": n,
-                "total_tokens": len(spec.prompt_ids) + n}
-
     async def _generate(self, kind: str, request: Request) -> Response:
         spec = await self._spec(kind, request)
-        rs = self._submit(spec)
-        chat = kind == "chat"
-        rid = ("chatcmpl-" if chat else "cmpl-") + spec.request_id
-        obj = "chat.completion" if chat else "text_completion"
+        writer = ResponseWriter(spec, self._submit(spec), loop=self.loop, tokenizer=self.tokenizer,
+                                eos_ids=self.eos_ids)
         headers = {VERSION_HEADER: str(self.engine.drafter_version)}
         if spec.ignored:  # unknown request fields, ignored with a logged warning (vLLM's behaviour)
             headers[IGNORED_HEADER] = ",".join(spec.ignored)
-        ext = {"ignored_fields": spec.ignored} if spec.ignored else {}
-        base = {"id": rid, "created": spec.created, "model": spec.model}
         if not spec.stream:
-            parts, done = [], None
-            async for kind_, val in self._events(spec, rs):
-                if kind_ == "text":
-                    parts.append(val)
-                else:
-                    done = val
-            reason, n, versions = done
-            text = "".join(parts)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-                      if chat else {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
+            body = await writer.body()
+            versions = body["adaflash"]["drafter_versions"]
             headers[VERSION_HEADER] = str(versions[-1] if versions else self.engine.drafter_version)
-            return JSONResponse({**base, "object": obj, "choices": [choice], "usage": self._usage(spec, n),
-                                 "adaflash": {"drafter_versions": versions, **ext}}, headers=headers)
-
-        def chunk(delta: str | None, reason: str | None, **extra) -> str:
-            if chat:
-                d = {} if delta is None else ({"role": "assistant", "content": delta} if extra.pop("first", False)
-                                              else {"content": delta})
-                choice = {"index": 0, "delta": d, "finish_reason": reason}
-            else:
-                extra.pop("first", None)
-                choice = {"index": 0, "text": delta or "", "finish_reason": reason, "logprobs": None}
-            body = {**base, "object": obj + ".chunk" if chat else obj, "choices": [choice], **extra}
-            if spec.continuous_usage:  # vLLM's continuous_usage_stats: the usage so far in every chunk
-                body["usage"] = self._usage(spec, rs.num_tokens)
-            elif spec.include_usage:
-                body.setdefault("usage", None)
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-        async def sse() -> AsyncIterator[str]:
-            if chat:
-                yield chunk("", None, first=True)
-            try:
-                async for kind_, val in self._events(spec, rs):
-                    if kind_ == "text":
-                        if val:
-                            yield chunk(val, None)
-                        continue
-                    reason, n, versions = val
-                    yield chunk(None, reason, adaflash={"drafter_versions": versions, **ext})
-                    if spec.include_usage:
-                        body = {**base, "object": obj + ".chunk" if chat else obj, "choices": [],
-                                "usage": self._usage(spec, n)}
-                        yield f"data: {json.dumps(body)}\n\n"
-            except APIError as e:  # after the 200 header: the error goes in the stream, as OpenAI does
-                yield f"data: {json.dumps(e.body())}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(sse(), media_type="text/event-stream",
+            return JSONResponse(body, headers=headers)
+        return StreamingResponse(writer.sse(), media_type="text/event-stream",
                                  headers={**headers, "Cache-Control": "no-cache"})
 
     # ------------------------------------------------------------------ routes

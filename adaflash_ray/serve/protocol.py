@@ -1,18 +1,29 @@
-"""The OpenAI wire protocol of the endpoint: request validation, error JSON, incremental detokenisation.
+"""The OpenAI wire protocol of the endpoint: request validation, error JSON, incremental detokenisation, logprobs.
 
-Ray-free and engine-free (tests call it directly). :func:`parse_request` turns a raw JSON body of
-``POST /v1/completions`` or ``POST /v1/chat/completions`` into a :class:`GenSpec` or raises
-:class:`APIError` (HTTP status + OpenAI-style ``{"error": {"message", "type", "param", "code"}}``) naming
-the offending field. Parameters this endpoint knows but does not implement (``n > 1``, ``logprobs``, ``tools``,
-``response_format`` other than text, vLLM's sampling extensions such as ``top_k`` / ``min_p`` /
-``repetition_penalty`` / ``ignore_eos`` ...) are refused with 400 naming the field unless they carry their neutral
-value, never silently ignored. Fields it does not know at all, at any depth, are ignored with a logged warning
-(what vLLM's OpenAI server does), so clients built for vLLM, which send its extensions, are served.
+Ray-free (tests call it directly). :func:`parse_request` turns a raw JSON body of ``POST /v1/completions`` or
+``POST /v1/chat/completions`` into a :class:`GenSpec` - the prompt ids and the engine's validated
+:class:`~adaflash_ray.engine.request.SamplingParams` - or raises :class:`APIError` (HTTP status + OpenAI-style
+``{"error": {"message", "type", "param", "code"}}``) naming the offending field.
+
+Implemented, beside OpenAI's ``max_tokens`` / ``temperature`` / ``top_p`` / ``stop`` / ``seed`` / ``stream``:
+``n`` (that many choices, one engine request each), ``logprobs`` / ``top_logprobs``
+(https://platform.openai.com/docs/api-reference/chat/create, .../completions/create), ``frequency_penalty`` /
+``presence_penalty``, and vLLM's extensions (https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html,
+"Extra parameters"): ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``stream_options.continuous_usage_stats``, ``chat_template_kwargs``. Parameters this endpoint
+knows but does not implement (``tools``, ``response_format`` other than text, ``echo``, ``best_of``, ``logit_bias``,
+guided decoding, ...) are refused with 400 naming the field unless they carry their neutral value, never silently
+ignored. Fields it does not know at all, at any depth, are ignored with a logged warning (what vLLM's OpenAI server
+does), so clients built for vLLM, which send its extensions, are served.
 :class:`TextStream` turns committed token ids into text deltas that never split a UTF-8 character and cuts the
-output at a stop string.
+output at a stop string (:mod:`adaflash_ray.serve.logprobs` writes the engine's per-token log-probabilities in
+OpenAI's shapes).
 """
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import json
 import logging
 import time
 import uuid
@@ -21,6 +32,8 @@ from pathlib import PurePath
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from adaflash_ray.engine.request import SamplingParams
 
 __all__ = ["APIError", "GenSpec", "TextStream", "error_body", "parse_request", "served_model_id"]
 
@@ -105,29 +118,40 @@ class _Common(_Strict):
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str | int] | None = None
     stop_token_ids: list[int] | None = None  # vLLM's extension: token ids that end the completion
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2 ** 63, le=2 ** 63 - 1)  # int64, as vLLM's protocol bounds it
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int | None = Field(None, ge=1)
     user: str | None = None
     store: bool | None = None  # False = do not use this request for distillation (OpenAI's `store`)
+    # sampling: OpenAI's penalties and vLLM's extensions; their ranges are SamplingParams.validate's
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    top_k: int | None = None  # -1 or 0: off
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
 
 
 class CompletionBody(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None  # the top-k alternatives per token (0: the chosen token's only)
 
 
 class ChatBody(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None  # needs logprobs: true
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables of the chat template
 
 
 # parameters this endpoint knows but cannot honour: refused (400 naming the field) unless at a neutral value.
 # OpenAI's (https://platform.openai.com/docs/api-reference/chat/create, .../completions/create) ...
 _NEUTRAL: dict[str, tuple] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "tools": (None, []), "tool_choice": (None, "none"),
+    "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
     "parallel_tool_calls": (None,), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
     "reasoning_effort": (None,), "web_search_options": (None,), "metadata": (None, {}),
@@ -137,15 +161,14 @@ _NEUTRAL: dict[str, tuple] = {
 # CompletionRequest), at vLLM's own defaults: a vLLM client sending them at other values asks for behaviour this
 # engine does not have, so they are refused rather than dropped with the unknown fields
 _NEUTRAL.update({
-    "top_k": (None, -1, 0), "min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
-    "ignore_eos": (None, False), "min_tokens": (None, 0), "use_beam_search": (None, False),
+    "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0), "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,),
     "bad_words": (None, []), "logits_processors": (None,), "return_tokens_as_token_ids": (None, False),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "structural_tag": (None,), "structured_outputs": (None,), "chat_template": (None,),
-    "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False),
     "add_special_tokens": (None, False), "documents": (None,), "mm_processor_kwargs": (None,),
     "priority": (None, 0), "vllm_xargs": (None,),
 })
@@ -175,28 +198,49 @@ def _unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
 class GenSpec:
     """A validated generation request.
 
-    prompt_ids: the prompt token ids (chat template applied for chat). max_tokens: completion budget
-    (tokens). stop: stop strings (cut from the text). stop_token_ids: user stop ids (their text is not
-    returned; EOS always stops). record: whether the request may become a distillation trajectory.
+    prompt_ids: the prompt token ids (chat template applied for chat). sampling: the engine's
+    :class:`SamplingParams` of choice 0, validated (``max_new_tokens`` = the completion budget, ``logprobs`` = the
+    top alternatives per token or None; ``stop_token_ids`` left None: the replica adds the EOS ids); choice ``i``
+    of ``n`` is :meth:`choice_params` (i). stop: stop strings (cut from the text). stop_token_ids: user stop ids
+    (their text is not returned; EOS stops too unless ``ignore_eos``). record: whether the request may become a
+    distillation trajectory.
     """
 
     kind: Literal["completion", "chat"]
     model: str
     prompt_ids: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
+    sampling: SamplingParams
     stop: list[str]
     stop_token_ids: list[int]
-    seed: int | None
     stream: bool
     include_usage: bool
     record: bool
     user: str | None
+    n: int = 1
     ignored: list[str] = field(default_factory=list)  # unknown request fields (dotted paths) that were ignored
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far in every chunk
     request_id: str = field(default_factory=lambda: f"{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling.max_new_tokens
+
+    @property
+    def seed(self) -> int | None:
+        return self.sampling.seed
+
+    def choice_params(self, index: int, eos_ids: list[int]) -> SamplingParams:
+        """The engine parameters of choice ``index`` (0 .. n-1): its own random stream, ``seed + index`` when a
+        seed is given (vLLM's rule for its n child requests, vllm/v1/engine/parallel_sampling.py), the engine's
+        shared generator otherwise. Stop ids: the user's plus ``eos_ids`` (the user's only with ``ignore_eos``;
+        None = the engine's EOS default when the user gave none)."""
+        p = self.sampling
+        if p.ignore_eos:
+            stop = list(self.stop_token_ids)
+        else:
+            stop = [*eos_ids, *self.stop_token_ids] if self.stop_token_ids else None
+        return dataclasses.replace(p, stop_token_ids=stop, seed=None if p.seed is None else p.seed + index)
 
 
 def _first_error(err: ValidationError) -> APIError:
@@ -217,24 +261,27 @@ def _first_error(err: ValidationError) -> APIError:
 
 def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, model_ids: set[str],
                   context_limit: int, default_max_tokens: int, default_temperature: float,
-                  vocab_size: int, record_default: bool) -> GenSpec:
+                  vocab_size: int, record_default: bool, max_n: int | None = None) -> GenSpec:
     """Validate a decoded JSON body and tokenise its prompt.
 
     Args:
-        kind: "completion" (``prompt``) or "chat" (``messages``, the tokenizer's chat template).
+        kind: "completion" (``prompt``) or "chat" (``messages``, the tokenizer's chat template with
+            ``chat_template_kwargs`` as extra template variables).
         raw: the decoded JSON body. tokenizer: a Hugging Face tokenizer. model_ids: accepted ``model`` ids.
         context_limit: max prompt + completion tokens. default_max_tokens: budget when none is given
             (clamped to the context left). default_temperature: when ``temperature`` is absent.
         vocab_size: token ids in ``prompt`` / ``stop_token_ids`` must be < this.
         record_default: whether a request without ``store`` may be distilled on.
+        max_n: the most choices one request may ask for (``n``; the replica's in-flight limit), None = no limit.
     Returns:
         GenSpec.
     Unknown fields (at any depth) are ignored, listed in ``GenSpec.ignored`` and logged (a warning the first
     time each field path is seen in the process).
 
     Raises:
-        APIError: 400 naming the field (known but unsupported at a non-neutral value, out of range, a prompt
-            over the context limit: code ``context_length_exceeded``), 404 for an unknown model.
+        APIError: 400 naming the field (known but unsupported at a non-neutral value, out of range - the ranges
+            of :meth:`SamplingParams.validate` -, a prompt over the context limit: code
+            ``context_length_exceeded``), 404 for an unknown model.
     """
     if not isinstance(raw, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
@@ -261,16 +308,11 @@ def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, m
     if body.model not in model_ids:
         raise APIError(404, f"The model '{body.model}' does not exist; this endpoint serves {sorted(model_ids)}.",
                        type="not_found_error", param="model", code="model_not_found")
-    if body.n != 1:
-        raise APIError(400, f"'n' must be 1 (got {body.n}): one choice per request is supported.", param="n",
-                       code="unsupported_parameter")
+    n = body.n or 1
+    if max_n is not None and n > max_n:
+        raise APIError(400, f"'n' is {n}; a replica runs at most {max_n} requests at a time.", param="n")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "'stream_options' is only allowed when 'stream' is true.", param="stream_options")
-    temperature = default_temperature if body.temperature is None else body.temperature
-    if body.seed is not None and temperature > 0:
-        raise APIError(400, "'seed' is only supported with temperature 0 (the batched engine shares one sampler "
-                       "across requests, so a per-request seed cannot be honoured when sampling).", param="seed",
-                       code="unsupported_parameter")
     stop_strings, stop_ids = [], list(body.stop_token_ids or [])
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > 16:
@@ -306,11 +348,7 @@ def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, m
         budget_param = "max_tokens"
     else:
         param = "messages"
-        msgs = [{"role": "system" if m.role == "developer" else m.role,
-                 "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
-                for m in body.messages]
-        enc = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)
-        ids = [int(t) for t in enc["input_ids"]]
+        ids = _chat_prompt_ids(body, tokenizer)
         if body.max_tokens is not None and body.max_completion_tokens is not None \
                 and body.max_tokens != body.max_completion_tokens:
             raise APIError(400, "'max_tokens' and 'max_completion_tokens' differ; send one of them.",
@@ -321,19 +359,76 @@ def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, m
         raise APIError(400, f"This model's maximum context length is {context_limit} tokens; the {param} has "
                        f"{len(ids)} tokens, which leaves no room for a completion.", param=param,
                        code="context_length_exceeded")
-    if budget is None:
-        budget = min(default_max_tokens, context_limit - len(ids))
+    if budget is None:  # the default budget, but at least min_tokens, within the context left
+        budget = min(max(default_max_tokens, body.min_tokens or 0), context_limit - len(ids))
     elif len(ids) + budget > context_limit:
         raise APIError(400, f"This model's maximum context length is {context_limit} tokens. However, you requested "
                        f"{len(ids) + budget} tokens ({len(ids)} in the {param}, {budget} for the completion). "
                        f"Reduce the {param} or '{budget_param}'.", param=budget_param,
                        code="context_length_exceeded")
-    return GenSpec(kind=kind, model=body.model, prompt_ids=ids, max_tokens=budget, temperature=temperature,
-                   top_p=1.0 if body.top_p is None else body.top_p, stop=stop_strings, stop_token_ids=stop_ids,
-                   seed=body.seed, stream=body.stream,
+    sampling = _sampling_params(kind, body, budget, budget_param, default_temperature)
+    return GenSpec(kind=kind, model=body.model, prompt_ids=ids, sampling=sampling, stop=stop_strings,
+                   stop_token_ids=stop_ids, stream=body.stream, n=n,
                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
                    continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
                    record=record_default if body.store is None else body.store, user=body.user, ignored=ignored)
+
+
+def _chat_prompt_ids(body: ChatBody, tokenizer) -> list[int]:
+    """The chat template applied to ``messages`` with the generation prompt; ``chat_template_kwargs`` become extra
+    template variables (``enable_thinking`` of Qwen3's template; one a template does not read changes nothing), as
+    vLLM passes them (vllm/entrypoints/chat_utils.py apply_hf_chat_template). A key that is one of
+    ``apply_chat_template``'s own arguments (``tools``, ``tokenize``, ``chat_template``, ...) is refused, and a
+    template that raises on them is a 400 naming ``chat_template_kwargs``."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    own = {k for k, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+           if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    for k in kwargs:
+        if k in own:
+            raise APIError(400, f"'chat_template_kwargs.{k}' is an argument of the tokenizer's apply_chat_template, "
+                           "not a template variable; it is not supported.", param=f"chat_template_kwargs.{k}",
+                           code="unsupported_parameter")
+    msgs = [{"role": "system" if m.role == "developer" else m.role,
+             "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
+            for m in body.messages]
+    try:
+        enc = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                            **kwargs)
+    except Exception as e:  # noqa: BLE001 - jinja's TemplateError (raise_exception in the template) and the like
+        if not kwargs:
+            raise
+        raise APIError(400, f"The chat template failed with 'chat_template_kwargs' {json.dumps(kwargs)[:80]}: "
+                       f"{type(e).__name__}: {str(e)[:200]}", param="chat_template_kwargs") from None
+    return [int(t) for t in enc["input_ids"]]
+
+
+def _sampling_params(kind: str, body: _Common, budget: int, budget_param: str,
+                     default_temperature: float) -> SamplingParams:
+    """The request's sampling fields as the engine's :class:`SamplingParams` (absent = the engine's neutral
+    default), checked by :meth:`SamplingParams.validate` - the one home of their ranges - whose error names the
+    request field. Logprobs: chat ``logprobs: true`` + ``top_logprobs`` k; completions ``logprobs`` k (OpenAI's
+    two spellings of "the chosen token's log-probability and the k most likely alternatives")."""
+    if kind == "chat":
+        if body.top_logprobs and not body.logprobs:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+        logprobs, logprobs_param = (body.top_logprobs or 0) if body.logprobs else None, "top_logprobs"
+    else:
+        logprobs, logprobs_param = body.logprobs, "logprobs"
+    given = {"temperature": default_temperature if body.temperature is None else body.temperature,
+             "top_p": body.top_p, "seed": body.seed, "top_k": body.top_k, "min_p": body.min_p,
+             "repetition_penalty": body.repetition_penalty, "frequency_penalty": body.frequency_penalty,
+             "presence_penalty": body.presence_penalty, "min_tokens": body.min_tokens, "ignore_eos": body.ignore_eos,
+             "logprobs": logprobs}
+    params = SamplingParams(max_new_tokens=budget, **{k: v for k, v in given.items() if v is not None})
+    try:
+        params.validate()
+    except ValueError as e:
+        name, rest = str(e).split(" ", 1)
+        param = {"max_new_tokens": budget_param, "logprobs": logprobs_param}.get(name, name)
+        rest = rest.replace("max_new_tokens=", f"{budget_param}=")  # the engine's names -> the request's
+        raise APIError(400, f"Invalid value for '{param}': {param} {rest}.", param=param,
+                       code="invalid_value") from None
+    return params
 
 
 # ------------------------------------------------------------------------------------------ detokenisation

@@ -7,8 +7,12 @@ request's :class:`asyncio.Queue` on the event loop (``loop.call_soon_threadsafe`
 drafter swaps are applied by that thread between steps, never inside one. An abort finishes the request and frees
 its KV slot (``SpecEngine.abort``) before the next step.
 
-Queue items: ``("tokens", [ids], drafter_version)``, ``("done", finish_reason)``, ``("error", exc)`` (then
-``("done", "error")``): exc is the engine's ValueError for a bad request, or the service's EngineDead.
+Queue items: ``("tokens", [ids], drafter_version, logprobs)``, ``("done", finish_reason)``, ``("error", exc)``
+(then ``("done", "error")``): exc is the engine's ValueError for a bad request, or the service's EngineDead.
+``logprobs`` is None unless the request asked for them (``SamplingParams.logprobs``); then one
+``(logprob, [(top id, top logprob), ...])`` per token of ``ids``, read from the engine's ``Request.output_logprobs``
+/ ``output_top_logprobs`` in the engine thread, in the step that committed the tokens (an error message instead
+if the engine recorded fewer).
 """
 from __future__ import annotations
 
@@ -46,6 +50,22 @@ class RequestStream:
         self.t_submit = time.perf_counter()
         self.started = False  # the prefill committed its first token
         self.num_tokens = 0  # completion tokens delivered so far (set by the replica's text stream)
+
+
+def _logprobs(h: RequestHandle, num_new: int) -> list[tuple[float, list[tuple[int, float]]]] | str | None:
+    """The last ``num_new`` output tokens' ``(logprob, top)`` (the tokens this step committed: ``h.num_sent`` is
+    already past them); None when the request did not ask for logprobs; an error message (str) when the engine
+    recorded fewer than it committed tokens - that request fails, the engine thread goes on (raising here would
+    stop it)."""
+    req = h.req
+    if req.params.logprobs is None:
+        return None
+    end = h.num_sent
+    lps, tops = req.output_logprobs[end - num_new:end], req.output_top_logprobs[end - num_new:end]
+    if len(lps) != num_new or len(tops) != num_new:
+        return (f"the engine recorded {len(req.output_logprobs)} logprobs for {end} output tokens of a request "
+                "that asked for them")
+    return [(float(lp), [(int(i), float(v)) for i, v in top]) for lp, top in zip(lps, tops)]
 
 
 class EngineLoop:
@@ -87,24 +107,30 @@ class EngineLoop:
         return self.service.dead
 
     # ------------------------------------------------------------------ event-loop side
-    def submit(self, prompt_ids: list[int], params: SamplingParams, record: bool) -> RequestStream:
-        """Queue a request; returns its stream. Raises QueueFull, or RuntimeError if the engine died."""
+    def submit(self, prompt_ids: list[int], params: list[SamplingParams], record: bool) -> list[RequestStream]:
+        """Queue one request per entry of ``params`` on the same prompt (the ``n`` choices of one HTTP request),
+        all or none; returns their streams. Raises QueueFull (nothing queued) when they do not all fit in the
+        in-flight limit, or RuntimeError if the engine died."""
         if self.dead is not None:
             raise RuntimeError(f"engine loop failed: {self.dead!r}")
-        if self.num_in_flight >= self.max_in_flight:
+        if self.num_in_flight + len(params) > self.max_in_flight:
             self.counts["rejected"] += 1
-            raise QueueFull(f"{self.num_in_flight} requests in flight, limit {self.max_in_flight}")
-        rs = RequestStream(record)
-        try:
-            if self.metrics is not None:
-                rs.handle = self.metrics.timed_submit(lambda: self.service.submit(prompt_ids, params, tag=rs))
-            else:
-                rs.handle = self.service.submit(prompt_ids, params, tag=rs)
-        except EngineDead as e:
-            raise RuntimeError(f"engine loop failed: {e!r}") from e
-        self.num_in_flight += 1
-        rs.handle.future.add_done_callback(lambda fut: self._done(rs, fut))
-        return rs
+            raise QueueFull(f"{self.num_in_flight} requests in flight, {len(params)} more asked for, "
+                            f"limit {self.max_in_flight}")
+        streams = []
+        for p in params:
+            rs = RequestStream(record)
+            try:
+                if self.metrics is not None:
+                    rs.handle = self.metrics.timed_submit(lambda p=p, rs=rs: self.service.submit(prompt_ids, p, tag=rs))
+                else:
+                    rs.handle = self.service.submit(prompt_ids, p, tag=rs)
+            except EngineDead as e:
+                raise RuntimeError(f"engine loop failed: {e!r}") from e
+            self.num_in_flight += 1
+            rs.handle.future.add_done_callback(lambda fut, rs=rs: self._done(rs, fut))
+            streams.append(rs)
+        return streams
 
     def abort(self, rs: RequestStream, reason: str = "aborted") -> None:
         """Cancel a request ("aborted": the client is gone; "stop_string": the text hit a stop string); its KV
@@ -149,7 +175,8 @@ class EngineLoop:
             if h.tag.started:  # a decode step of this request (its prefill excluded)
                 self.counts["decode_steps"] += 1
             h.tag.started = True
-            self.loop.call_soon_threadsafe(h.tag.queue.put_nowait, ("tokens", list(tokens), event.drafter_version))
+            self.loop.call_soon_threadsafe(h.tag.queue.put_nowait,
+                                           ("tokens", list(tokens), event.drafter_version, _logprobs(h, len(tokens))))
         self._tok_window.append((time.perf_counter(), num_new))
         self.counts["tokens"] += num_new
         for h in event.finished:
