@@ -2,6 +2,7 @@
 (T = 0.8, top-p 0.9) and greedy traffic through its own Serve process (cpu_tiny, live distillation hot-reloading
 versions in between): no failed or stuck request, exact token accounting, at least one hot reload, the first
 token's distribution on a fixed prompt consistent with the target's own (χ²), the server drained with exit 0.
+The traffic is locust's: its own counts (requests, failures, completion tokens as response length) are checked.
 
 Run: python -m pytest -q tests/test_soak.py     (~3-5 min on 2 CPU cores)
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("aiohttp")
+pytest.importorskip("locust")
 pytest.importorskip("scipy")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,5 +43,11 @@ def test_short_sampled_soak(tmp_path):
     assert r.returncode == 0 and res["ok"], (res["checks"], res["failures_sample"], res["token_errors_sample"],
                                               r.stderr[-2000:])
     assert res["decode_steps"] >= 2000 and res["num_sampled"] > 0 and res["num_greedy"] > 0
-    assert res["completion_tokens"] == res["server_tokens"] and res["reloads"]
+    assert res["client"].startswith("locust ")
+    lo, lo2 = res["locust"], res["chi2_locust"]  # locust's own statistics of the two phases
+    assert lo["num_failed"] == 0 and lo2["num_failed"] == 0 and not res["failures_sample"]
+    assert lo["num_requests"] == res["num_requests"] == res["num_sampled"] + res["num_greedy"]
+    assert lo["completion_tokens"] == res["completion_tokens"] == res["server_tokens"] and res["reloads"]
+    assert 0 < lo["ttft_p50_s"] <= lo["ttft_p99_s"] and 0 < lo["latency_p50_s"] <= lo["latency_p99_s"]
+    assert lo2["num_requests"] == 200 and lo2["completion_tokens"] == 200
     assert res["chi2"]["num_samples"] == 200 and res["chi2"]["num_outside_support"] == 0
