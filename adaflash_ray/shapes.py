@@ -26,7 +26,7 @@ from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
 from adaflash_ray.models.target import TargetConfig, TargetModel
 
 __all__ = ["SHAPES", "UNSUPPORTED_SHAPES", "ShapeError", "bench_shape", "build_random_drafter",
-           "build_random_target", "count_forward_kernels", "decode_weight_bytes", "measure_copy_bandwidth",
+           "build_random_target", "count_forward_kernels", "count_propose_kernels", "decode_weight_bytes", "measure_copy_bandwidth",
            "shape_config"]
 
 #: Real target shapes the built-in engine can run (dense Llama / Qwen3 decoders). ``tiny`` is for tests.
@@ -234,6 +234,46 @@ def bench_shape(name: str, *, device: str = "cuda", dtype: torch.dtype = torch.b
     }
 
 
+def _kernel_counts(step, dev: torch.device) -> dict[str, collections.Counter]:
+    """Device kernels (by name) of ``step()`` run once eagerly and once as a CUDA-graph replay, counted with
+    ``torch.profiler``: ``{"graph": ..., "eager": ...}``. ``step`` runs once on a side stream first (Triton compiles,
+    cuBLAS initialises outside the capture). Memcpy / memset records count too (they are graph nodes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize(dev)
+    out = {}
+    for key, fn in (("graph", graph.replay), ("eager", step)):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize(dev)
+        out[key] = collections.Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    del graph
+    return out
+
+
+def _per_layer(counts: dict[tuple[str, int], collections.Counter], layer_counts: tuple[int, int]) -> dict:
+    """Kernels per layer from the counts of two depths: the difference over the difference in layers (what the
+    rest of the call launches cancels out), from the graph replay's records when the profiler reports kernels
+    inside graphs, else from the eager run's (the same launches: the graph captured them)."""
+    lo, hi = layer_counts
+    src = "graph" if sum(counts["graph", lo].values()) else "eager"
+    c_lo, c_hi = counts[src, lo], counts[src, hi]
+    diff = {k: (c_hi[k] - c_lo[k]) / (hi - lo) for k in set(c_hi) | set(c_lo)}
+    return {"source": src, "per_layer": (sum(c_hi.values()) - sum(c_lo.values())) / (hi - lo),
+            "per_forward": {f"{k}_{n}": sum(c.values()) for (k, n), c in counts.items()},
+            "names": {f"{k}_{n}": dict(c.most_common()) for (k, n), c in counts.items()},
+            "per_layer_names": {k: v for k, v in sorted(diff.items(), key=lambda kv: -kv[1]) if v}}
+
+
 def count_forward_kernels(name: str, *, fused: bool, split_k: bool = False, batch: int = 1, width: int = 1,
                           context: int = 64,
                           device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
@@ -253,8 +293,6 @@ def count_forward_kernels(name: str, *, fused: bool, split_k: bool = False, batc
     "per_layer_names": {name: count per layer}}``.
     Raises ShapeError (unknown shape) and RuntimeError (not on CUDA).
     """
-    from torch.profiler import ProfilerActivity, profile
-
     dev = torch.device(device)
     if dev.type != "cuda":
         raise RuntimeError("count_forward_kernels needs a CUDA device (it profiles a CUDA-graph replay)")
@@ -273,34 +311,58 @@ def count_forward_kernels(name: str, *, fused: bool, split_k: bool = False, batc
         def step():
             return target(ids, pos, cache=cache, rows_are_slots=True, span=context + width, capture_layer_ids=[0],
                           logits_dtype=None)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            step()  # compile / autotune outside the capture
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        graph.replay()
-        torch.cuda.synchronize(dev)
-        for key, fn in (("graph", graph.replay), ("eager", step)):
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                fn()
-                torch.cuda.synchronize(dev)
-            counts[key, n_layers] = collections.Counter(e.name for e in prof.events()
-                                                        if e.device_type == torch.autograd.DeviceType.CUDA)
-        del graph, target, cache
+        for key, c in _kernel_counts(step, dev).items():
+            counts[key, n_layers] = c
+        del target, cache
         torch.cuda.empty_cache()
-    lo, hi = layer_counts
-    span = hi - lo
-    # the graph replay's records when the profiler reports kernels inside graphs, else the eager run's
-    # (the same launches: the graph captured them)
-    src = "graph" if sum(counts["graph", lo].values()) else "eager"
-    c_lo, c_hi = counts[src, lo], counts[src, hi]
-    diff = {k: (c_hi[k] - c_lo[k]) / span for k in set(c_hi) | set(c_lo)}
     return {"shape": name, "fused": fused, "split_k": split_k, "fused_active": active, "batch": batch, "width": width,
-            "source": src,
-            "per_layer": (sum(c_hi.values()) - sum(c_lo.values())) / span,
-            "per_forward": {f"{k}_{n}": sum(c.values()) for (k, n), c in counts.items()},
-            "names": {f"{k}_{n}": dict(c.most_common()) for (k, n), c in counts.items()},
-            "per_layer_names": {k: v for k, v in sorted(diff.items(), key=lambda kv: -kv[1]) if v}}
+            **_per_layer(counts, layer_counts)}
+
+
+def count_propose_kernels(name: str, *, fused: bool, batch: int = 1, context: int = 64, block_size: int = 16,
+                          device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                          layer_counts: tuple[int, int] = (1, 3)) -> dict:
+    """Device kernels of the drafter's two engine calls, each as one CUDA-graph replay: ``propose``
+    (``DFlashDrafter.propose_hidden`` for ``batch`` rows after ``context`` positions, rows are slots, then the
+    draft logits and their argmax, as the engine's propose runs them) and ``append``
+    (``DFlashDrafter.append_context`` of one verify step's ``block_size`` positions per row). Counted with
+    ``torch.profiler`` for random drafters of ``layer_counts`` layers on a random one-layer target of shape
+    ``name``, prepared as the engine prepares them on CUDA (``fuse_projections`` with ``auto`` when ``fused``,
+    else ``off``). Kernels per layer as in :func:`count_forward_kernels`.
+
+    Returns ``{"shape", "fused", "fused_active", "batch", "block_size", "propose": {...}, "append": {...}}``, each
+    path with ``source``, ``per_layer``, ``per_forward``, ``names`` and ``per_layer_names`` as in
+    :func:`count_forward_kernels`.
+    Raises ShapeError (unknown shape) and RuntimeError (not on CUDA).
+    """
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise RuntimeError("count_propose_kernels needs a CUDA device (it profiles a CUDA-graph replay)")
+    target = build_random_target(dataclasses.replace(shape_config(name), num_hidden_layers=1), dev, dtype)
+    counts: dict[str, dict[tuple[str, int], collections.Counter]] = {"propose": {}, "append": {}}
+    active = False
+    rows = torch.arange(batch, device=dev)
+    anchors = torch.zeros(batch, dtype=torch.long, device=dev)
+    anchor_pos = torch.full((batch,), context, device=dev)
+    positions = (context + torch.arange(block_size, device=dev)).expand(batch, block_size).contiguous()
+    span = context + block_size
+    for n_layers in layer_counts:
+        drafter = build_random_drafter(target, n_layers, block_size)
+        active = drafter.fuse_projections("auto" if fused else "off").fused_kernels_active  # as the engine does
+        ctx = drafter.new_context_cache(batch, context + 2 * block_size)
+        feats = torch.randn(batch, block_size, drafter.fc.in_features, device=dev).to(dtype)
+
+        def propose():
+            hidden = drafter.propose_hidden(ctx, rows, anchors, anchor_pos, span=span, rows_are_slots=True)
+            return drafter.logits(hidden[:, 1:]).argmax(-1)
+
+        def append():
+            drafter.append_context(ctx, rows[:, None].expand(batch, block_size), positions, feats)
+        with torch.no_grad():
+            for path, step in (("propose", propose), ("append", append)):
+                for key, c in _kernel_counts(step, dev).items():
+                    counts[path][key, n_layers] = c
+        del drafter, ctx
+        torch.cuda.empty_cache()
+    return {"shape": name, "fused": fused, "fused_active": active, "batch": batch, "block_size": block_size,
+            **{path: _per_layer(c, layer_counts) for path, c in counts.items()}}

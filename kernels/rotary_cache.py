@@ -13,6 +13,8 @@ float32 ``cos``/``sin`` table of :class:`adaflash_ray.models.layers.Rotary`, and
 
 Any verify width ``W`` works; rows of the batch name their cache slots through ``rows`` (the engine's decode
 step passes ``arange(B)``: batch row b is KV slot b). :func:`rotary_qkv_cache_ref` is the pure-torch reference.
+:func:`rotary_kv_cache` is the same kernel with no query heads: keys normed, rotated and written with the values
+(the drafter's context K/V, which has no queries), beside its reference :func:`rotary_kv_cache_ref`.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 from adaflash_ray.kernels.reference import apply_rotary, fold_queries
 from adaflash_ray.kernels.triton_support import HAVE_TRITON, tl, triton
 
-__all__ = ["rotary_qkv_cache", "rotary_qkv_cache_ref"]
+__all__ = ["rotary_kv_cache", "rotary_kv_cache_ref", "rotary_qkv_cache", "rotary_qkv_cache_ref"]
 
 
 def rotary_qkv_cache_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None,
@@ -37,8 +39,9 @@ def rotary_qkv_cache_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         eps: norm epsilon. k_cache, v_cache: ``[slots, S_max, Hkv, D]`` (one layer of the static cache),
             written in place at ``[rows[b], positions[b, t]]``.
         rows: ``[B]`` int64 slot of each batch row. positions: ``[B, W]`` int64 absolute positions.
+        num_heads, num_kv_heads: Hq (0: no queries, keys and values only) and Hkv.
     Returns:
-        folded queries ``[B, Hkv, W*rep, D]`` in qkv's dtype.
+        folded queries ``[B, Hkv, W*rep, D]`` in qkv's dtype (no elements when ``num_heads`` is 0).
     """
     import torch.nn.functional as F
 
@@ -66,10 +69,10 @@ if HAVE_TRITON:
     def _rotary_qkv_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr, kc_ptr, vc_ptr, rows_ptr,
                                  pos_ptr, width, stride_tok, stride_cs, stride_qo_b, stride_qo_h, stride_qo_t,
                                  stride_kc_s, stride_kc_p, stride_kc_h, stride_vc_s, stride_vc_p, stride_vc_h,
-                                 eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                                 BLOCK_HALF: tl.constexpr, QK_NORM: tl.constexpr):
+                                 eps, HQ: tl.constexpr, HKV: tl.constexpr, REP: tl.constexpr, D: tl.constexpr,
+                                 HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, QK_NORM: tl.constexpr):
         tok = tl.program_id(0).to(tl.int64)  # b * width + t
-        h = tl.program_id(1)  # 0 .. HQ + HKV - 1: a query head, then a key (+ value) head
+        h = tl.program_id(1)  # 0 .. HQ + HKV - 1: a query head, then a key (+ value) head (HQ = 0: keys only)
         b = tok // width
         t = tok % width
         j = tl.arange(0, BLOCK_HALF)
@@ -95,9 +98,8 @@ if HAVE_TRITON:
         s2 = tl.load(sn + HALF + j, mask=m, other=0.0)
         o1 = x1 * c1 + (-x2) * s1  # x * cos + rotate_half(x) * sin
         o2 = x2 * c2 + x1 * s2
-        if h < HQ:
-            rep = HQ // HKV
-            dst = qo_ptr + b * stride_qo_b + (h // rep) * stride_qo_h + (t * rep + h % rep) * stride_qo_t
+        if h < HQ:  # REP = HQ // HKV (1 when HQ = 0, where no program takes this branch)
+            dst = qo_ptr + b * stride_qo_b + (h // REP) * stride_qo_h + (t * REP + h % REP) * stride_qo_t
             tl.store(dst + j, o1.to(qo_ptr.dtype.element_ty), mask=m)
             tl.store(dst + HALF + j, o2.to(qo_ptr.dtype.element_ty), mask=m)
         else:
@@ -144,13 +146,38 @@ def rotary_qkv_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_
     qo = torch.empty((b, num_kv_heads, w * rep, d), dtype=qkv.dtype, device=qkv.device)
     if b * w == 0:
         return qo
+    rep = max(rep, 1)
+    qo_arg = qo if num_heads else qkv  # no query heads: an unused pointer (qo has no elements)
     half = d // 2
     qk_norm = q_norm is not None
     qw = q_norm if qk_norm else cos  # unused pointers when there is no qk-norm
     kw = k_norm if qk_norm else cos
     _rotary_qkv_cache_kernel[(b * w, num_heads + num_kv_heads)](
-        qkv, cos, sin, qw, kw, qo, k_cache, v_cache, rows, positions, w, qkv.stride(1), cos.stride(1),
+        qkv, cos, sin, qw, kw, qo_arg, k_cache, v_cache, rows, positions, w, qkv.stride(1), cos.stride(1),
         qo.stride(0), qo.stride(1), qo.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), float(eps), HQ=num_heads, HKV=num_kv_heads, D=d,
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), QK_NORM=qk_norm, num_warps=1 if d <= 64 else 2)
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), float(eps), HQ=num_heads, HKV=num_kv_heads,
+        REP=rep, D=d, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), QK_NORM=qk_norm,
+        num_warps=1 if d <= 64 else 2)
     return qo
+
+
+def rotary_kv_cache_ref(kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_norm: torch.Tensor | None,
+                        eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+                        positions: torch.Tensor, num_kv_heads: int) -> None:
+    """Reference of the keys-only case (the drafter's context K/V, adaflash_ray/models/drafter.py
+    ``append_context``): :func:`rotary_qkv_cache_ref` with no query heads.
+
+    Args:
+        kv: ``[B, W, 2*Hkv*D]`` fused k/v projection output (k heads, then v heads). k_norm: ``[D]`` or None.
+        cos, sin, eps, k_cache, v_cache, rows, positions: as in :func:`rotary_qkv_cache_ref` (caches written in
+            place at ``[rows[b], positions[b, t]]``).
+    """
+    rotary_qkv_cache_ref(kv, cos, sin, k_norm, k_norm, eps, k_cache, v_cache, rows, positions, 0, num_kv_heads)
+
+
+def rotary_kv_cache(kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_norm: torch.Tensor | None, eps: float,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                    num_kv_heads: int) -> None:
+    """Fused :func:`rotary_kv_cache_ref`: k-norm + rotary of the keys and the K/V cache write in one launch of
+    :func:`rotary_qkv_cache`'s kernel with no query heads (``B*W x Hkv`` programs). Same input rules and errors."""
+    rotary_qkv_cache(kv, cos, sin, k_norm, k_norm, eps, k_cache, v_cache, rows, positions, 0, num_kv_heads)

@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
 # The fused Triton kernels of adaflash_ray/kernels on one GPU: their gpu tests, kernels per layer in the captured
-# decode / verify graph (torch.profiler), and the random-weight shape benches with the kernels off and on.
+# decode / verify graph and in the drafter's captured propose / context append (torch.profiler), and the
+# random-weight shape benches with the kernels off and on (target and drafter alike: the bench's propose share).
 #
 # Runs in the same `run` call right after the install step of scripts/gpu_main_job.sh (carry [".gpu_stage"]):
 #     bash scripts/gpu_main_job.sh a && ADAFLASH_COMMIT=<sha> bash scripts/gpu_kernels.sh
 # It sources that script for its env_setup (PYTHONPATH onto the installed wheels). KERNELS_BUDGET_S (default 420) bounds
 # its own wall time: each step gets at most its own limit and what is left, in this order (most wanted first):
-# gpu tests (100 s), Qwen3-8B shape bench off then on (110 s each), kernel counts (60 s), attention timing (40 s),
-# SmolLM2 shape bench off then on (45 s each), Qwen3-8B with the split-K attention (110 s). A step cut short
+# gpu tests (130 s), Qwen3-8B shape bench off then on (110 s each), kernel counts (60 s), drafter kernel counts
+# (90 s), attention timing (40 s), SmolLM2 shape bench off then on (45 s each), Qwen3-8B with the split-K attention
+# (110 s). A step cut short
 # leaves its rc (124) in steps.txt. Run after call a in a call of its own (the machine keeps /root/stage while
 # warm), KERNELS_BUDGET_S=560 lets every step run.
 # Writes under $OUT/kernels/:
-#   tests.log                         python -m pytest -q -m gpu tests/test_fused_kernels.py
+#   tests.log                         python -m pytest -q -m gpu tests/test_fused_kernels.py tests/test_drafter_kernels.py
 #   kernel_counts.json                count_forward_kernels for both shapes, fused off/on, (batch, width) (1,1) (1,16)
+#   propose_kernel_counts.json        count_propose_kernels (drafter propose + context append) for both shapes,
+#                                     fused off/on, batch 1 and 8
 #   bench_<shape>_<off|on>.json/.log  python -m adaflash_ray.bench --shape <shape> (ADAFLASH_FUSED_KERNELS=off|auto)
 #   attention_micro.json              one Qwen3-8B layer's attention: SDPA + mask vs the split-K kernel, ms per call
 #   bench_qwen3-8b_on_splitk.json     the fused kernels plus the split-K attention (ADAFLASH_FUSED_ATTENTION=1)
-#   summary.json                      AR step / verify ratio / propose share off vs on, kernels per layer, commit
+#   summary.json                      AR step / verify ratio / propose ms and share off vs on, kernels per layer
+#                                     (target forward, drafter propose and append), commit
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -41,8 +46,8 @@ run_step() {  # run_step MAX_S NAME CMD...: at most MAX_S seconds (less if the b
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))" \
   2>&1 | tee "$K/versions.txt"
 
-run_step 100 tests bash -c "python3 -m pytest -q -m gpu tests/test_fused_kernels.py -p no:cacheprovider \
-  > '$K/tests.log' 2>&1"
+run_step 130 tests bash -c "python3 -m pytest -q -m gpu tests/test_fused_kernels.py tests/test_drafter_kernels.py \
+  -p no:cacheprovider > '$K/tests.log' 2>&1"
 tail -3 "$K/tests.log"
 
 
@@ -73,6 +78,25 @@ for shape, fused, split_k in (("qwen3-8b", False, False), ("qwen3-8b", True, Fal
         print(f"{shape} fused={fused} split_k={split_k} (active {r['fused_active']}) b{batch} w{width}: "
               f"{r['per_layer']:.1f} kernels per layer, {r['per_forward']} per forward", flush=True)
         json.dump(rows, open(sys.argv[1], "w"), indent=1)
+EOF
+
+# the drafter's propose (propose_hidden + draft logits + argmax) and context append (one verify step's positions),
+# each one CUDA-graph replay, kernels off / on: per drafter layer and per call (its ms share of an AR step is the
+# shape benches' propose_frac_of_ar, off vs on)
+run_step 90 propose_kernel_counts python3 - "$K/propose_kernel_counts.json" <<'EOF'
+import json, sys
+from adaflash_ray.shapes import count_propose_kernels
+rows = []
+for shape in ("qwen3-8b", "smollm2-135m"):
+    for fused in (False, True):
+        for batch in (1, 8):
+            r = count_propose_kernels(shape, fused=fused, batch=batch)
+            rows.append(r)
+            for path in ("propose", "append"):
+                p = r[path]
+                print(f"{shape} {path} fused={fused} (active {r['fused_active']}) b{batch}: {p['per_layer']:.1f} "
+                      f"kernels per drafter layer, {p['per_forward']} per call", flush=True)
+            json.dump(rows, open(sys.argv[1], "w"), indent=1)
 EOF
 
 # one layer's attention at the Qwen3-8B shape: SDPA with the additive mask (what the engine runs) vs the split-K
@@ -136,7 +160,7 @@ for shape in ("qwen3-8b", "smollm2-135m"):
             "ar_step_ms": b["ar_step_ms"], "spec_step_ms": b["spec_step_ms"], "memory_floor_ms": b["memory_floor_ms"],
             "ar_step_x_floor": {bs: v / b["memory_floor_ms"] for bs, v in b["ar_step_ms"].items()},
             "verify_w16_over_w1": {bs: row["16"] / row["1"] for bs, row in vc.items() if "16" in row},
-            "propose_frac_of_ar": b["propose_frac_of_ar"]}
+            "propose_ms": b["propose_ms"], "propose_frac_of_ar": b["propose_frac_of_ar"]}
 p = os.path.join(k, "attention_micro.json")
 if os.path.exists(p):
     doc["attention_micro"] = json.load(open(p))
@@ -145,6 +169,12 @@ if os.path.exists(p):
     doc["kernels_per_layer"] = {f"{r['shape']} fused={r['fused']} split_k={r['split_k']} b{r['batch']} w{r['width']}":
                                 r["per_layer"]
                                 for r in json.load(open(p))}
+p = os.path.join(k, "propose_kernel_counts.json")
+if os.path.exists(p):
+    counts = json.load(open(p))
+    doc["drafter_kernels"] = {f"{r['shape']} {path} fused={r['fused']} b{r['batch']}":
+                              {"per_layer": r[path]["per_layer"], "per_call": r[path]["per_forward"]}
+                              for r in counts for path in ("propose", "append")}
 json.dump(doc, open(os.path.join(k, "summary.json"), "w"), indent=1)
 print(json.dumps(doc, indent=1))
 EOF

@@ -354,8 +354,10 @@ def test_kernels_compile_for_sm90(tmp_path):
              (fused_norm._add_rmsnorm_kernel, {"HAS_DELTA": False, "BLOCK": 1024}, 4),
              (swiglu._swiglu_kernel, {"BLOCK": 1024}, 4)]
     for _, _, _, hq, hkv, d, qk in SHAPES:
-        cases.append((rotary_cache._rotary_qkv_cache_kernel,
-                      {"HQ": hq, "HKV": hkv, "D": d, "HALF": d // 2, "BLOCK_HALF": d // 2, "QK_NORM": qk}, 2))
+        for heads in (hq, 0):  # 0: keys and values only (the drafter's context, rotary_kv_cache)
+            cases.append((rotary_cache._rotary_qkv_cache_kernel,
+                          {"HQ": heads, "HKV": hkv, "REP": max(1, heads // hkv), "D": d, "HALF": d // 2,
+                           "BLOCK_HALF": d // 2, "QK_NORM": qk or heads == 0}, 2))
         rep = hq // hkv
         bm = max(16, triton.next_power_of_2(16 * rep))
         cases.append((da._split_kernel, {"HKV": hkv, "REP": rep, "D": d, "BLOCK_M": bm, "BLOCK_N": 64},

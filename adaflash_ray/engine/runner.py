@@ -182,6 +182,8 @@ class ModelRunner:
         dev = self.device
         if self.is_cuda:  # fewer, larger GEMMs; the CPU path stays the unfused float32 reference
             target.fuse_projections()
+            if drafter is not None:  # the drafter's propose / append kernels: the target's switch (auto / off)
+                drafter.fuse_projections(target.fused_kernels)
         self.block_size = drafter.block_size if drafter is not None else 1
         self.kv = target.new_kv_cache(num_slots, max_seq_len)
         self.ctx = drafter.new_context_cache(num_slots, max_seq_len) if drafter is not None else None

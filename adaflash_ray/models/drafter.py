@@ -11,17 +11,23 @@ Two entry points share the same weights:
   :meth:`DFlashDrafter.propose_hidden` runs one block per request;
 - training: :meth:`DFlashDrafter.forward_train` runs many blocks per sequence, block b seeing
   context strictly before its anchor and only itself (blocks never see each other).
+
+On CUDA the engine fuses the inference path (:meth:`DFlashDrafter.fuse_projections`, switch ``engine.fused_kernels``:
+the target's): one q/k/v and one gate/up GEMM per layer and the Triton kernels of adaflash_ray/kernels (residual
+add + RMSNorm, SwiGLU, q/k-norm + rotary + the K/V cache write). The fused weights are the parameters' own storage,
+so a reload copied in place reaches them; training never reads them. CPU keeps the float32 reference.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from adaflash_ray.models.layers import (AttentionProjections, DecoderLayerParams, RMSNorm, Rotary, gqa_mask,
-                                       grouped_attention, masked_attention)
-from adaflash_ray.models.target import KVCache, TargetConfig
+from adaflash_ray.models.layers import (AttentionProjections, DecoderLayerParams, RMSNorm, Rotary, fuse_layers,
+                                       fused_layer_stack, gqa_mask, grouped_attention, masked_attention)
+from adaflash_ray.models.target import KVCache, TargetConfig, set_fused_kernels
 
 
 @dataclass
@@ -226,6 +232,18 @@ class _DrafterAttention(AttentionProjections):
         super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                          qkv_bias=False, qk_norm=True, eps=cfg.rms_norm_eps)
 
+    def context_kv_fused(self, c, cos, sin, k_cache, v_cache, rows, positions) -> None:
+        """The context K/V of ``c`` ``[N, 1, H]`` written into one layer's cache ``[slots, S_max, Hkv, D]`` at
+        ``[rows[n], positions[n, 0]]`` with the fused kernels (needs :meth:`fuse` and Triton): one GEMM for k and v
+        (the k/v rows of the fused q/k/v weight), one kernel for k-norm + rotary + the K/V write
+        (:func:`adaflash_ray.kernels.rotary_cache.rotary_kv_cache`). cos, sin ``[N, 1, D]`` float32; rows ``[N]``,
+        positions ``[N, 1]`` int64. The values :meth:`kv` gives, rounded to the cache dtype."""
+        from adaflash_ray.kernels.rotary_cache import rotary_kv_cache
+
+        kv = F.linear(c, self._qkv_w[self.num_heads * self.head_dim:])  # [N, 1, 2 Hkv D]
+        rotary_kv_cache(kv, cos, sin, self.k_norm.weight, self.k_norm.eps, k_cache, v_cache, rows, positions,
+                        self.num_kv_heads)
+
 
 class _DrafterLayer(DecoderLayerParams):
     def __init__(self, cfg: DrafterModelConfig):
@@ -305,6 +323,9 @@ class DFlashDrafter(nn.Module):
         else:
             self.mask_embedding = None
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        #: ``auto`` / ``off``: the Triton kernels on the propose path (:meth:`use_fused_kernels`)
+        self.fused_kernels = "auto"
+        self.fused_kernels_active = False  # set by use_fused_kernels
         self._target_embed: nn.Embedding | None = None
         self._target_lm_head: nn.Linear | None = None
 
@@ -357,6 +378,49 @@ class DFlashDrafter(nn.Module):
         # contiguous: a strided [B, T, H] slice makes matmul fall back to a ~7x slower broadcast bmm on CPU
         return (hidden.to(w.dtype).contiguous() @ w.t()).float()
 
+    # ------------------------------------------------------------------ inference kernels
+    def fuse_projections(self, mode: str | None = None) -> "DFlashDrafter":
+        """One GEMM for q/k/v and one for gate/up per layer (the engine's CUDA path, as
+        :meth:`~adaflash_ray.models.target.TargetModel.fuse_projections`): the weights are stored concatenated and
+        the parameters become views of them, so names, values, ``drafter_state_dict`` and in-place loads
+        (``load_state_dict``, the engine's ``load_drafter``) are unchanged and reach the fused weights. Then
+        :meth:`use_fused_kernels` with ``mode`` (None: :attr:`fused_kernels`). Idempotent; training
+        (:meth:`forward_train`) never reads the fused weights."""
+        fuse_layers(self.layers)
+        self.use_fused_kernels(self.fused_kernels if mode is None else mode)
+        return self
+
+    def use_fused_kernels(self, mode: str = "auto") -> bool:
+        """Choose the Triton kernels of adaflash_ray/kernels for :meth:`propose_hidden` and :meth:`append_context`
+        by the target's rule (:func:`~adaflash_ray.models.target.set_fused_kernels`: ``auto`` on CUDA, or any
+        device under ``TRITON_INTERPRET=1``, one parameter dtype; ``ADAFLASH_FUSED_KERNELS`` overrides ``mode``).
+        On: add + RMSNorm fused across the residual, SwiGLU fused, qk-norm + rotary fused with the block's K/V write
+        (propose) and k-norm + rotary with the context K/V write (append), one q/k/v GEMM (projections fused when
+        turning on). Returns :attr:`fused_kernels_active`.
+
+        Raises:
+            ValueError: ``mode`` (or the environment variable) not auto/off.
+        """
+        return set_fused_kernels(self, self.layers, mode, self.fc.weight.device, self.config.head_dim)
+
+    def _fused_path(self, device: torch.device, cache: KVCache) -> bool:
+        """The fused kernels apply to this call: turned on, inputs and cache on the weights' device (the cache in
+        their dtype) and Triton launches there. Where a parameter no longer lies in the fused storage (an assigning
+        ``load_state_dict``, ``.to()``), the projections are fused again from the live parameters first (the rule
+        re-applied); inside a CUDA-graph capture the reference path runs instead."""
+        if not self.fused_kernels_active:
+            return False
+        from adaflash_ray.kernels.triton_support import triton_usable
+
+        w = self.fc.weight
+        if device != w.device or cache.k.dtype != w.dtype or not triton_usable(device):
+            return False
+        if all(layer.self_attn._fused() and layer.mlp._fused() for layer in self.layers):
+            return True
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        return self.use_fused_kernels(self.fused_kernels)
+
     # ------------------------------------------------------------------ inference
     def new_context_cache(self, num_slots: int, max_seq_len: int, dtype: torch.dtype | None = None) -> KVCache:
         c = self.config
@@ -375,12 +439,30 @@ class DFlashDrafter(nn.Module):
         """
         if positions.dim() == 1:
             slot_ids, positions, features = slot_ids[None], positions[None], features[None]
+        if self._fused_path(features.device, cache):
+            self._append_context_fused(cache, slot_ids, positions, features)
+            return
         c = self.project_context(features)  # [B, T, H]
         cos, sin = self.rotary.cos_sin(positions)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.kv(c, cos, sin)  # [B, T, Hkv, D]
             cache.k[i][slot_ids, positions] = k.to(cache.k.dtype)
             cache.v[i][slot_ids, positions] = v.to(cache.v.dtype)
+
+    def _append_context_fused(self, cache, slot_ids, positions, features) -> None:
+        """:meth:`append_context` with the fused kernels, every position its own row (rows may mix slots): fc, then
+        hidden_norm as one kernel (:func:`adaflash_ray.kernels.fused_norm.add_rmsnorm`), then per layer
+        :meth:`_DrafterAttention.context_kv_fused` (one k/v GEMM, one k-norm + rotary + K/V write kernel)."""
+        from adaflash_ray.kernels.fused_norm import add_rmsnorm
+
+        n = positions.numel()
+        f = self.fc(features.reshape(n, 1, -1).to(self.fc.weight.dtype))  # [N, 1, H]
+        c = add_rmsnorm(f, None, self.hidden_norm.weight, self.hidden_norm.eps)[1]  # = project_context
+        pos = positions.reshape(n, 1)
+        cos, sin = self.rotary.cos_sin(pos)  # [N, 1, D]
+        rows = slot_ids.reshape(n)
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.context_kv_fused(c, cos, sin, cache.k[i], cache.v[i], rows, pos)
 
     @torch.no_grad()
     def propose_hidden(self, cache: KVCache, slot_ids: torch.Tensor, anchor_ids: torch.Tensor,
@@ -409,6 +491,9 @@ class DFlashDrafter(nn.Module):
                         self.config.num_attention_heads // self.config.num_key_value_heads, x.dtype)
         rows = torch.arange(bsz, device=dev)[:, None]
         write_pos = pos.clamp(max=cache.max_seq_len - 1)
+        if self._fused_path(dev, cache):
+            return self._propose_fused(x, cos, sin, mask, cache, slot_ids, rows[:, 0], write_pos, span,
+                                       rows_are_slots)
         for i, layer in enumerate(self.layers):
             if rows_are_slots:
                 kc, vc = cache.k[i][:bsz], cache.v[i][:bsz]  # views
@@ -416,6 +501,24 @@ class DFlashDrafter(nn.Module):
                 kc, vc = cache.k[i][slot_ids, :span], cache.v[i][slot_ids, :span]  # gathered copies
             x = layer.forward_cached(x, cos, sin, kc, vc, rows, write_pos, span, mask)
         return self.norm(x)
+
+    def _propose_fused(self, x, cos, sin, mask, cache, slot_ids, rows, write_pos, span, rows_are_slots):
+        """The layers of :meth:`propose_hidden` with the fused kernels (:func:`fused_layer_stack`): per layer one
+        q/k/v GEMM, one kernel for qk-norm + rotary + the block's K/V write into the context cache + the query fold
+        (:meth:`AttentionProjections.forward_fused`), SDPA with ``mask``, o_proj; each residual add fused into the
+        next RMSNorm (the last into ``norm``), SwiGLU fused. The cache is written as the reference writes it: in
+        place with ``rows_are_slots``, else into the gathered copies. x ``[B, bs, H]``; rows ``[B]`` =
+        ``arange(B)``; write_pos ``[B, bs]``. Returns the final hidden ``[B, bs, H]``."""
+        if not rows_are_slots:
+            write_pos = write_pos.clamp(max=span - 1)  # the copies hold positions < span (the kernel checks none)
+
+        def attend(i, attn, h):
+            if rows_are_slots:
+                kc, vc = cache.k[i], cache.v[i]  # row b is slot b: read as [:B, :span] in place
+            else:
+                kc, vc = cache.k[i][slot_ids, :span], cache.v[i][slot_ids, :span]  # gathered copies
+            return attn.forward_fused(h, cos, sin, mask, kc, vc, rows, write_pos, span, None)
+        return fused_layer_stack(self.layers, x, self.norm, attend)[1]
 
     # ------------------------------------------------------------------ training
     def forward_train(self, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,

@@ -13,6 +13,17 @@ from torch import nn
 from adaflash_ray.kernels.reference import apply_rotary, folded_attention, gqa_mask  # noqa: F401
 
 
+def _views_of(fused: torch.Tensor, parts) -> bool:
+    """Whether ``parts`` (tensors of one dtype) lie back to back in ``fused``'s storage from its start, in order:
+    the layout :meth:`AttentionProjections.fuse` / :meth:`SwiGLU.fuse` leave (a host-side pointer check)."""
+    ptr, step = fused.data_ptr(), fused.element_size()
+    for p in parts:
+        if p.data_ptr() != ptr or p.dtype != fused.dtype or p.device != fused.device:
+            return False
+        ptr += p.numel() * step
+    return True
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019) as in Llama/Qwen: computed in float32,
     cast back to the input dtype. Weight shape ``[dim]``."""
@@ -50,8 +61,8 @@ class SwiGLU(nn.Module):
         self.gate_proj.weight.data, self.up_proj.weight.data = w[:n], w[n:]
         self._gate_up = w
 
-    def _fused(self) -> bool:  # false again if .to() moved the parameters away from the fused storage
-        return self._gate_up is not None and self.gate_proj.weight.data_ptr() == self._gate_up.data_ptr()
+    def _fused(self) -> bool:  # false again if .to() or an assigning load moved a parameter off the fused storage
+        return self._gate_up is not None and _views_of(self._gate_up, (self.gate_proj.weight, self.up_proj.weight))
 
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` with the SwiGLU product as one Triton kernel on the fused gate/up GEMM output
@@ -163,8 +174,10 @@ class AttentionProjections(nn.Module):
             start += n
         self._qkv_w, self._qkv_b = w, b
 
-    def _fused(self) -> bool:  # false again if .to() moved the parameters away from the fused storage
-        return self._qkv_w is not None and self.q_proj.weight.data_ptr() == self._qkv_w.data_ptr()
+    def _fused(self) -> bool:  # false again if .to() or an assigning load moved a parameter off the fused storage
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        return (self._qkv_w is not None and _views_of(self._qkv_w, [p.weight for p in projs])
+                and (self._qkv_b is None or _views_of(self._qkv_b, [p.bias for p in projs])))
 
     def q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Queries of ``x`` ``[B, T, H]`` (normed if qk_norm, rotated) -> ``[B, T, Hq, D]``."""
@@ -199,6 +212,36 @@ class AttentionProjections(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         return apply_rotary(k if self.k_norm is None else self.k_norm(k), cos, sin), v
 
+    def forward_fused(self, x, cos, sin, mask, k_cache, v_cache, rows, positions, span, slot_ids, split_k=False):
+        """Attention over a static cache with Triton kernels (needs :meth:`fuse`): one GEMM for q/k/v, one kernel
+        for qk-norm + rotary + the K/V write at ``[rows[b], positions[b, t]]`` + the query fold
+        (:func:`adaflash_ray.kernels.rotary_cache.rotary_qkv_cache`), SDPA, o_proj.
+
+        x ``[B, W, H]``; k_cache/v_cache ``[slots, S_max, Hkv, D]`` (one layer, x's dtype); rows ``[B]`` int64
+        slots; positions ``[B, W]`` int64; mask ``[B, 1, W*rep, span]`` additive (:func:`gqa_mask`); span: keys
+        attended; slot_ids None = batch row b is slot b (keys read in place as ``cache[:B, :span]``), else ``[B]``
+        slots whose keys are gathered (a copy). ``split_k``: attention by
+        :func:`adaflash_ray.kernels.decode_attention.decode_attention` (rows are slots, W <= 16, keys ``0..p`` for
+        the query at position p) instead of SDPA with ``mask``. Returns ``[B, W, H]``."""
+        from adaflash_ray.kernels.rotary_cache import rotary_qkv_cache
+
+        b, w, _ = x.shape
+        qkv = F.linear(x, self._qkv_w, self._qkv_b)  # [B, W, (Hq + 2 Hkv) D]
+        qn = None if self.q_norm is None else self.q_norm.weight
+        kn = None if self.k_norm is None else self.k_norm.weight
+        eps = 0.0 if self.q_norm is None else self.q_norm.eps
+        qg = rotary_qkv_cache(qkv, cos, sin, qn, kn, eps, k_cache, v_cache, rows, positions,
+                              self.num_heads, self.num_kv_heads)  # [B, Hkv, W*rep, D]
+        if split_k:
+            from adaflash_ray.kernels.decode_attention import decode_attention
+
+            return self.o_proj(decode_attention(qg, k_cache, v_cache, rows, positions, span))
+        if slot_ids is None:
+            k, v = k_cache[:b, :span], v_cache[:b, :span]
+        else:
+            k, v = k_cache[slot_ids, :span].to(x.dtype), v_cache[slot_ids, :span].to(x.dtype)
+        return self.o_proj(folded_attention(qg, k, v, mask, w))
+
 
 class DecoderLayerParams(nn.Module):
     """The pre-norm decoder layer's modules (HF names): ``input_layernorm``, ``self_attn``,
@@ -210,3 +253,44 @@ class DecoderLayerParams(nn.Module):
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
         self.mlp = SwiGLU(hidden_size, intermediate_size)
+
+
+def fuse_layers(layers) -> None:
+    """:meth:`AttentionProjections.fuse` and :meth:`SwiGLU.fuse` for every :class:`DecoderLayerParams` of ``layers``
+    (one q/k/v GEMM and one gate/up GEMM each; idempotent)."""
+    for layer in layers:
+        layer.self_attn.fuse()
+        layer.mlp.fuse()
+
+
+def fused_layer_stack(layers, x: torch.Tensor, final_norm: RMSNorm, attend, want=(), captured=None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stack of pre-norm :class:`DecoderLayerParams` with the fused kernels: each residual add is fused into the
+    next RMSNorm (:func:`adaflash_ray.kernels.fused_norm.add_rmsnorm`; the last into ``final_norm``) and each MLP
+    is :meth:`SwiGLU.forward_fused` (needs :meth:`SwiGLU.fuse` and Triton).
+
+    Args:
+        layers: the decoder layers. x: ``[B, T, H]`` input residual stream.
+        attend: ``(i, layer.self_attn, h [B, T, H]) -> [B, T, H]``, layer i's attention output on its normed input
+            (e.g. :meth:`AttentionProjections.forward_fused` over the layer's cache).
+        want, captured: layer i's output (the residual the next norm returns) is stored as ``captured[i]`` for
+            each i in ``want``.
+    Returns:
+        ``(x, final_norm(x))`` ``[B, T, H]`` each, in x's dtype: the last layer's output and its final norm.
+    """
+    from adaflash_ray.kernels.fused_norm import add_rmsnorm
+
+    delta = None
+    for i, layer in enumerate(layers):
+        ln = layer.input_layernorm
+        x, h = add_rmsnorm(x, delta, ln.weight, ln.eps)
+        if i - 1 in want:
+            captured[i - 1] = x
+        a = attend(i, layer.self_attn, h)
+        ln = layer.post_attention_layernorm
+        x, h = add_rmsnorm(x, a, ln.weight, ln.eps)
+        delta = layer.mlp.forward_fused(h)
+    x, last = add_rmsnorm(x, delta, final_norm.weight, final_norm.eps)
+    if len(layers) - 1 in want:
+        captured[len(layers) - 1] = x
+    return x, last

@@ -24,13 +24,38 @@ from safetensors import safe_open
 from torch import nn
 
 from adaflash_ray.config import BUILTIN_MODEL_TYPES, default_target_layer_ids  # noqa: F401  (one rule each)
-from adaflash_ray.models.layers import (AttentionProjections, DecoderLayerParams, RMSNorm, Rotary, folded_attention,
-                                       gqa_mask, grouped_attention)
+from adaflash_ray.models.layers import (AttentionProjections, DecoderLayerParams, RMSNorm, Rotary, fuse_layers,
+                                       fused_layer_stack, gqa_mask, grouped_attention)
 
 #: ``fused_kernels`` values of :class:`TargetModel` (recipe key ``engine.fused_kernels``).
 FUSED_KERNEL_MODES = ("auto", "off")
 
 SUPPORTED_MODEL_TYPES = BUILTIN_MODEL_TYPES
+
+
+def set_fused_kernels(model: nn.Module, layers, mode: str, device: torch.device, head_dim: int) -> bool:
+    """The one rule of ``use_fused_kernels`` (target and drafter), applied to ``model``: sets
+    ``model.fused_kernels`` (the mode used) and ``model.fused_kernels_active`` and returns the latter. The environment
+    variable ``ADAFLASH_FUSED_KERNELS`` (auto/off), when set, overrides ``mode``; the kernels are on when the mode
+    is ``auto``, Triton can launch on ``device`` (CUDA; any device under ``TRITON_INTERPRET=1``), ``head_dim`` is
+    even and every parameter of ``model`` has one dtype; turning them on fuses the projections of ``layers``
+    (:func:`~adaflash_ray.models.layers.fuse_layers`).
+
+    Raises:
+        ValueError: ``mode`` (or the environment variable) not auto/off.
+    """
+    from adaflash_ray.kernels.triton_support import env_mode, triton_usable  # imports triton: only here
+
+    if mode not in FUSED_KERNEL_MODES:
+        raise ValueError(f"fused_kernels {mode!r}: expected one of {FUSED_KERNEL_MODES}")
+    mode = env_mode() or mode
+    on = (mode == "auto" and triton_usable(device) and head_dim % 2 == 0
+          and len({p.dtype for p in model.parameters()}) == 1)
+    model.fused_kernels, model.fused_kernels_active = mode, False
+    if on:
+        fuse_layers(layers)
+    model.fused_kernels_active = on
+    return on
 
 
 @dataclass
@@ -129,35 +154,6 @@ class _Attention(AttentionProjections):
         out = grouped_attention(q, k, v, mask)  # [B, W, Hq, D]
         return self.o_proj(out.reshape(b, w, -1))
 
-    def forward_fused(self, x, cos, sin, mask, k_cache, v_cache, rows, positions, span, slot_ids, split_k=False):
-        """:meth:`forward` over the static cache with Triton kernels (needs :meth:`fuse`): one GEMM for q/k/v,
-        one kernel for qk-norm + rotary + the K/V write at ``[rows[b], positions[b, t]]`` + the query fold
-        (:func:`adaflash_ray.kernels.rotary_cache.rotary_qkv_cache`), SDPA, o_proj.
-
-        x ``[B, W, H]``; k_cache/v_cache ``[slots, S_max, Hkv, D]`` (this layer); rows ``[B]`` int64 slots;
-        positions ``[B, W]`` int64; span: keys attended; slot_ids None = batch row b is slot b (keys read in place
-        as ``cache[:B, :span]``), else ``[B]`` slots whose keys are gathered (a copy). ``split_k``: attention by
-        :func:`adaflash_ray.kernels.decode_attention.decode_attention` (rows are slots, W <= 16) instead of SDPA
-        with ``mask``. Returns ``[B, W, H]``."""
-        from adaflash_ray.kernels.rotary_cache import rotary_qkv_cache
-
-        b, w, _ = x.shape
-        qkv = F.linear(x, self._qkv_w, self._qkv_b)  # [B, W, (Hq + 2 Hkv) D]
-        qn = None if self.q_norm is None else self.q_norm.weight
-        kn = None if self.k_norm is None else self.k_norm.weight
-        eps = 0.0 if self.q_norm is None else self.q_norm.eps
-        qg = rotary_qkv_cache(qkv, cos, sin, qn, kn, eps, k_cache, v_cache, rows, positions,
-                              self.num_heads, self.num_kv_heads)  # [B, Hkv, W*rep, D]
-        if split_k:
-            from adaflash_ray.kernels.decode_attention import decode_attention
-
-            return self.o_proj(decode_attention(qg, k_cache, v_cache, rows, positions, span))
-        if slot_ids is None:
-            k, v = k_cache[:b, :span], v_cache[:b, :span]
-        else:
-            k, v = k_cache[slot_ids, :span].to(x.dtype), v_cache[slot_ids, :span].to(x.dtype)
-        return self.o_proj(folded_attention(qg, k, v, mask, w))
-
 
 class _Layer(DecoderLayerParams):
     def __init__(self, cfg: TargetConfig):
@@ -245,9 +241,7 @@ class TargetModel(nn.Module):
     def fuse_projections(self) -> "TargetModel":
         """One GEMM for q/k/v and one for gate/up per layer (the engine's CUDA path): the weights are stored
         concatenated and the HF-named parameters become views, so nothing else changes. Idempotent."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+        fuse_layers(self.model.layers)
         self.use_fused_kernels(self.fused_kernels)
         return self
 
@@ -263,22 +257,7 @@ class TargetModel(nn.Module):
         Raises:
             ValueError: ``mode`` (or the environment variable) not auto/off.
         """
-        from adaflash_ray.kernels.triton_support import env_mode, triton_usable  # imports triton: only here
-
-        if mode not in FUSED_KERNEL_MODES:
-            raise ValueError(f"fused_kernels {mode!r}: expected one of {FUSED_KERNEL_MODES}")
-        mode = env_mode() or mode
-        self.fused_kernels = mode
-        w = self.lm_head.weight
-        on = (mode == "auto" and triton_usable(w.device) and self.config.head_dim % 2 == 0
-              and len({p.dtype for p in self.parameters()}) == 1)
-        self.fused_kernels_active = False
-        if on:
-            for layer in self.model.layers:
-                layer.self_attn.fuse()
-                layer.mlp.fuse()
-        self.fused_kernels_active = on
-        return on
+        return set_fused_kernels(self, self.model.layers, mode, self.lm_head.weight.device, self.config.head_dim)
 
     def _fused_path(self, x: torch.Tensor) -> bool:
         """The fused kernels apply to this forward: turned on, projections still fused (``.to()`` can undo it),
@@ -380,27 +359,15 @@ class TargetModel(nn.Module):
         return TargetOutput(logits=logits, features=feats, last_hidden=last)
 
     def _fused_layers(self, x, cos, sin, mask, cache, rows, positions, span, slot_ids, want, captured):
-        """The decoder stack of :meth:`forward` over the cache with the fused kernels: each residual add is fused
-        into the next RMSNorm (:func:`adaflash_ray.kernels.fused_norm.add_rmsnorm`), so layer i's output
-        (captured when ``i in want``) is the residual the next norm returns. Returns ``(x, last_hidden)``."""
-        from adaflash_ray.kernels.fused_norm import add_rmsnorm
-
-        layers = self.model.layers
+        """The decoder stack of :meth:`forward` over the cache with the fused kernels
+        (:func:`adaflash_ray.models.layers.fused_layer_stack`): each residual add is fused into the next RMSNorm, so
+        layer i's output (captured when ``i in want``) is the residual the next norm returns. Returns
+        ``(x, last_hidden)``."""
         c = self.config
         split_k = (self.fused_attention and slot_ids is None and positions.shape[1] <= 16 and c.head_dim >= 16
                    and c.head_dim & (c.head_dim - 1) == 0)
-        delta = None
-        for i, layer in enumerate(layers):
-            ln = layer.input_layernorm
-            x, h = add_rmsnorm(x, delta, ln.weight, ln.eps)
-            if i - 1 in want:
-                captured[i - 1] = x
-            a = layer.self_attn.forward_fused(h, cos, sin, mask, cache.k[i], cache.v[i], rows, positions, span,
-                                              slot_ids, split_k)
-            ln = layer.post_attention_layernorm
-            x, h = add_rmsnorm(x, a, ln.weight, ln.eps)
-            delta = layer.mlp.forward_fused(h)
-        x, last = add_rmsnorm(x, delta, self.model.norm.weight, self.model.norm.eps)
-        if len(layers) - 1 in want:
-            captured[len(layers) - 1] = x
-        return x, last
+
+        def attend(i, attn, h):
+            return attn.forward_fused(h, cos, sin, mask, cache.k[i], cache.v[i], rows, positions, span, slot_ids,
+                                      split_k)
+        return fused_layer_stack(self.model.layers, x, self.model.norm, attend, want, captured)
