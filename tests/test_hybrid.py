@@ -318,3 +318,25 @@ def test_recipe_draft_sources_reach_the_engine(tiny_target):
     prompt = _prompts()[0]
     assert ar.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].output_ids == \
         greedy_reference(tiny_target, prompt, 12)
+
+
+def test_planner_keeps_lookups_through_a_step_without_a_match():
+    """One looked-up step with no proposal does not put the lookups on the probe schedule (a request's context often
+    has no match for a step or two); a run of such steps does (the moving average of verified lookup steps falls below
+    LOOKUP_IDLE_BELOW), and reset() brings them back."""
+    from adaflash_ray.engine.hybrid import LOOKUP_EMA, LOOKUP_IDLE_BELOW
+
+    p = _planner()
+    _costs(p, 10.0, 1.0, 1.05)
+    sure = Proposal([7, 8, 9, 10], 3, "context", [4, 4, 4, 4], 4)
+    assert p.plan(1, [20], [None], [sure])[0][0].source == "ngram" and p.lookup_due()
+    p.plan(1, [20], [None], [Proposal([], 0, "context", [], 0)])  # looked up, nothing found
+    assert p.lookup_due()
+    misses = 0
+    while p.lookup_due():
+        p.plan(1, [20], [None], [Proposal([], 0, "context", [], 0)])
+        misses += 1
+    ema = (1 - LOOKUP_EMA) ** (misses + 1)  # from 1.0 after the hit: every miss multiplies by (1 - LOOKUP_EMA)
+    assert ema < LOOKUP_IDLE_BELOW <= ema / (1 - LOOKUP_EMA)
+    p.reset()
+    assert p.lookup_due()

@@ -32,7 +32,9 @@ Both are calibrated online by this replica's own record: per source, the ratio o
 realised to estimated accepted tokens (:class:`SourceCalibration`) scales the estimate. When the drafter's block
 was not chosen for any request, the next steps skip its propose (no drafter forward) and probe again after
 ``probe_every`` steps, twice as long after each probe that still does not choose it (at most 4 x ``probe_every``);
-lookups are skipped the same way when they paid nothing, so their host time is not spent every step.
+lookups are skipped the same way when they do not pay for their host time, or when they found nothing worth verifying
+in most recent steps (an exponential moving average of the steps that used them below :data:`LOOKUP_IDLE_BELOW`: one
+step without a match does not stop them), so their host time is not spent every step.
 """
 from __future__ import annotations
 
@@ -45,6 +47,9 @@ from adaflash_ray.drafting.lookup import Proposal
 #: every draft source the engine knows; "none" labels γ = 0 steps in the statistics
 DRAFT_SOURCES = ("dflash", "ngram", "suffix")
 LOOKUP_SOURCES = ("ngram", "suffix")
+#: weight of each step in the moving average of "a lookup proposal was verified this step", and the level below which
+#: the lookups go on the probe schedule
+LOOKUP_EMA, LOOKUP_IDLE_BELOW = 0.2, 0.3
 
 
 def check_draft_sources(sources, has_drafter: bool) -> tuple[str, ...]:
@@ -135,6 +140,7 @@ class HybridPlanner:
         self._since = {"dflash": 0, "lookup": 0}
         self._interval = {"dflash": probe_every, "lookup": probe_every}
         self._idle = {"dflash": False, "lookup": False}
+        self._lookup_use = 1.0  # moving average of the looked-up steps whose proposals were verified
         self.last_value: float | None = None  # expected tokens per ms of the last plan (None without costs)
 
     # ------------------------------------------------------------------ costs
@@ -190,6 +196,7 @@ class HybridPlanner:
         """A new batch or new drafter weights: both sources are tried on the next step."""
         for key in self._since:
             self._idle[key], self._since[key], self._interval[key] = False, 0, self.probe_every
+        self._lookup_use = 1.0
 
     # ------------------------------------------------------------------ the choice
     def plan(self, batch_size: int, caps: list[int], dflash_expected: list[list[float] | None],
@@ -299,7 +306,10 @@ class HybridPlanner:
                                        (not self._idle["dflash"] and not has_d.any()))
         self._advance("dflash", used_d, bool(has_d.any()), probed=propose)
         if self.lookup is not None:
-            self._advance("lookup", used_l and lookup_pays, looked)
+            if looked:
+                self._lookup_use = (1 - LOOKUP_EMA) * self._lookup_use + LOOKUP_EMA * float(used_l)
+            keep = used_l or (looked and self._lookup_use >= LOOKUP_IDLE_BELOW)  # a step with no match: keep going
+            self._advance("lookup", keep and lookup_pays, looked)
         return choices, propose
 
     def record(self, choices: list[RowChoice], num_accepted: list[int]) -> None:
