@@ -236,8 +236,9 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
           temperature: float = 0.0) -> dict:
     """Run every method per (domain, concurrency) on the recipe's target; returns the JSON document.
 
-    ``repeats``: timed runs per engine cell; the row is the one with the median tokens/s (all in
-    ``repeat_tokens_per_s``). ``corpus_prompts``: held-out prompts per domain (not timed; default: as many as the
+    ``repeats``: timed runs per engine cell, round-robin over the methods of a (domain, concurrency) - repeat k of
+    every method before repeat k+1 of any, so a drift of the machine reaches them alike; the row is the one with the
+    median tokens/s (all in ``repeat_tokens_per_s``). ``corpus_prompts``: held-out prompts per domain (not timed; default: as many as the
     cell's) whose AR outputs seed the ``suffix`` / ``hybrid`` corpus; the corpus is reset to exactly those before
     every timed run (after any warm-up pass over the same prompts), so it never holds a timed request's own output,
     and fills as the timed requests finish. ``temperature`` > 0: every timed request samples (the engine's lossless
@@ -307,6 +308,25 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                 sp = spares[domain]
                 done = engine_for("ar").generate(sp, SamplingParams(max_new_tokens=max_new_tokens), mode="ar")
                 seeds[domain] = [p + r.output_ids for p, r in zip(sp, done)]
+            # the timed runs of the engine methods, round-robin: repeat k of every method before repeat k+1 of any, so
+            # a drift of the machine (clocks, other processes) reaches every method alike
+            runs_by: dict[str, list] = {}
+            engine_methods = [m for m in methods if m != HF_METHOD]
+            for method in engine_methods:
+                if warmup == "repeat":  # the same run untimed first: every CUDA graph it needs is captured
+                    if method in ("suffix", "hybrid"):
+                        engine_for(method).reset_corpus(seeds.get(domain, []))
+                    _run_engine(engine_for(method), ps, max_new_tokens, "ar" if method == "ar" else "spec", device,
+                                temperature)
+                runs_by[method] = []
+            for _ in range(max(repeats, 1)):
+                for method in engine_methods:
+                    eng = engine_for(method)
+                    if method in ("suffix", "hybrid"):  # only the held-out outputs: never a timed request's own
+                        eng.reset_corpus(seeds.get(domain, []))
+                    reqs, secs = _run_engine(eng, ps, max_new_tokens, "ar" if method == "ar" else "spec", device,
+                                             temperature)
+                    runs_by[method].append((sum(len(r.output_ids) for r in reqs) / secs, reqs, secs, eng.stats))
             for method in methods:
                 base = {"method": method, "concurrency": conc, "domain": domain, "model": name,
                         "temperature": temperature,
@@ -322,17 +342,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                            "lossless": None, "match_rate_vs_ar": None if ar_out is None else
                            sum(o == r for o, r in zip(outs, ar_out)) / len(ps), "num_tokens": toks, "seconds": secs}
                 else:
-                    eng = engine_for(method)
-                    mode = "ar" if method == "ar" else "spec"
                     with_corpus = method in ("suffix", "hybrid")
-                    if warmup == "repeat":  # the same run untimed first: every CUDA graph it needs is captured
-                        _run_engine(eng, ps, max_new_tokens, mode, device, temperature)
-                    runs = []
-                    for _ in range(max(repeats, 1)):
-                        if with_corpus:  # only the held-out outputs: never a timed request's own (warm-up) output
-                            eng.reset_corpus(seeds.get(domain, []))
-                        reqs, secs = _run_engine(eng, ps, max_new_tokens, mode, device, temperature)
-                        runs.append((sum(len(r.output_ids) for r in reqs) / secs, reqs, secs, eng.stats))
+                    runs = runs_by[method]
                     order = sorted(range(len(runs)), key=lambda i: runs[i][0])
                     _, reqs, secs, st = runs[order[len(runs) // 2]]  # the median repeat (upper median if even)
                     outs = [r.output_ids for r in reqs]
