@@ -12,7 +12,8 @@ of that run: requests and failures (a request fails unless HTTP 200 and, when st
 ``[DONE]`` after a usage chunk and no error event), the latency percentiles (locust's entry for the request, its
 response time set to the last byte), time to first token (a second locust entry, type ``TTFT``, per streamed
 request), completion tokens (the request entry's response length is ``usage.completion_tokens``) over the wall
-time. Locust keeps response times to 2 significant digits (its histogram buckets), so are the percentiles here.
+time. Locust keeps response times to 2 significant digits (its histogram buckets), so are the percentiles here
+(its tables' "Aggregated" row mixes the request and TTFT entries; the JSON keeps them apart).
 This module keeps only what locust cannot measure: the hot reloads during the load (the status route polled
 every 2 s: version, seconds after the start, requests in flight at the swap) and, per response, the drafter
 version that finished it (the last of its ``adaflash.drafter_versions``).
@@ -309,8 +310,13 @@ def _locust_child(spec_path: str) -> int:
     traffic = TRAFFIC[spec["traffic"]["kind"]](**spec["traffic"]["args"])
     state = {"stop": False}
     gevent.signal_handler(signal.SIGUSR1, lambda: state.update(stop=True))
+
+    def started() -> None:  # the one line the caller reads; anything printed after goes to stderr (no full pipe)
+        print("started", flush=True)
+        os.dup2(2, 1)
+
     env, wall = _drive(spec["url"], traffic, spec["users"], timeout_s=spec["timeout_s"], api_key=spec["api_key"],
-                       stop=lambda: state["stop"], on_start=lambda: print("started", flush=True))
+                       stop=lambda: state["stop"], on_start=started)
     print_locust_stats(env, spec["title"])
     with open(spec["out"], "w") as f:
         json.dump({"locust": locust_summary(env, wall), "traffic": traffic.dump()}, f)
