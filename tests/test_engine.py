@@ -430,9 +430,9 @@ def test_cost_policy_ar_steps_lossless_and_probing(tiny_target):
     # steps 1-4 AR, step 5 proposes (γ = 0 again, so the wait doubles), 6-13 AR, step 14 proposes
     assert in_steps == [4, 13], in_steps
     assert all(set(r.draft_lens) == {0} for r in reqs)
-    for _ in range(16):  # steps 16-30 AR (the wait is 16 = 4 x probe_every at most), step 31 proposes
+    for _ in range(16):  # steps 16-30 AR (the wait is 16), step 31 proposes; γ = 0 again: the wait doubles to 32
         engine.step()
-    assert [s for s in proposes if s > 0] == [4, 13, 30] and pol.probe_interval == 16
+    assert [s for s in proposes if s > 0] == [4, 13, 30] and pol.probe_interval == 32
     steps_ar = engine.stats.num_engine_steps
     pol.set_costs([1, 2, 3], *draft_cheap)  # in place: the next probe sees drafting pay
     while engine.has_unfinished():
@@ -440,8 +440,8 @@ def test_cost_policy_ar_steps_lossless_and_probing(tiny_target):
     for r, out in zip(reqs, ref):
         assert r.output_ids == out
     assert any(g > 0 for r in reqs for g in r.draft_lens[steps_ar:])  # back to drafting after the next probe
-    first = min(s for s in proposes if s >= steps_ar)  # the probe after the longest wait: 16 AR steps
-    assert first == steps_ar + 16, (first, steps_ar)
+    first = min(s for s in proposes if s >= steps_ar)  # the probe after the wait of 32 AR steps
+    assert first == steps_ar + 32, (first, steps_ar)
     assert [s for s in proposes if s >= first] == list(range(first, engine.stats.num_engine_steps))  # every step
     # a request that asks for its own γ: every step proposes, however cheap AR looks
     pol.set_costs([1, 2, 3], *ar_cheap)
@@ -480,13 +480,13 @@ def test_ar_regime_only_on_the_policys_answer(monkeypatch, tiny_target):
     pol = engine.runner.length_policy
     pol.set_costs([1, 2, 3], torch.full((3, 7), 100.0), torch.ones(3))
     engine.generate(prompts, SamplingParams(max_new_tokens=60))
-    assert pol.ar_chosen and pol.probe_interval == 8  # 4 x probe_every
+    assert pol.ar_chosen and pol.probe_interval == 32  # 2, 4, 8, 16, 32 over the 60 steps
     reqs = [engine.add_request(p, SamplingParams(max_new_tokens=40)) for p in prompts]
     engine.step()
     assert pol.ar_chosen and pol.probe_interval == 2  # a new batch: the shortest wait again
     for _ in range(12):
         engine.step()
-    assert pol.ar_chosen and pol.probe_interval == 8
+    assert pol.ar_chosen and pol.probe_interval == 8  # 2, 4, 8 over 12 steps
     proposes.clear()
     engine.load_drafter(engine.drafter_tensors(), version=1)  # a new version: the policy answers at the next step
     engine.step()

@@ -31,7 +31,8 @@ that width. Acceptance estimates:
 Both are calibrated online by this replica's own record: per source, the ratio of exponential moving averages of
 realised to estimated accepted tokens (:class:`SourceCalibration`) scales the estimate. When the drafter's block
 was not chosen for any request, the next steps skip its propose (no drafter forward) and probe again after
-``probe_every`` steps, twice as long after each probe that still does not choose it (at most 4 x ``probe_every``);
+``probe_every`` steps, twice as long after each probe that still does not choose it (at most :data:`~adaflash_ray.engine.length_policy.PROBE_MAX_FACTOR` x
+``probe_every``);
 lookups are skipped the same way when they do not pay for their host time, or when they found nothing worth verifying
 in most recent steps (an exponential moving average of the steps that used them below :data:`LOOKUP_IDLE_BELOW`: one
 step without a match does not stop them), so their host time is not spent every step.
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from adaflash_ray.drafting.lookup import Proposal
+from adaflash_ray.engine.length_policy import PROBE_MAX_FACTOR
 
 #: every draft source the engine knows; "none" labels γ = 0 steps in the statistics
 DRAFT_SOURCES = ("dflash", "ngram", "suffix")
@@ -185,7 +187,7 @@ class HybridPlanner:
             self._idle[key], self._since[key], self._interval[key] = False, 0, self.probe_every
         elif tried:  # evaluated and not chosen: wait, twice as long after each probe that still is not
             if self._idle[key]:
-                self._interval[key] = min(2 * self._interval[key], 4 * self.probe_every)
+                self._interval[key] = min(2 * self._interval[key], PROBE_MAX_FACTOR * self.probe_every)
             self._idle[key], self._since[key] = True, 0
         elif probed:
             self._since[key] = 0

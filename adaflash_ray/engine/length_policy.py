@@ -29,6 +29,12 @@ from adaflash_ray.models.length_head import (AcceptanceHead, DirectLengthHead, H
 from adaflash_ray.models.length_head import BucketLengthHead, bucket_head_loss
 
 
+#: the longest wait between probes of an AR stretch, in units of ``probe_every`` (the wait doubles from 1 x): a probe
+#: (the drafter's context caught up, a block proposed) costs several AR steps, so at 16 x 8 steps a long stretch spends
+#: under 1% of its steps probing
+PROBE_MAX_FACTOR = 16
+
+
 class LengthPolicy:
     """The host-side hooks every length policy has; the defaults draft on every step.
 
@@ -116,7 +122,7 @@ class CostLength(LengthPolicy):
 
     The probe schedule (host state, advanced by the engine's hooks between steps): while the policy's last answer
     for the whole running batch was γ = 0 (``ar_chosen``), a step proposes only once ``steps_since_probe`` reaches
-    ``probe_interval``; each probe that answers 0 again doubles the interval (at most 4 x ``probe_every``), and an
+    ``probe_interval``; each probe that answers 0 again doubles the interval (at most :data:`PROBE_MAX_FACTOR` x ``probe_every``), and an
     answer of γ >= 1, a new batch, or a drafter reload brings it back to ``probe_every``.
     """
 
@@ -157,7 +163,7 @@ class CostLength(LengthPolicy):
         if spec and self.ar_chosen and not any(pending_draft_lens) and not any(own_draft_len):
             if self.steps_since_probe >= self.probe_interval:
                 self.steps_since_probe = 0
-                self.probe_interval = min(2 * self.probe_interval, 4 * self.probe_every)
+                self.probe_interval = min(2 * self.probe_interval, PROBE_MAX_FACTOR * self.probe_every)
                 return True
             self.steps_since_probe += 1
             return False
