@@ -26,8 +26,8 @@ from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
 from adaflash_ray.models.target import TargetConfig, TargetModel
 
 __all__ = ["SHAPES", "UNSUPPORTED_SHAPES", "ShapeError", "bench_shape", "build_random_drafter",
-           "build_random_target", "count_forward_kernels", "count_propose_kernels", "decode_weight_bytes", "measure_copy_bandwidth",
-           "shape_config"]
+           "build_random_target", "count_forward_kernels", "count_propose_kernels", "decode_weight_bytes",
+           "measure_copy_bandwidth", "shape_config"]
 
 #: Real target shapes the built-in engine can run (dense Llama / Qwen3 decoders). ``tiny`` is for tests.
 SHAPES: dict[str, TargetConfig] = {

@@ -13,7 +13,7 @@
 # leaves its rc (124) in steps.txt. Run after call a in a call of its own (the machine keeps /root/stage while
 # warm), KERNELS_BUDGET_S=560 lets every step run.
 # Writes under $OUT/kernels/:
-#   tests.log                         python -m pytest -q -m gpu tests/test_fused_kernels.py tests/test_drafter_kernels.py
+#   tests.log                         pytest -q -m gpu tests/test_fused_kernels.py tests/test_drafter_kernels.py
 #   kernel_counts.json                count_forward_kernels for both shapes, fused off/on, (batch, width) (1,1) (1,16)
 #   propose_kernel_counts.json        count_propose_kernels (drafter propose + context append) for both shapes,
 #                                     fused off/on, batch 1 and 8

@@ -55,8 +55,8 @@ def _drafter_calls(d, device: str, seed: int = 0, prompt: int = 40):
     def t(*v):
         return torch.tensor(v, device=device)
     feats = torch.randn(4, prompt, d.fc.in_features, device=device, generator=g).to(dtype)
-    d.append_context(ctx, t(1, 3, 0, 2)[:, None].expand(4, prompt), torch.arange(prompt, device=device).expand(4, prompt),
-                     feats)
+    positions = torch.arange(prompt, device=device).expand(4, prompt)
+    d.append_context(ctx, t(1, 3, 0, 2)[:, None].expand(4, prompt), positions, feats)
     d.append_context(ctx, t(4, 4, 4, 0), t(0, 1, 2, prompt), feats[0, :4])
     anchors = torch.randint(0, d.config.vocab_size, (4,), device=device, generator=g)
     h1 = d.propose_hidden(ctx, torch.arange(4, device=device), anchors, t(prompt + 1, prompt // 2, prompt - 3, prompt),
@@ -181,7 +181,8 @@ def test_engine_drafter_kernels_gpu():
     drafter, _ = make_drafter(target, block_size=8, layers=2, policy="fixed", seed=5)
     start = {k: v.clone() for k, v in drafter.state_dict().items()}
     g = torch.Generator().manual_seed(1)
-    new = {k: v + 0.05 * torch.randn(v.shape, generator=g).to(v.device) for k, v in drafter.drafter_state_dict().items()}
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g).to(v.device)
+           for k, v in drafter.drafter_state_dict().items()}
     runs = {}
     for mode, graphs in (("auto", True), ("auto", False), ("off", True)):
         drafter.load_state_dict(start)  # in place: every run starts from the same drafter
@@ -197,8 +198,9 @@ def test_engine_drafter_kernels_gpu():
     for run in runs.values():
         assert run[0] == ar_out  # lossless with the drafter's kernels on and off
     graph, eager, off = runs["auto", True], runs["auto", False], runs["off", True]
-    assert torch.equal(graph[1], eager[1]) and graph[4] == eager[4]  # graph == eager
-    torch.testing.assert_close(graph[2], eager[2], rtol=0, atol=0)
+    assert torch.equal(graph[1], eager[1]) and graph[4] == eager[4]  # graph == eager: the same drafts
+    for a, b in ((graph[2], eager[2]), (graph[3], eager[3])):
+        assert (a - b).abs().max().item() <= 1e-6 * b.abs().max().item() + 1e-7
     for a, b in ((graph[2], off[2]), (graph[3], off[3])):  # after the reload: the new weights, fused == reference
         assert (a - b).abs().max().item() <= 1e-4 * b.abs().max().item() + 1e-5
     assert (graph[1] == off[1]).float().mean().item() >= 0.9  # argmax drafts (fp32 near-ties may flip a few)
@@ -280,6 +282,7 @@ def test_fused_drafter_weights_follow_in_place_loads(monkeypatch):
         eng.load_drafter(new, version=1)
         assert attn._fused() and mlp._fused()
         torch.testing.assert_close(attn._qkv_w, torch.cat([new[f"layers.1.self_attn.{p}_proj.weight"] for p in "qkv"]))
-        torch.testing.assert_close(mlp._gate_up, torch.cat([new[f"layers.1.mlp.{p}_proj.weight"] for p in ("gate", "up")]))
+        torch.testing.assert_close(mlp._gate_up,
+                                   torch.cat([new[f"layers.1.mlp.{p}_proj.weight"] for p in ("gate", "up")]))
         drafter.load_state_dict(new, assign=True)  # moves the parameters off the fused storage: detected
         assert not attn._fused() and not mlp._fused()

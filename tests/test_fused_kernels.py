@@ -228,8 +228,8 @@ def test_fused_forward_in_cuda_graph_gpu(split_k):
 @needs_gpu
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_engine_fused_lossless_gpu(model_type):
-    """The engine on CUDA graphs with the fused kernels (chosen at build: auto): a tiny random fp32 target, greedy
-    spec output == AR output == the same engine with the kernels off (fp32: no near ties)."""
+    """The engine on CUDA graphs with the fused kernels (chosen at build: auto, target and drafter): a tiny random
+    fp32 target, greedy spec output == AR output == the same engine with the kernels off (fp32: no near ties)."""
     from conftest import make_drafter, make_tiny_target
 
     from adaflash_ray.engine import SamplingParams, SpecEngine
@@ -246,6 +246,7 @@ def test_engine_fused_lossless_gpu(model_type):
             eng = SpecEngine(target, drafter if spec else None, head if spec else None, max_batch_size=4,
                              max_seq_len=256)
             assert target.fused_kernels_active == (mode == "auto")
+            assert not spec or drafter.fused_kernels_active == (mode == "auto")  # the drafter follows the switch
             outs[mode, spec] = [r.output_ids for r in eng.generate(prompts, params, mode="spec" if spec else "ar")]
             assert len(eng.runner.graphs) > 0
     target.fused_kernels = "auto"
