@@ -11,7 +11,8 @@
 # (90 s), attention timing (40 s), SmolLM2 shape bench off then on (45 s each), Qwen3-8B with the split-K attention
 # (110 s). A step cut short
 # leaves its rc (124) in steps.txt. Run after call a in a call of its own (the machine keeps /root/stage while
-# warm), KERNELS_BUDGET_S=560 lets every step run.
+# warm), KERNELS_BUDGET_S=590 (a call may run 600 s) reaches every step unless the earlier ones use their whole
+# limits (which add up to 740 s); ADAFLASH_COMMIT goes into summary.json.
 # Writes under $OUT/kernels/:
 #   tests.log                         pytest -q -m gpu tests/test_fused_kernels.py tests/test_drafter_kernels.py
 #   kernel_counts.json                count_forward_kernels for both shapes, fused off/on, (batch, width) (1,1) (1,16)
