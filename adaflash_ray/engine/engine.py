@@ -229,8 +229,11 @@ class SpecEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Request:
-        """Queue a request. Raises ValueError for an empty prompt, out-of-vocabulary ids, or a
-        prompt + max_new_tokens (+ block_size headroom) longer than max_seq_len."""
+        """Queue a request. ``params`` (:class:`SamplingParams`, checked by its ``validate``): vLLM's sampling
+        parameters, applied as :mod:`adaflash_ray.engine.sampling` describes; ``stop_token_ids`` None becomes the
+        target's EOS ids unless ``ignore_eos`` (they also are the tokens ``min_tokens`` holds back). Raises
+        ValueError naming the field for a bad parameter, and for an empty prompt, out-of-vocabulary prompt or stop
+        ids, or a prompt + max_new_tokens (+ block_size headroom) longer than max_seq_len."""
         params = params or SamplingParams()
         params.validate()
         if not prompt_ids:
@@ -250,6 +253,8 @@ class SpecEngine:
                              f"{headroom} exceeds max_seq_len {self.max_seq_len}")
         if params.stop_token_ids is None and not params.ignore_eos:
             params.stop_token_ids = list(self.target.config.eos_token_ids)
+        if params.stop_token_ids and not all(0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {params.stop_token_ids}")
         req = Request(prompt_ids=list(prompt_ids), params=params)
         if request_id is not None:
             req.request_id = request_id
@@ -297,21 +302,20 @@ class SpecEngine:
         if not admitted:
             return
         propose = spec and self.drafter is not None and (self.planner is None or self.planner.use_dflash)
-        firsts, gammas = self.runner.prefill([r.slot for r in admitted], [r.prompt_ids for r in admitted],
-                                             [r.params.temperature for r in admitted],
-                                             [r.params.top_p for r in admitted], propose)
-        expected = self.runner.prefill_expected if propose else None
+        res = self.runner.prefill([r.slot for r in admitted], [r.prompt_ids for r in admitted],
+                                  [r.params for r in admitted], propose)
+        gammas, expected = res.next_draft_lens, res.expected if propose else None
         if self.policy is not None and self.planner is None:
             gammas = self.policy.on_admit(gammas, running_before, spec)
         if self.planner is not None and not running_before:
             self.planner.reset()
-        for i, (req, tok, g) in enumerate(zip(admitted, firsts, gammas)):
+        for i, (req, toks, g) in enumerate(zip(admitted, res.committed, gammas)):
             req.next_draft_len = g
             if self.planner is not None:
                 req.dflash_expected = expected[i] if expected is not None else None
                 if self.lookup is not None:
                     req.lookup_state, req.lookup_synced = self.lookup.begin(req.prompt_ids), 0
-            self._commit(req, [tok], finished)
+            self._commit(req, toks, finished, res, i)
 
     def _schedule(self, spec: bool) -> _Batch:
         """The running requests' γ for this step - the policy's (or the request's own), capped by the tokens left -
@@ -362,9 +366,8 @@ class SpecEngine:
         """One batched step on the device (verify, accept, propose): one device -> host transfer."""
         reqs = batch.requests
         return self.runner.step([r.slot for r in reqs], [r.last_token for r in reqs],
-                                [r.num_tokens - 1 for r in reqs], batch.draft_lens,
-                                [r.params.temperature for r in reqs], [r.params.top_p for r in reqs], batch.spec,
-                                batch.propose, batch.host_drafts, batch.append)
+                                [r.num_tokens - 1 for r in reqs], batch.draft_lens, batch.spec, batch.propose,
+                                batch.host_drafts, batch.append)
 
     def _postprocess(self, batch: _Batch, res: StepResult, finished: list[Request]) -> None:
         """Record each request's step (γ, a, drafter version, draft source), commit its tokens, and tell the policy
@@ -389,9 +392,12 @@ class SpecEngine:
             req.next_draft_len = nxt
             if self.planner is not None:
                 req.dflash_expected = res.expected[i] if batch.propose and res.expected is not None else None
-            self._commit(req, toks, finished)
+            self._commit(req, toks, finished, res, i)
 
-    def _commit(self, req: Request, tokens: list[int], finished: list[Request]) -> None:
+    def _commit(self, req: Request, tokens: list[int], finished: list[Request], res: StepResult | None = None,
+                row: int = 0) -> None:
+        """Append ``tokens`` (cut after a stop token or at the budget) to the request's output, with their
+        log-probabilities from ``res`` (row ``row``) when the request asked for them; finish it if it ended."""
         stop = set(req.params.stop_token_ids or [])
         reason = None
         for n, tok in enumerate(tokens):
@@ -400,6 +406,9 @@ class SpecEngine:
                 break
         if len(tokens) >= req.remaining:
             tokens, reason = tokens[: req.remaining], reason or "length"
+        if res is not None and res.logprobs is not None and res.logprobs[row] is not None:
+            req.output_logprobs.extend(res.logprobs[row][: len(tokens)])
+            req.output_top_logprobs.extend(res.top_logprobs[row][: len(tokens)])
         req.output_ids.extend(tokens)
         self.stats.num_generated += len(tokens)
         if reason is not None:

@@ -56,6 +56,9 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20] (or None), got {self.logprobs}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -2 ** 63 <= self.seed < 2 ** 63):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63) (or None), got {self.seed!r}")
 
 
 class Status(enum.Enum):
@@ -93,7 +96,8 @@ class Request:
     lookup_synced: int = 0
     dflash_expected: list[float] | None = None
     # with params.logprobs set: per output token its log-probability under the target's raw distribution
-    # (log_softmax of the verify logits, before any processing - vLLM's default) and the top-k (token id, logprob)
+    # (log_softmax of the verify logits, before any processing - vLLM's default) and the top-k (token id, logprob),
+    # best first (an empty list per token for logprobs = 0); both as long as output_ids
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 

@@ -24,13 +24,20 @@ projection, before the next step that proposes (``StepKey.append``).
 Proposing at the end of step t instead of the start of step t+1 means the host learns the accepted
 counts and the next γ in **one** device-to-host transfer per step; it then picks the next verify
 width bucket without any other synchronisation. On CUDA every step is a graph replay keyed by
-:class:`StepKey` (batch bucket, width bucket, span bucket, spec, sampling, top-p, propose), captured lazily the
-first time a key
-is seen (the engine's very first step runs eagerly to initialise cuBLAS and the allocator), all in one
-memory pool (nano-vllm's scheme). Inputs travel in one pinned int buffer and one float buffer.
+:class:`StepKey` (batch bucket, width bucket, span bucket, spec, propose, and which logits processing the batch
+needs), captured lazily the first time a key is seen (the engine's very first step runs eagerly to initialise cuBLAS
+and the allocator), all in one memory pool (nano-vllm's scheme). Inputs travel in one pinned int buffer and one float
+buffer (plus, for seeded rows, one buffer of their uniforms).
+
+Per-request logits processing (vLLM's sampling parameters: penalties, min_tokens, temperature, min_p, top_k, top_p,
+seed, logprobs) is :mod:`adaflash_ray.engine.sampling`: each request's settings sit in per-slot tables written at its
+prefill; a processing step that no row of the batch needs is not in the step's graph at all (its StepKey flag is
+off). Verification is lossless against the processed distribution: window position j accounts for the drafts
+d_1..d_j in its penalty counts and min_tokens test.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -39,8 +46,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from adaflash_ray.engine.request import SamplingParams
+from adaflash_ray.engine.sampling import (MAX_TOP_LOGPROBS, NEUTRAL_FLOATS, RowSampling, SamplingFlags,
+                                         SlotSampling, adjust_logits, choose_tokens, match_prefix, processed_probs,
+                                         rejection_sample, sample_from, sample_inverse_cdf, window_counts)
 from adaflash_ray.models.drafter import DFlashDrafter
 from adaflash_ray.models.target import TargetModel
+
+__all__ = ["ModelRunner", "StepKey", "StepResult", "processed_probs", "rejection_sample", "sample_from"]
 
 
 @dataclass
@@ -52,32 +65,47 @@ class StepResult:
     next_draft_lens: list[int]  # γ chosen by the length policy for the request's next step (0 in AR mode)
     # with an ``expected_fn`` and a propose: per request E[committed tokens | γ] of the new block, γ = 1..bs-1
     expected: list[list[float]] | None = None
+    # per request (None where its SamplingParams.logprobs is None, or no row of the step asked): per committed token
+    # its log-probability under the target's raw distribution, and its top-k (token id, logprob), best first
+    logprobs: list[list[float] | None] | None = None
+    top_logprobs: list[list[list[tuple[int, float]]] | None] | None = None
 
 
 class StepKey(NamedTuple):
     """The shape and mode of one step: what a captured CUDA graph is keyed by (fields in ``_step_fn``'s order).
 
     batch_size: rows 0..batch_size-1 (a batch bucket on CUDA). width: verify positions, anchor + γ drafts (a width
-    bucket on CUDA). span: keys read per attention. spec: verify drafts (False = plain AR, width 1). sample: some
-    row samples (temperature > 0). use_top_p: some sampling row has top_p < 1. propose: with ``spec``, the step
-    proposes the next block. host_drafts: some row verifies drafts the host supplied (a lookup source; a point-mass q)
-    instead of the drafter's. append: with ``spec``, the drafter context takes the step's positions (False: they are
-    caught up from the feature history before the next step that needs them).
+    bucket on CUDA). span: keys read per attention. spec: verify drafts (False = plain AR, width 1). propose: with
+    ``spec``, the step proposes the next block. host_drafts: some row verifies drafts the host supplied (a lookup
+    source; a point-mass q) instead of the drafter's. sampling: the logits processing some row needs
+    (:class:`~adaflash_ray.engine.sampling.SamplingFlags`: sample, use_top_p, penalties, min_tokens, use_min_p,
+    use_top_k, seeded, logprobs; all off for greedy rows without parameters, whose step then runs none of it).
+    append: with ``spec``, the drafter context takes the step's positions (False: they are caught up from the feature
+    history before the next step that needs them).
     """
 
     batch_size: int
     width: int
     span: int
     spec: bool
-    sample: bool
-    use_top_p: bool
     propose: bool
     host_drafts: bool = False
+    sampling: SamplingFlags = SamplingFlags()
     append: bool = True
 
 
 #: E[committed tokens] travel to the host as fixed-point integers in the step's one output buffer (int64)
 EXPECTED_SCALE = 1000
+
+
+def _concat(parts: list[StepResult]) -> StepResult:
+    """One StepResult for the requests of ``parts`` in order (a field None in every part stays None)."""
+    merged = {}
+    for f in dataclasses.fields(StepResult):
+        vals = [getattr(r, f.name) for r in parts]
+        merged[f.name] = None if all(v is None for v in vals) else [
+            x for r, v in zip(parts, vals) for x in (v if v is not None else [None] * len(r.committed))]
+    return StepResult(**merged)
 
 
 def _buckets(limit: int) -> list[int]:
@@ -91,67 +119,6 @@ def _round_up(n: int, choices: list[int]) -> int:
         if c >= n:
             return c
     return choices[-1]
-
-
-def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Sampling distribution after the request's logit processing, float32.
-
-    logits ``[B, ..., V]``; temperature ``[B]`` (rows with 0 are treated as 1: greedy rows ignore the
-    result); top_p ``[B]`` in (0, 1] or None (nucleus sampling, Holtzman et al. 2020: keep the smallest
-    prefix of the sorted distribution whose mass reaches top_p). Returns ``[B, ..., V]`` summing to 1.
-    """
-    shape = (-1,) + (1,) * (logits.dim() - 1)
-    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).view(shape)
-    p = torch.softmax(logits.float() / t, dim=-1)
-    if top_p is not None:
-        sp, idx = p.sort(dim=-1, descending=True)
-        drop = (sp.cumsum(-1) - sp) > top_p.view(shape)
-        p = torch.zeros_like(p).scatter_(-1, idx, sp.masked_fill(drop, 0.0))
-        p = p / p.sum(-1, keepdim=True)
-    return p
-
-
-def sample_from(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One sample per row of ``p`` ``[..., V]`` by the exponential race (argmax p/E, E ~ Exp(1)): exact,
-    and unlike ``torch.multinomial`` free of host syncs, so it can be captured in a CUDA graph (gpt-fast)."""
-    e = torch.empty_like(p).exponential_(generator=generator)
-    return (p / e).argmax(-1)
-
-
-def rejection_sample(d, p, q, live, generator, point=None):
-    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023), batched.
-
-    d ``[B, Γ]`` drafts; p ``[B, Γ+1, V]`` target probs; q ``[B, Γ, V]`` drafter probs (drafts were
-    sampled from q) or None (every row is a point mass); live ``[B, Γ]`` marks drafts within each row's γ;
-    point ``[B]`` bool or None: rows whose drafts are deterministic (a lookup proposal), i.e. q_i = one-hot(d_i).
-    Accept d_i with probability min(1, p_i(d_i)/q_i(d_i)) (a point mass: p_i(d_i)); at the first rejection sample
-    from normalize(max(0, p_i - q_i)) (a point mass: p_i with d_i removed, renormalised); if all γ accepted, sample
-    the bonus from p_{γ+1}. Returns (accepted ``[B]``, next token ``[B]``).
-    """
-    b, gm = d.shape
-    if gm == 0:
-        return torch.zeros(b, dtype=torch.long, device=p.device), sample_from(p[:, 0], generator)
-    if q is None:  # no drafter distribution at all: every row's drafts are a point mass
-        point = torch.ones(b, dtype=torch.bool, device=p.device)
-    pd = p[:, :gm].gather(2, d[..., None])[..., 0]  # [B, Γ]
-    qd = q.gather(2, d[..., None])[..., 0] if q is not None else torch.ones_like(pd)
-    if point is not None:
-        qd = torch.where(point[:, None], torch.ones_like(qd), qd)
-    u = torch.rand(pd.shape, generator=generator, device=p.device)
-    ok = (u * qd < pd) & live
-    accepted = ok.long().cumprod(1).sum(1)  # [B]
-    idx = accepted[:, None, None].expand(b, 1, p.shape[-1])
-    p_at = p.gather(1, idx)[:, 0]  # [B, V]
-    q_at = (torch.cat([q, torch.zeros_like(q[:, :1])], 1).gather(1, idx)[:, 0] if q is not None
-            else torch.zeros_like(p_at))
-    if point is not None:  # one-hot of the draft at the first rejected position (unused where none was rejected)
-        d_at = torch.cat([d, torch.zeros_like(d[:, :1])], 1).gather(1, accepted[:, None])  # [B, 1]
-        q_at = torch.where(point[:, None], torch.zeros_like(p_at).scatter_(1, d_at, 1.0), q_at)
-    rejected = accepted < live.sum(1)  # stopped before γ: residual; else bonus from p
-    resid = (p_at - q_at).clamp(min=0)
-    norm = resid.sum(-1, keepdim=True)
-    resid = torch.where(norm > 0, resid / norm.clamp(min=1e-30), p_at)
-    return accepted, sample_from(torch.where(rejected[:, None], resid, p_at), generator)
 
 
 class ModelRunner:
@@ -199,12 +166,24 @@ class ModelRunner:
         self.drafts = torch.zeros(num_slots, nd, dtype=torch.long, device=dev)  # pending drafts per slot
         self.draft_probs: torch.Tensor | None = None  # [slots, bs-1, V] float32, allocated at the first sample
         # static step inputs / output (graph-captured code reads and writes only these). in_ints columns: anchor,
-        # position, γ, host-draft flag (1: the row verifies the host's drafts, a point-mass q), host drafts [nd]
-        self.in_ints = torch.zeros(num_slots, 4 + nd, dtype=torch.long, device=dev)
-        self.in_floats = torch.zeros(num_slots, 2, dtype=torch.float32, device=dev)  # temperature, top_p
-        # out columns: committed [width], accepted, next γ, then (with expected_fn) E[c(γ)] x EXPECTED_SCALE [bs-1]
+        # position, γ, host-draft flag (1: the row verifies the host's drafts, a point-mass q), host drafts [nd],
+        # then top_k, min_left (tokens before a stop token may come), seeded (1: the row's uniforms drive it)
+        self._topk_col = 4 + nd
+        self.in_ints = torch.zeros(num_slots, 7 + nd, dtype=torch.long, device=dev)
+        # in_floats columns: temperature, top_p, min_p, repetition, frequency, presence penalty (NEUTRAL_FLOATS)
+        self.in_floats = torch.zeros(num_slots, len(NEUTRAL_FLOATS), dtype=torch.float32, device=dev)
+        # seeded rows' uniforms for the output indices a step reads: verify positions 0..nd, next block up to nd+bs-1
+        num_unif = nd + max(self.block_size, 1)
+        self.in_uniforms = torch.zeros(num_slots, num_unif, dtype=torch.float32, device=dev)
+        self.sampling = SlotSampling(num_slots, target.config.vocab_size, num_unif, dev)
+        # out columns: committed [width], accepted, next γ, then (with expected_fn) E[c(γ)] x EXPECTED_SCALE [bs-1],
+        # then (with logprobs) per window position j the committed token's logprob [nd+1], top-k ids [(nd+1) x K] and
+        # their logprobs [(nd+1) x K] (K = MAX_TOP_LOGPROBS; logprobs travel as their float32 bits)
         self._exp_col = nd + 3
-        self.out = torch.zeros(num_slots, self._exp_col + max(self.block_size - 1, 0), dtype=torch.long, device=dev)
+        self._lp_col = self._exp_col + max(self.block_size - 1, 0)
+        self._top_col = self._lp_col + nd + 1
+        self.out = torch.zeros(num_slots, self._top_col + 2 * (nd + 1) * MAX_TOP_LOGPROBS, dtype=torch.long,
+                               device=dev)
         # (block_hidden [B, bs, H], draft_logits [B, bs-1, V]) -> E[committed | γ] [B, bs-1] float, or None: set by
         # an engine whose scheduler weighs the drafter's block against other sources (graph-safe, no host sync)
         self.expected_fn = None
@@ -213,10 +192,10 @@ class ModelRunner:
         self.argmax_drafts = False
         # host: per slot, the drafter context holds positions < ctx_len (steps with append=False leave it behind)
         self.ctx_len = [0] * num_slots
-        self.prefill_expected: list[list[float]] | None = None
         pin = self.is_cuda
-        self._ints_host = torch.zeros(num_slots, 4 + nd, dtype=torch.long, pin_memory=pin)
-        self._floats_host = torch.zeros(num_slots, 2, dtype=torch.float32, pin_memory=pin)
+        self._ints_host = torch.zeros(num_slots, 7 + nd, dtype=torch.long, pin_memory=pin)
+        self._floats_host = torch.zeros(num_slots, len(NEUTRAL_FLOATS), dtype=torch.float32, pin_memory=pin)
+        self._uniforms_host = torch.zeros(num_slots, num_unif, dtype=torch.float32, pin_memory=pin)
         self.generator = None if self.is_cuda else torch.Generator(device=dev).manual_seed(seed)
         if self.is_cuda:
             torch.cuda.manual_seed(seed)
@@ -256,24 +235,20 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
-    def prefill(self, slots: list[int], prompts: list[list[int]], temperatures: list[float], top_ps: list[float],
-                spec: bool) -> tuple[list[int], list[int]]:
-        """Run prompts through the target (writing their slots' KV, feature history and drafter context),
-        sample each first token and, with ``spec``, propose each request's first block.
+    def prefill(self, slots: list[int], prompts: list[list[int]], params: list, spec: bool) -> StepResult:
+        """Run prompts through the target (writing their slots' KV, feature history and drafter context), record
+        each request's sampling settings for its slot (:class:`~adaflash_ray.engine.sampling.SlotSampling`), choose
+        each first token from the processed logits of the prompt's last position and, with ``spec``, propose each
+        request's first block.
 
-        Returns ``(first_tokens, draft_lens)`` (python lists; one host transfer). On CUDA all prompts go in
-        one right-padded batch (pad entries lie beyond each prompt and are overwritten later); on CPU one
-        prompt at a time (no padding waste).
+        params: one ``SamplingParams`` per prompt (``stop_token_ids`` resolved: the tokens that end it). Returns a
+        :class:`StepResult`: one committed token per request, ``num_accepted`` 0, ``next_draft_lens`` the first
+        block's γ (0 without ``spec``), ``expected`` / ``logprobs`` as a step's (one host transfer). On CUDA all
+        prompts go in one right-padded batch (pad entries lie beyond each prompt and are overwritten later); on CPU
+        one prompt at a time (no padding waste).
         """
         if not self.is_cuda and len(prompts) > 1:
-            firsts, gammas, expected = [], [], []
-            for args in zip(slots, prompts, temperatures, top_ps):
-                f, g = self.prefill(*[[a] for a in args], spec)
-                firsts += f
-                gammas += g
-                expected += self.prefill_expected or []
-            self.prefill_expected = expected or None
-            return firsts, gammas
+            return _concat([self.prefill([s], [p], [sp], spec) for s, p, sp in zip(slots, prompts, params)])
         dev = self.device
         n, plen = len(prompts), max(map(len, prompts))
         ids = torch.zeros(n, plen, dtype=torch.long)
@@ -282,57 +257,70 @@ class ModelRunner:
         ids = ids.to(dev)
         lens = torch.tensor([len(p) for p in prompts], device=dev)
         slot_t = torch.tensor(slots, device=dev)
-        temp = torch.tensor(temperatures, dtype=torch.float32, device=dev)
-        top_p = torch.tensor(top_ps, dtype=torch.float32, device=dev)
+        self.sampling.set_slots(slots, params, prompts)
+        unif = np.zeros((n, self.in_uniforms.shape[1]), np.float32)
+        floats, top_k, min_left, seeded, flags = self.sampling.step_inputs(slots, np.zeros(n, np.int64), unif,
+                                                                           list(range(n)))
+        rs = self.sampling.rows(flags, *(torch.from_numpy(a).to(dev) for a in (floats, top_k, min_left, seeded, unif)),
+                                slot_t)
         positions = torch.arange(plen, device=dev).expand(n, plen)
         out = self.target(ids, positions, cache=self.kv, slot_ids=slot_t, capture_layer_ids=self.layer_ids,
                           span=plen, compute_logits=False)
         last = out.last_hidden[torch.arange(n, device=dev), lens - 1]  # [N, H]
-        logits = self.target.lm_head(last)  # [N, V]
-        first = logits.argmax(-1)
-        sample = any(t > 0 for t in temperatures)
-        use_top_p = sample and any(tp < 1 for tp in top_ps)
-        if sample:
+        logits = self.target.lm_head(last)[:, None]  # [N, 1, V]
+        if flags.sample:
             self._ensure_sampling()
-            p = processed_probs(logits, temp, top_p if use_top_p else None)
-            first = torch.where(temp > 0, sample_from(p, self.generator), first)
+        zero = torch.zeros(n, 1, dtype=torch.long, device=dev)
+        first = choose_tokens(adjust_logits(logits, rs, zero), rs, flags.sample, self.generator, zero)[0][:, 0]
+        if flags.penalties:  # the first output token joins the counts (the first block's q reads them)
+            self.sampling.counts[slot_t] = torch.nn.functional.one_hot(first, logits.shape[-1]).to(torch.int32)
+            rs = rs._replace(counts=self.sampling.counts[slot_t])
         rows = slot_t[:, None].expand(n, plen)
         if self.feat_hist is not None:
             self.feat_hist[rows, positions] = out.features.to(self.feat_hist.dtype)
         if self.hid_hist is not None:
             self.hid_hist[rows, positions] = out.last_hidden.to(self.hid_hist.dtype)
         gamma, expected = torch.zeros_like(first), None
+        propose = spec and self.drafter is not None
         if self.drafter is not None:
             self.drafter.append_context(self.ctx, rows, positions, out.features)
             for s, prompt in zip(slots, prompts):
                 self.ctx_len[s] = len(prompt)
             if spec:
-                gamma, expected = self._propose(slot_t, first, lens, plen + self.block_size, temp, top_p, sample,
-                                                use_top_p, rows_are_slots=False, anchor_hidden=last)
-        cols = [first[:, None], gamma[:, None]]
+                gamma, expected = self._propose(slot_t, first, lens, plen + self.block_size, rs, flags.sample,
+                                                torch.ones_like(first), rows_are_slots=False, anchor_hidden=last)
+        self.out[slot_t, 0], self.out[slot_t, 1], self.out[slot_t, 2] = first, 0, gamma
         if expected is not None:
-            cols.append((expected * EXPECTED_SCALE).round().long())
-        host = torch.cat(cols, 1).tolist()  # one transfer
-        self.prefill_expected = ([[v / EXPECTED_SCALE for v in r[2:]] for r in host] if expected is not None
-                                 else None)
-        return [r[0] for r in host], [r[1] for r in host]
+            self.out[slot_t, self._exp_col:self._lp_col] = (expected * EXPECTED_SCALE).round().long()
+        if flags.logprobs >= 0:
+            self._write_logprobs(slot_t, logits, first[:, None], flags.logprobs)
+        host = self.out[slot_t, :self._num_out_cols(1, expected is not None, flags.logprobs)].cpu().numpy()  # one
+        return self._result(slots, host, 1, propose, expected is not None, flags.logprobs)
 
     # ------------------------------------------------------------------ propose
-    def _propose(self, slot_ids, anchors, anchor_pos, span, temp, top_p, sample, use_top_p, rows_are_slots,
+    def _propose(self, slot_ids, anchors, anchor_pos, span, rs: RowSampling, sample: bool, base, rows_are_slots,
                  live=None, anchor_hidden=None):
-        """Drafter forward on ``[anchor, MASK...]`` -> pending drafts (+ their probabilities when sampling)
+        """Drafter forward on ``[anchor, MASK...]`` -> pending drafts (+ their probabilities q when sampling)
         stored per slot; returns (γ ``[B]`` from the length policy (``live`` [B] bool: the rows that are real
-        requests, None = all), E[committed | γ] ``[B, bs-1]`` float from ``expected_fn`` or None). A policy with ``needs_anchor_hidden`` also gets ``anchor_hidden`` ``[B, H]``: the
-        target's final-normed hidden state whose logits gave each anchor token."""
+        requests, None = all), E[committed | γ] ``[B, bs-1]`` float from ``expected_fn`` or None). A policy with
+        ``needs_anchor_hidden`` also gets ``anchor_hidden`` ``[B, H]``: the target's final-normed hidden state whose
+        logits gave each anchor token.
+
+        The block's logits get the rows' processing ``rs`` (:class:`~adaflash_ray.engine.sampling.RowSampling`) with
+        the committed output's penalty counts (its positions are drawn in parallel, so a position does not see the
+        block's earlier drafts - q is still exactly what the drafts are drawn from); ``base`` ``[B]`` int64: tokens
+        committed since ``rs``'s first output index, so block position k (1..bs-1) is output index base + k - 1 from
+        there (min_tokens, seeded uniforms). Drafts: greedy rows (and every row with ``argmax_drafts``) the argmax,
+        sampling rows a sample of q (seeded rows: at their uniforms, coupled with the target's seeded sample)."""
         span = min(span, self.max_seq_len)
         hidden = self.drafter.propose_hidden(self.ctx, slot_ids, anchors, anchor_pos, span=span,
                                              rows_are_slots=rows_are_slots)  # [B, bs, H]
         draft_logits = self.drafter.logits(hidden[:, 1:])  # [B, bs-1, V]
-        drafts = draft_logits.argmax(-1)
-        b, nb = anchors.shape[0], drafts.shape[1]
-        if sample and not self.argmax_drafts:
-            q = processed_probs(draft_logits, temp, top_p if use_top_p else None)
-            drafts = torch.where((temp > 0)[:, None], sample_from(q, self.generator), drafts)
+        b, nb = anchors.shape[0], draft_logits.shape[1]
+        index = base[:, None] + torch.arange(nb, device=anchors.device)  # [B, bs-1]
+        drafts, q = choose_tokens(adjust_logits(draft_logits, rs, index), rs, sample and not self.argmax_drafts,
+                                  self.generator, index)
+        if q is not None:
             if rows_are_slots:
                 self.draft_probs[:b, :nb] = q
             else:
@@ -347,17 +335,24 @@ class ModelRunner:
         return self.length_policy(hidden, draft_logits, live).to(torch.long), expected
 
     # ------------------------------------------------------------------ one step (graph body)
-    def _step_fn(self, b: int, w: int, span: int, spec: bool, sample: bool, use_top_p: bool,
-                 propose: bool = True, host_drafts: bool = False, append: bool = True) -> None:
-        """Rows 0..b-1, verify width w, keys 0..span-1. Reads in_ints / in_floats / drafts; writes out,
-        caches, histories, drafts. ``spec`` without ``propose``: no block is proposed (an AR step of the ``cost``
-        policy's γ = 0, or a step that verifies only host drafts); with ``append`` the drafter context still takes
-        the new positions. ``host_drafts``: rows flagged in in_ints column 3 verify in_ints' host drafts (a
-        point-mass q when sampling) instead of the drafter's. No host synchronisation (CUDA-graph safe)."""
+    def _step_fn(self, b: int, w: int, span: int, spec: bool, propose: bool = True, host_drafts: bool = False,
+                 sampling: SamplingFlags = SamplingFlags(), append: bool = True) -> None:
+        """Rows 0..b-1, verify width w, keys 0..span-1. Reads in_ints / in_floats / in_uniforms / drafts; writes out,
+        caches, histories, drafts, the output counts. ``spec`` without ``propose``: no block is proposed (an AR step
+        of the ``cost`` policy's γ = 0, or a step that verifies only host drafts); with ``append`` the drafter
+        context still takes the new positions. ``host_drafts``: rows flagged in in_ints column 3 verify in_ints' host
+        drafts (a point-mass q when sampling) instead of the drafter's. ``sampling`` says which processing the rows
+        need; window position j's penalty counts and min_tokens test include the drafts
+        d_1..d_j. Seeded rows verify against the target's own sample at their uniforms (drafter-invariant, see
+        :mod:`adaflash_ray.engine.sampling`). No host synchronisation (CUDA-graph safe)."""
         dev = self.device
         ints = self.in_ints[:b]
         anchor, pos, gamma = ints[:, 0], ints[:, 1], ints[:, 2]
-        temp, top_p = self.in_floats[:b].unbind(1)
+        c = self._topk_col
+        rs = self.sampling.rows(sampling, self.in_floats[:b], ints[:, c], ints[:, c + 1], ints[:, c + 2],
+                                self.in_uniforms[:b], slice(0, b))
+        sample, penalties, logprobs = sampling.sample, sampling.penalties, sampling.logprobs
+        temp = rs.temperature
         ar = torch.arange(w, device=dev)
         positions = (pos[:, None] + ar).clamp(max=self.max_seq_len - 1)  # [B, W] (clamp: padded columns only)
         g_max = w - 1
@@ -371,19 +366,24 @@ class ModelRunner:
         inp = torch.cat([anchor[:, None], d], 1)  # [B, W]
         out = self.target(inp, positions, cache=self.kv, capture_layer_ids=self.layer_ids, span=span,
                           rows_are_slots=True, logits_dtype=None)
-        greedy = out.logits.argmax(-1)  # [B, W]
+        extra = window_counts(d, w, out.logits.shape[-1]) if penalties else None
+        logits = adjust_logits(out.logits, rs, ar[None], extra)  # [B, W, V]
         live = ar[None, :g_max] < gamma[:, None]  # [B, Γ]
-        accepted = ((d == greedy[:, :g_max]) & live).long().cumprod(1).sum(1)  # [B]
-        nxt = greedy.gather(1, accepted[:, None])[:, 0]  # correction or bonus
+        accepted, nxt = match_prefix(d, logits.argmax(-1), live)  # greedy: correction or bonus
         if sample:
-            p = processed_probs(out.logits, temp, top_p if use_top_p else None)  # [B, W, V]
+            p = processed_probs(logits, temp, rs.top_p, rs.min_p, rs.top_k)  # [B, W, V]
             q = self.draft_probs[:b, :g_max] if self.draft_probs is not None else None
             acc_s, nxt_s = rejection_sample(d, p, q, live, self.generator, point)
+            if sampling.seeded:  # drafter-invariant: accept while drafts equal the target's sample at the uniforms
+                acc_c, nxt_c = match_prefix(d, sample_inverse_cdf(p, rs.uniforms[:, :w]), live)
+                acc_s, nxt_s = torch.where(rs.seeded, acc_c, acc_s), torch.where(rs.seeded, nxt_c, nxt_s)
             stochastic = temp > 0
             accepted = torch.where(stochastic, acc_s, accepted)
             nxt = torch.where(stochastic, nxt_s, nxt)
         committed = torch.cat([d, torch.zeros_like(anchor)[:, None]], 1)  # [B, W]
         committed.scatter_(1, accepted[:, None], nxt[:, None])
+        if penalties:  # the committed tokens join the output counts (read by the next block's q and the next step)
+            rs.counts.scatter_add_(1, committed, (ar[None] <= accepted[:, None]).to(rs.counts.dtype))
         rows = torch.arange(b, device=dev)[:, None]
         if self.feat_hist is not None:
             self.feat_hist[rows, positions] = out.features.to(self.feat_hist.dtype)
@@ -391,17 +391,65 @@ class ModelRunner:
             self.hid_hist[rows, positions] = out.last_hidden.to(self.hid_hist.dtype)
         self.out[:b, :w] = committed
         self.out[:b, w] = accepted
+        if logprobs >= 0:
+            self._write_logprobs(slice(0, b), out.logits, committed, logprobs)
         if spec and append and self.drafter is not None:
             self.drafter.append_context(self.ctx, rows.expand(b, w), positions, out.features)
         if spec and propose:
             # rows of idle slots and of the padded bucket carry position 0 (a real request's anchor is >= 1)
             anchor_hidden = out.last_hidden[rows[:, 0], accepted] if self.wants_anchor_hidden else None  # [B, H]
-            gamma_next, expected = self._propose(rows[:, 0], nxt, pos + accepted + 1, span, temp, top_p, sample,
-                                                 use_top_p, rows_are_slots=True, live=pos > 0,
-                                                 anchor_hidden=anchor_hidden)
+            gamma_next, expected = self._propose(rows[:, 0], nxt, pos + accepted + 1, span, rs, sample, accepted + 1,
+                                                 rows_are_slots=True, live=pos > 0, anchor_hidden=anchor_hidden)
             self.out[:b, w + 1] = gamma_next
             if expected is not None:
-                self.out[:b, self._exp_col:] = (expected * EXPECTED_SCALE).round().long()
+                self.out[:b, self._exp_col:self._lp_col] = (expected * EXPECTED_SCALE).round().long()
+
+    def _write_logprobs(self, rows, logits: torch.Tensor, tokens: torch.Tensor, k: int) -> None:
+        """Log-probabilities under the raw target distribution (log_softmax of the logits before any processing,
+        vLLM's default ``raw_logprobs``) into ``out``: logits ``[B, N, V]``, tokens ``[B, N]``, rows the out rows
+        (a slice or ``[B]`` ids); with ``k > 0`` also the top-k ids and logprobs per position, best first."""
+        lp = torch.log_softmax(logits.float(), -1)  # [B, N, V]
+        b, n = tokens.shape
+        self.out[rows, self._lp_col:self._lp_col + n] = lp.gather(2, tokens[..., None])[..., 0].view(torch.int32).long()
+        if k > 0:
+            vals, ids = lp.topk(k, -1)  # [B, N, K]
+            c, m = self._top_col, (self.max_draft + 1) * MAX_TOP_LOGPROBS
+            self.out[rows, c:c + n * k] = ids.reshape(b, n * k)
+            self.out[rows, c + m:c + m + n * k] = vals.view(torch.int32).long().reshape(b, n * k)
+
+    def _num_out_cols(self, w: int, with_exp: bool, logprobs: int) -> int:
+        """The out columns a step's host transfer needs (width ``w``; expected; logprobs as in StepKey)."""
+        if logprobs > 0:
+            return self.out.shape[1]
+        if logprobs == 0:
+            return self._top_col
+        return self._lp_col if with_exp else w + 2
+
+    def _result(self, slots: list[int], host: np.ndarray, w: int, with_next: bool, with_exp: bool,
+                logprobs: int) -> StepResult:
+        """Decode the out rows of ``slots`` (``host`` ``[n, cols]`` int64, in the order of ``slots``)."""
+        acc = host[:, w].tolist()
+        committed = [r[: a + 1].tolist() for r, a in zip(host, acc)]
+        nxt = host[:, w + 1].tolist() if with_next else [0] * len(slots)
+        expected = (host[:, self._exp_col:self._lp_col] / EXPECTED_SCALE).tolist() if with_exp else None
+        res = StepResult(committed=committed, num_accepted=acc, next_draft_lens=nxt, expected=expected)
+        if logprobs < 0:
+            return res
+        want = self.sampling.logprobs[np.asarray(slots)].tolist()
+        chosen = host[:, self._lp_col:self._lp_col + w].astype(np.int32).view(np.float32)
+        c, m, k_all = self._top_col, (self.max_draft + 1) * MAX_TOP_LOGPROBS, MAX_TOP_LOGPROBS
+        res.logprobs, res.top_logprobs = [], []
+        for i, (a, k) in enumerate(zip(acc, want)):
+            if k < 0:
+                res.logprobs.append(None)
+                res.top_logprobs.append(None)
+                continue
+            res.logprobs.append(chosen[i, :a + 1].tolist())
+            ids = host[i, c:c + (a + 1) * k_all].reshape(a + 1, k_all)[:, :k].tolist() if k else [[]] * (a + 1)
+            vals = (host[i, c + m:c + m + (a + 1) * k_all].astype(np.int32).view(np.float32)
+                    .reshape(a + 1, k_all)[:, :k].tolist()) if k else [[]] * (a + 1)
+            res.top_logprobs.append([list(zip(t, v)) for t, v in zip(ids, vals)])
+        return res
 
     def _run(self, key: StepKey) -> None:
         if not self.use_graphs:
@@ -421,16 +469,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step (host side)
     @torch.no_grad()
-    def step(self, slots: list[int], anchors: list[int], anchor_pos: list[int], draft_lens: list[int],
-             temperatures: list[float], top_ps: list[float], spec: bool, propose: bool = True,
-             host_drafts: list[list[int] | None] | None = None, append: bool | None = None) -> StepResult:
-        """One decoding step for the running requests in ``slots``.
+    def step(self, slots: list[int], anchors: list[int], anchor_pos: list[int], draft_lens: list[int], spec: bool,
+             propose: bool = True, host_drafts: list[list[int] | None] | None = None,
+             append: bool | None = None) -> StepResult:
+        """One decoding step for the running requests in ``slots`` (each prefilled into its slot: the sampling
+        settings are the ones :meth:`prefill` recorded).
 
         Args:
             anchors, anchor_pos: per request the last committed token and its position (= num_tokens-1).
             draft_lens: γ per request for this step (<= its pending drafts; 0 in AR mode), already capped by
                 the host (remaining budget).
-            temperatures, top_ps: per request sampling settings (0 = greedy).
             spec: verify the pending drafts and propose the next block; False = plain AR (W = 1).
             propose: with ``spec``, False skips the drafter's propose (only host drafts may then be verified):
                 next_draft_lens are 0. Without a drafter a step never proposes.
@@ -466,36 +514,36 @@ class ModelRunner:
             b = _round_up(b, self._batch_buckets)
             w = _round_up(w, self._width_buckets)
         span = self._span(max(anchor_pos) + w + (self.block_size if spec and propose else 0))
-        sample = any(t > 0 for t in temperatures)
-        use_top_p = sample and any(tp < 1 for tp in top_ps)
-        if sample:
-            self._ensure_sampling()
-        ints, floats = self._ints_host.numpy(), self._floats_host.numpy()
-        ints[:b] = 0
-        floats[:b, 0], floats[:b, 1] = 0.0, 1.0
         idx = np.asarray(slots)
+        ints, floats = self._ints_host.numpy(), self._floats_host.numpy()
+        num_generated = np.asarray(anchor_pos) + 1 - self.sampling.prompt_len[idx]
+        row_floats, top_k, min_left, seeded, flags = self.sampling.step_inputs(slots, num_generated,
+                                                                               self._uniforms_host.numpy())
+        if flags.sample:
+            self._ensure_sampling()
+        ints[:b] = 0
+        floats[:b] = NEUTRAL_FLOATS
         ints[idx, 0], ints[idx, 1], ints[idx, 2] = anchors, anchor_pos, draft_lens
         if use_host:  # the host's drafts ride in the same input buffer: still one host -> device copy of ints
             for s, h in zip(slots, host_drafts):
                 if h is not None:
                     ints[s, 3] = 1
                     ints[s, 4:4 + len(h)] = h
-        floats[idx, 0], floats[idx, 1] = temperatures, top_ps
+        c = self._topk_col
+        ints[idx, c], ints[idx, c + 1], ints[idx, c + 2] = top_k, min_left, seeded
+        floats[idx] = row_floats
         self.in_ints[:b].copy_(self._ints_host[:b], non_blocking=True)
         self.in_floats[:b].copy_(self._floats_host[:b], non_blocking=True)
-        self._run(StepKey(b, w, span, spec, sample, use_top_p, propose, use_host and spec, append))
+        if flags.seeded:
+            self.in_uniforms[:b].copy_(self._uniforms_host[:b], non_blocking=True)
+        self._run(StepKey(b, w, span, spec, propose, use_host and spec, flags, append))
         with_exp = spec and propose and self.expected_fn is not None
-        ncols = self.out.shape[1] if with_exp else w + 2
-        host = self.out[:b, :ncols].cpu().numpy()  # the one device -> host transfer of the step
-        rows = host[idx]
-        acc = rows[:, w].tolist()
-        committed = [r[: a + 1].tolist() for r, a in zip(rows, acc)]
-        nxt = rows[:, w + 1].tolist() if spec and propose else [0] * len(slots)
+        host = self.out[:b, :self._num_out_cols(w, with_exp, flags.logprobs)].cpu().numpy()  # the one transfer
+        res = self._result(slots, host[idx], w, spec and propose, with_exp, flags.logprobs)
         if append:
-            for s, p, a in zip(slots, anchor_pos, acc):
+            for s, p, a in zip(slots, anchor_pos, res.num_accepted):
                 self.ctx_len[s] = p + a + 1
-        expected = (rows[:, self._exp_col:] / EXPECTED_SCALE).tolist() if with_exp else None
-        return StepResult(committed=committed, num_accepted=acc, next_draft_lens=nxt, expected=expected)
+        return res
 
     @torch.no_grad()
     def catch_up_context(self, spans: list[tuple[int, int, int]]) -> None:
@@ -592,8 +640,9 @@ class ModelRunner:
         context and drafts: call on an idle engine."""
         slots = list(range(batch_size))
         hd = [[0] * draft_len] * batch_size if host_drafts else None
-        args = (slots, [0] * batch_size, [context_len] * batch_size, [draft_len] * batch_size,
-                [0.0] * batch_size, [1.0] * batch_size, True, propose, hd, append)
+        self.sampling.set_slots(slots, [SamplingParams()] * batch_size, [[0]] * batch_size)  # greedy, unprocessed
+        args = (slots, [0] * batch_size, [context_len] * batch_size, [draft_len] * batch_size, True, propose, hd,
+                append)
         self.drafts.zero_()
         self.step(*args)  # warm-up: the eager first step / graph capture for this key
         self.step(*args)
@@ -614,7 +663,7 @@ class ModelRunner:
         anchors = torch.zeros(batch_size, dtype=torch.long, device=dev)
         pos = torch.full((batch_size,), context_len, device=dev)
         span = self._span(context_len + self.block_size)
-        ones = torch.ones(batch_size, device=dev)
+        greedy = RowSampling(temperature=torch.zeros(batch_size, device=dev))
         hid = torch.zeros(batch_size, self.target.config.hidden_size, dtype=self.dtype, device=dev)
-        return self._time(lambda: self._propose(rows, anchors, pos, span, ones, ones, False, False, True,
-                                                anchor_hidden=hid), num_iters, reduce)
+        return self._time(lambda: self._propose(rows, anchors, pos, span, greedy, False, torch.ones_like(anchors),
+                                                True, anchor_hidden=hid), num_iters, reduce)
