@@ -88,21 +88,23 @@ def adjust_logits(logits: torch.Tensor, rs: RowSampling, index: torch.Tensor,
         rs: the rows' processing (``penalties`` / ``min_left`` None: that part is skipped).
         index: ``[B, N]`` or ``[1, N]`` int64: tokens generated between the forward's first position and each
             position; a position's stop tokens are masked while ``index < rs.min_left``.
-        extra_counts: ``[B, N, V]`` float32 added to ``rs.counts`` per position (:func:`window_counts`), or None.
+        extra_counts: ``[B, N, V]`` float32 added to ``rs.counts`` per position (:func:`window_counts`; consumed:
+            the sum is written into it), or None.
     Returns:
         ``[B, N, V]`` float32 (``logits`` itself when neither part applies).
     """
     if rs.penalties is None and rs.min_left is None:
         return logits
     x = logits.float()
-    if rs.penalties is not None:
+    if rs.penalties is not None:  # vLLM's apply_penalties; in place on fresh tensors (a [B, N, V] step: ~3 of them)
         cnt = rs.counts[:, None].float()  # [B, 1, V]
-        if extra_counts is not None:
-            cnt = cnt + extra_counts  # [B, N, V]
+        cnt = extra_counts.add_(cnt) if extra_counts is not None else cnt  # [B, N, V]
         rep, freq, pres = rs.penalties[:, None, None].unbind(-1)  # [B, 1, 1] each
         seen = cnt > 0
-        x = torch.where(seen | rs.seen_prompt[:, None], torch.where(x > 0, x / rep, x * rep), x)
-        x = x - freq * cnt - pres * seen.float()
+        scale = torch.where(x > 0, 1.0 / rep, rep).masked_fill_(~(seen | rs.seen_prompt[:, None]), 1.0)
+        x = x * scale  # repetition: logit / rp if > 0 else logit * rp, on prompt + output tokens (vLLM: x * 1/rp)
+        del scale
+        x.sub_(cnt.mul(freq).add_(seen.to(x.dtype).mul_(pres)))  # frequency x count + presence x (count > 0)
     if rs.min_left is not None:
         under = index < rs.min_left[:, None]  # [B, N]
         x = x.masked_fill(under[..., None] & rs.stop_mask[:, None], float("-inf"))
