@@ -536,7 +536,11 @@ class ModelRunner:
         self.in_floats[:b].copy_(self._floats_host[:b], non_blocking=True)
         if flags.seeded:
             self.in_uniforms[:b].copy_(self._uniforms_host[:b], non_blocking=True)
-        self._run(StepKey(b, w, span, spec, propose, use_host and spec, flags, append))
+        if spec and not (propose or append or use_host) and w == 1:  # the cost policy's γ = 0 step: the AR step's
+            key = StepKey(b, w, span, False, has_drafter, False, flags, False)  # very graph (same work, no capture)
+        else:
+            key = StepKey(b, w, span, spec, propose, use_host and spec, flags, append)
+        self._run(key)
         with_exp = spec and propose and self.expected_fn is not None
         host = self.out[:b, :self._num_out_cols(w, with_exp, flags.logprobs)].cpu().numpy()  # the one transfer
         res = self._result(slots, host[idx], w, spec and propose, with_exp, flags.logprobs)
