@@ -24,16 +24,22 @@ from adaflash_ray.shapes import build_random_drafter, build_random_target, shape
 
 
 def _instrument(eng: SpecEngine) -> dict:
-    acc = {"schedule": 0.0, "runner_pre": 0.0, "launch": 0.0, "wait_post": 0.0, "postprocess": 0.0}
+    acc = {"schedule": 0.0, "runner_pre": 0.0, "launch": 0.0, "wait_post": 0.0, "postprocess": 0.0,
+           "propose_steps": 0, "propose_run": 0.0, "plain_run": 0.0}
     marks = {}
     e_sched, e_run, e_post, r_run = eng._schedule, eng._run, eng._postprocess, eng.runner._run
 
     def sched(*a, **k):
         t0 = time.perf_counter(); out = e_sched(*a, **k); acc["schedule"] += time.perf_counter() - t0; return out
 
-    def run(*a, **k):
-        marks["t0"] = time.perf_counter(); out = e_run(*a, **k); t1 = time.perf_counter()
-        acc["wait_post"] += t1 - marks["t_launched"]; return out
+    def run(batch, *a, **k):
+        marks["t0"] = time.perf_counter(); out = e_run(batch, *a, **k); t1 = time.perf_counter()
+        acc["wait_post"] += t1 - marks["t_launched"]
+        if batch.spec and batch.propose:
+            acc["propose_steps"] += 1; acc["propose_run"] += t1 - marks["t0"]
+        else:
+            acc["plain_run"] += t1 - marks["t0"]
+        return out
 
     def rrun(*a, **k):
         t = time.perf_counter(); acc["runner_pre"] += t - marks["t0"]; r_run(*a, **k)
@@ -91,7 +97,10 @@ def main() -> None:
                 n = st.num_engine_steps
                 row = {"method": m, "batch": b, "ms_per_step": 1e3 * st.decode_seconds / n, "steps": n,
                        "tau": st.accept_len if mode == "spec" else 1.0,
-                       **{k + "_ms": 1e3 * v / n for k, v in acc.items()},
+                       **{k + "_ms": 1e3 * v / n for k, v in acc.items() if not k.startswith(("propose", "plain"))},
+                       "propose_steps": acc["propose_steps"],
+                       "propose_step_run_ms": 1e3 * acc["propose_run"] / max(acc["propose_steps"], 1),
+                       "plain_step_run_ms": 1e3 * acc["plain_run"] / max(n - acc["propose_steps"], 1),
                        "gamma_hist": {str(k): v for k, v in sorted(st.draft_len_hist.items())}}
                 if best is None or row["ms_per_step"] < best["ms_per_step"]:
                     best = row
@@ -101,7 +110,8 @@ def main() -> None:
             rows.append(best)
             print(f"{m:7s} b={b:<3d} {best['ms_per_step']:6.3f} ms/step  sched {best['schedule_ms']:.3f} "
                   f"pre {best['runner_pre_ms']:.3f} launch {best['launch_ms']:.3f} wait+post {best['wait_post_ms']:.3f} "
-                  f"post {best['postprocess_ms']:.3f}  tau {best['tau']:.2f}", flush=True)
+                  f"post {best['postprocess_ms']:.3f}  tau {best['tau']:.2f}  propose steps {best['propose_steps']} "
+                  f"({best['propose_step_run_ms']:.3f} ms run vs {best['plain_step_run_ms']:.3f})", flush=True)
             del eng
             if dev == "cuda":
                 torch.cuda.empty_cache()

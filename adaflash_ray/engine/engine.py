@@ -101,7 +101,7 @@ class SpecEngine:
             seconds); False drafts whole blocks until it is called.
         ar_steps: with policy ``cost``, the policy may answer γ = 0 (an AR step beats drafting at this load and
             acceptance); the engine then steps without proposing and proposes again after ``probe_every`` steps,
-            waiting twice as long after each probe that still answers 0 (at most 4 x ``probe_every``).
+            waiting twice as long after each probe that still answers 0 (at most ``PROBE_MAX_FACTOR`` x ``probe_every``).
         record: build a Trajectory per finished request. record_features: with ``record``, also copy out
             the captured target features / last hidden states (``distill.features: captured``); False
             leaves them None for a trainer that recomputes them (``recompute``: no device-to-host copy, and
