@@ -1,10 +1,12 @@
 """The request surface real clients use: sampling fields, logprobs, n > 1, chat_template_kwargs (adaflash_ray.serve).
 
-Ray-free: request fields -> the engine's SamplingParams (and 400s naming the field), the chat template's extra
+Ray-free first: request fields -> the engine's SamplingParams (and 400s naming the field), the chat template's extra
 variables, OpenAI's logprobs shapes, and the response writer's n-choice bodies and SSE chunks from hand-fed token
-streams.
+streams. Then ONE server (``python -m adaflash_ray.serve``: local Ray, the real SmolLM2-135M, cpu_tiny, no
+distillation) driven by the official ``openai`` client: greedy replies and logprobs equal transformers' own, n = 2
+with seeds, ignore_eos / min_tokens lengths, top_k = 1 = greedy, chat_template_kwargs, tools refused.
 
-Run: python -m pytest -q tests/test_serve_params.py     (~20 s on 2 CPU cores)
+Run: python -m pytest -q tests/test_serve_params.py     (~1.5 min on 2 CPU cores)
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from adaflash_ray.serve.logprobs import LogprobFormatter  # noqa: E402
 from adaflash_ray.serve.protocol import APIError, parse_request  # noqa: E402
 from adaflash_ray.serve.responses import ResponseWriter  # noqa: E402
 from adaflash_ray.serve.runtime import RequestStream  # noqa: E402
-from test_serve import tok  # noqa: E402,F401  (tests/ is on sys.path)
+from test_serve import _free_port, _start_server, _stop_server, tok  # noqa: E402,F401  (tests/ is on sys.path)
 
 MODEL = "smollm2-135m-instruct"
 EOS = 2
@@ -246,3 +248,127 @@ def test_response_writer_engine_without_logprobs_is_an_error(tok):
 
     loop, err = asyncio.run(go())
     assert err.status == 500 and "logprobs" in err.message and loop.aborted == ["aborted", "aborted"]
+
+
+# ------------------------------------------------------------------------------------ one live server
+@pytest.fixture(scope="module")
+def server(tok):
+    proc, url = _start_server(["--recipe", "recipes/cpu_tiny.yaml", "--set", "logging.wandb_mode=disabled"],
+                              _free_port())
+    yield url
+    _stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def hf(tok):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from adaflash_ray.data import ensure_target
+
+    return AutoModelForCausalLM.from_pretrained(ensure_target(MODEL), dtype=torch.float32).eval()
+
+
+def _reference(hf, prompt_ids: list[int], max_new: int, k: int):
+    """transformers' greedy continuation (up to EOS) and the log_softmax of its own logits at each output token."""
+    import torch
+
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(max_new):
+            nxt = int(hf(torch.tensor([ids])).logits[0, -1].argmax())
+            ids.append(nxt)
+            if nxt == EOS:
+                break
+        lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    out = ids[len(prompt_ids):]
+    rows = lp[len(prompt_ids) - 1:len(ids) - 1]  # (T, V): row j predicts out[j]
+    top = rows.topk(k, dim=-1)
+    return out, [float(rows[j, t]) for j, t in enumerate(out)], top.indices.tolist(), top.values.tolist()
+
+
+def test_greedy_replies_and_logprobs_equal_transformers(client, hf, tok):
+    """Greedy text equals transformers' greedy output; logprobs (completions: logprobs=3; chat: top_logprobs=2,
+    plain and streamed) are the log_softmax of transformers' own logits at the returned tokens, within 1e-4."""
+    prompt = "The capital of France is"
+    out, lps, top_ids, top_vals = _reference(hf, tok.encode(prompt, add_special_tokens=False), 8, 3)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3)
+    c = r.choices[0]
+    assert c.text == tok.decode(out, skip_special_tokens=True)
+    L = c.logprobs
+    assert L.tokens == [tok.decode([t]) for t in out] and L.token_logprobs == pytest.approx(lps, abs=1e-4)
+    for j in range(len(out)):
+        want = {tok.decode([i]): v for i, v in zip(top_ids[j], top_vals[j])}
+        assert set(want) <= set(L.top_logprobs[j]), (j, want, L.top_logprobs[j])
+        assert [L.top_logprobs[j][s] for s in want] == pytest.approx(list(want.values()), abs=1e-4)
+    assert L.text_offset == [sum(len(s) for s in L.tokens[:j]) for j in range(len(out))]
+
+    msgs = [{"role": "user", "content": "Why is the sky blue?"}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    out, lps, top_ids, top_vals = _reference(hf, list(ids), 10, 2)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == tok.decode(out, skip_special_tokens=True)
+    assert [e.token for e in content] == [tok.decode([t]) for t in out]
+    assert [e.logprob for e in content] == pytest.approx(lps, abs=1e-4)
+    for e, ti, tv in zip(content, top_ids, top_vals):
+        assert [t.token for t in e.top_logprobs] == [tok.decode([i]) for i in ti]
+        assert [t.logprob for t in e.top_logprobs] == pytest.approx(tv, abs=1e-4)
+    streamed = [x for ch in client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0,
+                                                           logprobs=True, top_logprobs=2, stream=True)
+                if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.content]
+    assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-6)
+
+
+def test_n_choices_and_seeds(client):
+    """n = 2 at temperature 0.8 with a seed: two distinct choices, the same again on a repeat, choice 1 equal to
+    a single request with seed + 1; usage sums the choices; streamed, the chunks of each index rebuild the same
+    texts and the usage equals the plain response's."""
+    kw = dict(model=MODEL, prompt="Once upon a time, a dragon", max_tokens=12, temperature=0.8, seed=1234)
+    r = client.completions.create(n=2, logprobs=0, **kw)
+    texts = [c.text for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1] and texts[0] != texts[1]
+    assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in r.choices)
+    assert [c.text for c in client.completions.create(n=2, **kw).choices] == texts
+    assert client.completions.create(**{**kw, "seed": 1235}).choices[0].text == texts[1]
+    chunks = list(client.completions.create(n=2, stream=True, stream_options={"include_usage": True}, **kw))
+    assert ["".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == i)
+            for i in (0, 1)] == texts
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_ignore_eos_min_tokens_top_k_template_kwargs_and_tools(client, server):
+    """ignore_eos runs to max_tokens past EOS; min_tokens holds EOS off that long; top_k = 1 at temperature 0.8 is
+    greedy; the penalties and min_p are accepted; chat_template_kwargs a template ignores change nothing;
+    tools are a 400 naming the field."""
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    base = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0)
+    text, n = base.choices[0].message.content, base.usage.completion_tokens
+    assert base.choices[0].finish_reason == "stop" and n < 16, (text, n)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (24, "length")
+    assert r.choices[0].message.content.startswith(text)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0,
+                                       extra_body={"min_tokens": 16})
+    assert r.usage.completion_tokens >= 16 and r.choices[0].message.content.startswith(text)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0.8, seed=3,
+                                       extra_body={"top_k": 1})
+    assert r.choices[0].message.content == text
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0.8, seed=3,
+                                       frequency_penalty=0.5, presence_penalty=0.5,
+                                       extra_body={"repetition_penalty": 1.3, "min_p": 0.05})
+    assert r.usage.completion_tokens >= 1
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].message.content == text
+    resp = requests.post(server + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "tools"
