@@ -1,8 +1,9 @@
 """The Ray Serve application: an OpenAI-compatible FastAPI ingress whose replicas each own a SpecEngine.
 
 Routes (all JSON; errors are ``{"error": {"message", "type", "param", "code"}}``):
-``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE with
-``"stream": true``), ``GET /v1/adaflash/status``. Every generation response carries the header
+``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``, ``POST /v1/chat/completions``
+(SSE with ``"stream": true``; request fields: :mod:`~adaflash_ray.serve.protocol`, response bodies and chunks, ``n``
+choices and logprobs: :mod:`~adaflash_ray.serve.responses`), ``GET /v1/adaflash/status``. Every generation response carries the header
 ``x-adaflash-drafter-version`` (the drafter version loaded when the response started) and, in its body
 (the last chunk when streaming), ``adaflash.drafter_versions`` - every version that served one of its steps.
 Unknown request fields are ignored with a logged warning (vLLM's behaviour); a response to such a request names
