@@ -18,8 +18,10 @@ Seeded rows (``SamplingParams.seed``) use drafter-invariant verification (Daliri
 without Communication and Drafter-Invariant Speculative Decoding", arXiv 2408.07978): the token at output index k is
 the target's own inverse-CDF sample of its processed distribution at the request's uniform ``u_k``
 (:func:`seed_uniforms`), drafts are accepted while they equal it, and drafts are drawn from q with the same
-``u_k`` (common random numbers: accepted often when q is close to p). The output is then AR sampling driven by the
-request's stream - the same tokens whatever the batch, γ, draft source or AR / speculative mode.
+``u_k``. The output is then AR sampling driven by the request's stream - the same tokens whatever the batch, γ, draft
+source or AR / speculative mode. The paper couples p and q by Gumbel sampling (acceptance >= (1 - TV) / (1 + TV));
+one uniform per token (inverse CDF in token-id order, a weaker coupling: accepted often when q is close to p) keeps
+the host's share to a slice of floats per seeded row and step, and the device's to one cumsum and searchsorted.
 """
 from __future__ import annotations
 
@@ -325,12 +327,11 @@ class SlotSampling:
         bits = int(np.bitwise_or.reduce(self.flags[idx]))
         min_left = np.maximum(self.min_tokens[idx] - num_generated, 0)
         seeded = np.zeros(len(idx), np.int64)
-        if bits & _SEEDED:
-            for i, (s, r, n) in enumerate(zip(slots, out_rows, num_generated.tolist())):
-                u = self.uniforms[s]
-                if u is not None:
-                    seeded[i] = 1
-                    uniforms_out[r] = u[n:n + self.num_uniforms]
+        if bits & _SEEDED:  # Python work for the seeded rows only
+            for i in np.flatnonzero(self.flags[idx] & _SEEDED).tolist():
+                n = int(num_generated[i])
+                seeded[i] = 1
+                uniforms_out[out_rows[i]] = self.uniforms[slots[i]][n:n + self.num_uniforms]
         sample = bool(bits & _SAMPLE)
         flags = SamplingFlags(sample=sample, use_top_p=bool(bits & _TOP_P), penalties=bool(bits & _PENALTIES),
                               min_tokens=bool(min_left.any()), use_min_p=bool(bits & _MIN_P),
