@@ -377,18 +377,22 @@ class SpecEngine:
                 self.planner.record(batch.choices, res.num_accepted)
         elif self.policy is not None:
             self.policy.after_step(batch.spec, batch.propose, res.next_draft_lens)
+        version = self.drafter_version
+        if batch.spec:
+            if batch.choices is not None:
+                sources = [c.source if g else "none" for c, g in zip(batch.choices, batch.draft_lens)]
+            else:
+                sources = ["dflash" if g else "none" for g in batch.draft_lens]
+            self.stats.record_steps(batch.draft_lens, res.num_accepted, sources)
         for i, (req, g, a, toks, nxt) in enumerate(zip(batch.requests, batch.draft_lens, res.num_accepted,
                                                        res.committed, res.next_draft_lens)):
             if batch.spec:
-                source = batch.choices[i].source if batch.choices is not None else ("dflash" if g else "none")
-                source = source if g else "none"
                 req.draft_lens.append(g)
                 req.num_accepted.append(a)
-                req.step_sources.append(source)
-                req.step_versions.append(self.drafter_version)
+                req.step_sources.append(sources[i])
+                req.step_versions.append(version)
                 if req.first_version is None:
-                    req.first_version = self.drafter_version
-                self.stats.record_step(g, a, source)
+                    req.first_version = version
             req.next_draft_len = nxt
             if self.planner is not None:
                 req.dflash_expected = res.expected[i] if batch.propose and res.expected is not None else None

@@ -74,6 +74,19 @@ class SpecStats:
             self.source_drafted[source] += draft_len
             self.source_accepted[source] += num_accepted
 
+    def record_steps(self, draft_lens: list[int], num_accepted: list[int], sources: list[str] | None = None) -> None:
+        """:meth:`record_step` for each request of one engine step; a step where no request drafted (every γ = 0:
+        the ``cost`` policy's AR steps) is counted in O(1)."""
+        if not any(draft_lens):
+            n = len(draft_lens)
+            self.num_verify_steps += n
+            self.draft_len_hist[0] += n
+            if sources is not None:
+                self.source_hist["none"] += n
+            return
+        for i, (g, a) in enumerate(zip(draft_lens, num_accepted)):
+            self.record_step(g, a, sources[i] if sources is not None else None)
+
     def __add__(self, other: "SpecStats") -> "SpecStats":
         return SpecStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
