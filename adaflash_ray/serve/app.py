@@ -89,6 +89,9 @@ async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
 
 @api.exception_handler(Exception)
 async def _internal_error(_: Request, e: Exception) -> JSONResponse:
+    if isinstance(e, ray.exceptions.TaskCancelledError):  # Serve cancels a request whose client went away
+        log.info("request cancelled (client disconnected)")
+        return JSONResponse(error_body("request cancelled", "server_error"), status_code=499)
     log.exception("request failed")
     return JSONResponse(error_body(f"internal error: {type(e).__name__}: {str(e)[:300]}", "server_error"),
                         status_code=500)
