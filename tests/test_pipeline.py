@@ -116,9 +116,13 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
     import tempfile
 
     gcs_port, dash_port = _free_port(), _free_port()
+    # the agents' ports too: Ray's fixed defaults (52365, ...) may be held by another Ray on this machine, and then the
+    # head's job agent never comes up ("No available agent to submit job")
+    agent_ports = [f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+                   f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}"]
     temp_dir = tempfile.mkdtemp(prefix="afr", dir="/tmp")  # short: Ray's socket paths have a length limit
     start = subprocess.run([RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
-                            f"--temp-dir={temp_dir}",
+                            f"--temp-dir={temp_dir}", *agent_ports,
                             "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}", "--num-cpus=2",
                             "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=180)
     assert start.returncode == 0, start.stderr[-3000:]
@@ -131,7 +135,7 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
         def submit(*args: str):
             cmd = [RAY, "job", "submit", f"--address=http://127.0.0.1:{dash_port}", "--working-dir", str(ROOT),
                    "--", sys.executable, "-m", "adaflash_ray.pipeline", "--recipe", "recipes/cpu_tiny.yaml", *args]
-            deadline = time.time() + 300  # a loaded 2-core machine: the agent took > 180 s once
+            deadline = time.time() + 180
             while True:  # the head's job agent may still be starting: Ray answers "No available agent"
                 job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
                 if job.returncode == 0 or "No available agent" not in job.stdout + job.stderr \
