@@ -51,6 +51,7 @@ import signal
 import subprocess
 import sys
 import time
+from abc import ABC, abstractmethod
 from typing import Callable
 
 from adaflash_ray.config import RunConfig, add_recipe_args, config_from_args
@@ -139,7 +140,7 @@ def _send(user, req: dict, timeout_s: float) -> dict | None:
     return {"text": text, "finish_reason": reason, "completion_tokens": n, "version": version}
 
 
-class Traffic:
+class Traffic(ABC):
     """What locust's users send (:meth:`next`: a request dict, or None when there is nothing more to send) and
     what this module records of each successful response (:meth:`record`); one instance per locust run, shared
     by its users (greenlets of one thread: no locking needed)."""
@@ -147,8 +148,9 @@ class Traffic:
     def __init__(self):
         self.versions: dict[int, int] = {}  # drafter version that finished the response -> responses
 
+    @abstractmethod
     def next(self) -> dict | None:
-        raise NotImplementedError
+        """The next request (``name``, ``path``, JSON ``body``), or None when this traffic has nothing more to send."""
 
     def record(self, req: dict, out: dict) -> None:
         self.versions[out["version"]] = self.versions.get(out["version"], 0) + 1
