@@ -312,21 +312,22 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
             # a drift of the machine (clocks, other processes) reaches every method alike
             runs_by: dict[str, list] = {}
             engine_methods = [m for m in methods if m != HF_METHOD]
+
+            def one_run(method: str):  # the corpus holds only the held-out outputs: never a timed request's own
+                eng = engine_for(method)
+                if method in ("suffix", "hybrid"):
+                    eng.reset_corpus(seeds.get(domain, []))
+                reqs, secs = _run_engine(eng, ps, max_new_tokens, "ar" if method == "ar" else "spec", device,
+                                         temperature)
+                return sum(len(r.output_ids) for r in reqs) / secs, reqs, secs, eng.stats
+
             for method in engine_methods:
                 if warmup == "repeat":  # the same run untimed first: every CUDA graph it needs is captured
-                    if method in ("suffix", "hybrid"):
-                        engine_for(method).reset_corpus(seeds.get(domain, []))
-                    _run_engine(engine_for(method), ps, max_new_tokens, "ar" if method == "ar" else "spec", device,
-                                temperature)
+                    one_run(method)
                 runs_by[method] = []
             for _ in range(max(repeats, 1)):
                 for method in engine_methods:
-                    eng = engine_for(method)
-                    if method in ("suffix", "hybrid"):  # only the held-out outputs: never a timed request's own
-                        eng.reset_corpus(seeds.get(domain, []))
-                    reqs, secs = _run_engine(eng, ps, max_new_tokens, "ar" if method == "ar" else "spec", device,
-                                             temperature)
-                    runs_by[method].append((sum(len(r.output_ids) for r in reqs) / secs, reqs, secs, eng.stats))
+                    runs_by[method].append(one_run(method))
             for method in methods:
                 base = {"method": method, "concurrency": conc, "domain": domain, "model": name,
                         "temperature": temperature,
