@@ -363,19 +363,26 @@ def test_drafter_flex_attention_matches_sdpa_cuda():
         assert _rel(got, want) < 5e-3
 
 
-def test_lookup_and_hybrid_greedy_equal_ar_graphs_tiny():
-    """Draft sources through CUDA graphs (tiny random fp32 target): prompt lookup alone (no drafter) and the hybrid
-    (DFlash block + suffix lookup, cost table measured here, the corpus holding an earlier pass's sequences) give
-    greedy output equal to AR token for token; lookup rows ran through host-draft graphs and were accepted."""
+def _lookup_case():
+    """A tiny random fp32 target on CUDA, 4 prompts (the first repeated: prompt lookup finds matches) and their AR
+    greedy outputs."""
     from conftest import make_tiny_target
 
     target = make_tiny_target("llama", logit_scale=4.0).to("cuda")
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, target.config.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 17, 3)]
-    prompts[0] = prompts[0] * 4  # a repeated prompt: prompt lookup finds matches
+    prompts[0] = prompts[0] * 4
     ar_eng = SpecEngine(target, None, None, max_batch_size=4, max_seq_len=256)
     ar = [r.output_ids for r in ar_eng.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True),
                                                 mode="ar")]
+    return target, prompts, ar
+
+
+def test_lookup_and_hybrid_greedy_equal_ar_graphs_tiny():
+    """Draft sources through CUDA graphs (tiny random fp32 target): prompt lookup alone (no drafter) and the hybrid
+    (DFlash block + suffix lookup, cost table measured here, the corpus holding an earlier pass's sequences) give
+    greedy output equal to AR token for token; lookup rows ran through host-draft graphs and were accepted."""
+    target, prompts, ar = _lookup_case()
     ngram = SpecEngine(target, None, None, max_batch_size=4, max_seq_len=256, draft_sources=("ngram",))
     out, _ = _gen(ngram, prompts)
     assert out == ar
@@ -389,3 +396,28 @@ def test_lookup_and_hybrid_greedy_equal_ar_graphs_tiny():
     assert first == ar and second == ar
     print("hybrid sources", dict(hybrid.stats.source_hist), "tau", hybrid.stats.accept_len)
     assert hybrid.stats.source_hist["suffix"] > 0 and hybrid.stats.accept_len > 1.0
+
+
+@pytest.mark.parametrize("sources", [("ngram",), ("suffix",), ("dflash", "suffix")])
+def test_device_lookup_graphs_greedy_equal_ar_tiny(sources):
+    """The device lookup through CUDA graphs (tiny random fp32 target, ``lookup_device="device"``): prompt lookup,
+    suffix lookup (corpus ring holding an earlier pass) and the hybrid give greedy output equal to AR token for token
+    in both passes; the steps' graphs proposed lookups on the device (StepKey.lookup) and lookup rows were accepted;
+    the same engine on the host path gives the same tokens."""
+    target, prompts, ar = _lookup_case()
+    for where in ("device", "host"):
+        if "dflash" in sources:
+            drafter, head = make_drafter(target, block_size=8, layers=1, policy="cost", seed=5)
+            eng = SpecEngine(target, drafter, head, policy="cost", max_batch_size=4, max_seq_len=256,
+                             draft_sources=sources, lookup_device=where)
+        else:
+            eng = SpecEngine(target, None, None, max_batch_size=4, max_seq_len=256, draft_sources=sources,
+                             lookup_device=where)
+        assert eng.lookup_on_device == (where == "device")
+        first, _ = _gen(eng, prompts)
+        second, _ = _gen(eng, prompts)
+        assert first == ar and second == ar, where
+        print(where, sources, dict(eng.stats.source_hist), "tau", eng.stats.accept_len)
+        assert eng.stats.source_hist[sources[-1]] > 0
+        if where == "device":
+            assert any(k.lookup for k in eng.runner.graphs) and any(k.host_drafts for k in eng.runner.graphs)

@@ -30,12 +30,16 @@ def _prompts(n=3, vocab=128, seed=3):
     return out
 
 
+@pytest.mark.parametrize("where", ["host", "device"])
 @pytest.mark.parametrize("sources", [("ngram",), ("suffix",)])
-def test_lookup_sources_greedy_lossless(tiny_target, sources):
-    """Lookup drafts alone (no drafter): greedy output == the target's; every step's source is the lookup or none."""
+def test_lookup_sources_greedy_lossless(tiny_target, sources, where):
+    """Lookup drafts alone (no drafter), computed on the host or on the device (eager CPU): greedy output == the
+    target's; every step's source is the lookup or none."""
     prompts, budgets = _prompts(), [40, 24, 33]
     ref = [greedy_reference(tiny_target, p, n) for p, n in zip(prompts, budgets)]
-    engine = SpecEngine(tiny_target, None, None, max_batch_size=2, max_seq_len=160, draft_sources=sources)
+    engine = SpecEngine(tiny_target, None, None, max_batch_size=2, max_seq_len=160, draft_sources=sources,
+                        lookup_device=where, lookup_corpus_tokens=256)
+    assert engine.lookup_on_device == (where == "device")
     reqs = [engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, budgets)]
     while engine.has_unfinished():
         engine.step()
@@ -75,14 +79,16 @@ def test_ngram_on_a_repetitive_target_commits_several_tokens():
     assert engine.stats.accept_len > 1.5, (engine.stats.accept_len, ref)
 
 
-def test_hybrid_greedy_lossless_with_measured_costs(tiny_target):
-    """DFlash + suffix through the planner, with the cost table this engine measured (CPU), drafter head random:
-    greedy output == the target's; the corpus then makes the suffix source pay, and it is chosen."""
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_hybrid_greedy_lossless_with_measured_costs(tiny_target, where):
+    """DFlash + suffix through the planner (lookups on the host or on the device), with the cost table this engine
+    measured (CPU), drafter head random: greedy output == the target's; the corpus then makes the suffix source pay,
+    and it is chosen."""
     prompts, budgets = _prompts(), [40, 24, 33]
     ref = [greedy_reference(tiny_target, p, n) for p, n in zip(prompts, budgets)]
     drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
     engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=160,
-                        draft_sources=("dflash", "suffix"))
+                        draft_sources=("dflash", "suffix"), lookup_device=where)
     assert engine.planner.spec_costs is not None and len(engine.cost_table["lookup_costs_ms"][0]) == 16
     reqs = engine.generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))
     for r in reqs:
@@ -213,10 +219,11 @@ def test_source_histogram_counts():
     assert dict((s + s).source_hist) == {"ngram": 4, "none": 2, "dflash": 2}
 
 
-def test_sampled_lookup_drafts_follow_the_target():
-    """Temperature 0.8, vocab 12, suffix drafts from a corpus of the target's own samples (a point-mass q, accepted
-    and rejected both): the joint law of the first 4 generated tokens equals the target's (χ² on pairs, p > 0.001);
-    the same samples reject the law of a greedy-fallback bug."""
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_sampled_lookup_drafts_follow_the_target(where):
+    """Temperature 0.8, vocab 12, suffix drafts (host or device lookup) from a corpus of the target's own samples (a
+    point-mass q, accepted and rejected both): the joint law of the first 4 generated tokens equals the target's (χ²
+    on pairs, p > 0.001); the same samples reject the law of a greedy-fallback bug."""
     vocab, temp, num = 12, 0.8, 3072
     target = make_tiny_target("qwen3", vocab_size=vocab, seed=2, logit_scale=2.0)
     prompt = [1, 2, 3, 4, 5]
@@ -226,8 +233,13 @@ def test_sampled_lookup_drafts_follow_the_target():
     for r in seen:
         corpus.add(prompt + r.output_ids)
     engine = SpecEngine(target, None, None, max_batch_size=64, max_seq_len=32, seed=11, draft_sources=("suffix",),
-                        suffix_corpus=corpus, lookup_max_ngram=2)
-    engine.lookup.finish = lambda tokens: None  # keep the corpus fixed: every request sees the same proposal law
+                        suffix_corpus=corpus, lookup_max_ngram=2, lookup_device=where,
+                        lookup_corpus_tokens=256)  # the 16 sequences and their separators fit
+    # keep the corpus fixed: every request sees the same proposal law
+    if where == "device":
+        engine.runner.lookup.add_sequence = lambda tokens: None
+    else:
+        engine.lookup.finish = lambda tokens: None
     reqs = engine.generate([prompt] * num, SamplingParams(max_new_tokens=4, temperature=temp))
     toks = np.array([r.output_ids for r in reqs])  # [num, 4]
     s = engine.stats
@@ -340,3 +352,30 @@ def test_planner_keeps_lookups_through_a_step_without_a_match():
     assert ema < LOOKUP_IDLE_BELOW <= ema / (1 - LOOKUP_EMA)
     p.reset()
     assert p.lookup_due()
+
+
+def test_lookup_calibration_learns_acceptance_by_bucket():
+    """Device-lookup estimates: the prior before any record; after steps where one bucket's γ = 4 proposals always
+    accept exactly 2, E[a | γ] -> 2 for γ >= 2 there, while another bucket keeps its prior; flat past the length."""
+    from adaflash_ray.engine.hybrid import LookupCalibration
+
+    cal = LookupCalibration(max_ngram=3, max_draft=6, prior=0.5, prior_weight=1.0, decay=0.0)
+    b = cal.bucket(np.array([0, 1]), np.array([3, 1]), np.array([1, 5]))
+    assert b[0] != b[1]
+    np.testing.assert_allclose(cal.expected(b[:1], np.array([6]))[0, :3], [0.0, 0.5, 0.75])
+    for _ in range(200):
+        cal.record(np.array([b[0]] * 4), np.array([4] * 4), np.array([2] * 4))
+    e = cal.expected(b, np.array([6, 2]))
+    assert abs(e[0, 2] - 2.0) < 0.02 and abs(e[0, 6] - 2.0) < 0.02 and e[0, 1] > 0.99
+    np.testing.assert_allclose(e[1], [0.0, 0.5, 0.75, 0.75, 0.75, 0.75, 0.75])  # prior, flat past length 2
+    with pytest.raises(ValueError):
+        LookupCalibration(3, 6, prior=1.5)
+
+
+def test_lookup_device_option_is_checked(tiny_target):
+    """``lookup_device``: auto = host on CPU (the CPU behaviour unchanged); an unknown value is a ValueError."""
+    assert not SpecEngine(tiny_target, None, None, max_batch_size=1, max_seq_len=64,
+                          draft_sources=("ngram",)).lookup_on_device
+    with pytest.raises(ValueError, match="lookup_device"):
+        SpecEngine(tiny_target, None, None, max_batch_size=1, max_seq_len=64, draft_sources=("ngram",),
+                   lookup_device="gpu")

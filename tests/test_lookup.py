@@ -263,3 +263,96 @@ def test_suffix_state_matches_brute_force(seqs, prompt, output, k):
         own = _ref_propose([ctx], ctx, k, 3, 1, 4, frequent=False)
         other = _ref_propose(seqs, ctx, k, 3, 1, 4, frequent=True)
         assert state.propose(k) == (other if other.match_len > own.match_len else own)
+
+
+# ----------------------------------------------------------------------------------- the device lookup
+def _device_rows(seqs: list[list[int]], width: int) -> tuple:
+    import torch
+
+    ctx = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ctx[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        ctx[i, len(s):] = torch.randint(0, 5, (width - len(s),))  # stale tokens past the context: never read
+    return ctx, torch.tensor([len(s) for s in seqs])
+
+
+@pytest.mark.parametrize("max_n,min_n,max_occ,k", [(3, 1, 8, 15), (1, 1, 1, 4), (4, 2, 3, 6), (2, 2, 8, 1)])
+def test_device_prompt_lookup_equals_prompt_lookup(max_n, min_n, max_occ, k):
+    """A batch of rows (random over small alphabets, periodic, empty, length 1..60): the device proposal - tokens up
+    to its length, match length, occurrences - equals PromptLookup's latest-match proposal of each row's context."""
+    import random
+
+    from adaflash_ray.engine.device_lookup import DeviceLookup
+
+    rng = random.Random(max_n * 100 + k)
+    seqs = []
+    for i in range(96):
+        n, v = rng.randint(0, 60), rng.choice([2, 3, 6, 40])
+        s = [rng.randrange(v) for _ in range(n)]
+        seqs.append((s[:rng.randint(1, 7)] * 20)[:n] if i % 3 == 0 else s)
+    look = DeviceLookup(len(seqs), 64, k, "cpu", max_ngram=max_n, min_ngram=min_n, max_occurrences=max_occ)
+    prop = look.propose(*_device_rows(seqs, 64))
+    lookup = PromptLookup(max_n, min_n, max_occ)
+    for i, s in enumerate(seqs):
+        want = lookup.begin(s).propose(k)
+        n = int(prop.length[i])
+        got = (prop.tokens[i, :n].tolist(), int(prop.match_len[i]), int(prop.num_occurrences[i]))
+        assert got == (want.tokens, want.match_len, want.num_occurrences), (s, got, want)
+        assert int(prop.source[i]) == 0
+
+
+def _ring_reference(stream: list[int], size: int, suffix: list[int], k: int, max_n: int) -> tuple[list[int], int]:
+    """Latest-occurrence corpus proposal over the ring's content: the last ``size`` cells written (separators -3)."""
+    window = ([-3] * size + stream)[-size:]
+    for n in range(min(max_n, len(suffix)), 0, -1):
+        key = suffix[len(suffix) - n:]
+        hits = [p for p in range(n, size) if window[p] != -3 and window[p - n:p] == key]
+        if hits:
+            cont = []
+            for t in window[hits[-1]:hits[-1] + k]:
+                if t == -3:
+                    break
+                cont.append(t)
+            return cont, n
+    return [], 0
+
+
+def test_device_corpus_ring_latest_match_and_bounded_eviction():
+    """Sequences appended to a 40-token ring (one longer than the ring): after each, the corpus proposal of random
+    suffixes equals the latest occurrence in the ring's content, cut at its sequence's end; the ring never holds more
+    than its size (the oldest tokens are overwritten); the longer of context and corpus match wins, ties to the
+    context."""
+    import random
+
+    from adaflash_ray.engine.device_lookup import SEPARATOR, DeviceLookup
+
+    rng = random.Random(0)
+    size, k, max_n = 40, 5, 3
+    look = DeviceLookup(4, 32, k, "cpu", max_ngram=max_n, corpus_tokens=size)
+    stream: list[int] = []
+    for length in [7, 12, 3, 60, 9, 15, 5, 11]:
+        seq = [rng.randrange(4) for _ in range(length)]
+        look.add_sequence(seq)
+        stream += seq[-(size - 1):] + [SEPARATOR]
+        assert look.corpus.shape == (size,) and look.num_corpus_written == len(stream)
+        ring = look.corpus.tolist()
+        head = len(stream) % size
+        assert ring[head:] + ring[:head] == ([SEPARATOR] * size + stream)[-size:]
+        ctx = [[rng.randrange(4) for _ in range(rng.randint(1, 6))] for _ in range(4)]
+        prop = look.propose(*_device_rows(ctx, 32))
+        for i, s in enumerate(ctx):
+            tokens, n = _ring_reference(stream, size, s, k, max_n)
+            own = PromptLookup(max_n).begin(s).propose(k)
+            if own.match_len >= n:
+                tokens, n = own.tokens, own.match_len
+            got = prop.tokens[i, :int(prop.length[i])].tolist()
+            assert (got, int(prop.match_len[i])) == (tokens, n), (s, got, tokens)
+            assert int(prop.source[i]) == (0 if own.match_len >= n else 1)
+    # ties go to the row's own context: "1 2" in both, the context's continuation is 7, the corpus's 8
+    look.reset_corpus([[1, 2, 8, 8]])
+    prop = look.propose(*_device_rows([[1, 2, 7, 5, 1, 2], [3, 1, 2, 8, 9, 5, 9, 1, 2]], 32))
+    assert prop.source.tolist() == [0, 0] and prop.tokens[0, :2].tolist() == [7, 5]
+    prop = look.propose(*_device_rows([[9, 2, 7, 1, 2]], 32))  # the corpus matches "1 2" (2 tokens), the context "2"
+    assert prop.source.tolist() == [1] and prop.tokens[0, :2].tolist() == [8, 8] and prop.match_len.tolist() == [2]
+    with pytest.raises(ValueError, match="corpus_tokens"):
+        DeviceLookup(1, 8, 2, "cpu", max_ngram=3, corpus_tokens=3)

@@ -7,7 +7,9 @@
 
 ``step()`` = admit + prefill new requests, one speculative step for all running ones (one device ->
 host transfer; a CUDA graph replay on GPU - see runner.py), finish the ones that hit a stop token or
-their budget. Finished requests become :class:`Trajectory` records when
+their budget. The ``ngram`` / ``suffix`` lookups run on the host per request per step, or (``lookup_device``; the
+default on CUDA) on the device at the end of each step (adaflash_ray/engine/device_lookup.py), whose proposals the
+next step plans with and verifies in place. Finished requests become :class:`Trajectory` records when
 ``record=True``. Verification is lossless: greedy output is token-for-token the target's greedy
 output (tests/test_engine.py), sampled output follows the target distribution (χ² test).
 """
@@ -23,10 +25,11 @@ import torch
 from filelock import FileLock
 
 from adaflash_ray.drafting.lookup import MAX_DRAFT, PromptLookup, SuffixCorpus, SuffixLookup
-from adaflash_ray.engine.hybrid import HybridPlanner, RowChoice, check_draft_sources
+from adaflash_ray.engine.hybrid import HybridPlanner, LookupArrays, RowChoice, check_draft_sources
 from adaflash_ray.engine.length_policy import CostLength, length_policy
 from adaflash_ray.models.length_head import AcceptanceHead, draft_confidence, expected_committed
 from adaflash_ray.engine.request import Request, SamplingParams, Status
+from adaflash_ray.engine.device_lookup import NUM_META
 from adaflash_ray.engine.runner import ModelRunner, StepResult, _buckets
 from adaflash_ray.engine.scheduler import Scheduler
 from adaflash_ray.engine.stats import SpecStats
@@ -86,6 +89,8 @@ class _Batch(NamedTuple):
     append: bool | None = None
     choices: list[RowChoice] | None = None
     host_drafts: list[list[int] | None] | None = None
+    lookup_rows: list[bool] | None = None  # rows verifying the device lookup's proposal
+    lookup: bool = False  # the step proposes the next device lookup drafts
 
 
 class SpecEngine:
@@ -117,9 +122,14 @@ class SpecEngine:
             requests are added to it. lookup_max_ngram: the longest suffix n-gram the lookups match (tokens).
         argmax_drafts: at temperature > 0 the drafter's block is its argmax, verified as a point-mass q (lossless:
             docs/design/ALGORITHMS.md §4.2), instead of one independent sample per block position from q.
+        lookup_device: where the lookup sources run: ``"host"`` (per request per step, in Python:
+            :mod:`adaflash_ray.drafting.lookup`), ``"device"`` (at the end of each step on the runner's device:
+            :mod:`adaflash_ray.engine.device_lookup`; its corpus is a ring of ``lookup_corpus_tokens`` tokens, which
+            takes ``suffix_corpus``'s sequences at the start and proposes latest occurrences) or ``"auto"`` (device
+            on CUDA, host on CPU).
     Raises:
-        ValueError: bad ``draft_sources`` (:func:`~adaflash_ray.engine.hybrid.check_draft_sources`), or the hybrid
-            without the ``cost`` policy.
+        ValueError: bad ``draft_sources`` (:func:`~adaflash_ray.engine.hybrid.check_draft_sources`), the hybrid
+            without the ``cost`` policy, or an unknown ``lookup_device``.
     """
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, length_head: torch.nn.Module | None,
@@ -128,7 +138,7 @@ class SpecEngine:
                  record_features: bool = True, seed: int = 0, drafter_version: int = 0, use_cuda_graph: bool | None = None,
                  calibrate: bool = True, ar_steps: bool = True, probe_every: int = 8,
                  draft_sources=None, suffix_corpus: SuffixCorpus | None = None, lookup_max_ngram: int = 3,
-                 argmax_drafts: bool = False):
+                 argmax_drafts: bool = False, lookup_device: str = "auto", lookup_corpus_tokens: int = 1 << 16):
         self.target, self.drafter, self.length_head = target, drafter, length_head
         self.draft_sources = (check_draft_sources(draft_sources, drafter is not None) if draft_sources is not None
                               else None)
@@ -148,10 +158,21 @@ class SpecEngine:
         self.scheduler = Scheduler(max_batch_size)
         sources = self.draft_sources or ()
         lookup = next((s for s in sources if s != "dflash"), None)
+        if lookup_device not in ("auto", "host", "device"):
+            raise ValueError(f"lookup_device must be 'auto', 'host' or 'device', got {lookup_device!r}")
+        on_cuda = target.lm_head.weight.device.type == "cuda"
+        # the device lookup: the runner keeps the slots' tokens and proposes at the end of each step
+        self.lookup_on_device = lookup is not None and (lookup_device == "device" or
+                                                        (lookup_device == "auto" and on_cuda))
+        dev_lookup = dict(max_ngram=lookup_max_ngram, corpus_tokens=lookup_corpus_tokens if lookup == "suffix" else 0)
         self.runner = ModelRunner(target, drafter, self.policy, num_slots=max_batch_size, max_seq_len=max_seq_len,
                                   layer_ids=self.layer_ids, record=record and record_features,  # hid_hist
                                   use_cuda_graph=use_cuda_graph, seed=seed,
-                                  max_draft=MAX_DRAFT if lookup is not None else None)
+                                  max_draft=MAX_DRAFT if lookup is not None else None,
+                                  device_lookup=dev_lookup if self.lookup_on_device else None)
+        # the device lookup's latest proposal per slot (packed runner rows) and whether it is current
+        self._dev_props = np.zeros((max_batch_size, self.runner.max_draft + NUM_META), np.int64)
+        self._dev_valid = np.zeros(max_batch_size, dtype=bool)
         self.runner.argmax_drafts = bool(argmax_drafts)
         self.lookup = None  # the lookup source's proposer (PromptLookup / SuffixLookup), or None
         if lookup == "ngram":
@@ -159,10 +180,13 @@ class SpecEngine:
         elif lookup == "suffix":
             corpus = suffix_corpus if suffix_corpus is not None else SuffixCorpus(max_ngram=lookup_max_ngram)
             self.lookup = SuffixLookup(corpus, max_ngram=min(lookup_max_ngram, corpus.max_ngram))
+            if self.lookup_on_device:
+                self.runner.lookup.reset_corpus(corpus.sequences())
         self.planner: HybridPlanner | None = None
         if self.draft_sources is not None:
             self.planner = HybridPlanner(self.draft_sources, self.runner.max_draft, self.runner.block_size,
-                                         self.runner._width_buckets, probe_every=probe_every)
+                                         self.runner._width_buckets, probe_every=probe_every,
+                                         max_ngram=lookup_max_ngram)
             if "dflash" in self.draft_sources and isinstance(length_head, AcceptanceHead):
                 head = length_head
 
@@ -181,9 +205,13 @@ class SpecEngine:
     def reset_corpus(self, sequences=()) -> None:
         """Replace the ``suffix`` source's corpus by a new one (same budget and n-gram length) holding
         ``sequences`` (token id lists, oldest first), e.g. after a warm-up pass whose outputs must not be looked up
-        by the timed requests. Raises ValueError without a ``suffix`` source."""
+        by the timed requests (with the device lookup: its ring, emptied and refilled). Raises ValueError without a
+        ``suffix`` source."""
         if not isinstance(self.lookup, SuffixLookup):
             raise ValueError("reset_corpus needs the 'suffix' draft source")
+        if self.lookup_on_device:
+            self.runner.lookup.reset_corpus(sequences)
+            return
         old = self.lookup.corpus
         self.lookup.corpus = SuffixCorpus(old.max_tokens, old.max_ngram, old.max_occurrences)
         for seq in sequences:
@@ -302,8 +330,11 @@ class SpecEngine:
         if not admitted:
             return
         propose = spec and self.drafter is not None and (self.planner is None or self.planner.use_dflash)
+        dev_lookup = spec and self.lookup_on_device
         res = self.runner.prefill([r.slot for r in admitted], [r.prompt_ids for r in admitted],
-                                  [r.params for r in admitted], propose)
+                                  [r.params for r in admitted], propose, lookup=dev_lookup)
+        if self.lookup_on_device:
+            self._keep_proposals([r.slot for r in admitted], res)
         gammas, expected = res.next_draft_lens, res.expected if propose else None
         if self.policy is not None and self.planner is None:
             gammas = self.policy.on_admit(gammas, running_before, spec)
@@ -313,7 +344,7 @@ class SpecEngine:
             req.next_draft_len = g
             if self.planner is not None:
                 req.dflash_expected = expected[i] if expected is not None else None
-                if self.lookup is not None:
+                if self.lookup is not None and not self.lookup_on_device:
                     req.lookup_state, req.lookup_synced = self.lookup.begin(req.prompt_ids), 0
             self._commit(req, toks, finished, res, i)
 
@@ -343,6 +374,8 @@ class SpecEngine:
         caps = [max(r.remaining - 1, 0) for r in running]
         proposals = [None] * len(running)
         lookup_ms = 0.0
+        if self.lookup_on_device:
+            return self._plan_device(running, caps)
         if self.lookup is not None and (planner.lookup_due() or planner.spec_costs is None):
             t0 = time.perf_counter()
             proposals = [self._lookup(r, min(nd, c)) if c > 0 else None for r, c in zip(running, caps)]
@@ -353,6 +386,31 @@ class SpecEngine:
         host = [c.tokens if c.source not in ("dflash", "none") else None for c in choices]
         return _Batch(running, [c.draft_len for c in choices], True, propose, append=propose, choices=choices,
                       host_drafts=host if any(h is not None for h in host) else None)
+
+    def _plan_device(self, running: list[Request], caps: list[int]) -> _Batch:
+        """:meth:`_plan` with the device lookup: the proposals the requests' previous steps made (arrays, no
+        per-request lookup), and whether this step makes the next ones (the planner's lookup schedule)."""
+        planner, nd = self.planner, self.runner.max_draft
+        t0 = time.perf_counter()
+        slots = np.fromiter((r.slot for r in running), np.int64, len(running))
+        props, valid = self._dev_props[slots], self._dev_valid[slots]
+        arrays = LookupArrays(props[:, nd], props[:, nd + 1], props[:, nd + 2], props[:, nd + 3], valid)
+        lookup_ms = 1e3 * (time.perf_counter() - t0)
+        choices, propose = planner.plan(int(slots.max()) + 1, caps, [r.dflash_expected for r in running],
+                                        [None] * len(running), [r.params.draft_len for r in running],
+                                        lookup_ms=lookup_ms, device=arrays)
+        rows = [c.device_lookup for c in choices]
+        return _Batch(running, [c.draft_len for c in choices], True, propose, append=propose, choices=choices,
+                      lookup_rows=rows if any(rows) else None,
+                      lookup=planner.lookup_due() or planner.spec_costs is None)
+
+    def _keep_proposals(self, slots: list[int], res: StepResult) -> None:
+        """Keep the device lookup's proposals of ``res`` (current for ``slots``; none: not current)."""
+        if res.lookup is None:
+            self._dev_valid[slots] = False
+        else:
+            self._dev_props[slots] = res.lookup
+            self._dev_valid[slots] = True
 
     def _lookup(self, req: Request, k: int):
         """The lookup source's proposal of up to ``k`` tokens for ``req``, its index brought up to date first."""
@@ -367,11 +425,13 @@ class SpecEngine:
         reqs = batch.requests
         return self.runner.step([r.slot for r in reqs], [r.last_token for r in reqs],
                                 [r.num_tokens - 1 for r in reqs], batch.draft_lens, batch.spec, batch.propose,
-                                batch.host_drafts, batch.append)
+                                batch.host_drafts, batch.append, batch.lookup_rows, batch.lookup)
 
     def _postprocess(self, batch: _Batch, res: StepResult, finished: list[Request]) -> None:
         """Record each request's step (γ, a, drafter version, draft source), commit its tokens, and tell the policy
         (or the planner, which calibrates its acceptance estimates on the outcome)."""
+        if self.lookup_on_device:
+            self._keep_proposals([r.slot for r in batch.requests], res)
         if self.planner is not None:
             if batch.choices is not None:
                 self.planner.record(batch.choices, res.num_accepted)
@@ -422,7 +482,10 @@ class SpecEngine:
                 req.last_hidden = self.runner.last_hidden(req.slot, n).to(torch.bfloat16).cpu()
             self.scheduler.finish(req, reason)
             finished.append(req)
-            if self.lookup is not None:  # a suffix corpus learns the finished sequence (prompt lookup ignores it)
+            if self.lookup_on_device:  # the device corpus ring learns the finished sequence (one host -> device copy)
+                if self.runner.lookup.corpus is not None:
+                    self.runner.lookup.add_sequence(req.prompt_ids + req.output_ids)
+            elif self.lookup is not None:  # a suffix corpus learns the finished sequence (prompt lookup ignores it)
                 self.lookup.finish(req.prompt_ids + req.output_ids)
                 req.lookup_state = None
 
@@ -635,12 +698,15 @@ class SpecEngine:
                     self.planner.lookup is not None else []
                 for b in batch_sizes:
                     # an AR step appends no drafter context (deferred: caught up when a step proposes again)
-                    ar_rows.append(runner.time_step(b, 0, ctx, num_iters, reduce="min", propose=False, append=False))
-                    step = {w: runner.time_step(b, w - 1, ctx, num_iters, reduce="min") for w in spec_widths}
+                    dl = self.lookup_on_device  # every step of a device-lookup engine proposes lookups too
+                    ar_rows.append(runner.time_step(b, 0, ctx, num_iters, reduce="min", propose=False, append=False,
+                                                    lookup=dl))
+                    step = {w: runner.time_step(b, w - 1, ctx, num_iters, reduce="min", lookup=dl)
+                            for w in spec_widths}
                     rows.append([step[min(w for w in step if w >= g + 1)] for g in range(1, bs)])
                     if lookup_widths:  # lookup drafts only: no propose, no context append
                         look = {w: runner.time_step(b, w - 1, ctx, num_iters, reduce="min", propose=False,
-                                                    host_drafts=True, append=False) for w in lookup_widths}
+                                                    host_drafts=True, append=False, lookup=dl) for w in lookup_widths}
                         look[1] = ar_rows[-1]
                         lookup_rows.append([look[min(w for w in look if w >= g)] for g in
                                             range(1, runner.max_draft + 2)])

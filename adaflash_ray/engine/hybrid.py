@@ -25,11 +25,17 @@ proposes the next block: ``t_spec(B, W)``, the ``cost`` policy's measured table)
 that width. Acceptance estimates:
 
 - DFlash: the ``cost`` policy's acceptance head, E[c(γ)] = 1 + Σ_{i<=γ} Π_{j<=i} p_j (computed in the step's graph);
-- lookup: the proposal's empirical continuation probabilities (:meth:`Proposal.prefix_probs`, SuffixDecoding's
-  path score: of the occurrences of the matched suffix, the share that continue with the proposal's prefix).
+- lookup on the host: the proposal's empirical continuation probabilities (:meth:`Proposal.prefix_probs`,
+  SuffixDecoding's path score: of the occurrences of the matched suffix, the share that continue with the proposal's
+  prefix);
+- lookup on the device (:mod:`adaflash_ray.engine.device_lookup`, :class:`LookupArrays`: no per-position counts):
+  by match length and occurrence count (SuffixDecoding scores a match by its length and its continuation's
+  frequency), as :class:`LookupCalibration` learns them from the realised record.
 
-Both are calibrated online by this replica's own record: per source, the ratio of exponential moving averages of
-realised to estimated accepted tokens (:class:`SourceCalibration`) scales the estimate. When the drafter's block
+The DFlash and host-lookup estimates are calibrated online by this replica's own record: per source, the ratio of
+exponential moving averages of realised to estimated accepted tokens (:class:`SourceCalibration`) scales the
+estimate; the device-lookup estimate IS the record (per source and match bucket, the acceptance of each draft
+position). When the drafter's block
 was not chosen for any request, the next steps skip its propose (no drafter forward) and probe again after
 ``probe_every`` steps, twice as long after each probe that still does not choose it (at most :data:`~adaflash_ray.engine.length_policy.PROBE_MAX_FACTOR` x
 ``probe_every``);
@@ -40,6 +46,7 @@ step without a match does not stop them), so their host time is not spent every 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -102,16 +109,91 @@ class SourceCalibration:
         self._real[source] = (1 - k) * self._real[source] + k * realised
 
 
+#: occurrence-count buckets of :class:`LookupCalibration`: 1, 2-3, >= 4 occurrences of the matched n-gram
+OCCURRENCE_EDGES = (2, 4)
+
+
+class LookupArrays(NamedTuple):
+    """The device lookup's proposals for the requests of one step (all ``[n]`` numpy; int64 but ``valid`` bool):
+    proposal length (tokens), match length, occurrences of the matched n-gram, source code (0 = the request's own
+    context, 1 = the corpus), and whether the proposal is current (made by the request's previous step)."""
+
+    length: np.ndarray
+    match_len: np.ndarray
+    num_occurrences: np.ndarray
+    source: np.ndarray
+    valid: np.ndarray
+
+
+class LookupCalibration:
+    """Acceptance of device-lookup proposals, learnt from the realised record per bucket (source code, match length,
+    occurrence bucket :data:`OCCURRENCE_EDGES`): for each draft position i, ``p_i`` = P(draft i accepted | drafts < i
+    accepted), from exponentially decayed counts of the verified proposals that reached position i and of those
+    that accepted it, plus ``prior_weight`` pseudo-trials at ``prior``. E[accepted | γ] = Σ_{i<=γ} Π_{j<=i} p_j
+    (the ``cost`` policy's formula, ALGORITHMS.md §2), flat past the proposal's length. Match length and
+    continuation frequency as the score follow SuffixDecoding (Oliaro et al., arXiv 2411.04975).
+
+    Args:
+        max_ngram: the longest match length (tokens; longer ones share its bucket). max_draft: draft positions.
+        prior: the conditional acceptance before any record (0 < prior < 1). prior_weight: its pseudo-trials (> 0).
+        decay: per recorded step, the weight every earlier count loses (0 <= decay < 1).
+    Raises:
+        ValueError: an argument outside its range.
+    """
+
+    def __init__(self, max_ngram: int, max_draft: int, prior: float = 0.7, prior_weight: float = 2.0,
+                 decay: float = 0.01):
+        if max_ngram < 1 or max_draft < 1 or not 0 < prior < 1 or prior_weight <= 0 or not 0 <= decay < 1:
+            raise ValueError(f"bad LookupCalibration arguments: max_ngram={max_ngram} max_draft={max_draft} "
+                             f"prior={prior} prior_weight={prior_weight} decay={decay}")
+        self.max_ngram, self.max_draft = max_ngram, max_draft
+        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        num_buckets = 2 * max_ngram * (len(OCCURRENCE_EDGES) + 1)
+        self.tried = np.zeros((num_buckets, max_draft))  # decayed counts: verified proposals reaching position i
+        self.accepted = np.zeros((num_buckets, max_draft))  # ... and accepting it
+
+    def bucket(self, source: np.ndarray, match_len: np.ndarray, num_occurrences: np.ndarray) -> np.ndarray:
+        """``[n]`` int64 bucket ids (the match length clipped to 1..max_ngram)."""
+        occ = np.searchsorted(OCCURRENCE_EDGES, np.asarray(num_occurrences), side="right")
+        n = np.clip(np.asarray(match_len), 1, self.max_ngram) - 1
+        return (np.asarray(source) * self.max_ngram + n) * (len(OCCURRENCE_EDGES) + 1) + occ
+
+    def expected(self, buckets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """``[n, max_draft + 1]`` float: column γ = E[accepted | γ] of each row's proposal (0 at γ = 0; flat past
+        its ``lengths`` ``[n]``; all 0 for a length-0 row)."""
+        p = (self.accepted + self.prior_weight * self.prior) / (self.tried + self.prior_weight)  # [nb, D]
+        cum = np.concatenate([np.zeros((len(p), 1)), np.cumsum(np.cumprod(p, 1), 1)], 1)  # [nb, D + 1]
+        g = np.minimum(np.arange(self.max_draft + 1)[None], np.asarray(lengths)[:, None])  # [n, D + 1]
+        return cum[np.asarray(buckets)[:, None], g]
+
+    def record(self, buckets: np.ndarray, draft_lens: np.ndarray, num_accepted: np.ndarray) -> None:
+        """One step's verified device-lookup drafts (``[m]`` each): bucket, γ, accepted a. Positions
+        1..min(a + 1, γ) were tried, 1..a accepted."""
+        self.tried *= 1 - self.decay
+        self.accepted *= 1 - self.decay
+        pos = np.arange(1, self.max_draft + 1)[None]  # [1, D]
+        g, a = np.asarray(draft_lens)[:, None], np.asarray(num_accepted)[:, None]
+        np.add.at(self.tried, np.asarray(buckets), (pos <= np.minimum(a + 1, g)).astype(float))
+        np.add.at(self.accepted, np.asarray(buckets), (pos <= a).astype(float))
+
+
 @dataclass
 class RowChoice:
     """One request's draft for the next step: ``source`` in :data:`DRAFT_SOURCES` or "none", γ (0 for "none"),
-    ``tokens`` (the lookup's drafts, None for the drafter's block) and the uncalibrated estimated accepted tokens
-    (for :meth:`SourceCalibration.record`)."""
+    ``tokens`` (the host lookup's drafts; None for the drafter's block and for the device lookup's, which stay on the
+    device), the uncalibrated estimated accepted tokens (for :meth:`SourceCalibration.record`) and, for a device
+    lookup's proposal, its :class:`LookupCalibration` bucket (else -1)."""
 
     source: str
     draft_len: int
     tokens: list[int] | None = None
     estimated: float = 0.0
+    bucket: int = -1
+
+    @property
+    def device_lookup(self) -> bool:
+        """The row verifies the device lookup's proposal."""
+        return self.bucket >= 0 and self.draft_len > 0
 
 
 class HybridPlanner:
@@ -125,14 +207,16 @@ class HybridPlanner:
         widths: verify widths considered (the runner's width buckets; each <= max_draft + 1).
         probe_every: AR / lookup-only steps before the drafter's block (or the lookups) are tried again.
         calibration: a :class:`SourceCalibration` (a fresh one when None).
+        max_ngram: the lookups' longest n-gram (the device lookup's :class:`LookupCalibration` buckets).
     """
 
     def __init__(self, sources: tuple[str, ...], max_draft: int, block_size: int, widths: list[int],
-                 probe_every: int = 8, calibration: SourceCalibration | None = None):
+                 probe_every: int = 8, calibration: SourceCalibration | None = None, max_ngram: int = 3):
         self.sources, self.max_draft, self.block_size = sources, max_draft, block_size
         self.widths = sorted(w for w in set(widths) if 1 <= w <= max_draft + 1) or [1]
         self.probe_every = probe_every
         self.calibration = calibration or SourceCalibration()
+        self.lookup_calibration = LookupCalibration(max_ngram, max_draft)
         self.lookup = next((s for s in sources if s in LOOKUP_SOURCES), None)
         self.use_dflash = "dflash" in sources
         # cost tables (ms): set_costs; None = choose by expected tokens alone
@@ -202,8 +286,8 @@ class HybridPlanner:
 
     # ------------------------------------------------------------------ the choice
     def plan(self, batch_size: int, caps: list[int], dflash_expected: list[list[float] | None],
-             proposals: list[Proposal | None], fixed: list[int | None] | None = None, lookup_ms: float = 0.0
-             ) -> tuple[list[RowChoice], bool]:
+             proposals: list[Proposal | None], fixed: list[int | None] | None = None, lookup_ms: float = 0.0,
+             device: LookupArrays | None = None) -> tuple[list[RowChoice], bool]:
         """Per request the source and γ of this step, and whether the step proposes the next DFlash block.
 
         Args:
@@ -217,6 +301,9 @@ class HybridPlanner:
             lookup_ms: host milliseconds this step's lookups took. With a cost table, lookups whose expected gain
                 does not cover that time (tokens per ms with it added to the step, against the best plan without
                 lookups) count as not chosen for the lookup probe schedule, so later steps skip them.
+            device: the device lookup's proposals (then ``proposals`` are all None): estimated by
+                :attr:`lookup_calibration`; a lookup row's :class:`RowChoice` has no tokens (they stay on the
+                device) and its bucket.
         Returns:
             (choices, propose): one :class:`RowChoice` per request; ``propose`` True when the drafter's block is to
             be proposed in this step (it was chosen for some request, or its probe is due).
@@ -244,9 +331,16 @@ class HybridPlanner:
                 raw_l[i, 1:len(c) + 1] = c
                 raw_l[i, len(c) + 1:] = c[-1]
         dfl[has_d] *= f_d
-        look = raw_l * f_l
         caps_a = np.minimum(np.asarray(caps, dtype=np.int64), nd).clip(min=0)
-        prop_len = np.array([len(p) if p is not None else 0 for p in proposals], dtype=np.int64)
+        if device is not None:  # vectorised: no per-request Proposal
+            buckets = self.lookup_calibration.bucket(device.source, device.match_len, device.num_occurrences)
+            prop_len = np.where(device.valid, np.minimum(device.length, nd), 0).astype(np.int64)
+            raw_l = look = self.lookup_calibration.expected(buckets, prop_len)
+            looked = bool(device.valid.any())
+        else:
+            look = raw_l * f_l
+            prop_len = np.array([len(p) if p is not None else 0 for p in proposals], dtype=np.int64)
+            looked = any(p is not None for p in proposals)
         widths = np.asarray(self.widths)
         gam = np.minimum(widths[None, :] - 1, caps_a[:, None])  # [n, nw]
         rows = np.arange(n)[:, None]
@@ -271,7 +365,6 @@ class HybridPlanner:
             return out
 
         plans = best_plans(v_l)  # this step's lookups are computed already: their host time is spent
-        looked = any(p is not None for p in proposals)
         # do the lookups pay for their host time? (else they go on the probe schedule, like the drafter's block)
         lookup_pays = True
         if costs and looked and lookup_ms > 0:
@@ -299,8 +392,10 @@ class HybridPlanner:
                 choices.append(RowChoice("dflash", g, None, float(dflash_expected[i][g - 1] - 1)))
                 used_d = True
             elif l_val > 0 and g_l > 0:
-                prop = proposals[i]
-                choices.append(RowChoice(self.lookup, g_l, prop.tokens[:g_l], float(raw_l[i, g_l])))
+                if device is not None:
+                    choices.append(RowChoice(self.lookup, g_l, None, float(raw_l[i, g_l]), int(buckets[i])))
+                else:
+                    choices.append(RowChoice(self.lookup, g_l, proposals[i].tokens[:g_l], float(raw_l[i, g_l])))
                 used_l = True
             else:
                 choices.append(RowChoice("none", 0))
@@ -316,6 +411,11 @@ class HybridPlanner:
 
     def record(self, choices: list[RowChoice], num_accepted: list[int]) -> None:
         """The verified outcome of a plan's drafts: calibrates each source's estimate."""
+        dev = []
         for c, a in zip(choices, num_accepted):
-            if c.draft_len > 0:
+            if c.device_lookup:
+                dev.append((c.bucket, c.draft_len, a))
+            elif c.draft_len > 0:
                 self.calibration.record(c.source, c.estimated, a)
+        if dev:
+            self.lookup_calibration.record(*np.asarray(dev, dtype=np.int64).T)

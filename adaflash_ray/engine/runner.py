@@ -17,6 +17,10 @@ caches in place - no gather, no copy of the context):
 Rows may verify drafts the host supplies instead (a lookup source: prompt / suffix lookup, packed into the
 step's int input buffer, so the step still makes one host -> device copy of its ints): they are a point-mass q,
 so acceptance is ``p(d_i)`` and a rejection resamples from ``p`` without ``d_i`` - the same rejection sampling.
+With a device lookup (:mod:`adaflash_ray.engine.device_lookup`) the lookup is computed here instead: the runner
+keeps every slot's tokens on the device, a step with ``StepKey.lookup`` proposes every row's next lookup draft at
+its end (as the drafter's block), the proposals reach the host in the step's one transfer, and the next step's
+rows flagged for them verify them from the device buffer (no host -> device copy of the drafts).
 A step may skip the propose (no row will use the drafter's block next) and the context append (an AR or
 lookup-only stretch): the skipped positions are caught up from the feature history, all slots in one drafter
 projection, before the next step that proposes (``StepKey.append``).
@@ -46,6 +50,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from adaflash_ray.engine.device_lookup import DeviceLookup
 from adaflash_ray.engine.request import SamplingParams
 from adaflash_ray.engine.sampling import (MAX_TOP_LOGPROBS, NEUTRAL_FLOATS, RowSampling, SamplingFlags,
                                          SlotSampling, adjust_logits, choose_tokens, match_prefix, processed_probs,
@@ -69,6 +74,9 @@ class StepResult:
     # its log-probability under the target's raw distribution, and its top-k (token id, logprob), best first
     logprobs: list[list[float] | None] | None = None
     top_logprobs: list[list[list[tuple[int, float]]] | None] | None = None
+    # with a device lookup step (StepKey.lookup): per request its next lookup proposal, packed as DeviceLookup rows
+    # ``[n, max_draft + NUM_META]`` int64 (tokens, length, match length, occurrences, source code)
+    lookup: np.ndarray | None = None
 
 
 class StepKey(NamedTuple):
@@ -81,7 +89,9 @@ class StepKey(NamedTuple):
     (:class:`~adaflash_ray.engine.sampling.SamplingFlags`: sample, use_top_p, penalties, min_tokens, use_min_p,
     use_top_k, seeded, logprobs; all off for greedy rows without parameters, whose step then runs none of it).
     append: with ``spec``, the drafter context takes the step's positions (False: they are caught up from the feature
-    history before the next step that needs them).
+    history before the next step that needs them). lookup: at the end of the step the device lookup
+    (:class:`~adaflash_ray.engine.device_lookup.DeviceLookup`) proposes every row's next lookup draft from its new
+    context (off: the step's graph has none of it).
     """
 
     batch_size: int
@@ -92,6 +102,7 @@ class StepKey(NamedTuple):
     host_drafts: bool = False
     sampling: SamplingFlags = SamplingFlags()
     append: bool = True
+    lookup: bool = False
 
 
 #: E[committed tokens] travel to the host as fixed-point integers in the step's one output buffer (int64)
@@ -103,6 +114,9 @@ def _concat(parts: list[StepResult]) -> StepResult:
     merged = {}
     for f in dataclasses.fields(StepResult):
         vals = [getattr(r, f.name) for r in parts]
+        if f.name == "lookup":
+            merged[f.name] = None if any(v is None for v in vals) else np.concatenate(vals)
+            continue
         merged[f.name] = None if all(v is None for v in vals) else [
             x for r, v in zip(parts, vals) for x in (v if v is not None else [None] * len(r.committed))]
     return StepResult(**merged)
@@ -132,11 +146,14 @@ class ModelRunner:
             generator is used, which CUDA graphs support natively).
         max_draft: the longest draft a step verifies (host-supplied lookup drafts included); None = block_size - 1
             (at least 1). It sets the width buckets and the host-draft columns of the input buffer.
+        device_lookup: None, or the keywords of a :class:`~adaflash_ray.engine.device_lookup.DeviceLookup`
+            (max_ngram, min_ngram, max_occurrences, corpus_tokens): the runner then keeps every slot's tokens on the
+            device (written at prefill and in every step), and steps with ``lookup`` propose lookup drafts there.
     """
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, length_policy, *, num_slots: int,
                  max_seq_len: int, layer_ids: list[int], record: bool = False, use_cuda_graph: bool | None = None,
-                 seed: int = 0, max_draft: int | None = None):
+                 seed: int = 0, max_draft: int | None = None, device_lookup: dict | None = None):
         self.target, self.drafter, self.length_policy = target, drafter, length_policy
         self.layer_ids = list(layer_ids)
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
@@ -165,8 +182,11 @@ class ModelRunner:
         self.max_draft = nd
         self.drafts = torch.zeros(num_slots, nd, dtype=torch.long, device=dev)  # pending drafts per slot
         self.draft_probs: torch.Tensor | None = None  # [slots, bs-1, V] float32, allocated at the first sample
+        self.lookup = (DeviceLookup(num_slots, max_seq_len, nd, dev, **device_lookup) if device_lookup is not None
+                       else None)
         # static step inputs / output (graph-captured code reads and writes only these). in_ints columns: anchor,
-        # position, γ, host-draft flag (1: the row verifies the host's drafts, a point-mass q), host drafts [nd],
+        # position, γ, point-mass flag (1: the row verifies the host's drafts, 2: the device lookup's latest
+        # proposal; a point-mass q), host drafts [nd],
         # then top_k, min_left (tokens before a stop token may come), seeded (1: the row's uniforms drive it)
         self._topk_col = 4 + nd
         self.in_ints = torch.zeros(num_slots, 7 + nd, dtype=torch.long, device=dev)
@@ -177,10 +197,12 @@ class ModelRunner:
         self.in_uniforms = torch.zeros(num_slots, num_unif, dtype=torch.float32, device=dev)
         self.sampling = SlotSampling(num_slots, target.config.vocab_size, num_unif, dev)
         # out columns: committed [width], accepted, next γ, then (with expected_fn) E[c(γ)] x EXPECTED_SCALE [bs-1],
-        # then (with logprobs) per window position j the committed token's logprob [nd+1], top-k ids [(nd+1) x K] and
+        # then (with a device lookup) the packed lookup proposal [nd + NUM_META], then (with logprobs) per window
+        # position j the committed token's logprob [nd+1], top-k ids [(nd+1) x K] and
         # their logprobs [(nd+1) x K] (K = MAX_TOP_LOGPROBS; logprobs travel as their float32 bits)
         self._exp_col = nd + 3
-        self._lp_col = self._exp_col + max(self.block_size - 1, 0)
+        self._look_col = self._exp_col + max(self.block_size - 1, 0)
+        self._lp_col = self._look_col + (self.lookup.num_cols if self.lookup is not None else 0)
         self._top_col = self._lp_col + nd + 1
         self.out = torch.zeros(num_slots, self._top_col + 2 * (nd + 1) * MAX_TOP_LOGPROBS, dtype=torch.long,
                                device=dev)
@@ -235,7 +257,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
-    def prefill(self, slots: list[int], prompts: list[list[int]], params: list, spec: bool) -> StepResult:
+    def prefill(self, slots: list[int], prompts: list[list[int]], params: list, spec: bool,
+                lookup: bool = False) -> StepResult:
         """Run prompts through the target (writing their slots' KV, feature history and drafter context), record
         each request's sampling settings for its slot (:class:`~adaflash_ray.engine.sampling.SlotSampling`), choose
         each first token from the processed logits of the prompt's last position and, with ``spec``, propose each
@@ -243,12 +266,14 @@ class ModelRunner:
 
         params: one ``SamplingParams`` per prompt (``stop_token_ids`` resolved: the tokens that end it). Returns a
         :class:`StepResult`: one committed token per request, ``num_accepted`` 0, ``next_draft_lens`` the first
-        block's γ (0 without ``spec``), ``expected`` / ``logprobs`` as a step's (one host transfer). On CUDA all
+        block's γ (0 without ``spec``), ``expected`` / ``logprobs`` as a step's (one host transfer). With a device
+        lookup the slots' token histories take the prompts and first tokens, and ``lookup`` also proposes each
+        request's first lookup draft (``StepResult.lookup``). On CUDA all
         prompts go in one right-padded batch (pad entries lie beyond each prompt and are overwritten later); on CPU
         one prompt at a time (no padding waste).
         """
         if not self.is_cuda and len(prompts) > 1:
-            return _concat([self.prefill([s], [p], [sp], spec) for s, p, sp in zip(slots, prompts, params)])
+            return _concat([self.prefill([s], [p], [sp], spec, lookup) for s, p, sp in zip(slots, prompts, params)])
         dev = self.device
         n, plen = len(prompts), max(map(len, prompts))
         ids = torch.zeros(n, plen, dtype=torch.long)
@@ -291,11 +316,22 @@ class ModelRunner:
                                                 torch.ones_like(first), rows_are_slots=False, anchor_hidden=last)
         self.out[slot_t, 0], self.out[slot_t, 1], self.out[slot_t, 2] = first, 0, gamma
         if expected is not None:
-            self.out[slot_t, self._exp_col:self._lp_col] = (expected * EXPECTED_SCALE).round().long()
+            self.out[slot_t, self._exp_col:self._look_col] = (expected * EXPECTED_SCALE).round().long()
+        lookup = self._check_lookup(lookup)
+        if self.lookup is not None:
+            self.lookup.write_prompts(slot_t, ids, lens, first)
+            if lookup:
+                self.out[slot_t, self._look_col:self._lp_col] = self.lookup.propose_packed(
+                    slot_t, self.lookup.history[slot_t, :plen + 1], lens + 1)
         if flags.logprobs >= 0:
             self._write_logprobs(slot_t, logits, first[:, None], flags.logprobs)
-        host = self.out[slot_t, :self._num_out_cols(1, expected is not None, flags.logprobs)].cpu().numpy()  # one
-        return self._result(slots, host, 1, propose, expected is not None, flags.logprobs)
+        host = self.out[slot_t, :self._num_out_cols(1, expected is not None, flags.logprobs, lookup)].cpu().numpy()
+        return self._result(slots, host, 1, propose, expected is not None, flags.logprobs, lookup)  # one transfer
+
+    def _check_lookup(self, lookup: bool) -> bool:
+        if lookup and self.lookup is None:
+            raise ValueError("a lookup step needs a runner built with device_lookup")
+        return bool(lookup)
 
     # ------------------------------------------------------------------ propose
     def _propose(self, slot_ids, anchors, anchor_pos, span, rs: RowSampling, sample: bool, base, rows_are_slots,
@@ -336,12 +372,15 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step (graph body)
     def _step_fn(self, b: int, w: int, span: int, spec: bool, propose: bool = True, host_drafts: bool = False,
-                 sampling: SamplingFlags = SamplingFlags(), append: bool = True) -> None:
+                 sampling: SamplingFlags = SamplingFlags(), append: bool = True, lookup: bool = False) -> None:
         """Rows 0..b-1, verify width w, keys 0..span-1. Reads in_ints / in_floats / in_uniforms / drafts; writes out,
         caches, histories, drafts, the output counts. ``spec`` without ``propose``: no block is proposed (an AR step
         of the ``cost`` policy's γ = 0, or a step that verifies only host drafts); with ``append`` the drafter
         context still takes the new positions. ``host_drafts``: rows flagged in in_ints column 3 verify in_ints' host
-        drafts (a point-mass q when sampling) instead of the drafter's. ``sampling`` says which processing the rows
+        drafts (flag 1) or the device lookup's latest proposal (flag 2; a point-mass q when sampling) instead of the
+        drafter's. With a device lookup the committed tokens join the slots' token histories; ``lookup``: then the
+        next lookup proposals are made from the new contexts (keys 0..span, ``out``'s lookup columns).
+        ``sampling`` says which processing the rows
         need; window position j's penalty counts and min_tokens test include the drafts
         d_1..d_j. Seeded rows verify against the target's own sample at their uniforms (drafter-invariant, see
         :mod:`adaflash_ray.engine.sampling`). No host synchronisation (CUDA-graph safe)."""
@@ -359,8 +398,11 @@ class ModelRunner:
         d = self.drafts[:b, :g_max]  # [B, Γ]
         point = None
         if host_drafts:
-            point = ints[:, 3] > 0
-            d = torch.where(point[:, None], ints[:, 4:4 + g_max], d)
+            flag = ints[:, 3]
+            point = flag > 0
+            d = torch.where((flag == 1)[:, None], ints[:, 4:4 + g_max], d)
+            if self.lookup is not None:  # the device lookup's proposal of the previous step, still on the device
+                d = torch.where((flag == 2)[:, None], self.lookup.drafts[:b, :g_max], d)
         if self.argmax_drafts:  # every row's drafts are deterministic: the drafter's argmax or the host's
             point = torch.ones_like(pos, dtype=torch.bool)
         inp = torch.cat([anchor[:, None], d], 1)  # [B, W]
@@ -385,6 +427,12 @@ class ModelRunner:
         if penalties:  # the committed tokens join the output counts (read by the next block's q and the next step)
             rs.counts.scatter_add_(1, committed, (ar[None] <= accepted[:, None]).to(rs.counts.dtype))
         rows = torch.arange(b, device=dev)[:, None]
+        if self.lookup is not None:
+            self.lookup.write_committed(b, pos, committed, accepted)
+            if lookup:  # the new context ends at the correction / bonus token, position pos + accepted + 1
+                h = min(span + 1, self.max_seq_len)
+                self.out[:b, self._look_col:self._lp_col] = self.lookup.propose_packed(
+                    slice(0, b), self.lookup.history[:b, :h], pos + accepted + 2)
         if self.feat_hist is not None:
             self.feat_hist[rows, positions] = out.features.to(self.feat_hist.dtype)
         if self.hid_hist is not None:
@@ -402,7 +450,7 @@ class ModelRunner:
                                                  rows_are_slots=True, live=pos > 0, anchor_hidden=anchor_hidden)
             self.out[:b, w + 1] = gamma_next
             if expected is not None:
-                self.out[:b, self._exp_col:self._lp_col] = (expected * EXPECTED_SCALE).round().long()
+                self.out[:b, self._exp_col:self._look_col] = (expected * EXPECTED_SCALE).round().long()
 
     def _write_logprobs(self, rows, logits: torch.Tensor, tokens: torch.Tensor, k: int) -> None:
         """Log-probabilities under the raw target distribution (log_softmax of the logits before any processing,
@@ -417,22 +465,25 @@ class ModelRunner:
             self.out[rows, c:c + n * k] = ids.reshape(b, n * k)
             self.out[rows, c + m:c + m + n * k] = vals.view(torch.int32).long().reshape(b, n * k)
 
-    def _num_out_cols(self, w: int, with_exp: bool, logprobs: int) -> int:
-        """The out columns a step's host transfer needs (width ``w``; expected; logprobs as in StepKey)."""
+    def _num_out_cols(self, w: int, with_exp: bool, logprobs: int, lookup: bool = False) -> int:
+        """The out columns a step's host transfer needs (width ``w``; expected; logprobs and lookup as in StepKey)."""
         if logprobs > 0:
             return self.out.shape[1]
         if logprobs == 0:
             return self._top_col
-        return self._lp_col if with_exp else w + 2
+        if lookup:
+            return self._lp_col
+        return self._look_col if with_exp else w + 2
 
     def _result(self, slots: list[int], host: np.ndarray, w: int, with_next: bool, with_exp: bool,
-                logprobs: int) -> StepResult:
+                logprobs: int, lookup: bool = False) -> StepResult:
         """Decode the out rows of ``slots`` (``host`` ``[n, cols]`` int64, in the order of ``slots``)."""
         acc = host[:, w].tolist()
         committed = [r[: a + 1].tolist() for r, a in zip(host, acc)]
         nxt = host[:, w + 1].tolist() if with_next else [0] * len(slots)
-        expected = (host[:, self._exp_col:self._lp_col] / EXPECTED_SCALE).tolist() if with_exp else None
-        res = StepResult(committed=committed, num_accepted=acc, next_draft_lens=nxt, expected=expected)
+        expected = (host[:, self._exp_col:self._look_col] / EXPECTED_SCALE).tolist() if with_exp else None
+        res = StepResult(committed=committed, num_accepted=acc, next_draft_lens=nxt, expected=expected,
+                         lookup=host[:, self._look_col:self._lp_col].copy() if lookup else None)
         if logprobs < 0:
             return res
         want = self.sampling.logprobs[np.asarray(slots)].tolist()
@@ -471,7 +522,7 @@ class ModelRunner:
     @torch.no_grad()
     def step(self, slots: list[int], anchors: list[int], anchor_pos: list[int], draft_lens: list[int], spec: bool,
              propose: bool = True, host_drafts: list[list[int] | None] | None = None,
-             append: bool | None = None) -> StepResult:
+             append: bool | None = None, lookup_rows: list[bool] | None = None, lookup: bool = False) -> StepResult:
         """One decoding step for the running requests in ``slots`` (each prefilled into its slot: the sampling
         settings are the ones :meth:`prefill` recorded).
 
@@ -488,17 +539,26 @@ class ModelRunner:
                 ``spec``). A step that skips it leaves the slot's context behind; the next step that proposes or
                 appends first recomputes the missing positions from the feature history (:meth:`catch_up_context`),
                 so AR stretches pay no drafter work.
+            lookup_rows: per request True to verify the device lookup's latest proposal (made by the previous step
+                or prefill with ``lookup``; the caller keeps γ within its length), instead of the drafter's block or
+                host drafts. None = none.
+            lookup: propose the next lookup drafts on the device at the end of the step (``StepResult.lookup``).
         Raises:
             ValueError: drafter drafts to verify without a drafter, or host drafts shorter than their γ or longer
-                than ``max_draft``.
+                than ``max_draft``; ``lookup`` / ``lookup_rows`` without a device lookup.
         """
         has_drafter = self.drafter is not None
         propose = (propose or not spec) and has_drafter
         append = (spec if append is None else append and spec) and has_drafter
         use_host = host_drafts is not None and any(h is not None for h in host_drafts)
+        use_dev = lookup_rows is not None and any(lookup_rows)
+        lookup = self._check_lookup(lookup or use_dev) and lookup
         for i, g in enumerate(draft_lens):
             h = host_drafts[i] if use_host else None
-            if h is not None:
+            if use_dev and lookup_rows[i]:
+                if g > self.max_draft:
+                    raise ValueError(f"lookup drafts of request {i}: γ {g} above max_draft {self.max_draft}")
+            elif h is not None:
                 if len(h) < g or len(h) > self.max_draft:
                     raise ValueError(f"host drafts of request {i}: {len(h)} tokens for γ {g} (max {self.max_draft})")
             elif spec and g and not has_drafter:
@@ -529,6 +589,9 @@ class ModelRunner:
                 if h is not None:
                     ints[s, 3] = 1
                     ints[s, 4:4 + len(h)] = h
+        if use_dev:  # the device lookup's proposals stay on the device: only the flag travels
+            ints[idx[np.asarray(lookup_rows, dtype=bool)], 3] = 2
+            use_host = True
         c = self._topk_col
         ints[idx, c], ints[idx, c + 1], ints[idx, c + 2] = top_k, min_left, seeded
         floats[idx] = row_floats
@@ -537,13 +600,13 @@ class ModelRunner:
         if flags.seeded:
             self.in_uniforms[:b].copy_(self._uniforms_host[:b], non_blocking=True)
         if spec and not (propose or append or use_host) and w == 1:  # the cost policy's γ = 0 step: the AR step's
-            key = StepKey(b, w, span, False, has_drafter, False, flags, False)  # very graph (same work, no capture)
+            key = StepKey(b, w, span, False, has_drafter, False, flags, False, lookup)  # graph (same work, no capture)
         else:
-            key = StepKey(b, w, span, spec, propose, use_host and spec, flags, append)
+            key = StepKey(b, w, span, spec, propose, use_host and spec, flags, append, lookup)
         self._run(key)
         with_exp = spec and propose and self.expected_fn is not None
-        host = self.out[:b, :self._num_out_cols(w, with_exp, flags.logprobs)].cpu().numpy()  # the one transfer
-        res = self._result(slots, host[idx], w, spec and propose, with_exp, flags.logprobs)
+        host = self.out[:b, :self._num_out_cols(w, with_exp, flags.logprobs, lookup)].cpu().numpy()  # the one transfer
+        res = self._result(slots, host[idx], w, spec and propose, with_exp, flags.logprobs, lookup)
         if append:
             for s, p, a in zip(slots, anchor_pos, res.num_accepted):
                 self.ctx_len[s] = p + a + 1
@@ -635,18 +698,19 @@ class ModelRunner:
     @torch.no_grad()
     def time_step(self, batch_size: int, draft_len: int, context_len: int = 128, num_iters: int = 20,
                   reduce: str = "median", propose: bool = True, host_drafts: bool = False,
-                  append: bool | None = None) -> float:
+                  append: bool | None = None, lookup: bool = False) -> float:
         """Median (or least) wall-clock ms of one whole :meth:`step` - host inputs, the (graph-replayed) verify of
         width ``draft_len + 1``, the drafter propose (unless ``propose`` is False: an AR step, or with
         ``host_drafts`` a step verifying lookup drafts) and the one device -> host transfer - on slots
-        0..batch_size-1 after ``context_len`` tokens, greedy. ``append``: as in :meth:`step`. What an engine step
+        0..batch_size-1 after ``context_len`` tokens, greedy. ``append``, ``lookup``: as in :meth:`step`. What an
+        engine step
         costs including its host work, which a graph's own time leaves out. Overwrites those slots' KV, drafter
         context and drafts: call on an idle engine."""
         slots = list(range(batch_size))
         hd = [[0] * draft_len] * batch_size if host_drafts else None
         self.sampling.set_slots(slots, [SamplingParams()] * batch_size, [[0]] * batch_size)  # greedy, unprocessed
         args = (slots, [0] * batch_size, [context_len] * batch_size, [draft_len] * batch_size, True, propose, hd,
-                append)
+                append, None, lookup)
         self.drafts.zero_()
         self.step(*args)  # warm-up: the eager first step / graph capture for this key
         self.step(*args)
