@@ -180,7 +180,7 @@ def test_planner_choices_by_hand():
 
 def test_planner_calibration_and_probe_schedule():
     """Realised acceptance below the estimate lowers a source's factor until it stops paying; the drafter's block,
-    once not chosen, is proposed again only at the probes (every probe_every steps, doubling)."""
+    once not chosen (and worth nothing), is proposed again only at the probes (every probe_every steps, doubling)."""
     cal = SourceCalibration(prior=1.0, decay=0.5)
     for _ in range(6):
         cal.record("ngram", 4.0, 0)
@@ -194,8 +194,8 @@ def test_planner_calibration_and_probe_schedule():
         _, propose = p.plan(1, [30], [pending], [None])
         proposes.append(propose)
         pending = low if propose else None
-    # step 0 sees a block and skips it (no propose); 2 AR steps, a probe (step 3), its block not chosen (step 4),
-    # then 4 AR steps (the wait doubled) and the next probe (step 9)
+    # step 0 sees a block and skips it (no propose: a plan with it does not beat AR steps); 2 AR steps, a probe
+    # (step 3), its block not chosen (step 4), then 4 AR steps (the wait doubled) and the next probe (step 9)
     assert proposes == [False, False, False, True, False, False, False, False, False, True, False, False], proposes
     with pytest.raises(ValueError, match="needs a drafter"):
         check_draft_sources(["dflash"], has_drafter=False)
@@ -335,8 +335,8 @@ def test_recipe_draft_sources_reach_the_engine(tiny_target):
 def test_planner_keeps_lookups_through_a_step_without_a_match():
     """One looked-up step with no proposal does not put the lookups on the probe schedule (a request's context often
     has no match for a step or two); a run of such steps does (the moving average of verified lookup steps falls below
-    LOOKUP_IDLE_BELOW), and reset() brings them back."""
-    from adaflash_ray.engine.hybrid import LOOKUP_EMA, LOOKUP_IDLE_BELOW
+    IDLE_BELOW), and reset() brings them back."""
+    from adaflash_ray.engine.hybrid import USE_EMA, IDLE_BELOW
 
     p = _planner()
     _costs(p, 10.0, 1.0, 1.05)
@@ -348,8 +348,8 @@ def test_planner_keeps_lookups_through_a_step_without_a_match():
     while p.lookup_due():
         p.plan(1, [20], [None], [Proposal([], 0, "context", [], 0)])
         misses += 1
-    ema = (1 - LOOKUP_EMA) ** (misses + 1)  # from 1.0 after the hit: every miss multiplies by (1 - LOOKUP_EMA)
-    assert ema < LOOKUP_IDLE_BELOW <= ema / (1 - LOOKUP_EMA)
+    ema = (1 - USE_EMA) ** (misses + 1)  # from 1.0 after the hit: every miss multiplies by (1 - USE_EMA)
+    assert ema < IDLE_BELOW <= ema / (1 - USE_EMA)
     p.reset()
     assert p.lookup_due()
 
@@ -379,3 +379,38 @@ def test_lookup_device_option_is_checked(tiny_target):
     with pytest.raises(ValueError, match="lookup_device"):
         SpecEngine(tiny_target, None, None, max_batch_size=1, max_seq_len=64, draft_sources=("ngram",),
                    lookup_device="gpu")
+
+
+def test_planner_keeps_the_block_when_lookups_win_a_step_and_device_lookups_always_run():
+    """At batch 1 a step where a sure lookup beats the drafter's block does not stop the block: it is still proposed
+    while it was chosen in enough recent steps (moving average >= IDLE_BELOW), so the next step can choose it again.
+    The drafter's estimate starts trusted (SourceCalibration's dflash prior 1.0, a host lookup's 0.6). Device lookups
+    are due on every step, also after steps that did not use them; host lookups go on the probe schedule."""
+    from adaflash_ray.engine.hybrid import IDLE_BELOW
+
+    cal = SourceCalibration()
+    assert cal.factor("dflash") == 1.0 and cal.factor("ngram") == 0.6
+    p = _planner()
+    _costs(p, 1.2, 1.0, 1.2)
+    good_block = [1 + 0.8 * (1 - 0.8 ** g) / 0.2 for g in range(1, 16)]  # E[c(γ)] up to ~4.9
+    sure = Proposal(list(range(7, 22)), 3, "context", [8] * 15, 8)  # 15 drafts, every occurrence agrees
+    chosen, propose = p.plan(1, [30], [good_block], [None])
+    assert chosen[0].source == "dflash" and propose
+    chosen, propose = p.plan(1, [30], [good_block], [sure])  # the lookup wins this step ...
+    assert chosen[0].source == "ngram" and propose  # ... and the block is proposed again
+    chosen, _ = p.plan(1, [30], [good_block], [None])
+    assert chosen[0].source == "dflash"
+    # a block never chosen goes idle once the average falls below IDLE_BELOW
+    q = _planner()
+    _costs(q, 1.2, 1.0, 1.2)
+    steps = 0
+    while q.plan(1, [30], [good_block], [sure])[1]:
+        steps += 1
+    assert 1 <= steps <= 4 and q._use["dflash"] < IDLE_BELOW
+    # device lookups: due whatever the record; host lookups idle after unused steps
+    for on_device, due_after in ((True, True), (False, False)):
+        r = HybridPlanner(("ngram",), 15, 16, [1, 2, 4, 8, 16], probe_every=2, lookup_on_device=on_device)
+        _costs(r, 10.0, 1.0, 10.0)  # drafting never pays: the lookup is never chosen
+        for _ in range(12):
+            r.plan(1, [30], [None], [sure])
+        assert r.lookup_due() is due_after

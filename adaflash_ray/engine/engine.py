@@ -186,7 +186,7 @@ class SpecEngine:
         if self.draft_sources is not None:
             self.planner = HybridPlanner(self.draft_sources, self.runner.max_draft, self.runner.block_size,
                                          self.runner._width_buckets, probe_every=probe_every,
-                                         max_ngram=lookup_max_ngram)
+                                         max_ngram=lookup_max_ngram, lookup_on_device=self.lookup_on_device)
             if "dflash" in self.draft_sources and isinstance(length_head, AcceptanceHead):
                 head = length_head
 

@@ -39,9 +39,10 @@ position). When the drafter's block
 was not chosen for any request, the next steps skip its propose (no drafter forward) and probe again after
 ``probe_every`` steps, twice as long after each probe that still does not choose it (at most :data:`~adaflash_ray.engine.length_policy.PROBE_MAX_FACTOR` x
 ``probe_every``);
-lookups are skipped the same way when they do not pay for their host time, or when they found nothing worth verifying
-in most recent steps (an exponential moving average of the steps that used them below :data:`LOOKUP_IDLE_BELOW`: one
-step without a match does not stop them), so their host time is not spent every step.
+a source is "not chosen" only when the moving average of the steps that verified its proposal (among the steps that
+had one) falls below :data:`IDLE_BELOW` - one step where the other source won every row does not stop it. Host lookups
+are also skipped the same way when they do not pay for their host time, so that time is not spent every step; device
+lookups (:mod:`adaflash_ray.engine.device_lookup`) run in every step.
 """
 from __future__ import annotations
 
@@ -56,9 +57,13 @@ from adaflash_ray.engine.length_policy import PROBE_MAX_FACTOR
 #: every draft source the engine knows; "none" labels γ = 0 steps in the statistics
 DRAFT_SOURCES = ("dflash", "ngram", "suffix")
 LOOKUP_SOURCES = ("ngram", "suffix")
-#: weight of each step in the moving average of "a lookup proposal was verified this step", and the level below which
-#: the lookups go on the probe schedule
-LOOKUP_EMA, LOOKUP_IDLE_BELOW = 0.2, 0.3
+#: weight of each step in the moving average of "the source's proposal was verified this step" (per source: the
+#: lookups over the steps that looked up, the drafter's block over the steps that had one), and the level below which
+#: the source goes on the probe schedule
+USE_EMA, IDLE_BELOW = 0.2, 0.3
+#: the moving averages after a reset: the lookups survive several steps without a match (a context often has none for a
+#: step or two); the drafter's block, whose every propose costs a drafter forward, three steps without being chosen
+USE_START = {"dflash": 0.5, "lookup": 1.0}
 
 
 def check_draft_sources(sources, has_drafter: bool) -> tuple[str, ...]:
@@ -78,32 +83,40 @@ def check_draft_sources(sources, has_drafter: bool) -> tuple[str, ...]:
 
 class SourceCalibration:
     """Online calibration of acceptance estimates per draft source: ``factor(src)`` = EMA(realised accepted) /
-    EMA(estimated accepted) over that source's recent request-steps, starting at ``prior``.
+    EMA(estimated accepted) over that source's recent request-steps, starting at the source's prior.
 
     Args:
-        prior: the factor before any record (a lookup's raw estimate counts every earlier occurrence as a vote).
+        prior: the factor before any record of a source not in ``source_priors`` (a host lookup's raw estimate counts
+            every earlier occurrence as a vote, so it starts below 1).
         decay: weight of each new request-step in the moving averages (0 < decay <= 1).
+        source_priors: per-source priors; None = ``{"dflash": 1.0}`` (the acceptance head is trained to predict the
+            drafter's acceptance: it starts trusted, not discounted like a lookup's vote count).
     Raises:
-        ValueError: ``prior <= 0`` or ``decay`` outside (0, 1].
+        ValueError: a prior <= 0 or ``decay`` outside (0, 1].
     """
 
-    def __init__(self, prior: float = 0.6, decay: float = 0.02):
-        if prior <= 0 or not 0 < decay <= 1:
-            raise ValueError(f"need prior > 0 and 0 < decay <= 1, got {prior}, {decay}")
-        self.prior, self.decay = prior, decay
+    def __init__(self, prior: float = 0.6, decay: float = 0.02, source_priors: dict[str, float] | None = None):
+        priors = {"dflash": 1.0} if source_priors is None else dict(source_priors)
+        if prior <= 0 or not 0 < decay <= 1 or any(v <= 0 for v in priors.values()):
+            raise ValueError(f"need priors > 0 and 0 < decay <= 1, got {prior}, {priors}, {decay}")
+        self.prior, self.decay, self.source_priors = prior, decay, priors
         self._real: dict[str, float] = {}
         self._est: dict[str, float] = {}
+
+    def prior_of(self, source: str) -> float:
+        """The factor of ``source`` before any record: ``source_priors[source]``, else ``prior``."""
+        return self.source_priors.get(source, self.prior)
 
     def factor(self, source: str) -> float:
         est = self._est.get(source)
         if est is None:
-            return self.prior
+            return self.prior_of(source)
         return min(max(self._real[source] / max(est, 1e-6), 0.0), 2.0)
 
     def record(self, source: str, estimated: float, realised: int) -> None:
         """One verified draft of ``source``: ``estimated`` accepted tokens (uncalibrated, >= 0), ``realised`` a."""
         if source not in self._est:  # the prior as one pseudo-observation of one estimated token
-            self._est[source], self._real[source] = 1.0, self.prior
+            self._est[source], self._real[source] = 1.0, self.prior_of(source)
         k = self.decay
         self._est[source] = (1 - k) * self._est[source] + k * estimated
         self._real[source] = (1 - k) * self._real[source] + k * realised
@@ -208,11 +221,14 @@ class HybridPlanner:
         probe_every: AR / lookup-only steps before the drafter's block (or the lookups) are tried again.
         calibration: a :class:`SourceCalibration` (a fresh one when None).
         max_ngram: the lookups' longest n-gram (the device lookup's :class:`LookupCalibration` buckets).
+        lookup_on_device: the engine's lookups run on the device (:meth:`lookup_due` is then always True).
     """
 
     def __init__(self, sources: tuple[str, ...], max_draft: int, block_size: int, widths: list[int],
-                 probe_every: int = 8, calibration: SourceCalibration | None = None, max_ngram: int = 3):
+                 probe_every: int = 8, calibration: SourceCalibration | None = None, max_ngram: int = 3,
+                 lookup_on_device: bool = False):
         self.sources, self.max_draft, self.block_size = sources, max_draft, block_size
+        self.lookup_on_device = lookup_on_device
         self.widths = sorted(w for w in set(widths) if 1 <= w <= max_draft + 1) or [1]
         self.probe_every = probe_every
         self.calibration = calibration or SourceCalibration()
@@ -226,7 +242,7 @@ class HybridPlanner:
         self._since = {"dflash": 0, "lookup": 0}
         self._interval = {"dflash": probe_every, "lookup": probe_every}
         self._idle = {"dflash": False, "lookup": False}
-        self._lookup_use = 1.0  # moving average of the looked-up steps whose proposals were verified
+        self._use = dict(USE_START)  # moving averages of the steps whose proposals were verified
         self.last_value: float | None = None  # expected tokens per ms of the last plan (None without costs)
 
     # ------------------------------------------------------------------ costs
@@ -257,10 +273,14 @@ class HybridPlanner:
 
     # ------------------------------------------------------------------ schedules
     def lookup_due(self) -> bool:
-        """Whether this step computes lookup proposals (host time) at all: always while they pay, else every
+        """Whether this step computes lookup proposals at all: never without a lookup source; always when they run on
+        the device (``lookup_on_device``: a few element-wise kernels inside the step's graph, no host time to save,
+        and a skipped lookup leaves the next step without a proposal); on the host, always while they pay, else every
         ``probe_interval`` steps."""
         if self.lookup is None:
             return False
+        if self.lookup_on_device:
+            return True
         return not self._idle["lookup"] or self._since["lookup"] >= self._interval["lookup"]
 
     def _advance(self, key: str, used: bool, tried: bool, probed: bool = False) -> None:
@@ -282,7 +302,7 @@ class HybridPlanner:
         """A new batch or new drafter weights: both sources are tried on the next step."""
         for key in self._since:
             self._idle[key], self._since[key], self._interval[key] = False, 0, self.probe_every
-        self._lookup_use = 1.0
+        self._use = dict(USE_START)
 
     # ------------------------------------------------------------------ the choice
     def plan(self, batch_size: int, caps: list[int], dflash_expected: list[list[float] | None],
@@ -399,15 +419,26 @@ class HybridPlanner:
                 used_l = True
             else:
                 choices.append(RowChoice("none", 0))
-        propose = self.use_dflash and (used_d or probe_d or forced or
+        # the drafter's block stays proposed while it is chosen in enough recent steps that had one (one step where the
+        # lookups won every row does not stop it: at batch 1 that is any step with a good lookup match)
+        # (and while a plan with it beats plain AR steps: a block that never pays is not kept for its average's sake)
+        use_d = self._note_use("dflash", used_d) if has_d.any() else self._use["dflash"]
+        d_value = max((v for v, _, allow in plans if allow), default=None)
+        d_pays = d_value is not None and (not costs or d_value > n / self.lookup_costs[r, 0])
+        keep_d = used_d or (d_pays and use_d >= IDLE_BELOW)
+        propose = self.use_dflash and (keep_d or probe_d or forced or
                                        (not self._idle["dflash"] and not has_d.any()))
-        self._advance("dflash", used_d, bool(has_d.any()), probed=propose)
+        self._advance("dflash", keep_d, bool(has_d.any()), probed=propose)
         if self.lookup is not None:
-            if looked:
-                self._lookup_use = (1 - LOOKUP_EMA) * self._lookup_use + LOOKUP_EMA * float(used_l)
-            keep = used_l or (looked and self._lookup_use >= LOOKUP_IDLE_BELOW)  # a step with no match: keep going
+            use = self._note_use("lookup", used_l) if looked else self._use["lookup"]
+            keep = used_l or (looked and use >= IDLE_BELOW)  # a step with no match: keep going
             self._advance("lookup", keep and lookup_pays, looked)
         return choices, propose
+
+    def _note_use(self, key: str, used: bool) -> float:
+        """One more step of ``key``'s moving average of verified proposals (:data:`USE_EMA`); its new value."""
+        self._use[key] = (1 - USE_EMA) * self._use[key] + USE_EMA * float(used)
+        return self._use[key]
 
     def record(self, choices: list[RowChoice], num_accepted: list[int]) -> None:
         """The verified outcome of a plan's drafts: calibrates each source's estimate."""
