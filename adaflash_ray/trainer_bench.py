@@ -10,6 +10,11 @@ bracketed by device synchronisations for the split::
         --batch-sizes 16 32 --set distill.loss_impl=triton --out trainer.json
     python -m adaflash_ray.trainer_bench ...      # the same entry point
     python -m adaflash_ray.trainer_bench --loss --recipe recipes/smollm2_135m_gpu.yaml --out loss.json  # loss only
+    python -m adaflash_ray.bench --trainer --trajectories traj/ --recipe ...  # the loop's step on real files
+
+``--trajectories DIR``: the Ray-free trainer loop's step on trajectory files, phase by phase (file reads, collate,
+copies, the D-PACE / reject-boost head pass ...), beside synthetic trajectories of the files' mean lengths and of
+``--prompt-len`` / ``--new-tokens`` - :mod:`adaflash_ray.trainer_bench_files`, whose docstring gives the document.
 
 Synthetic trajectories: ``--prompt-len`` prompt tokens then ``--new-tokens`` response tokens (default: the recipe's
 ``engine.max_new_tokens``), ids uniform over the vocabulary (step cost does not depend on the values). ``--shape``
@@ -24,7 +29,7 @@ weight > 0), ``step_s`` (median of the timed steps), ``positions_per_s`` (block 
 ``split_s`` (``target_recompute, prep, drafter_forward, loss, forward_other, backward, optimizer, other`` - medians
 over the split steps, in seconds; ``loss`` is :func:`adaflash_ray.distill.losses.mixture_rkl_loss` whole, its
 backward share is in ``backward`` for ``loss_impl: reference`` and in ``loss`` for the fused ones),
-``peak_mem_gib`` (CUDA only), ``flops`` (``target, drafter, head, total`` per step) and ``floor_ratio`` (step time
+``peak_mem_gib`` (CUDA only), ``flops`` (``target, drafter, head, head_stats, total`` per step) and ``floor_ratio`` (step time
 / total FLOPs at ``peak_tflops``); with ``--profile`` also ``profile_top`` (top operators by device time of one
 step); a batch size that ran out of CUDA memory has ``batch_size`` and ``error`` only.
 
@@ -32,7 +37,8 @@ FLOP model (multiply-adds x 2): target forward = matmul weights x tokens + causa
 layer and sequence; drafter = 3 x its forward (forward + backward), forward = projections of the block positions
 and of the context K/V, the ``fc`` context projection, and attention over each block's visible keys
 (context before its anchor + its own block); head = 3 GEMMs ``2·M·H·V`` (student and teacher logits, input
-gradient; the frozen head has no weight gradient).
+gradient; the frozen head has no weight gradient) plus, with ``distill.position_weighting: dpace`` or
+``reject_boost > 0``, ``head_stats`` - the one no-grad GEMM ``2·M·H·V`` of their pass over the shared head.
 
 ``--loss``: :func:`bench_loss` - the head loss alone (forward + backward) at the shape's head (``--shape``,
 default smollm2-135m) for ``--rows`` positions, per implementation and Triton kernel configuration, against its
@@ -74,7 +80,8 @@ def synthetic_trajectories(num: int, prompt_len: int, new_tokens: int, vocab_siz
             for i in range(num)]
 
 
-def step_flops(tcfg, dcfg, seq_lens: list[int], anchors_per_seq: list[list[int]], positions: int) -> dict:
+def step_flops(tcfg, dcfg, seq_lens: list[int], anchors_per_seq: list[list[int]], positions: int,
+               head_stats: bool = False) -> dict:
     """FLOPs of one training step (the module docstring's model).
 
     Args:
@@ -83,8 +90,10 @@ def step_flops(tcfg, dcfg, seq_lens: list[int], anchors_per_seq: list[list[int]]
         seq_lens: tokens per trajectory (the target and the context see ``T - 1`` positions each).
         anchors_per_seq: the valid anchors of each trajectory's blocks.
         positions: supervised positions (rows of the head loss).
+        head_stats: the step runs the no-grad pass over the shared head of D-PACE / reject_boost (one more GEMM
+            ``2·M·H·V``).
     Returns:
-        ``{"target", "drafter", "head", "total"}`` in FLOPs (floats).
+        ``{"target", "drafter", "head", "head_stats", "total"}`` in FLOPs (floats; ``head_stats`` 0 without it).
     """
     h, i, nh, nkv, hd = (tcfg.hidden_size, tcfg.intermediate_size, tcfg.num_attention_heads,
                          tcfg.num_key_value_heads, tcfg.head_dim)
@@ -103,8 +112,9 @@ def step_flops(tcfg, dcfg, seq_lens: list[int], anchors_per_seq: list[list[int]]
     fwd += dcfg.num_hidden_layers * (per_layer_q * q + per_layer_ctx * n_ctx + attn)
     drafter = 3 * fwd
     head = 3 * 2 * positions * tcfg.hidden_size * tcfg.vocab_size
-    return {"target": float(target), "drafter": float(drafter), "head": float(head),
-            "total": float(target + drafter + head)}
+    stats = 2 * positions * tcfg.hidden_size * tcfg.vocab_size if head_stats else 0
+    return {"target": float(target), "drafter": float(drafter), "head": float(head), "head_stats": float(stats),
+            "total": float(target + drafter + head + stats)}
 
 
 def _header(device: str) -> dict:
@@ -145,13 +155,21 @@ class _PhaseTimer:
 
 @contextlib.contextmanager
 def _instrumented(core, timer: _PhaseTimer):
-    """Time the phases of ``core.train_step`` by wrapping what it calls (restored on exit)."""
+    """Time the phases of ``core.train_step`` by wrapping what it calls (restored on exit): ``target_recompute``,
+    ``collate``, ``batch_to`` (:meth:`Batch.to`), ``head_stats`` (the D-PACE / reject-boost no-grad pass over the
+    shared head: ``student_token_stats``, ``dpace_weights``, ``first_rejection_weights``), ``loss``,
+    ``drafter_forward``, ``backward``, ``optimizer``."""
     import adaflash_ray.distill.trainer as trainer_mod
+    from adaflash_ray.distill.blocks import Batch
 
-    saved_mod = {n: getattr(trainer_mod, n) for n in ("with_recomputed_features", "mixture_rkl_loss")}
-    setattr(trainer_mod, "with_recomputed_features",
-            timer.wrap("target_recompute", saved_mod["with_recomputed_features"]))
-    setattr(trainer_mod, "mixture_rkl_loss", timer.wrap("loss", saved_mod["mixture_rkl_loss"]))
+    phase_of = {"with_recomputed_features": "target_recompute", "collate": "collate", "mixture_rkl_loss": "loss",
+                "student_token_stats": "head_stats", "dpace_weights": "head_stats",
+                "first_rejection_weights": "head_stats"}
+    saved_mod = {n: getattr(trainer_mod, n) for n in phase_of}
+    for n, fn in saved_mod.items():
+        setattr(trainer_mod, n, timer.wrap(phase_of[n], fn))
+    saved_to = Batch.to
+    Batch.to = timer.wrap("batch_to", saved_to)
     inst = [(core.drafter, "forward_train", "drafter_forward"), (core.engine, "backward", "backward"),
             (core.engine, "step", "optimizer")]
     for obj, attr, name in inst:
@@ -161,6 +179,7 @@ def _instrumented(core, timer: _PhaseTimer):
     finally:
         for n, fn in saved_mod.items():
             setattr(trainer_mod, n, fn)
+        Batch.to = saved_to
         for obj, attr, _ in inst:
             delattr(obj, attr)  # back to the class's method
 
@@ -221,6 +240,11 @@ def profile_step(core, trajectories: list, top: int = 20) -> list[dict]:
     return [{"name": e.key, "self_ms": self_us(e) / 1e3, "calls": e.count} for e in events]
 
 
+def _head_stats(distill_cfg) -> bool:
+    """Whether the step runs the D-PACE / reject-boost no-grad pass over the shared head (as DistillModule)."""
+    return distill_cfg.position_weighting == "dpace" or distill_cfg.reject_boost > 0
+
+
 def _anchors_of(core, trajectories: list) -> list[list[int]]:
     """Valid anchors one collate of ``trajectories`` samples (a fresh generator: same counts as the steps)."""
     from adaflash_ray.distill.blocks import sample_anchors
@@ -243,24 +267,15 @@ def run(cfg, *, shape: str | None, batch_sizes: list[int], prompt_len: int, new_
             off CUDA).
     """
     from adaflash_ray.distill.trainer import DistillTrainerCore
-    from adaflash_ray.models.factory import load_target
-    from adaflash_ray.shapes import build_random_target, shape_config
 
-    if min(batch_sizes) < 1 or steps < 1 or warmup < 0 or split_steps < 0:
-        raise ValueError("batch sizes and --steps must be >= 1, --warmup and --split-steps >= 0")
+    check_sizes(batch_sizes, warmup, steps, split_steps)
     device = cfg.model.device
-    if shape is not None:
-        target = build_random_target(shape_config(shape), device=device, dtype=getattr(torch, cfg.model.dtype),
-                                     seed=cfg.seed)
-    else:
-        target = load_target(cfg.model)
+    target = bench_target(cfg, shape)
     dcfg = cfg.distill.model_copy(update={"features": "recompute"})  # trajectories carry token ids only
     doc = {**_header(device), "mode": "trainer", "recipe": cfg.name, "shape": shape, "loss_impl": None,
            "loss_chunk_size": cfg.distill.loss_chunk_size, "num_anchors": cfg.distill.num_anchors,
            "block_size": None, "compute_dtype": None, "drafter_attention": None, "prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": cfg.model.dtype,
            "peak_tflops": PEAK_TFLOPS, "rows": []}
-    if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")):
-        DistillTrainerCore.setup_dist_env(0, 1)  # one rank (DeepSpeed reads LOCAL_RANK even when torch.distributed is up)
     for b in batch_sizes:
         core = None
         try:
@@ -271,7 +286,7 @@ def run(cfg, *, shape: str | None, batch_sizes: list[int], prompt_len: int, new_
             trajs = synthetic_trajectories(b, prompt_len, new_tokens, target.config.vocab_size, cfg.seed)
             row = bench_batch(core, trajs, warmup=warmup, steps=steps, split_steps=split_steps)
             row["flops"] = step_flops(target.config, core.drafter.config, [tr.num_tokens for tr in trajs],
-                                      _anchors_of(core, trajs), int(row["supervised_positions"]))
+                                      _anchors_of(core, trajs), int(row["supervised_positions"]), _head_stats(dcfg))
             row["floor_ratio"] = row["step_s"] / (row["flops"]["total"] / (PEAK_TFLOPS * 1e12))
             if profile is True or (not isinstance(profile, bool) and b in profile):
                 row["profile_top"] = profile_step(core, trajs)
@@ -279,16 +294,50 @@ def run(cfg, *, shape: str | None, batch_sizes: list[int], prompt_len: int, new_
                 f"step {row['step_s'] * 1e3:.1f} ms, {row['floor_ratio']:.1f}x the FLOP floor, split "
                 + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in row["split_s"].items() if v is not None) + " ms")
         except torch.cuda.OutOfMemoryError as e:
-            row = {"batch_size": b, "error": f"out of memory: {str(e).splitlines()[0]}"}
+            row = oom_row(b, e)
             log(f"trainer bench: batch {b}: {row['error']}")
         doc["rows"].append(row)
         del core
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        if out:
-            _write(doc, out)
+        release(doc, out)
     return doc
+
+
+def check_sizes(batch_sizes: list[int], warmup: int, steps: int, split_steps: int) -> None:
+    """Raises ValueError unless every batch size and ``steps`` are >= 1 and ``warmup`` / ``split_steps`` >= 0."""
+    if min(batch_sizes) < 1 or steps < 1 or warmup < 0 or split_steps < 0:
+        raise ValueError("batch sizes and --steps must be >= 1, --warmup and --split-steps >= 0")
+
+
+def bench_target(cfg, shape: str | None):
+    """The recipe's target (``load_target``), or random weights of ``shape`` in ``model.dtype`` on
+    ``model.device``; sets the one-rank distributed environment when it is missing (DeepSpeed reads LOCAL_RANK
+    even when torch.distributed is up). Raises ValueError for an unknown shape."""
+    from adaflash_ray.distill.trainer import DistillTrainerCore
+    from adaflash_ray.models.factory import load_target
+    from adaflash_ray.shapes import build_random_target, shape_config
+
+    if shape is not None:
+        target = build_random_target(shape_config(shape), device=cfg.model.device,
+                                     dtype=getattr(torch, cfg.model.dtype), seed=cfg.seed)
+    else:
+        target = load_target(cfg.model)
+    if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")):
+        DistillTrainerCore.setup_dist_env(0, 1)
+    return target
+
+
+def oom_row(batch_size: int, e: Exception) -> dict:
+    """The row of a batch size that ran out of CUDA memory."""
+    return {"batch_size": batch_size, "error": f"out of memory: {str(e).splitlines()[0]}"}
+
+
+def release(doc: dict, out: str | None) -> None:
+    """After a batch size (its core deleted by the caller): free what it held, write the document so far."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if out:
+        _write(doc, out)
 
 
 #: Triton kernel (BLOCK_V, NUM_WARPS) configurations the loss bench compares
@@ -374,6 +423,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 10 on CUDA, 2 on CPU)")
     p.add_argument("--split-steps", type=int, default=None, help="instrumented steps (default 3 on CUDA, 1 on CPU)")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON document here")
+    p.add_argument("--trajectories", default=None, metavar="DIR",
+                   help="the trainer loop's step on these trajectory files, phase by phase, beside synthetic "
+                        "trajectories of their mean lengths and of --prompt-len/--new-tokens "
+                        "(adaflash_ray/trainer_bench_files.py; default warm-up 5 steps on CUDA)")
     p.add_argument("--profile", type=int, nargs="*", default=None, metavar="B",
                    help="one more step under torch.profiler per batch size (only those listed, if any): the top "
                         "operators by device time (profile_top)")
@@ -409,6 +462,17 @@ def main(argv: list[str] | None = None) -> int:
                 _write(doc, ns.out)
             print(json.dumps(doc))
             return 0
+        if ns.trajectories is not None:
+            from adaflash_ray.trainer_bench_files import run as run_files
+
+            doc = run_files(cfg, ns.trajectories, shape=ns.shape, batch_sizes=ns.batch_sizes or [cfg.distill.batch_size],
+                            prompt_len=ns.prompt_len, new_tokens=ns.new_tokens or cfg.engine.max_new_tokens,
+                            warmup=ns.warmup if ns.warmup is not None else (5 if cuda else 1),
+                            steps=ns.steps or (10 if cuda else 2),
+                            split_steps=ns.split_steps if ns.split_steps is not None else (3 if cuda else 1),
+                            log=lambda msg: print(msg, file=sys.stderr), out=ns.out)
+            print(json.dumps(doc))
+            return 0
         doc = run(cfg, shape=ns.shape, batch_sizes=ns.batch_sizes or [cfg.distill.batch_size],
                   prompt_len=ns.prompt_len, new_tokens=ns.new_tokens or cfg.engine.max_new_tokens,
                   warmup=ns.warmup if ns.warmup is not None else (3 if cuda else 1),
@@ -416,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                   split_steps=ns.split_steps if ns.split_steps is not None else (3 if cuda else 1),
                   log=lambda msg: print(msg, file=sys.stderr), out=ns.out,
                   profile=False if ns.profile is None else (ns.profile or True))
-    except (RecipeError, ValueError) as e:
+    except (RecipeError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(doc))

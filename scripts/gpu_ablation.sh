@@ -13,16 +13,25 @@
 # VARIANT (default, in this order: base - the recipe's trainer -, ctxinit - drafter.init_context_from_target -,
 # dpace - distill.position_weighting dpace -, lr5e-3) from those
 # files for ABL_TRAIN_S (default 35) seconds of trainer time (the first, warm-up step not counted) and
-# evaluates every version it publishes on the recipe's held-out prompts (`python -m adaflash_ray.distill.ablate`).
+# evaluates every version it publishes on the recipe's held-out prompts (`python -m adaflash_ray.distill.ablate`);
+# before the timed variants, ablate runs ABL_WARMUP_STEPS (default 10; 0 = off) untimed optimizer steps of the first
+# variant in a process of its own (discarded), so the first variant no longer pays the machine's cold Triton /
+# torch.compile caches alone (at 3cafc9a it got 43 steps in 30 s against 55-69 for the others).
+# ABL_TRAINER_BENCH=1: after generating, the trainer bench on those files (`python -m adaflash_ray.bench --trainer
+# --trajectories`: the loop's step phase by phase, beside synthetic trajectories of the files' mean lengths and of
+# 256 + 256 tokens) -> trainer_files.json / trainer_files.log, then the ablation; ABL_TRAINER_BENCH=only: the bench
+# and no ablation (~3 min for the call: model, ABL_GEN_S of generation, ~90 s of bench).
 # Every step runs under a timeout and the whole call under ABL_BUDGET_S (default 285 s): ablate skips the variants
 # that no longer fit (recorded as skipped) and kills a training past the budget; ablation.json is rewritten after
 # each variant, so a cut call keeps the variants done. VARIANT: name[:key=value,...] (ablate's --variant).
 # Knobs (environment): ABL_TRAIN_S, ABL_BUDGET_S, ABL_GEN_S (generation timeout, 75), ABL_PROMPTS (5000),
 # ABL_SAMPLE_FRACTION (0.2), ABL_OVERHEAD_S (30: a variant's start + evaluations), ABL_GEN_BATCH (256 slots),
-# ABL_MIN_TRAJ (64: fewer trajectories end the call before training), ABL_BATCH (64), ABL_PUBLISH (150);
+# ABL_MIN_TRAJ (64: fewer trajectories end the call before training), ABL_BATCH (64), ABL_PUBLISH (150),
+# ABL_WARMUP_STEPS (10), ABL_TRAINER_BENCH (unset | 1 | only), ABL_BENCH_S (the bench's timeout, 150);
 # for a CPU smoke run of the script itself: ABL_RECIPE, ABL_ROOT (instead of /root), ABL_SKIP_PREPARE=1.
-# $OUT (5 files): ablation.json (per variant and version: training seconds, held-out τ per domain, positions/s;
-# the prompt-lookup and suffix-lookup τ on the same outputs), ablation.png, gen.log, ablate.log, timeline.txt.
+# $OUT (5 files, 7 with ABL_TRAINER_BENCH): ablation.json (per variant and version: training seconds, held-out τ per
+# domain, positions/s; the prompt-lookup and suffix-lookup τ on the same outputs; the warm-up), ablation.png, gen.log,
+# ablate.log, timeline.txt (+ trainer_files.json, trainer_files.log).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -76,6 +85,17 @@ n=$(ls "$TRAJ"/*.parquet 2>/dev/null | wc -l)
 mark "generate rc $rc (124 = cut at ${GEN_S} s; files kept): $n trajectories"
 [ "$n" -ge "${ABL_MIN_TRAJ:-64}" ] || { echo "too few trajectories"; tail -20 "$OUT/gen.log"; exit 1; }
 
+if [ -n "${ABL_TRAINER_BENCH:-}" ]; then  # the loop's step on these files, phase by phase (trainer_bench_files.py)
+  timeout "${ABL_BENCH_S:-150}" python3 -m adaflash_ray.bench --trainer --trajectories "$TRAJ" --recipe "$R" \
+    --set distill.batch_size="${ABL_BATCH:-64}" --prompt-len 256 --new-tokens 256 --out "$OUT/trainer_files.json" \
+    > "$OUT/trainer_files.log" 2>&1
+  mark "trainer bench (files) rc $?"
+  grep -E "^trainer bench" "$OUT/trainer_files.log"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps({'directory_lengths': d['directory_lengths'], 'gaps': d['gaps']}))" \
+    "$OUT/trainer_files.json" 2>/dev/null
+  [ "$ABL_TRAINER_BENCH" = only ] && { mark "done"; exit 0; }
+fi
+
 V=()
 # every variant: the recipe's trainer (batch ABL_BATCH = 64, a version every ABL_PUBLISH = 150 steps) plus one change
 for v in "${@:-base ctxinit:drafter.init_context_from_target=true dpace:distill.position_weighting=dpace lr5e-3:distill.lr=5e-3}"; do
@@ -85,6 +105,7 @@ done
 DEADLINE=$(( $(left) - 5 ))
 timeout "$(( DEADLINE + 3 ))" python3 -m adaflash_ray.distill.ablate --recipe "$R" --trajectories "$TRAJ" \
   --out "$ABL" --train-s "$TRAIN_S" --deadline-s "$DEADLINE" --overhead-s "${ABL_OVERHEAD_S:-30}" \
+  --warmup-steps "${ABL_WARMUP_STEPS:-10}" \
   --set distill.max_reuse=4 --set distill.batch_size="${ABL_BATCH:-64}" --set distill.publish_every="${ABL_PUBLISH:-150}" \
   --set distill.warm_start=false --set engine.max_batch_size="$SLOTS" "${V[@]}" > "$OUT/ablate.log" 2>&1
 mark "ablate rc $?"

@@ -404,13 +404,49 @@ def test_ablation_keeps_going_past_a_failed_variant_skips_at_the_deadline_and_re
     cfg = load_recipe("recipes/cpu_tiny.yaml")
     doc = ablate.run_ablation(cfg, [("a", []), ("broken", ["distill.lr=1e-3"]), ("b", ["distill.batch_size=2"]),
                                     ("late", [])], tmp_path / "traj", tmp_path / "abl", train_s=10.0,
-                              recipe_path="recipes/cpu_tiny.yaml", stop_at=1000.0 + 160.0, overhead_s=5.0)
+                              recipe_path="recipes/cpu_tiny.yaml", stop_at=1000.0 + 160.0, overhead_s=5.0,
+                              warmup_steps=0)
     v = doc["variants"]
+    assert "warmup" not in doc
     assert v["broken"]["error"].startswith("training failed (exit 1)") and v["late"] == {"sets": [], "skipped": "deadline"}
     assert v["a"]["versions"][1]["tau_by_domain"] == {"code": 2.0} and v["b"]["versions"][0]["tau_by_domain"] == {"code": 1.0}
     assert v["a"]["versions"][1]["train_s"] == 3.0  # 1 + 2: the first step's 9 s left out
     assert sorted(Path(p).parts[-3] + "/" + Path(p).name for p in decoded) == ["a/v0", "a/v1", "b/v1"]
     assert json.loads((tmp_path / "abl" / "ablation.json").read_text())["variants"].keys() == v.keys()
+
+
+def test_ablation_warms_up_with_the_first_variant_before_the_timed_ones(tmp_path, monkeypatch):
+    """run_ablation's warm-up: one untimed training of the first variant's overrides, stopped after
+    ``warmup_steps`` optimizer steps (one version), runs before every timed variant; it is recorded under
+    ``warmup``, its directory removed, and it is no variant (not evaluated, not in ``variants``)."""
+    from adaflash_ray.config import load_recipe
+    from adaflash_ray.distill import ablate
+
+    cmds = []
+
+    def fake_run(cmd, timeout=None):
+        out = Path(cmd[cmd.index("--out") + 1])
+        cmds.append((out.name, [cmd[i + 1] for i, c in enumerate(cmd) if c == "--set"]))
+        if out.name != "_warmup":
+            return subprocess.CompletedProcess(cmd, 1)  # the timed variants fail: only the order matters here
+        (out / "checkpoints").mkdir(parents=True)
+        (out / "summary.json").write_text(json.dumps({"train_steps": 3}))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(ablate.subprocess, "run", fake_run)
+    monkeypatch.setattr(ablate, "_heldout", lambda cfg: ([[1, 2, 3]], ["code"]))
+    cfg = load_recipe("recipes/cpu_tiny.yaml")
+    doc = ablate.run_ablation(cfg, [("a", ["distill.lr=1e-3"]), ("b", [])], tmp_path / "traj", tmp_path / "abl",
+                              train_s=10.0, recipe_path="recipes/cpu_tiny.yaml", base_sets=["distill.max_reuse=4"],
+                              warmup_steps=3)
+    assert [name for name, _ in cmds] == ["_warmup", "a", "b"]
+    assert cmds[0][1] == ["distill.max_reuse=4", "distill.lr=1e-3", "distill.max_train_s=10.0", "distill.num_versions=1",
+                          "distill.publish_every=3"]
+    assert cmds[1][1] == ["distill.max_reuse=4", "distill.lr=1e-3", "distill.max_train_s=10.0"]
+    assert doc["warmup"]["steps"] == 3 and doc["warmup"]["error"] is None
+    assert doc["warmup"]["sets"] == cmds[0][1][1:]
+    assert not (tmp_path / "abl" / "_warmup").exists() and set(doc["variants"]) == {"a", "b"}
+    assert json.loads((tmp_path / "abl" / "ablation.json").read_text())["warmup"] == doc["warmup"]
 
 
 def test_engine_generate_stop_admitting_ends_without_starting_the_rest():

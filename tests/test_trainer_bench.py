@@ -1,8 +1,9 @@
 """``python -m adaflash_ray.bench --trainer`` (adaflash_ray/trainer_bench.py) on CPU: a tiny random-weight shape, two
 batch sizes, the JSON document's schema and consistency (block positions, split, FLOP floor), the fused loss
-switch through ``--set``, the loss-only mode (``--loss``), and the FLOP model against a hand count.
+switch through ``--set``, the loss-only mode (``--loss``), the FLOP model against a hand count, and the mode on
+trajectory files (``--trajectories``, adaflash_ray/trainer_bench_files.py) against the files written.
 
-Run: python -m pytest -q tests/test_trainer_bench.py   (CPU, ~40 s)
+Run: python -m pytest -q tests/test_trainer_bench.py   (CPU, ~20 s)
 """
 from __future__ import annotations
 
@@ -74,7 +75,9 @@ def test_step_flops_hand_count():
     f = step_flops(t, d, seq_lens=[11], anchors_per_seq=[[2, 5]], positions=6)
     per_tok = 2 * 8 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128)
     assert f["target"] == per_tok * 10 + 8 * 2 * 64 * 10 * 10
-    assert f["head"] == 3 * 2 * 6 * 64 * 512
+    assert f["head"] == 3 * 2 * 6 * 64 * 512 and f["head_stats"] == 0
+    g = step_flops(t, d, seq_lens=[11], anchors_per_seq=[[2, 5]], positions=6, head_stats=True)
+    assert g["head_stats"] == 2 * 6 * 64 * 512 and g["total"] == f["total"] + g["head_stats"]
     q = 2 * 4
     fwd = (2 * 10 * 2 * 64 * 64 + 2 * (64 * 64 + 64 * 64 + 3 * 64 * 128 + 2 * 64 * 32) * q + 4 * 64 * 32 * 10
            + 4 * 64 * 4 * ((2 + 4) + (5 + 4)))
@@ -93,3 +96,59 @@ def test_profile_only_listed_batch_sizes(capsys):
     assert bench_main(ARGS + ["--batch-sizes", "1", "2", "--profile", "2"]) == 0
     doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [("profile_top" in r) for r in doc["rows"]] == [False, True]
+
+
+def test_trajectory_files_mode(tmp_path, capsys):
+    """--trajectories: four files written with spill.write_parquet (prompt 5/12/3/8, response 20/9/30/14 tokens),
+    batches of 2 leased in file-name order: every row of the four sources, its split, the files' length statistics
+    (directory and measured), the recompute / collate padding and the block counts of the timed step's batch."""
+    import torch
+
+    from adaflash_ray.distill.spill import spill_path, write_parquet
+    from adaflash_ray.trainer_bench_files import FILE_SPLIT_PHASES, SOURCES
+    from adaflash_ray.trajectory import Trajectory
+
+    g = torch.Generator().manual_seed(0)
+    traj = tmp_path / "traj"
+    traj.mkdir()
+    for i, (p, n) in enumerate([(5, 20), (12, 9), (3, 30), (8, 14)]):
+        t = Trajectory(request_id=f"r{i}", token_ids=torch.randint(0, 512, (p + n,), generator=g), prompt_len=p,
+                       features=None, last_hidden=None, drafter_version=0)
+        write_parquet(t, spill_path(traj, t.request_id, 0))
+    out = tmp_path / "files.json"
+    rc = bench_main(["--trainer", "--recipe", "recipes/cpu_tiny.yaml", "--shape", "tiny", "--trajectories", str(traj),
+                     "--batch-sizes", "2", "--warmup", "0", "--steps", "1", "--split-steps", "1", "--prompt-len", "10",
+                     "--new-tokens", "20", "--set", "distill.features=recompute", "--out", str(out)])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc == json.loads(out.read_text())
+    assert doc["mode"] == "trainer_files" and doc["num_files"] == 4 and doc["features"] == "recompute"
+    assert doc["loss_impl"] == "reference" and doc["compute_dtype"] == "float32" and doc["num_anchors"] == 8
+    want = {"prompt_tokens": {"mean": 7, "p50": 5, "p90": 12, "max": 12, "min": 3},
+            "new_tokens": {"mean": 18.25, "p50": 14, "p90": 30, "max": 30, "min": 9},
+            "num_tokens": {"mean": 25.25, "p50": 22, "p90": 33, "max": 33, "min": 21}}
+    assert doc["directory_lengths"] == want
+    assert doc["synthetic_mean"] == [7, 18] and doc["synthetic_bench"] == [10, 20]
+    rows = {r["source"]: r for r in doc["rows"]}
+    assert list(rows) == list(SOURCES) and all(r["batch_size"] == 2 for r in rows.values())
+    bs = doc["block_size"]
+    for src, r in rows.items():
+        assert set(r["split_s"]) == set(FILE_SPLIT_PHASES) and all(v >= 0 for v in r["split_s"].values())
+        assert all(r["split_s"][p] > 0 for p in ("target_recompute", "collate", "drafter_forward", "loss", "backward",
+                                                  "optimizer"))
+        assert r["positions_per_s"] > 0 and r["supervised_positions_per_s"] > 0 and r["wall_positions_per_s"] > 0
+        assert r["supervised_positions"] <= r["block_positions"] and r["floor_ratio"] > 1
+        assert r["flops"]["head_stats"] == 0  # cpu_tiny: exp_decay, no reject_boost
+        assert r["flops"]["total"] == pytest.approx(sum(r["flops"][k] for k in ("target", "drafter", "head")))
+    for src in ("files", "files_preread"):  # timed step: r0 + r1 (25 and 21 tokens), split step: r2 + r3
+        r = rows[src]
+        assert r["lengths"] == want
+        assert r["recompute"] == {"forwards": 1, "real_tokens": 24 + 20, "padded_tokens": 2 * 24}
+        assert r["collate_tokens"] == {"real": 44, "padded": 48}
+        # >= 8 anchor candidates in both: 8 full-sized blocks each
+        assert r["num_blocks"] == 16 and r["block_positions"] == 16 * (bs - 1) and r["anchor_fill"] == 1.0
+        assert r["drafter_queries"] == 2 * 8 * bs and r["mask_elements"] == 2 * 8 * bs * (24 + 8 * bs)
+    assert rows["files"]["split_s"]["read"] > 0 and rows["files_preread"]["split_s"]["read"] == 0
+    assert rows["files_preread"]["decode_s"] > 0 and rows["synthetic_mean"]["read_s"] == 0
+    assert rows["synthetic_mean"]["lengths"]["new_tokens"]["max"] == 18
+    assert set(doc["gaps"]["2"]) == {"reader_threads", "length_variation", "mean_lengths"}

@@ -14,12 +14,24 @@ computed once, from the first evaluation's outputs. ``OUT/ablation.json`` holds 
 training seconds (sum of the optimizer steps' ``train/seconds`` after the first, warm-up step: GPU-seconds of one
 trainer rank) and the held-out
 τ per domain; ``OUT/ablation.png`` draws τ against training seconds per domain with the lookup lines.
+
+Warm-up (``--warmup-steps``, default 10; 0 = off): before the timed variants, one untimed training of the first
+variant (its overrides, the same files in the same order, so the batches its first steps see) runs for that many
+optimizer steps in a process of its own into ``OUT/_warmup`` (deleted afterwards; ``ablation.json`` records it under
+``warmup``: overrides, steps, seconds, exit status). Without it the first variant paid what the machine's on-disk
+caches (Triton kernels, torch.compile's) then hold for every later process: at 3cafc9a its 30 s held 43 steps against
+55-69 for the others, slower over all its steps, not only the first. Every variant still pays its own process's
+start (CUDA context, cuBLAS handles, allocator growth) in its first step: that step is left out of every variant's
+training seconds and step means alike, but it counts against its ``distill.max_train_s`` budget (the loop's budget
+starts at the first step) in the same way for all. A variant using kernels the first one does not (e.g.
+``distill.drafter_attention=flex``) still compiles them in its own budget.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import shutil
 import subprocess
 import sys
 import time
@@ -126,7 +138,7 @@ def _train_seconds(run_dir: Path) -> dict[int, float]:
 
 def run_ablation(cfg: RunConfig, variants: list[tuple[str, list[str]]], trajectories: str | Path, out: str | Path,
                  train_s: float, recipe_path: str | None = None, base_sets: list[str] | None = None,
-                 stop_at: float | None = None, overhead_s: float = 40.0) -> dict:
+                 stop_at: float | None = None, overhead_s: float = 40.0, warmup_steps: int = 10) -> dict:
     """Train and evaluate every variant (see the module docstring); returns the ``ablation.json`` document.
 
     Args:
@@ -139,6 +151,8 @@ def run_ablation(cfg: RunConfig, variants: list[tuple[str, list[str]]], trajecto
             seconds (its process start, model load, evaluations) fit before it, else it is recorded as
             ``{"skipped": "deadline"}``; a variant's training process is killed at the deadline.
         overhead_s: see ``stop_at``.
+        warmup_steps: optimizer steps of the untimed warm-up training before the variants (module docstring);
+            0 = none.
     A variant whose training process fails is recorded as ``{"sets", "error"}`` and the next one runs;
     ``ablation.json`` is rewritten after each variant (a run killed part way keeps the variants done). A
     checkpoint identical to one already evaluated (its sha256: e.g. every variant's v0 of the same architecture
@@ -161,6 +175,32 @@ def run_ablation(cfg: RunConfig, variants: list[tuple[str, list[str]]], trajecto
     def save() -> None:
         (out / "ablation.json").write_text(json.dumps(doc, indent=1, default=lambda x: None if x != x else x))
 
+    def train(run_dir: Path, sets: list[str]) -> str | None:
+        """``python -m adaflash_ray.distill.loop`` into ``run_dir`` (a process of its own: DeepSpeed keeps
+        process-group state per process); None, or what went wrong."""
+        cmd = [sys.executable, "-m", "adaflash_ray.distill.loop", "--trajectories", str(trajectories),
+               "--out", str(run_dir)] + (["--recipe", str(recipe_path)] if recipe_path else [])
+        for s in list(base_sets or []) + sets:
+            cmd += ["--set", s]
+        try:
+            proc = subprocess.run(cmd, timeout=None if stop_at is None else max(1.0, stop_at - time.time()))
+        except subprocess.TimeoutExpired:
+            return f"training killed at the deadline: {' '.join(cmd)}"
+        return f"training failed (exit {proc.returncode}): {' '.join(cmd)}" if proc.returncode != 0 else None
+
+    if warmup_steps > 0 and variants:  # fills the on-disk kernel caches for every variant alike (module docstring)
+        sets = variants[0][1] + [f"distill.max_train_s={train_s}", "distill.num_versions=1",
+                                 f"distill.publish_every={warmup_steps}"]
+        t0 = time.time()
+        failed = train(out / "_warmup", sets)
+        summary_path = out / "_warmup" / "summary.json"
+        steps = json.loads(summary_path.read_text())["train_steps"] if summary_path.exists() else 0
+        doc["warmup"] = {"sets": sets, "steps": steps, "seconds": round(time.time() - t0, 1), "error": failed}
+        print(f"[ablate] warm-up: {steps} steps of {variants[0][0]} in {doc['warmup']['seconds']} s (discarded)"
+              + (f": {failed}" if failed else ""), flush=True)
+        shutil.rmtree(out / "_warmup", ignore_errors=True)
+        save()
+
     for name, sets in variants:
         vcfg = load_recipe(recipe_path, list(base_sets or []) + sets + [f"distill.max_train_s={train_s}"])
         if stop_at is not None and time.time() + train_s + overhead_s > stop_at:
@@ -169,21 +209,12 @@ def run_ablation(cfg: RunConfig, variants: list[tuple[str, list[str]]], trajecto
             save()
             continue
         t0 = time.time()
-        # each variant trains in a process of its own: DeepSpeed keeps process-group state per process
-        cmd = [sys.executable, "-m", "adaflash_ray.distill.loop", "--trajectories", str(trajectories),
-               "--out", str(out / name)] + (["--recipe", str(recipe_path)] if recipe_path else [])
-        for s in list(base_sets or []) + sets + [f"distill.max_train_s={train_s}"]:
-            cmd += ["--set", s]
-        try:
-            proc = subprocess.run(cmd, timeout=None if stop_at is None else max(1.0, stop_at - time.time()))
-            failed = f"training failed (exit {proc.returncode})" if proc.returncode != 0 else None
-        except subprocess.TimeoutExpired:
-            failed = "training killed at the deadline"
+        failed = train(out / name, sets + [f"distill.max_train_s={train_s}"])
         if failed is None and not (out / name / "summary.json").exists():
             failed = "training wrote no summary.json"
         if failed is not None:
             doc["variants"][name] = {"sets": sets, "error": failed}
-            print(f"[ablate] {name}: {failed}: {' '.join(cmd)}", flush=True)
+            print(f"[ablate] {name}: {failed}", flush=True)
             save()
             continue
         summary = json.loads((out / name / "summary.json").read_text())
@@ -265,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds from now: variants that do not fit are skipped, a training past it is killed")
     parser.add_argument("--overhead-s", type=float, default=40.0,
                         help="with --deadline-s: seconds a variant needs beyond --train-s (start, evaluations)")
+    parser.add_argument("--warmup-steps", type=int, default=10,
+                        help="optimizer steps of an untimed warm-up training of the first variant before the timed "
+                             "ones (fills the kernel caches; 0 = none)")
     args = parser.parse_args(argv)
     try:
         variants = [parse_variant(s) for s in args.variant]
@@ -272,13 +306,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("variant names must be distinct")
         if not args.train_s > 0:
             raise ValueError(f"--train-s must be > 0, got {args.train_s}")
+        if args.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
         cfg = config_from_args(args)
     except (RecipeError, ValueError) as e:
         print(f"error: {e}", flush=True)
         return 2
     stop_at = None if args.deadline_s is None else time.time() + args.deadline_s
     run_ablation(cfg, variants, args.trajectories, args.out, args.train_s, args.recipe, list(args.overrides or []),
-                 stop_at=stop_at, overhead_s=args.overhead_s)
+                 stop_at=stop_at, overhead_s=args.overhead_s, warmup_steps=args.warmup_steps)
     return 0
 
 

@@ -59,6 +59,17 @@ def trajectory_files(directory: str | Path) -> list[Path]:
     return files
 
 
+def trajectory_lengths(path: str | Path) -> tuple[int, int]:
+    """``(prompt_len, num_tokens)`` of a :func:`write_parquet` file from its Parquet footer alone (no data pages
+    read). Raises ValueError on a foreign or corrupt file."""
+    try:
+        md = pq.read_metadata(path)
+        meta = json.loads((md.metadata or {})[_META_KEY])
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a foreign or truncated file
+        raise ValueError(f"{path}: not an adaflash trajectory file: {e}") from e
+    return int(meta["prompt_len"]), int(md.num_rows)
+
+
 def _bf16_bits(t: torch.Tensor | None, rows: int) -> pa.Array | None:
     if t is None:
         return None
