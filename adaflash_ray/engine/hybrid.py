@@ -143,7 +143,7 @@ class LookupCalibration:
     occurrence bucket :data:`OCCURRENCE_EDGES`): for each draft position i, ``p_i`` = P(draft i accepted | drafts < i
     accepted), from exponentially decayed counts of the verified proposals that reached position i and of those
     that accepted it, plus ``prior_weight`` pseudo-trials at ``prior``. E[accepted | γ] = Σ_{i<=γ} Π_{j<=i} p_j
-    (the ``cost`` policy's formula, ALGORITHMS.md §2), flat past the proposal's length. Match length and
+    (the ``cost`` policy's formula, docs/design/ALGORITHMS.md §2), flat past the proposal's length. Match length and
     continuation frequency as the score follow SuffixDecoding (Oliaro et al., arXiv 2411.04975).
 
     Args:
