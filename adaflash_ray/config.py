@@ -221,6 +221,9 @@ class EngineConfig(_Section):
     # Triton kernels on the target's cached forward (adaflash_ray/kernels: add+RMSNorm, SwiGLU, rotary+KV write):
     # auto = on when the model is on CUDA and triton imports (the CPU path is always the torch reference); off
     fused_kernels: Literal["auto", "off"] = "auto"
+    # the cost policy / draft sources with length_head.ar_steps: force AR steps where the policy's realised tokens per
+    # ms fall below AR's (adaflash_ray/engine/throughput_guard.py); off = the policy's choices as they are
+    throughput_guard: bool = True
 
 
 class DistillConfig(_Section):

@@ -6,8 +6,11 @@ real shape (no checkpoint needed), so acceptance is meaningless; the point is th
     python scripts/profile_step_phases.py --shape smollm2-135m --batch 1 64 --new-tokens 128
 
 Methods: ar (mode ar), gamma0 (the cost policy with a cost table under which drafting never pays: every step is
-the policy's γ = 0, probes included), dflash (fixed γ = 15), ngram and suffix (draft sources, fixed policy).
-Prints one line per (method, batch) and a JSON document as the last line.
+the policy's γ = 0, probes included; its throughput guard off, so the policy's own probe schedule runs), dflash
+(fixed γ = 15), ngram and suffix (draft sources, fixed policy).
+Prints one line per (method, batch) and under it the engine's own split by step kind (SpecStats.timing: count x mean
+wall ms of ar / gamma0 / probe / draft steps, the context catch-ups inside them, the prefills), and a JSON document as
+the last line (each row's ``step_timing``).
 """
 from __future__ import annotations
 
@@ -79,7 +82,7 @@ def main() -> None:
             if m in ("ngram", "suffix"):
                 eng = SpecEngine(target, None, None, policy="fixed", draft_sources=(m,), **kw)
             elif m == "gamma0":
-                eng = SpecEngine(target, drafter, head, policy="cost", ar_steps=True, **kw)
+                eng = SpecEngine(target, drafter, head, policy="cost", ar_steps=True, throughput_guard=False, **kw)
                 bs = sorted({1, b})
                 eng.policy.set_costs(bs, torch.full((len(bs), 15), 1e4), torch.ones(len(bs)))
             else:
@@ -101,7 +104,8 @@ def main() -> None:
                        "propose_steps": acc["propose_steps"],
                        "propose_step_run_ms": 1e3 * acc["propose_run"] / max(acc["propose_steps"], 1),
                        "plain_step_run_ms": 1e3 * acc["plain_run"] / max(n - acc["propose_steps"], 1),
-                       "gamma_hist": {str(k): v for k, v in sorted(st.draft_len_hist.items())}}
+                       "gamma_hist": {str(k): v for k, v in sorted(st.draft_len_hist.items())},
+                       "step_timing": st.timing()}
                 if best is None or row["ms_per_step"] < best["ms_per_step"]:
                     best = row
                 for name in ("_schedule", "_run", "_postprocess"):
@@ -112,6 +116,11 @@ def main() -> None:
                   f"pre {best['runner_pre_ms']:.3f} launch {best['launch_ms']:.3f} wait+post {best['wait_post_ms']:.3f} "
                   f"post {best['postprocess_ms']:.3f}  tau {best['tau']:.2f}  propose steps {best['propose_steps']} "
                   f"({best['propose_step_run_ms']:.3f} ms run vs {best['plain_step_run_ms']:.3f})", flush=True)
+            tm = best["step_timing"]
+            kinds = "  ".join(f"{k} {v['count']} x {v['mean_ms']:.3f}" for k, v in tm["steps"].items())
+            cu, pf = tm["catch_up"], tm["prefill"]
+            print(f"        kinds: {kinds}  | catch-up {cu['count']} ({cu['num_positions']} pos, "
+                  f"{cu['total_ms']:.3f} ms host)  prefill {pf['count']} x {pf['mean_ms'] or 0:.3f} ms", flush=True)
             del eng
             if dev == "cuda":
                 torch.cuda.empty_cache()

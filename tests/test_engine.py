@@ -100,7 +100,10 @@ def real_ar(real_target, chat_prompts):
 def test_real_greedy_lossless_random_drafter(real_target, chat_prompts, real_ar, policy, block_size):
     """8 prompts x 64 tokens, batch 8, random drafter: token for token the AR output."""
     drafter, head = make_drafter(real_target, block_size=block_size, policy=policy, seed=1)
-    engine = SpecEngine(real_target, drafter, head, policy=policy, max_batch_size=8, max_seq_len=256)
+    # the throughput guard off: its forced AR steps (a random drafter is slower than AR on CPU) would be γ = 0 below
+    # the last token (tests/test_throughput_guard.py tests the guard, lossless included)
+    engine = SpecEngine(real_target, drafter, head, policy=policy, max_batch_size=8, max_seq_len=256,
+                        throughput_guard=False)
     reqs = engine.generate(chat_prompts, SamplingParams(max_new_tokens=REAL_NEW_TOKENS, ignore_eos=True))
     assert outputs(reqs) == real_ar
     s = engine.stats
@@ -415,7 +418,7 @@ def test_cost_policy_ar_steps_lossless_and_probing(tiny_target):
     ref = [greedy_reference(tiny_target, p, n) for p, n in zip(prompts, budgets)]
     drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
     engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=200,
-                        calibrate=False, probe_every=4)
+                        calibrate=False, probe_every=4, throughput_guard=False)  # the policy's own schedule
     pol = engine.runner.length_policy
     ar_cheap = (torch.full((3, 7), 100.0), torch.ones(3))  # drafting never pays: γ = 0
     draft_cheap = (torch.ones(3, 7), torch.full((3,), 100.0))  # drafting always pays: the whole block
@@ -464,7 +467,7 @@ def test_ar_regime_only_on_the_policys_answer(monkeypatch, tiny_target):
     use before it."""
     drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
     engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=200,
-                        calibrate=False, probe_every=2)
+                        calibrate=False, probe_every=2, throughput_guard=False)  # the policy's own schedule
     proposes = _count_proposes(engine)
     prompts = [[5, 6, 7], [9, 8], [1, 2, 3, 4]]
     # no cost table: the policy never answers 0, so after an "ar" step every "spec" step proposes

@@ -12,6 +12,12 @@ default on CUDA) on the device at the end of each step (adaflash_ray/engine/devi
 next step plans with and verifies in place. Finished requests become :class:`Trajectory` records when
 ``record=True``. Verification is lossless: greedy output is token-for-token the target's greedy
 output (tests/test_engine.py), sampled output follows the target distribution (χ² test).
+
+Every step's wall time (one clock pair around the whole step, which ends in its device -> host transfer) goes into
+:class:`SpecStats` by step kind (``ar`` / ``gamma0`` / ``probe`` / ``draft``), beside the prefills' and the drafter
+context catch-ups' times; with the ``cost`` policy (alone or in the hybrid) the same times feed the
+:class:`~adaflash_ray.engine.throughput_guard.ThroughputGuard`, which forces AR steps where the policy's realised
+tokens per ms fall below AR's (``throughput_guard``).
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ from adaflash_ray.engine.device_lookup import NUM_META
 from adaflash_ray.engine.runner import ModelRunner, StepResult, _buckets
 from adaflash_ray.engine.scheduler import Scheduler
 from adaflash_ray.engine.stats import SpecStats
+from adaflash_ray.engine.throughput_guard import ThroughputGuard
 from adaflash_ray.models.checkpoint import CheckpointError, check_tensors_fit, tensors_sha256
 from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
 from adaflash_ray.models.target import TargetModel
@@ -91,6 +98,7 @@ class _Batch(NamedTuple):
     host_drafts: list[list[int] | None] | None = None
     lookup_rows: list[bool] | None = None  # rows verifying the device lookup's proposal
     lookup: bool = False  # the step proposes the next device lookup drafts
+    batch_size: int = 0  # max(slot) + 1 (the cost table's and the throughput guard's batch size)
 
 
 class SpecEngine:
@@ -127,6 +135,14 @@ class SpecEngine:
             :mod:`adaflash_ray.engine.device_lookup`; its corpus is a ring of ``lookup_corpus_tokens`` tokens, which
             takes ``suffix_corpus``'s sequences at the start and proposes latest occurrences) or ``"auto"`` (device
             on CUDA, host on CPU).
+        throughput_guard: with ``ar_steps`` and the ``cost`` policy (alone or in the hybrid), a
+            :class:`~adaflash_ray.engine.throughput_guard.ThroughputGuard` (``self.guard``) compares the realised
+            committed tokens per ms of the policy's steps (drafts, probes, their catch-ups) with AR steps' per batch
+            bucket and forces AR steps where the policy is slower; False = off (``self.guard`` None). Without
+            ``ar_steps`` (an engine that must always draft: the main job's inference workers) or with another policy
+            (lookup-only sources included) there is none. A step with a request's own ``draft_len`` is never forced.
+        clock: seconds, monotonic (``time.perf_counter``); what the step timings and the guard read (a test's fake
+            clock makes them deterministic).
     Raises:
         ValueError: bad ``draft_sources`` (:func:`~adaflash_ray.engine.hybrid.check_draft_sources`), the hybrid
             without the ``cost`` policy, or an unknown ``lookup_device``.
@@ -138,7 +154,8 @@ class SpecEngine:
                  record_features: bool = True, seed: int = 0, drafter_version: int = 0, use_cuda_graph: bool | None = None,
                  calibrate: bool = True, ar_steps: bool = True, probe_every: int = 8,
                  draft_sources=None, suffix_corpus: SuffixCorpus | None = None, lookup_max_ngram: int = 3,
-                 argmax_drafts: bool = False, lookup_device: str = "auto", lookup_corpus_tokens: int = 1 << 16):
+                 argmax_drafts: bool = False, lookup_device: str = "auto", lookup_corpus_tokens: int = 1 << 16,
+                 throughput_guard: bool = True, clock=time.perf_counter):
         self.target, self.drafter, self.length_head = target, drafter, length_head
         self.draft_sources = (check_draft_sources(draft_sources, drafter is not None) if draft_sources is not None
                               else None)
@@ -195,6 +212,10 @@ class SpecEngine:
                 self.runner.expected_fn = block_expected
         self.record, self.record_features = record, record_features
         self.stats = SpecStats()
+        self.clock = self.runner.clock = clock
+        # the cost policy, alone or in the hybrid: a guard on its realised throughput (lookup-only sources have none)
+        on = throughput_guard and ar_steps and isinstance(self.policy, CostLength)
+        self.guard = ThroughputGuard(_buckets(max_batch_size)) if on else None
         self.drafter_version = drafter_version
         self.drafter_sha256 = tensors_sha256(self.drafter_tensors()) if drafter is not None else None
         self.num_reloads = 0  # drafter loads (load_drafter) so far; from the first one on, versions must rise
@@ -234,7 +255,8 @@ class SpecEngine:
             record, record_features: as in the constructor.
             ar_steps, seed, max_batch_size, max_seq_len: override the recipe's values (None = the recipe's).
             **kwargs: the constructor's other keywords (use_cuda_graph, calibrate, drafter_version, draft_sources:
-                default ``cfg.length_head.draft_sources``, without ``dflash`` for an engine built without a drafter).
+                default ``cfg.length_head.draft_sources``, without ``dflash`` for an engine built without a drafter;
+                throughput_guard: default ``cfg.engine.throughput_guard``).
         Raises:
             ValueError / CheckpointError: as the constructor and the model builders.
         """
@@ -246,6 +268,7 @@ class SpecEngine:
             models = (target, *build_drafter(target, cfg.drafter, lh, seed=cfg.seed))
         target, drafter, head = models
         target.fused_kernels = cfg.engine.fused_kernels  # read when the runner fuses the projections (CUDA only)
+        kwargs.setdefault("throughput_guard", cfg.engine.throughput_guard)
         if lh.draft_sources is not None and "draft_sources" not in kwargs:
             kwargs["draft_sources"] = [s for s in lh.draft_sources if s != "dflash" or drafter is not None] or None
         return cls(target, drafter, head, policy=policy or lh.policy, rate=lh.rate, min_len=lh.min_len,
@@ -314,12 +337,27 @@ class SpecEngine:
         self._admit(spec, finished)
         if not self.scheduler.running:
             return finished
-        t0 = time.perf_counter()
+        t0 = self.clock()
         batch = self._schedule(spec)
         res = self._run(batch)
+        caught_up = self.runner.step_catch_up
         self._postprocess(batch, res, finished)
-        self.stats.num_engine_steps += 1
-        self.stats.decode_seconds += time.perf_counter() - t0
+        seconds = self.clock() - t0
+        st = self.stats
+        if not batch.spec:
+            kind = "ar"
+        elif any(batch.draft_lens):
+            kind = "draft"
+        else:
+            kind = "probe" if batch.propose and self.drafter is not None else "gamma0"
+        st.record_engine_step(kind, seconds)
+        if caught_up[0]:
+            st.num_catch_ups += 1
+            st.catch_up_positions += caught_up[0]
+            st.catch_up_seconds += caught_up[1]
+        if self.guard is not None:
+            n = len(batch.requests)
+            self.guard.record(batch.batch_size, kind in ("probe", "draft"), n + sum(res.num_accepted), 1e3 * seconds, n)
         return finished
 
     def _admit(self, spec: bool, finished: list[Request]) -> None:
@@ -329,6 +367,9 @@ class SpecEngine:
         admitted = self.scheduler.admit()
         if not admitted:
             return
+        t0 = self.clock()
+        if self.guard is not None and not running_before:
+            self.guard.new_batch()
         propose = spec and self.drafter is not None and (self.planner is None or self.planner.use_dflash)
         dev_lookup = spec and self.lookup_on_device
         res = self.runner.prefill([r.slot for r in admitted], [r.prompt_ids for r in admitted],
@@ -347,11 +388,18 @@ class SpecEngine:
                 if self.lookup is not None and not self.lookup_on_device:
                     req.lookup_state, req.lookup_synced = self.lookup.begin(req.prompt_ids), 0
             self._commit(req, toks, finished, res, i)
+        self.stats.num_prefills += 1
+        self.stats.prefill_seconds += self.clock() - t0
 
     def _schedule(self, spec: bool) -> _Batch:
         """The running requests' γ for this step - the policy's (or the request's own), capped by the tokens left -
         and whether the step proposes the next block (the policy's probe schedule)."""
         running = list(self.scheduler.running)
+        batch_size = max(r.slot for r in running) + 1
+        if spec and self.guard is not None and not any(r.params.draft_len is not None for r in running) and \
+                self.guard.force_ar(batch_size):  # the policy is slower than AR here: AR steps for a while
+            self.stats.num_guard_steps += 1
+            return _Batch(running, [0] * len(running), True, False, append=False, batch_size=batch_size)
         if spec and self.planner is not None:
             return self._plan(running)
         if spec:
@@ -365,7 +413,7 @@ class SpecEngine:
                                               [r.params.draft_len is not None for r in running])
         # a step that does not propose is an AR step (the cost policy's γ = 0): its drafter context append is
         # deferred and caught up from the feature history when the next step proposes
-        return _Batch(running, gammas, spec, propose, append=propose)
+        return _Batch(running, gammas, spec, propose, append=propose, batch_size=batch_size)
 
     def _plan(self, running: list[Request]) -> _Batch:
         """The draft sources' step: each request's lookup proposal (host; when the planner wants lookups this step),
@@ -385,7 +433,8 @@ class SpecEngine:
                                         [r.params.draft_len for r in running], lookup_ms=lookup_ms)
         host = [c.tokens if c.source not in ("dflash", "none") else None for c in choices]
         return _Batch(running, [c.draft_len for c in choices], True, propose, append=propose, choices=choices,
-                      host_drafts=host if any(h is not None for h in host) else None)
+                      host_drafts=host if any(h is not None for h in host) else None,
+                      batch_size=max(r.slot for r in running) + 1)
 
     def _plan_device(self, running: list[Request], caps: list[int]) -> _Batch:
         """:meth:`_plan` with the device lookup: the proposals the requests' previous steps made (arrays, no
@@ -402,7 +451,7 @@ class SpecEngine:
         rows = [c.device_lookup for c in choices]
         return _Batch(running, [c.draft_len for c in choices], True, propose, append=propose, choices=choices,
                       lookup_rows=rows if any(rows) else None,
-                      lookup=planner.lookup_due() or planner.spec_costs is None)
+                      lookup=planner.lookup_due() or planner.spec_costs is None, batch_size=int(slots.max()) + 1)
 
     def _keep_proposals(self, slots: list[int], res: StepResult) -> None:
         """Keep the device lookup's proposals of ``res`` (current for ``slots``; none: not current)."""
@@ -636,6 +685,8 @@ class SpecEngine:
         self.policy.on_drafter_reload()
         if self.planner is not None:
             self.planner.reset()
+        if self.guard is not None:
+            self.guard.on_drafter_reload()
         return self.drafter_sha256
 
     # ------------------------------------------------------------------ timing (benchmarks)
@@ -726,6 +777,8 @@ class SpecEngine:
             torch.cuda.empty_cache()
         self.cost_table = {"batch_sizes": list(batch_sizes), "costs_ms": rows, "ar_costs_ms": ar_rows,
                            "context_len": ctx}
+        if self.guard is not None:  # the guard's buckets are the table's batch sizes
+            self.guard.set_buckets(list(batch_sizes))
         if self.planner is not None:
             self.cost_table["lookup_costs_ms"] = lookup_rows
         return self.cost_table

@@ -43,6 +43,14 @@ a source is "not chosen" only when the moving average of the steps that verified
 had one) falls below :data:`IDLE_BELOW` - one step where the other source won every row does not stop it. Host lookups
 are also skipped the same way when they do not pay for their host time, so that time is not spent every step; device
 lookups (:mod:`adaflash_ray.engine.device_lookup`) run in every step.
+
+The plans are valued by the measured tables; the engine's realised-throughput guard
+(:class:`~adaflash_ray.engine.throughput_guard.ThroughputGuard`, with ``ar_steps`` and the ``cost`` policy, i.e. the
+hybrid) checks them against what the steps really cost: per batch bucket, moving averages of realised committed tokens
+per row per ms of AR / γ = 0 steps and of the planner's other steps (drafts of any source, DFlash probes, catch-ups);
+where the planner's rate falls 2 % below AR's, the engine skips :meth:`HybridPlanner.plan` and takes AR steps (no
+propose, no lookup, no catch-up) for a back-off that doubles while that holds (at most ``PROBE_MAX_FACTOR`` x), then
+plans again - the planner's schedules and calibration are untouched by the forced steps.
 """
 from __future__ import annotations
 

@@ -124,6 +124,15 @@ class CostLength(LengthPolicy):
     for the whole running batch was γ = 0 (``ar_chosen``), a step proposes only once ``steps_since_probe`` reaches
     ``probe_interval``; each probe that answers 0 again doubles the interval (at most :data:`PROBE_MAX_FACTOR` x ``probe_every``), and an
     answer of γ >= 1, a new batch, or a drafter reload brings it back to ``probe_every``.
+
+    The realised-throughput guard (the engine's, with ``ar_steps``: :class:`~adaflash_ray.engine.throughput_guard.
+    ThroughputGuard`): the table is measured once, on an idle engine; what the steps really cost can differ (γ = 0
+    steps, probes and context catch-ups dearer than it says). Per batch bucket (the table's batch sizes) the engine
+    keeps moving averages of realised committed tokens per row per ms of AR / γ = 0 steps and of this policy's other
+    steps (drafting steps and probes, their catch-ups included); where the policy's rate falls below AR's by the margin
+    (2 %), it forces AR steps (γ = 0, no propose, no catch-up) for a back-off that doubles while that holds (at most
+    :data:`PROBE_MAX_FACTOR` x), then lets the policy choose again. The policy's own state is left as it was: after a
+    back-off its next step proposes (the pending blocks were dropped), as after any AR stretch.
     """
 
     name = "cost"

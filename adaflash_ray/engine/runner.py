@@ -214,6 +214,9 @@ class ModelRunner:
         self.argmax_drafts = False
         # host: per slot, the drafter context holds positions < ctx_len (steps with append=False leave it behind)
         self.ctx_len = [0] * num_slots
+        # the last step's catch-up (positions appended, host seconds by ``clock``; the engine sets its clock here)
+        self.clock = time.perf_counter
+        self.step_catch_up: tuple[int, float] = (0, 0.0)
         pin = self.is_cuda
         self._ints_host = torch.zeros(num_slots, 7 + nd, dtype=torch.long, pin_memory=pin)
         self._floats_host = torch.zeros(num_slots, len(NEUTRAL_FLOATS), dtype=torch.float32, pin_memory=pin)
@@ -563,10 +566,13 @@ class ModelRunner:
                     raise ValueError(f"host drafts of request {i}: {len(h)} tokens for γ {g} (max {self.max_draft})")
             elif spec and g and not has_drafter:
                 raise ValueError(f"request {i}: γ {g} without host drafts needs a drafter's pending block")
+        self.step_catch_up = (0, 0.0)
         if has_drafter and spec and (propose or append):  # a context left behind by AR steps comes back first
             stale = [(s, self.ctx_len[s], p) for s, p in zip(slots, anchor_pos) if self.ctx_len[s] < p]
             if stale:
+                t0 = self.clock()
                 self.catch_up_context(stale)
+                self.step_catch_up = (sum(p - c for _, c, p in stale), self.clock() - t0)
         b = max(slots) + 1
         g_max = max(draft_lens) if spec else 0
         w = g_max + 1
@@ -617,7 +623,8 @@ class ModelRunner:
         """Append the drafter context of positions ``start .. stop-1`` of each ``(slot, start, stop)`` from the
         feature history (the committed positions that steps with ``append=False`` skipped): eager, ONE drafter
         projection for every slot's positions together (a handful of kernels whatever the batch). Afterwards each
-        slot's context holds positions < its ``stop``."""
+        slot's context holds positions < its ``stop``. :meth:`step` notes the catch-up it ran in ``step_catch_up``
+        (positions, host seconds by ``clock``; 0 without one)."""
         spans = [(s, a, b) for s, a, b in spans if b > a]
         if not spans:
             return

@@ -11,7 +11,17 @@ engine, the inference worker, the Serve replica, the driver's evaluation, the SG
 - γ histogram: request-steps per draft length γ = 0 .. block_size-1 (:meth:`SpecStats.draft_len_boundaries`
   gives the matching bucket bounds for a metrics histogram);
 - source histogram: request-steps per draft source ("dflash", "ngram", "suffix"; "none" for γ = 0), with Σγ and
-  Σa per source (:meth:`SpecStats.source_accept_len`: a source's per-draft acceptance length).
+  Σa per source (:meth:`SpecStats.source_accept_len`: a source's per-draft acceptance length);
+- wall time per engine-step kind (:data:`STEP_KINDS`; :attr:`SpecStats.step_ms_by_kind`): ``ar`` (an AR-mode step,
+  no drafter work), ``gamma0`` (a speculative step with γ = 0 for every row and no drafter propose: the ``cost``
+  policy's / the planner's γ = 0 steps and the throughput guard's forced AR steps), ``probe`` (γ = 0 for every row,
+  but the step proposes the drafter's next block), ``draft`` (some row verifies drafts). The engine times each whole
+  step (planning, the device work, the step's one device -> host transfer, postprocessing: one ``perf_counter``
+  pair), so the kinds' times add up to ``decode_seconds`` and their counts to ``num_engine_steps``. Beside them:
+  prefills (``num_prefills`` / ``prefill_seconds``: admission with its batched prefill, outside the decode steps) and
+  the drafter-context catch-ups (``num_catch_ups``, ``catch_up_positions``, ``catch_up_seconds``: the host time of
+  :meth:`~adaflash_ray.engine.runner.ModelRunner.catch_up_context`, which runs inside a probe / draft step and is
+  included in that step's time; on CUDA its kernels are asynchronous, so their device time shows in the step's).
 
 Undefined values are NaN, everywhere: τ with no step, the per-draft acceptance length, acceptance rate and
 draft waste with nothing drafted (γ = 0 on every step). A metrics sink drops or plots NaN; it never reads as a
@@ -23,6 +33,10 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Iterable
+
+
+#: engine-step kinds, in the order tables print them (module docstring)
+STEP_KINDS = ("ar", "gamma0", "probe", "draft")
 
 
 @dataclass
@@ -43,6 +57,14 @@ class SpecStats:
     source_hist: Counter = field(default_factory=Counter)
     source_drafted: Counter = field(default_factory=Counter)
     source_accepted: Counter = field(default_factory=Counter)
+    kind_steps: Counter = field(default_factory=Counter)  # step kind (STEP_KINDS) -> engine steps
+    kind_seconds: Counter = field(default_factory=Counter)  # step kind -> wall seconds
+    num_prefills: int = 0  # admissions that prefilled (one batched prefill each)
+    prefill_seconds: float = 0.0
+    num_catch_ups: int = 0  # drafter-context catch-ups (inside probe / draft steps)
+    catch_up_positions: int = 0  # positions they appended, all slots together
+    catch_up_seconds: float = 0.0  # their host time (inside the steps' times)
+    num_guard_steps: int = 0  # AR steps the throughput guard forced (counted as gamma0 too)
 
     @classmethod
     def from_steps(cls, draft_lens: Iterable[int], num_accepted: Iterable[int]) -> "SpecStats":
@@ -92,12 +114,39 @@ class SpecStats:
 
     def __sub__(self, earlier: "SpecStats") -> "SpecStats":
         out = {f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)}
-        for k in ("draft_len_hist", "accepted_per_pos", "source_hist", "source_drafted", "source_accepted"):
+        for k in ("draft_len_hist", "accepted_per_pos", "source_hist", "source_drafted", "source_accepted",
+                  "kind_steps", "kind_seconds"):
             out[k] = +out[k]  # Counter subtraction keeps positive counts only
         return SpecStats(**out)
 
     def copy(self) -> "SpecStats":
         return self - SpecStats()
+
+    def record_engine_step(self, kind: str, seconds: float) -> None:
+        """Count one engine step of ``kind`` (:data:`STEP_KINDS`) that took ``seconds`` of wall time (also added to
+        ``num_engine_steps`` / ``decode_seconds``)."""
+        assert kind in STEP_KINDS, kind
+        self.num_engine_steps += 1
+        self.decode_seconds += seconds
+        self.kind_steps[kind] += 1
+        self.kind_seconds[kind] += seconds
+
+    @property
+    def step_ms_by_kind(self) -> dict[str, dict[str, float]]:
+        """``{kind: {"count", "total_ms", "mean_ms"}}`` for each step kind seen (:data:`STEP_KINDS` order)."""
+        return {k: {"count": self.kind_steps[k], "total_ms": 1e3 * self.kind_seconds.get(k, 0.0),
+                    "mean_ms": 1e3 * self.kind_seconds.get(k, 0.0) / self.kind_steps[k]}
+                for k in STEP_KINDS if self.kind_steps.get(k, 0) > 0}
+
+    def timing(self) -> dict:
+        """JSON-ready wall-time split: ``steps`` (:attr:`step_ms_by_kind`), ``prefill`` and ``catch_up``
+        (``{"count", "total_ms", "mean_ms"}``, catch-up with ``num_positions``), ``num_guard_steps``."""
+        def one(n, s):
+            return {"count": n, "total_ms": 1e3 * s, "mean_ms": 1e3 * s / n if n else None}
+        return {"steps": self.step_ms_by_kind, "prefill": one(self.num_prefills, self.prefill_seconds),
+                "catch_up": {**one(self.num_catch_ups, self.catch_up_seconds),
+                             "num_positions": self.catch_up_positions},
+                "num_guard_steps": self.num_guard_steps}
 
     def source_accept_len(self, source: str) -> float:
         """Per-draft acceptance length 1 + Σa / #steps of one draft source (its steps only); NaN if it never ran."""

@@ -1,0 +1,164 @@
+"""ThroughputGuard: adaptive drafting is never slower than AR, by the realised record (docs/design/ALGORITHMS.md §2).
+
+The ``cost`` policy and the :class:`~adaflash_ray.engine.hybrid.HybridPlanner` choose γ by a cost table measured once
+at start-up; when the table is wrong for the running load (γ = 0 steps, probes and context catch-ups that cost more
+than it says) they can lose to plain AR. The guard watches what the steps really cost. Per batch-size bucket (the cost
+table's batch sizes; a step's batch size is ``max(slot) + 1`` as the table's row) it keeps exponential moving averages
+of committed tokens per row and of wall milliseconds for two kinds of step:
+
+- AR: a step with γ = 0 for every row and no drafter propose (the policy's γ = 0 steps, the guard's own forced steps,
+  ``mode="ar"`` steps);
+- policy: every other step of the policy - steps that verify drafts and probes (γ = 0 verify that proposes a block),
+  each with the drafter-context catch-up that runs inside it (all charged to the policy).
+
+``rate = EMA(tokens per row) / EMA(ms)`` (a ratio of averages: a slow probe weighs by its time; per row, so a step
+with fewer live rows in the same bucket - requests finished, slots idle - compares like with like: at a bucket a
+step costs about the same whatever its live rows, so ``rate_policy / rate_AR`` is the policy's speedup there). When a bucket has at least
+``min_samples`` of both and ``min_samples`` policy steps since its last back-off, and ``rate_policy < (1 - margin) x
+rate_AR``, the guard forces AR steps there (γ = 0, no propose, no catch-up) for ``backoff_steps x factor`` steps; the
+factor doubles each time the condition still holds when the policy has had its next ``min_samples`` steps (at most
+:data:`~adaflash_ray.engine.length_policy.PROBE_MAX_FACTOR`), and returns to 1 once it does not. Then the policy runs
+again as it would. A bucket with policy samples and fewer than ``min_samples`` AR samples, or whose AR samples are
+older than ``ar_refresh_steps`` of its steps, gets the missing AR steps forced in a row (a policy that never answers
+γ = 0 still has an AR reference, and context growth does not leave a stale one). A new batch resets the back-off
+(factor 1, nothing forced); a drafter reload also forgets the policy's averages (they measured the old drafter).
+
+Host-side, a few float operations per step; the step times come from the engine's one ``perf_counter`` pair per step
+(the step ends in its device -> host transfer, so on CUDA that is the real elapsed time).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from adaflash_ray.engine.length_policy import PROBE_MAX_FACTOR
+
+
+@dataclass
+class _Rate:
+    """Moving averages of one kind of step at one bucket: committed tokens per row and ms per step, the samples
+    taken."""
+
+    tokens: float = 0.0
+    ms: float = 0.0
+    num_samples: int = 0
+
+    def add(self, tokens: float, ms: float, decay: float) -> None:
+        if self.num_samples == 0:
+            self.tokens, self.ms = tokens, ms
+        else:
+            self.tokens += decay * (tokens - self.tokens)
+            self.ms += decay * (ms - self.ms)
+        self.num_samples += 1
+
+    @property
+    def per_ms(self) -> float | None:
+        return self.tokens / self.ms if self.num_samples and self.ms > 0 else None
+
+
+@dataclass
+class _Bucket:
+    ar: _Rate
+    policy: _Rate
+    forced_left: int = 0  # AR steps still forced here
+    factor: int = 1  # the next back-off's length in units of backoff_steps
+    trial: int = 0  # policy steps since the last back-off (the condition is re-checked after min_samples)
+    since_ar: int = 0  # this bucket's steps since its last AR sample
+    num_backoffs: int = 0
+    num_forced: int = 0  # forced steps taken (back-offs and AR samples)
+
+
+class ThroughputGuard:
+    """The realised-throughput guard (module docstring).
+
+    Args:
+        batch_sizes: the buckets (strictly increasing; the cost table's batch sizes). A step of batch size B falls in
+            the smallest bucket >= B (the largest if none), as the cost table's row.
+        margin: the policy is "slower" below ``(1 - margin) x`` the AR rate (default 2 %).
+        min_samples: steps of each kind before a comparison, and policy steps after a back-off before the next one.
+        backoff_steps: the first back-off's forced AR steps; doubles while the condition holds, at most
+            ``PROBE_MAX_FACTOR x backoff_steps``.
+        decay: weight of each new step in the moving averages (0 < decay <= 1).
+        ar_refresh_steps: a bucket's AR samples older than this many of its steps are refreshed (0 = never).
+    Raises:
+        ValueError: empty / unsorted ``batch_sizes``, ``margin`` outside [0, 1), ``decay`` outside (0, 1], or a count
+            < 1.
+    """
+
+    def __init__(self, batch_sizes: list[int], *, margin: float = 0.02, min_samples: int = 3, backoff_steps: int = 16,
+                 decay: float = 0.125, ar_refresh_steps: int = 256):
+        if not 0 <= margin < 1 or not 0 < decay <= 1 or min(min_samples, backoff_steps) < 1 or ar_refresh_steps < 0:
+            raise ValueError(f"bad guard settings: margin {margin}, decay {decay}, min_samples {min_samples}, "
+                             f"backoff_steps {backoff_steps}, ar_refresh_steps {ar_refresh_steps}")
+        self.margin, self.min_samples, self.backoff_steps = margin, min_samples, backoff_steps
+        self.decay, self.ar_refresh_steps = decay, ar_refresh_steps
+        self.set_buckets(batch_sizes)
+
+    def set_buckets(self, batch_sizes: list[int]) -> None:
+        """New buckets (a new cost table): every average and back-off starts over."""
+        if not batch_sizes or any(a >= b for a, b in zip(batch_sizes, batch_sizes[1:])):
+            raise ValueError(f"batch_sizes must be non-empty and strictly increasing, got {batch_sizes}")
+        self.batch_sizes = list(batch_sizes)
+        self.buckets = [_Bucket(_Rate(), _Rate()) for _ in batch_sizes]
+
+    def _bucket(self, batch_size: int) -> _Bucket:
+        return self.buckets[min(bisect.bisect_left(self.batch_sizes, batch_size), len(self.batch_sizes) - 1)]
+
+    def force_ar(self, batch_size: int) -> bool:
+        """Whether the next step at ``batch_size`` must be an AR step; counts it as taken when so."""
+        bk = self._bucket(batch_size)
+        if bk.forced_left == 0 and bk.policy.num_samples >= self.min_samples:  # the AR reference, in a row
+            if bk.ar.num_samples < self.min_samples:
+                bk.forced_left = self.min_samples - bk.ar.num_samples
+            elif self.ar_refresh_steps and bk.since_ar >= self.ar_refresh_steps:
+                bk.forced_left = self.min_samples
+        if bk.forced_left > 0:
+            bk.forced_left -= 1
+            bk.num_forced += 1
+            return True
+        return False
+
+    def record(self, batch_size: int, policy_step: bool, tokens: int, ms: float, num_rows: int = 1) -> None:
+        """One step's outcome at ``batch_size``: ``policy_step`` (it drafted or proposed) or an AR step, its committed
+        tokens (Σ (a + 1) over its ``num_rows`` rows) and wall ms; starts a back-off when the policy is slower than AR
+        here."""
+        bk = self._bucket(batch_size)
+        tokens = tokens / max(num_rows, 1)
+        if not policy_step:
+            bk.ar.add(tokens, ms, self.decay)
+            bk.since_ar = 0
+            return
+        bk.policy.add(tokens, ms, self.decay)
+        bk.trial += 1
+        bk.since_ar += 1
+        if bk.trial < self.min_samples or bk.ar.num_samples < self.min_samples or \
+                bk.policy.num_samples < self.min_samples:
+            return
+        if bk.policy.per_ms < (1.0 - self.margin) * bk.ar.per_ms:
+            bk.forced_left = self.backoff_steps * bk.factor
+            bk.factor = min(2 * bk.factor, PROBE_MAX_FACTOR)
+            bk.trial = 0
+            bk.num_backoffs += 1
+        else:
+            bk.factor = 1
+
+    def new_batch(self) -> None:
+        """A new batch: back-offs end (factor 1); the averages stay (they measure this engine's steps)."""
+        for bk in self.buckets:
+            bk.forced_left, bk.factor, bk.trial = 0, 1, 0
+
+    def on_drafter_reload(self) -> None:
+        """New drafter weights: the back-offs end and the policy's averages start over (the AR ones stay)."""
+        self.new_batch()
+        for bk in self.buckets:
+            bk.policy = _Rate()
+
+    def state(self) -> dict[str, dict]:
+        """Per bucket (its batch size, as a string): ``ar_tokens_per_ms``, ``policy_tokens_per_ms`` (committed tokens
+        per row per ms; None before a sample), ``num_ar_samples``, ``num_policy_samples``, ``forced_left``, ``factor``, ``num_backoffs``,
+        ``num_forced`` - JSON-ready."""
+        return {str(b): {"ar_tokens_per_ms": bk.ar.per_ms, "policy_tokens_per_ms": bk.policy.per_ms,
+                         "num_ar_samples": bk.ar.num_samples, "num_policy_samples": bk.policy.num_samples,
+                         "forced_left": bk.forced_left, "factor": bk.factor, "num_backoffs": bk.num_backoffs,
+                         "num_forced": bk.num_forced}
+                for b, bk in zip(self.batch_sizes, self.buckets)}

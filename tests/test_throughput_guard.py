@@ -1,0 +1,204 @@
+"""Per-step-kind wall time in SpecStats and the realised-throughput guard (adaflash_ray/engine/throughput_guard.py).
+
+- step kinds: an AR run has only ``ar``; the kinds' counts add up to ``num_engine_steps`` and their times to
+  ``decode_seconds``; the ``cost`` policy with hand-set costs under which drafting never pays takes ``gamma0`` steps
+  with ``probe`` steps on its probe schedule, each probe one context catch-up;
+- the guard, with a fake clock that makes the steps' times deterministic: drafting steps "slow" -> the guard
+  forces AR (exact sequence of step kinds: the AR reference, then back-offs of 16 and 32 steps), its state shows the
+  policy's realised rate below AR's; drafting as fast as AR -> no back-off; greedy output equal to AR in both.
+
+Run: python -m pytest -q tests/test_throughput_guard.py   (CPU, tiny random target, ~20 s)
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import greedy_reference, make_drafter
+
+from adaflash_ray.engine import SamplingParams, SpecEngine, SpecStats
+from adaflash_ray.engine.stats import STEP_KINDS
+from adaflash_ray.engine.throughput_guard import ThroughputGuard
+
+
+class FakeClock:
+    """Seconds that advance only inside the runner's step: ``draft_ms`` for a step with drafter work (it proposes a
+    block or verifies drafts), ``ar_ms`` for one without."""
+
+    def __init__(self, engine: SpecEngine, ar_ms: float, draft_ms: float):
+        self.t = 0.0
+        real = engine.runner.step
+
+        def step(slots, anchors, anchor_pos, draft_lens, spec, propose=True, *a, **k):
+            drafter_work = spec and (propose or any(draft_lens))
+            self.t += 1e-3 * (draft_ms if drafter_work else ar_ms)
+            return real(slots, anchors, anchor_pos, draft_lens, spec, propose, *a, **k)
+
+        engine.runner.step = step
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 128, (n,), generator=g).tolist() for n in [4, 11, 25]]
+
+
+def _engine(tiny_target, **kw) -> SpecEngine:
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
+    return SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=200, calibrate=False,
+                      probe_every=4, **kw)
+
+
+def _kinds_per_step(engine: SpecEngine, num_steps: int) -> list[str]:
+    out = []
+    for _ in range(num_steps):
+        before = engine.stats.copy()
+        engine.step()
+        (kind,) = (engine.stats - before).kind_steps
+        out.append(kind)
+    return out
+
+
+def test_step_kinds_ar_run_and_probe_schedule(tiny_target):
+    prompts = _prompts()
+    ar = SpecEngine(tiny_target, None, None, max_batch_size=3, max_seq_len=200)
+    ar.generate(prompts, SamplingParams(max_new_tokens=20))
+    st = ar.stats
+    assert set(st.step_ms_by_kind) == {"ar"} and st.step_ms_by_kind["ar"]["count"] == st.num_engine_steps > 0
+    assert st.step_ms_by_kind["ar"]["total_ms"] == pytest.approx(1e3 * st.decode_seconds)
+    assert st.num_prefills >= 1 and st.num_catch_ups == 0
+    # the cost policy, drafting never pays (guard off: the policy's own probe schedule), a fake clock
+    eng = _engine(tiny_target, throughput_guard=False)
+    clock = FakeClock(eng, ar_ms=1.0, draft_ms=3.0)
+    eng.clock = eng.runner.clock = clock
+    eng.runner.length_policy.set_costs([1, 2, 3], torch.full((3, 7), 100.0), torch.ones(3))
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=80)) for p in prompts]
+    kinds = _kinds_per_step(eng, 31)
+    # steps 1-4 γ = 0, step 5 probes (the wait doubles to 8), 6-13 γ = 0, step 14 probes (16), 15-30, 31 probes
+    assert [i + 1 for i, k in enumerate(kinds) if k == "probe"] == [5, 14, 31]
+    assert set(kinds) == {"gamma0", "probe"}
+    st = eng.stats
+    by = st.step_ms_by_kind
+    assert list(by) == ["gamma0", "probe"] and sum(v["count"] for v in by.values()) == st.num_engine_steps == 31
+    assert by["gamma0"] == {"count": 28, "total_ms": pytest.approx(28.0), "mean_ms": pytest.approx(1.0)}
+    assert by["probe"] == {"count": 3, "total_ms": pytest.approx(9.0), "mean_ms": pytest.approx(3.0)}
+    assert sum(v["total_ms"] for v in by.values()) == pytest.approx(1e3 * st.decode_seconds)
+    # each probe catches up the skipped context of the γ = 0 steps before it: 3 slots x 4, 8 and 16 positions
+    assert st.num_catch_ups == 3 and st.catch_up_positions == 3 * (4 + 8 + 16)
+    t = st.timing()
+    assert t["catch_up"]["count"] == 3 and t["catch_up"]["num_positions"] == 84 and t["num_guard_steps"] == 0
+    assert t["steps"] == by and t["prefill"]["count"] == 1
+    while eng.has_unfinished():
+        eng.step()
+    for r, p in zip(reqs, prompts):
+        assert r.output_ids == greedy_reference(tiny_target, p, 80)
+    assert sum(st.kind_steps.values()) == st.num_engine_steps and set(st.kind_steps) <= set(STEP_KINDS)
+    window = st - SpecStats()
+    assert window.kind_steps == st.kind_steps and (st + st).kind_steps["probe"] == 2 * st.kind_steps["probe"]
+
+
+def test_guard_forces_ar_when_drafting_is_slow(tiny_target):
+    """Drafting always pays by the (hand-set) table, but each drafting step takes 20 ms against AR's 1 ms: the guard
+    first takes its AR reference (3 steps), then backs off 16, then 32 AR steps; greedy output is AR's."""
+    prompts = _prompts()
+    eng = _engine(tiny_target)
+    clock = FakeClock(eng, ar_ms=1.0, draft_ms=20.0)
+    eng.clock = eng.runner.clock = clock
+    eng.runner.length_policy.set_costs([1, 2, 3], torch.ones(3, 7), torch.full((3,), 100.0))
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=150, ignore_eos=True)) for p in prompts]
+    kinds = _kinds_per_step(eng, 58)
+    expected = ["draft"] * 3 + ["gamma0"] * 3 + ["probe"] + ["gamma0"] * 16 + ["probe", "draft", "draft"] + \
+        ["gamma0"] * 32
+    assert kinds == expected
+    state = eng.guard.state()["3"]
+    assert state["num_backoffs"] == 2 and state["factor"] == 4 and state["num_forced"] == 3 + 16 + 32
+    assert state["forced_left"] == 0 and state["num_ar_samples"] == 3 + 16 + 32
+    assert state["ar_tokens_per_ms"] == pytest.approx(1.0)  # per row: 1 token in 1 ms
+    assert state["policy_tokens_per_ms"] < 0.98 * state["ar_tokens_per_ms"]
+    assert eng.stats.num_guard_steps == eng.stats.kind_steps["gamma0"] == 51  # the policy itself never answers 0
+    while eng.has_unfinished():
+        eng.step()
+    for r, p in zip(reqs, prompts):
+        assert r.output_ids == greedy_reference(tiny_target, p, 150)
+    # a drafter reload forgets the policy's record (the AR one stays) and ends the back-off
+    eng.guard.buckets[2].forced_left = 5
+    eng.load_drafter(eng.drafter_tensors(), version=1)
+    state = eng.guard.state()["3"]
+    assert state["num_policy_samples"] == 0 and state["forced_left"] == 0 and state["factor"] == 1
+    assert state["num_ar_samples"] > 0
+
+
+def test_guard_never_backs_off_when_drafting_is_as_fast_as_ar(tiny_target):
+    """Drafting steps as fast as AR steps: a drafting step commits at least one token per row, so the policy is never
+    slower; the guard only takes its AR reference (at most min_samples steps per bucket). Guard off: no forced step.
+    Greedy output equal to AR's in both."""
+    prompts = _prompts()
+    outs = {}
+    for guard in (True, False):
+        eng = _engine(tiny_target, throughput_guard=guard)
+        eng.clock = eng.runner.clock = FakeClock(eng, ar_ms=1.0, draft_ms=1.0)
+        eng.runner.length_policy.set_costs([1, 2, 3], torch.ones(3, 7), torch.full((3,), 100.0))
+        reqs = eng.generate(prompts, SamplingParams(max_new_tokens=100, ignore_eos=True))
+        outs[guard] = [r.output_ids for r in reqs]
+        if guard:
+            state = eng.guard.state()
+            assert all(b["num_backoffs"] == 0 and b["num_forced"] <= eng.guard.min_samples for b in state.values())
+            assert state["3"]["num_forced"] == 3 and eng.stats.num_guard_steps == sum(
+                b["num_forced"] for b in state.values())
+            assert state["3"]["policy_tokens_per_ms"] >= state["3"]["ar_tokens_per_ms"]
+        else:
+            assert eng.guard is None and eng.stats.num_guard_steps == 0 and "gamma0" not in eng.stats.kind_steps
+        assert eng.stats.kind_steps["draft"] > 0.8 * eng.stats.num_engine_steps
+    for r, p in zip(outs[True], prompts):
+        assert r == greedy_reference(tiny_target, p, 100)
+    assert outs[True] == outs[False]
+
+
+def test_guard_unit_rules():
+    """The rules on their own: no comparison before min_samples of each kind; a back-off doubles while the policy
+    stays slower (up to PROBE_MAX_FACTOR), resets to 1 once it is not; a new batch ends a back-off; the AR reference
+    is refreshed after ar_refresh_steps; buckets by batch size; bad settings raise."""
+    from adaflash_ray.engine.length_policy import PROBE_MAX_FACTOR
+
+    g = ThroughputGuard([1, 4], min_samples=2, backoff_steps=2, ar_refresh_steps=0)
+    for _ in range(2):
+        assert not g.force_ar(3)
+        g.record(3, True, 4, 10.0)  # policy: 0.4 tokens / ms
+    assert g.force_ar(3)  # the AR reference: min_samples steps in a row
+    g.record(3, False, 4, 1.0)  # AR: 4 tokens / ms
+    assert g.force_ar(4)
+    g.record(4, False, 4, 1.0)
+    assert not g.force_ar(4)
+    assert g.state()["4"]["num_backoffs"] == 0 and g.state()["1"]["num_ar_samples"] == 0  # batch 3 -> bucket 4
+    factors = []
+    for _ in range(6):
+        g.record(4, True, 4, 10.0)  # min_samples policy steps since the last back-off: a new one
+        g.record(4, True, 4, 10.0)
+        n = 0
+        while g.force_ar(4):
+            n += 1
+        factors.append(n // 2)
+    assert factors == [1, 2, 4, 8, PROBE_MAX_FACTOR, PROBE_MAX_FACTOR]
+    for _ in range(40):  # the policy catches up: the factor goes back to 1
+        g.record(4, True, 40, 1.0)
+    assert g.state()["4"]["factor"] == 1 and g.state()["4"]["policy_tokens_per_ms"] > 4.0
+    g.buckets[1].forced_left = 7
+    g.new_batch()
+    assert not g.force_ar(4) and g.state()["4"]["num_policy_samples"] > 0  # the record stays
+    r = ThroughputGuard([1], min_samples=2, ar_refresh_steps=5)
+    r.record(1, False, 1, 1.0)
+    r.record(1, False, 1, 1.0)
+    for _ in range(4):
+        r.record(1, True, 2, 1.0)
+        assert not r.force_ar(1)
+    r.record(1, True, 2, 1.0)
+    for _ in range(2):  # an AR reference 5 steps old: refreshed by min_samples AR steps
+        assert r.force_ar(1)
+        r.record(1, False, 1, 1.0)
+    assert not r.force_ar(1) and r.state()["1"]["num_ar_samples"] == 4
+    for bad in (dict(margin=1.0), dict(decay=0.0), dict(min_samples=0), dict(backoff_steps=0)):
+        with pytest.raises(ValueError):
+            ThroughputGuard([1], **bad)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        ThroughputGuard([4, 2])
