@@ -58,6 +58,14 @@ def test_model_mode_rows_lossless_and_outputs(tmp_path, capsys):
                 assert sum(r["gamma_hist"].values()) == r["num_engine_steps"]
             if r["method"] == "dflash":  # fixed γ = block_size-1 unless the token budget caps it
                 assert max(int(g) for g in r["gamma_hist"]) == bs - 1
+        if r["method"] != HF_METHOD:  # wall time per step kind: the counts are the engine steps
+            kinds = r["step_timing"]["steps"]
+            assert sum(v["count"] for v in kinds.values()) == r["num_engine_steps"]
+            assert sum(v["total_ms"] for v in kinds.values()) == pytest.approx(
+                r["ms_per_step"] * r["num_engine_steps"], rel=1e-6)
+            assert r["step_timing"]["prefill"]["count"] >= 1 and r["guard"] is None  # no cost policy here
+            if r["method"] == "ar":
+                assert set(kinds) == {"ar"}
         # the same prompts and budget for every method of a (domain, concurrency)
         same = [x for x in rows if x["domain"] == r["domain"] and x["concurrency"] == r["concurrency"]]
         assert {x["num_prompts"] for x in same} == {max(2, r["concurrency"])}
@@ -184,6 +192,9 @@ def test_model_mode_draft_source_methods(capsys):
         assert set(r["source_hist"]) <= {m if m != "hybrid" else "suffix", "dflash", "none"}
         assert sum(r["source_hist"].values()) == sum(r["gamma_hist"].values())
     assert rows["suffix"]["corpus_seed_sequences"] == 2 and rows["hybrid"]["corpus_seed_sequences"] == 2
+    assert rows["hybrid"]["guard"] is not None and rows["suffix"]["guard"] is None  # the cost policy's guard
+    for r in rows.values():
+        assert sum(v["count"] for v in r["step_timing"]["steps"].values()) == r["num_engine_steps"]
 
 
 def test_model_mode_sampled_with_argmax_drafts(capsys):
