@@ -118,27 +118,58 @@ def strict_json(obj):
     return obj
 
 
-def plot_tau(eval_tau: dict[int, float], serve_tau: dict[int, float], path: Path, title: str) -> Path:
-    """PNG of τ (mean committed tokens per verify step) against drafter version."""
+def plot_tau(eval_tau: dict[int, float], serve_tau: dict[int, float], path: Path, title: str,
+             by_domain: dict[int, dict[str, float]] | None = None,
+             baselines: dict[str, dict[str, float]] | None = None) -> Path:
+    """PNG of τ (mean committed tokens per verify step) against drafter version.
+
+    Args:
+        eval_tau, serve_tau: {version: τ} of the held-out evaluation and of on-policy serving (either may be empty).
+        path: the PNG written. title: the figure's title.
+        by_domain: {version: {domain: held-out τ}}; when given (non-empty), a second panel draws each domain's curve.
+        baselines: {"ngram" | "suffix": {domain: τ}} - prompt lookup and suffix lookup on the same greedy outputs
+            (:func:`adaflash_ray.drafting.heldout.lookup_baselines`), drawn in the second panel as horizontal lines in
+            their domain's colour (dotted: prompt lookup, dashed: suffix lookup): the free drafters to beat.
+    Returns:
+        ``path``.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    panels = 2 if by_domain else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
+    ax = axes[0, 0]
     if eval_tau:
         xs = sorted(eval_tau)
         ax.plot(xs, [eval_tau[x] for x in xs], "o-", label="held-out eval (greedy)")
     if serve_tau:
         xs = sorted(serve_tau)
         ax.plot(xs, [serve_tau[x] for x in xs], "s--", label="on-policy serving")
-    from matplotlib.ticker import MaxNLocator
-
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("drafter version")
-    ax.set_ylabel("τ = mean(a+1) per verify step")
     ax.set_title(title)
-    ax.grid(alpha=0.3)
+    if by_domain:
+        ax2 = axes[0, 1]
+        versions = sorted(by_domain)
+        domains = sorted({d for v in versions for d in by_domain[v]})
+        colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for k, dom in enumerate(domains):
+            c = colours[k % len(colours)]
+            xs = [v for v in versions if dom in by_domain[v]]
+            ax2.plot(xs, [by_domain[v][dom] for v in xs], "o-", color=c, label=f"{dom}: drafter")
+            for name, style in (("ngram", ":"), ("suffix", "--")):
+                t = (baselines or {}).get(name, {}).get(dom)
+                if t is not None:
+                    ax2.axhline(t, color=c, linestyle=style, linewidth=1,
+                                label=f"{dom}: {'prompt' if name == 'ngram' else 'suffix'} lookup")
+        ax2.set_title("held-out τ by domain; lines: prompt (:) / suffix (--) lookup")
+        ax2.legend(fontsize=7, ncol=2)
+    for a in axes[0]:
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
+        a.set_xlabel("drafter version")
+        a.set_ylabel("τ = mean(a+1) per verify step")
+        a.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

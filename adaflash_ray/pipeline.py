@@ -428,7 +428,7 @@ class Driver:
         cfg, g, run_dir = self.cfg, self.group, self.inputs.run_dir
         serve_mean = {v: sum(x) / len(x) for v, x in self.serve_tau.items()}
         plot_tau(eval_tau, serve_mean, run_dir / "tau_vs_version.png",
-                 f"{cfg.name}: τ vs drafter version ({cfg.model.name})")
+                 f"{cfg.name}: τ vs drafter version ({cfg.model.name})", self.eval_by_domain, self.eval_baselines)
         bfinal = ray.get(g.buffer.stats.remote())
         table = Table(title=f"AdaFlash {cfg.name} — τ = mean committed tokens per verify step (a+1)")
         for col in ("version", "eval τ (held-out, greedy)", "eval draft waste", "serving τ (on-policy)"):

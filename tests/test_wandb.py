@@ -118,3 +118,30 @@ def test_real_wandb_offline_from_env(tmp_path, monkeypatch):
     data = runs[0].read_bytes()  # the offline run log (protobuf records): the axes and the project are in it
     for key in (b"env-project", b"train/step", b"worker0/poll", b"worker0/spec/accept_len", b"eval/version"):
         assert key in data, key
+
+
+def test_plot_tau_draws_the_domain_panel_with_the_lookup_lines(tmp_path):
+    """plot_tau with per-domain τ and the lookup baselines: a PNG of two panels (twice as wide as without them), the
+    second with one drafter curve per domain and a prompt-lookup and a suffix-lookup line per domain."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from adaflash_ray.metrics import plot_tau
+
+    by_domain = {0: {"code": 1.0, "chat": 1.0}, 1: {"code": 1.4, "chat": 1.5}, 2: {"code": 1.9, "chat": 1.8}}
+    baselines = {"ngram": {"code": 2.3, "chat": 2.0}, "suffix": {"code": 2.8, "chat": 2.2}}
+    drawn = []
+    real_axhline = plt.Axes.axhline
+    plt.Axes.axhline = lambda self, y, **kw: drawn.append((y, kw["linestyle"])) or real_axhline(self, y, **kw)
+    try:
+        one = plot_tau({0: 1.0, 1: 1.45, 2: 1.85}, {1: 1.5}, tmp_path / "one.png", "t")
+        two = plot_tau({0: 1.0, 1: 1.45, 2: 1.85}, {1: 1.5}, tmp_path / "two.png", "t", by_domain, baselines)
+    finally:
+        plt.Axes.axhline = real_axhline
+    assert sorted(drawn) == [(2.0, ":"), (2.2, "--"), (2.3, ":"), (2.8, "--")]
+    w1, h1 = Image.open(one).size
+    w2, h2 = Image.open(two).size
+    assert h1 == h2 and w2 == 2 * w1
