@@ -273,6 +273,17 @@ class DistillConfig(_Section):
     # the drafter's training attention: "sdpa" (an explicit visibility mask) or "flex" (flex attention with a block
     # mask that skips the key tiles a block never sees; compiled on CUDA on the first step)
     drafter_attention: Literal["sdpa", "flex"] = "sdpa"
+    # the SDPA backends the trainer's attention (target recompute, drafter forward and backward) may use:
+    # "no_cudnn" = flash, memory-efficient or math, never cuDNN - on Hopper PyTorch may pick cuDNN attention, which
+    # builds an execution plan for every new shape, and a training batch has a new shape nearly every step;
+    # "auto" = PyTorch's own choice
+    attention_backends: Literal["auto", "no_cudnn"] = "no_cudnn"
+    # the training batch's token length (the recompute's and collate's padded length) rounded up to a multiple of
+    # this, and its anchor slots per row to a multiple of pad_anchors_multiple: fewer distinct shapes per run, so
+    # every per-shape cost (kernel plans, allocator blocks) is paid a few times, not every step. Exact: padding is
+    # never visible to a real position and padded blocks weigh zero. 1 = no rounding
+    pad_tokens_multiple: int = Field(1, ge=1)
+    pad_anchors_multiple: int = Field(1, ge=1)
     # offline warm start (AdaFlash starts its on-policy stage from an offline-trained drafter): before on-policy
     # training, every trainer rank decodes warm_start_prompts training prompts (its share) with the frozen target
     # on its own device - AR steps, no drafter, warm_start_batch_size slots (None = engine.max_batch_size),

@@ -19,7 +19,7 @@
 # torch.compile caches alone (at 3cafc9a it got 43 steps in 30 s against 55-69 for the others).
 # ABL_TRAINER_BENCH=1: after generating, the trainer bench on those files (`python -m adaflash_ray.bench --trainer
 # --trajectories`: the loop's step phase by phase, beside synthetic trajectories of the files' mean lengths and of
-# 256 + 256 tokens) -> trainer_files.json / trainer_files.log, then the ablation; ABL_TRAINER_BENCH=only: the bench
+# 256 + 256 tokens) -> trainer_files_NAME.json / .log, then the ablation; ABL_TRAINER_BENCH=only: the bench
 # and no ablation (~3 min for the call: model, ABL_GEN_S of generation, ~90 s of bench).
 # Every step runs under a timeout and the whole call under ABL_BUDGET_S (default 285 s): ablate skips the variants
 # that no longer fit (recorded as skipped) and kills a training past the budget; ablation.json is rewritten after
@@ -27,11 +27,12 @@
 # Knobs (environment): ABL_TRAIN_S, ABL_BUDGET_S, ABL_GEN_S (generation timeout, 75), ABL_PROMPTS (5000),
 # ABL_SAMPLE_FRACTION (0.2), ABL_OVERHEAD_S (30: a variant's start + evaluations), ABL_GEN_BATCH (256 slots),
 # ABL_MIN_TRAJ (64: fewer trajectories end the call before training), ABL_BATCH (64), ABL_PUBLISH (150),
-# ABL_WARMUP_STEPS (10), ABL_TRAINER_BENCH (unset | 1 | only), ABL_BENCH_S (the bench's timeout, 150);
+# ABL_WARMUP_STEPS (10), ABL_TRAINER_BENCH (unset | 1 | only), ABL_BENCH_S (the bench's timeout, 150),
+# ABL_BENCH_VARIANTS ("recipe"; words NAME[:key=value,...]: one bench each, trainer_files_NAME.json / .log);
 # for a CPU smoke run of the script itself: ABL_RECIPE, ABL_ROOT (instead of /root), ABL_SKIP_PREPARE=1.
 # $OUT (5 files, 7 with ABL_TRAINER_BENCH): ablation.json (per variant and version: training seconds, held-out τ per
 # domain, positions/s; the prompt-lookup and suffix-lookup τ on the same outputs; the warm-up), ablation.png, gen.log,
-# ablate.log, timeline.txt (+ trainer_files.json, trainer_files.log).
+# ablate.log, timeline.txt (+ trainer_files_NAME.json, trainer_files_NAME.log per bench variant).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -86,13 +87,28 @@ mark "generate rc $rc (124 = cut at ${GEN_S} s; files kept): $n trajectories"
 [ "$n" -ge "${ABL_MIN_TRAJ:-64}" ] || { echo "too few trajectories"; tail -20 "$OUT/gen.log"; exit 1; }
 
 if [ -n "${ABL_TRAINER_BENCH:-}" ]; then  # the loop's step on these files, phase by phase (trainer_bench_files.py)
-  timeout "${ABL_BENCH_S:-150}" python3 -m adaflash_ray.bench --trainer --trajectories "$TRAJ" --recipe "$R" \
-    --set distill.batch_size="${ABL_BATCH:-64}" --prompt-len 256 --new-tokens 256 --out "$OUT/trainer_files.json" \
-    > "$OUT/trainer_files.log" 2>&1
-  mark "trainer bench (files) rc $?"
-  grep -E "^trainer bench" "$OUT/trainer_files.log"
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps({'directory_lengths': d['directory_lengths'], 'gaps': d['gaps']}))" \
-    "$OUT/trainer_files.json" 2>/dev/null
+  # which SDPA backend PyTorch picks for the trainer's two attention shapes (recompute: causal; drafter: masked)
+  python3 - >> "$OUT/timeline.txt" 2>&1 <<'EOF'
+import torch
+q = torch.randn(64, 9, 512, 64, device="cuda", dtype=torch.bfloat16)
+m = torch.ones(64, 1, 1536, 2048, device="cuda", dtype=torch.bool)
+qd = torch.randn(64, 9, 1536, 64, device="cuda", dtype=torch.bfloat16)
+kd = torch.randn(64, 9, 2048, 64, device="cuda", dtype=torch.bfloat16)
+print("sdpa choice (torch", torch.__version__, "): causal", torch._fused_sdp_choice(q, q, q, is_causal=True),
+      "masked", torch._fused_sdp_choice(qd, kd, kd, attn_mask=m), "(0 math, 1 flash, 2 efficient, 5 cudnn)")
+EOF
+  # ABL_BENCH_VARIANTS: "NAME[:key=value,...] ..." - one bench per word, its --set overrides on the recipe
+  for bv in ${ABL_BENCH_VARIANTS:-recipe}; do
+    name="${bv%%:*}" sets=()
+    [ "$name" != "$bv" ] && { IFS=, read -ra kv <<< "${bv#*:}"; for x in "${kv[@]}"; do sets+=(--set "$x"); done; }
+    timeout "${ABL_BENCH_S:-150}" python3 -m adaflash_ray.bench --trainer --trajectories "$TRAJ" --recipe "$R" \
+      --set distill.batch_size="${ABL_BATCH:-64}" "${sets[@]}" --prompt-len 256 --new-tokens 256 \
+      --out "$OUT/trainer_files_$name.json" > "$OUT/trainer_files_$name.log" 2>&1
+    mark "trainer bench (files, $name) rc $?"
+    grep -E "^trainer bench" "$OUT/trainer_files_$name.log"
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps({'directory_lengths': d['directory_lengths'], 'gaps': d['gaps']}))" \
+      "$OUT/trainer_files_$name.json" 2>/dev/null
+  done
   [ "$ABL_TRAINER_BENCH" = only ] && { mark "done"; exit 0; }
 fi
 

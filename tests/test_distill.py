@@ -605,6 +605,27 @@ def test_recompute_features_gives_same_step_as_captured(dist_env, target, trajec
         captured.train_step(bare)
 
 
+def test_padded_shapes_give_the_same_step(dist_env, target, trajectories):
+    """distill.pad_tokens_multiple / pad_anchors_multiple (fewer distinct shapes) and attention_backends only
+    change shapes and the SDPA backend: the step's loss, acceptance and gradient norm stay those of the unpadded
+    step; collate's padded tensors have the rounded shapes."""
+    bare = [dataclasses.replace(tr, features=None, last_hidden=None) for tr in trajectories[:3]]
+    plain = dist_env(target, *_cfgs(features="recompute", attention_backends="auto"), seed=4)
+    padded = dist_env(target, *_cfgs(features="recompute", pad_tokens_multiple=16, pad_anchors_multiple=8,
+                                     attention_backends="no_cudnn"), seed=4)
+    a, b = plain.train_step(bare), padded.train_step(bare)
+    for k in ("train/loss", "train/ce", "train/rkl", "train/block_accept_len", "train/num_positions",
+              "train/grad_norm"):
+        assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), k
+    batch = collate(trajectories[:3], 5, 4, torch.Generator().manual_seed(0), pad_tokens_multiple=16,
+                    pad_anchors_multiple=8)
+    assert batch.input_ids.shape[1] % 16 == 0 and batch.features.shape[1] == batch.input_ids.shape[1] - 1
+    assert batch.anchors.shape[1] == 8 and not batch.weights[~batch.anchor_valid].any()
+    from adaflash_ray.distill.trainer import sdpa_backends
+    with pytest.raises(ValueError, match="attention_backends"):
+        sdpa_backends("cudnn")
+
+
 def test_setup_dist_env_validation(dist_env):
     with pytest.raises(ValueError):
         dist_env.setup_dist_env(2, 2)

@@ -100,12 +100,21 @@ class Batch:
                                             for f in dataclasses.fields(self)})
 
 
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (>= 1)."""
+    return -(-n // multiple) * multiple
+
+
 def collate(trajectories: list[Trajectory], num_anchors: int, block_size: int,
-            generator: torch.Generator | None = None, feature_dtype: torch.dtype = torch.float32) -> Batch:
+            generator: torch.Generator | None = None, feature_dtype: torch.dtype = torch.float32,
+            pad_tokens_multiple: int = 1, pad_anchors_multiple: int = 1) -> Batch:
     """Pad trajectories into a :class:`Batch` with freshly sampled anchors (:func:`sample_anchors`).
 
     Tensors are built on the device of the first trajectory's features; features and last_hidden
-    are cast to ``feature_dtype``.
+    are cast to ``feature_dtype``. The token length ``T'`` is the longest trajectory's rounded up to a multiple of
+    ``pad_tokens_multiple`` (features / last_hidden ``[B, T'-1, ...]``) and the anchor slots ``N`` per row the most
+    any row sampled rounded up to a multiple of ``pad_anchors_multiple``; the extra positions are zeros no block
+    sees and the extra slots are invalid anchors of weight 0, so the loss is unchanged (fewer distinct shapes).
 
     Raises:
         ValueError: empty list; a trajectory failing :meth:`Trajectory.validate`; missing features or
@@ -124,7 +133,7 @@ def collate(trajectories: list[Trajectory], num_anchors: int, block_size: int,
         raise ValueError(f"trajectories differ in feature / hidden widths: {sorted(widths)}")
     (feat_w, hid_w), = widths
     device = trajectories[0].features.device
-    bsz, t_max = len(trajectories), max(tr.num_tokens for tr in trajectories)
+    bsz, t_max = len(trajectories), round_up(max(tr.num_tokens for tr in trajectories), pad_tokens_multiple)
     input_ids = torch.zeros(bsz, t_max, dtype=torch.long, device=device)
     features = torch.zeros(bsz, t_max - 1, feat_w, dtype=feature_dtype, device=device)
     last_hidden = torch.zeros(bsz, t_max - 1, hid_w, dtype=feature_dtype, device=device)
@@ -135,7 +144,7 @@ def collate(trajectories: list[Trajectory], num_anchors: int, block_size: int,
         features[b, : t - 1] = tr.features.to(device=device, dtype=feature_dtype)
         last_hidden[b, : t - 1] = tr.last_hidden.to(device=device, dtype=feature_dtype)
         rows.append(sample_anchors(tr.prompt_len, t, num_anchors, block_size, generator))
-    n = max(1, max(len(r) for r in rows))
+    n = round_up(max(1, max(len(r) for r in rows)), pad_anchors_multiple)
     anchors = torch.ones(bsz, n, dtype=torch.long)
     anchor_valid = torch.zeros(bsz, n, dtype=torch.bool)
     for b, r in enumerate(rows):
@@ -247,7 +256,7 @@ def causal_features(target, input_ids: torch.Tensor, layer_ids: list[int],
 
 @torch.no_grad()
 def recompute_features(target, token_ids_list: list[torch.Tensor], layer_ids: list[int],
-                       max_batch_tokens: int = 32768) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                       max_batch_tokens: int = 32768, pad_multiple: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Run the frozen target over each sequence (``features: recompute``, docs/design/ALGORITHMS.md §3).
 
     Sequences are right-padded and run together, up to ``max_batch_tokens`` padded positions per forward
@@ -261,6 +270,8 @@ def recompute_features(target, token_ids_list: list[torch.Tensor], layer_ids: li
         token_ids_list: ``[T_b]`` int64 sequences (T_b >= 2).
         layer_ids: the drafter's ``target_layer_ids``.
         max_batch_tokens: bound on ``rows x padded length`` of one forward (activation memory).
+        pad_multiple: each forward's padded length rounded up to a multiple of this (fewer distinct shapes; the
+            causal attention keeps the extra positions out of every real one).
     Returns:
         Per sequence ``(features [T_b-1, K*H], last_hidden [T_b-1, H])`` in the target's dtype, on its
         device: positions 0..T_b-2, exactly the layout the engine captures (the last token is never fed).
@@ -275,7 +286,7 @@ def recompute_features(target, token_ids_list: list[torch.Tensor], layer_ids: li
     out: list = [None] * len(token_ids_list)
     start = 0
     while start < len(order):
-        t_max = token_ids_list[order[start]].shape[0] - 1
+        t_max = round_up(token_ids_list[order[start]].shape[0] - 1, pad_multiple)
         rows = max(1, min(len(order) - start, max_batch_tokens // max(t_max, 1)))
         group = order[start:start + rows]
         inp = torch.zeros(len(group), t_max, dtype=torch.long, device=device)
@@ -295,11 +306,12 @@ def recompute_features(target, token_ids_list: list[torch.Tensor], layer_ids: li
     return out
 
 
-def with_recomputed_features(target, trajectories: list[Trajectory], layer_ids: list[int]) -> list[Trajectory]:
+def with_recomputed_features(target, trajectories: list[Trajectory], layer_ids: list[int],
+                             pad_multiple: int = 1) -> list[Trajectory]:
     """Copies of ``trajectories`` whose features / last_hidden come from :func:`recompute_features`."""
-    feats = recompute_features(target, [tr.token_ids for tr in trajectories], layer_ids)
+    feats = recompute_features(target, [tr.token_ids for tr in trajectories], layer_ids, pad_multiple=pad_multiple)
     return [dataclasses.replace(tr, features=f, last_hidden=h) for tr, (f, h) in zip(trajectories, feats)]
 
 
-__all__ = ["Batch", "LOSS_DECAY_GAMMA", "causal_features", "collate", "recompute_features", "sample_anchors",
+__all__ = ["Batch", "LOSS_DECAY_GAMMA", "causal_features", "collate", "recompute_features", "round_up", "sample_anchors",
            "with_recomputed_features"]
