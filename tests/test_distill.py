@@ -396,8 +396,8 @@ def test_recompute_features_batched_equals_one_by_one(target, trajectories):
     assert len({s.shape[0] for s in seqs}) > 1
     one = [recompute_features(target, [s], [1, 2])[0] for s in seqs]
     longest = max(s.shape[0] for s in seqs)
-    for budget in (10**6, 2 * longest):
-        many = recompute_features(target, seqs, [1, 2], max_batch_tokens=budget)
+    for budget, pad in ((10**6, 1), (2 * longest, 1), (2 * longest, 16)):  # pad: rounded lengths and rows
+        many = recompute_features(target, seqs, [1, 2], max_batch_tokens=budget, pad_multiple=pad)
         for (f1, h1), (f2, h2), s in zip(one, many, seqs):
             assert f2.shape[0] == h2.shape[0] == s.shape[0] - 1
             torch.testing.assert_close(f2, f1, atol=1e-5, rtol=1e-5)

@@ -100,6 +100,10 @@ class Batch:
                                             for f in dataclasses.fields(self)})
 
 
+#: with ``pad_multiple > 1``, :func:`recompute_features` rounds each forward's rows up to a multiple of this
+RECOMPUTE_ROW_MULTIPLE = 8
+
+
 def round_up(n: int, multiple: int) -> int:
     """``n`` rounded up to a multiple of ``multiple`` (>= 1)."""
     return -(-n // multiple) * multiple
@@ -270,8 +274,9 @@ def recompute_features(target, token_ids_list: list[torch.Tensor], layer_ids: li
         token_ids_list: ``[T_b]`` int64 sequences (T_b >= 2).
         layer_ids: the drafter's ``target_layer_ids``.
         max_batch_tokens: bound on ``rows x padded length`` of one forward (activation memory).
-        pad_multiple: each forward's padded length rounded up to a multiple of this (fewer distinct shapes; the
-            causal attention keeps the extra positions out of every real one).
+        pad_multiple: each forward's padded length rounded up to a multiple of this and, when > 1, its rows to a
+            multiple of :data:`RECOMPUTE_ROW_MULTIPLE` with all-padding rows (fewer distinct shapes; causal attention
+            keeps the extra positions out of every real one, and rows never mix).
     Returns:
         Per sequence ``(features [T_b-1, K*H], last_hidden [T_b-1, H])`` in the target's dtype, on its
         device: positions 0..T_b-2, exactly the layout the engine captures (the last token is never fed).
@@ -289,14 +294,15 @@ def recompute_features(target, token_ids_list: list[torch.Tensor], layer_ids: li
         t_max = round_up(token_ids_list[order[start]].shape[0] - 1, pad_multiple)
         rows = max(1, min(len(order) - start, max_batch_tokens // max(t_max, 1)))
         group = order[start:start + rows]
-        inp = torch.zeros(len(group), t_max, dtype=torch.long, device=device)
+        width = len(group) if pad_multiple == 1 else round_up(len(group), RECOMPUTE_ROW_MULTIPLE)  # + zero rows
+        inp = torch.zeros(width, t_max, dtype=torch.long, device=device)
         for r, i in enumerate(group):
             ids = token_ids_list[i]
             inp[r, : ids.shape[0] - 1] = ids[:-1].to(device)
         if device.type == "cuda":
             feats, last = causal_features(target, inp, list(layer_ids))
         else:
-            pos = torch.arange(t_max, device=device)[None].expand(len(group), -1)
+            pos = torch.arange(t_max, device=device)[None].expand(width, -1)
             res = target(inp, pos, capture_layer_ids=list(layer_ids), compute_logits=False)
             feats, last = res.features, res.last_hidden
         for r, i in enumerate(group):
@@ -313,5 +319,5 @@ def with_recomputed_features(target, trajectories: list[Trajectory], layer_ids: 
     return [dataclasses.replace(tr, features=f, last_hidden=h) for tr, (f, h) in zip(trajectories, feats)]
 
 
-__all__ = ["Batch", "LOSS_DECAY_GAMMA", "causal_features", "collate", "recompute_features", "round_up", "sample_anchors",
-           "with_recomputed_features"]
+__all__ = ["Batch", "LOSS_DECAY_GAMMA", "RECOMPUTE_ROW_MULTIPLE", "causal_features", "collate", "recompute_features",
+           "round_up", "sample_anchors", "with_recomputed_features"]

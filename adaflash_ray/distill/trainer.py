@@ -63,9 +63,10 @@ def resolve_compute_dtype(name: str, device: torch.device | str, target_dtype: t
 
 def sdpa_backends(name: str):
     """Context for ``distill.attention_backends``: ``auto`` = PyTorch's own SDPA choice (a null context);
-    ``no_cudnn`` = flash, memory-efficient or math attention only, never cuDNN (on Hopper PyTorch may prefer cuDNN
-    attention, which builds an execution plan per new shape - the FunASR PR #3705 profile: a B200 fine-tune went from
-    0.244 to 0.068 s per step without those builds). The backward runs the backend its forward chose.
+    ``no_cudnn`` = flash, memory-efficient or math attention only, never cuDNN (on Hopper PyTorch prefers cuDNN
+    attention, which builds an execution plan per new shape: modelscope/FunASR PR #3705 traces a fine-tune's slow
+    steps to those builds; ``distill.pad_tokens_multiple`` is the other remedy, keeping cuDNN with few shapes). The
+    backward runs the backend its forward chose.
 
     Raises:
         ValueError: another name.
