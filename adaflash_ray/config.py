@@ -297,12 +297,14 @@ class DistillConfig(_Section):
     warm_start_batch_size: int | None = Field(None, ge=1)
     # learn from the drafter's own mistakes (Draft-OPD, arXiv 2605.29343): in each training block, the first position
     # whose current top-1 differs from the trajectory's token (where greedy verification rejects the block) gets
-    # weight x (1 + reject_boost); costs one no-grad pass over the shared head per step. 0 = off (the plain loss)
+    # weight x (1 + reject_boost); the fused loss (loss_impl torch/triton, rkl_clip_mode per_token) reads the top-1
+    # from its own vocabulary pass, the reference loss pays one no-grad pass over the shared head. 0 = off
     reject_boost: float = Field(0.0, ge=0)
     # block-position weights of the loss: exp_decay = exp(-(k-1)/7) (SpecForge, AdaFlash); dpace = D-PACE (arXiv
     # 2605.18810, the default of vLLM's speculators): position k weighs the sum over j >= k of the prefix product of
-    # the drafter's smoothed confidence (1 - dpace_alpha) q_i + dpace_alpha in the trajectory's token - one no-grad
-    # pass over the shared head per step (shared with reject_boost's)
+    # the drafter's smoothed confidence (1 - dpace_alpha) q_i + dpace_alpha in the trajectory's token - q from the
+    # fused loss's own vocabulary pass, or (reference loss) one no-grad pass over the shared head shared with
+    # reject_boost's
     position_weighting: Literal["exp_decay", "dpace"] = "exp_decay"
     dpace_alpha: float = Field(0.5, ge=0, le=1)
     # times one trajectory may feed an optimizer step (fresh anchors each time); > 1 lets a trainer

@@ -38,7 +38,8 @@ layer and sequence; drafter = 3 x its forward (forward + backward), forward = pr
 and of the context K/V, the ``fc`` context projection, and attention over each block's visible keys
 (context before its anchor + its own block); head = 3 GEMMs ``2·M·H·V`` (student and teacher logits, input
 gradient; the frozen head has no weight gradient) plus, with ``distill.position_weighting: dpace`` or
-``reject_boost > 0``, ``head_stats`` - the one no-grad GEMM ``2·M·H·V`` of their pass over the shared head.
+``reject_boost > 0`` on the reference loss (or ``rkl_clip_mode: reference``), ``head_stats`` - the one no-grad GEMM
+``2·M·H·V`` of their pass over the shared head (the fused loss takes those statistics from its own pass).
 
 ``--loss``: :func:`bench_loss` - the head loss alone (forward + backward) at the shape's head (``--shape``,
 default smollm2-135m) for ``--rows`` positions, per implementation and Triton kernel configuration, against its
@@ -157,17 +158,19 @@ class _PhaseTimer:
 def _instrumented(core, timer: _PhaseTimer):
     """Time the phases of ``core.train_step`` by wrapping what it calls (restored on exit): ``target_recompute``,
     ``collate``, ``batch_to`` (:meth:`Batch.to`), ``head_stats`` (the D-PACE / reject-boost no-grad pass over the
-    shared head: ``student_token_stats``, ``dpace_weights``, ``first_rejection_weights``), ``loss``,
-    ``drafter_forward``, ``backward``, ``optimizer``."""
+    shared head, :func:`~adaflash_ray.distill.losses.token_stats_rows`, which runs inside ``loss`` where it runs at
+    all: the reference loss or ``rkl_clip_mode: reference``; the fused loss takes those statistics from its own pass),
+    ``loss``, ``drafter_forward``, ``backward``, ``optimizer``."""
+    import adaflash_ray.distill.losses as losses_mod
     import adaflash_ray.distill.trainer as trainer_mod
     from adaflash_ray.distill.blocks import Batch
 
-    phase_of = {"with_recomputed_features": "target_recompute", "collate": "collate", "mixture_rkl_loss": "loss",
-                "student_token_stats": "head_stats", "dpace_weights": "head_stats",
-                "first_rejection_weights": "head_stats"}
+    phase_of = {"with_recomputed_features": "target_recompute", "collate": "collate", "mixture_rkl_loss": "loss"}
     saved_mod = {n: getattr(trainer_mod, n) for n in phase_of}
     for n, fn in saved_mod.items():
         setattr(trainer_mod, n, timer.wrap(phase_of[n], fn))
+    saved_stats = losses_mod.token_stats_rows
+    losses_mod.token_stats_rows = timer.wrap("head_stats", saved_stats)
     saved_to = Batch.to
     Batch.to = timer.wrap("batch_to", saved_to)
     inst = [(core.drafter, "forward_train", "drafter_forward"), (core.engine, "backward", "backward"),
@@ -179,6 +182,7 @@ def _instrumented(core, timer: _PhaseTimer):
     finally:
         for n, fn in saved_mod.items():
             setattr(trainer_mod, n, fn)
+        losses_mod.token_stats_rows = saved_stats
         Batch.to = saved_to
         for obj, attr, _ in inst:
             delattr(obj, attr)  # back to the class's method
@@ -240,9 +244,14 @@ def profile_step(core, trajectories: list, top: int = 20) -> list[dict]:
     return [{"name": e.key, "self_ms": self_us(e) / 1e3, "calls": e.count} for e in events]
 
 
-def _head_stats(distill_cfg) -> bool:
-    """Whether the step runs the D-PACE / reject-boost no-grad pass over the shared head (as DistillModule)."""
-    return distill_cfg.position_weighting == "dpace" or distill_cfg.reject_boost > 0
+def _head_stats(distill_cfg, device) -> bool:
+    """Whether the step runs a separate no-grad pass over the shared head for D-PACE / reject-boost weights (as
+    :func:`~adaflash_ray.distill.losses.mixture_rkl_loss`: not with the fused loss and the per-token clamp)."""
+    from adaflash_ray.kernels.fused_distill import resolve_loss_impl
+
+    wanted = distill_cfg.position_weighting == "dpace" or distill_cfg.reject_boost > 0
+    impl = resolve_loss_impl(getattr(distill_cfg, "loss_impl", "reference"), device)
+    return wanted and (impl == "reference" or distill_cfg.rkl_clip_mode != "per_token")
 
 
 def _anchors_of(core, trajectories: list) -> list[list[int]]:
@@ -286,7 +295,8 @@ def run(cfg, *, shape: str | None, batch_sizes: list[int], prompt_len: int, new_
             trajs = synthetic_trajectories(b, prompt_len, new_tokens, target.config.vocab_size, cfg.seed)
             row = bench_batch(core, trajs, warmup=warmup, steps=steps, split_steps=split_steps)
             row["flops"] = step_flops(target.config, core.drafter.config, [tr.num_tokens for tr in trajs],
-                                      _anchors_of(core, trajs), int(row["supervised_positions"]), _head_stats(dcfg))
+                                      _anchors_of(core, trajs), int(row["supervised_positions"]),
+                                      _head_stats(dcfg, core.device))
             row["floor_ratio"] = row["step_s"] / (row["flops"]["total"] / (PEAK_TFLOPS * 1e12))
             if profile is True or (not isinstance(profile, bool) and b in profile):
                 row["profile_top"] = profile_step(core, trajs)

@@ -41,8 +41,9 @@ anchor_fill`` (valid / padded blocks), ``drafter_queries`` (B·N·block_size row
 padded_tokens``: the target's forwards per step and their tokens), ``collate_tokens`` (``real, padded``:
 feature rows), ``lengths`` (as ``directory_lengths``, over the timed and split steps' trajectories), ``split_s``
 (:data:`FILE_SPLIT_PHASES`, medians in seconds: ``read`` outside the step; ``prep_other`` = prep minus recompute,
-collate and copy; ``forward_other`` = forward minus drafter, loss and the head-stats pass; ``other`` = the step
-minus every phase inside it), ``flops`` (:func:`adaflash_ray.trainer_bench.step_flops` from the steps' real
+collate and copy; ``loss`` without the head-stats pass (:func:`~adaflash_ray.distill.losses.token_stats_rows`,
+run inside the loss where it runs at all); ``forward_other`` = forward minus drafter, loss and the head-stats
+pass; ``other`` = the step minus every phase inside it), ``flops`` (:func:`adaflash_ray.trainer_bench.step_flops` from the steps' real
 lengths and anchor counts, means), ``floor_ratio`` (step seconds / floor seconds at ``peak_tflops``, summed over the
 timed steps), ``peak_mem_gib`` (CUDA), ``last_loss``; a row that ran out of CUDA memory has ``error`` instead.
 """
@@ -162,6 +163,7 @@ def _split(timer: _PhaseTimer, m: dict, read_s: float) -> dict[str, float]:
     t = {p: timer.times.get(p, 0.0) for p in FILE_SPLIT_PHASES}
     t["read"] = read_s
     t["prep_other"] = max(0.0, m["train/prep_s"] - t["target_recompute"] - t["collate"] - t["batch_to"])
+    t["loss"] = max(0.0, t["loss"] - t["head_stats"])  # the head-stats pass, where it runs, runs inside the loss
     t["forward_other"] = max(0.0, m["train/forward_s"] - t["drafter_forward"] - t["loss"] - t["head_stats"])
     inside = [p for p in FILE_SPLIT_PHASES if p not in ("read", "other")]
     t["other"] = max(0.0, m["train/seconds"] - sum(t[p] for p in inside))
@@ -192,7 +194,7 @@ def measure(core, next_batch, *, warmup: int, steps: int, split_steps: int) -> d
         seq_lens = [tr.num_tokens for tr in trajs]
         pairs += [(tr.prompt_len, tr.num_tokens) for tr in trajs]
         flops = step_flops(tcfg, dcfg, seq_lens, _anchors_of(core, trajs), int(m["train/num_positions"]),
-                           _head_stats(core.distill_cfg))
+                           _head_stats(core.distill_cfg, core.device))
         per_step.append({"step_s": m["train/seconds"], "read_s": read_s, "num_blocks": m["train/num_blocks"],
                          "block_positions": m["train/num_blocks"] * (bs - 1),
                          "supervised_positions": m["train/num_positions"], "anchor_slots": n,

@@ -87,18 +87,20 @@ def _acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 def rows_torch(zs: torch.Tensor, zt: torch.Tensor, wn: torch.Tensor, den: torch.Tensor, *, alpha: float,
                temperature: float, clip: float, per_token: bool, reverse: bool, want_conf: bool,
-               acc: torch.dtype = torch.float32
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               acc: torch.dtype = torch.float32, tok: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, ...]:
     """The per-row vocabulary math of one chunk in pure torch (the ``torch`` backend; the Triton kernel's reference).
 
     Args:
         zs, zt: ``[c, V]`` student / teacher logits (any float dtype; computed in ``acc``).
         wn: ``[c]`` ``w_i / Σw`` (``acc``). den: 0-d ``Σw`` clamped at 1e-12 (``acc``).
         alpha, temperature, clip, per_token (clip mode), reverse (direction), want_conf: see the module docstring.
+        tok: optional ``[c]`` int64 token ids.
     Returns:
-        ``(ce [c], div [c], s_arg [c] int64, t_arg [c] int64, conf [c, 2] or [c, 0], dz [c, V])``, floats in ``acc``:
-        ``div`` is RKL (reverse) or FKL (forward) including T²; ``conf`` = (max probability, entropy in nats) of
-        ``softmax(z_S)`` at T = 1; ``dz = dL/dz_S``.
+        ``(ce [c], div [c], s_arg [c] int64, t_arg [c] int64, conf [c, 2] or [c, 0], tok_logprob [c] or [0],
+        dz [c, V])``, floats in ``acc``: ``div`` is RKL (reverse) or FKL (forward) including T²; ``conf`` = (max
+        probability, entropy in nats) of ``softmax(z_S)`` at T = 1; ``tok_logprob`` = ``log softmax(z_S)[tok]`` at
+        T = 1 (empty without ``tok``); ``dz = dL/dz_S``.
     """
     zs, zt = zs.to(acc), zt.to(acc)
     t_arg = zt.argmax(dim=-1)
@@ -135,7 +137,8 @@ def rows_torch(zs: torch.Tensor, zt: torch.Tensor, wn: torch.Tensor, den: torch.
         conf = torch.stack([p1.max(dim=-1).values, -(p1 * lp1).sum(dim=-1)], dim=-1)
     else:
         conf = zs.new_zeros(zs.shape[0], 0)
-    return ce, div, s_arg, t_arg, conf, dz
+    tlp = zs.new_zeros(0) if tok is None else zs.gather(1, tok[:, None]).squeeze(1) - lse1
+    return ce, div, s_arg, t_arg, conf, tlp, dz
 
 
 class _FusedDistill(torch.autograd.Function):
@@ -143,15 +146,21 @@ class _FusedDistill(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, student_hidden, teacher_hidden, lm_head_weight, weights, alpha, temperature, clip, per_token,
-                reverse, chunk_size, want_conf, backend):
+                reverse, chunk_size, want_conf, backend, token_ids, weights_fn, weights_out):
         dev = student_hidden.device
         w_head = lm_head_weight.detach()
         acc = _acc_dtype(student_hidden, teacher_hidden, w_head)
         m = student_hidden.shape[0]
         with torch.autocast(device_type=dev.type, enabled=False):
-            w = weights.detach().to(acc)
-            den = w.sum().clamp_min(1e-12)
-            wn = w / den
+            if weights_fn is None:
+                w = weights.detach().to(acc)
+                den = w.sum().clamp_min(1e-12)
+                wn = w / den
+            else:  # unit weights now; each row's gradient is linear in its weight, so it is scaled once they exist
+                den = torch.ones((), dtype=acc, device=dev)
+                wn = torch.ones(m, dtype=acc, device=dev)
+            want_tok = token_ids is not None
+            tlp = torch.empty(m if want_tok else 0, dtype=acc, device=dev)
             ce = torch.empty(m, dtype=acc, device=dev)
             div = torch.empty(m, dtype=acc, device=dev)
             s_arg = torch.empty(m, dtype=torch.long, device=dev)
@@ -170,17 +179,29 @@ class _FusedDistill(torch.autograd.Function):
                     # dz overwrites zs in place; stats into the [M] outputs' slices
                     distill_rows_triton(zs, zt, wn[s:e], den, ce[s:e], div[s:e], s_arg[s:e], t_arg[s:e],
                                         conf[s:e] if want_conf else None, alpha=alpha, temperature=temperature,
-                                        clip=clip, per_token=per_token, reverse=reverse)
+                                        clip=clip, per_token=per_token, reverse=reverse,
+                                        tok=token_ids[s:e] if want_tok else None,
+                                        tok_logprob=tlp[s:e] if want_tok else None)
                     dz = zs
                 else:
-                    c_ce, c_div, c_s, c_t, c_conf, dz = rows_torch(
+                    c_ce, c_div, c_s, c_t, c_conf, c_tlp, dz = rows_torch(
                         zs, zt, wn[s:e], den, alpha=alpha, temperature=temperature, clip=clip, per_token=per_token,
-                        reverse=reverse, want_conf=want_conf, acc=acc)
+                        reverse=reverse, want_conf=want_conf, acc=acc, tok=token_ids[s:e] if want_tok else None)
                     ce[s:e], div[s:e], s_arg[s:e], t_arg[s:e] = c_ce, c_div, c_s, c_t
                     if want_conf:
                         conf[s:e] = c_conf
+                    if want_tok:
+                        tlp[s:e] = c_tlp
                 grad[s:e] = (dz.to(w_head.dtype) @ w_head).to(grad.dtype)
                 del zs, zt, dz
+            if weights_fn is not None:
+                w = weights_fn(s_arg, tlp.float().exp()).detach().to(acc)  # [M], from this pass's own statistics
+                if w.shape != (m,):
+                    raise ValueError(f"weights_fn returned {tuple(w.shape)}, expected ({m},)")
+                den = w.sum().clamp_min(1e-12)
+                grad = (grad.to(acc) * (w / den)[:, None]).to(student_hidden.dtype)
+            if weights_out is not None:
+                weights_out.copy_(w)
             ce_loss = (w * ce).sum() / den
             if per_token:
                 d_loss = (w * div.clamp(max=clip)).sum() / den
@@ -195,13 +216,14 @@ class _FusedDistill(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
         (grad,) = ctx.saved_tensors
-        return (grad * grad_loss.to(grad.dtype), None, None, None, None, None, None, None, None, None, None, None)
+        return (grad * grad_loss.to(grad.dtype), *([None] * 14))
 
 
 def fused_distill_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
                        weights: torch.Tensor, *, alpha: float = 0.8, temperature: float = 1.0, clip: float = 10.0,
                        clip_mode: str = "per_token", direction: Direction = "reverse", chunk_size: int = 8192,
-                       want_conf: bool = False, backend: str = "torch"
+                       want_conf: bool = False, backend: str = "torch", token_ids: torch.Tensor | None = None,
+                       weights_fn=None, weights_out: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """The weighted mixture loss ``L`` of the module docstring with its gradient into ``student_hidden``.
 
@@ -218,13 +240,20 @@ def fused_distill_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tenso
             plus float32 temporaries of the same shape for the ``torch`` backend).
         want_conf: also return the student's (max probability, entropy) at T = 1.
         backend: ``torch`` or ``triton``.
+        token_ids: ``[M]`` int64 token per row (the trajectory's), needed by ``weights_fn``.
+        weights_fn: ``None`` (``weights`` are the weights) or ``f(student_argmax [M] int64, token_prob [M] float32)
+            -> [M]`` weights computed from this pass's own logits (``token_prob`` = ``softmax(z_S)[token_ids]`` at
+            T = 1), so weights that depend on the drafter's current predictions (D-PACE, a rejection boost) need no
+            second pass over the head; ``weights`` is then unused. Exact for ``clip_mode="per_token"`` only (each
+            row's gradient is linear in its own weight there).
+        weights_out: optional float ``[M]`` tensor that receives the weights used.
     Returns:
         ``(loss, (ce, div, student_argmax, teacher_argmax, conf))``: ``loss`` a float32 scalar; the rest detached,
         ``[M]`` float32 / int64 and ``conf`` ``[M, 2]`` float32 (``[M, 0]`` without ``want_conf``). With ``M = 0``
         or ``Σw = 0`` the loss is an exact zero that still depends on ``student_hidden``.
     Raises:
         ValueError: mismatched shapes, ``chunk_size < 1``, ``temperature <= 0``, unknown ``clip_mode``,
-            ``direction`` or ``backend``.
+            ``direction`` or ``backend``; ``weights_fn`` without ``token_ids`` or with ``clip_mode="reference"``.
     """
     check_head_inputs(student_hidden, teacher_hidden, lm_head_weight, chunk_size, temperature)
     if weights.dim() != 1 or weights.shape[0] != student_hidden.shape[0]:
@@ -235,9 +264,14 @@ def fused_distill_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tenso
         raise ValueError(f"direction must be 'reverse' or 'forward', got {direction!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if weights_fn is not None and (token_ids is None or clip_mode != "per_token"):
+        raise ValueError("weights_fn needs token_ids and clip_mode 'per_token' (the reference clamp reads Σw)")
+    if token_ids is not None and token_ids.shape != (student_hidden.shape[0],):
+        raise ValueError(f"token_ids {tuple(token_ids.shape)} must be [M] with M = {student_hidden.shape[0]}")
     loss, ce, div, s_arg, t_arg, conf = _FusedDistill.apply(
         student_hidden, teacher_hidden, lm_head_weight, weights, float(alpha), float(temperature), float(clip),
-        clip_mode == "per_token", direction == "reverse", int(chunk_size), bool(want_conf), backend)
+        clip_mode == "per_token", direction == "reverse", int(chunk_size), bool(want_conf), backend, token_ids,
+        weights_fn, weights_out)
     return loss, (ce, div, s_arg, t_arg, conf)
 
 

@@ -11,9 +11,10 @@ all arithmetic in fp32 registers:
    divergence), then ``dL/dz_S`` (formulas in :mod:`adaflash_ray.kernels.fused_distill`) written over the student
    logits in place, ready for the ``dz @ W`` GEMM.
 
-Per-row outputs: CE, divergence (T² included), both argmaxes (int64) and optionally (max probability, entropy) at
-T = 1. The reference is :func:`adaflash_ray.kernels.fused_distill.rows_torch` (tests/test_kernels.py under
-``TRITON_INTERPRET=1`` on CPU, tests/test_gpu.py on CUDA). Importing this module needs the triton package.
+Per-row outputs: CE, divergence (T² included), both argmaxes (int64), optionally (max probability, entropy) at
+T = 1 and the student's log-probability of a given token per row at T = 1. The reference is
+:func:`adaflash_ray.kernels.fused_distill.rows_torch` (tests/test_kernels.py under ``TRITON_INTERPRET=1`` on CPU,
+tests/test_gpu.py on CUDA). Importing this module needs the triton package.
 """
 from __future__ import annotations
 
@@ -30,10 +31,10 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _distill_rows_kernel(zs_ptr, zt_ptr, wn_ptr, den_ptr, ce_ptr, div_ptr, sarg_ptr, targ_ptr, conf_ptr,
-                         stride_s, stride_t, alpha, inv_t, temperature, clip, V: tl.constexpr,
+def _distill_rows_kernel(zs_ptr, zt_ptr, wn_ptr, den_ptr, ce_ptr, div_ptr, sarg_ptr, targ_ptr, conf_ptr, tok_ptr,
+                         tlp_ptr, stride_s, stride_t, alpha, inv_t, temperature, clip, V: tl.constexpr,
                          PER_TOKEN: tl.constexpr, REVERSE: tl.constexpr, SAME_T: tl.constexpr,
-                         WANT_CONF: tl.constexpr, BLOCK: tl.constexpr):
+                         WANT_CONF: tl.constexpr, WANT_TOK: tl.constexpr, BLOCK: tl.constexpr):
     # V (the vocabulary) is a compile-time constant: one compilation per head, and a static loop bound
     row = tl.program_id(0).to(tl.int64)
     zs_row = zs_ptr + row * stride_s
@@ -129,6 +130,9 @@ def _distill_rows_kernel(zs_ptr, zt_ptr, wn_ptr, den_ptr, ce_ptr, div_ptr, sarg_
     if WANT_CONF:
         tl.store(conf_ptr + row * 2, tl.exp(m_1 - lse_1))
         tl.store(conf_ptr + row * 2 + 1, lse_1 - b_1 / s_1)
+    if WANT_TOK:  # log softmax(z_S)[token] at T = 1, read before pass 2 overwrites the row
+        tok = tl.load(tok_ptr + row)
+        tl.store(tlp_ptr + row, tl.load(zs_row + tok).to(tl.float32) - lse_1)
 
     # ---- pass 2: dL/dz_S over the student logits, in place
     for start in range(0, V, BLOCK):
@@ -153,7 +157,8 @@ def _distill_rows_kernel(zs_ptr, zt_ptr, wn_ptr, den_ptr, ce_ptr, div_ptr, sarg_
 
 def distill_rows_triton(zs: torch.Tensor, zt: torch.Tensor, wn: torch.Tensor, den: torch.Tensor, ce: torch.Tensor,
                         div: torch.Tensor, s_arg: torch.Tensor, t_arg: torch.Tensor, conf: torch.Tensor | None, *,
-                        alpha: float, temperature: float, clip: float, per_token: bool, reverse: bool) -> None:
+                        alpha: float, temperature: float, clip: float, per_token: bool, reverse: bool,
+                        tok: torch.Tensor | None = None, tok_logprob: torch.Tensor | None = None) -> None:
     """Launch the kernel over the ``c`` rows of one chunk (results written in place).
 
     Args:
@@ -162,6 +167,8 @@ def distill_rows_triton(zs: torch.Tensor, zt: torch.Tensor, wn: torch.Tensor, de
         wn: ``[c]`` ``w_i / Σw``; den: 1-element ``Σw`` (clamped > 0), both float32 or float64.
         ce, div: ``[c]`` float32/64 outputs; s_arg, t_arg: ``[c]`` int64 outputs; conf: ``[c, 2]`` contiguous
             float output or None.
+        tok, tok_logprob: ``[c]`` int64 token ids in ``[0, V)`` and their float output ``log softmax(z_S)[tok]`` at
+            T = 1, or both None.
         alpha, temperature, clip, per_token, reverse: as :func:`adaflash_ray.kernels.fused_distill.fused_distill_loss`.
     Raises:
         ValueError: non-row-contiguous logits or mismatched row counts.
@@ -176,11 +183,15 @@ def distill_rows_triton(zs: torch.Tensor, zt: torch.Tensor, wn: torch.Tensor, de
     want_conf = conf is not None
     if want_conf and not conf.is_contiguous():
         raise ValueError("conf must be contiguous [c, 2]")
+    want_tok = tok is not None
+    if want_tok != (tok_logprob is not None) or (want_tok and not tok.shape[0] == tok_logprob.shape[0] == c):
+        raise ValueError("tok and tok_logprob go together, each with the chunk's row count")
     _distill_rows_kernel[(c,)](
-        zs, zt, wn, den, ce, div, s_arg, t_arg, conf if want_conf else ce,
+        zs, zt, wn, den, ce, div, s_arg, t_arg, conf if want_conf else ce, tok if want_tok else s_arg,
+        tok_logprob if want_tok else ce,
         zs.stride(0), zt.stride(0), float(alpha), 1.0 / float(temperature), float(temperature), float(clip),
         V=v, PER_TOKEN=bool(per_token), REVERSE=bool(reverse), SAME_T=float(temperature) == 1.0, WANT_CONF=want_conf,
-        BLOCK=min(BLOCK_V, triton.next_power_of_2(v)), num_warps=NUM_WARPS)
+        WANT_TOK=want_tok, BLOCK=min(BLOCK_V, triton.next_power_of_2(v)), num_warps=NUM_WARPS)
 
 
 __all__ = ["BLOCK_V", "NUM_WARPS", "distill_rows_triton"]

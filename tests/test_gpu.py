@@ -240,6 +240,29 @@ def test_fused_loss_triton_matches_torch_backend(temperature, clip, clip_mode, d
     assert float((sa1 == sa0).float().mean()) > 0.999 and float((ta1 == ta0).float().mean()) > 0.999
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_loss_weights_fn_triton_matches_torch(dtype):
+    """Weights from the loss's own pass (token_ids + weights_fn: the kernel's token log-probabilities, D-PACE-like
+    and boost-like dependence) agree between the Triton and torch backends."""
+    from adaflash_ray.kernels.fused_distill import fused_distill_loss
+
+    hs0, ht, w, weights = _head_rows(3000, dtype)
+    tok = torch.randint(0, w.shape[0], (3000,), device=hs0.device, generator=torch.Generator(hs0.device).manual_seed(2))
+    res = {}
+    for backend in ("torch", "triton"):
+        x = hs0.clone().requires_grad_(True)
+        used = torch.empty(3000, device=hs0.device)
+        loss, _ = fused_distill_loss(x, ht, w, weights, alpha=0.8, temperature=1.0, clip=10.0, chunk_size=1024,
+                                     backend=backend, token_ids=tok, weights_out=used,
+                                     weights_fn=lambda t1, p: weights * (0.5 + p) * (1.0 + (t1 != tok).float()))
+        loss.backward()
+        res[backend] = (loss.detach(), used, x.grad)
+    (l0, u0, g0), (l1, u1, g1) = res["torch"], res["triton"]
+    assert float(l1) == pytest.approx(float(l0), rel=1e-4)
+    torch.testing.assert_close(u1, u0, atol=1e-3, rtol=1e-3)
+    assert _rel(g1, g0) < (1e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
 @pytest.mark.parametrize("temperature,clip,clip_mode", [(1.0, 10.0, "per_token"), (0.7, 0.01, "reference")])
 def test_fused_loss_matches_reference_impl(temperature, clip, clip_mode):
     """mixture_rkl_loss with impl="triton" / "torch" against the original computation (impl="reference"), bf16."""

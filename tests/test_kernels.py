@@ -137,8 +137,50 @@ def test_forward_kl_impls_agree():
     torch.testing.assert_close(res[0][2], res[1][2], atol=2e-7, rtol=2e-5)
 
 
-def test_distill_module_impls_agree(tiny_target):
-    """The trainer's whole forward (drafter + loss + cost head) gives the same loss and drafter gradients."""
+def test_weights_fn_from_the_loss_pass_equals_a_separate_pass():
+    """mixture_rkl_loss(weights_fn=...): the fused impl takes (student argmax, probability of token_ids) from its own
+    vocabulary pass; the reference impl (and the reference clamp) from a separate pass first. Same weights, loss,
+    metrics and gradient; a weights_fn needs token_ids."""
+    from adaflash_ray.distill.losses import token_stats_rows
+
+    hs0, ht, w, weights = _rows(m=41, h=16, v=64, seed=7, dtype=torch.float32)
+    tok = torch.randint(0, 64, (41,), generator=torch.Generator().manual_seed(1))
+
+    def fn(top1, prob):  # depends on both inputs, as D-PACE x reject-boost does
+        return weights * (0.5 + prob) * (1.0 + (top1 != tok).float())
+
+    top1, prob = token_stats_rows(hs0, w, tok, chunk_size=7)
+    want = fn(top1, prob)
+    out = {}
+    for impl, mode in (("reference", "per_token"), ("torch", "per_token"), ("explicit", "per_token"),
+                       ("reference", "reference"), ("torch", "reference")):
+        h = hs0.clone().requires_grad_(True)
+        used = torch.empty(41)
+        kw = dict(alpha=0.8, temperature=0.9, clip=0.5, clip_mode=mode, chunk_size=5, weights_out=used)
+        if impl == "explicit":
+            loss, metrics = mixture_rkl_loss(h, ht, w, want, impl="reference", **kw)
+        else:
+            loss, metrics = mixture_rkl_loss(h, ht, w, weights, impl=impl, token_ids=tok, weights_fn=fn, **kw)
+        loss.backward()
+        torch.testing.assert_close(used, want, atol=1e-6, rtol=1e-5)
+        out[impl, mode] = (loss.detach(), metrics, h.grad)
+    for mode in ("per_token", "reference"):
+        base = out["reference", mode]
+        for key in [k for k in out if k[1] == mode]:
+            loss, metrics, grad = out[key]
+            torch.testing.assert_close(loss, base[0], atol=2e-6, rtol=2e-6)
+            assert metrics == pytest.approx(base[1], rel=1e-5, abs=1e-6), key
+            torch.testing.assert_close(grad, base[2], atol=2e-7, rtol=2e-5)
+    with pytest.raises(ValueError, match="token_ids"):
+        mixture_rkl_loss(hs0, ht, w, weights, impl="torch", weights_fn=fn)
+    with pytest.raises(ValueError, match="per_token"):
+        fused_distill_loss(hs0, ht, w, weights, clip_mode="reference", token_ids=tok, weights_fn=fn)
+
+
+@pytest.mark.parametrize("weighting,boost", [("exp_decay", 0.0), ("dpace", 1.0)])
+def test_distill_module_impls_agree(tiny_target, weighting, boost):
+    """The trainer's whole forward (drafter + loss + cost head) gives the same loss and drafter gradients, also with
+    D-PACE weights and a rejection boost (fused: from the loss's own pass; reference: a separate pass)."""
     from conftest import make_drafter
 
     from adaflash_ray.config import LengthHeadConfig
@@ -156,7 +198,7 @@ def test_distill_module_impls_agree(tiny_target):
         drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=0)
         drafter.requires_grad_(True).train()
         head.requires_grad_(True)
-        dcfg = DistillConfig(loss_chunk_size=9, loss_impl=impl)
+        dcfg = DistillConfig(loss_chunk_size=9, loss_impl=impl, position_weighting=weighting, reject_boost=boost)
         module = DistillModule(drafter, head, tiny_target.lm_head, dcfg, LengthHeadConfig(policy="cost"))
         loss, metrics = module(batch)
         loss.backward()
@@ -220,6 +262,19 @@ _INTERPRET_SCRIPT = textwrap.dedent("""
                 torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
             else:
                 assert torch.equal(a, b)
+    # weights from the loss's own pass (token_ids + weights_fn): the kernel's token log-probabilities
+    tok = torch.randint(0, v, (m,), generator=g)
+    fn = lambda top1, prob: weights * (0.5 + prob) * (1.0 + (top1 != tok).float())
+    res = {}
+    for backend in ("torch", "triton"):
+        x = hs0.clone().requires_grad_(True)
+        used = torch.empty(m)
+        loss, _ = fused_distill_loss(x, ht, w, weights, alpha=0.7, temperature=1.3, clip=0.4, chunk_size=4,
+                                     backend=backend, token_ids=tok, weights_fn=fn, weights_out=used)
+        loss.backward()
+        res[backend] = (loss.detach(), used, x.grad)
+    for a, b in zip(res["triton"], res["torch"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     print("interpreter ok")
 """)
 

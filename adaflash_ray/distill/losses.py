@@ -62,7 +62,8 @@ def mixture_rkl_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
                      weights: torch.Tensor, *, alpha: float = 0.8, temperature: float = 1.0, clip: float = 10.0,
                      clip_mode: str = "per_token", chunk_size: int = 1024,
                      argmax_out: torch.Tensor | None = None, confidence_out: torch.Tensor | None = None,
-                     impl: str = "reference") -> tuple[torch.Tensor, dict[str, float]]:
+                     impl: str = "reference", token_ids: torch.Tensor | None = None, weights_fn=None,
+                     weights_out: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Mixture reverse-KL distillation loss (docs/design/ALGORITHMS.md §3; AdaFlash).
 
     ``L = α·CE + (1-α)·L_RKL`` with ``CE = Σ_i w_i·CE_i / Σ_i w_i``, ``CE_i = -log softmax(z_S,i)[argmax z_T,i]``
@@ -88,6 +89,13 @@ def mixture_rkl_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
         impl: ``distill.loss_impl``: ``reference`` (:func:`chunked_kl_terms` under autograd), ``torch`` / ``triton``
             (:func:`fused_distill_loss` with that backend: the same loss, its gradient computed in the forward
             pass), ``auto`` (:func:`adaflash_ray.kernels.fused_distill.resolve_loss_impl` on the input's device).
+        token_ids, weights_fn: weights that depend on the drafter's current predictions: ``weights_fn(student_argmax
+            [M] int64, token_prob [M] float32) -> [M]`` replaces ``weights``, ``token_prob`` being the student's
+            probability of ``token_ids`` ``[M]`` (the trajectory's tokens) at T = 1. The fused impls with
+            ``clip_mode="per_token"`` take both from the loss's own vocabulary pass
+            (:func:`~adaflash_ray.kernels.fused_distill.fused_distill_loss`); otherwise one no-grad pass over the head
+            (:func:`student_token_stats`) computes them first. Same weights either way.
+        weights_out: optional float32 ``[M]`` tensor that receives the weights used.
     Returns:
         ``(loss, metrics)``: loss a float32 scalar with gradient into ``student_hidden``; metrics
         ``train/ce``, ``train/rkl`` (the clipped L_RKL), ``train/rkl_raw`` (unclipped weighted mean),
@@ -102,11 +110,22 @@ def mixture_rkl_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
         raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
     _check_rows(student_hidden, weights, confidence_out)
     impl = resolve_loss_impl(impl, student_hidden.device)
+    if weights_fn is not None:
+        if token_ids is None or token_ids.shape != (student_hidden.shape[0],):
+            raise ValueError(f"weights_fn needs token_ids [M] with M = {student_hidden.shape[0]}")
+        if impl == "reference" or clip_mode != "per_token":  # the weights first, from a pass of their own
+            top1, prob = token_stats_rows(student_hidden.detach(), lm_head_weight, token_ids, chunk_size)
+            weights, weights_fn = weights_fn(top1, prob), None
+    used = torch.empty(student_hidden.shape[0], dtype=torch.float32, device=student_hidden.device) \
+        if weights_fn is not None else None
     fused = None if impl == "reference" else dict(weights=weights, alpha=alpha, clip=clip, clip_mode=clip_mode,
-                                                   backend=impl)
+                                                   backend=impl, token_ids=token_ids if used is not None else None,
+                                                   weights_fn=weights_fn, weights_out=used)
     ce, rkl, s_arg, t_arg, fused_loss = _terms(student_hidden, teacher_hidden, lm_head_weight, temperature,
                                                chunk_size, "reverse", argmax_out, confidence_out, fused)
-    w = weights.detach().float()
+    w = (weights if used is None else used).detach().float()
+    if weights_out is not None:
+        weights_out.copy_(w)
     den = w.sum()
     safe_den = den.clamp_min(1e-12)
     ce_loss = (w * ce).sum() / safe_den
@@ -191,19 +210,31 @@ def student_token_stats(student_hidden: torch.Tensor, lm_head_weight: torch.Tens
         ValueError: ``chunk_size < 1`` or ``M`` != ``position_valid.sum()``.
     """
     m = student_hidden.shape[0]
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if m != int(position_valid.sum()):
         raise ValueError(f"student_hidden has {m} rows, position_valid {int(position_valid.sum())} True")
-    tgt = target_ids[position_valid]  # [M]
+    return token_stats_rows(student_hidden, lm_head_weight, target_ids[position_valid], chunk_size)
+
+
+@torch.no_grad()
+def token_stats_rows(student_hidden: torch.Tensor, lm_head_weight: torch.Tensor, token_ids: torch.Tensor,
+                     chunk_size: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`student_token_stats` by rows: ``student_hidden [M, H]``, ``token_ids [M]`` int64 ->
+    ``(top1 [M] int64, prob [M] float32)``, the probability of ``token_ids`` at T = 1.
+
+    Raises:
+        ValueError: ``chunk_size < 1``.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    m = student_hidden.shape[0]
     w = lm_head_weight.to(student_hidden.dtype)
     top1, prob = [], []
     for i in range(0, m, chunk_size):
         z = (student_hidden[i:i + chunk_size] @ w.T).float()  # [c, V]
         top1.append(z.argmax(-1))
-        prob.append(torch.softmax(z, -1).gather(-1, tgt[i:i + chunk_size, None])[:, 0])
+        prob.append(torch.softmax(z, -1).gather(-1, token_ids[i:i + chunk_size, None])[:, 0])
     if m == 0:
-        return tgt.new_empty(0), torch.empty(0, dtype=torch.float32, device=student_hidden.device)
+        return token_ids.new_empty(0), torch.empty(0, dtype=torch.float32, device=student_hidden.device)
     return torch.cat(top1), torch.cat(prob)
 
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from adaflash_ray.distill.blocks import Batch, collate, with_recomputed_features
 from adaflash_ray.distill.losses import (accepted_length, dpace_weights, first_rejection_weights,
-                                         mixture_rkl_loss, student_token_stats)
+                                         mixture_rkl_loss)
 from adaflash_ray.engine.length_policy import length_policy
 from adaflash_ray.kernels.fused_distill import resolve_loss_impl
 from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
@@ -151,18 +151,22 @@ class DistillModule(nn.Module):
                 else None)  # [M, 2] student (max prob, entropy) at T = 1, filled by the loss's vocabulary pass
         weights = batch.weights[sel]  # [M]
         dpace = getattr(cfg, "position_weighting", "exp_decay") == "dpace"
-        if cfg.reject_boost > 0 or dpace:  # one no-grad pass over the shared head serves both
-            top1, prob = student_token_stats(student.detach(), self._lm_head.weight, batch.target_ids, sel,
-                                             cfg.loss_chunk_size)
-            if dpace:  # D-PACE replaces the fixed exp(-(k-1)/7) decay
-                weights = dpace_weights(prob, sel, cfg.dpace_alpha)
-            if cfg.reject_boost > 0:  # the drafter's own mistakes weigh more (distill.reject_boost, Draft-OPD)
-                weights = weights * first_rejection_weights(top1, batch.target_ids, sel, cfg.reject_boost)
+        weights_fn = None
+        if cfg.reject_boost > 0 or dpace:  # weights from the drafter's current top-1 / token probability
+
+            def weights_fn(top1: torch.Tensor, prob: torch.Tensor) -> torch.Tensor:
+                w = dpace_weights(prob, sel, cfg.dpace_alpha) if dpace else weights  # D-PACE replaces exp decay
+                if cfg.reject_boost > 0:  # the drafter's own mistakes weigh more (distill.reject_boost, Draft-OPD)
+                    w = w * first_rejection_weights(top1, batch.target_ids, sel, cfg.reject_boost)
+                return w
+        # the fused loss takes top-1 and probability from its own vocabulary pass (no second pass over the head)
         loss, metrics = mixture_rkl_loss(student, teacher, self._lm_head.weight, weights,
                                          alpha=cfg.alpha, temperature=cfg.temperature, clip=cfg.rkl_clip,
                                          clip_mode=cfg.rkl_clip_mode, chunk_size=cfg.loss_chunk_size,
                                          argmax_out=s_arg, confidence_out=conf,
-                                         impl=getattr(cfg, "loss_impl", "reference"))
+                                         impl=getattr(cfg, "loss_impl", "reference"),
+                                         token_ids=batch.target_ids[sel] if weights_fn is not None else None,
+                                         weights_fn=weights_fn)
         draft_ids = torch.full_like(batch.target_ids, -1)
         draft_ids[sel] = s_arg
         num_accepted = accepted_length(draft_ids, batch.target_ids, sel)  # [B, N]
