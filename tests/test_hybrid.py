@@ -414,3 +414,44 @@ def test_planner_keeps_the_block_when_lookups_win_a_step_and_device_lookups_alwa
         for _ in range(12):
             r.plan(1, [30], [None], [sure])
         assert r.lookup_due() is due_after
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_planner_nothing_to_verify_fast_path_matches_the_arrays(where):
+    """A step with no pending block and no non-empty lookup proposal (the γ = 0 regime) takes
+    ``HybridPlanner._plan_nothing``: the same choices, propose, plan value and schedules as the general array path
+    (``_plan_general``), step after step, with and without costs, host lookup time, fixed γ, and steps that do have
+    something to verify in between (both planners then take the general path)."""
+    from adaflash_ray.engine.hybrid import LookupArrays
+
+    rng = np.random.default_rng(0)
+    num_fast = 0
+    for with_costs in (True, False):
+        fast, ref = (HybridPlanner(("dflash", "suffix"), 15, 16, [1, 2, 3, 4, 6, 8, 12, 16], probe_every=2,
+                                   lookup_on_device=where == "device") for _ in range(2))
+        if with_costs:
+            for p in (fast, ref):
+                _costs(p, 1.5, 1.0, 1.3)
+        for step in range(80):
+            n = int(rng.integers(1, 6))
+            caps = rng.integers(0, 30, n).tolist()
+            block = [1 + 0.5 * g for g in range(1, 16)]
+            dexp = [block if rng.random() < 0.1 else None for _ in range(n)]
+            fixed = [3 if rng.random() < 0.1 else None for _ in range(n)]
+            device, props = None, [None] * n
+            if where == "device":
+                device = LookupArrays(np.where(rng.random(n) < 0.15, 4, 0), rng.integers(0, 4, n),
+                                      rng.integers(0, 6, n), rng.integers(0, 2, n), rng.random(n) < 0.7)
+            else:
+                props = [None if rng.random() < 0.3 else Proposal([5, 6, 7], 2, "context", [3, 2, 1], 3)
+                         if rng.random() < 0.15 else Proposal([], 0, "context", [], 0) for _ in range(n)]
+            args = (4 if n > 1 else 1, caps, dexp, props, fixed, float(rng.choice([0.0, 0.05])), device)
+            empty = all(e is None for e in dexp) and (
+                not (device.valid & (device.length > 0)).any() if device is not None else
+                all(p is None or not len(p) for p in props))
+            num_fast += empty
+            got, want = fast.plan(*args), ref._plan_general(*args)
+            assert got[1] == want[1] and [vars(c) for c in got[0]] == [vars(c) for c in want[0]], step
+            assert (fast.last_value, fast._use, fast._since, fast._interval, fast._idle) == \
+                (ref.last_value, ref._use, ref._since, ref._interval, ref._idle), step
+    assert num_fast > 40  # the fast path ran

@@ -363,6 +363,8 @@ class SpecEngine:
     def _admit(self, spec: bool, finished: list[Request]) -> None:
         """Move waiting requests into free KV slots and prefill them: each commits its first token, and (with
         ``spec``) its first block is proposed, with the γ the length policy gives it joining the batch."""
+        if not (self.scheduler.waiting and self.scheduler.free_slots):  # nothing to admit (most steps)
+            return
         running_before = [r.next_draft_len for r in self.scheduler.running]
         admitted = self.scheduler.admit()
         if not admitted:
@@ -396,7 +398,8 @@ class SpecEngine:
         and whether the step proposes the next block (the policy's probe schedule)."""
         running = list(self.scheduler.running)
         batch_size = max(r.slot for r in running) + 1
-        if spec and self.guard is not None and not any(r.params.draft_len is not None for r in running) and \
+        own = [r.params.draft_len is not None for r in running]  # requests that fix their own γ
+        if spec and self.guard is not None and not any(own) and \
                 self.guard.force_ar(batch_size):  # the policy is slower than AR here: AR steps for a while
             self.stats.num_guard_steps += 1
             return _Batch(running, [0] * len(running), True, False, append=False, batch_size=batch_size)
@@ -409,8 +412,7 @@ class SpecEngine:
             gammas = [0] * len(running)
         propose = True
         if self.policy is not None:
-            propose = self.policy.propose_now(spec, [r.next_draft_len for r in running],
-                                              [r.params.draft_len is not None for r in running])
+            propose = self.policy.propose_now(spec, [r.next_draft_len for r in running], own)
         # a step that does not propose is an AR step (the cost policy's γ = 0): its drafter context append is
         # deferred and caught up from the feature history when the next step proposes
         return _Batch(running, gammas, spec, propose, append=propose, batch_size=batch_size)

@@ -54,6 +54,7 @@ plans again - the planner's schedules and calibration are untouched by the force
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -172,24 +173,30 @@ class LookupCalibration:
         num_buckets = 2 * max_ngram * (len(OCCURRENCE_EDGES) + 1)
         self.tried = np.zeros((num_buckets, max_draft))  # decayed counts: verified proposals reaching position i
         self.accepted = np.zeros((num_buckets, max_draft))  # ... and accepting it
+        self._cum: np.ndarray | None = None  # expected()'s table of the current counts (None: record() changed them)
+        self._edges = np.asarray(OCCURRENCE_EDGES)
+        self._gammas = np.arange(max_draft + 1)[None]  # [1, D + 1]
 
     def bucket(self, source: np.ndarray, match_len: np.ndarray, num_occurrences: np.ndarray) -> np.ndarray:
         """``[n]`` int64 bucket ids (the match length clipped to 1..max_ngram)."""
-        occ = np.searchsorted(OCCURRENCE_EDGES, np.asarray(num_occurrences), side="right")
-        n = np.clip(np.asarray(match_len), 1, self.max_ngram) - 1
+        occ = np.searchsorted(self._edges, np.asarray(num_occurrences), side="right")
+        n = np.minimum(np.maximum(np.asarray(match_len), 1), self.max_ngram) - 1
         return (np.asarray(source) * self.max_ngram + n) * (len(OCCURRENCE_EDGES) + 1) + occ
 
     def expected(self, buckets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """``[n, max_draft + 1]`` float: column γ = E[accepted | γ] of each row's proposal (0 at γ = 0; flat past
         its ``lengths`` ``[n]``; all 0 for a length-0 row)."""
-        p = (self.accepted + self.prior_weight * self.prior) / (self.tried + self.prior_weight)  # [nb, D]
-        cum = np.concatenate([np.zeros((len(p), 1)), np.cumsum(np.cumprod(p, 1), 1)], 1)  # [nb, D + 1]
-        g = np.minimum(np.arange(self.max_draft + 1)[None], np.asarray(lengths)[:, None])  # [n, D + 1]
+        cum = self._cum
+        if cum is None:  # computed again only after record() changed the counts
+            p = (self.accepted + self.prior_weight * self.prior) / (self.tried + self.prior_weight)  # [nb, D]
+            cum = self._cum = np.concatenate([np.zeros((len(p), 1)), np.cumsum(np.cumprod(p, 1), 1)], 1)  # [nb, D+1]
+        g = np.minimum(self._gammas, np.asarray(lengths)[:, None])  # [n, D + 1]
         return cum[np.asarray(buckets)[:, None], g]
 
     def record(self, buckets: np.ndarray, draft_lens: np.ndarray, num_accepted: np.ndarray) -> None:
         """One step's verified device-lookup drafts (``[m]`` each): bucket, γ, accepted a. Positions
         1..min(a + 1, γ) were tried, 1..a accepted."""
+        self._cum = None
         self.tried *= 1 - self.decay
         self.accepted *= 1 - self.decay
         pos = np.arange(1, self.max_draft + 1)[None]  # [1, D]
@@ -238,6 +245,8 @@ class HybridPlanner:
         self.sources, self.max_draft, self.block_size = sources, max_draft, block_size
         self.lookup_on_device = lookup_on_device
         self.widths = sorted(w for w in set(widths) if 1 <= w <= max_draft + 1) or [1]
+        self._widths = np.asarray(self.widths)
+        self._widx = self._widths - 1  # the cost tables' columns of the widths (and each width's longest γ)
         self.probe_every = probe_every
         self.calibration = calibration or SourceCalibration()
         self.lookup_calibration = LookupCalibration(max_ngram, max_draft)
@@ -276,8 +285,7 @@ class HybridPlanner:
         self.batch_sizes, self.spec_costs, self.lookup_costs = list(batch_sizes), full, look
 
     def _row(self, batch_size: int) -> int:
-        i = int(np.searchsorted(self.batch_sizes, batch_size))
-        return min(i, len(self.batch_sizes) - 1)
+        return min(bisect.bisect_left(self.batch_sizes, batch_size), len(self.batch_sizes) - 1)
 
     # ------------------------------------------------------------------ schedules
     def lookup_due(self) -> bool:
@@ -335,44 +343,83 @@ class HybridPlanner:
         Returns:
             (choices, propose): one :class:`RowChoice` per request; ``propose`` True when the drafter's block is to
             be proposed in this step (it was chosen for some request, or its probe is due).
+
+        A step with nothing to verify (no pending block, no lookup proposal of a token or more: the γ = 0 regime)
+        takes :meth:`_plan_nothing`, the same answer and state updates without the arrays.
         """
+        if not (self.use_dflash and any(e is not None for e in dflash_expected)):
+            if device is None:
+                empty = all(p is None or not len(p) for p in proposals)
+            else:
+                empty = not (device.valid & (device.length > 0)).any()
+            if empty:
+                looked = bool(device.valid.any()) if device is not None else any(p is not None for p in proposals)
+                return self._plan_nothing(batch_size, len(caps), fixed, looked, lookup_ms)
+        return self._plan_general(batch_size, caps, dflash_expected, proposals, fixed, lookup_ms, device)
+
+    def _plan_nothing(self, batch_size: int, n: int, fixed: list[int | None] | None, looked: bool,
+                      lookup_ms: float) -> tuple[list[RowChoice], bool]:
+        """:meth:`plan` of a step where no row has a pending block or a non-empty lookup proposal (``looked``: some row
+        was looked up): every row "none"; the plan's value, the drafter's propose and the schedules as
+        :meth:`_plan_general` sets them there (tokens per ms = n / the cheapest width's cost; lookups that took host
+        time, ``lookup_ms`` > 0, never pay for it)."""
+        costs = self.spec_costs is not None
+        probe_d = self.use_dflash and self._idle["dflash"] and self._since["dflash"] >= self._interval["dflash"]
+        if costs:
+            table = self.spec_costs if probe_d else self.lookup_costs
+            self.last_value = float((float(n) / table[self._row(batch_size), self._widx]).max())
+        else:
+            self.last_value = None
+        forced = fixed is not None and any(f is not None for f in fixed)
+        propose = self.use_dflash and (probe_d or forced or not self._idle["dflash"])
+        self._advance("dflash", False, False, probed=propose)
+        if self.lookup is not None:
+            use = self._note_use("lookup", False) if looked else self._use["lookup"]
+            lookup_pays = not (costs and looked and lookup_ms > 0)
+            self._advance("lookup", looked and use >= IDLE_BELOW and lookup_pays, looked)
+        return [RowChoice("none", 0) for _ in range(n)], propose
+
+    def _plan_general(self, batch_size: int, caps: list[int], dflash_expected: list[list[float] | None],
+                      proposals: list[Proposal | None], fixed: list[int | None] | None = None, lookup_ms: float = 0.0,
+                      device: LookupArrays | None = None) -> tuple[list[RowChoice], bool]:
+        """:meth:`plan` by the arrays (every case)."""
         n = len(caps)
         fixed = fixed or [None] * n
         nd = self.max_draft
         cal = self.calibration
         # cumulative estimated accepted tokens by γ (index γ; 0 at γ = 0), calibrated, flat past each proposal's end
-        dfl = np.full((n, nd + 1), -1.0)
-        look = np.zeros((n, nd + 1))
         has_d = np.zeros(n, dtype=bool)
-        f_d = cal.factor("dflash")
-        f_l = cal.factor(self.lookup) if self.lookup else 0.0
-        raw_l = np.zeros((n, nd + 1))
+        any_d = self.use_dflash and any(e is not None for e in dflash_expected)  # = has_d.any()
+        dfl = np.full((n, nd + 1), -1.0) if any_d else None
+        host_look = device is None
+        raw_l = np.zeros((n, nd + 1)) if host_look else None
         for i, (e, prop) in enumerate(zip(dflash_expected, proposals)):
-            if e is not None and self.use_dflash:
+            if e is not None and any_d:
                 ev = np.asarray(e[: min(len(e), nd)], dtype=np.float64) - 1.0
                 dfl[i, 0] = 0.0
                 dfl[i, 1:len(ev) + 1] = ev
                 dfl[i, len(ev) + 1:] = ev[-1] if len(ev) else 0.0
                 has_d[i] = True
-            if prop is not None and len(prop):
+            if host_look and prop is not None and len(prop):
                 c = np.cumsum(prop.prefix_probs()[:nd])
                 raw_l[i, 1:len(c) + 1] = c
                 raw_l[i, len(c) + 1:] = c[-1]
-        dfl[has_d] *= f_d
-        caps_a = np.minimum(np.asarray(caps, dtype=np.int64), nd).clip(min=0)
+        if any_d:
+            dfl[has_d] *= cal.factor("dflash")
+        caps_a = np.maximum(np.minimum(np.asarray(caps, dtype=np.int64), nd), 0)
         if device is not None:  # vectorised: no per-request Proposal
             buckets = self.lookup_calibration.bucket(device.source, device.match_len, device.num_occurrences)
             prop_len = np.where(device.valid, np.minimum(device.length, nd), 0).astype(np.int64)
             raw_l = look = self.lookup_calibration.expected(buckets, prop_len)
             looked = bool(device.valid.any())
         else:
-            look = raw_l * f_l
+            look = raw_l * (cal.factor(self.lookup) if self.lookup else 0.0)
             prop_len = np.array([len(p) if p is not None else 0 for p in proposals], dtype=np.int64)
             looked = any(p is not None for p in proposals)
-        widths = np.asarray(self.widths)
-        gam = np.minimum(widths[None, :] - 1, caps_a[:, None])  # [n, nw]
+        widths = self._widths
+        gam = np.minimum(self._widx[None, :], caps_a[:, None])  # [n, nw]
         rows = np.arange(n)[:, None]
-        v_d = np.where(has_d[:, None], dfl[rows, gam], -1.0)  # [n, nw]
+        v_d = np.where(has_d[:, None], dfl[rows, gam], -1.0) if any_d else None  # [n, nw]; read only with any_d
         v_l = look[rows, np.minimum(gam, prop_len[:, None])]
         probe_d = self.use_dflash and self._idle["dflash"] and self._since["dflash"] >= self._interval["dflash"]
         costs = self.spec_costs is not None
@@ -380,12 +427,12 @@ class HybridPlanner:
 
         def best_plans(lookup_values, extra_ms=0.0):  # [(tokens per ms, width index, dflash allowed)]
             out = []
-            for allow_d in ((True, False) if has_d.any() else (False,)):
+            for allow_d in ((True, False) if any_d else (False,)):
                 best = np.maximum(np.maximum(v_d if allow_d else -1.0, lookup_values), 0.0)  # [n, nw] E[accepted]
                 total = n + best.sum(0)  # expected committed tokens per width
                 if costs:
                     table = self.spec_costs if (allow_d or probe_d) else self.lookup_costs
-                    value = total / (table[r, widths - 1] + extra_ms)
+                    value = total / (table[r, self._widx] + extra_ms)
                 else:
                     value = total + 1e-9 * widths  # no costs: the most tokens, the longest width on a tie
                 j = int(np.argmax(value))
@@ -400,21 +447,24 @@ class HybridPlanner:
         # forced rows (a request's own γ) always take the drafter's block: such a step drafts and proposes
         forced = any(f is not None for f in fixed)
         value, j, allow_d = max(plans, key=lambda t: t[0])
-        if forced and has_d.any():
+        if forced and any_d:
             allow_d = True
         self.last_value = value if costs else None
         choices: list[RowChoice] = []
         used_d = used_l = False
+        # the chosen width's column as host lists (numpy scalar indexing per row costs more than the lists)
+        gam_j, vl_j, len_l = gam[:, j].tolist(), v_l[:, j].tolist(), prop_len.tolist()
+        vd_j = v_d[:, j].tolist() if allow_d else None
         for i in range(n):
-            g_w = int(gam[i, j])
+            g_w = gam_j[i]
             if fixed[i] is not None and has_d[i]:
                 g = min(fixed[i], int(caps_a[i]), self.block_size - 1)
                 choices.append(RowChoice("dflash", g, None, float(dflash_expected[i][g - 1] - 1) if g else 0.0))
                 used_d = used_d or g > 0
                 continue
-            d_val = v_d[i, j] if allow_d else -1.0
-            l_val = v_l[i, j]
-            g_l = min(g_w, int(prop_len[i]))
+            d_val = vd_j[i] if allow_d else -1.0
+            l_val = vl_j[i]
+            g_l = min(g_w, len_l[i])
             if d_val > 0 and d_val >= l_val and g_w > 0:
                 g = min(g_w, self.block_size - 1)
                 choices.append(RowChoice("dflash", g, None, float(dflash_expected[i][g - 1] - 1)))
@@ -430,13 +480,12 @@ class HybridPlanner:
         # the drafter's block stays proposed while it is chosen in enough recent steps that had one (one step where the
         # lookups won every row does not stop it: at batch 1 that is any step with a good lookup match)
         # (and while a plan with it beats plain AR steps: a block that never pays is not kept for its average's sake)
-        use_d = self._note_use("dflash", used_d) if has_d.any() else self._use["dflash"]
+        use_d = self._note_use("dflash", used_d) if any_d else self._use["dflash"]
         d_value = max((v for v, _, allow in plans if allow), default=None)
         d_pays = d_value is not None and (not costs or d_value > n / self.lookup_costs[r, 0])
         keep_d = used_d or (d_pays and use_d >= IDLE_BELOW)
-        propose = self.use_dflash and (keep_d or probe_d or forced or
-                                       (not self._idle["dflash"] and not has_d.any()))
-        self._advance("dflash", keep_d, bool(has_d.any()), probed=propose)
+        propose = self.use_dflash and (keep_d or probe_d or forced or (not self._idle["dflash"] and not any_d))
+        self._advance("dflash", keep_d, any_d, probed=propose)
         if self.lookup is not None:
             use = self._note_use("lookup", used_l) if looked else self._use["lookup"]
             keep = used_l or (looked and use >= IDLE_BELOW)  # a step with no match: keep going
