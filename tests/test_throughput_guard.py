@@ -202,3 +202,31 @@ def test_guard_unit_rules():
             ThroughputGuard([1], **bad)
     with pytest.raises(ValueError, match="strictly increasing"):
         ThroughputGuard([4, 2])
+
+
+def test_guard_ignores_steps_that_capture_a_graph(tiny_target):
+    """A step that captures its CUDA graph (``ModelRunner.step_captured``; lazily, inside the timed step: at c1 the
+    bench's ``--warmup short`` leaves most of a hybrid's graphs to the timed runs) costs a one-off tens of ms: the guard
+    does not charge it to the policy, so drafting as fast as AR never backs off although a few steps were 200 ms.
+    The step-kind times still hold the wall time."""
+    eng = _engine(tiny_target)
+    clock = FakeClock(eng, ar_ms=1.0, draft_ms=1.0)
+    eng.clock = eng.runner.clock = clock
+    eng.runner.length_policy.set_costs([1, 2, 3], torch.ones(3, 7), torch.full((3,), 100.0))
+    fake, drafts, captured = eng.runner.step, [0], (8, 20, 30)
+
+    def step(slots, anchors, anchor_pos, draft_lens, spec, *a, **k):  # drafting steps 8, 20, 30 capture: +200 ms
+        out = fake(slots, anchors, anchor_pos, draft_lens, spec, *a, **k)
+        if spec and any(draft_lens):
+            drafts[0] += 1
+            if drafts[0] in captured:
+                clock.t += 0.2
+                eng.runner.step_captured = True
+        return out
+
+    eng.runner.step = step
+    reqs = eng.generate(_prompts(), SamplingParams(max_new_tokens=100, ignore_eos=True))
+    assert drafts[0] > max(captured) and eng.stats.decode_seconds > 0.2 * len(captured)
+    assert all(b["num_backoffs"] == 0 for b in eng.guard.state().values())
+    for r, p in zip(reqs, _prompts()):
+        assert r.output_ids == greedy_reference(tiny_target, p, 100)

@@ -17,7 +17,8 @@ Every step's wall time (one clock pair around the whole step, which ends in its 
 :class:`SpecStats` by step kind (``ar`` / ``gamma0`` / ``probe`` / ``draft``), beside the prefills' and the drafter
 context catch-ups' times; with the ``cost`` policy (alone or in the hybrid) the same times feed the
 :class:`~adaflash_ray.engine.throughput_guard.ThroughputGuard`, which forces AR steps where the policy's realised
-tokens per ms fall below AR's (``throughput_guard``).
+tokens per ms fall below AR's (``throughput_guard``); a step that captured its CUDA graph (lazily, inside the step) is
+not fed to the guard: its time is a one-off, not what the step costs.
 """
 from __future__ import annotations
 
@@ -355,7 +356,7 @@ class SpecEngine:
             st.num_catch_ups += 1
             st.catch_up_positions += caught_up[0]
             st.catch_up_seconds += caught_up[1]
-        if self.guard is not None:
+        if self.guard is not None and not self.runner.step_captured:  # a graph capture's time is no step's cost
             n = len(batch.requests)
             self.guard.record(batch.batch_size, kind in ("probe", "draft"), n + sum(res.num_accepted), 1e3 * seconds, n)
         return finished

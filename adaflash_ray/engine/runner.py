@@ -217,6 +217,8 @@ class ModelRunner:
         # the last step's catch-up (positions appended, host seconds by ``clock``; the engine sets its clock here)
         self.clock = time.perf_counter
         self.step_catch_up: tuple[int, float] = (0, 0.0)
+        # the last step captured its CUDA graph (or ran the very first step eagerly): a one-off cost, not the step's
+        self.step_captured = False
         pin = self.is_cuda
         self._ints_host = torch.zeros(num_slots, 7 + nd, dtype=torch.long, pin_memory=pin)
         self._floats_host = torch.zeros(num_slots, len(NEUTRAL_FLOATS), dtype=torch.float32, pin_memory=pin)
@@ -511,6 +513,7 @@ class ModelRunner:
             return
         graph = self.graphs.get(key)
         if graph is None:
+            self.step_captured = True
             if not self._warm:  # the very first step runs eagerly (initialises cuBLAS, the allocator, kernels)
                 self._warm = True
                 self._step_fn(*key)
@@ -566,7 +569,7 @@ class ModelRunner:
                     raise ValueError(f"host drafts of request {i}: {len(h)} tokens for γ {g} (max {self.max_draft})")
             elif spec and g and not has_drafter:
                 raise ValueError(f"request {i}: γ {g} without host drafts needs a drafter's pending block")
-        self.step_catch_up = (0, 0.0)
+        self.step_catch_up, self.step_captured = (0, 0.0), False
         if has_drafter and spec and (propose or append):  # a context left behind by AR steps comes back first
             stale = [(s, self.ctx_len[s], p) for s, p in zip(slots, anchor_pos) if self.ctx_len[s] < p]
             if stale:
