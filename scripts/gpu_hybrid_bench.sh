@@ -14,8 +14,9 @@
 #
 # Steps (each under its own timeout; a failed step is reported and the next one still runs):
 # 1. gpu tests of the draft sources and the cost policy's AR steps on CUDA graphs (tiny fp32 target)
-# 2. bench at concurrency 1: 8 prompts per domain, 3 timed repeats per cell (median row; the first repeat also
-#    captures the CUDA graphs, warm-up "short")                                        -> bench_c1.json/.png/.log
+# 2. bench at concurrency 1: 8 prompts per domain, warm-up "repeat" (C1_WARMUP=short: a shorter warm-up that leaves
+#    CUDA-graph captures to the first timed repeat, where they also reach the throughput guard), 3 timed repeats per
+#    cell (median row; 126 s with "short" at 0c891e0)                                  -> bench_c1.json/.png/.log
 # 3. bench at concurrency 64: 64 prompts per domain, warm-up "repeat", 3 timed repeats -> bench_c64.json/.png/.log
 # 4. chat at temperature 0.8, concurrency 1: ar, dflash (sampled drafts), dflash-argmax, hybrid -> bench_t08.json
 # GPU_TESTS=0 skips step 1, T08=0 step 4.
@@ -83,7 +84,7 @@ if [ "${GPU_TESTS:-1}" != 0 ]; then
     -p no:cacheprovider -s
 fi
 step bench_c1 "${C1_TIMEOUT:-230}" python3 -m adaflash_ray.bench --recipe "$RECIPE" --methods "${METHODS[@]}" \
-  --concurrency 1 --domains code chat --num-prompts 8 --max-new-tokens 256 --warmup short \
+  --concurrency 1 --domains code chat --num-prompts 8 --max-new-tokens 256 --warmup "${C1_WARMUP:-repeat}" \
   --repeats "${C1_REPEATS:-3}" --out "$W/bench_c1.json" --plot "$W/bench_c1.png" "$@"
 step bench_c64 "${C64_TIMEOUT:-190}" python3 -m adaflash_ray.bench --recipe "$RECIPE" --methods "${METHODS[@]}" \
   --concurrency 64 --domains code chat --num-prompts 64 --max-new-tokens 256 --warmup repeat \
