@@ -626,6 +626,19 @@ def test_padded_shapes_give_the_same_step(dist_env, target, trajectories):
         sdpa_backends("cudnn")
 
 
+def test_fresh_rows_report_their_own_block_acceptance(dist_env, target, trajectories):
+    """train_step(fresh=...): train/block_accept_len_fresh is the block acceptance of the fresh rows alone (the
+    same step's value when every row is fresh), absent when no row is."""
+    core = dist_env(target, *_cfgs(), seed=6)
+    m_all = core.train_step(trajectories[:3], fresh=[True, True, True])
+    assert m_all["train/block_accept_len_fresh"] == pytest.approx(m_all["train/block_accept_len"], rel=1e-6)
+    assert m_all["train/num_fresh_blocks"] == m_all["train/num_blocks"]
+    m_none = core.train_step(trajectories[:3], fresh=[False, False, False])
+    assert "train/block_accept_len_fresh" not in m_none and m_none["train/num_fresh_blocks"] == 0
+    m_one = core.train_step(trajectories[:3], fresh=[False, True, False])
+    assert 0 < m_one["train/num_fresh_blocks"] < m_one["train/num_blocks"]
+
+
 def test_setup_dist_env_validation(dist_env):
     with pytest.raises(ValueError):
         dist_env.setup_dist_env(2, 2)

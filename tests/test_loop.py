@@ -46,10 +46,12 @@ class FakeCore:
     def __init__(self, events: list, step_s: float = 0.01, stop_at: int | None = None):
         self.events, self.step_s, self.stop_at = events, step_s, stop_at
         self.global_step, self.trained, self.closed, self.stop = 0, [], False, False
+        self.fresh: list[list[bool] | None] = []
 
-    def train_step(self, trajectories: list) -> dict:
+    def train_step(self, trajectories: list, fresh: list[bool] | None = None) -> dict:
         self.global_step += 1
         self.trained.append([t.request_id for t in trajectories])
+        self.fresh.append(fresh)
         if self.stop_at is not None and self.global_step >= self.stop_at:
             self.stop = True
         return {"train/loss": 10.0 / self.global_step, "train/seconds": self.step_s, "train/num_positions": 8.0,
@@ -178,6 +180,7 @@ def test_loop_replays_up_to_max_reuse_then_publishes_what_it_trained():
     assert time.time() - t0 < 10
     assert core.trained[:2] == [["a", "b"], ["c", "d"]]
     assert sorted(x for step in core.trained[2:] for x in step) == ["a", "b", "c", "d"]  # each replayed once
+    assert core.fresh[:2] == [[True, True], [True, True]] and all(not any(f) for f in core.fresh[2:])
     assert summary["final_version"] == 1 and summary["num_fresh"] == 4
     assert events == [("commit", 4), ("publish", 1)]  # the lease ends before the version goes out
 

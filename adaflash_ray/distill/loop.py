@@ -187,7 +187,7 @@ class TrainerLoop:
             if dc.prefetch and recent_s > 0 and not self._may_publish_next(t_first_step, recent_s):
                 # the next batch gathers in the source during this step (returns by the step's end)
                 prefetched = source.prefetch(dc.batch_size, 0.9 * recent_s)
-            m = core.train_step(trajs)
+            m = core.train_step(trajs, fresh=[p[2] == 1 for p in chosen])
             if t_first_step is not None:
                 step_times = step_times[-4:] + [m["train/seconds"]]
             t_first_step = t_first_step or time.time() - m["train/seconds"]

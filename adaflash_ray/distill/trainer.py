@@ -127,15 +127,18 @@ class DistillModule(nn.Module):
         self.head_spec = length_policy(head_cfg.policy) if length_head is not None else None
         self.compute_dtype: torch.dtype | None = None
 
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def forward(self, batch: Batch, fresh: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """Returns ``(loss, metrics)``: loss = mixture RKL (+ λ·length-head loss: MSE for ``direct``, BCE for
-        ``cost``), a float32 scalar; metrics are floats (``train/accept_head_acc`` only with the ``cost`` head)."""
+        ``cost``), a float32 scalar; metrics are floats (``train/accept_head_acc`` only with the ``cost`` head).
+        ``fresh``: optional ``[B]`` bool, the rows trained on for the first time; with some fresh blocks the metrics
+        add ``train/block_accept_len_fresh`` (the block acceptance of those rows alone: the drafter's quality on
+        text it has not fitted yet) and ``train/num_fresh_blocks``."""
         if self.compute_dtype is None:
-            return self._forward(batch)
+            return self._forward(batch, fresh)
         with torch.autocast(batch.input_ids.device.type, dtype=self.compute_dtype):
-            return self._forward(batch)
+            return self._forward(batch, fresh)
 
-    def _forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def _forward(self, batch: Batch, fresh: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.distill_cfg
         bs = self.drafter.block_size
         hidden = self.drafter.forward_train(batch.features, batch.input_ids, batch.anchors,
@@ -195,8 +198,15 @@ class DistillModule(nn.Module):
             if head_acc is not None:  # one host sync for every metric
                 names.append("train/accept_head_acc")
                 parts.append(head_acc.float().reshape(1))
+            if fresh is not None:
+                fv = valid & fresh.to(valid.device)[:, None]  # [B, N]
+                names += ["train/block_accept_len_fresh", "train/num_fresh_blocks"]
+                parts.append(torch.stack([((num_accepted + 1).float() * fv).sum() / fv.sum().clamp_min(1),
+                                          fv.sum().float()]))
             tail = torch.cat(parts).tolist()
         metrics.update(zip(names, tail, strict=True))
+        if metrics.get("train/num_fresh_blocks") == 0:
+            del metrics["train/block_accept_len_fresh"]  # no fresh block: no value
         return loss, metrics
 
 
@@ -356,8 +366,10 @@ class DistillTrainerCore:
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
 
     # ------------------------------------------------------------------ training
-    def train_step(self, trajectories: list) -> dict[str, float]:
-        """One optimizer step on ``trajectories`` (this rank's share of the global batch).
+    def train_step(self, trajectories: list, fresh: list[bool] | None = None) -> dict[str, float]:
+        """One optimizer step on ``trajectories`` (this rank's share of the global batch); ``fresh`` (one bool per
+        trajectory: trained on for the first time) adds ``train/block_accept_len_fresh`` and
+        ``train/num_fresh_blocks`` (:meth:`DistillModule.forward`).
 
         Returns flat metrics: ``train/loss, train/ce, train/rkl, train/rkl_raw, train/rkl_clip_frac,
         train/len_loss`` (the length head's MSE - ``direct`` - or masked BCE - ``cost`` -; 0 without a head),
@@ -387,7 +399,8 @@ class DistillTrainerCore:
             t1 = time.perf_counter()
             lr = float(self.engine.get_lr()[0])
             self.engine.train()
-            loss, metrics = self.engine(batch)  # autocast inside the module; ends in one host sync (its metrics)
+            fresh_rows = None if fresh is None else torch.tensor(fresh, dtype=torch.bool)
+            loss, metrics = self.engine(batch, fresh_rows)  # autocast inside; ends in one host sync (its metrics)
             t2 = time.perf_counter()
             self.engine.backward(loss)
         grad_norm = self._stage0_grad_norm() if self.zero_stage == 0 else None
