@@ -168,6 +168,16 @@ def test_loop_over_spill_files_publishes_on_cadence_saves_then_commits_then_publ
     assert table[1]["positions_per_s"] == pytest.approx(8.0 / 0.01) and table[2]["top1_pos1"] == 0.5
 
 
+def test_version_table_weighs_fresh_acceptance_by_blocks():
+    base = {"train/version": 0.0, "train/num_positions": 4.0, "train/seconds": 1.0, "train/block_accept_len": 2.0}
+    records = [{**base, "train/loss": 1.0, "train/block_accept_len_fresh": 3.0, "train/num_fresh_blocks": 10.0},
+               {**base, "train/loss": 2.0, "train/block_accept_len_fresh": 1.5, "train/num_fresh_blocks": 30.0},
+               {**base, "train/loss": 3.0, "train/num_fresh_blocks": 0.0}, {"sync/version": 1.0}]
+    row = version_table(records)[1]
+    assert row["steps"] == 3 and row["block_accept_len"] == 2.0
+    assert row["block_accept_len_fresh"] == pytest.approx((3.0 * 10 + 1.5 * 30) / 40)
+
+
 def test_loop_replays_up_to_max_reuse_then_publishes_what_it_trained():
     """max_reuse 2: after the fresh data ran out the pool replays each trajectory once more (the replay
     sampler's draws, seeded), then nothing is trainable and, starved past the budget, the loop publishes."""

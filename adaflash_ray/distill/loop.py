@@ -455,8 +455,9 @@ class CheckpointSink:
 def version_table(records: list[dict]) -> dict[int, dict[str, float]]:
     """Per published version N, from the loop's metric dicts: the optimizer steps that trained it (those run
     at version N-1) - ``steps``, mean ``loss``, ``positions_per_s`` (block positions trained per second of
-    optimizer step), mean ``block_accept_len`` and mean ``top1_pos<i>`` (top-1 agreement with the target at
-    block position i) - for every N some record published (``sync/version``)."""
+    optimizer step), mean ``block_accept_len``, ``block_accept_len_fresh`` (over the blocks of first-use
+    trajectories, where steps reported it) and mean ``top1_pos<i>`` (top-1 agreement with the target at block
+    position i) - for every N some record published (``sync/version``)."""
     published = sorted({int(m["sync/version"]) for m in records if "sync/version" in m})
     out = {}
     for v in published:
@@ -468,6 +469,10 @@ def version_table(records: list[dict]) -> dict[int, dict[str, float]]:
                                       / max(sum(m["train/seconds"] for m in steps), 1e-9))
             for key in ["train/block_accept_len"] + sorted(k for k in steps[0] if k.startswith("train/top1_pos")):
                 row[key.split("/", 1)[1]] = sum(m.get(key, 0.0) for m in steps) / len(steps)
+            fresh = [(m["train/block_accept_len_fresh"], m["train/num_fresh_blocks"]) for m in steps
+                     if "train/block_accept_len_fresh" in m]
+            if fresh:  # block-weighted: the fresh rows' acceptance over the version's steps
+                row["block_accept_len_fresh"] = sum(a * n for a, n in fresh) / max(sum(n for _, n in fresh), 1e-9)
         out[v] = row
     return out
 
