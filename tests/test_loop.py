@@ -178,6 +178,28 @@ def test_version_table_weighs_fresh_acceptance_by_blocks():
     assert row["block_accept_len_fresh"] == pytest.approx((3.0 * 10 + 1.5 * 30) / 40)
 
 
+def test_warm_start_groups_its_text_by_length():
+    """distill.warm_start_group_by_length: the warm start's fresh batches are runs of the length-sorted text (each
+    batch's rows of neighbouring lengths), in a seeded order; off, the list order."""
+    from adaflash_ray.distill.loop import length_grouped
+
+    trajs = [_traj(f"t{i}", n) for i, n in enumerate([30, 8, 20, 9, 31, 21, 7, 19])]
+    for group, expect_sorted in ((True, True), (False, False)):
+        core = FakeCore([])
+        loop = TrainerLoop(core, _dc(max_reuse=1, warm_start_group_by_length=group), seed=1)
+        loop.warm_start(trajs, FakeSink([]), train_s=5.0)
+        lengths = {t.request_id: t.num_tokens for t in trajs}
+        batches = [sorted(lengths[r] for r in b) for b in core.trained]
+        assert sorted(x for b in batches for x in b) == sorted(lengths.values())
+        if expect_sorted:
+            assert sorted(batches) == [[7, 8], [9, 19], [20, 21], [30, 31]]
+        else:
+            assert core.trained[0] == ["t0", "t1"]
+    assert length_grouped(trajs, 3, seed=0) == length_grouped(trajs, 3, seed=0)
+    with pytest.raises(ValueError, match="batch_size"):
+        length_grouped(trajs, 0)
+
+
 def test_loop_replays_up_to_max_reuse_then_publishes_what_it_trained():
     """max_reuse 2: after the fresh data ran out the pool replays each trajectory once more (the replay
     sampler's draws, seeded), then nothing is trainable and, starved past the budget, the loop publishes."""

@@ -29,7 +29,7 @@ from adaflash_ray.models import tensors_sha256
 from adaflash_ray.trajectory import Trajectory, within_version_lag
 
 __all__ = ["TrajectorySource", "WeightSink", "TrainerLoop", "DirectorySource", "MemorySource", "CheckpointSink",
-           "version_table", "decode_for_training", "train_from_files", "generate_files", "main"]
+           "length_grouped", "version_table", "decode_for_training", "train_from_files", "generate_files", "main"]
 
 Item = tuple  # (handle, version): a leased trajectory as the source names it, and the drafter version it carries
 
@@ -238,6 +238,8 @@ class TrainerLoop:
 
         self.dc = dc.model_copy(update={"max_train_s": train_s, "publish_every": 1 << 30, "prefetch": False})
         self._on_metrics = tagged
+        if getattr(dc, "warm_start_group_by_length", False):
+            trajectories = length_grouped(trajectories, dc.batch_size, self.seed + self.rank)
         try:
             return self.run(MemorySource(trajectories), sink, num_versions=self.version + 1, close=False)
         finally:
@@ -414,6 +416,19 @@ class DirectorySource(_QueueSource):
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=False)
             self._pool = None
+
+
+def length_grouped(trajectories: list[Trajectory], batch_size: int, seed: int = 0) -> list[Trajectory]:
+    """``trajectories`` reordered so that each run of ``batch_size`` holds similar lengths (the HF Trainer's
+    ``group_by_length``): sorted by token count, cut into groups of ``batch_size``, the groups in a seeded random
+    order. A batch then pads little (its recompute and drafter shapes follow its longest row). Raises: ValueError for
+    ``batch_size < 1``."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    by_len = sorted(trajectories, key=lambda t: t.num_tokens)
+    groups = [by_len[i:i + batch_size] for i in range(0, len(by_len), batch_size)]
+    random.Random(seed).shuffle(groups)
+    return [t for g in groups for t in g]
 
 
 class MemorySource(_QueueSource):
