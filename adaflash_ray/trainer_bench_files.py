@@ -43,8 +43,8 @@ feature rows), ``lengths`` (as ``directory_lengths``, over the timed and split s
 (:data:`FILE_SPLIT_PHASES`, medians in seconds: ``read`` outside the step; ``prep_other`` = prep minus recompute,
 collate and copy; ``loss`` without the head-stats pass (:func:`~adaflash_ray.distill.losses.token_stats_rows`,
 run inside the loss where it runs at all); ``forward_other`` = forward minus drafter, loss and the head-stats
-pass; ``other`` = the step minus every phase inside it), ``flops`` (:func:`adaflash_ray.trainer_bench.step_flops` from the steps' real
-lengths and anchor counts, means), ``floor_ratio`` (step seconds / floor seconds at ``peak_tflops``, summed over the
+pass; ``other`` = the step minus every phase inside it), ``flops``
+(:func:`adaflash_ray.trainer_bench.step_flops` from the steps' real lengths and anchor counts, means), ``floor_ratio`` (step seconds / floor seconds at ``peak_tflops``, summed over the
 timed steps), ``peak_mem_gib`` (CUDA), ``last_loss``; a row that ran out of CUDA memory has ``error`` instead.
 """
 from __future__ import annotations
