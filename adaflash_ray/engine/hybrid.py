@@ -371,13 +371,21 @@ class HybridPlanner:
         else:
             self.last_value = None
         forced = fixed is not None and any(f is not None for f in fixed)
-        propose = self.use_dflash and (probe_d or forced or not self._idle["dflash"])
-        self._advance("dflash", False, False, probed=propose)
-        if self.lookup is not None:
-            use = self._note_use("lookup", False) if looked else self._use["lookup"]
-            lookup_pays = not (costs and looked and lookup_ms > 0)
-            self._advance("lookup", looked and use >= IDLE_BELOW and lookup_pays, looked)
+        propose = self._end_step(False, False, False, looked, probe_d, forced,
+                                 lookup_pays=not (costs and looked and lookup_ms > 0))
         return [RowChoice("none", 0) for _ in range(n)], propose
+
+    def _end_step(self, any_d: bool, keep_d: bool, used_l: bool, looked: bool, probe_d: bool, forced: bool,
+                  lookup_pays: bool) -> bool:
+        """The step's schedule updates, shared by both plan paths: whether the drafter proposes (kept, probed, forced,
+        or not idle with no block pending), the dflash and lookup use averages and schedules. Returns ``propose``."""
+        propose = self.use_dflash and (keep_d or probe_d or forced or (not self._idle["dflash"] and not any_d))
+        self._advance("dflash", keep_d, any_d, probed=propose)
+        if self.lookup is not None:
+            use = self._note_use("lookup", used_l) if looked else self._use["lookup"]
+            keep = used_l or (looked and use >= IDLE_BELOW)  # a step with no match: keep going
+            self._advance("lookup", keep and lookup_pays, looked)
+        return propose
 
     def _plan_general(self, batch_size: int, caps: list[int], dflash_expected: list[list[float] | None],
                       proposals: list[Proposal | None], fixed: list[int | None] | None = None, lookup_ms: float = 0.0,
@@ -484,13 +492,7 @@ class HybridPlanner:
         d_value = max((v for v, _, allow in plans if allow), default=None)
         d_pays = d_value is not None and (not costs or d_value > n / self.lookup_costs[r, 0])
         keep_d = used_d or (d_pays and use_d >= IDLE_BELOW)
-        propose = self.use_dflash and (keep_d or probe_d or forced or (not self._idle["dflash"] and not any_d))
-        self._advance("dflash", keep_d, any_d, probed=propose)
-        if self.lookup is not None:
-            use = self._note_use("lookup", used_l) if looked else self._use["lookup"]
-            keep = used_l or (looked and use >= IDLE_BELOW)  # a step with no match: keep going
-            self._advance("lookup", keep and lookup_pays, looked)
-        return choices, propose
+        return choices, self._end_step(any_d, keep_d, used_l, looked, probe_d, forced, lookup_pays)
 
     def _note_use(self, key: str, used: bool) -> float:
         """One more step of ``key``'s moving average of verified proposals (:data:`USE_EMA`); its new value."""
