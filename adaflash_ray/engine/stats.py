@@ -39,6 +39,11 @@ from typing import Iterable
 STEP_KINDS = ("ar", "gamma0", "probe", "draft")
 
 
+def _time_row(count: int, seconds: float) -> dict:
+    """``{"count", "total_ms", "mean_ms"}`` (mean None without a count)."""
+    return {"count": count, "total_ms": 1e3 * seconds, "mean_ms": 1e3 * seconds / count if count else None}
+
+
 @dataclass
 class SpecStats:
     """Running counts. Add one request-step with :meth:`record_step`, build from recorded per-step lists with
@@ -134,17 +139,14 @@ class SpecStats:
     @property
     def step_ms_by_kind(self) -> dict[str, dict[str, float]]:
         """``{kind: {"count", "total_ms", "mean_ms"}}`` for each step kind seen (:data:`STEP_KINDS` order)."""
-        return {k: {"count": self.kind_steps[k], "total_ms": 1e3 * self.kind_seconds.get(k, 0.0),
-                    "mean_ms": 1e3 * self.kind_seconds.get(k, 0.0) / self.kind_steps[k]}
+        return {k: _time_row(self.kind_steps[k], self.kind_seconds.get(k, 0.0))
                 for k in STEP_KINDS if self.kind_steps.get(k, 0) > 0}
 
     def timing(self) -> dict:
         """JSON-ready wall-time split: ``steps`` (:attr:`step_ms_by_kind`), ``prefill`` and ``catch_up``
         (``{"count", "total_ms", "mean_ms"}``, catch-up with ``num_positions``), ``num_guard_steps``."""
-        def one(n, s):
-            return {"count": n, "total_ms": 1e3 * s, "mean_ms": 1e3 * s / n if n else None}
-        return {"steps": self.step_ms_by_kind, "prefill": one(self.num_prefills, self.prefill_seconds),
-                "catch_up": {**one(self.num_catch_ups, self.catch_up_seconds),
+        return {"steps": self.step_ms_by_kind, "prefill": _time_row(self.num_prefills, self.prefill_seconds),
+                "catch_up": {**_time_row(self.num_catch_ups, self.catch_up_seconds),
                              "num_positions": self.catch_up_positions},
                 "num_guard_steps": self.num_guard_steps}
 
