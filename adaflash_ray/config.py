@@ -390,6 +390,10 @@ class DataConfig(_Section):
     # its greedy text - the rest at engine.temperature. Every k-th request by a deterministic even spread.
     sample_fraction: float = Field(0.0, ge=0, le=1)
     sampled_temperature: float = Field(0.8, gt=0, le=2)
+    # training requests kept open per inference worker (running + waiting), topped up at every driver poll
+    # (<= 2 s apart); None = 2 x engine.max_batch_size. Deeper keeps a fast engine from idling between polls
+    # and makes the admission order independent of poll timing once it holds every request the run needs
+    worker_queue_depth: int | None = Field(None, ge=1)
 
     def is_sampled(self, index: int) -> bool:
         """Whether training request ``index`` (0, 1, ... in issue order) is one of the ``sample_fraction`` share

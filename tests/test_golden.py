@@ -46,7 +46,13 @@ RECIPE = ROOT / "recipes" / "cpu_tiny.yaml"
 # batch 1 time in 3); no τ canary (its decodes share worker 0's slots at moments set by thread timing, which
 # reorders the trajectories the buffer hands out: step 4's loss moved 2.2 %). So every step trains on the next
 # batch_size fresh trajectories in the engine's own order.
-OVERRIDES = ["logging.wandb_mode=disabled", "distill.max_reuse=1", "distill.canary_prompts=0"]
+# And a worker queue that holds every request the run needs from the first poll on (the default tops it up to 2 x
+# engine.max_batch_size every <= 2 s: a machine that decodes faster than that idles between polls, and which
+# requests share the engine's batches then follows poll timing - seen on a CI machine, 2026-12-01: version 1's
+# mean loss 13.46 against the golden 13.13). The trainer orders each batch by its token ids, so the order in
+# which the buffer received a batch's trajectories does not pick their anchors either.
+OVERRIDES = ["logging.wandb_mode=disabled", "distill.max_reuse=1", "distill.canary_prompts=0",
+             "data.worker_queue_depth=64"]
 LOSS_RTOL = 0.02  # the mean loss of one drafter version's steps
 STEP_LOSS_RTOL = 0.10  # one step's loss
 TAU_ATOL = 0.02

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_golden import check_golden
+from tests.test_golden import OVERRIDES, check_golden
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
@@ -145,8 +145,8 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
             assert job.returncode == 0, (job.stdout[-4000:], job.stderr[-3000:])
             return job, json.loads([ln for ln in job.stdout.splitlines() if ln.startswith("{")][-1])
 
-        job, summary = submit("--run-dir", str(run_dir), "--set", "logging.wandb_mode=offline",
-                              "--set", "distill.max_reuse=1", "--set", "distill.canary_prompts=0",  # as golden
+        golden_sets = [a for o in OVERRIDES if not o.startswith("logging.wandb_mode=") for a in ("--set", o)]
+        job, summary = submit("--run-dir", str(run_dir), "--set", "logging.wandb_mode=offline", *golden_sets,
                               "--set", "logging.progress=true", "--set", "logging.progress_every_s=5")
         assert summary["final_version"] == 3
         # no terminal under `ray job submit`: plain progress lines show the run moving (issue 9.6)

@@ -390,6 +390,11 @@ class DistillTrainerCore:
         cfg = self.distill_cfg
         pad_t, pad_n = int(getattr(cfg, "pad_tokens_multiple", 1)), int(getattr(cfg, "pad_anchors_multiple", 1))
         with sdpa_backends(getattr(cfg, "attention_backends", "auto")):
+            # a fixed order within the batch (by token ids): the anchors drawn from self.generator, and so the
+            # loss, then depend on which trajectories the batch holds, not on the order the buffer received them
+            order = sorted(range(len(trajectories)), key=lambda i: trajectories[i].token_ids.tolist())
+            trajectories = [trajectories[i] for i in order]
+            fresh = None if fresh is None else [fresh[i] for i in order]
             if cfg.features == "recompute":
                 trajectories = with_recomputed_features(self.target, trajectories, self.layer_ids, pad_multiple=pad_t)
             batch = collate(trajectories, cfg.num_anchors, self.drafter.block_size, self.generator,
