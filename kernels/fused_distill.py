@@ -199,7 +199,9 @@ class _FusedDistill(torch.autograd.Function):
                 if w.shape != (m,):
                     raise ValueError(f"weights_fn returned {tuple(w.shape)}, expected ({m},)")
                 den = w.sum().clamp_min(1e-12)
-                grad = (grad.to(acc) * (w / den)[:, None]).to(student_hidden.dtype)
+                # in place: the product is computed in the promoted float32 and rounded once into grad's dtype,
+                # as a float32 copy would be, without an [M, H] float32 temporary
+                grad.mul_((w / den)[:, None])
             if weights_out is not None:
                 weights_out.copy_(w)
             ce_loss = (w * ce).sum() / den

@@ -19,7 +19,8 @@
 #    cell (median row; 126 s with "short" at 0c891e0)                                  -> bench_c1.json/.png/.log
 # 3. bench at concurrency 64: 64 prompts per domain, warm-up "repeat", 3 timed repeats -> bench_c64.json/.png/.log
 # 4. chat at temperature 0.8, concurrency 1: ar, dflash (sampled drafts), dflash-argmax, hybrid -> bench_t08.json
-# GPU_TESTS=0 skips step 1, T08=0 step 4.
+# 5. POOLED=1: the pooled domain (all four, distinct prompts) at concurrency 128 and 256 -> bench_pooled.json/.png
+# GPU_TESTS=0 skips step 1, C1_TIMEOUT=0 step 2, C64_TIMEOUT=0 step 3, T08=0 step 4.
 # The suffix / hybrid corpus starts from the AR outputs of other held-out prompts of the same domain and is reset
 # before every timed repeat (it never holds a timed request's own output).
 # Everything (hybrid_bench.log with versions and each step's output, the JSON, PNG and logs) is tarred into ONE
@@ -83,10 +84,10 @@ if [ "${GPU_TESTS:-1}" != 0 ]; then
   step gpu_tests 90 python3 -m pytest -q -m gpu tests/test_gpu.py -k "lookup_and_hybrid or cost_policy_ar_steps" \
     -p no:cacheprovider -s
 fi
-step bench_c1 "${C1_TIMEOUT:-230}" python3 -m adaflash_ray.bench --recipe "$RECIPE" --methods "${METHODS[@]}" \
+[ "${C1_TIMEOUT:-230}" != 0 ] && step bench_c1 "${C1_TIMEOUT:-230}" python3 -m adaflash_ray.bench --recipe "$RECIPE" --methods "${METHODS[@]}" \
   --concurrency 1 --domains code chat --num-prompts 8 --max-new-tokens 256 --warmup "${C1_WARMUP:-repeat}" \
   --repeats "${C1_REPEATS:-3}" --out "$W/bench_c1.json" --plot "$W/bench_c1.png" "$@"
-step bench_c64 "${C64_TIMEOUT:-190}" python3 -m adaflash_ray.bench --recipe "$RECIPE" --methods "${METHODS[@]}" \
+[ "${C64_TIMEOUT:-190}" != 0 ] && step bench_c64 "${C64_TIMEOUT:-190}" python3 -m adaflash_ray.bench --recipe "$RECIPE" --methods "${METHODS[@]}" \
   --concurrency 64 --domains code chat --num-prompts 64 --max-new-tokens 256 --warmup repeat \
   --repeats "${C64_REPEATS:-3}" --out "$W/bench_c64.json" --plot "$W/bench_c64.png" "$@"
 # chat at temperature 0.8: the drafter's block sampled position by position (dflash) against its argmax block
@@ -96,8 +97,15 @@ if [ "${T08:-1}" != 0 ]; then
     --methods ar dflash dflash-argmax hybrid --concurrency 1 --domains chat --num-prompts 8 --max-new-tokens 256 \
     --warmup short --temperature 0.8 --out "$W/bench_t08.json" "$@"
 fi
+# POOLED=1: the pooled held-out prompts of all four domains (distinct) at concurrency 128 and 256, one timed run per
+# cell (a call of its own: GPU_TESTS=0 T08=0 C1_TIMEOUT=0 C64_TIMEOUT=0 POOLED=1)
+if [ "${POOLED:-0}" != 0 ]; then
+  step bench_pooled "${POOLED_TIMEOUT:-400}" python3 -m adaflash_ray.bench --recipe "$RECIPE" --methods "${METHODS[@]}" \
+    --concurrency 128 256 --domains all --num-prompts 256 --max-new-tokens 256 --warmup repeat \
+    --repeats "${POOLED_REPEATS:-1}" --out "$W/bench_pooled.json" --plot "$W/bench_pooled.png" "$@"
+fi
 # the tables (the bench prints them before its JSON line) at the end of the log, for a quick read
-for c in c1 c64 t08; do
+for c in c1 c64 t08 pooled; do
   [ -f "$W/bench_$c.json" ] && python3 - "$W/bench_$c.json" >> "$LOG" 2>&1 <<'EOF'
 import json, sys
 doc = json.load(open(sys.argv[1]))

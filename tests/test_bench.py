@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from adaflash_ray.bench import DOMAINS, HF_METHOD, _compare, domain_prompts, main
+from adaflash_ray.bench import DOMAINS, HF_METHOD, POOLED, _compare, domain_prompts, main
 from adaflash_ray.data import EVAL_SOURCES, ensure_target, load_tokenizer
 from adaflash_ray.shapes import SHAPES, UNSUPPORTED_SHAPES, build_random_target, decode_weight_bytes
 
@@ -96,6 +96,15 @@ def test_domain_prompts_are_distinct_per_domain():
         assert len(ids) == 3 and all(0 < len(p) <= 512 for p in ids)
         assert ids == domain_prompts(tok, d, 3, 512, seed=1)  # deterministic
     assert len({tuple(p) for ids in got.values() for p in ids}) == 3 * len(DOMAINS)
+    # the pooled domain: the domains' own prompts, interleaved round-robin, distinct; 64 of each for concurrency 256
+    pooled = domain_prompts(tok, POOLED, 8, 512, seed=1)
+    for j, d in enumerate(DOMAINS):
+        assert pooled[j::len(DOMAINS)] == domain_prompts(tok, d, 2, 512, seed=1), d
+    big = domain_prompts(tok, POOLED, 256, 512, seed=1)
+    assert len({tuple(p) for p in big}) == 256
+    assert big[3::len(DOMAINS)] == domain_prompts(tok, "chat", 64, 512, seed=1)
+    with pytest.raises(ValueError, match="mt-bench"):
+        domain_prompts(tok, POOLED, 4 * 100, 512, seed=1)  # MT-Bench holds 80 first turns
 
 
 def test_shape_mode_tiny_verify_cost(tmp_path, capsys):
@@ -178,12 +187,15 @@ def test_bad_arguments_fail_up_front(args, msg, capsys):
 
 @pytest.mark.slow
 def test_model_mode_draft_source_methods(capsys):
-    """ngram / suffix / hybrid rows on the real SmolLM2 (CPU float32): lossless against AR, a source histogram per
-    row that counts every request-step, the suffix corpus seeded from held-out prompts, the median of 2 repeats."""
+    """ngram / suffix / hybrid rows on the real SmolLM2 (CPU float32), on the pooled domain: lossless against AR, a
+    source histogram per row that counts every request-step, the suffix corpus seeded from other held-out prompts,
+    the median of 2 repeats."""
     rc = main(["--methods", "ar", "ngram", "suffix", "hybrid", "--concurrency", "2", "--num-prompts", "2",
-               "--max-new-tokens", "12", "--domains", "code", "--repeats", "2", "--corpus-prompts", "2"])
+               "--max-new-tokens", "12", "--domains", POOLED, "--repeats", "2", "--corpus-prompts", "2"])
     assert rc == 0
-    rows = {r["method"]: r for r in _last_json(capsys)["rows"]}
+    doc = _last_json(capsys)
+    assert doc["domains"] == {POOLED: "+".join(DOMAINS.values())} and {r["domain"] for r in doc["rows"]} == {POOLED}
+    rows = {r["method"]: r for r in doc["rows"]}
     assert set(rows) == {"ar", "ngram", "suffix", "hybrid"}
     for m in ("ngram", "suffix", "hybrid"):
         r = rows[m]
