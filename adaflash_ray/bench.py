@@ -40,8 +40,10 @@ Output: a table, then one JSON document as the last stdout line (also written to
 ``model``/``shape``, ``ms_per_step``, ``tokens_per_s``, ``speedup_vs_ar``, ``tau``, ``acceptance_rate``,
 ``draft_waste``, ``gamma_hist``, ``lossless``, ...; engine rows also ``step_timing``: wall ms per step kind ``ar`` /
 ``gamma0`` / ``probe`` / ``draft``, prefills and context catch-ups (:meth:`SpecStats.timing`), printed as a second
-table, and ``guard``: the throughput guard's per-bucket realised rates and back-offs, or None). On CPU read ratios, not absolute times
-(docs/design/PERFORMANCE.md); ``engine.num_threads`` sets the CPU threads. Exit 2 on a user error.
+table, ``guard``: the throughput guard's per-bucket realised rates and back-offs, or None, and the spread over
+requests (:func:`request_spread`: the slowest request's decode steps, which set a run's length when every request
+is admitted at once, and the per-request τ's minimum, 10th percentile and median). On CPU read ratios, not absolute
+times (docs/design/PERFORMANCE.md); ``engine.num_threads`` sets the CPU threads. Exit 2 on a user error.
 """
 from __future__ import annotations
 
@@ -219,6 +221,21 @@ def _run_engine(engine: SpecEngine, prompts, max_new: int, mode: str, device: st
     return reqs, time.perf_counter() - t0
 
 
+def request_spread(reqs, spec: bool) -> dict:
+    """Per-request decode steps and τ of one run: a request's decode steps are its verify steps (``spec``) or its
+    tokens after the prefill's first (AR), its τ the tokens those steps committed per step. With every request
+    admitted at once (concurrency = prompts) the run lasts about ``max_request_steps`` engine steps: the slowest
+    request sets it, however fast the others finish. Returns ``{max_request_steps, mean_request_steps,
+    request_tau_min, request_tau_p10, request_tau_median}`` (None where no request took a decode step)."""
+    steps = [len(r.draft_lens) if spec else max(len(r.output_ids) - 1, 0) for r in reqs]
+    taus = sorted((len(r.output_ids) - 1) / n for r, n in zip(reqs, steps) if n)
+    q = (lambda f: round(taus[min(int(f * len(taus)), len(taus) - 1)], 4)) if taus else (lambda f: None)
+    return {"max_request_steps": max(steps, default=0),
+            "mean_request_steps": round(sum(steps) / len(steps), 2) if steps else None,
+            "request_tau_min": round(taus[0], 4) if taus else None, "request_tau_p10": q(0.1),
+            "request_tau_median": q(0.5)}
+
+
 def _stop_len(row: list[int], stop: set[int]) -> int:
     return next((i + 1 for i, t in enumerate(row) if t in stop), len(row))
 
@@ -389,7 +406,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                            "source_accept_len": {k: st.source_accept_len(k) for k in sorted(st.source_hist)
                                                  if k != "none"},
                            # wall ms per step kind (ar / gamma0 / probe / draft), prefill, catch-ups (SpecStats)
-                           "step_timing": st.timing(), "guard": guard}
+                           "step_timing": st.timing(), "guard": guard,
+                           **request_spread(reqs, method != "ar")}
                     if with_corpus:
                         row["corpus_seed_sequences"] = len(seeds.get(domain, []))
                     if method == "ar":

@@ -207,6 +207,10 @@ def test_model_mode_draft_source_methods(capsys):
     assert rows["hybrid"]["guard"] is not None and rows["suffix"]["guard"] is None  # the cost policy's guard
     for r in rows.values():
         assert sum(v["count"] for v in r["step_timing"]["steps"].values()) == r["num_engine_steps"]
+        # both requests admitted at once: the slower one's decode steps are the run's engine steps
+        assert r["max_request_steps"] == r["num_engine_steps"], r
+        assert 1.0 <= r["request_tau_min"] <= r["request_tau_p10"] <= r["request_tau_median"]
+    assert rows["ar"]["request_tau_min"] == 1.0 and rows["ar"]["mean_request_steps"] <= 11
 
 
 def test_model_mode_sampled_with_argmax_drafts(capsys):
