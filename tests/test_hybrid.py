@@ -455,3 +455,28 @@ def test_planner_nothing_to_verify_fast_path_matches_the_arrays(where):
             assert (fast.last_value, fast._use, fast._since, fast._interval, fast._idle) == \
                 (ref.last_value, ref._use, ref._since, ref._interval, ref._idle), step
     assert num_fast > 40  # the fast path ran
+
+
+def test_planner_keeps_a_block_that_pays_on_average():
+    """Batch 1, a sure lookup match on two steps of three and none on the third: the block wins only the third steps
+    (a third of them, where the frequency rule alone lets it go idle) but gains more there than its proposes cost on
+    the others, so it stays proposed and every no-match step drafts the block. At a propose price above that gain it
+    goes idle (probes, and the step after each one that used it)."""
+    good_block = [1 + 0.8 * (1 - 0.8 ** g) / 0.2 for g in range(1, 16)]  # E[c(γ)] up to ~4.9
+    sure = Proposal(list(range(7, 22)), 3, "context", [8] * 15, 8)
+    for spec_ms, kept in ((1.15, True), (3.0, False)):
+        p = _planner()
+        _costs(p, spec_ms, 1.0, 1.1)  # a propose costs 0.05 ms (1.15 ms) or 1.9 ms (3.0 ms) on a 1.1 ms verify
+        pending, proposes, no_match_sources = good_block, [], []
+        for step in range(30):
+            prop = None if step % 3 == 2 else sure
+            chosen, propose = p.plan(1, [30], [pending], [prop])
+            proposes.append(propose)
+            if prop is None and pending is not None:
+                no_match_sources.append(chosen[0].source)
+            pending = good_block if propose else None
+        if kept:
+            assert all(proposes), proposes
+            assert no_match_sources == ["dflash"] * 10, no_match_sources
+        else:  # proposed at the probes and after the steps that used the block, not throughout
+            assert not all(proposes) and p._block_net < 0, (proposes, p._block_net)

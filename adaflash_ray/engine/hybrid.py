@@ -40,7 +40,10 @@ was not chosen for any request, the next steps skip its propose (no drafter forw
 ``probe_every`` steps, twice as long after each probe that still does not choose it (at most :data:`~adaflash_ray.engine.length_policy.PROBE_MAX_FACTOR` x
 ``probe_every``);
 a source is "not chosen" only when the moving average of the steps that verified its proposal (among the steps that
-had one) falls below :data:`IDLE_BELOW` - one step where the other source won every row does not stop it. Host lookups
+had one) falls below :data:`IDLE_BELOW` - one step where the other source won every row does not stop it - and, with
+a cost table, the drafter's block also stays while the moving average of its net value per step (tokens per ms of
+the best plan with it, proposing the next block, minus the best plan without it and without the propose) is > 0:
+at batch 1 a lookup match wins most steps and the block the steps without one, which pay for its proposes. Host lookups
 are also skipped the same way when they do not pay for their host time, so that time is not spent every step; device
 lookups (:mod:`adaflash_ray.engine.device_lookup`) run in every step.
 
@@ -70,6 +73,9 @@ LOOKUP_SOURCES = ("ngram", "suffix")
 #: lookups over the steps that looked up, the drafter's block over the steps that had one), and the level below which
 #: the source goes on the probe schedule
 USE_EMA, IDLE_BELOW = 0.2, 0.3
+#: weight of each step with the drafter's block in the moving average of the block's net value (tokens per ms; a
+#: longer memory than USE_EMA: the sign of a mean over wins and losses, not the latest steps', decides)
+NET_EMA = 0.1
 #: the moving averages after a reset: the lookups survive several steps without a match (a context often has none for a
 #: step or two); the drafter's block, whose every propose costs a drafter forward, three steps without being chosen
 USE_START = {"dflash": 0.5, "lookup": 1.0}
@@ -260,6 +266,10 @@ class HybridPlanner:
         self._interval = {"dflash": probe_every, "lookup": probe_every}
         self._idle = {"dflash": False, "lookup": False}
         self._use = dict(USE_START)  # moving averages of the steps whose proposals were verified
+        # moving average (NET_EMA) over the steps that had the drafter's block of its net value in tokens per ms: the
+        # best plan with the block (proposing the next one) minus the best without it and without proposing (< 0:
+        # the propose's price in a step where the lookups or none won; > 0: the gain where the block won)
+        self._block_net = 0.0
         self.last_value: float | None = None  # expected tokens per ms of the last plan (None without costs)
 
     # ------------------------------------------------------------------ costs
@@ -319,6 +329,7 @@ class HybridPlanner:
         for key in self._since:
             self._idle[key], self._since[key], self._interval[key] = False, 0, self.probe_every
         self._use = dict(USE_START)
+        self._block_net = 0.0
 
     # ------------------------------------------------------------------ the choice
     def plan(self, batch_size: int, caps: list[int], dflash_expected: list[list[float] | None],
@@ -491,7 +502,15 @@ class HybridPlanner:
         use_d = self._note_use("dflash", used_d) if any_d else self._use["dflash"]
         d_value = max((v for v, _, allow in plans if allow), default=None)
         d_pays = d_value is not None and (not costs or d_value > n / self.lookup_costs[r, 0])
-        keep_d = used_d or (d_pays and use_d >= IDLE_BELOW)
+        # ... and while it pays on average: the steps where it wins gain more than the steps where it loses pay for
+        # its propose (at batch 1 a lookup match wins most steps, the block the steps without one)
+        net_pays = False
+        if costs and any_d:
+            total_l = n + np.maximum(v_l, 0.0).sum(0)
+            net = d_value - float((total_l / self.lookup_costs[r, self._widx]).max())
+            self._block_net = (1 - NET_EMA) * self._block_net + NET_EMA * net
+            net_pays = self._block_net > 0.0
+        keep_d = used_d or net_pays or (d_pays and use_d >= IDLE_BELOW)
         return choices, self._end_step(any_d, keep_d, used_l, looked, probe_d, forced, lookup_pays)
 
     def _note_use(self, key: str, used: bool) -> float:
