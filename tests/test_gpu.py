@@ -444,3 +444,14 @@ def test_device_lookup_graphs_greedy_equal_ar_tiny(sources):
         assert eng.stats.source_hist[sources[-1]] > 0
         if where == "device":
             assert any(k.lookup for k in eng.runner.graphs) and any(k.host_drafts for k in eng.runner.graphs)
+
+
+def test_device_lookup_triton_kernels_equal_tensor_ops_cuda():
+    """The device lookup's Triton kernels on CUDA == its tensor ops (packed proposals and drafts), random states; an
+    engine on CUDA picks them (``kernel="auto"``)."""
+    from test_lookup import compare_lookup_kernels
+
+    from adaflash_ray.engine.device_lookup import DeviceLookup
+
+    assert compare_lookup_kernels("cuda", cases=120, seed=1) == 120
+    assert DeviceLookup(2, 16, 4, "cuda", corpus_tokens=16).use_triton

@@ -356,3 +356,81 @@ def test_device_corpus_ring_latest_match_and_bounded_eviction():
     assert prop.source.tolist() == [1] and prop.tokens[0, :2].tolist() == [8, 8] and prop.match_len.tolist() == [2]
     with pytest.raises(ValueError, match="corpus_tokens"):
         DeviceLookup(1, 8, 2, "cpu", max_ngram=3, corpus_tokens=3)
+
+
+# ----------------------------------------------------------------------------------- the lookup's Triton kernels
+def compare_lookup_kernels(device: str, cases: int = 60, seed: int = 0) -> int:
+    """Random states (vocabularies of 3-20 tokens, n-gram ranges, occurrence caps, proposal lengths, corpus rings
+    that wrapped or not) through :class:`DeviceLookup` with ``kernel="torch"`` and ``kernel="triton"``: the packed
+    proposals and the kept drafts must be equal, for strided history slices (the step) and gathered rows (the
+    prefill); returns the number of cases."""
+    import numpy as np
+    import torch
+
+    from adaflash_ray.engine.device_lookup import DeviceLookup
+
+    rng = np.random.default_rng(seed)
+    for case in range(cases):
+        vocab = int(rng.choice([3, 5, 20]))
+        max_n = int(rng.integers(1, 5))
+        min_n, occ, d = int(rng.integers(1, max_n + 1)), int(rng.integers(1, 9)), int(rng.choice([1, 4, 15]))
+        corpus = int(rng.choice([0, 16, 64, 200]))
+        corpus = max(corpus, max_n + 2) if corpus else 0
+        s, t = 6, 48
+        kw = dict(max_ngram=max_n, min_ngram=min_n, max_occurrences=occ, corpus_tokens=corpus)
+        ref, fast = (DeviceLookup(s, t, d, device, kernel=k, **kw) for k in ("torch", "triton"))
+        assert fast.use_triton and not ref.use_triton
+        hist = torch.from_numpy(rng.integers(0, vocab, (s, t))).to(device)
+        for lk in (ref, fast):
+            lk.history.copy_(hist)
+        if corpus:
+            for _ in range(int(rng.integers(0, 6))):
+                seq = rng.integers(0, vocab, int(rng.integers(1, 60))).tolist()
+                ref.add_sequence(seq)
+                fast.add_sequence(seq)
+        b, h = int(rng.integers(1, s + 1)), int(rng.integers(1, t + 1))
+        lens = torch.from_numpy(rng.integers(0, h + 1, b)).to(device)
+        slots = torch.from_numpy(rng.permutation(s)[:b]).to(device)
+        for rows, ctx in ((slice(0, b), lambda lk: lk.history[:b, :h]), (slots, lambda lk: lk.history[slots, :h])):
+            for _ in range(2):  # the second call sees the accumulators the first one left reset
+                want, got = ref.propose_packed(rows, ctx(ref), lens), fast.propose_packed(rows, ctx(fast), lens)
+                assert torch.equal(want, got), (case, want.tolist(), got.tolist())
+                assert torch.equal(ref.drafts, fast.drafts), case
+    return cases
+
+
+_LOOKUP_INTERPRETER_SCRIPT = "from test_lookup import compare_lookup_kernels; print('cases', compare_lookup_kernels('cpu'))"
+
+
+def test_device_lookup_triton_kernels_under_interpreter():
+    """The device lookup's three Triton kernels (adaflash_ray/kernels/lookup_triton.py) on CPU tensors under
+    ``TRITON_INTERPRET=1`` give the tensor-op reference's packed proposals and drafts exactly."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from adaflash_ray.kernels.triton_support import HAVE_TRITON
+
+    if not HAVE_TRITON:
+        pytest.skip("needs triton (optional)")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")])}
+    env.pop("ADAFLASH_FUSED_KERNELS", None)
+    proc = subprocess.run([sys.executable, "-c", _LOOKUP_INTERPRETER_SCRIPT], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and "cases 60" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_device_lookup_kernel_option(monkeypatch):
+    """``kernel``: auto keeps the tensor ops on CPU (and with ADAFLASH_FUSED_KERNELS=off); an unknown name, or
+    triton where it cannot launch, is refused."""
+    from adaflash_ray.engine.device_lookup import DeviceLookup
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not DeviceLookup(2, 16, 4, "cpu", corpus_tokens=16).use_triton
+    with pytest.raises(ValueError, match="expected auto, torch or triton"):
+        DeviceLookup(2, 16, 4, "cpu", kernel="cuda")
+    with pytest.raises(ValueError, match="needs Triton and a CUDA device"):
+        DeviceLookup(2, 16, 4, "cpu", kernel="triton")

@@ -30,7 +30,8 @@ corpus continuation is the LATEST occurrence's, not the most frequent walk; and 
 oldest sequence may be cut at its start) instead of dropping whole sequences.
 
 Cost: O(rows x context window x max_ngram) elementwise for the context, O(rows x corpus_tokens x max_ngram) for the
-corpus - a few kernels; fine on a GPU for corpora of ~64k-256k tokens (at 64 rows and 256k tokens each n-gram level
+corpus - as tensor ops about 70 kernels for the context and 60 for the corpus per step, on CUDA three Triton kernels
+(:mod:`adaflash_ray.kernels.lookup_triton`, the same values); fine on a GPU for corpora of ~64k-256k tokens (at 64 rows and 256k tokens each n-gram level
 compares 16M int64 pairs), on a CPU only for small ones.
 """
 from __future__ import annotations
@@ -155,12 +156,17 @@ class DeviceLookup:
         max_ngram, min_ngram: n-gram lengths tried (``1 <= min_ngram <= max_ngram <= 127``).
         max_occurrences: the occurrence count's cap (>= 1).
         corpus_tokens: the corpus ring's size in tokens (0 = prompt lookup only; else >= max_ngram + 2).
+        kernel: ``"auto"`` (the Triton kernels of :mod:`adaflash_ray.kernels.lookup_triton` on CUDA when Triton is
+            present and ``ADAFLASH_FUSED_KERNELS`` is not off: three launches per step instead of ~130 tensor ops),
+            ``"torch"`` (the tensor ops: the reference, and CPUs) or ``"triton"`` (also under Triton's CPU
+            interpreter).
     Raises:
-        ValueError: a bad n-gram range, ``max_occurrences < 1`` or a corpus too small for one n-gram.
+        ValueError: a bad n-gram range, ``max_occurrences < 1``, a corpus too small for one n-gram, an unknown
+            ``kernel`` or ``"triton"`` where Triton cannot launch.
     """
 
     def __init__(self, num_slots: int, max_seq_len: int, max_draft: int, device, *, max_ngram: int = 3,
-                 min_ngram: int = 1, max_occurrences: int = 8, corpus_tokens: int = 0):
+                 min_ngram: int = 1, max_occurrences: int = 8, corpus_tokens: int = 0, kernel: str = "auto"):
         if not 1 <= min_ngram <= max_ngram <= 127 or max_occurrences < 1:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram <= 127 and max_occurrences >= 1, got {min_ngram}, "
                              f"{max_ngram}, {max_occurrences}")
@@ -175,6 +181,23 @@ class DeviceLookup:
         self.corpus_head = torch.zeros(1, dtype=torch.long, device=device)
         self._head = 0  # host copy of corpus_head
         self.num_corpus_written = 0  # tokens (separators included) ever written to the ring
+        from adaflash_ray.kernels.triton_support import env_mode, triton_usable
+
+        if kernel not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernel {kernel!r}: expected auto, torch or triton")
+        dev = torch.device(device)
+        if kernel == "triton" and not triton_usable(dev):
+            raise ValueError(f"kernel 'triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1), got {dev}")
+        self.use_triton = kernel == "triton" or (kernel == "auto" and dev.type == "cuda" and triton_usable(dev)
+                                                 and env_mode() != "off")
+        self._scratch = None
+        if self.use_triton:
+            from adaflash_ray.kernels.lookup_triton import LookupScratch
+
+            self._scratch = LookupScratch(num_slots, max_ngram, dev)
+            # compile every kernel variant now, eagerly: a first launch inside a CUDA-graph capture could not
+            self.propose_packed(slice(0, 1), self.history[:1, :1], torch.zeros(1, dtype=torch.long, device=dev))
+            self.drafts.zero_()
 
     @property
     def num_cols(self) -> int:
@@ -226,7 +249,17 @@ class DeviceLookup:
 
     def propose_packed(self, rows, context: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """:meth:`propose`, its tokens kept in :attr:`drafts` (rows ``rows``: a slice or ``[B]`` slot ids); returns
-        the packed proposals ``[B, num_cols]`` int64 (tokens, length, match_len, num_occurrences, source)."""
+        the packed proposals ``[B, num_cols]`` int64 (tokens, length, match_len, num_occurrences, source); with
+        :attr:`use_triton` by :func:`~adaflash_ray.kernels.lookup_triton.lookup_packed_triton` (the same values)."""
+        if self.use_triton:
+            from adaflash_ray.kernels.lookup_triton import lookup_packed_triton
+
+            packed = lookup_packed_triton(context, lengths, self._scratch, max_ngram=self.max_ngram,
+                                          min_ngram=self.min_ngram, max_occurrences=self.max_occurrences,
+                                          max_draft=self.max_draft, corpus=self.corpus, corpus_head=self.corpus_head,
+                                          sep=SEPARATOR)
+            self.drafts[rows] = packed[:, :self.max_draft]
+            return packed
         prop = self._propose_clean(context, lengths)
         self.drafts[rows] = prop.tokens
         return torch.cat([prop.tokens, torch.stack([prop.length, prop.match_len, prop.num_occurrences,
