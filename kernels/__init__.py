@@ -10,6 +10,8 @@ This package imports only torch (and triton, where a kernel needs it); see docs/
   gradient into the drafter's hidden states computed in the forward pass, chunk by chunk (three GEMMs per chunk,
   no gradient for the frozen head); backends ``torch`` (the reference) and ``triton``
   (:mod:`adaflash_ray.kernels.fused_distill_triton`, imported only when used).
+- :mod:`adaflash_ray.kernels.lookup_triton`: the device lookup's prompt / suffix lookup proposals in three kernels
+  (the reference: :mod:`adaflash_ray.engine.device_lookup`'s tensor ops; imported only when used, on CUDA).
 """
 from adaflash_ray.kernels.chunked_kl import chunked_kl_terms, kl_terms
 from adaflash_ray.kernels.fused_distill import fused_distill_loss, resolve_loss_impl
