@@ -19,7 +19,7 @@
 #    cell (median row; 126 s with "short" at 0c891e0)                                  -> bench_c1.json/.png/.log
 # 3. bench at concurrency 64: 64 prompts per domain, warm-up "repeat", 3 timed repeats -> bench_c64.json/.png/.log
 # 4. chat at temperature 0.8, concurrency 1: ar, dflash (sampled drafts), dflash-argmax, hybrid -> bench_t08.json
-# 5. POOLED=1: the pooled domain (all four, distinct prompts) at concurrency 128 and 256 -> bench_pooled.json/.png
+# 5. POOLED=1: the pooled domain (all four, distinct prompts) at concurrency 64, 128, 256 -> bench_pooled.json/.png
 # GPU_TESTS=0 skips step 1, C1_TIMEOUT=0 step 2, C64_TIMEOUT=0 step 3, T08=0 step 4.
 # The suffix / hybrid corpus starts from the AR outputs of other held-out prompts of the same domain and is reset
 # before every timed repeat (it never holds a timed request's own output).
@@ -97,11 +97,13 @@ if [ "${T08:-1}" != 0 ]; then
     --methods ar dflash dflash-argmax hybrid --concurrency 1 --domains chat --num-prompts 8 --max-new-tokens 256 \
     --warmup short --temperature 0.8 --out "$W/bench_t08.json" "$@"
 fi
-# POOLED=1: the pooled held-out prompts of all four domains (distinct) at concurrency 128 and 256, one timed run per
-# cell (a call of its own: GPU_TESTS=0 T08=0 C1_TIMEOUT=0 C64_TIMEOUT=0 POOLED=1)
+# POOLED=1: the pooled held-out prompts of all four domains (distinct) at concurrency 64, 128 and 256, 256 prompts, one
+# timed run per cell (a call of its own: GPU_TESTS=0 T08=0 C1_TIMEOUT=0 C64_TIMEOUT=0 POOLED=1). At 64 the 256 prompts
+# refill the batch as requests finish (a server's steady state); the per-domain c64 cells hold one batch of 64, which
+# lasts as long as its slowest request
 if [ "${POOLED:-0}" != 0 ]; then
   step bench_pooled "${POOLED_TIMEOUT:-400}" python3 -m adaflash_ray.bench --recipe "$RECIPE" --methods "${METHODS[@]}" \
-    --concurrency 128 256 --domains all --num-prompts 256 --max-new-tokens 256 --warmup repeat \
+    --concurrency 64 128 256 --domains all --num-prompts 256 --max-new-tokens 256 --warmup repeat \
     --repeats "${POOLED_REPEATS:-1}" --out "$W/bench_pooled.json" --plot "$W/bench_pooled.png" "$@"
 fi
 # the tables (the bench prints them before its JSON line) at the end of the log, for a quick read
