@@ -361,7 +361,8 @@ def test_device_corpus_ring_latest_match_and_bounded_eviction():
 # ----------------------------------------------------------------------------------- the lookup's Triton kernels
 def compare_lookup_kernels(device: str, cases: int = 60, seed: int = 0) -> int:
     """Random states (vocabularies of 3-20 tokens, n-gram ranges, occurrence caps, proposal lengths, corpus rings
-    that wrapped or not) through :class:`DeviceLookup` with ``kernel="torch"`` and ``kernel="triton"``: the packed
+    that wrapped or not; one case in six with a context and a ring of several 1,024-candidate kernel blocks) through
+    :class:`DeviceLookup` with ``kernel="torch"`` and ``kernel="triton"``: the packed
     proposals and the kept drafts must be equal, for strided history slices (the step) and gathered rows (the
     prefill); returns the number of cases."""
     import numpy as np
@@ -374,9 +375,10 @@ def compare_lookup_kernels(device: str, cases: int = 60, seed: int = 0) -> int:
         vocab = int(rng.choice([3, 5, 20]))
         max_n = int(rng.integers(1, 5))
         min_n, occ, d = int(rng.integers(1, max_n + 1)), int(rng.integers(1, 9)), int(rng.choice([1, 4, 15]))
-        corpus = int(rng.choice([0, 16, 64, 200]))
+        big = case % 6 == 5  # contexts and rings of several kernel blocks (1,024 candidates each)
+        corpus = int(rng.choice([0, 16, 64, 200])) if not big else int(rng.choice([1500, 3000]))
         corpus = max(corpus, max_n + 2) if corpus else 0
-        s, t = 6, 48
+        s, t = 6, 2600 if big else 48
         kw = dict(max_ngram=max_n, min_ngram=min_n, max_occurrences=occ, corpus_tokens=corpus)
         ref, fast = (DeviceLookup(s, t, d, device, kernel=k, **kw) for k in ("torch", "triton"))
         assert fast.use_triton and not ref.use_triton
@@ -384,11 +386,11 @@ def compare_lookup_kernels(device: str, cases: int = 60, seed: int = 0) -> int:
         for lk in (ref, fast):
             lk.history.copy_(hist)
         if corpus:
-            for _ in range(int(rng.integers(0, 6))):
+            for _ in range(int(rng.integers(0, 6)) + (40 if big else 0)):
                 seq = rng.integers(0, vocab, int(rng.integers(1, 60))).tolist()
                 ref.add_sequence(seq)
                 fast.add_sequence(seq)
-        b, h = int(rng.integers(1, s + 1)), int(rng.integers(1, t + 1))
+        b, h = int(rng.integers(1, s + 1)), int(rng.integers(1 if not big else 1100, t + 1))
         lens = torch.from_numpy(rng.integers(0, h + 1, b)).to(device)
         slots = torch.from_numpy(rng.permutation(s)[:b]).to(device)
         for rows, ctx in ((slice(0, b), lambda lk: lk.history[:b, :h]), (slots, lambda lk: lk.history[slots, :h])):
