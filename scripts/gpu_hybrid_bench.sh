@@ -20,6 +20,7 @@
 # 3. bench at concurrency 64: 64 prompts per domain, warm-up "repeat", 3 timed repeats -> bench_c64.json/.png/.log
 # 4. chat at temperature 0.8, concurrency 1: ar, dflash (sampled drafts), dflash-argmax, hybrid -> bench_t08.json
 # 5. POOLED=1: the pooled domain (all four, distinct prompts) at concurrency 64, 128, 256 -> bench_pooled.json/.png
+# 6. WALK=1: every-anchor acceptance vs the greedy walk's τ on the held-out outputs (adaflash_ray.distill.walk)
 # GPU_TESTS=0 skips step 1, C1_TIMEOUT=0 step 2, C64_TIMEOUT=0 step 3, T08=0 step 4.
 # The suffix / hybrid corpus starts from the AR outputs of other held-out prompts of the same domain and is reset
 # before every timed repeat (it never holds a timed request's own output).
@@ -105,6 +106,12 @@ if [ "${POOLED:-0}" != 0 ]; then
   step bench_pooled "${POOLED_TIMEOUT:-400}" python3 -m adaflash_ray.bench --recipe "$RECIPE" --methods "${METHODS[@]}" \
     --concurrency 64 128 256 --domains all --num-prompts 256 --max-new-tokens 256 --warmup repeat \
     --repeats "${POOLED_REPEATS:-1}" --out "$W/bench_pooled.json" --plot "$W/bench_pooled.png" "$@"
+fi
+# WALK=1: with --drafter, the drafter's acceptance on the held-out outputs at every anchor against the walk a greedy
+# verify takes (python -m adaflash_ray.distill.walk: the trainer's block acceptance vs serving's τ, same text)
+if [ "${WALK:-0}" != 0 ]; then
+  step walk "${WALK_TIMEOUT:-120}" python3 -m adaflash_ray.distill.walk --recipe "$RECIPE" --domains code chat \
+    --num-prompts 16 --max-new-tokens 256 "$@"
 fi
 # the tables (the bench prints them before its JSON line) at the end of the log, for a quick read
 for c in c1 c64 t08 pooled; do
