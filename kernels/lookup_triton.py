@@ -29,8 +29,7 @@ from adaflash_ray.kernels.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = ["lookup_packed_triton", "LookupScratch"]
 
-#: recency bits of a scan key (a context of up to 2^31 positions, a ring of up to 2^31 tokens)
-_SHIFT = 32
+#: candidate positions per scan program (a key is ``run << 32 | recency``: contexts and rings below 2^31 tokens)
 _BLOCK = 1024
 
 

@@ -13,9 +13,11 @@ accepted length ``a(p)`` against the text (:func:`~adaflash_ray.distill.losses.a
   - 1, the engine's cap) and starts the next block there, until ``p = T - 1``; ``walk_tau`` = committed tokens per
   verify step (the engine's τ on that request, when the drafter and the text are the engine's).
 
-Blocks start right after a rejection, so the walk spends its steps where the drafter fails and runs through easy
-text in few long blocks: ``walk_tau`` <= ``block_accept_len`` whenever acceptance varies along the text (a
-length-biased sample). A ``walk_tau`` that differs from the engine's τ on the same text is a train / serve skew.
+The walk visits only the anchors its blocks start at: right after each rejection, and never inside an accepted
+run. So ``walk_tau`` is a sample of the anchors biased by the text, and it can fall on either side of
+``block_accept_len``. Long runs of easy text and short ones of hard text pull it below. Where acceptance alternates
+from one anchor to the next it can lie above. A ``walk_tau`` that differs from the engine's τ on the same text is a
+train / serve skew.
 
     python -m adaflash_ray.distill.walk --recipe recipes/smollm2_135m_gpu.yaml --drafter runs/<run>/checkpoints/v5 \\
         --domains code chat --num-prompts 16 --max-new-tokens 256

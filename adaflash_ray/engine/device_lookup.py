@@ -36,6 +36,7 @@ compares 16M int64 pairs), on a CPU only for small ones.
 """
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -196,7 +197,13 @@ class DeviceLookup:
 
             self._scratch = LookupScratch(num_slots, max_ngram, dev)
             # compile every kernel variant now, eagerly: a first launch inside a CUDA-graph capture could not
-            self.propose_packed(slice(0, 1), self.history[:1, :1], torch.zeros(1, dtype=torch.long, device=dev))
+            try:
+                self.propose_packed(slice(0, 1), self.history[:1, :1], torch.zeros(1, dtype=torch.long, device=dev))
+            except Exception as e:  # noqa: BLE001 - a Triton build that cannot compile here: the tensor ops instead
+                if kernel == "triton":
+                    raise
+                warnings.warn(f"device lookup: the Triton kernels failed to compile ({e!r:.300}); using tensor ops")
+                self.use_triton, self._scratch = False, None
             self.drafts.zero_()
 
     @property

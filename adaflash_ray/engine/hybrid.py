@@ -507,7 +507,11 @@ class HybridPlanner:
         net_pays = False
         if costs and any_d:
             total_l = n + np.maximum(v_l, 0.0).sum(0)
-            net = d_value - float((total_l / self.lookup_costs[r, self._widx]).max())
+            # the plan with the block at no less than the lookup table's cost per width: the two tables are measured
+            # apart, and a propose priced below nothing by their noise must not keep a block that never wins
+            total_d = n + np.maximum(np.maximum(v_d, v_l), 0.0).sum(0)
+            cost_d = np.maximum(self.spec_costs[r, self._widx], self.lookup_costs[r, self._widx])
+            net = float((total_d / cost_d).max()) - float((total_l / self.lookup_costs[r, self._widx]).max())
             self._block_net = (1 - NET_EMA) * self._block_net + NET_EMA * net
             net_pays = self._block_net > 0.0
         keep_d = used_d or net_pays or (d_pays and use_d >= IDLE_BELOW)
