@@ -4,7 +4,8 @@ averages over its random anchors) and along the walk a greedy verify takes (what
 Given a trajectory (the target's greedy text: prompt of ``P`` tokens, response to position ``T - 1``), one
 teacher-forced drafter forward over ALL anchors (:func:`~adaflash_ray.distill.blocks.collate` with every candidate,
 features recomputed by the target as the trainer does) gives at each anchor ``p`` the drafter's argmax block and its
-accepted length ``a(p)`` against the text (:func:`~adaflash_ray.distill.losses.accepted_length`):
+accepted length ``a(p)`` against the text (the greedy rule of
+:func:`~adaflash_ray.distill.losses.accepted_length`):
 
 - ``block_accept_len`` = mean over anchors ``max(1, P - 1) <= p <= T - 2`` of ``a(p) + 1``, block positions up to
   the text's end (the trainer's ``train/block_accept_len`` with every anchor instead of a sample);
@@ -34,7 +35,6 @@ import sys
 import torch
 
 from adaflash_ray.distill.blocks import collate, with_recomputed_features
-from adaflash_ray.distill.losses import accepted_length
 from adaflash_ray.trajectory import Trajectory
 
 __all__ = ["anchor_acceptance", "walk_tau", "text_acceptance", "main"]
@@ -68,10 +68,10 @@ def anchor_acceptance(target, drafter, token_ids: torch.Tensor, prompt_len: int,
     flat = hidden.reshape(n * k, -1)
     draft = torch.cat([drafter.logits(flat[s:s + chunk_rows]).argmax(-1) for s in range(0, n * k, chunk_rows)])
     draft = draft.reshape(n, k)
-    target_ids, in_seq = batch.target_ids[0], batch.weights[0] > 0  # [N, bs-1]
-    # accepted with at most γ drafts: the leading matches among the first γ positions
-    a = torch.stack([accepted_length(draft[:, :g], target_ids[:, :g], in_seq[:, :g]) if g else
-                     torch.zeros(n, dtype=torch.long, device=dev) for g in range(k + 1)], 1)  # [N, bs]
+    ok = (draft == batch.target_ids[0]) & (batch.weights[0] > 0)  # [N, bs-1]: right and inside the text
+    # accepted with at most γ drafts, γ = 0..bs-1: the leading matches among the first γ positions
+    # (accepted_length's rule, every prefix at once)
+    a = torch.cat([torch.zeros(n, 1, dtype=torch.long, device=dev), torch.cumprod(ok.long(), 1).cumsum(1)], 1)
     return batch.anchors[0][valid].cpu(), a[valid].cpu()
 
 

@@ -36,6 +36,7 @@ compares 16M int64 pairs), on a CPU only for small ones.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import NamedTuple, Sequence
 
@@ -189,13 +190,16 @@ class DeviceLookup:
         dev = torch.device(device)
         if kernel == "triton" and not triton_usable(dev):
             raise ValueError(f"kernel 'triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1), got {dev}")
-        self.use_triton = kernel == "triton" or (kernel == "auto" and dev.type == "cuda" and triton_usable(dev)
-                                                 and env_mode() != "off")
-        self._scratch = None
-        if self.use_triton:
-            from adaflash_ray.kernels.lookup_triton import LookupScratch
+        # the Triton path bound to this lookup's scratch and settings (None: the tensor ops)
+        self._triton_packed = None
+        if kernel == "triton" or (kernel == "auto" and dev.type == "cuda" and triton_usable(dev)
+                                  and env_mode() != "off"):
+            from adaflash_ray.kernels.lookup_triton import LookupScratch, lookup_packed_triton
 
-            self._scratch = LookupScratch(num_slots, max_ngram, dev)
+            self._triton_packed = functools.partial(
+                lookup_packed_triton, scratch=LookupScratch(num_slots, max_ngram, dev), max_ngram=max_ngram,
+                min_ngram=min_ngram, max_occurrences=max_occurrences, max_draft=max_draft, corpus=self.corpus,
+                corpus_head=self.corpus_head, sep=SEPARATOR)
             # compile every kernel variant now, eagerly: a first launch inside a CUDA-graph capture could not
             try:
                 self.propose_packed(slice(0, 1), self.history[:1, :1], torch.zeros(1, dtype=torch.long, device=dev))
@@ -203,8 +207,13 @@ class DeviceLookup:
                 if kernel == "triton":
                     raise
                 warnings.warn(f"device lookup: the Triton kernels failed to compile ({e!r:.300}); using tensor ops")
-                self.use_triton, self._scratch = False, None
+                self._triton_packed = None
             self.drafts.zero_()
+
+    @property
+    def use_triton(self) -> bool:
+        """Whether :meth:`propose_packed` runs the Triton kernels (:mod:`adaflash_ray.kernels.lookup_triton`)."""
+        return self._triton_packed is not None
 
     @property
     def num_cols(self) -> int:
@@ -258,13 +267,8 @@ class DeviceLookup:
         """:meth:`propose`, its tokens kept in :attr:`drafts` (rows ``rows``: a slice or ``[B]`` slot ids); returns
         the packed proposals ``[B, num_cols]`` int64 (tokens, length, match_len, num_occurrences, source); with
         :attr:`use_triton` by :func:`~adaflash_ray.kernels.lookup_triton.lookup_packed_triton` (the same values)."""
-        if self.use_triton:
-            from adaflash_ray.kernels.lookup_triton import lookup_packed_triton
-
-            packed = lookup_packed_triton(context, lengths, self._scratch, max_ngram=self.max_ngram,
-                                          min_ngram=self.min_ngram, max_occurrences=self.max_occurrences,
-                                          max_draft=self.max_draft, corpus=self.corpus, corpus_head=self.corpus_head,
-                                          sep=SEPARATOR)
+        if self._triton_packed is not None:
+            packed = self._triton_packed(context, lengths)
             self.drafts[rows] = packed[:, :self.max_draft]
             return packed
         prop = self._propose_clean(context, lengths)
