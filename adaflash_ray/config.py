@@ -230,6 +230,12 @@ class DistillConfig(_Section):
     """On-policy distillation of the drafter (docs/design/ALGORITHMS.md §3)."""
 
     features: Literal["captured", "recompute"] = "captured"
+    # features: recompute - how the trainer's frozen target runs over a batch: "padded" (rows right-padded to the
+    # longest, SDPA is_causal) or "packed" (sequences end to end in one row, no padding; variable-length flash
+    # attention on CUDA); recompute_fused: the engine's Triton kernels (add + RMSNorm, qk-norm + rotary, SwiGLU)
+    # in that forward, CUDA only (adaflash_ray.distill.blocks.recompute_features)
+    recompute_layout: Literal["padded", "packed"] = "padded"
+    recompute_fused: bool = False
     num_anchors: int = Field(48, ge=1)  # random anchors per sequence
     alpha: float = Field(0.8, ge=0, le=1)  # weight of CE vs reverse KL
     temperature: float = Field(1.0, gt=0)

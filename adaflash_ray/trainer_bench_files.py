@@ -28,7 +28,7 @@ Each row: ``warmup`` untimed steps, ``steps`` timed ones (whole steps, as the lo
 object on the last stdout line (and in ``--out``): the trainer bench's header, ``mode: trainer_files``,
 ``trajectories, num_files, directory_lengths`` (prompt / new / total tokens of every file, from the Parquet
 footers: ``mean, p50, p90, max, min``), the resolved ``loss_impl, compute_dtype, drafter_attention, features,
-position_weighting, reject_boost, num_anchors, block_size, num_threads``, ``peak_tflops``, ``rows`` and ``gaps``
+recompute_layout, recompute_fused, position_weighting, reject_boost, num_anchors, block_size, num_threads``, ``peak_tflops``, ``rows`` and ``gaps``
 (``positions_per_s`` ratios of the neighbouring rows above, per batch size). A row: ``batch_size, source, steps,
 step_s`` (median), ``read_s`` (mean seconds per step waiting for files, outside the step), ``positions_per_s``
 (block positions = valid blocks x (block_size-1), the trainer bench's unit), ``supervised_positions_per_s``
@@ -124,11 +124,16 @@ def _recorded_shapes(core, record: dict):
     import adaflash_ray.distill.trainer as trainer_mod
 
     saved_cf, saved_collate, target = blocks_mod.causal_features, trainer_mod.collate, core.target
+    saved_pcf = blocks_mod.packed_causal_features
     saved_fwd = target.forward
 
     def causal_features(tgt, input_ids, *a, **kw):
         record["recompute"].append(list(input_ids.shape))
         return saved_cf(tgt, input_ids, *a, **kw)
+
+    def packed_causal_features(tgt, token_ids, *a, **kw):  # one row of every token (the padding sequence included)
+        record["recompute"].append([1, int(token_ids.shape[0])])
+        return saved_pcf(tgt, token_ids, *a, **kw)
 
     def forward(input_ids, *a, **kw):
         record["recompute"].append(list(input_ids.shape))
@@ -140,10 +145,12 @@ def _recorded_shapes(core, record: dict):
         return batch
 
     blocks_mod.causal_features, trainer_mod.collate, target.forward = causal_features, collate, forward
+    blocks_mod.packed_causal_features = packed_causal_features
     try:
         yield
     finally:
         blocks_mod.causal_features, trainer_mod.collate = saved_cf, saved_collate
+        blocks_mod.packed_causal_features = saved_pcf
         del target.forward  # back to the class's method
 
 
@@ -262,7 +269,8 @@ def run(cfg, trajectories: str | Path, *, shape: str | None, batch_sizes: list[i
     doc = {**_header(device), "mode": "trainer_files", "recipe": cfg.name, "shape": shape,
            "trajectories": str(trajectories), "num_files": len(files), "directory_lengths": dir_lengths,
            "loss_impl": None, "compute_dtype": None, "drafter_attention": dc.drafter_attention,
-           "features": dc.features, "position_weighting": dc.position_weighting, "reject_boost": dc.reject_boost,
+           "features": dc.features, "recompute_layout": dc.recompute_layout, "recompute_fused": dc.recompute_fused,
+           "position_weighting": dc.position_weighting, "reject_boost": dc.reject_boost,
            "num_anchors": dc.num_anchors, "block_size": None, "loss_chunk_size": dc.loss_chunk_size,
            "num_threads": torch.get_num_threads(), "dtype": cfg.model.dtype, "peak_tflops": PEAK_TFLOPS,
            "synthetic_mean": [mean_prompt, mean_new], "synthetic_bench": [prompt_len, new_tokens],

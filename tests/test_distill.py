@@ -396,8 +396,10 @@ def test_recompute_features_batched_equals_one_by_one(target, trajectories):
     assert len({s.shape[0] for s in seqs}) > 1
     one = [recompute_features(target, [s], [1, 2])[0] for s in seqs]
     longest = max(s.shape[0] for s in seqs)
-    for budget, pad in ((10**6, 1), (2 * longest, 1), (2 * longest, 16)):  # pad: rounded lengths and rows
-        many = recompute_features(target, seqs, [1, 2], max_batch_tokens=budget, pad_multiple=pad)
+    cases = [(layout, budget, pad) for layout in ("padded", "packed")
+             for budget, pad in ((10**6, 1), (2 * longest, 1), (2 * longest, 16))]  # pad: rounded lengths and rows
+    for layout, budget, pad in cases:  # packed: sequences end to end, attention per sequence, rotary from 0 each
+        many = recompute_features(target, seqs, [1, 2], max_batch_tokens=budget, pad_multiple=pad, layout=layout)
         for (f1, h1), (f2, h2), s in zip(one, many, seqs):
             assert f2.shape[0] == h2.shape[0] == s.shape[0] - 1
             torch.testing.assert_close(f2, f1, atol=1e-5, rtol=1e-5)
@@ -796,6 +798,17 @@ def test_cpu_default_has_no_autocast_and_bf16_autocast_reaches_the_drafter(dist_
     assert b["train/loss"] == pytest.approx(a["train/loss"], rel=3e-2)
 
 
+def test_packed_causal_features_refuse_bad_lengths(target):
+    from adaflash_ray.distill.blocks import packed_causal_features
+
+    ids = torch.zeros(6, dtype=torch.long)
+    for lens in ([], [3, 2], [6, 0]):
+        with pytest.raises(ValueError, match="seq_lens"):
+            packed_causal_features(target, ids, lens, [1])
+    with pytest.raises(ValueError, match="layout"):
+        recompute_features(target, [ids], [1], layout="ragged")
+
+
 def test_causal_features_match_the_target_forward(target):
     """The recompute's causal fast path (SDPA is_causal, no mask tensor; the CUDA path of recompute_features) gives
     the target forward's features and last hidden states, for layer ids in any order, with padding rows."""
@@ -826,6 +839,11 @@ ref = t(ids, torch.arange(13)[None].expand(2, -1), capture_layer_ids=[3, 1], com
 f, h = causal_features(t, ids, [3, 1], fused=True)
 torch.testing.assert_close(f, ref.features, atol=1e-5, rtol=1e-5)
 torch.testing.assert_close(h, ref.last_hidden, atol=1e-5, rtol=1e-5)
+from adaflash_ray.distill.blocks import packed_causal_features
+pf, ph = packed_causal_features(t, torch.cat([ids[0, :9], ids[1]]), [9, 13], [3, 1], fused=True)
+r0 = t(ids[:1, :9], torch.arange(9)[None], capture_layer_ids=[3, 1], compute_logits=False)
+torch.testing.assert_close(pf, torch.cat([r0.features[0], ref.features[1]]), atol=1e-5, rtol=1e-5)
+torch.testing.assert_close(ph, torch.cat([r0.last_hidden[0], ref.last_hidden[1]]), atol=1e-5, rtol=1e-5)
 print("fused recompute ok")
 """
 

@@ -340,10 +340,15 @@ def test_recompute_causal_features_match_target_forward():
         for got, want in ((f, ref.features), (h, ref.last_hidden)):
             assert _rel(got.float(), want.float()) < 2e-2, fused
     seqs = [torch.randint(0, 256, (n,)) for n in (120, 201, 64)]
-    for s, (fs, hs) in zip(seqs, recompute_features(target, seqs, [1, 3])):
-        r = target(s[None, :-1].cuda(), torch.arange(len(s) - 1, device="cuda")[None], capture_layer_ids=[1, 3],
-                   compute_logits=False)
-        assert _rel(fs.float(), r.features[0].float()) < 2e-2 and _rel(hs.float(), r.last_hidden[0].float()) < 2e-2
+    runs = [dict(layout=layout, fused=fused, pad_multiple=pad) for layout in ("padded", "packed")
+            for fused in (False, True) for pad in (1, 128)]  # packed: variable-length flash attention
+    for kw in runs:
+        for s, (fs, hs) in zip(seqs, recompute_features(target, seqs, [1, 3], **kw)):
+            r = target(s[None, :-1].cuda(), torch.arange(len(s) - 1, device="cuda")[None], capture_layer_ids=[1, 3],
+                       compute_logits=False)
+            assert fs.shape == r.features[0].shape, kw
+            assert _rel(fs.float(), r.features[0].float()) < 2e-2, kw
+            assert _rel(hs.float(), r.last_hidden[0].float()) < 2e-2, kw
 
 
 def test_drafter_flex_attention_matches_sdpa_cuda():

@@ -188,14 +188,32 @@ def causal_features(target, input_ids: torch.Tensor, layer_ids: list[int],
             GEMM's output (:func:`adaflash_ray.kernels.rotary_cache.rotary_qkv_cache`, its "cache" a ``[B, W, Hkv,
             D]`` buffer per layer), the SwiGLU product in one kernel
             (:meth:`~adaflash_ray.models.layers.SwiGLU.forward_fused`); needs fused projections
-            (``AttentionProjections.fuse``, ``SwiGLU.fuse``) and a device Triton launches on. Off by default: the
-            kernels are launched from Python, 3-4 per layer, and at a few thousand tokens per forward their host-side
-            launch cost outweighs the device time they save (the engine runs them inside CUDA graphs instead).
+            (``AttentionProjections.fuse``, ``SwiGLU.fuse``) and a device Triton launches on. The kernels are
+            launched from Python, 3-4 per layer: they pay when a forward holds many tokens (the packed recompute of
+            :func:`recompute_features`), not at a few hundred.
     Returns:
         ``(features [B, W, len(layer_ids)*H], last_hidden [B, W, H])`` in the target's dtype.
     Raises:
         ValueError: a layer id outside ``[0, L)``.
     """
+    b, w = input_ids.shape
+    pos = torch.arange(w, device=input_ids.device)[None].expand(b, w).contiguous()
+
+    def attend(q, k, v):  # [B, W, Hq | Hkv, D] -> [B, W, Hq*D]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, w, -1)
+
+    return _causal_stack(target, input_ids, pos, layer_ids, attend, fused)
+
+
+def _causal_stack(target, input_ids: torch.Tensor, pos: torch.Tensor, layer_ids: list[int], attend,
+                  fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's decoder stack over ``input_ids`` ``[B, W]`` at rotary positions ``pos`` ``[B, W]``, with
+    ``attend(q [B, W, Hq, D], k [B, W, Hkv, D], v) -> [B, W, Hq*D]`` as the attention (which decides which
+    positions see which); ``fused`` as in :func:`causal_features`. Returns ``(features, last_hidden)`` as there."""
     m = target.model
     n_layers = len(m.layers)
     bad = [i for i in layer_ids if not 0 <= i < n_layers]
@@ -208,7 +226,7 @@ def causal_features(target, input_ids: torch.Tensor, layer_ids: list[int],
         from adaflash_ray.kernels.rotary_cache import rotary_qkv_cache
 
         rows = torch.arange(b, device=x.device)
-    pos = torch.arange(w, device=x.device)[None].expand(b, w).contiguous()
+        slots = torch.arange(w, device=x.device)[None].expand(b, w).contiguous()  # the K/V buffer's write index
     cos, sin = target.rotary.cos_sin(pos)
     want = set(layer_ids)
     captured: dict[int, torch.Tensor] = {}
@@ -223,23 +241,18 @@ def causal_features(target, input_ids: torch.Tensor, layer_ids: list[int],
         else:
             h = layer.input_layernorm(x)
         hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        rep = hq // hkv
         if fused:
             k = torch.empty(b, w, hkv, d, dtype=x.dtype, device=x.device)
             v = torch.empty_like(k)
             qn = None if attn.q_norm is None else attn.q_norm.weight
             kn = None if attn.k_norm is None else attn.k_norm.weight
             eps = 0.0 if attn.q_norm is None else attn.q_norm.eps
-            qg = rotary_qkv_cache(F.linear(h, attn._qkv_w, attn._qkv_b), cos, sin, qn, kn, eps, k, v, rows, pos,
+            qg = rotary_qkv_cache(F.linear(h, attn._qkv_w, attn._qkv_b), cos, sin, qn, kn, eps, k, v, rows, slots,
                                   hq, hkv)  # [B, Hkv, W*rep, D]: row t*rep + r is head g*rep + r at position t
-            q = qg.view(b, hkv, w, rep, d).transpose(2, 3).reshape(b, hq, w, d)
-            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, W, D]
+            q = qg.view(b, hkv, w, hq // hkv, d).permute(0, 2, 1, 3, 4).reshape(b, w, hq, d)
         else:
-            q, k, v = (t.transpose(1, 2) for t in attn.qkv(h, cos, sin))  # [B, Hq | Hkv, W, D]
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, Hq, W, D]
-        a = attn.o_proj(out.transpose(1, 2).reshape(b, w, -1))
+            q, k, v = attn.qkv(h, cos, sin)  # [B, W, Hq | Hkv, D]
+        a = attn.o_proj(attend(q, k, v))
         if fused:
             ln = layer.post_attention_layernorm
             x, h = add_rmsnorm(x, a, ln.weight, ln.eps)
@@ -258,49 +271,155 @@ def causal_features(target, input_ids: torch.Tensor, layer_ids: list[int],
     return torch.cat([captured[i] for i in layer_ids], dim=-1), last
 
 
+def _varlen_fn():
+    """PyTorch's variable-length flash attention (``torch.nn.attention.varlen.varlen_attn``) and the keyword that
+    makes it causal in the installed version (``is_causal=True`` in its first releases, ``window_size=(-1, 0)``
+    later), or None where it is missing."""
+    import inspect
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "is_causal" in params:
+        return varlen_attn, {"is_causal": True}
+    if "window_size" in params:
+        return varlen_attn, {"window_size": (-1, 0)}
+    return None
+
+
+@torch.no_grad()
+def packed_causal_features(target, token_ids: torch.Tensor, seq_lens: list[int], layer_ids: list[int],
+                           fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features and last hidden states of several sequences packed end to end in one row, no padding: causal
+    attention inside each sequence, none across them, every sequence's rotary positions from 0.
+
+    On CUDA the attention is PyTorch's variable-length flash attention
+    (``torch.nn.attention.varlen.varlen_attn``, cumulative sequence offsets; Dao 2023, FlashAttention-2's varlen
+    interface) with the key/value heads repeated to the query heads; elsewhere, or where the installed PyTorch
+    lacks it, SDPA ``is_causal`` over each sequence in turn. Every other op runs once over all the tokens.
+
+    Args:
+        target: a :class:`~adaflash_ray.models.target.TargetModel`.
+        token_ids: ``[S]`` int64 on the target's device, ``S = sum(seq_lens)``.
+        seq_lens: each sequence's length (>= 1), in packing order.
+        layer_ids: as :func:`causal_features`.
+        fused: as :func:`causal_features`.
+    Returns:
+        ``(features [S, len(layer_ids)*H], last_hidden [S, H])`` in the target's dtype, sequences in packing order.
+    Raises:
+        ValueError: ``seq_lens`` empty, holding a length < 1, or not summing to ``S``; a layer id outside ``[0, L)``.
+    """
+    s = int(token_ids.shape[0])
+    if not seq_lens or min(seq_lens) < 1 or sum(seq_lens) != s:
+        raise ValueError(f"seq_lens must be >= 1 each and sum to {s} tokens, got {list(seq_lens)[:8]}...")
+    device = token_ids.device
+    lens = torch.tensor(seq_lens, dtype=torch.long)
+    starts = torch.cumsum(lens, 0) - lens
+    pos = (torch.arange(s) - torch.repeat_interleave(starts, lens)).to(device)[None]  # [1, S]
+    varlen = _varlen_fn() if device.type == "cuda" else None
+    if varlen is not None:
+        fn, causal_kw = varlen
+        cu = torch.cat([starts, lens.sum().reshape(1)]).to(device=device, dtype=torch.int32)
+        max_len = int(lens.max())
+
+    def attend(q, k, v):  # [1, S, Hq | Hkv, D] -> [1, S, Hq*D]
+        rep = q.shape[2] // k.shape[2]
+        q, k, v = q[0], k[0], v[0]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if varlen is not None:
+            out = fn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, max_len, max_len, **causal_kw)
+            return out.reshape(1, s, -1)
+        parts, at = [], 0
+        for n in seq_lens:  # [1, H, n, D] each
+            qs, ks, vs = (t[at:at + n].transpose(0, 1)[None] for t in (q, k, v))
+            parts.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)[0].transpose(0, 1))
+            at += n
+        return torch.cat(parts).reshape(1, s, -1)
+
+    feats, last = _causal_stack(target, token_ids[None], pos, layer_ids, attend, fused)
+    return feats[0], last[0]
+
+
 @torch.no_grad()
 def recompute_features(target, token_ids_list: list[torch.Tensor], layer_ids: list[int],
-                       max_batch_tokens: int = 32768, pad_multiple: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                       max_batch_tokens: int = 32768, pad_multiple: int = 1, layout: str = "padded",
+                       fused: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Run the frozen target over each sequence (``features: recompute``, docs/design/ALGORITHMS.md §3).
 
-    Sequences are right-padded and run together, up to ``max_batch_tokens`` padded positions per forward
-    (a trainer GPU does a batch of 32 x 512 tokens in one pass instead of 32 passes). Attention is causal,
-    so the padding after a row's end never reaches that row's own positions: the result equals one
+    ``layout="padded"``: sequences are right-padded and run together, up to ``max_batch_tokens`` padded positions
+    per forward (a trainer GPU does a batch of 32 x 512 tokens in one pass instead of 32 passes). Attention is
+    causal, so the padding after a row's end never reaches that row's own positions: the result equals one
     forward per sequence (tests/test_distill.py checks it). On CUDA the forward is :func:`causal_features`
     (SDPA's causal fast path, no mask tensor, the target's torch modules); elsewhere the target's own forward.
+
+    ``layout="packed"``: sequences are laid end to end, up to ``max_batch_tokens`` tokens per forward, with no
+    padding (:func:`packed_causal_features`: variable-length flash attention on CUDA): a batch of mixed lengths
+    costs its real tokens only. ``pad_multiple`` > 1 rounds each forward's token count up with one extra padding
+    sequence (fewer distinct shapes).
 
     Args:
         target: a :class:`~adaflash_ray.models.target.TargetModel`.
         token_ids_list: ``[T_b]`` int64 sequences (T_b >= 2).
         layer_ids: the drafter's ``target_layer_ids``.
-        max_batch_tokens: bound on ``rows x padded length`` of one forward (activation memory).
-        pad_multiple: each forward's padded length rounded up to a multiple of this and, when > 1, its rows to a
-            multiple of :data:`RECOMPUTE_ROW_MULTIPLE` with all-padding rows (fewer distinct shapes; causal attention
-            keeps the extra positions out of every real one, and rows never mix).
+        max_batch_tokens: bound on ``rows x padded length`` (padded) or tokens (packed) of one forward (activation
+            memory); a packed sequence longer than it runs alone.
+        pad_multiple: padded: each forward's padded length rounded up to a multiple of this and, when > 1, its rows
+            to a multiple of :data:`RECOMPUTE_ROW_MULTIPLE` with all-padding rows (fewer distinct shapes; causal
+            attention keeps the extra positions out of every real one, and rows never mix). Packed: as above.
+        layout: ``"padded"`` or ``"packed"``.
+        fused: the Triton kernels of :func:`causal_features` (CUDA only; needs fused projections).
     Returns:
         Per sequence ``(features [T_b-1, K*H], last_hidden [T_b-1, H])`` in the target's dtype, on its
         device: positions 0..T_b-2, exactly the layout the engine captures (the last token is never fed).
     Raises:
-        ValueError: a sequence shorter than 2 tokens.
+        ValueError: a sequence shorter than 2 tokens; an unknown ``layout``.
     """
+    if layout not in ("padded", "packed"):
+        raise ValueError(f"layout must be 'padded' or 'packed', got {layout!r}")
     device = target.lm_head.weight.device
     for ids in token_ids_list:
         if ids.shape[0] < 2:
             raise ValueError(f"need >= 2 tokens to recompute features, got {ids.shape[0]}")
-    order = sorted(range(len(token_ids_list)), key=lambda i: -token_ids_list[i].shape[0])  # longest first
     out: list = [None] * len(token_ids_list)
+    if layout == "packed":
+        start = 0
+        while start < len(token_ids_list):
+            group, total = [], 0
+            while start < len(token_ids_list) and (not group or
+                                                   total + token_ids_list[start].shape[0] - 1 <= max_batch_tokens):
+                group.append(start)
+                total += token_ids_list[start].shape[0] - 1
+                start += 1
+            lens = [token_ids_list[i].shape[0] - 1 for i in group]
+            pieces = [token_ids_list[i][:-1] for i in group]
+            extra = round_up(total, pad_multiple) - total
+            if extra:
+                pieces.append(torch.zeros(extra, dtype=torch.long))
+                lens.append(extra)
+            ids = torch.cat([p.cpu() for p in pieces]).to(device, non_blocking=True)  # one host-to-device copy
+            feats, last = packed_causal_features(target, ids, lens, list(layer_ids), fused=fused)
+            at = 0
+            for i, n in zip(group, lens):
+                out[i] = (feats[at:at + n], last[at:at + n])
+                at += n
+        return out
+    order = sorted(range(len(token_ids_list)), key=lambda i: -token_ids_list[i].shape[0])  # longest first
     start = 0
     while start < len(order):
         t_max = round_up(token_ids_list[order[start]].shape[0] - 1, pad_multiple)
         rows = max(1, min(len(order) - start, max_batch_tokens // max(t_max, 1)))
         group = order[start:start + rows]
         width = len(group) if pad_multiple == 1 else round_up(len(group), RECOMPUTE_ROW_MULTIPLE)  # + zero rows
-        inp = torch.zeros(width, t_max, dtype=torch.long, device=device)
+        inp = torch.zeros(width, t_max, dtype=torch.long)
         for r, i in enumerate(group):
             ids = token_ids_list[i]
-            inp[r, : ids.shape[0] - 1] = ids[:-1].to(device)
+            inp[r, : ids.shape[0] - 1] = ids[:-1]
+        inp = inp.to(device, non_blocking=True)  # one host-to-device copy
         if device.type == "cuda":
-            feats, last = causal_features(target, inp, list(layer_ids))
+            feats, last = causal_features(target, inp, list(layer_ids), fused=fused)
         else:
             pos = torch.arange(t_max, device=device)[None].expand(width, -1)
             res = target(inp, pos, capture_layer_ids=list(layer_ids), compute_logits=False)
@@ -313,11 +432,12 @@ def recompute_features(target, token_ids_list: list[torch.Tensor], layer_ids: li
 
 
 def with_recomputed_features(target, trajectories: list[Trajectory], layer_ids: list[int],
-                             pad_multiple: int = 1) -> list[Trajectory]:
+                             pad_multiple: int = 1, layout: str = "padded", fused: bool = False) -> list[Trajectory]:
     """Copies of ``trajectories`` whose features / last_hidden come from :func:`recompute_features`."""
-    feats = recompute_features(target, [tr.token_ids for tr in trajectories], layer_ids, pad_multiple=pad_multiple)
+    feats = recompute_features(target, [tr.token_ids for tr in trajectories], layer_ids, pad_multiple=pad_multiple,
+                               layout=layout, fused=fused)
     return [dataclasses.replace(tr, features=f, last_hidden=h) for tr, (f, h) in zip(trajectories, feats)]
 
 
-__all__ = ["Batch", "LOSS_DECAY_GAMMA", "RECOMPUTE_ROW_MULTIPLE", "causal_features", "collate", "recompute_features",
-           "round_up", "sample_anchors", "with_recomputed_features"]
+__all__ = ["Batch", "LOSS_DECAY_GAMMA", "RECOMPUTE_ROW_MULTIPLE", "causal_features", "collate",
+           "packed_causal_features", "recompute_features", "round_up", "sample_anchors", "with_recomputed_features"]

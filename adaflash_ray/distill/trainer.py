@@ -396,7 +396,10 @@ class DistillTrainerCore:
             trajectories = [trajectories[i] for i in order]
             fresh = None if fresh is None else [fresh[i] for i in order]
             if cfg.features == "recompute":
-                trajectories = with_recomputed_features(self.target, trajectories, self.layer_ids, pad_multiple=pad_t)
+                trajectories = with_recomputed_features(
+                    self.target, trajectories, self.layer_ids, pad_multiple=pad_t,
+                    layout=getattr(cfg, "recompute_layout", "padded"),
+                    fused=bool(getattr(cfg, "recompute_fused", False)) and self.device.type == "cuda")
             batch = collate(trajectories, cfg.num_anchors, self.drafter.block_size, self.generator,
                             self.feature_dtype, pad_tokens_multiple=pad_t, pad_anchors_multiple=pad_n).to(self.device)
             if self.device.type == "cuda":
