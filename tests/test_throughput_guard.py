@@ -46,8 +46,11 @@ def _prompts():
 
 def _engine(tiny_target, **kw) -> SpecEngine:
     drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
-    return SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=200, calibrate=False,
-                      probe_every=4, **kw)
+    eng = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=200, calibrate=False,
+                     probe_every=4, **kw)
+    if eng.guard is not None:  # the step sequences below: min_samples policy samples at every batch size
+        eng.guard.min_rows = 0
+    return eng
 
 
 def _kinds_per_step(engine: SpecEngine, num_steps: int) -> list[str]:
@@ -161,7 +164,7 @@ def test_guard_unit_rules():
     is refreshed after ar_refresh_steps; buckets by batch size; bad settings raise."""
     from adaflash_ray.engine.length_policy import PROBE_MAX_FACTOR
 
-    g = ThroughputGuard([1, 4], min_samples=2, backoff_steps=2, ar_refresh_steps=0)
+    g = ThroughputGuard([1, 4], min_samples=2, backoff_steps=2, ar_refresh_steps=0, min_rows=0)
     for _ in range(2):
         assert not g.force_ar(3)
         g.record(3, True, 4, 10.0)  # policy: 0.4 tokens / ms
@@ -186,7 +189,7 @@ def test_guard_unit_rules():
     g.buckets[1].forced_left = 7
     g.new_batch()
     assert not g.force_ar(4) and g.state()["4"]["num_policy_samples"] > 0  # the record stays
-    r = ThroughputGuard([1], min_samples=2, ar_refresh_steps=5)
+    r = ThroughputGuard([1], min_samples=2, ar_refresh_steps=5, min_rows=0)
     r.record(1, False, 1, 1.0)
     r.record(1, False, 1, 1.0)
     for _ in range(4):
@@ -197,11 +200,49 @@ def test_guard_unit_rules():
         assert r.force_ar(1)
         r.record(1, False, 1, 1.0)
     assert not r.force_ar(1) and r.state()["1"]["num_ar_samples"] == 4
-    for bad in (dict(margin=1.0), dict(decay=0.0), dict(min_samples=0), dict(backoff_steps=0)):
+    for bad in (dict(margin=1.0), dict(decay=0.0), dict(min_samples=0), dict(backoff_steps=0), dict(min_rows=-1)):
         with pytest.raises(ValueError):
             ThroughputGuard([1], **bad)
     with pytest.raises(ValueError, match="strictly increasing"):
         ThroughputGuard([4, 2])
+
+
+def _forced_share(guard: ThroughputGuard, tokens_of, policy_ms: float, ar_ms: float, catch_up_ms: float,
+                  steps: int) -> float:
+    """Share of ``steps`` the guard forces to AR at batch 1 when a policy step commits ``tokens_of()`` tokens in
+    ``policy_ms`` plus ``catch_up_ms`` per AR step before it (the drafter context's catch-up after an AR stretch) and an
+    AR step one token in ``ar_ms``."""
+    forced = behind = 0
+    for _ in range(steps):
+        if guard.force_ar(1):
+            forced += 1
+            behind += 1
+            guard.record(1, False, 1, ar_ms)
+        else:
+            guard.record(1, True, tokens_of(), policy_ms + catch_up_ms * behind)
+            behind = 0
+    return forced / steps
+
+
+def test_guard_needs_more_policy_samples_at_small_batches():
+    """At batch 1 a drafting step commits 1 token or many: a policy 1.8x AR on average (70 % of its steps 1 token, the
+    rest 2-8, 1.6 ms against AR's 1.3 ms, plus 0.05 ms of catch-up per AR step before a drafting one) is backed off on
+    short unlucky stretches when every batch size decides on min_samples steps, and each back-off's catch-up makes the
+    next likelier; deciding on ~min_rows rows' worth of policy samples (32 steps at batch 1) it only takes its AR
+    reference, while a policy slower than AR (1 token in 1.6 ms) is still forced to AR on most steps. From batch
+    min_rows / min_samples up n_B is min_samples."""
+    import random
+
+    g = ThroughputGuard([1, 64])
+    assert g.policy_samples(1) == 32 and g.policy_samples(8) == 4 and g.policy_samples(64) == g.min_samples == 3
+    old, new = [], []
+    for seed in range(4):
+        for guard, out in ((ThroughputGuard([1], min_rows=0), old), (ThroughputGuard([1]), new)):
+            rng = random.Random(seed)
+            out.append(_forced_share(guard, lambda: 1 if rng.random() < 0.7 else rng.randint(2, 8), 1.6, 1.3, 0.05,
+                                     4000))
+    assert max(new) < 0.03 and min(old) > 0.05 and sum(old) / 4 > 0.2, (old, new)
+    assert _forced_share(ThroughputGuard([1]), lambda: 1, 1.6, 1.3, 0.05, 4000) > 0.8
 
 
 def test_guard_ignores_steps_that_capture_a_graph(tiny_target):

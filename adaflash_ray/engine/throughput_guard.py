@@ -13,9 +13,14 @@ of committed tokens per row and of wall milliseconds for two kinds of step:
 
 ``rate = EMA(tokens per row) / EMA(ms)`` (a ratio of averages: a slow probe weighs by its time; per row, so a step
 with fewer live rows in the same bucket - requests finished, slots idle - compares like with like: at a bucket a
-step costs about the same whatever its live rows, so ``rate_policy / rate_AR`` is the policy's speedup there). When a bucket has at least
-``min_samples`` of both and ``min_samples`` policy steps since its last back-off, and ``rate_policy < (1 - margin) x
-rate_AR``, the guard forces AR steps there (γ = 0, no propose, no catch-up) for ``backoff_steps x factor`` steps; the
+step costs about the same whatever its live rows, so ``rate_policy / rate_AR`` is the policy's speedup there).
+A drafting step's committed tokens per row vary far more at a small batch (at batch 1 one step commits 1 token, the
+next 16) than averaged over many rows, so a bucket of batch size B takes its policy decisions on
+``n_B = max(min_samples, ceil(min_rows / B))`` policy samples (about ``min_rows`` rows' worth; 32 policy steps at batch
+1, ``min_samples`` from batch ``min_rows / min_samples`` up) and averages them with weight ``min(decay, 1 / n_B)``;
+AR steps commit exactly one token per row, and their reference keeps ``min_samples``. When a bucket has at least
+``min_samples`` AR and ``n_B`` policy samples, ``n_B`` policy steps since its last back-off, and ``rate_policy < (1 -
+margin) x rate_AR``, the guard forces AR steps there (γ = 0, no propose, no catch-up) for ``backoff_steps x factor`` steps; the
 factor doubles each time the condition still holds when the policy has had its next ``min_samples`` steps (at most
 :data:`~adaflash_ray.engine.length_policy.PROBE_MAX_FACTOR`), and returns to 1 once it does not. Then the policy runs
 again as it would. A bucket with policy samples and fewer than ``min_samples`` AR samples, or whose AR samples are
@@ -78,21 +83,28 @@ class ThroughputGuard:
         min_samples: steps of each kind before a comparison, and policy steps after a back-off before the next one.
         backoff_steps: the first back-off's forced AR steps; doubles while the condition holds, at most
             ``PROBE_MAX_FACTOR x backoff_steps``.
-        decay: weight of each new step in the moving averages (0 < decay <= 1).
+        decay: weight of each new step in the moving averages (0 < decay <= 1), at most ``1 / n_B`` for the policy's.
         ar_refresh_steps: a bucket's AR samples older than this many of its steps are refreshed (0 = never).
+        min_rows: the policy samples of a bucket of batch size B are at least ``ceil(min_rows / B)`` (module
+            docstring; 0 = ``min_samples`` at every batch size).
     Raises:
-        ValueError: empty / unsorted ``batch_sizes``, ``margin`` outside [0, 1), ``decay`` outside (0, 1], or a count
-            < 1.
+        ValueError: empty / unsorted ``batch_sizes``, ``margin`` outside [0, 1), ``decay`` outside (0, 1], a count
+            < 1 or ``min_rows`` < 0.
     """
 
     def __init__(self, batch_sizes: list[int], *, margin: float = 0.02, min_samples: int = 3, backoff_steps: int = 16,
-                 decay: float = 0.125, ar_refresh_steps: int = 256):
-        if not 0 <= margin < 1 or not 0 < decay <= 1 or min(min_samples, backoff_steps) < 1 or ar_refresh_steps < 0:
+                 decay: float = 0.125, ar_refresh_steps: int = 256, min_rows: int = 32):
+        if not 0 <= margin < 1 or not 0 < decay <= 1 or min(min_samples, backoff_steps) < 1 or ar_refresh_steps < 0 \
+                or min_rows < 0:
             raise ValueError(f"bad guard settings: margin {margin}, decay {decay}, min_samples {min_samples}, "
-                             f"backoff_steps {backoff_steps}, ar_refresh_steps {ar_refresh_steps}")
+                             f"backoff_steps {backoff_steps}, ar_refresh_steps {ar_refresh_steps}, min_rows {min_rows}")
         self.margin, self.min_samples, self.backoff_steps = margin, min_samples, backoff_steps
-        self.decay, self.ar_refresh_steps = decay, ar_refresh_steps
+        self.decay, self.ar_refresh_steps, self.min_rows = decay, ar_refresh_steps, min_rows
         self.set_buckets(batch_sizes)
+
+    def policy_samples(self, batch_size: int) -> int:
+        """``n_B``: the policy samples a decision at bucket ``batch_size`` (a bucket's own size) rests on."""
+        return max(self.min_samples, -(-self.min_rows // max(batch_size, 1)))
 
     def set_buckets(self, batch_sizes: list[int]) -> None:
         """New buckets (a new cost table): every average and back-off starts over."""
@@ -101,8 +113,11 @@ class ThroughputGuard:
         self.batch_sizes = list(batch_sizes)
         self.buckets = [_Bucket(_Rate(), _Rate()) for _ in batch_sizes]
 
+    def _index(self, batch_size: int) -> int:
+        return min(bisect.bisect_left(self.batch_sizes, batch_size), len(self.batch_sizes) - 1)
+
     def _bucket(self, batch_size: int) -> _Bucket:
-        return self.buckets[min(bisect.bisect_left(self.batch_sizes, batch_size), len(self.batch_sizes) - 1)]
+        return self.buckets[self._index(batch_size)]
 
     def force_ar(self, batch_size: int) -> bool:
         """Whether the next step at ``batch_size`` must be an AR step; counts it as taken when so."""
@@ -122,17 +137,18 @@ class ThroughputGuard:
         """One step's outcome at ``batch_size``: ``policy_step`` (it drafted or proposed) or an AR step, its committed
         tokens (Σ (a + 1) over its ``num_rows`` rows) and wall ms; starts a back-off when the policy is slower than AR
         here."""
-        bk = self._bucket(batch_size)
+        i = self._index(batch_size)
+        bk = self.buckets[i]
         tokens = tokens / max(num_rows, 1)
         if not policy_step:
             bk.ar.add(tokens, ms, self.decay)
             bk.since_ar = 0
             return
-        bk.policy.add(tokens, ms, self.decay)
+        need = self.policy_samples(self.batch_sizes[i])
+        bk.policy.add(tokens, ms, min(self.decay, 1.0 / need))
         bk.trial += 1
         bk.since_ar += 1
-        if bk.trial < self.min_samples or bk.ar.num_samples < self.min_samples or \
-                bk.policy.num_samples < self.min_samples:
+        if bk.trial < need or bk.ar.num_samples < self.min_samples or bk.policy.num_samples < need:
             return
         if bk.policy.per_ms < (1.0 - self.margin) * bk.ar.per_ms:
             bk.forced_left = self.backoff_steps * bk.factor
