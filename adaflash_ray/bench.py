@@ -211,12 +211,14 @@ def _compare(target, prompts, outs: list[list[int]], ref: list[list[int]]) -> di
 
 
 def _run_engine(engine: SpecEngine, prompts, max_new: int, mode: str, device: str,
-                temperature: float = 0.0) -> tuple[list, float]:
-    """Fresh stats, one timed ``generate``; returns (requests, wall seconds)."""
+                temperature: float = 0.0, admit_min: int = 1) -> tuple[list, float]:
+    """Fresh stats, one timed ``generate`` (``admit_min`` as :meth:`SpecEngine.generate`'s); returns (requests, wall
+    seconds)."""
     engine.stats = SpecStats()
     _sync(device)
     t0 = time.perf_counter()
-    reqs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new, temperature=temperature), mode=mode)
+    reqs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new, temperature=temperature), mode=mode,
+                           admit_min=admit_min)
     _sync(device)
     return reqs, time.perf_counter() - t0
 
@@ -278,8 +280,11 @@ class _HFGenerate:
 def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concurrency: list[int],
           domains: list[str], num_prompts: int, max_new_tokens: int, warmup: str,
           engine_kwargs: dict | None = None, log=print, repeats: int = 1, corpus_prompts: int | None = None,
-          temperature: float = 0.0) -> dict:
+          temperature: float = 0.0, admit_min: int = 1) -> dict:
     """Run every method per (domain, concurrency) on the recipe's target; returns the JSON document.
+
+    ``admit_min``: a timed run's waiting requests are admitted only when at least that many KV slots are free (or
+    none is running): fewer, larger prefills when requests refill a batch (:meth:`SpecEngine.generate`).
 
     ``repeats``: timed runs per engine cell, round-robin over the methods of a (domain, concurrency) - repeat k of
     every method before repeat k+1 of any, so a drift of the machine reaches them alike; the row is the one with the
@@ -366,7 +371,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                 if base_method(method) in ("suffix", "hybrid"):
                     eng.reset_corpus(seeds.get(domain, []))
                 reqs, secs = _run_engine(eng, ps, max_new_tokens, "ar" if method == "ar" else "spec", device,
-                                         temperature)
+                                         temperature, admit_min)
                 guard = eng.guard.state() if eng.guard is not None else None
                 return sum(len(r.output_ids) for r in reqs) / secs, reqs, secs, eng.stats, guard
 
@@ -438,7 +443,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
     return {**_header(device), "mode": "model", "model": name, "recipe": cfg.name,
             "drafter": drafter_path or "untrained (recipe init)", "block_size": block_size, "dtype": dtype,
             "threads": cfg.engine.num_threads, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens,
-            "max_seq_len": max_seq_len, "warmup": warmup, "engine_kwargs": engine_kwargs or {},
+            "max_seq_len": max_seq_len, "warmup": warmup, "admit_min": admit_min, "engine_kwargs": engine_kwargs or {},
             "temperature": temperature,
             "tau_convention": TAU_CONVENTION,
             "domains": {d: DOMAINS.get(d, "+".join(DOMAINS.values())) for d in domains}, "rows": rows}
@@ -596,6 +601,9 @@ def _parser() -> argparse.ArgumentParser:
                         "default on CUDA), short = one 2-token pass per engine (default on CPU), none")
     p.add_argument("--eager", action="store_true", help="engine without CUDA graphs (use_cuda_graph=False)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per engine cell; the row is the median one")
+    p.add_argument("--admit-min", type=int, default=1,
+                   help="admit waiting requests only when at least this many KV slots are free (fewer, larger "
+                        "prefills in refilled batches; 1 = refill every free slot at the next step)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature of every timed request (0 = greedy, the lossless match against AR)")
     p.add_argument("--corpus-prompts", type=int, default=None,
@@ -628,10 +636,10 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if ns.concurrency is not None and min(ns.concurrency) < 1:
         parser.error("--concurrency values must be >= 1")
-    if min(ns.num_prompts, ns.max_new_tokens, ns.drafter_layers, ns.context, ns.num_iters, ns.repeats) < 1 or \
-            ns.block_size < 2:
-        parser.error("--num-prompts, --max-new-tokens, --drafter-layers, --context, --num-iters, --repeats must be >= 1 "
-                     "and --block-size >= 2")
+    if min(ns.num_prompts, ns.max_new_tokens, ns.drafter_layers, ns.context, ns.num_iters, ns.repeats,
+           ns.admit_min) < 1 or ns.block_size < 2:
+        parser.error("--num-prompts, --max-new-tokens, --drafter-layers, --context, --num-iters, --repeats, --admit-min "
+                     "must be >= 1 and --block-size >= 2")
     if ns.context + ns.max_new_tokens > 65536:
         parser.error(f"--context + --max-new-tokens = {ns.context + ns.max_new_tokens} > 65536 positions per request")
     if ns.device is not None:
@@ -695,7 +703,8 @@ def main(argv: list[str] | None = None) -> int:
                         max_new_tokens=ns.max_new_tokens,
                         warmup=ns.warmup or ("repeat" if on_cuda else "short"),
                         engine_kwargs={"use_cuda_graph": False} if ns.eager else None, log=log,
-                        repeats=ns.repeats, corpus_prompts=ns.corpus_prompts, temperature=ns.temperature)
+                        repeats=ns.repeats, corpus_prompts=ns.corpus_prompts, temperature=ns.temperature,
+                        admit_min=ns.admit_min)
     except (RecipeError, ValueError, MissingDataPackageError) as e:  # incl. ShapeError, CheckpointError
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -213,6 +213,22 @@ def test_model_mode_draft_source_methods(capsys):
     assert rows["ar"]["request_tau_min"] == 1.0 and rows["ar"]["mean_request_steps"] <= 11
 
 
+def test_model_mode_admit_min_batches_the_refills(capsys):
+    """``--admit-min 3`` at concurrency 3 with 6 prompts: a refill waits for 3 free slots, so every prefill admits 3
+    requests (2 prefills per run); outputs stay AR's."""
+    rc = main(["--methods", "ar", "dflash", "--concurrency", "3", "--num-prompts", "6", "--max-new-tokens", "6",
+               "--domains", "qa", "--admit-min", "3"])
+    assert rc == 0
+    doc = _last_json(capsys)
+    assert doc["admit_min"] == 3
+    for r in doc["rows"]:
+        assert r["step_timing"]["prefill"]["count"] == 2, r["method"]
+        assert r["lossless"] is True
+    with pytest.raises(SystemExit) as e:
+        main(["--admit-min", "0"])
+    assert e.value.code == 2 and "--admit-min" in capsys.readouterr().err
+
+
 def test_model_mode_sampled_with_argmax_drafts(capsys):
     """--temperature 0.8: every method samples (rows say so, no token-for-token match against AR is claimed);
     dflash-argmax drafts the drafter's argmax block at the fixed γ; bad temperatures are user errors (exit 2)."""

@@ -491,3 +491,58 @@ def test_planner_keeps_a_block_that_pays_on_average():
         proposes.append(propose)
         pending = [1.0] * 15 if propose else None
     assert proposes.count(True) < 15 and p._block_net <= 0, (proposes, p._block_net)
+
+
+def test_block_guard_stops_proposes_that_cost_more_than_they_gain():
+    """A hybrid whose tables price the drafter's propose at nothing and whose (random) drafter head is trusted as it
+    is, so the planner keeps proposing the block - while each step that proposes really takes 3 ms against 1 ms for a
+    lookup or AR step. The engine's block guard (proposing steps against planned steps without a propose, per batch
+    bucket) backs the proposes off: far fewer of them and less time, the same greedy output as the target's."""
+    target = make_tiny_target("llama", vocab_size=16, seed=1, logit_scale=3.0)  # greedy output cycles: ngram matches
+    prompt = [1, 2, 3, 4, 5]
+    ref = greedy_reference(target, prompt, 200)
+    runs = {}
+    for guarded in (True, False):
+        drafter, head = make_drafter(target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
+        eng = SpecEngine(target, drafter, head, policy="cost", max_batch_size=1, max_seq_len=300, calibrate=False,
+                         draft_sources=("dflash", "ngram"), probe_every=4)
+        assert eng.block_guard is not None
+        eng.planner.set_costs([1], np.ones((1, 7)), np.ones((1, eng.runner.max_draft + 1)))
+        eng.planner.calibration = SourceCalibration(prior=1.0, decay=1e-9)
+        eng.guard.set_buckets([1])
+        eng.block_guard.set_buckets([1])
+        eng.block_guard.min_rows = 0  # decide on min_samples steps: a short run
+        if not guarded:
+            eng.block_guard = None
+        clock, proposes, real = [0.0], [], eng.runner.step
+
+        def step(slots, anchors, anchor_pos, draft_lens, spec, propose=True, *a, real=real, clock=clock,
+                 proposes=proposes, **k):
+            clock[0] += 1e-3 * (3.0 if spec and propose else 1.0)
+            proposes.append(bool(spec and propose))
+            return real(slots, anchors, anchor_pos, draft_lens, spec, propose, *a, **k)
+
+        eng.runner.step = step
+        eng.clock = eng.runner.clock = lambda clock=clock: clock[0]
+        req = eng.generate([prompt], SamplingParams(max_new_tokens=200, ignore_eos=True))[0]
+        assert req.output_ids == ref, guarded
+        runs[guarded] = (sum(proposes) / len(proposes), clock[0])
+    (share_on, t_on), (share_off, t_off) = runs[True], runs[False]
+    assert share_on < 0.2 < 0.4 < share_off, runs
+    assert t_on < 0.7 * t_off, runs
+
+
+def test_planner_block_off_keeps_the_block_unproposed():
+    """``block_off``: no propose whatever the schedule says (a fresh planner proposes), unless a request fixes its γ;
+    a pending block that wins is still chosen."""
+    good_block = [1 + 0.8 * (1 - 0.8 ** g) / 0.2 for g in range(1, 16)]
+    p = _planner()
+    _costs(p, 1.0, 1.0, 1.0)
+    chosen, propose = p.plan(1, [30], [None], [None], block_off=True)
+    assert not propose and chosen[0].source == "none"
+    chosen, propose = p.plan(1, [30], [good_block], [None], block_off=True)
+    assert chosen[0].source == "dflash" and not propose
+    _, propose = p.plan(1, [30], [good_block], [None], fixed=[4], block_off=True)
+    assert propose
+    _, propose = p.plan(1, [30], [good_block], [None])
+    assert propose

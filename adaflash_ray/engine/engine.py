@@ -142,6 +142,10 @@ class SpecEngine:
             bucket and forces AR steps where the policy is slower; False = off (``self.guard`` None). Without
             ``ar_steps`` (an engine that must always draft: the main job's inference workers) or with another policy
             (lookup-only sources included) there is none. A step with a request's own ``draft_len`` is never forced.
+            The hybrid with the drafter and a lookup source gets a second one (``self.block_guard``) over the
+            planner's own steps: steps that propose the drafter's next block against steps that do not (lookups and
+            any pending block only), so a block whose proposes cost more than its drafts gain is proposed only at the
+            planner's probes for a doubling back-off.
         clock: seconds, monotonic (``time.perf_counter``); what the step timings and the guard read (a test's fake
             clock makes them deterministic).
     Raises:
@@ -217,6 +221,9 @@ class SpecEngine:
         # the cost policy, alone or in the hybrid: a guard on its realised throughput (lookup-only sources have none)
         on = throughput_guard and ar_steps and isinstance(self.policy, CostLength)
         self.guard = ThroughputGuard(_buckets(max_batch_size)) if on else None
+        block_on = on and self.planner is not None and self.planner.use_dflash and self.planner.lookup is not None
+        self.block_guard = ThroughputGuard(_buckets(max_batch_size)) if block_on else None
+        self._last_planned_propose: bool | None = None  # the block guard's previous planned step (None: none yet)
         self.drafter_version = drafter_version
         self.drafter_sha256 = tensors_sha256(self.drafter_tensors()) if drafter is not None else None
         self.num_reloads = 0  # drafter loads (load_drafter) so far; from the first one on, versions must rise
@@ -359,6 +366,13 @@ class SpecEngine:
         if self.guard is not None and not self.runner.step_captured:  # a graph capture's time is no step's cost
             n = len(batch.requests)
             self.guard.record(batch.batch_size, kind in ("probe", "draft"), n + sum(res.num_accepted), 1e3 * seconds, n)
+            if self.block_guard is not None and batch.choices is not None:  # a planned step: with or without a propose
+                # a step's tokens come from the block the step before proposed: the first step after a switch carries
+                # the other regime's block (or lacks one), so only steps that kept the previous step's choice count
+                if batch.propose == self._last_planned_propose:
+                    self.block_guard.record(batch.batch_size, batch.propose, n + sum(res.num_accepted), 1e3 * seconds,
+                                            n)
+                self._last_planned_propose = batch.propose
         return finished
 
     def _admit(self, spec: bool, finished: list[Request]) -> None:
@@ -373,6 +387,9 @@ class SpecEngine:
         t0 = self.clock()
         if self.guard is not None and not running_before:
             self.guard.new_batch()
+            if self.block_guard is not None:
+                self.block_guard.new_batch()
+                self._last_planned_propose = None
         propose = spec and self.drafter is not None and (self.planner is None or self.planner.use_dflash)
         dev_lookup = spec and self.lookup_on_device
         res = self.runner.prefill([r.slot for r in admitted], [r.prompt_ids for r in admitted],
@@ -432,7 +449,8 @@ class SpecEngine:
             proposals = [self._lookup(r, min(nd, c)) if c > 0 else None for r, c in zip(running, caps)]
             lookup_ms = 1e3 * (time.perf_counter() - t0)
         choices, propose = planner.plan(batch_size, caps, [r.dflash_expected for r in running], proposals,
-                                        [r.params.draft_len for r in running], lookup_ms=lookup_ms)
+                                        [r.params.draft_len for r in running], lookup_ms=lookup_ms,
+                                        block_off=self._block_off(batch_size))
         host = [c.tokens if c.source not in ("dflash", "none") else None for c in choices]
         return _Batch(running, [c.draft_len for c in choices], True, propose, append=propose, choices=choices,
                       host_drafts=host if any(h is not None for h in host) else None, batch_size=batch_size)
@@ -446,11 +464,16 @@ class SpecEngine:
         props, valid = self._dev_props[slots], self._dev_valid[slots]
         arrays = LookupArrays(props[:, nd], props[:, nd + 1], props[:, nd + 2], props[:, nd + 3], valid)
         choices, propose = planner.plan(batch_size, caps, [r.dflash_expected for r in running],
-                                        [None] * len(running), [r.params.draft_len for r in running], device=arrays)
+                                        [None] * len(running), [r.params.draft_len for r in running], device=arrays,
+                                        block_off=self._block_off(batch_size))
         rows = [c.device_lookup for c in choices]
         return _Batch(running, [c.draft_len for c in choices], True, propose, append=propose, choices=choices,
                       lookup_rows=rows if any(rows) else None,
                       lookup=planner.lookup_due() or planner.spec_costs is None, batch_size=batch_size)
+
+    def _block_off(self, batch_size: int) -> bool:
+        """Whether the block guard keeps this planned step from proposing the drafter's next block."""
+        return self.block_guard is not None and self.block_guard.force_ar(batch_size)
 
     def _keep_proposals(self, slots: list[int], res: StepResult) -> None:
         """Keep the device lookup's proposals of ``res`` (current for ``slots``; none: not current)."""
@@ -686,6 +709,8 @@ class SpecEngine:
             self.planner.reset()
         if self.guard is not None:
             self.guard.on_drafter_reload()
+        if self.block_guard is not None:
+            self.block_guard.on_drafter_reload()
         return self.drafter_sha256
 
     # ------------------------------------------------------------------ timing (benchmarks)
@@ -776,8 +801,9 @@ class SpecEngine:
             torch.cuda.empty_cache()
         self.cost_table = {"batch_sizes": list(batch_sizes), "costs_ms": rows, "ar_costs_ms": ar_rows,
                            "context_len": ctx}
-        if self.guard is not None:  # the guard's buckets are the table's batch sizes
-            self.guard.set_buckets(list(batch_sizes))
+        for guard in (self.guard, self.block_guard):  # the guards' buckets are the table's batch sizes
+            if guard is not None:
+                guard.set_buckets(list(batch_sizes))
         if self.planner is not None:
             self.cost_table["lookup_costs_ms"] = lookup_rows
         return self.cost_table

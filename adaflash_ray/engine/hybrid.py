@@ -53,7 +53,10 @@ hybrid) checks them against what the steps really cost: per batch bucket, moving
 per row per ms of AR / γ = 0 steps and of the planner's other steps (drafts of any source, DFlash probes, catch-ups);
 where the planner's rate falls 2 % below AR's, the engine skips :meth:`HybridPlanner.plan` and takes AR steps (no
 propose, no lookup, no catch-up) for a back-off that doubles while that holds (at most ``PROBE_MAX_FACTOR`` x), then
-plans again - the planner's schedules and calibration are untouched by the forced steps.
+plans again - the planner's schedules and calibration are untouched by the forced steps. A second guard of the same
+kind (the engine's ``block_guard``) compares the planner's steps that propose the drafter's next block with its steps
+that do not; where proposing is the slower, :meth:`HybridPlanner.plan` gets ``block_off`` for a doubling back-off:
+no propose (a pending block is still verified), whatever the tables and the net value say.
 """
 from __future__ import annotations
 
@@ -334,7 +337,7 @@ class HybridPlanner:
     # ------------------------------------------------------------------ the choice
     def plan(self, batch_size: int, caps: list[int], dflash_expected: list[list[float] | None],
              proposals: list[Proposal | None], fixed: list[int | None] | None = None, lookup_ms: float = 0.0,
-             device: LookupArrays | None = None) -> tuple[list[RowChoice], bool]:
+             device: LookupArrays | None = None, block_off: bool = False) -> tuple[list[RowChoice], bool]:
         """Per request the source and γ of this step, and whether the step proposes the next DFlash block.
 
         Args:
@@ -351,6 +354,9 @@ class HybridPlanner:
             device: the device lookup's proposals (then ``proposals`` are all None): estimated by
                 :attr:`lookup_calibration`; a lookup row's :class:`RowChoice` has no tokens (they stay on the
                 device) and its bucket.
+            block_off: this step does not propose the next block whatever the schedule says (the engine's block
+                guard: steps that propose have been slower than steps that do not), unless a request fixes its γ; a
+                pending block is still used.
         Returns:
             (choices, propose): one :class:`RowChoice` per request; ``propose`` True when the drafter's block is to
             be proposed in this step (it was chosen for some request, or its probe is due).
@@ -365,17 +371,18 @@ class HybridPlanner:
                 empty = not (device.valid & (device.length > 0)).any()
             if empty:
                 looked = bool(device.valid.any()) if device is not None else any(p is not None for p in proposals)
-                return self._plan_nothing(batch_size, len(caps), fixed, looked, lookup_ms)
-        return self._plan_general(batch_size, caps, dflash_expected, proposals, fixed, lookup_ms, device)
+                return self._plan_nothing(batch_size, len(caps), fixed, looked, lookup_ms, block_off)
+        return self._plan_general(batch_size, caps, dflash_expected, proposals, fixed, lookup_ms, device, block_off)
 
     def _plan_nothing(self, batch_size: int, n: int, fixed: list[int | None] | None, looked: bool,
-                      lookup_ms: float) -> tuple[list[RowChoice], bool]:
+                      lookup_ms: float, block_off: bool = False) -> tuple[list[RowChoice], bool]:
         """:meth:`plan` of a step where no row has a pending block or a non-empty lookup proposal (``looked``: some row
         was looked up): every row "none"; the plan's value, the drafter's propose and the schedules as
         :meth:`_plan_general` sets them there (tokens per ms = n / the cheapest width's cost; lookups that took host
         time, ``lookup_ms`` > 0, never pay for it)."""
         costs = self.spec_costs is not None
-        probe_d = self.use_dflash and self._idle["dflash"] and self._since["dflash"] >= self._interval["dflash"]
+        probe_d = self.use_dflash and self._idle["dflash"] and self._since["dflash"] >= self._interval["dflash"] \
+            and not block_off
         if costs:
             table = self.spec_costs if probe_d else self.lookup_costs
             self.last_value = float((float(n) / table[self._row(batch_size), self._widx]).max())
@@ -383,14 +390,16 @@ class HybridPlanner:
             self.last_value = None
         forced = fixed is not None and any(f is not None for f in fixed)
         propose = self._end_step(False, False, False, looked, probe_d, forced,
-                                 lookup_pays=not (costs and looked and lookup_ms > 0))
+                                 lookup_pays=not (costs and looked and lookup_ms > 0), block_off=block_off)
         return [RowChoice("none", 0) for _ in range(n)], propose
 
     def _end_step(self, any_d: bool, keep_d: bool, used_l: bool, looked: bool, probe_d: bool, forced: bool,
-                  lookup_pays: bool) -> bool:
-        """The step's schedule updates, shared by both plan paths: whether the drafter proposes (kept, probed, forced,
-        or not idle with no block pending), the dflash and lookup use averages and schedules. Returns ``propose``."""
-        propose = self.use_dflash and (keep_d or probe_d or forced or (not self._idle["dflash"] and not any_d))
+                  lookup_pays: bool, block_off: bool = False) -> bool:
+        """The step's schedule updates, shared by both plan paths: whether the drafter proposes (forced, or - unless
+        ``block_off`` - kept, probed, or not idle with no block pending), the dflash and lookup use averages and
+        schedules. Returns ``propose``."""
+        propose = self.use_dflash and (forced or (not block_off and (
+            keep_d or probe_d or (not self._idle["dflash"] and not any_d))))
         self._advance("dflash", keep_d, any_d, probed=propose)
         if self.lookup is not None:
             use = self._note_use("lookup", used_l) if looked else self._use["lookup"]
@@ -400,7 +409,7 @@ class HybridPlanner:
 
     def _plan_general(self, batch_size: int, caps: list[int], dflash_expected: list[list[float] | None],
                       proposals: list[Proposal | None], fixed: list[int | None] | None = None, lookup_ms: float = 0.0,
-                      device: LookupArrays | None = None) -> tuple[list[RowChoice], bool]:
+                      device: LookupArrays | None = None, block_off: bool = False) -> tuple[list[RowChoice], bool]:
         """:meth:`plan` by the arrays (every case)."""
         n = len(caps)
         fixed = fixed or [None] * n
@@ -440,7 +449,8 @@ class HybridPlanner:
         rows = np.arange(n)[:, None]
         v_d = np.where(has_d[:, None], dfl[rows, gam], -1.0) if any_d else None  # [n, nw]; read only with any_d
         v_l = look[rows, np.minimum(gam, prop_len[:, None])]
-        probe_d = self.use_dflash and self._idle["dflash"] and self._since["dflash"] >= self._interval["dflash"]
+        probe_d = self.use_dflash and self._idle["dflash"] and self._since["dflash"] >= self._interval["dflash"] \
+            and not block_off
         costs = self.spec_costs is not None
         r = self._row(batch_size) if costs else 0
 
@@ -450,7 +460,8 @@ class HybridPlanner:
                 best = np.maximum(np.maximum(v_d if allow_d else -1.0, lookup_values), 0.0)  # [n, nw] E[accepted]
                 total = n + best.sum(0)  # expected committed tokens per width
                 if costs:
-                    table = self.spec_costs if (allow_d or probe_d) else self.lookup_costs
+                    # a step that proposes pays the spec table; with block_off a pending block verifies at lookup cost
+                    table = self.spec_costs if (allow_d or probe_d) and not block_off else self.lookup_costs
                     value = total / (table[r, self._widx] + extra_ms)
                 else:
                     value = total + 1e-9 * widths  # no costs: the most tokens, the longest width on a tie
@@ -515,7 +526,7 @@ class HybridPlanner:
             self._block_net = (1 - NET_EMA) * self._block_net + NET_EMA * net
             net_pays = self._block_net > 0.0
         keep_d = used_d or net_pays or (d_pays and use_d >= IDLE_BELOW)
-        return choices, self._end_step(any_d, keep_d, used_l, looked, probe_d, forced, lookup_pays)
+        return choices, self._end_step(any_d, keep_d, used_l, looked, probe_d, forced, lookup_pays, block_off)
 
     def _note_use(self, key: str, used: bool) -> float:
         """One more step of ``key``'s moving average of verified proposals (:data:`USE_EMA`); its new value."""
