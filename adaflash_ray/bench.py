@@ -40,7 +40,9 @@ Output: a table, then one JSON document as the last stdout line (also written to
 ``model``/``shape``, ``ms_per_step``, ``tokens_per_s``, ``speedup_vs_ar``, ``tau``, ``acceptance_rate``,
 ``draft_waste``, ``gamma_hist``, ``lossless``, ...; engine rows also ``step_timing``: wall ms per step kind ``ar`` /
 ``gamma0`` / ``probe`` / ``draft``, prefills and context catch-ups (:meth:`SpecStats.timing`), printed as a second
-table, ``guard``: the throughput guard's per-bucket realised rates and back-offs, or None, and the spread over
+table, ``guard``: the throughput guard's per-bucket realised rates and back-offs, or None, ``block_guard``: the same
+for the hybrid's block guard (steps that propose the drafter's next block against planned steps that do not), and the
+spread over
 requests (:func:`request_spread`: the slowest request's decode steps, which set a run's length when every request
 is admitted at once, and the per-request τ's minimum, 10th percentile and median). On CPU read ratios, not absolute
 times (docs/design/PERFORMANCE.md); ``engine.num_threads`` sets the CPU threads. Exit 2 on a user error.
@@ -373,7 +375,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                 reqs, secs = _run_engine(eng, ps, max_new_tokens, "ar" if method == "ar" else "spec", device,
                                          temperature, admit_min)
                 guard = eng.guard.state() if eng.guard is not None else None
-                return sum(len(r.output_ids) for r in reqs) / secs, reqs, secs, eng.stats, guard
+                block = eng.block_guard.state() if eng.block_guard is not None else None
+                return sum(len(r.output_ids) for r in reqs) / secs, reqs, secs, eng.stats, (guard, block)
 
             for method in engine_methods:
                 if warmup == "repeat":  # the same run untimed first: every CUDA graph it needs is captured
@@ -400,7 +403,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                     with_corpus = base_method(method) in ("suffix", "hybrid")
                     runs = runs_by[method]
                     order = sorted(range(len(runs)), key=lambda i: runs[i][0])
-                    _, reqs, secs, st, guard = runs[order[len(runs) // 2]]  # the median repeat (upper if even)
+                    _, reqs, secs, st, (guard, block) = runs[order[len(runs) // 2]]  # the median repeat (upper if even)
                     outs = [r.output_ids for r in reqs]
                     toks = sum(len(o) for o in outs)
                     row = {**base, "ms_per_step": 1000 * st.decode_seconds / max(st.num_engine_steps, 1),
@@ -411,7 +414,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                            "source_accept_len": {k: st.source_accept_len(k) for k in sorted(st.source_hist)
                                                  if k != "none"},
                            # wall ms per step kind (ar / gamma0 / probe / draft), prefill, catch-ups (SpecStats)
-                           "step_timing": st.timing(), "guard": guard,
+                           "step_timing": st.timing(), "guard": guard, "block_guard": block,
                            **request_spread(reqs, method != "ar")}
                     if with_corpus:
                         row["corpus_seed_sequences"] = len(seeds.get(domain, []))
@@ -638,8 +641,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--concurrency values must be >= 1")
     if min(ns.num_prompts, ns.max_new_tokens, ns.drafter_layers, ns.context, ns.num_iters, ns.repeats,
            ns.admit_min) < 1 or ns.block_size < 2:
-        parser.error("--num-prompts, --max-new-tokens, --drafter-layers, --context, --num-iters, --repeats, --admit-min "
-                     "must be >= 1 and --block-size >= 2")
+        parser.error("--num-prompts, --max-new-tokens, --drafter-layers, --context, --num-iters, --repeats, "
+                     "--admit-min must be >= 1 and --block-size >= 2")
     if ns.context + ns.max_new_tokens > 65536:
         parser.error(f"--context + --max-new-tokens = {ns.context + ns.max_new_tokens} > 65536 positions per request")
     if ns.device is not None:

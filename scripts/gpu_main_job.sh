@@ -17,6 +17,8 @@
 # Call c (carry [".gpu_stage3"]):    ADAFLASH_COMMIT=<sha> bash scripts/gpu_main_job.sh c   # start the main job
 #                                    (on a one-GPU machine it adds the fractional placement: both groups share it)
 # Call d (no carry):                 bash scripts/gpu_main_job.sh d   # wait for it; collect its results
+# A drafter brought home earlier (carry [".gpu_drafter"], a call of its own: 25 MB):
+#                                    bash scripts/gpu_main_job.sh drafter  # -> /root/dr/vN, no main job needed
 # Call e (no carry):                 bash scripts/gpu_main_job.sh e   # bench the final drafter
 #                                    (WEIGHT_SYNC=1: also time the Qwen3-8B-shape weight broadcast)
 # The main job runs in its own process session: it outlives call c (600 s at most), and call d waits for it.
@@ -138,6 +140,10 @@ EOF
     ;;
   b)
     mkdir -p "$STAGE" && cp .gpu_stage2/gguf.part1 "$STAGE/" && ls -la "$STAGE" | tail -4
+    ;;
+  drafter)  # a drafter an earlier session brought home (.gpu_drafter/NAME.tar of vN/{config.json,model.safetensors})
+    mkdir -p /root/dr && for t in .gpu_drafter/*.tar; do tar -xf "$t" -C /root/dr || exit 1; done
+    ls -d /root/dr/v* && echo "bench it: bash scripts/gpu_hybrid_bench.sh --drafter /root/dr/vN ..."
     ;;
   c)
     env_setup

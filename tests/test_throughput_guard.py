@@ -208,18 +208,18 @@ def test_guard_unit_rules():
 
 
 def _forced_share(guard: ThroughputGuard, tokens_of, policy_ms: float, ar_ms: float, catch_up_ms: float,
-                  steps: int) -> float:
-    """Share of ``steps`` the guard forces to AR at batch 1 when a policy step commits ``tokens_of()`` tokens in
-    ``policy_ms`` plus ``catch_up_ms`` per AR step before it (the drafter context's catch-up after an AR stretch) and an
-    AR step one token in ``ar_ms``."""
+                  steps: int, batch_size: int = 1) -> float:
+    """Share of ``steps`` the guard forces to AR for one live row at ``batch_size`` (its slot) when a policy step
+    commits ``tokens_of()`` tokens in ``policy_ms`` plus ``catch_up_ms`` per AR step before it (the drafter context's
+    catch-up after an AR stretch) and an AR step one token in ``ar_ms``."""
     forced = behind = 0
     for _ in range(steps):
-        if guard.force_ar(1):
+        if guard.force_ar(batch_size):
             forced += 1
             behind += 1
-            guard.record(1, False, 1, ar_ms)
+            guard.record(batch_size, False, 1, ar_ms)
         else:
-            guard.record(1, True, tokens_of(), policy_ms + catch_up_ms * behind)
+            guard.record(batch_size, True, tokens_of(), policy_ms + catch_up_ms * behind)
             behind = 0
     return forced / steps
 
@@ -229,20 +229,27 @@ def test_guard_needs_more_policy_samples_at_small_batches():
     rest 2-8, 1.6 ms against AR's 1.3 ms, plus 0.05 ms of catch-up per AR step before a drafting one) is backed off on
     short unlucky stretches when every batch size decides on min_samples steps, and each back-off's catch-up makes the
     next likelier; deciding on ~min_rows rows' worth of policy samples (32 steps at batch 1) it only takes its AR
-    reference, while a policy slower than AR (1 token in 1.6 ms) is still forced to AR on most steps. From batch
-    min_rows / min_samples up n_B is min_samples."""
+    reference, while a policy slower than AR (1 token in 1.6 ms) is still forced to AR on most steps. The count is of
+    live rows, not of the bucket's size: one live row in the bucket of 8 (a run's tail, its request in slot 7) is
+    judged as at batch 1."""
     import random
 
-    g = ThroughputGuard([1, 64])
-    assert g.policy_samples(1) == 32 and g.policy_samples(8) == 4 and g.policy_samples(64) == g.min_samples == 3
     old, new = [], []
     for seed in range(4):
-        for guard, out in ((ThroughputGuard([1], min_rows=0), old), (ThroughputGuard([1]), new)):
+        for guard, out, bsz in ((ThroughputGuard([1], min_rows=0), old, 1), (ThroughputGuard([1]), new, 1),
+                                (ThroughputGuard([1, 8]), new, 8)):
             rng = random.Random(seed)
             out.append(_forced_share(guard, lambda: 1 if rng.random() < 0.7 else rng.randint(2, 8), 1.6, 1.3, 0.05,
-                                     4000))
+                                     4000, bsz))
     assert max(new) < 0.03 and min(old) > 0.05 and sum(old) / 4 > 0.2, (old, new)
     assert _forced_share(ThroughputGuard([1]), lambda: 1, 1.6, 1.3, 0.05, 4000) > 0.8
+    g = ThroughputGuard([64])  # 64 live rows a step: min_samples steps decide
+    for _ in range(3):
+        g.record(64, False, 64, 1.0, 64)
+    for i in range(3):
+        assert not g.force_ar(64), i
+        g.record(64, True, 64, 2.0, 64)
+    assert g.force_ar(64) and g.state()["64"]["num_backoffs"] == 1
 
 
 def test_guard_ignores_steps_that_capture_a_graph(tiny_target):

@@ -15,6 +15,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -271,6 +272,7 @@ def _causal_stack(target, input_ids: torch.Tensor, pos: torch.Tensor, layer_ids:
     return torch.cat([captured[i] for i in layer_ids], dim=-1), last
 
 
+@functools.lru_cache(maxsize=1)
 def _varlen_fn():
     """PyTorch's variable-length flash attention (``torch.nn.attention.varlen.varlen_attn``) and the keyword that
     makes it causal in the installed version (``is_causal=True`` in its first releases, ``window_size=(-1, 0)``
@@ -295,10 +297,10 @@ def packed_causal_features(target, token_ids: torch.Tensor, seq_lens: list[int],
     """Features and last hidden states of several sequences packed end to end in one row, no padding: causal
     attention inside each sequence, none across them, every sequence's rotary positions from 0.
 
-    On CUDA the attention is PyTorch's variable-length flash attention
+    On CUDA in bf16 / fp16 with head dims <= 256 the attention is PyTorch's variable-length flash attention
     (``torch.nn.attention.varlen.varlen_attn``, cumulative sequence offsets; Dao 2023, FlashAttention-2's varlen
-    interface) with the key/value heads repeated to the query heads; elsewhere, or where the installed PyTorch
-    lacks it, SDPA ``is_causal`` over each sequence in turn. Every other op runs once over all the tokens.
+    interface) with the key/value heads repeated to the query heads; otherwise (float32, CPU, a PyTorch without it)
+    SDPA ``is_causal`` over each sequence in turn. Every other op runs once over all the tokens.
 
     Args:
         target: a :class:`~adaflash_ray.models.target.TargetModel`.
@@ -318,7 +320,10 @@ def packed_causal_features(target, token_ids: torch.Tensor, seq_lens: list[int],
     lens = torch.tensor(seq_lens, dtype=torch.long)
     starts = torch.cumsum(lens, 0) - lens
     pos = (torch.arange(s) - torch.repeat_interleave(starts, lens)).to(device)[None]  # [1, S]
-    varlen = _varlen_fn() if device.type == "cuda" else None
+    attn0 = target.model.layers[0].self_attn
+    flash_ok = device.type == "cuda" and target.lm_head.weight.dtype in (torch.float16, torch.bfloat16) and \
+        attn0.head_dim <= 256  # flash attention's dtypes and head sizes
+    varlen = _varlen_fn() if flash_ok else None
     if varlen is not None:
         fn, causal_kw = varlen
         cu = torch.cat([starts, lens.sum().reshape(1)]).to(device=device, dtype=torch.int32)
@@ -358,7 +363,7 @@ def recompute_features(target, token_ids_list: list[torch.Tensor], layer_ids: li
     ``layout="packed"``: sequences are laid end to end, up to ``max_batch_tokens`` tokens per forward, with no
     padding (:func:`packed_causal_features`: variable-length flash attention on CUDA): a batch of mixed lengths
     costs its real tokens only. ``pad_multiple`` > 1 rounds each forward's token count up with one extra padding
-    sequence (fewer distinct shapes).
+    sequence (fewer distinct shapes; a forward then holds up to ``pad_multiple - 1`` tokens over ``max_batch_tokens``).
 
     Args:
         target: a :class:`~adaflash_ray.models.target.TargetModel`.

@@ -144,8 +144,8 @@ class SpecEngine:
             (lookup-only sources included) there is none. A step with a request's own ``draft_len`` is never forced.
             The hybrid with the drafter and a lookup source gets a second one (``self.block_guard``) over the
             planner's own steps: steps that propose the drafter's next block against steps that do not (lookups and
-            any pending block only), so a block whose proposes cost more than its drafts gain is proposed only at the
-            planner's probes for a doubling back-off.
+            any pending block only), so a block whose proposes cost more than its drafts gain is not proposed for a
+            doubling back-off, then for a trial of about 32 rows' worth of steps.
         clock: seconds, monotonic (``time.perf_counter``); what the step timings and the guard read (a test's fake
             clock makes them deterministic).
     Raises:
@@ -363,16 +363,18 @@ class SpecEngine:
             st.num_catch_ups += 1
             st.catch_up_positions += caught_up[0]
             st.catch_up_seconds += caught_up[1]
-        if self.guard is not None and not self.runner.step_captured:  # a graph capture's time is no step's cost
+        captured = self.runner.step_captured
+        if self.guard is not None and not captured:  # a graph capture's time is no step's cost
             n = len(batch.requests)
             self.guard.record(batch.batch_size, kind in ("probe", "draft"), n + sum(res.num_accepted), 1e3 * seconds, n)
-            if self.block_guard is not None and batch.choices is not None:  # a planned step: with or without a propose
-                # a step's tokens come from the block the step before proposed: the first step after a switch carries
-                # the other regime's block (or lacks one), so only steps that kept the previous step's choice count
-                if batch.propose == self._last_planned_propose:
-                    self.block_guard.record(batch.batch_size, batch.propose, n + sum(res.num_accepted), 1e3 * seconds,
-                                            n)
-                self._last_planned_propose = batch.propose
+        if self.block_guard is not None:  # planned steps, with or without a propose (a forced AR step proposes none)
+            propose = batch.propose and batch.choices is not None
+            # a step's tokens come from the block the step before proposed: the first step after a switch carries
+            # the other regime's block (or lacks one), so only planned steps that kept the previous step's choice count
+            if batch.choices is not None and not captured and propose == self._last_planned_propose:
+                n = len(batch.requests)
+                self.block_guard.record(batch.batch_size, propose, n + sum(res.num_accepted), 1e3 * seconds, n)
+            self._last_planned_propose = propose
         return finished
 
     def _admit(self, spec: bool, finished: list[Request]) -> None:
@@ -450,7 +452,7 @@ class SpecEngine:
             lookup_ms = 1e3 * (time.perf_counter() - t0)
         choices, propose = planner.plan(batch_size, caps, [r.dflash_expected for r in running], proposals,
                                         [r.params.draft_len for r in running], lookup_ms=lookup_ms,
-                                        block_off=self._block_off(batch_size))
+                                        block_off=self._block_off(batch_size, running))
         host = [c.tokens if c.source not in ("dflash", "none") else None for c in choices]
         return _Batch(running, [c.draft_len for c in choices], True, propose, append=propose, choices=choices,
                       host_drafts=host if any(h is not None for h in host) else None, batch_size=batch_size)
@@ -465,15 +467,17 @@ class SpecEngine:
         arrays = LookupArrays(props[:, nd], props[:, nd + 1], props[:, nd + 2], props[:, nd + 3], valid)
         choices, propose = planner.plan(batch_size, caps, [r.dflash_expected for r in running],
                                         [None] * len(running), [r.params.draft_len for r in running], device=arrays,
-                                        block_off=self._block_off(batch_size))
+                                        block_off=self._block_off(batch_size, running))
         rows = [c.device_lookup for c in choices]
         return _Batch(running, [c.draft_len for c in choices], True, propose, append=propose, choices=choices,
                       lookup_rows=rows if any(rows) else None,
                       lookup=planner.lookup_due() or planner.spec_costs is None, batch_size=batch_size)
 
-    def _block_off(self, batch_size: int) -> bool:
-        """Whether the block guard keeps this planned step from proposing the drafter's next block."""
-        return self.block_guard is not None and self.block_guard.force_ar(batch_size)
+    def _block_off(self, batch_size: int, running: list[Request]) -> bool:
+        """Whether the block guard keeps this planned step from proposing the drafter's next block (never when a
+        request fixes its γ: that step proposes anyway)."""
+        return self.block_guard is not None and not any(r.params.draft_len is not None for r in running) and \
+            self.block_guard.force_ar(batch_size)
 
     def _keep_proposals(self, slots: list[int], res: StepResult) -> None:
         """Keep the device lookup's proposals of ``res`` (current for ``slots``; none: not current)."""
@@ -711,6 +715,7 @@ class SpecEngine:
             self.guard.on_drafter_reload()
         if self.block_guard is not None:
             self.block_guard.on_drafter_reload()
+            self._last_planned_propose = None  # the next step's pending block is the old drafter's
         return self.drafter_sha256
 
     # ------------------------------------------------------------------ timing (benchmarks)

@@ -14,14 +14,16 @@ of committed tokens per row and of wall milliseconds for two kinds of step:
 ``rate = EMA(tokens per row) / EMA(ms)`` (a ratio of averages: a slow probe weighs by its time; per row, so a step
 with fewer live rows in the same bucket - requests finished, slots idle - compares like with like: at a bucket a
 step costs about the same whatever its live rows, so ``rate_policy / rate_AR`` is the policy's speedup there).
-A drafting step's committed tokens per row vary far more at a small batch (at batch 1 one step commits 1 token, the
-next 16) than averaged over many rows, so a bucket of batch size B takes its policy decisions on
-``n_B = max(min_samples, ceil(min_rows / B))`` policy samples (about ``min_rows`` rows' worth; 32 policy steps at batch
-1, ``min_samples`` from batch ``min_rows / min_samples`` up) and averages them with weight ``min(decay, 1 / n_B)``;
-AR steps commit exactly one token per row, and their reference keeps ``min_samples``. When a bucket has at least
-``min_samples`` AR and ``n_B`` policy samples, ``n_B`` policy steps since its last back-off, and ``rate_policy < (1 -
-margin) x rate_AR``, the guard forces AR steps there (γ = 0, no propose, no catch-up) for ``backoff_steps x factor`` steps; the
-factor doubles each time the condition still holds when the policy has had its next ``min_samples`` steps (at most
+A drafting step's committed tokens per row vary far more with few live rows (at one row one step commits 1 token,
+the next 16) than averaged over many, so the policy's decisions rest on its live rows, not its steps: a comparison
+needs policy steps holding at least ``min_rows`` rows between them (and at least ``min_samples`` steps) - 32 steps with
+one live row, ``min_samples`` from ``min_rows / min_samples`` rows up - and each policy step weighs
+``min(decay, rows / min_rows)`` in the policy's averages. AR steps commit exactly one token per row; their reference
+keeps ``min_samples`` steps. Every average is a plain running mean until its window is full (weight ``max(w,
+1 / samples)``), so its first sample does not linger. When a bucket has at least ``min_samples`` AR samples, the policy
+samples above and as many since its last back-off, and ``rate_policy < (1 - margin) x rate_AR``, the guard forces AR
+steps there (γ = 0, no propose, no catch-up) for ``backoff_steps x factor`` steps; the
+factor doubles each time the condition still holds when the policy has had its next such steps (at most
 :data:`~adaflash_ray.engine.length_policy.PROBE_MAX_FACTOR`), and returns to 1 once it does not. Then the policy runs
 again as it would. A bucket with policy samples and fewer than ``min_samples`` AR samples, or whose AR samples are
 older than ``ar_refresh_steps`` of its steps, gets the missing AR steps forced in a row (a policy that never answers
@@ -42,19 +44,19 @@ from adaflash_ray.engine.length_policy import PROBE_MAX_FACTOR
 @dataclass
 class _Rate:
     """Moving averages of one kind of step at one bucket: committed tokens per row and ms per step, the samples
-    taken."""
+    taken and the live rows they held."""
 
     tokens: float = 0.0
     ms: float = 0.0
     num_samples: int = 0
+    rows: int = 0
 
-    def add(self, tokens: float, ms: float, decay: float) -> None:
-        if self.num_samples == 0:
-            self.tokens, self.ms = tokens, ms
-        else:
-            self.tokens += decay * (tokens - self.tokens)
-            self.ms += decay * (ms - self.ms)
+    def add(self, tokens: float, ms: float, weight: float, rows: int = 1) -> None:
+        w = max(weight, 1.0 / (self.num_samples + 1))  # a running mean until the moving average's window is full
+        self.tokens += w * (tokens - self.tokens)
+        self.ms += w * (ms - self.ms)
         self.num_samples += 1
+        self.rows += rows
 
     @property
     def per_ms(self) -> float | None:
@@ -67,7 +69,8 @@ class _Bucket:
     policy: _Rate
     forced_left: int = 0  # AR steps still forced here
     factor: int = 1  # the next back-off's length in units of backoff_steps
-    trial: int = 0  # policy steps since the last back-off (the condition is re-checked after min_samples)
+    trial: int = 0  # policy steps since the last back-off (the condition is re-checked after min_samples of them ...)
+    trial_rows: int = 0  # ... holding min_rows live rows between them
     since_ar: int = 0  # this bucket's steps since its last AR sample
     num_backoffs: int = 0
     num_forced: int = 0  # forced steps taken (back-offs and AR samples)
@@ -80,13 +83,14 @@ class ThroughputGuard:
         batch_sizes: the buckets (strictly increasing; the cost table's batch sizes). A step of batch size B falls in
             the smallest bucket >= B (the largest if none), as the cost table's row.
         margin: the policy is "slower" below ``(1 - margin) x`` the AR rate (default 2 %).
-        min_samples: steps of each kind before a comparison, and policy steps after a back-off before the next one.
+        min_samples: steps of each kind before a comparison, and policy steps after a back-off before the next one
+            (the policy's also holding ``min_rows`` rows).
         backoff_steps: the first back-off's forced AR steps; doubles while the condition holds, at most
             ``PROBE_MAX_FACTOR x backoff_steps``.
         decay: weight of each new step in the moving averages (0 < decay <= 1), at most ``1 / n_B`` for the policy's.
         ar_refresh_steps: a bucket's AR samples older than this many of its steps are refreshed (0 = never).
-        min_rows: the policy samples of a bucket of batch size B are at least ``ceil(min_rows / B)`` (module
-            docstring; 0 = ``min_samples`` at every batch size).
+        min_rows: live rows the policy steps of a comparison hold between them (module docstring; 0 = ``min_samples``
+            steps whatever their rows).
     Raises:
         ValueError: empty / unsorted ``batch_sizes``, ``margin`` outside [0, 1), ``decay`` outside (0, 1], a count
             < 1 or ``min_rows`` < 0.
@@ -101,10 +105,6 @@ class ThroughputGuard:
         self.margin, self.min_samples, self.backoff_steps = margin, min_samples, backoff_steps
         self.decay, self.ar_refresh_steps, self.min_rows = decay, ar_refresh_steps, min_rows
         self.set_buckets(batch_sizes)
-
-    def policy_samples(self, batch_size: int) -> int:
-        """``n_B``: the policy samples a decision at bucket ``batch_size`` (a bucket's own size) rests on."""
-        return max(self.min_samples, -(-self.min_rows // max(batch_size, 1)))
 
     def set_buckets(self, batch_sizes: list[int]) -> None:
         """New buckets (a new cost table): every average and back-off starts over."""
@@ -137,23 +137,24 @@ class ThroughputGuard:
         """One step's outcome at ``batch_size``: ``policy_step`` (it drafted or proposed) or an AR step, its committed
         tokens (Σ (a + 1) over its ``num_rows`` rows) and wall ms; starts a back-off when the policy is slower than AR
         here."""
-        i = self._index(batch_size)
-        bk = self.buckets[i]
-        tokens = tokens / max(num_rows, 1)
+        bk = self._bucket(batch_size)
+        rows = max(num_rows, 1)
+        tokens = tokens / rows
         if not policy_step:
-            bk.ar.add(tokens, ms, self.decay)
+            bk.ar.add(tokens, ms, self.decay, rows)
             bk.since_ar = 0
             return
-        need = self.policy_samples(self.batch_sizes[i])
-        bk.policy.add(tokens, ms, min(self.decay, 1.0 / need))
+        bk.policy.add(tokens, ms, min(self.decay, rows / self.min_rows) if self.min_rows else self.decay, rows)
         bk.trial += 1
+        bk.trial_rows += rows
         bk.since_ar += 1
-        if bk.trial < need or bk.ar.num_samples < self.min_samples or bk.policy.num_samples < need:
+        if bk.trial < self.min_samples or bk.trial_rows < self.min_rows or bk.ar.num_samples < self.min_samples or \
+                bk.policy.num_samples < self.min_samples or bk.policy.rows < self.min_rows:
             return
         if bk.policy.per_ms < (1.0 - self.margin) * bk.ar.per_ms:
             bk.forced_left = self.backoff_steps * bk.factor
             bk.factor = min(2 * bk.factor, PROBE_MAX_FACTOR)
-            bk.trial = 0
+            bk.trial = bk.trial_rows = 0
             bk.num_backoffs += 1
         else:
             bk.factor = 1
@@ -161,7 +162,7 @@ class ThroughputGuard:
     def new_batch(self) -> None:
         """A new batch: back-offs end (factor 1); the averages stay (they measure this engine's steps)."""
         for bk in self.buckets:
-            bk.forced_left, bk.factor, bk.trial = 0, 1, 0
+            bk.forced_left, bk.factor, bk.trial, bk.trial_rows = 0, 1, 0, 0
 
     def on_drafter_reload(self) -> None:
         """New drafter weights: the back-offs end and the policy's averages start over (the AR ones stay)."""
