@@ -236,6 +236,9 @@ class DistillConfig(_Section):
     # in that forward, CUDA only (adaflash_ray.distill.blocks.recompute_features)
     recompute_layout: Literal["padded", "packed"] = "padded"
     recompute_fused: bool = False
+    # share of each trajectory's anchors drawn from the positions its serving engine's verify steps started from (the
+    # greedy walk: just after each rejection, where acceptance runs below the every-anchor mean); 0 = all random
+    walk_anchor_fraction: float = Field(0.0, ge=0, le=1)
     num_anchors: int = Field(48, ge=1)  # random anchors per sequence
     alpha: float = Field(0.8, ge=0, le=1)  # weight of CE vs reverse KL
     temperature: float = Field(1.0, gt=0)

@@ -961,3 +961,36 @@ def test_trainer_dpace_weighting_changes_the_loss(dist_env, target, trajectories
         out[mode] = dist_env(target, drafter_cfg, head_cfg, distill_cfg, seed=0).train_step(trajectories[:3])
     assert out["dpace"]["train/loss"] != pytest.approx(out["exp_decay"]["train/loss"], rel=1e-4)
     assert out["dpace"]["train/num_positions"] == out["exp_decay"]["train/num_positions"]
+
+
+def test_walk_anchors_are_the_engines_verify_anchors():
+    """walk_anchors: from an engine-recorded trajectory, the anchor of each verify step (the first output token, then
+    + a + 1 per step; the steps' commits add up to the response); sample_anchors draws round(fraction x N) of its
+    anchors from the walk, the rest elsewhere, and exactly as before at fraction 0."""
+    from conftest import make_tiny_target
+
+    from adaflash_ray.distill.blocks import walk_anchors
+    from adaflash_ray.engine import SamplingParams, SpecEngine
+
+    target = make_tiny_target("llama", vocab_size=16, seed=1, logit_scale=3.0)  # cyclic greedy text: long accepts
+    eng = SpecEngine(target, None, None, max_batch_size=1, max_seq_len=128, draft_sources=("ngram",), record=True,
+                     record_features=False)
+    req = eng.generate([[1, 2, 3, 4, 5]], SamplingParams(max_new_tokens=60, ignore_eos=True))[0]
+    tr = eng.to_trajectory(req)
+    walk = walk_anchors(tr)
+    acc = tr.num_accepted.astype(int)
+    assert acc.max() > 1  # a walk with jumps
+    assert 1 + int((acc + 1).sum()) == tr.num_response_tokens  # prefill's token + each step's a + 1
+    assert walk[0] == tr.prompt_len and bool((walk[1:] - walk[:-1] >= 1).all())
+    expect = [tr.prompt_len + int((acc[:i] + 1).sum()) for i in range(len(acc))]
+    assert walk.tolist() == [a for a in expect if a <= tr.num_tokens - 2]
+    g0, g1 = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    base = sample_anchors(tr.prompt_len, tr.num_tokens, 12, 8, g0)
+    assert torch.equal(sample_anchors(tr.prompt_len, tr.num_tokens, 12, 8, g1, walk, 0.0), base)
+    mixed = sample_anchors(tr.prompt_len, tr.num_tokens, 12, 8, torch.Generator().manual_seed(4), walk, 0.5)
+    assert len(mixed) == 12 and len(set(mixed.tolist())) == 12 and bool((mixed[1:] > mixed[:-1]).all())
+    assert len(set(mixed.tolist()) & set(walk.tolist())) >= min(6, len(walk))
+    with pytest.raises(ValueError, match="walk_fraction"):
+        sample_anchors(tr.prompt_len, tr.num_tokens, 12, 8, None, walk, 1.5)
+    assert len(walk_anchors(dataclasses.replace(tr, draft_lens=tr.draft_lens[:0], num_accepted=tr.num_accepted[:0],
+                                                step_versions=tr.step_versions[:0]))) == 0

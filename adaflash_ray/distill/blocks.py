@@ -18,6 +18,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -27,8 +28,26 @@ from adaflash_ray.trajectory import Trajectory
 LOSS_DECAY_GAMMA = 7.0
 
 
+def walk_anchors(tr: Trajectory) -> torch.Tensor:
+    """The anchors the serving engine's verify steps started from, from the trajectory's per-step record: the first
+    decode step's anchor is the first output token (``prompt_len``, committed by the prefill) and each step moves it by
+    its committed tokens, ``num_accepted + 1``. These are the positions a greedy walk lands on - just after each
+    rejection - where acceptance runs below the every-anchor mean that random anchors train on
+    (:mod:`adaflash_ray.distill.walk` measures both).
+
+    Returns:
+        ``[n]`` int64 strictly increasing anchors ``<= num_tokens - 2`` (empty without a per-step record).
+    """
+    if not len(tr.num_accepted):
+        return torch.zeros(0, dtype=torch.long)
+    steps = torch.as_tensor(np.asarray(tr.num_accepted, dtype=np.int64)) + 1
+    pos = tr.prompt_len + torch.cumsum(steps, 0) - steps  # each step's anchor
+    return pos[pos <= tr.num_tokens - 2]
+
+
 def sample_anchors(prompt_len: int, num_tokens: int, num_anchors: int, block_size: int,
-                   generator: torch.Generator | None = None) -> torch.Tensor:
+                   generator: torch.Generator | None = None, walk: torch.Tensor | None = None,
+                   walk_fraction: float = 0.0) -> torch.Tensor:
     """Random distinct anchors in the supervised (response) region, sorted.
 
     An anchor ``a`` satisfies ``max(1, prompt_len - 1) <= a <= num_tokens - 2``: the last prompt token
@@ -41,11 +60,17 @@ def sample_anchors(prompt_len: int, num_tokens: int, num_anchors: int, block_siz
         block_size: positions per block (>= 2); anchors near the end keep partial blocks, whose
             out-of-sequence positions get zero weight in :func:`collate`.
         generator: CPU torch generator (reproducible sampling).
+        walk, walk_fraction: with ``walk_fraction`` > 0, up to ``round(walk_fraction * num_anchors)`` of the anchors
+            are drawn from ``walk`` (:func:`walk_anchors`, the serving engine's own anchors), the rest from the other
+            candidates; 0 (or an empty walk) draws exactly as without them.
     Returns:
         ``[n]`` int64, ``n = min(num_anchors, #candidates)`` (possibly 0), strictly increasing.
     Raises:
-        ValueError: ``num_anchors < 1``, ``block_size < 2`` or ``prompt_len`` outside ``(0, num_tokens)``.
+        ValueError: ``num_anchors < 1``, ``block_size < 2``, ``prompt_len`` outside ``(0, num_tokens)`` or
+            ``walk_fraction`` outside [0, 1].
     """
+    if not 0.0 <= walk_fraction <= 1.0:
+        raise ValueError(f"walk_fraction must be in [0, 1], got {walk_fraction}")
     if num_anchors < 1:
         raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
     if block_size < 2:
@@ -58,6 +83,16 @@ def sample_anchors(prompt_len: int, num_tokens: int, num_anchors: int, block_siz
         return torch.zeros(0, dtype=torch.long)
     if num_candidates <= num_anchors:
         return torch.arange(lo, hi + 1, dtype=torch.long)
+    if walk is not None and walk_fraction > 0 and len(walk):
+        walk = walk[(walk >= lo) & (walk <= hi)]
+        k = min(len(walk), round(walk_fraction * num_anchors))
+        if k:
+            chosen = walk[torch.randperm(len(walk), generator=generator)[:k]]
+            free = torch.ones(num_candidates, dtype=torch.bool)
+            free[chosen - lo] = False
+            rest = free.nonzero()[:, 0]
+            rest = rest[torch.randperm(len(rest), generator=generator)[:num_anchors - k]] + lo
+            return torch.sort(torch.cat([chosen, rest])).values
     pick = torch.randperm(num_candidates, generator=generator)[:num_anchors]
     return torch.sort(pick).values + lo
 
@@ -112,8 +147,9 @@ def round_up(n: int, multiple: int) -> int:
 
 def collate(trajectories: list[Trajectory], num_anchors: int, block_size: int,
             generator: torch.Generator | None = None, feature_dtype: torch.dtype = torch.float32,
-            pad_tokens_multiple: int = 1, pad_anchors_multiple: int = 1) -> Batch:
-    """Pad trajectories into a :class:`Batch` with freshly sampled anchors (:func:`sample_anchors`).
+            pad_tokens_multiple: int = 1, pad_anchors_multiple: int = 1, walk_anchor_fraction: float = 0.0) -> Batch:
+    """Pad trajectories into a :class:`Batch` with freshly sampled anchors (:func:`sample_anchors`; with
+    ``walk_anchor_fraction`` > 0 that share of them from each trajectory's serving walk, :func:`walk_anchors`).
 
     Tensors are built on the device of the first trajectory's features; features and last_hidden
     are cast to ``feature_dtype``. The token length ``T'`` is the longest trajectory's rounded up to a multiple of
@@ -148,7 +184,8 @@ def collate(trajectories: list[Trajectory], num_anchors: int, block_size: int,
         input_ids[b, :t] = tr.token_ids.to(device)
         features[b, : t - 1] = tr.features.to(device=device, dtype=feature_dtype)
         last_hidden[b, : t - 1] = tr.last_hidden.to(device=device, dtype=feature_dtype)
-        rows.append(sample_anchors(tr.prompt_len, t, num_anchors, block_size, generator))
+        walk = walk_anchors(tr) if walk_anchor_fraction > 0 else None
+        rows.append(sample_anchors(tr.prompt_len, t, num_anchors, block_size, generator, walk, walk_anchor_fraction))
     n = round_up(max(1, max(len(r) for r in rows)), pad_anchors_multiple)
     anchors = torch.ones(bsz, n, dtype=torch.long)
     anchor_valid = torch.zeros(bsz, n, dtype=torch.bool)
@@ -445,4 +482,5 @@ def with_recomputed_features(target, trajectories: list[Trajectory], layer_ids: 
 
 
 __all__ = ["Batch", "LOSS_DECAY_GAMMA", "RECOMPUTE_ROW_MULTIPLE", "causal_features", "collate",
-           "packed_causal_features", "recompute_features", "round_up", "sample_anchors", "with_recomputed_features"]
+           "packed_causal_features", "recompute_features", "round_up", "sample_anchors", "walk_anchors",
+           "with_recomputed_features"]
