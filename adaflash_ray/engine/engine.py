@@ -419,12 +419,13 @@ class SpecEngine:
         running = list(self.scheduler.running)
         batch_size = max(r.slot for r in running) + 1
         own = [r.params.draft_len is not None for r in running]  # requests that fix their own γ
-        if spec and self.guard is not None and not any(own) and \
+        any_own = any(own)
+        if spec and self.guard is not None and not any_own and \
                 self.guard.force_ar(batch_size):  # the policy is slower than AR here: AR steps for a while
             self.stats.num_guard_steps += 1
             return _Batch(running, [0] * len(running), True, False, append=False, batch_size=batch_size)
         if spec and self.planner is not None:
-            return self._plan(running, batch_size)
+            return self._plan(running, batch_size, self._block_off(batch_size, any_own))
         if spec:
             gammas = [max(min(r.next_draft_len if r.params.draft_len is None else r.params.draft_len,
                               r.remaining - 1), 0) for r in running]
@@ -437,7 +438,7 @@ class SpecEngine:
         # deferred and caught up from the feature history when the next step proposes
         return _Batch(running, gammas, spec, propose, append=propose, batch_size=batch_size)
 
-    def _plan(self, running: list[Request], batch_size: int) -> _Batch:
+    def _plan(self, running: list[Request], batch_size: int, block_off: bool = False) -> _Batch:
         """The draft sources' step: each request's lookup proposal (host; when the planner wants lookups this step),
         then the planner's source and γ per request and whether the step proposes the next DFlash block."""
         planner, nd = self.planner, self.runner.max_draft
@@ -445,19 +446,20 @@ class SpecEngine:
         proposals = [None] * len(running)
         lookup_ms = 0.0
         if self.lookup_on_device:
-            return self._plan_device(running, caps, batch_size)
+            return self._plan_device(running, caps, batch_size, block_off)
         if self.lookup is not None and (planner.lookup_due() or planner.spec_costs is None):
             t0 = time.perf_counter()
             proposals = [self._lookup(r, min(nd, c)) if c > 0 else None for r, c in zip(running, caps)]
             lookup_ms = 1e3 * (time.perf_counter() - t0)
         choices, propose = planner.plan(batch_size, caps, [r.dflash_expected for r in running], proposals,
                                         [r.params.draft_len for r in running], lookup_ms=lookup_ms,
-                                        block_off=self._block_off(batch_size, running))
+                                        block_off=block_off)
         host = [c.tokens if c.source not in ("dflash", "none") else None for c in choices]
         return _Batch(running, [c.draft_len for c in choices], True, propose, append=propose, choices=choices,
                       host_drafts=host if any(h is not None for h in host) else None, batch_size=batch_size)
 
-    def _plan_device(self, running: list[Request], caps: list[int], batch_size: int) -> _Batch:
+    def _plan_device(self, running: list[Request], caps: list[int], batch_size: int, block_off: bool = False
+                     ) -> _Batch:
         """:meth:`_plan` with the device lookup: the proposals the requests' previous steps made (arrays, no
         per-request lookup; no host lookup time to weigh, so ``lookup_ms`` stays 0), and whether this step makes the
         next ones (the planner's lookup schedule)."""
@@ -467,17 +469,16 @@ class SpecEngine:
         arrays = LookupArrays(props[:, nd], props[:, nd + 1], props[:, nd + 2], props[:, nd + 3], valid)
         choices, propose = planner.plan(batch_size, caps, [r.dflash_expected for r in running],
                                         [None] * len(running), [r.params.draft_len for r in running], device=arrays,
-                                        block_off=self._block_off(batch_size, running))
+                                        block_off=block_off)
         rows = [c.device_lookup for c in choices]
         return _Batch(running, [c.draft_len for c in choices], True, propose, append=propose, choices=choices,
                       lookup_rows=rows if any(rows) else None,
                       lookup=planner.lookup_due() or planner.spec_costs is None, batch_size=batch_size)
 
-    def _block_off(self, batch_size: int, running: list[Request]) -> bool:
+    def _block_off(self, batch_size: int, any_own: bool) -> bool:
         """Whether the block guard keeps this planned step from proposing the drafter's next block (never when a
-        request fixes its γ: that step proposes anyway)."""
-        return self.block_guard is not None and not any(r.params.draft_len is not None for r in running) and \
-            self.block_guard.force_ar(batch_size)
+        request fixes its γ, ``any_own``: that step proposes anyway)."""
+        return self.block_guard is not None and not any_own and self.block_guard.force_ar(batch_size)
 
     def _keep_proposals(self, slots: list[int], res: StepResult) -> None:
         """Keep the device lookup's proposals of ``res`` (current for ``slots``; none: not current)."""

@@ -44,19 +44,17 @@ from adaflash_ray.engine.length_policy import PROBE_MAX_FACTOR
 @dataclass
 class _Rate:
     """Moving averages of one kind of step at one bucket: committed tokens per row and ms per step, the samples
-    taken and the live rows they held."""
+    taken."""
 
     tokens: float = 0.0
     ms: float = 0.0
     num_samples: int = 0
-    rows: int = 0
 
-    def add(self, tokens: float, ms: float, weight: float, rows: int = 1) -> None:
+    def add(self, tokens: float, ms: float, weight: float) -> None:
         w = max(weight, 1.0 / (self.num_samples + 1))  # a running mean until the moving average's window is full
         self.tokens += w * (tokens - self.tokens)
         self.ms += w * (ms - self.ms)
         self.num_samples += 1
-        self.rows += rows
 
     @property
     def per_ms(self) -> float | None:
@@ -87,7 +85,8 @@ class ThroughputGuard:
             (the policy's also holding ``min_rows`` rows).
         backoff_steps: the first back-off's forced AR steps; doubles while the condition holds, at most
             ``PROBE_MAX_FACTOR x backoff_steps``.
-        decay: weight of each new step in the moving averages (0 < decay <= 1), at most ``1 / n_B`` for the policy's.
+        decay: weight of each new step in the moving averages (0 < decay <= 1); a policy step's is at most
+            ``rows / min_rows``.
         ar_refresh_steps: a bucket's AR samples older than this many of its steps are refreshed (0 = never).
         min_rows: live rows the policy steps of a comparison hold between them (module docstring; 0 = ``min_samples``
             steps whatever their rows).
@@ -113,11 +112,8 @@ class ThroughputGuard:
         self.batch_sizes = list(batch_sizes)
         self.buckets = [_Bucket(_Rate(), _Rate()) for _ in batch_sizes]
 
-    def _index(self, batch_size: int) -> int:
-        return min(bisect.bisect_left(self.batch_sizes, batch_size), len(self.batch_sizes) - 1)
-
     def _bucket(self, batch_size: int) -> _Bucket:
-        return self.buckets[self._index(batch_size)]
+        return self.buckets[min(bisect.bisect_left(self.batch_sizes, batch_size), len(self.batch_sizes) - 1)]
 
     def force_ar(self, batch_size: int) -> bool:
         """Whether the next step at ``batch_size`` must be an AR step; counts it as taken when so."""
@@ -141,15 +137,15 @@ class ThroughputGuard:
         rows = max(num_rows, 1)
         tokens = tokens / rows
         if not policy_step:
-            bk.ar.add(tokens, ms, self.decay, rows)
+            bk.ar.add(tokens, ms, self.decay)
             bk.since_ar = 0
             return
-        bk.policy.add(tokens, ms, min(self.decay, rows / self.min_rows) if self.min_rows else self.decay, rows)
+        bk.policy.add(tokens, ms, min(self.decay, rows / self.min_rows) if self.min_rows else self.decay)
         bk.trial += 1
         bk.trial_rows += rows
         bk.since_ar += 1
         if bk.trial < self.min_samples or bk.trial_rows < self.min_rows or bk.ar.num_samples < self.min_samples or \
-                bk.policy.num_samples < self.min_samples or bk.policy.rows < self.min_rows:
+                bk.policy.num_samples < self.min_samples:
             return
         if bk.policy.per_ms < (1.0 - self.margin) * bk.ar.per_ms:
             bk.forced_left = self.backoff_steps * bk.factor
