@@ -146,18 +146,28 @@ def check_golden(summary: dict, run_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_cpu_tiny_run_matches_golden(tmp_path, capsys, monkeypatch):
-    """The whole job through its CLI (``main``), local Ray on 127.0.0.1: exit 0, the last stdout line is the
-    summary (also summary.json), and loss curve + summary match the golden values."""
+    """The whole job through its CLI (``main``), local Ray on 127.0.0.1, with ``distill.weight_sync: collective``
+    (gloo here, NCCL on GPUs): exit 0, the last stdout line is the summary (also summary.json), every version reaches
+    every worker through the broadcast (no fallback) with the published checksum, and loss curve + summary match the
+    golden values - which ``tests/test_pipeline.py``'s ``ray job submit`` run, on the object-store path, matches too."""
     from adaflash_ray.pipeline import main
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     run_dir = tmp_path / "run"
-    argv = ["--recipe", str(RECIPE), "--run-dir", str(run_dir)]
+    argv = ["--recipe", str(RECIPE), "--run-dir", str(run_dir), "--set", "distill.weight_sync=collective"]
     for o in OVERRIDES:
         argv += ["--set", o]
     assert main(argv) == 0
     summary = json.loads([ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")][-1])
     assert summary == json.loads((run_dir / "summary.json").read_text())
+    ws = summary["weight_sync"]
+    assert ws["mode"] == "collective" and ws["num_fallbacks"] == 0
+    assert ws["path"] == {str(v): "collective" for v in range(1, summary["final_version"] + 1)}
+    assert all(0 < s < 60 for s in ws["broadcast_s"].values()) and ws["num_bytes"] > 0
+    recs = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    sends = [r for r in recs if r["kind"] == "train" and "sync/collective_ok" in r]
+    assert [r["sync/collective_ok"] for r in sends] == [1.0] * summary["final_version"]
+    assert all(r["sync/num_workers_ok"] == r["sync/num_workers"] for r in sends)
     check_golden(summary, run_dir)
 
 

@@ -574,3 +574,44 @@ def test_block_guard_leaves_fixed_draft_lens_alone_and_resets(tiny_target):
     eng.load_drafter(eng.drafter_tensors(), version=1)
     assert all(bk.policy.num_samples == 0 and bk.forced_left == 0 for bk in eng.block_guard.buckets)
     assert eng._last_planned_propose is None
+
+
+def test_hybrid_schedule_carries_over_batches_and_prefill_defers_the_context():
+    """At batch 1 each request is a new batch, and the planner's schedule carries over: once the drafter's block is
+    idle (its table price is 100x a lookup step's, the lookups win), a new request's prefill proposes no first block
+    and appends no drafter context (its slot's context length 0). A later step that proposes catches the context up
+    from the feature history, equal to a fresh projection; every output is the target's greedy."""
+    target = make_tiny_target("llama", vocab_size=16, seed=1, logit_scale=3.0)
+    prompts = [[1, 2, 3, 4, 5], [3, 4, 5, 6, 7], [2, 3, 4, 5, 6]]
+    drafter, head = make_drafter(target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
+    eng = SpecEngine(target, drafter, head, policy="cost", max_batch_size=1, max_seq_len=160, calibrate=False,
+                     draft_sources=("dflash", "ngram"), probe_every=4)
+    eng.planner.set_costs([1], np.full((1, 7), 100.0), np.ones((1, eng.runner.max_draft + 1)))
+    eng.block_guard = None  # the planner's own schedule alone
+    firsts, real = [], eng.runner.prefill
+
+    def prefill(slots, prompts_, params, spec, *a, **k):
+        firsts.append(bool(spec))
+        return real(slots, prompts_, params, spec, *a, **k)
+
+    eng.runner.prefill = prefill
+    caught, real_catch = [], eng.runner.catch_up_context
+    eng.runner.catch_up_context = lambda spans: caught.extend(spans) or real_catch(spans)
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    first = eng.generate([prompts[0]], params)[0]
+    assert firsts == [True] and not eng.planner.wants_block()  # a fresh planner tries the block, then idles it
+    caught.clear()
+    req = eng.add_request(prompts[1], params)
+    eng.step()  # the prefill and one step
+    assert firsts == [True, False] and eng.runner.ctx_len[req.slot] <= req.num_tokens - 1
+    while req.status.value == "running" and not caught:
+        eng.step()  # until the block's probe proposes: the deferred context comes back from the history
+    assert caught and caught[0][1] == 0 and caught[0][2] > len(prompts[1])
+    assert req.status.value == "running"  # the probe came well before its 60 tokens
+    eng.runner.catch_up_context([(req.slot, eng.runner.ctx_len[req.slot], req.num_tokens - 1)])
+    _assert_context_matches(eng, [req], drafter)
+    while eng.has_unfinished():
+        eng.step()
+    third = eng.generate([prompts[2]], params)[0]
+    for r, p in zip((first, req, third), prompts):
+        assert r.output_ids == greedy_reference(target, p, 60)

@@ -392,17 +392,18 @@ class SpecEngine:
             if self.block_guard is not None:
                 self.block_guard.new_batch()
                 self._last_planned_propose = None
-        propose = spec and self.drafter is not None and (self.planner is None or self.planner.use_dflash)
+        # the draft sources' planner: a new request's first block only while the schedule wants the block (in use, or
+        # its probe due); otherwise its drafter context waits for the first step that proposes (caught up then)
+        propose = spec and self.drafter is not None and (self.planner is None or self.planner.wants_block())
         dev_lookup = spec and self.lookup_on_device
         res = self.runner.prefill([r.slot for r in admitted], [r.prompt_ids for r in admitted],
-                                  [r.params for r in admitted], propose, lookup=dev_lookup)
+                                  [r.params for r in admitted], propose, lookup=dev_lookup,
+                                  append=propose or self.planner is None)
         if self.lookup_on_device:
             self._keep_proposals([r.slot for r in admitted], res)
         gammas, expected = res.next_draft_lens, res.expected if propose else None
         if self.policy is not None and self.planner is None:
             gammas = self.policy.on_admit(gammas, running_before, spec)
-        if self.planner is not None and not running_before:
-            self.planner.reset()
         for i, (req, toks, g) in enumerate(zip(admitted, res.committed, gammas)):
             req.next_draft_len = g
             if self.planner is not None:

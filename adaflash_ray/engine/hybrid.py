@@ -327,8 +327,14 @@ class HybridPlanner:
         else:
             self._since[key] += 1
 
+    def wants_block(self) -> bool:
+        """Whether the schedule alone has a step propose the drafter's block now (in use, or its probe due): a
+        prefill asks this before proposing a new request's first block."""
+        return self.use_dflash and (not self._idle["dflash"] or self._since["dflash"] >= self._interval["dflash"])
+
     def reset(self) -> None:
-        """A new batch or new drafter weights: both sources are tried on the next step."""
+        """New drafter weights: both sources are tried on the next step. A new batch keeps the schedules (what
+        each source earned still holds; an idle one is still probed)."""
         for key in self._since:
             self._idle[key], self._since[key], self._interval[key] = False, 0, self.probe_every
         self._use = dict(USE_START)

@@ -263,7 +263,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
     def prefill(self, slots: list[int], prompts: list[list[int]], params: list, spec: bool,
-                lookup: bool = False) -> StepResult:
+                lookup: bool = False, append: bool = True) -> StepResult:
         """Run prompts through the target (writing their slots' KV, feature history and drafter context), record
         each request's sampling settings for its slot (:class:`~adaflash_ray.engine.sampling.SlotSampling`), choose
         each first token from the processed logits of the prompt's last position and, with ``spec``, propose each
@@ -273,12 +273,17 @@ class ModelRunner:
         :class:`StepResult`: one committed token per request, ``num_accepted`` 0, ``next_draft_lens`` the first
         block's γ (0 without ``spec``), ``expected`` / ``logprobs`` as a step's (one host transfer). With a device
         lookup the slots' token histories take the prompts and first tokens, and ``lookup`` also proposes each
-        request's first lookup draft (``StepResult.lookup``). On CUDA all
+        request's first lookup draft (``StepResult.lookup``). ``append=False`` (only without ``spec``) leaves the drafter
+        context of the prompts to the first step that proposes or appends (:meth:`catch_up_context`, from the feature
+        history written here): a request whose first steps draft from lookups or none pays no drafter work. On CUDA all
         prompts go in one right-padded batch (pad entries lie beyond each prompt and are overwritten later); on CPU
         one prompt at a time (no padding waste).
         """
         if not self.is_cuda and len(prompts) > 1:
-            return _concat([self.prefill([s], [p], [sp], spec, lookup) for s, p, sp in zip(slots, prompts, params)])
+            return _concat([self.prefill([s], [p], [sp], spec, lookup, append)
+                            for s, p, sp in zip(slots, prompts, params)])
+        if spec and not append:
+            raise ValueError("a prefill that proposes the first block needs the drafter context (append=True)")
         dev = self.device
         n, plen = len(prompts), max(map(len, prompts))
         ids = torch.zeros(n, plen, dtype=torch.long)
@@ -313,9 +318,10 @@ class ModelRunner:
         gamma, expected = torch.zeros_like(first), None
         propose = spec and self.drafter is not None
         if self.drafter is not None:
-            self.drafter.append_context(self.ctx, rows, positions, out.features)
+            if append:
+                self.drafter.append_context(self.ctx, rows, positions, out.features)
             for s, prompt in zip(slots, prompts):
-                self.ctx_len[s] = len(prompt)
+                self.ctx_len[s] = len(prompt) if append else 0  # 0: caught up from the history when needed
             if spec:
                 gamma, expected = self._propose(slot_t, first, lens, plen + self.block_size, rs, flags.sample,
                                                 torch.ones_like(first), rows_are_slots=False, anchor_hidden=last)
