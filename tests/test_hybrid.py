@@ -615,3 +615,52 @@ def test_hybrid_schedule_carries_over_batches_and_prefill_defers_the_context():
     third = eng.generate([prompts[2]], params)[0]
     for r, p in zip((first, req, third), prompts):
         assert r.output_ids == greedy_reference(target, p, 60)
+
+
+def test_cost_policy_prefills_in_the_ar_regime_propose_nothing(tiny_target):
+    """The cost policy in its γ = 0 regime (drafting priced at 100x an AR step): requests that join a batch waiting at
+    γ = 0, or start a batch while the earlier batch's γ = 0 answer stands, are prefilled without a first block or
+    drafter context (their γ would be 0; a new batch's first probe comes after the shortest wait); a request fixing
+    its own γ still gets its block; the probes catch the context up; every output is the target's greedy."""
+    prompts = _prompts() + [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
+    engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=200,
+                        calibrate=False, probe_every=4, throughput_guard=False)
+    engine.runner.length_policy.set_costs([1, 2], torch.full((2, 7), 100.0), torch.ones(2))
+    firsts, real = [], engine.runner.prefill
+
+    def prefill(slots, prompts_, params, spec, *a, **k):
+        firsts.append((len(slots), bool(spec), k.get("append", True)))
+        return real(slots, prompts_, params, spec, *a, **k)
+
+    engine.runner.prefill = prefill
+    caught, real_catch = [], engine.runner.catch_up_context
+    engine.runner.catch_up_context = lambda spans: caught.extend(spans) or real_catch(spans)
+    params = [SamplingParams(max_new_tokens=12 + 6 * i, ignore_eos=True) for i in range(len(prompts))]
+    reqs = engine.generate(prompts, params)
+    assert firsts[0][1:] == (True, True)  # the first batch: the policy's answer comes from its prefill's propose
+    assert any(not spec and not app for _, spec, app in firsts[1:]), firsts  # refills into the γ = 0 batch
+    assert all(spec == app for _, spec, app in firsts)  # no propose without the context it needs
+    assert caught and any(a == 0 for _, a, _ in caught)  # a deferred prompt's context caught up from position 0
+    for r, p, sp in zip(reqs, prompts, params):
+        assert r.output_ids == greedy_reference(tiny_target, p, sp.max_new_tokens)
+    # a request with its own γ joining the γ = 0 batch still gets its first block at its prefill
+    firsts.clear()
+    engine.add_request(prompts[0], SamplingParams(max_new_tokens=30, ignore_eos=True))
+    engine.step()
+    engine.step()
+    own = engine.add_request(prompts[1], SamplingParams(max_new_tokens=10, ignore_eos=True, draft_len=3))
+    while engine.has_unfinished():
+        engine.step()
+    assert firsts[-1][1] is True and own.output_ids == greedy_reference(tiny_target, prompts[1], 10)
+    # a new batch while the γ = 0 answer stands: no first block, the shortest probe wait; without that answer: the block
+    pol = engine.runner.length_policy
+    for ar_chosen in (True, False):
+        pol.ar_chosen, pol.steps_since_probe, pol.probe_interval = ar_chosen, 5, 32
+        firsts.clear()
+        r = engine.add_request(prompts[2], SamplingParams(max_new_tokens=8, ignore_eos=True))
+        engine.step()
+        assert firsts[0][1] is not ar_chosen and pol.probe_interval == pol.probe_every
+        while engine.has_unfinished():
+            engine.step()
+        assert r.output_ids == greedy_reference(tiny_target, prompts[2], 8)

@@ -174,9 +174,9 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
 
         # soak (issue 9.7): a second job on the same cluster, starting from the first one's final checkpoint;
         # afterwards no actor or placement group is left and the object store did not grow
-        # Jobs 2 and 3 publish one version each: one published version is what each check needs (a version trained
-        # from the v3 start, or with the acceptance head, hot-loaded by every worker); both run the small held-out
-        # eval of the other pipeline tests (job 2's start is checked on its v0 checkpoint's tensors, not its τ).
+        # Job 2 publishes one version: what its check needs (a version trained from the v3 start, hot-loaded by every
+        # worker), with the small held-out eval of the other pipeline tests (its start is checked on its v0
+        # checkpoint's tensors, not its τ). The cost policy's acceptance head end to end: the warm-start test.
         store_after_1 = _object_store_used(gcs_port, env)
         small_eval = ("--set", "data.num_eval_prompts=2", "--set", "data.eval_max_new_tokens=16")
         _, s2 = submit("--run-dir", str(tmp_path / "run2"), "--set", "logging.wandb_mode=disabled",
@@ -190,14 +190,6 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
         start, v3 = (load_drafter_checkpoint(d)[1] for d in (tmp_path / "run2" / "checkpoints" / "v0",
                                                               rd / "checkpoints" / "v3"))
         assert start.keys() == v3.keys() and all(torch.equal(start[k], v3[k]) for k in v3)  # it started from v3
-        # the cost policy end to end: the trainer trains the acceptance head, every worker hot-loads it
-        _, s3 = submit("--run-dir", str(tmp_path / "run3"), "--set", "logging.wandb_mode=disabled",
-                       "--set", "length_head.policy=cost", "--set", "distill.num_versions=1", *small_eval)
-        assert s3["final_version"] == 1 and s3["workers_loaded_final"] is True
-
-        tensors = load_drafter_checkpoint(tmp_path / "run3" / "checkpoints" / "v1")[1]
-        # the AcceptanceHead (hidden state + 2 confidence features in, no residual layer), not the direct head
-        assert tensors["length_head.inp.weight"].shape[1] == 576 + 2 and "length_head.res.weight" not in tensors
         ours = {"InferenceWorker", "DistillTrainer", "TrajectoryBuffer", "WeightRegistry"}
         alive = [a for a in _ray_list("actors", dash_port, env) if a.get("class_name") in ours]
         assert alive == [], f"actors left alive after both jobs: {alive}"
@@ -304,9 +296,10 @@ def test_two_trainers_zero3_run_publish_and_clean_up(tmp_path):
 
 @pytest.mark.slow
 def test_warm_start_stage_publishes_version_1_before_on_policy(tmp_path):
-    """distill.warm_start on cpu_tiny: the trainer decodes target text itself (AR, no drafter), trains on it and
-    publishes version 1 before any worker is fed; on-policy training then continues from version 1 to
-    num_versions, every version saved, evaluated and loaded by the workers; a quarter of the requests sampled."""
+    """distill.warm_start on cpu_tiny with the cost policy: the trainer decodes target text itself (AR, no drafter),
+    trains on it and publishes version 1 before any worker is fed; on-policy training then continues from version 1
+    to num_versions, every version saved, evaluated and loaded by the workers; a quarter of the requests sampled.
+    The trainer trains the acceptance head (the cost policy's), which every worker hot-loads with the drafter."""
     import json
 
     from adaflash_ray.config import load_recipe
@@ -315,7 +308,8 @@ def test_warm_start_stage_publishes_version_1_before_on_policy(tmp_path):
     cfg = load_recipe("recipes/cpu_tiny.yaml", [
         "distill.warm_start=true", "distill.warm_start_prompts=6", "distill.warm_start_generate_s=30",
         "distill.warm_start_train_s=8", "distill.num_versions=2", "data.sample_fraction=0.25",
-        "logging.wandb_mode=disabled", "data.num_eval_prompts=2", "data.eval_max_new_tokens=16"])
+        "logging.wandb_mode=disabled", "data.num_eval_prompts=2", "data.eval_max_new_tokens=16",
+        "length_head.policy=cost"])
     summary = run(cfg, tmp_path / "run")
     warm = summary["warm_start"]
     assert warm is not None and warm["ranks"][0]["version"] == 1 and warm["ranks"][0]["num_requests"] >= 1
@@ -326,3 +320,8 @@ def test_warm_start_stage_publishes_version_1_before_on_policy(tmp_path):
     warm_steps = [m for m in records if m.get("train/warm_start") == 1.0 and "train/loss" in m]
     assert warm_steps and all(m["train/version"] == 0.0 for m in warm_steps)
     assert not any(m.get("train/time_up") for m in records if m.get("train/warm_start"))
+    from adaflash_ray.models import load_drafter_checkpoint
+
+    tensors = load_drafter_checkpoint(tmp_path / "run" / "checkpoints" / "v2")[1]
+    # the AcceptanceHead (hidden state + 2 confidence features in, no residual layer), not the direct head
+    assert tensors["length_head.inp.weight"].shape[1] == 576 + 2 and "length_head.res.weight" not in tensors

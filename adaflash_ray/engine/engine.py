@@ -379,7 +379,8 @@ class SpecEngine:
 
     def _admit(self, spec: bool, finished: list[Request]) -> None:
         """Move waiting requests into free KV slots and prefill them: each commits its first token, and (with
-        ``spec``) its first block is proposed, with the γ the length policy gives it joining the batch."""
+        ``spec``, while the next step would use it) its first block is proposed, with the γ the length policy gives it
+        joining the batch; without that propose its drafter context is left to the first step that proposes."""
         if not (self.scheduler.waiting and self.scheduler.free_slots):  # nothing to admit (most steps)
             return
         running_before = [r.next_draft_len for r in self.scheduler.running]
@@ -392,18 +393,26 @@ class SpecEngine:
             if self.block_guard is not None:
                 self.block_guard.new_batch()
                 self._last_planned_propose = None
-        # the draft sources' planner: a new request's first block only while the schedule wants the block (in use, or
-        # its probe due); otherwise its drafter context waits for the first step that proposes (caught up then)
-        propose = spec and self.drafter is not None and (self.planner is None or self.planner.wants_block())
+        # the new requests' first block only while the step after would use it - the planner's schedule wants the
+        # block (in use, or its probe due), the length policy is not in its γ = 0 regime, or a new request fixes its
+        # own γ; otherwise their drafter context waits for the first step that proposes (caught up then)
+        propose = deferred = False
+        if spec and self.drafter is not None:
+            if any(r.params.draft_len is not None for r in admitted):
+                propose = True
+            elif self.planner is not None:
+                propose = self.planner.wants_block()
+            else:
+                propose = self.policy is None or self.policy.admit_proposes(running_before)
+            deferred = not propose
         dev_lookup = spec and self.lookup_on_device
         res = self.runner.prefill([r.slot for r in admitted], [r.prompt_ids for r in admitted],
-                                  [r.params for r in admitted], propose, lookup=dev_lookup,
-                                  append=propose or self.planner is None)
+                                  [r.params for r in admitted], propose, lookup=dev_lookup, append=not deferred)
         if self.lookup_on_device:
             self._keep_proposals([r.slot for r in admitted], res)
         gammas, expected = res.next_draft_lens, res.expected if propose else None
         if self.policy is not None and self.planner is None:
-            gammas = self.policy.on_admit(gammas, running_before, spec)
+            gammas = self.policy.on_admit(gammas, running_before, spec, proposed=propose)
         for i, (req, toks, g) in enumerate(zip(admitted, res.committed, gammas)):
             req.next_draft_len = g
             if self.planner is not None:

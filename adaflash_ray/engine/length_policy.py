@@ -47,9 +47,17 @@ class LengthPolicy:
 
     name = ""
 
-    def on_admit(self, draft_lens: list[int], running_draft_lens: list[int], spec: bool) -> list[int]:
-        """γ per admitted request (``draft_lens``: the prefill's propose, host ints) given the γ of the requests
-        already running (empty: a new batch); ``spec`` False for an AR-mode prefill. Returns the γ to use."""
+    def admit_proposes(self, running_draft_lens: list[int]) -> bool:
+        """Whether the prefill of requests joining a batch whose running requests have these γ (empty: a new batch)
+        proposes their first block (and builds their drafter context); False leaves both to the first step that
+        proposes. The engine asks it only when no admitted request fixes its own γ."""
+        return True
+
+    def on_admit(self, draft_lens: list[int], running_draft_lens: list[int], spec: bool,
+                 proposed: bool = True) -> list[int]:
+        """γ per admitted request (``draft_lens``: the prefill's propose, host ints; all 0 when it did not
+        propose, ``proposed`` False) given the γ of the requests already running (empty: a new batch); ``spec`` False
+        for an AR-mode prefill. Returns the γ to use."""
         return draft_lens
 
     def propose_now(self, spec: bool, pending_draft_lens: list[int], own_draft_len: list[bool]) -> bool:
@@ -123,7 +131,9 @@ class CostLength(LengthPolicy):
     The probe schedule (host state, advanced by the engine's hooks between steps): while the policy's last answer
     for the whole running batch was γ = 0 (``ar_chosen``), a step proposes only once ``steps_since_probe`` reaches
     ``probe_interval``; each probe that answers 0 again doubles the interval (at most :data:`PROBE_MAX_FACTOR` x ``probe_every``), and an
-    answer of γ >= 1, a new batch, or a drafter reload brings it back to ``probe_every``.
+    answer of γ >= 1, a new batch, or a drafter reload brings it back to ``probe_every``. In the γ = 0 regime a
+    prefill proposes nothing (:meth:`admit_proposes`): requests joining a batch that waits at γ = 0, or starting one,
+    get their drafter context at the next probe.
 
     The realised-throughput guard (the engine's, with ``ar_steps``: :class:`~adaflash_ray.engine.throughput_guard.
     ThroughputGuard`): the table is measured once, on an idle engine; what the steps really cost can differ (γ = 0
@@ -155,13 +165,30 @@ class CostLength(LengthPolicy):
         return cls(head, block_size, min_len, ar_steps=ar_steps, probe_every=probe_every)
 
     # ------------------------------------------------------------------ probe schedule (host, between steps)
-    def on_admit(self, draft_lens: list[int], running_draft_lens: list[int], spec: bool) -> list[int]:
+    def admit_proposes(self, running_draft_lens: list[int]) -> bool:
+        """Not in the γ = 0 regime: joining a batch whose running requests all wait at γ = 0 (:meth:`on_admit` caps the
+        newcomers' γ at 0: a first block would be dropped), or starting a batch while the earlier one's γ = 0 answer
+        stands (the probe after the shortest wait asks the policy for it: a graph step, cheaper than an eager
+        propose in the prefill)."""
+        if not self.ar_steps:
+            return True
+        if running_draft_lens:
+            return any(running_draft_lens)
+        return not self.ar_chosen
+
+    def on_admit(self, draft_lens: list[int], running_draft_lens: list[int], spec: bool,
+                 proposed: bool = True) -> list[int]:
         """Joining a running batch, admitted requests take at most its γ (their prefill's propose saw only the
-        admitted rows, the cost of a small batch, and one long block would widen every row's verify). A new batch:
-        the prefill's propose is the policy's answer for it, and an earlier batch's long probe wait is gone."""
+        admitted rows, the cost of a small batch, and one long block would widen every row's verify). A new batch
+        whose prefill proposed: that propose is the policy's answer for it; one whose prefill did not
+        (:meth:`admit_proposes`) keeps the γ = 0 answer until its first probe. Either way an earlier batch's long probe
+        wait is gone."""
         if running_draft_lens:
             cap = max(running_draft_lens)
             return [min(g, cap) for g in draft_lens]
+        if not proposed:
+            self.steps_since_probe, self.probe_interval = 0, self.probe_every
+            return draft_lens
         self.ar_chosen = spec and all(g == 0 for g in draft_lens)
         self.steps_since_probe, self.probe_interval = 0, self.probe_every
         return draft_lens
