@@ -654,13 +654,16 @@ def test_cost_policy_prefills_in_the_ar_regime_propose_nothing(tiny_target):
         engine.step()
     assert firsts[-1][1] is True and own.output_ids == greedy_reference(tiny_target, prompts[1], 10)
     # a new batch while the γ = 0 answer stands: no first block, the shortest probe wait; without that answer: the block
+    # (and a due probe - a drafter reload sets one up - proposes at the prefill)
     pol = engine.runner.length_policy
-    for ar_chosen in (True, False):
+    for ar_chosen, reload in ((True, False), (False, False), (True, True)):
         pol.ar_chosen, pol.steps_since_probe, pol.probe_interval = ar_chosen, 5, 32
+        if reload:
+            engine.load_drafter(engine.drafter_tensors(), version=1)
         firsts.clear()
         r = engine.add_request(prompts[2], SamplingParams(max_new_tokens=8, ignore_eos=True))
         engine.step()
-        assert firsts[0][1] is not ar_chosen and pol.probe_interval == pol.probe_every
+        assert firsts[0][1] is (not ar_chosen or reload) and pol.probe_interval == pol.probe_every
         while engine.has_unfinished():
             engine.step()
         assert r.output_ids == greedy_reference(tiny_target, prompts[2], 8)

@@ -168,13 +168,13 @@ class CostLength(LengthPolicy):
     def admit_proposes(self, running_draft_lens: list[int]) -> bool:
         """Not in the γ = 0 regime: joining a batch whose running requests all wait at γ = 0 (:meth:`on_admit` caps the
         newcomers' γ at 0: a first block would be dropped), or starting a batch while the earlier one's γ = 0 answer
-        stands (the probe after the shortest wait asks the policy for it: a graph step, cheaper than an eager
-        propose in the prefill)."""
+        stands and no probe is due (the probe after the shortest wait asks the policy for it: a graph step, cheaper
+        than an eager propose in the prefill). A due probe (e.g. the one a drafter reload sets up) proposes here."""
         if not self.ar_steps:
             return True
         if running_draft_lens:
             return any(running_draft_lens)
-        return not self.ar_chosen
+        return not self.ar_chosen or self.steps_since_probe >= self.probe_interval
 
     def on_admit(self, draft_lens: list[int], running_draft_lens: list[int], spec: bool,
                  proposed: bool = True) -> list[int]:
