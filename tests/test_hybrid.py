@@ -667,3 +667,15 @@ def test_cost_policy_prefills_in_the_ar_regime_propose_nothing(tiny_target):
         while engine.has_unfinished():
             engine.step()
         assert r.output_ids == greedy_reference(tiny_target, prompts[2], 8)
+
+
+def test_dflash_planning_without_the_acceptance_head_is_refused(tiny_target):
+    """draft_sources with 'dflash' under a length policy that has no acceptance head would never draft (the planner
+    has no estimate of the block): refused at construction, naming the sources and the way out."""
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="direct", seed=5)
+    with pytest.raises(ValueError, match=r"draft_sources \['dflash'\]: planning with 'dflash' needs the 'cost'"):
+        SpecEngine(tiny_target, drafter, head, policy="direct", max_batch_size=2, max_seq_len=64,
+                   draft_sources=("dflash",))
+    eng = SpecEngine(tiny_target, drafter, head, policy="direct", max_batch_size=2, max_seq_len=64)
+    r = eng.generate([[3, 4, 5, 6]], SamplingParams(max_new_tokens=12, ignore_eos=True, draft_len=3))[0]
+    assert max(r.draft_lens) == 3 and r.output_ids == greedy_reference(tiny_target, [3, 4, 5, 6], 12)

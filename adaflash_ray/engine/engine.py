@@ -124,8 +124,8 @@ class SpecEngine:
             "ngram", "suffix")`` (:mod:`adaflash_ray.engine.hybrid`): per request per step a
             :class:`~adaflash_ray.engine.hybrid.HybridPlanner` chooses the source and γ. ``("ngram",)`` /
             ``("suffix",)`` alone: prompt / suffix lookup drafts of up to :data:`MAX_DRAFT` tokens, no drafter needed.
-            With ``"dflash"`` and a lookup: the hybrid, which needs the ``cost`` policy (its acceptance head
-            estimates the block, its calibration measures the step costs). Lookup drafts are verified as a
+            With ``"dflash"`` and a lookup: the hybrid; any subset with ``"dflash"`` needs the ``cost`` policy (its
+            acceptance head estimates the block, its calibration measures the step costs). Lookup drafts are verified as a
             point-mass q: lossless, greedy and sampled.
         suffix_corpus: the ``suffix`` source's corpus of earlier requests (None = a new empty one); finished
             requests are added to it. lookup_max_ngram: the longest suffix n-gram the lookups match (tokens).
@@ -149,8 +149,8 @@ class SpecEngine:
         clock: seconds, monotonic (``time.perf_counter``); what the step timings and the guard read (a test's fake
             clock makes them deterministic).
     Raises:
-        ValueError: bad ``draft_sources`` (:func:`~adaflash_ray.engine.hybrid.check_draft_sources`), the hybrid
-            without the ``cost`` policy, or an unknown ``lookup_device``.
+        ValueError: bad ``draft_sources`` (:func:`~adaflash_ray.engine.hybrid.check_draft_sources`), ``"dflash"``
+            among them without the ``cost`` policy, or an unknown ``lookup_device``.
     """
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, length_head: torch.nn.Module | None,
@@ -164,9 +164,11 @@ class SpecEngine:
         self.target, self.drafter, self.length_head = target, drafter, length_head
         self.draft_sources = (check_draft_sources(draft_sources, drafter is not None) if draft_sources is not None
                               else None)
-        if self.draft_sources is not None and "dflash" in self.draft_sources and len(self.draft_sources) > 1 and \
-                not isinstance(length_head, AcceptanceHead):
-            raise ValueError("the hybrid of 'dflash' and a lookup source needs the 'cost' policy's acceptance head")
+        if self.draft_sources is not None and "dflash" in self.draft_sources and \
+                not isinstance(length_head, AcceptanceHead):  # the planner weighs the block by that head's estimate
+            raise ValueError(f"draft_sources {list(self.draft_sources)}: planning with 'dflash' needs the 'cost' "
+                             "policy's acceptance head; for the drafter's block under another length policy leave "
+                             "draft_sources unset")
         if drafter is not None:
             drafter.config.check_target(target.config)
             layer_ids = drafter.config.target_layer_ids
