@@ -576,6 +576,21 @@ def test_block_guard_leaves_fixed_draft_lens_alone_and_resets(tiny_target):
     assert eng._last_planned_propose is None
 
 
+def _record_prefills_and_catch_ups(engine) -> tuple[list, list]:
+    """Wrap ``engine.runner``'s prefill and catch-up: returns (prefills as ``(num prompts, proposes, appends)``,
+    catch-up spans ``(slot, start, stop)``), filled as the engine runs."""
+    prefills, catch_ups = [], []
+    prefill, catch_up = engine.runner.prefill, engine.runner.catch_up_context
+
+    def recorded_prefill(slots, prompts, params, spec, *a, **k):
+        prefills.append((len(slots), bool(spec), k.get("append", True)))
+        return prefill(slots, prompts, params, spec, *a, **k)
+
+    engine.runner.prefill = recorded_prefill
+    engine.runner.catch_up_context = lambda spans: catch_ups.extend(spans) or catch_up(spans)
+    return prefills, catch_ups
+
+
 def test_hybrid_schedule_carries_over_batches_and_prefill_defers_the_context():
     """At batch 1 each request is a new batch, and the planner's schedule carries over: once the drafter's block is
     idle (its table price is 100x a lookup step's, the lookups win), a new request's prefill proposes no first block
@@ -588,22 +603,14 @@ def test_hybrid_schedule_carries_over_batches_and_prefill_defers_the_context():
                      draft_sources=("dflash", "ngram"), probe_every=4)
     eng.planner.set_costs([1], np.full((1, 7), 100.0), np.ones((1, eng.runner.max_draft + 1)))
     eng.block_guard = None  # the planner's own schedule alone
-    firsts, real = [], eng.runner.prefill
-
-    def prefill(slots, prompts_, params, spec, *a, **k):
-        firsts.append(bool(spec))
-        return real(slots, prompts_, params, spec, *a, **k)
-
-    eng.runner.prefill = prefill
-    caught, real_catch = [], eng.runner.catch_up_context
-    eng.runner.catch_up_context = lambda spans: caught.extend(spans) or real_catch(spans)
+    prefills, caught = _record_prefills_and_catch_ups(eng)
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)
     first = eng.generate([prompts[0]], params)[0]
-    assert firsts == [True] and not eng.planner.wants_block()  # a fresh planner tries the block, then idles it
+    assert [p[1] for p in prefills] == [True] and not eng.planner.wants_block()  # a fresh planner tries the block, then idles it
     caught.clear()
     req = eng.add_request(prompts[1], params)
     eng.step()  # the prefill and one step
-    assert firsts == [True, False] and eng.runner.ctx_len[req.slot] <= req.num_tokens - 1
+    assert [p[1] for p in prefills] == [True, False] and eng.runner.ctx_len[req.slot] <= req.num_tokens - 1
     while req.status.value == "running" and not caught:
         eng.step()  # until the block's probe proposes: the deferred context comes back from the history
     assert caught and caught[0][1] == 0 and caught[0][2] > len(prompts[1])
@@ -627,15 +634,7 @@ def test_cost_policy_prefills_in_the_ar_regime_propose_nothing(tiny_target):
     engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=200,
                         calibrate=False, probe_every=4, throughput_guard=False)
     engine.runner.length_policy.set_costs([1, 2], torch.full((2, 7), 100.0), torch.ones(2))
-    firsts, real = [], engine.runner.prefill
-
-    def prefill(slots, prompts_, params, spec, *a, **k):
-        firsts.append((len(slots), bool(spec), k.get("append", True)))
-        return real(slots, prompts_, params, spec, *a, **k)
-
-    engine.runner.prefill = prefill
-    caught, real_catch = [], engine.runner.catch_up_context
-    engine.runner.catch_up_context = lambda spans: caught.extend(spans) or real_catch(spans)
+    firsts, caught = _record_prefills_and_catch_ups(engine)
     params = [SamplingParams(max_new_tokens=12 + 6 * i, ignore_eos=True) for i in range(len(prompts))]
     reqs = engine.generate(prompts, params)
     assert firsts[0][1:] == (True, True)  # the first batch: the policy's answer comes from its prefill's propose

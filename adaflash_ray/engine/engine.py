@@ -398,18 +398,13 @@ class SpecEngine:
         # the new requests' first block only while the step after would use it - the planner's schedule wants the
         # block (in use, or its probe due), the length policy is not in its γ = 0 regime, or a new request fixes its
         # own γ; otherwise their drafter context waits for the first step that proposes (caught up then)
-        propose = deferred = False
-        if spec and self.drafter is not None:
-            if any(r.params.draft_len is not None for r in admitted):
-                propose = True
-            elif self.planner is not None:
-                propose = self.planner.wants_block()
-            else:
-                propose = self.policy is None or self.policy.admit_proposes(running_before)
-            deferred = not propose
+        propose = spec and self.drafter is not None and (
+            any(r.params.draft_len is not None for r in admitted)
+            or (self.planner.wants_block() if self.planner is not None
+                else self.policy is None or self.policy.admit_proposes(running_before)))
         dev_lookup = spec and self.lookup_on_device
         res = self.runner.prefill([r.slot for r in admitted], [r.prompt_ids for r in admitted],
-                                  [r.params for r in admitted], propose, lookup=dev_lookup, append=not deferred)
+                                  [r.params for r in admitted], propose, lookup=dev_lookup, append=propose or not spec)
         if self.lookup_on_device:
             self._keep_proposals([r.slot for r in admitted], res)
         gammas, expected = res.next_draft_lens, res.expected if propose else None

@@ -186,10 +186,8 @@ class CostLength(LengthPolicy):
         if running_draft_lens:
             cap = max(running_draft_lens)
             return [min(g, cap) for g in draft_lens]
-        if not proposed:
-            self.steps_since_probe, self.probe_interval = 0, self.probe_every
-            return draft_lens
-        self.ar_chosen = spec and all(g == 0 for g in draft_lens)
+        if proposed:
+            self.ar_chosen = spec and all(g == 0 for g in draft_lens)
         self.steps_since_probe, self.probe_interval = 0, self.probe_every
         return draft_lens
 
