@@ -25,9 +25,21 @@ RAY = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_ports(1)[0]
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports: every socket stays bound until all are picked, so the kernel cannot hand
+    the same ephemeral port out twice (Ray refuses a head whose components share a port)."""
+    socks = []
+    try:
+        for _ in range(n):
+            socks.append(socket.socket())
+            socks[-1].bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _is_loopback(addr: str) -> bool:
@@ -115,11 +127,11 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
     env.pop("RAY_ADDRESS", None)
     import tempfile
 
-    gcs_port, dash_port = _free_port(), _free_port()
     # the agents' ports too: Ray's fixed defaults (52365, ...) may be held by another Ray on this machine, and then the
-    # head's job agent never comes up ("No available agent to submit job")
-    agent_ports = [f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-                   f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}"]
+    # head's job agent never comes up ("No available agent to submit job"); all six distinct
+    gcs_port, dash_port, listen_port, grpc_port, env_port, metrics_port = _free_ports(6)
+    agent_ports = [f"--dashboard-agent-listen-port={listen_port}", f"--dashboard-agent-grpc-port={grpc_port}",
+                   f"--runtime-env-agent-port={env_port}", f"--metrics-export-port={metrics_port}"]
     temp_dir = tempfile.mkdtemp(prefix="afr", dir="/tmp")  # short: Ray's socket paths have a length limit
     start = subprocess.run([RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
                             f"--temp-dir={temp_dir}", *agent_ports,
