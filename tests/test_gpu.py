@@ -158,6 +158,32 @@ def test_cost_policy_ar_steps_graphs_tiny():
     assert ar_first == ar and drafted == ar
 
 
+def test_catch_up_context_graphs_match_eager_tiny():
+    """The drafter-context catch-up on CUDA graphs (padded to a power-of-two bucket by repeating the last entry, then
+    a replay) writes the same context K/V as the eager append of the unpadded positions (tiny random fp32 target);
+    the second catch-up of a bucket replays its captured graph."""
+    from conftest import make_tiny_target
+
+    target = make_tiny_target("llama").to("cuda")
+    drafter, head = make_drafter(target, block_size=8, layers=2, policy="cost", seed=3)
+    engs = [SpecEngine(target, drafter, head, policy="cost", max_batch_size=4, max_seq_len=256, calibrate=False,
+                       use_cuda_graph=g) for g in (True, False)]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    feats = torch.randn(engs[0].runner.feat_hist.shape, generator=g, device="cuda")
+    for e in engs:
+        e.runner.feat_hist.copy_(feats)
+    for spans in ([(0, 0, 37), (2, 5, 60)], [(0, 37, 41), (1, 0, 3), (3, 10, 70)], [(2, 60, 90)],
+                  [(1, 3, 20)]):
+        for e in engs:
+            e.runner.catch_up_context(spans)
+    graphed, eager = engs[0].runner, engs[1].runner
+    assert sorted(graphed._catch_up_graphs) == [64, 128] and all(v[3] is not None
+                                                                 for v in graphed._catch_up_graphs.values())
+    assert graphed.ctx_len == eager.ctx_len == [41, 20, 90, 70]
+    torch.testing.assert_close(graphed.ctx.k, eager.ctx.k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(graphed.ctx.v, eager.ctx.v, rtol=1e-5, atol=1e-5)
+
+
 def test_bucket_policy_graphs_tiny():
     """The ``bucket`` length policy (the seed guide's head on the target's state at the anchor) through CUDA
     graphs on a tiny random fp32 target: the steps run through captured graphs, the head's γ varies, every γ is a

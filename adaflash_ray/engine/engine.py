@@ -433,14 +433,15 @@ class SpecEngine:
             return _Batch(running, [0] * len(running), True, False, append=False, batch_size=batch_size)
         if spec and self.planner is not None:
             return self._plan(running, batch_size, self._block_off(batch_size, any_own))
-        if spec:
-            gammas = [max(min(r.next_draft_len if r.params.draft_len is None else r.params.draft_len,
-                              r.remaining - 1), 0) for r in running]
-        else:
+        pending = [r.next_draft_len for r in running]
+        if spec and (any_own or any(pending)):
+            gammas = [max(min(g if r.params.draft_len is None else r.params.draft_len, r.remaining - 1), 0)
+                      for r, g in zip(running, pending)]
+        else:  # AR mode, or every request pending at γ = 0 (the cost policy's AR regime): no per-request caps
             gammas = [0] * len(running)
         propose = True
         if self.policy is not None:
-            propose = self.policy.propose_now(spec, [r.next_draft_len for r in running], own)
+            propose = self.policy.propose_now(spec, pending, own)
         # a step that does not propose is an AR step (the cost policy's γ = 0): its drafter context append is
         # deferred and caught up from the feature history when the next step proposes
         return _Batch(running, gammas, spec, propose, append=propose, batch_size=batch_size)
@@ -522,7 +523,9 @@ class SpecEngine:
             self.policy.after_step(batch.spec, batch.propose, res.next_draft_lens)
         version = self.drafter_version
         if batch.spec:
-            if batch.choices is not None:
+            if not any(batch.draft_lens):  # every row γ = 0 (an AR step of the policy or the planner)
+                sources = ["none"] * len(batch.draft_lens)
+            elif batch.choices is not None:
                 sources = [c.source if g else "none" for c, g in zip(batch.choices, batch.draft_lens)]
             else:
                 sources = ["dflash" if g else "none" for g in batch.draft_lens]

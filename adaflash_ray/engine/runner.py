@@ -229,6 +229,8 @@ class ModelRunner:
         self._batch_buckets = _buckets(num_slots) if self.is_cuda else None
         self._width_buckets = [x for x in (1, 2, 3, 4, 6, 8, 12, 16) if x < nd + 1] + [nd + 1]
         self.graphs: dict[StepKey, torch.cuda.CUDAGraph] = {}
+        # catch-up graphs per padded size: (rows buffer, positions buffer, pinned host staging [2, size], graph)
+        self._catch_up_graphs: dict[int, tuple] = {}
         self._warm = False
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
@@ -242,6 +244,7 @@ class ModelRunner:
         """Drop every captured step graph (each is captured again on its next use) and start a fresh memory pool
         for them: the old pool goes with its last graph, and capturing into it again would fail."""
         self.graphs.clear()
+        self._catch_up_graphs.clear()
         if self.use_graphs:
             self._pool = torch.cuda.graph_pool_handle()
 
@@ -639,11 +642,48 @@ class ModelRunner:
             return
         rows = np.concatenate([np.full(b - a, s) for s, a, b in spans])
         pos = np.concatenate([np.arange(a, b) for s, a, b in spans])
-        rows_t = torch.from_numpy(rows).to(self.device)
-        pos_t = torch.from_numpy(pos).to(self.device)
-        self.drafter.append_context(self.ctx, rows_t, pos_t, self.feat_hist[rows_t, pos_t])
+        if self.use_graphs:
+            self._catch_up_graphed(rows, pos)
+        else:
+            rows_t = torch.from_numpy(rows).to(self.device)
+            pos_t = torch.from_numpy(pos).to(self.device)
+            self.drafter.append_context(self.ctx, rows_t, pos_t, self.feat_hist[rows_t, pos_t])
         for s, _, b in spans:
             self.ctx_len[s] = max(self.ctx_len[s], b)
+
+    def _catch_up_graphed(self, rows: np.ndarray, pos: np.ndarray) -> None:
+        """:meth:`catch_up_context`'s append on CUDA graphs: the ``N`` (row, position) pairs padded to a bucket
+        (the next power of two >= max(N, 64)) by repeating the last pair - a padded entry writes the same K/V to the
+        same place again, so the result is the unpadded append's - then the bucket's graph (captured on first use,
+        noted in ``step_captured``: the feature gather, the drafter's context projection and every layer's K/V
+        write) is replayed: one launch instead of the eager path's tens of kernel launches with host work between."""
+        n = len(rows)
+        size = max(64, 1 << (n - 1).bit_length())
+        entry = self._catch_up_graphs.get(size)
+        if entry is None:
+            rows_buf = torch.zeros(size, dtype=torch.long, device=self.device)
+            pos_buf = torch.zeros(size, dtype=torch.long, device=self.device)
+            host = torch.zeros(2, size, dtype=torch.long, pin_memory=True)
+            entry = (rows_buf, pos_buf, host, None)
+        rows_buf, pos_buf, host, graph = entry
+        h = host.numpy()
+        h[0, :n], h[1, :n] = rows, pos
+        h[0, n:], h[1, n:] = rows[-1], pos[-1]
+        rows_buf.copy_(host[0], non_blocking=True)
+        pos_buf.copy_(host[1], non_blocking=True)
+
+        def append():
+            self.drafter.append_context(self.ctx, rows_buf, pos_buf, self.feat_hist[rows_buf, pos_buf])
+
+        if graph is None:  # eager once (kernels initialised), then captured for the next catch-up of this size
+            self.step_captured = True
+            append()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                append()
+            self._catch_up_graphs[size] = (rows_buf, pos_buf, host, graph)
+            return
+        graph.replay()
 
     # ------------------------------------------------------------------ history, reload
     def features(self, slot: int, n: int) -> torch.Tensor:
