@@ -668,6 +668,34 @@ def test_cost_policy_prefills_in_the_ar_regime_propose_nothing(tiny_target):
         assert r.output_ids == greedy_reference(tiny_target, prompts[2], 8)
 
 
+def test_prefill_proposes_no_block_a_forced_ar_step_would_drop(tiny_target):
+    """A request admitted while the throughput guard will force the next step to AR (or the hybrid's block guard
+    keep it from proposing) is prefilled without a first block and without drafter context: that step would drop
+    the block. Once nothing forces, a refill proposes again; greedy output is the target's either way."""
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
+    prompts = _prompts()
+    for hybrid in (False, True):
+        engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=200,
+                            calibrate=False, probe_every=4, draft_sources=("dflash", "ngram") if hybrid else None)
+        guard = engine.block_guard if hybrid else engine.guard
+        assert guard is not None
+        firsts, _ = _record_prefills_and_catch_ups(engine)
+        long = engine.add_request(prompts[2], SamplingParams(max_new_tokens=40, ignore_eos=True))
+        engine.step()
+        for bk in guard.buckets:  # every bucket forcing its next 3 steps
+            bk.forced_left = 3
+        firsts.clear()
+        forced = engine.add_request(prompts[0], SamplingParams(max_new_tokens=12, ignore_eos=True))
+        engine.step()
+        assert firsts == [(1, False, False)]
+        for bk in guard.buckets:
+            bk.forced_left = 0
+        while engine.has_unfinished():
+            engine.step()
+        for r, p, n in ((long, prompts[2], 40), (forced, prompts[0], 12)):
+            assert r.output_ids == greedy_reference(tiny_target, p, n)
+
+
 def test_dflash_planning_without_the_acceptance_head_is_refused(tiny_target):
     """draft_sources with 'dflash' under a length policy that has no acceptance head would never draft (the planner
     has no estimate of the block): refused at construction, naming the sources and the way out."""

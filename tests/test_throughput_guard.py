@@ -278,3 +278,24 @@ def test_guard_ignores_steps_that_capture_a_graph(tiny_target):
     assert all(b["num_backoffs"] == 0 for b in eng.guard.state().values())
     for r, p in zip(reqs, _prompts()):
         assert r.output_ids == greedy_reference(tiny_target, p, 100)
+
+
+def test_would_force_looks_ahead_without_changing_the_guard():
+    """``would_force`` (the prefill's look ahead) answers what the next ``force_ar`` returns, and changes nothing: over
+    a random sequence of records at two batch buckets (seeded), each answer equals the ``force_ar`` call after it and
+    a second look ahead gives the same answer."""
+    import random
+
+    rng = random.Random(7)
+    g = ThroughputGuard([1, 4], min_samples=3, backoff_steps=2, ar_refresh_steps=9, min_rows=0)
+    forced = 0
+    for _ in range(600):
+        b = rng.choice([1, 4])
+        ahead = g.would_force(b)
+        assert g.would_force(b) == ahead
+        now = g.force_ar(b)
+        assert now == ahead
+        forced += now
+        # a policy step slower than AR on bucket 4 (back-offs), as fast on bucket 1
+        g.record(b, not now, 2 if (now or b == 1) else 3, 1.0 if (now or b == 1) else 3.0)
+    assert 0 < forced < 600 and g.state()["4"]["num_backoffs"] > 0

@@ -398,10 +398,12 @@ class SpecEngine:
         # the new requests' first block only while the step after would use it - the planner's schedule wants the
         # block (in use, or its probe due), the length policy is not in its γ = 0 regime, or a new request fixes its
         # own γ; otherwise their drafter context waits for the first step that proposes (caught up then)
+        # a step the throughput guard forces to AR (or the block guard keeps from proposing) drops the block too
         propose = spec and self.drafter is not None and (
             any(r.params.draft_len is not None for r in admitted)
-            or (self.planner.wants_block() if self.planner is not None
-                else self.policy is None or self.policy.admit_proposes(running_before)))
+            or (not self._next_step_forced() and
+                (self.planner.wants_block() if self.planner is not None
+                 else self.policy is None or self.policy.admit_proposes(running_before))))
         dev_lookup = spec and self.lookup_on_device
         res = self.runner.prefill([r.slot for r in admitted], [r.prompt_ids for r in admitted],
                                   [r.params for r in admitted], propose, lookup=dev_lookup, append=propose or not spec)
@@ -419,6 +421,15 @@ class SpecEngine:
             self._commit(req, toks, finished, res, i)
         self.stats.num_prefills += 1
         self.stats.prefill_seconds += self.clock() - t0
+
+    def _next_step_forced(self) -> bool:
+        """Whether the next step (at the running batch's size) will be an AR step the throughput guard forces, or a
+        planned step the block guard keeps from proposing (their :meth:`ThroughputGuard.would_force`: no change)."""
+        guards = [g for g in (self.guard, self.block_guard) if g is not None]
+        if not guards or not self.scheduler.running:
+            return False
+        batch_size = max(r.slot for r in self.scheduler.running) + 1
+        return any(g.would_force(batch_size) for g in guards)
 
     def _schedule(self, spec: bool) -> _Batch:
         """The running requests' γ for this step - the policy's (or the request's own), capped by the tokens left -

@@ -115,6 +115,17 @@ class ThroughputGuard:
     def _bucket(self, batch_size: int) -> _Bucket:
         return self.buckets[min(bisect.bisect_left(self.batch_sizes, batch_size), len(self.batch_sizes) - 1)]
 
+    def would_force(self, batch_size: int) -> bool:
+        """Whether :meth:`force_ar` would force the next step at ``batch_size`` now - a look ahead that changes
+        nothing (a prefill asks it before proposing a first block that a forced AR step would drop)."""
+        bk = self._bucket(batch_size)
+        if bk.forced_left > 0:
+            return True
+        if bk.policy.num_samples < self.min_samples:
+            return False
+        return bk.ar.num_samples < self.min_samples or bool(self.ar_refresh_steps and
+                                                           bk.since_ar >= self.ar_refresh_steps)
+
     def force_ar(self, batch_size: int) -> bool:
         """Whether the next step at ``batch_size`` must be an AR step; counts it as taken when so."""
         bk = self._bucket(batch_size)
