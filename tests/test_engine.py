@@ -463,6 +463,38 @@ def test_cost_policy_ar_steps_lossless_and_probing(tiny_target):
     assert 0 in engine.stats.draft_len_hist
 
 
+def test_cost_policy_gamma0_inside_a_drafting_stretch_waits_one_step(tiny_target):
+    """A γ = 0 answer in the middle of a drafting stretch (drafting paid, then the costs say AR): the policy checks
+    again after ONE AR step, and the wait doubles from there (1, 2, 4, ...) instead of starting at probe_every; the
+    output is the AR output throughout."""
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in [6, 9]]
+    ref = [greedy_reference(tiny_target, p, 70) for p in prompts]
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
+    engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=200,
+                        calibrate=False, probe_every=8, throughput_guard=False)  # the policy's own schedule
+    pol = engine.runner.length_policy
+    pol.set_costs([1, 2], torch.ones(2, 7), torch.full((2,), 100.0))  # drafting always pays
+    proposes = _count_proposes(engine)
+    reqs = [engine.add_request(p, SamplingParams(max_new_tokens=70)) for p in prompts]
+    for _ in range(3):
+        engine.step()
+    assert not pol.ar_chosen
+    pol.set_costs([1, 2], torch.full((2, 7), 100.0), torch.ones(2))  # in place: the next answer is γ = 0
+    start = engine.stats.num_engine_steps
+    proposes.clear()
+    for _ in range(16):
+        engine.step()
+    assert pol.ar_chosen
+    # step start proposes (drafting: its answer is 0), then AR 1 step, probe, AR 2, probe, AR 4, probe, AR 8 ...
+    assert [s - start for s in proposes] == [0, 2, 5, 10], [s - start for s in proposes]
+    assert pol.probe_interval == 8  # the next probe after 8 more AR steps
+    while engine.has_unfinished():
+        engine.step()
+    for r, out in zip(reqs, ref):
+        assert r.output_ids == out
+
+
 def test_ar_regime_only_on_the_policys_answer(monkeypatch, tiny_target):
     """AR steps follow the policy's own γ = 0 only: not an engine stepped in "ar" mode before, not an idle engine's
     old wait; a drafter swap asks the policy again at the next step; a calibration that fails keeps the table in

@@ -131,7 +131,9 @@ class CostLength(LengthPolicy):
     The probe schedule (host state, advanced by the engine's hooks between steps): while the policy's last answer
     for the whole running batch was γ = 0 (``ar_chosen``), a step proposes only once ``steps_since_probe`` reaches
     ``probe_interval``; each probe that answers 0 again doubles the interval (at most :data:`PROBE_MAX_FACTOR` x ``probe_every``), and an
-    answer of γ >= 1, a new batch, or a drafter reload brings it back to ``probe_every``. In the γ = 0 regime a
+    answer of γ >= 1, a new batch, or a drafter reload brings it back to ``probe_every``. A γ = 0 answer in the middle of
+    a drafting stretch (the answer before it was γ >= 1) waits one AR step first, then doubles from there: a drafter
+    that pays on most anchors loses one step at a hard one, not ``probe_every``. In the γ = 0 regime a
     prefill proposes nothing (:meth:`admit_proposes`): requests joining a batch that waits at γ = 0, or starting one,
     get their drafter context at the next probe.
 
@@ -205,10 +207,16 @@ class CostLength(LengthPolicy):
         return True
 
     def after_step(self, spec: bool, proposed: bool, next_draft_lens: list[int]) -> None:
+        """The policy's answer for the batch after a step that proposed: a γ = 0 answer for every request enters the
+        γ = 0 regime. Entered from a drafting stretch (the answer before was γ >= 1), the first wait is one AR step,
+        doubling from there: one hard anchor of a drafter that otherwise pays costs one AR step, not ``probe_every``."""
         if not spec:
             self.ar_chosen = False
         elif proposed:  # the policy answered for the whole batch (one γ per batch)
+            drafting = not self.ar_chosen
             self.ar_chosen = all(n == 0 for n in next_draft_lens)
+            if drafting and self.ar_chosen:
+                self.steps_since_probe, self.probe_interval = 0, 1
 
     def on_drafter_reload(self) -> None:
         """A new drafter may pay where the old one did not: the next step asks the policy."""

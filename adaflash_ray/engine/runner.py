@@ -447,10 +447,15 @@ class ModelRunner:
                 h = min(span + 1, self.max_seq_len)
                 self.out[:b, self._look_col:self._lp_col] = self.lookup.propose_packed(
                     slice(0, b), self.lookup.history[:b, :h], pos + accepted + 2)
+        # the histories of rows 0..b-1 (= slots): one scatter along the position axis per history (an advanced-index
+        # put would first build the broadcast index tensors)
+        at = positions[:, :, None]  # [B, W, 1]
         if self.feat_hist is not None:
-            self.feat_hist[rows, positions] = out.features.to(self.feat_hist.dtype)
+            f = out.features
+            self.feat_hist[:b].scatter_(1, at.expand(-1, -1, f.shape[-1]), f.to(self.feat_hist.dtype))
         if self.hid_hist is not None:
-            self.hid_hist[rows, positions] = out.last_hidden.to(self.hid_hist.dtype)
+            hd = out.last_hidden
+            self.hid_hist[:b].scatter_(1, at.expand(-1, -1, hd.shape[-1]), hd.to(self.hid_hist.dtype))
         self.out[:b, :w] = committed
         self.out[:b, w] = accepted
         if logprobs >= 0:
