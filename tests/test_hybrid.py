@@ -123,7 +123,7 @@ def test_hybrid_sources_chosen_by_hand_costs_lossless(tiny_target):
     assert "dflash" not in hist and hist["none"] > 0.7 * engine.stats.num_verify_steps, hist  # lookups: probes only
     assert len(calls) < 3 + engine.stats.num_engine_steps // 2  # the probe schedule skips most proposes
     planner.set_costs([1, 2, 3], np.ones((3, 7)), np.concatenate([np.ones((3, 1)), np.full((3, nd), 100.0)], 1))
-    planner.calibration = SourceCalibration(prior=1.0, decay=1e-9)  # trust the (random) head as it is
+    planner.calibration = SourceCalibration(prior=1.0, decay=1e-9, running_start=False)  # trust the (random) head as it is
     engine.stats = SpecStats()
     reqs = engine.generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
     assert [r.output_ids for r in reqs] == ref
@@ -505,7 +505,7 @@ def _block_guard_run(guarded: bool, tokens: int, min_rows: int | None) -> tuple[
                      draft_sources=("dflash", "ngram"), probe_every=4)
     assert eng.block_guard is not None
     eng.planner.set_costs([1], np.ones((1, 7)), np.ones((1, eng.runner.max_draft + 1)))
-    eng.planner.calibration = SourceCalibration(prior=1.0, decay=1e-9)
+    eng.planner.calibration = SourceCalibration(prior=1.0, decay=1e-9, running_start=False)
     eng.guard.set_buckets([1])
     eng.block_guard.set_buckets([1])
     if min_rows is not None:
@@ -694,6 +694,60 @@ def test_prefill_proposes_no_block_a_forced_ar_step_would_drop(tiny_target):
             engine.step()
         for r, p, n in ((long, prompts[2], 40), (forced, prompts[0], 12)):
             assert r.output_ids == greedy_reference(tiny_target, p, n)
+
+
+def test_block_match_scores_the_pending_block_against_the_committed_tokens(tiny_target):
+    """A step that verifies host drafts with a drafter reports, per row, the pending block's common prefix with the
+    committed tokens, cut at min(a + 1, W - 1): a mismatch inside the known tokens gives the block's exact greedy
+    acceptance, a block agreeing with every known token gives the cut (at least that many)."""
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
+    eng = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=128, calibrate=False,
+                     draft_sources=("dflash", "ngram"), lookup_device="host")
+    r, prompts = eng.runner, [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
+    ref = [greedy_reference(tiny_target, p, 8) for p in prompts]
+    params = [SamplingParams(max_new_tokens=8)] * 2
+    first = r.prefill([0, 1], prompts, params, True)
+    assert [c[0] for c in first.committed] == [ref[0][0], ref[1][0]]
+    wrong = lambda t: (t + 1) % 128  # noqa: E731
+    # host drafts: row 0 right for 3 tokens then wrong (a = 3), row 1 wrong at once (a = 0); W = 5
+    host = [ref[0][1:4] + [wrong(ref[0][4])], [wrong(ref[1][1]), 5]]
+    # the pending blocks: row 0 agrees with the first 2 committed tokens, row 1 with its only known token
+    r.drafts[0, :4] = torch.tensor([ref[0][1], ref[0][2], wrong(ref[0][3]), ref[0][4]])
+    r.drafts[1, :4] = torch.tensor([ref[1][1], 3, 3, 3])
+    res = r.step([0, 1], [ref[0][0], ref[1][0]], [len(prompts[0]), len(prompts[1])], [4, 2], True, propose=False,
+                 host_drafts=host)
+    assert res.num_accepted == [3, 0] and res.committed[0] == ref[0][1:5] and res.committed[1] == [ref[1][1]]
+    assert res.block_match == [(2, 4), (1, 1)]
+    # a step without host drafts reports none
+    res = r.step([0, 1], [ref[0][4], ref[1][1]], [len(prompts[0]) + 4, len(prompts[1]) + 1], [0, 0], True,
+                 propose=False)
+    assert res.block_match is None
+
+
+def test_planner_calibrates_the_block_on_steps_other_sources_won():
+    """The planner's record with the pending blocks' matches: a greedy row that verified a lookup (or nothing) while
+    its block was current adds a record (E[accepted | γ = cut] against min(match, cut)) to the block's calibration;
+    rows that verified the block itself, sampled rows and rows without a current block add none. The running start
+    moves the factor by the first records as a mean would."""
+    from adaflash_ray.engine.hybrid import RowChoice
+
+    p = _planner()
+    p.calibration = SourceCalibration(decay=0.02)
+    low = [1.0 + 0.25 * g for g in range(1, 16)]  # the head: E[accepted | γ] = γ / 4
+    choices = [RowChoice("ngram", 3, [1, 2, 3], 2.0), RowChoice("none", 0), RowChoice("dflash", 5, None, 1.25),
+               RowChoice("ngram", 2, [4, 5], 1.0), RowChoice("ngram", 2, [6, 7], 1.0)]
+    for _ in range(4):  # row 0: the block would have accepted all 4 known tokens (γ = 4: estimated 1.0)
+        p.record(choices, [3, 0, 5, 2, 2], block_match=[(4, 4), (1, 1), (5, 5), (3, 3), (0, 3)],
+                 block_expected=[low, low, low, None, low], greedy=[True, True, True, True, False])
+    # dflash records per step: row 2 verified (est 1.25, real 5), then the blocks of row 0 (est 1.0, real 4) and row 1
+    # (est 0.25, real 1); rows 3 (no block) and 4 (sampled) add none: the running mean of 12 records + the prior
+    est, real = 1 + 4 * (1.25 + 1.0 + 0.25), 1.0 + 4 * (5 + 4 + 1)
+    assert p.calibration._count["dflash"] == 13 and abs(p.calibration._real["dflash"] - real / 13) < 1e-9
+    assert abs(p.calibration._est["dflash"] - est / 13) < 1e-9
+    assert p.calibration.factor("dflash") == 2.0  # the head under-rates the block: the factor's cap
+    frozen = SourceCalibration(decay=0.02, running_start=False)
+    frozen.record("dflash", 1.0, 4)
+    assert abs(frozen.factor("dflash") - (0.98 * 1.0 + 0.02 * 4) / (0.98 * 1.0 + 0.02 * 1.0)) < 1e-9
 
 
 def test_dflash_planning_without_the_acceptance_head_is_refused(tiny_target):

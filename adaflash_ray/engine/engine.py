@@ -529,7 +529,11 @@ class SpecEngine:
             self._keep_proposals([r.slot for r in batch.requests], res)
         if self.planner is not None:
             if batch.choices is not None:
-                self.planner.record(batch.choices, res.num_accepted)
+                reqs = batch.requests
+                cf = res.block_match is not None  # the pending blocks, scored where other drafts were verified
+                self.planner.record(batch.choices, res.num_accepted, res.block_match,
+                                    [r.dflash_expected for r in reqs] if cf else None,
+                                    [r.params.temperature == 0 for r in reqs] if cf else None)
         elif self.policy is not None:
             self.policy.after_step(batch.spec, batch.propose, res.next_draft_lens)
         version = self.drafter_version

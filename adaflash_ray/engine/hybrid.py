@@ -109,17 +109,22 @@ class SourceCalibration:
         decay: weight of each new request-step in the moving averages (0 < decay <= 1).
         source_priors: per-source priors; None = ``{"dflash": 1.0}`` (the acceptance head is trained to predict the
             drafter's acceptance: it starts trusted, not discounted like a lookup's vote count).
+        running_start: the averages are running means (the prior one pseudo-record) until ``1 / decay`` records, so
+            the first records move the factor as much as they should; False = the moving average from the start.
     Raises:
         ValueError: a prior <= 0 or ``decay`` outside (0, 1].
     """
 
-    def __init__(self, prior: float = 0.6, decay: float = 0.02, source_priors: dict[str, float] | None = None):
+    def __init__(self, prior: float = 0.6, decay: float = 0.02, source_priors: dict[str, float] | None = None,
+                 running_start: bool = True):
         priors = {"dflash": 1.0} if source_priors is None else dict(source_priors)
         if prior <= 0 or not 0 < decay <= 1 or any(v <= 0 for v in priors.values()):
             raise ValueError(f"need priors > 0 and 0 < decay <= 1, got {prior}, {priors}, {decay}")
         self.prior, self.decay, self.source_priors = prior, decay, priors
+        self.running_start = running_start
         self._real: dict[str, float] = {}
         self._est: dict[str, float] = {}
+        self._count: dict[str, int] = {}  # records so far, the prior's pseudo-record included
 
     def prior_of(self, source: str) -> float:
         """The factor of ``source`` before any record: ``source_priors[source]``, else ``prior``."""
@@ -134,8 +139,9 @@ class SourceCalibration:
     def record(self, source: str, estimated: float, realised: int) -> None:
         """One verified draft of ``source``: ``estimated`` accepted tokens (uncalibrated, >= 0), ``realised`` a."""
         if source not in self._est:  # the prior as one pseudo-observation of one estimated token
-            self._est[source], self._real[source] = 1.0, self.prior_of(source)
-        k = self.decay
+            self._est[source], self._real[source], self._count[source] = 1.0, self.prior_of(source), 1
+        self._count[source] += 1
+        k = max(self.decay, 1.0 / self._count[source]) if self.running_start else self.decay
         self._est[source] = (1 - k) * self._est[source] + k * estimated
         self._real[source] = (1 - k) * self._real[source] + k * realised
 
@@ -539,8 +545,18 @@ class HybridPlanner:
         self._use[key] = (1 - USE_EMA) * self._use[key] + USE_EMA * float(used)
         return self._use[key]
 
-    def record(self, choices: list[RowChoice], num_accepted: list[int]) -> None:
-        """The verified outcome of a plan's drafts: calibrates each source's estimate."""
+    def record(self, choices: list[RowChoice], num_accepted: list[int],
+               block_match: list[tuple[int, int]] | None = None,
+               block_expected: list[list[float] | None] | None = None, greedy: list[bool] | None = None) -> None:
+        """The verified outcome of a plan's drafts: calibrates each source's estimate.
+
+        With ``block_match`` (the step's :attr:`StepResult.block_match`: per request the pending drafter block's
+        common prefix with the committed tokens and the cut it is measured to), ``block_expected`` (per request
+        E[committed | γ] of that block, γ = 1..bs-1, None: no current block) and ``greedy`` (per request: temperature
+        0), every greedy row that verified another source's drafts (or none) while its block was current also
+        calibrates the block: had the block been verified at γ = cut, it would have accepted ``min(match, cut)``
+        drafts, against the head's E[accepted | γ = cut]. So the block's estimate keeps learning on the steps where
+        the lookups win, and a block the head under-rates is not left unused for want of records."""
         dev = []
         for c, a in zip(choices, num_accepted):
             if c.device_lookup:
@@ -549,3 +565,10 @@ class HybridPlanner:
                 self.calibration.record(c.source, c.estimated, a)
         if dev:
             self.lookup_calibration.record(*np.asarray(dev, dtype=np.int64).T)
+        if block_match is None or block_expected is None or not self.use_dflash:
+            return
+        for i, (c, (match, cut), e) in enumerate(zip(choices, block_match, block_expected)):
+            if e is None or c.source == "dflash" or cut < 1 or (greedy is not None and not greedy[i]):
+                continue
+            k = min(cut, len(e))
+            self.calibration.record("dflash", float(e[k - 1] - 1), min(match, k))

@@ -77,6 +77,10 @@ class StepResult:
     # with a device lookup step (StepKey.lookup): per request its next lookup proposal, packed as DeviceLookup rows
     # ``[n, max_draft + NUM_META]`` int64 (tokens, length, match length, occurrences, source code)
     lookup: np.ndarray | None = None
+    # on a step that verified host / device-lookup drafts with a drafter: per request ``(match, known)``, the pending
+    # drafter block's common prefix with the committed tokens and the cut ``min(a + 1, W - 1)`` it is measured to
+    # (match < known: the block's greedy acceptance was ``match``; match == known: at least that); None otherwise
+    block_match: list[tuple[int, int]] | None = None
 
 
 class StepKey(NamedTuple):
@@ -200,7 +204,8 @@ class ModelRunner:
         # then (with a device lookup) the packed lookup proposal [nd + NUM_META], then (with logprobs) per window
         # position j the committed token's logprob [nd+1], top-k ids [(nd+1) x K] and
         # their logprobs [(nd+1) x K] (K = MAX_TOP_LOGPROBS; logprobs travel as their float32 bits)
-        self._exp_col = nd + 3
+        self._cf_col = nd + 3  # the drafter's pending block scored against the committed tokens (host-draft steps)
+        self._exp_col = nd + 4
         self._look_col = self._exp_col + max(self.block_size - 1, 0)
         self._lp_col = self._look_col + (self.lookup.num_cols if self.lookup is not None else 0)
         self._top_col = self._lp_col + nd + 1
@@ -438,6 +443,12 @@ class ModelRunner:
             nxt = torch.where(stochastic, nxt_s, nxt)
         committed = torch.cat([d, torch.zeros_like(anchor)[:, None]], 1)  # [B, W]
         committed.scatter_(1, accepted[:, None], nxt[:, None])
+        if host_drafts and self.drafter is not None and g_max > 0:
+            # the drafter's pending block where the step verified other drafts: its common prefix with the committed
+            # tokens (the target's own up to the correction / bonus), a counterfactual acceptance of the block cut at
+            # min(a + 1, W - 1); only meaningful for rows whose block is current and greedy (the host knows which)
+            same = (self.drafts[:b, :g_max] == committed[:, :g_max]) & (ar[None, :g_max] <= accepted[:, None])
+            self.out[:b, self._cf_col] = same.long().cumprod(1).sum(1)
         if penalties:  # the committed tokens join the output counts (read by the next block's q and the next step)
             rs.counts.scatter_add_(1, committed, (ar[None] <= accepted[:, None]).to(rs.counts.dtype))
         rows = torch.arange(b, device=dev)[:, None]
@@ -484,25 +495,31 @@ class ModelRunner:
             self.out[rows, c:c + n * k] = ids.reshape(b, n * k)
             self.out[rows, c + m:c + m + n * k] = vals.view(torch.int32).long().reshape(b, n * k)
 
-    def _num_out_cols(self, w: int, with_exp: bool, logprobs: int, lookup: bool = False) -> int:
-        """The out columns a step's host transfer needs (width ``w``; expected; logprobs and lookup as in StepKey)."""
+    def _num_out_cols(self, w: int, with_exp: bool, logprobs: int, lookup: bool = False, with_cf: bool = False) -> int:
+        """The out columns a step's host transfer needs (width ``w``; expected; logprobs and lookup as in StepKey;
+        ``with_cf``: the drafter block's counterfactual match column)."""
         if logprobs > 0:
             return self.out.shape[1]
         if logprobs == 0:
             return self._top_col
         if lookup:
             return self._lp_col
-        return self._look_col if with_exp else w + 2
+        if with_exp:
+            return self._look_col
+        return self._cf_col + 1 if with_cf else w + 2
 
     def _result(self, slots: list[int], host: np.ndarray, w: int, with_next: bool, with_exp: bool,
-                logprobs: int, lookup: bool = False) -> StepResult:
+                logprobs: int, lookup: bool = False, with_cf: bool = False) -> StepResult:
         """Decode the out rows of ``slots`` (``host`` ``[n, cols]`` int64, in the order of ``slots``)."""
         acc = host[:, w].tolist()
+        cf = None
+        if with_cf:  # (match, known) per row: the block's common prefix with the committed tokens, and where it is cut
+            cf = list(zip(host[:, self._cf_col].tolist(), [min(a + 1, w - 1) for a in acc]))
         committed = [r[: a + 1].tolist() for r, a in zip(host, acc)]
         nxt = host[:, w + 1].tolist() if with_next else [0] * len(slots)
         expected = (host[:, self._exp_col:self._look_col] / EXPECTED_SCALE).tolist() if with_exp else None
         res = StepResult(committed=committed, num_accepted=acc, next_draft_lens=nxt, expected=expected,
-                         lookup=host[:, self._look_col:self._lp_col].copy() if lookup else None)
+                         lookup=host[:, self._look_col:self._lp_col].copy() if lookup else None, block_match=cf)
         if logprobs < 0:
             return res
         want = self.sampling.logprobs[np.asarray(slots)].tolist()
@@ -628,8 +645,10 @@ class ModelRunner:
             key = StepKey(b, w, span, spec, propose, use_host and spec, flags, append, lookup)
         self._run(key)
         with_exp = spec and propose and self.expected_fn is not None
-        host = self.out[:b, :self._num_out_cols(w, with_exp, flags.logprobs, lookup)].cpu().numpy()  # the one transfer
-        res = self._result(slots, host[idx], w, spec and propose, with_exp, flags.logprobs, lookup)
+        with_cf = use_host and spec and has_drafter and w > 1
+        cols = self._num_out_cols(w, with_exp, flags.logprobs, lookup, with_cf)
+        host = self.out[:b, :cols].cpu().numpy()  # the one transfer
+        res = self._result(slots, host[idx], w, spec and propose, with_exp, flags.logprobs, lookup, with_cf)
         if append:
             for s, p, a in zip(slots, anchor_pos, res.num_accepted):
                 self.ctx_len[s] = p + a + 1
