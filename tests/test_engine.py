@@ -284,6 +284,11 @@ def test_cost_policy_choice_by_hand():
     one = torch.tensor([False, True])  # one live row: γ = 2 gives 2.35 / 2.2 = 1.068 tokens/ms
     assert pol.choose(p, mid, live=one, ar_cost=torch.tensor(0.9)).tolist() == [0, 0]  # 1.11
     assert pol.choose(p, mid, live=one, ar_cost=torch.tensor(0.95)).tolist() == [2, 2]  # 1.053
+    # within COST_TIE (2 %) of the best γ: the longest. Tail acceptance ~0 at nearly flat costs: E 1.9, 1.945,
+    # 1.947, 1.947 per row over 2.0, 2.0, 2.02, 2.04 ms -> 0.950, 0.9725, 0.964, 0.954 per row: γ = 4 (0.954 >= 0.953)
+    tail = torch.tensor([[0.9, 0.05, 0.05, 0.05]] * 2)
+    assert pol.choose(tail, torch.tensor([2.0, 2.0, 2.02, 2.04])).tolist() == [4, 4]
+    assert pol.choose(tail, torch.tensor([2.0, 2.0, 2.02, 2.1])).tolist() == [3, 3]  # 0.927 for γ = 4: out
     pol.min_len = 3
     assert pol.choose(p, steep).tolist() == [3, 3]  # γ < min_len never chosen
     pol.set_costs([1, 8], torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 2.0, 3.0, 4.0]]))

@@ -33,6 +33,10 @@ from adaflash_ray.models.length_head import BucketLengthHead, bucket_head_loss
 #: (the drafter's context caught up, a block proposed) costs several AR steps, so at 16 x 8 steps a long stretch spends
 #: under 1% of its steps probing
 PROBE_MAX_FACTOR = 16
+#: the cost policy's tie margin: every γ whose expected tokens per ms is within this share of the best γ's counts as
+#: a tie, broken toward the longest draft (a measured cost table is this noisy between equal workers, and a longer
+#: draft at the same cost only adds chances for the tokens the acceptance head under-rates)
+COST_TIE = 0.02
 
 
 class LengthPolicy:
@@ -277,8 +281,9 @@ class CostLength(LengthPolicy):
     def choose(self, p_accept: torch.Tensor, cost: torch.Tensor | None, live: torch.Tensor | None = None,
                ar_cost: torch.Tensor | None = None) -> torch.Tensor:
         """γ ``[B]`` (the same for every row) from acceptance probabilities ``[B, bs-1]``, costs ``[bs-1]`` (None:
-        the whole block), the live rows ``[B]`` (None: all) and the AR step's cost (0-d; None: γ >= 1). γ = 0 when
-        one token per live row per ``ar_cost`` ms beats every γ's expected tokens per ms. γ = 0 is not drafting at
+        the whole block), the live rows ``[B]`` (None: all) and the AR step's cost (0-d; None: γ >= 1): the longest
+        γ whose expected tokens per ms is within :data:`COST_TIE` of the best. γ = 0 when one token per live row per
+        ``ar_cost`` ms beats every γ's expected tokens per ms. γ = 0 is not drafting at
         all, so ``min_len`` (the shortest draft when drafting) does not bound it."""
         if cost is None:
             return torch.full(p_accept.shape[:1], self.block_size - 1, dtype=torch.long, device=p_accept.device)
@@ -288,7 +293,10 @@ class CostLength(LengthPolicy):
             expected = expected * live[:, None].to(expected.dtype)
         value = expected.sum(0) / cost
         value[: self.min_len - 1] = -1.0  # γ < min_len is never chosen
-        gamma = value.argmax() + 1
+        # the longest γ within COST_TIE of the best (no host sync: a masked max over the γ indices)
+        near = value >= (1.0 - COST_TIE) * value.max()
+        idx = torch.arange(1, value.shape[0] + 1, device=value.device)
+        gamma = torch.where(near, idx, torch.zeros_like(idx)).max()
         if ar_cost is not None:  # no host sync: a tensor select, CUDA-graph safe
             gamma = torch.where(n_live / ar_cost > value.max(), torch.zeros_like(gamma), gamma)
         return gamma.expand(p_accept.shape[0]).to(torch.long)
