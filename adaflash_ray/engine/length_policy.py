@@ -283,8 +283,8 @@ class CostLength(LengthPolicy):
         """γ ``[B]`` (the same for every row) from acceptance probabilities ``[B, bs-1]``, costs ``[bs-1]`` (None:
         the whole block), the live rows ``[B]`` (None: all) and the AR step's cost (0-d; None: γ >= 1): the longest
         γ whose expected tokens per ms is within :data:`COST_TIE` of the best. γ = 0 when one token per live row per
-        ``ar_cost`` ms beats every γ's expected tokens per ms. γ = 0 is not drafting at
-        all, so ``min_len`` (the shortest draft when drafting) does not bound it."""
+        ``ar_cost`` ms beats every γ's expected tokens per ms; γ = 0 is not drafting at all, so ``min_len`` (the
+        shortest draft when drafting) does not bound it."""
         if cost is None:
             return torch.full(p_accept.shape[:1], self.block_size - 1, dtype=torch.long, device=p_accept.device)
         expected = expected_committed(p_accept)  # [B, bs-1]: E_r[c(γ)], γ = 1..bs-1

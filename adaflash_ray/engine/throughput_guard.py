@@ -115,25 +115,28 @@ class ThroughputGuard:
     def _bucket(self, batch_size: int) -> _Bucket:
         return self.buckets[min(bisect.bisect_left(self.batch_sizes, batch_size), len(self.batch_sizes) - 1)]
 
+    def _reference_due(self, bk: _Bucket) -> int:
+        """AR steps an AR reference run of ``bk`` needs now (0: none): its AR samples are too few, or too old, once
+        its policy has ``min_samples`` of its own."""
+        if bk.policy.num_samples < self.min_samples:
+            return 0
+        if bk.ar.num_samples < self.min_samples:
+            return self.min_samples - bk.ar.num_samples
+        if self.ar_refresh_steps and bk.since_ar >= self.ar_refresh_steps:
+            return self.min_samples
+        return 0
+
     def would_force(self, batch_size: int) -> bool:
         """Whether :meth:`force_ar` would force the next step at ``batch_size`` now - a look ahead that changes
         nothing (a prefill asks it before proposing a first block that a forced AR step would drop)."""
         bk = self._bucket(batch_size)
-        if bk.forced_left > 0:
-            return True
-        if bk.policy.num_samples < self.min_samples:
-            return False
-        return bk.ar.num_samples < self.min_samples or bool(self.ar_refresh_steps and
-                                                           bk.since_ar >= self.ar_refresh_steps)
+        return bk.forced_left > 0 or self._reference_due(bk) > 0
 
     def force_ar(self, batch_size: int) -> bool:
         """Whether the next step at ``batch_size`` must be an AR step; counts it as taken when so."""
         bk = self._bucket(batch_size)
-        if bk.forced_left == 0 and bk.policy.num_samples >= self.min_samples:  # the AR reference, in a row
-            if bk.ar.num_samples < self.min_samples:
-                bk.forced_left = self.min_samples - bk.ar.num_samples
-            elif self.ar_refresh_steps and bk.since_ar >= self.ar_refresh_steps:
-                bk.forced_left = self.min_samples
+        if bk.forced_left == 0:  # the AR reference, in a row
+            bk.forced_left = self._reference_due(bk)
         if bk.forced_left > 0:
             bk.forced_left -= 1
             bk.num_forced += 1
