@@ -210,10 +210,45 @@ def profile(method: str, target, drafter, head, batch: int, ns) -> dict:
             prof.disable()
         rows.append(_row(method, batch, eng.stats, steps, mode == "spec"))
     timer.detach()
+    if ns.kernels:
+        _kernel_table(method, batch, eng, prompts, sp, mode)
     if prof is not None:
         print(f"--- cProfile {method} b={batch} (all timed steps, tottime) ---")
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     return min(rows, key=lambda r: r["ms_per_step"]) if ns.reduce == "min" else _median(rows)
+
+
+def _kernel_table(method: str, batch: int, eng: SpecEngine, prompts, sp, mode: str, top: int = 30) -> None:
+    """One more run of the same requests under torch.profiler: per decode step, the device kernels (CUDA: the
+    kernels the captured graphs replay; CPU: the top-level aten ops) by count and microseconds, the largest first."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+    cuda = eng.runner.is_cuda
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    eng.stats = SpecStats()
+    with tprofile(activities=acts) as p:
+        eng.generate(prompts, sp, mode=mode)
+        if cuda:
+            torch.cuda.synchronize()
+    n = max(eng.stats.num_engine_steps, 1)
+    agg: dict[str, list[float]] = {}
+    for e in p.events():
+        if cuda:
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        else:
+            if e.cpu_parent is not None or not e.name.startswith("aten::"):
+                continue
+            us = e.cpu_time_total
+        a = agg.setdefault(e.name, [0, 0.0])
+        a[0] += 1
+        a[1] += us
+    total_n, total_us = sum(v[0] for v in agg.values()) / n, sum(v[1] for v in agg.values()) / n
+    print(f"--- kernels {method} b={batch}: {total_n:.1f} per step, {total_us:.1f} us per step "
+          f"({n} steps, prefills included) ---")
+    for name, (c, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"    {c / n:7.2f} x  {us / n:8.2f} us  {name[:110]}")
 
 
 def _print_row(r: dict) -> None:
@@ -248,6 +283,8 @@ def main() -> None:
                         "host work only")
     p.add_argument("--cprofile", nargs="*", default=[], choices=METHODS, metavar="METHOD",
                    help="methods whose timed runs also run under cProfile (their times then carry its overhead)")
+    p.add_argument("--kernels", action="store_true",
+                   help="after the timed runs, one run under torch.profiler: kernels per step by count and time")
     ns = p.parse_args()
     torch.set_num_threads(1)  # host timings free of an intra-op thread pool's noise
     dev = "cuda" if torch.cuda.is_available() else "cpu"

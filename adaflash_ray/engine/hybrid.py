@@ -145,6 +145,27 @@ class SourceCalibration:
         self._est[source] = (1 - k) * self._est[source] + k * estimated
         self._real[source] = (1 - k) * self._real[source] + k * realised
 
+    def record_many(self, source: str, estimated, realised) -> None:
+        """:meth:`record` of each pair of ``estimated`` / ``realised`` (``[m]`` each) in order, the same averages up to
+        float rounding: the running-start records one by one, the rest as one weighted sum
+        (``(1 - k)^m`` on the old average, ``k (1 - k)^(m - 1 - i)`` on record i)."""
+        est, real = np.asarray(estimated, dtype=np.float64), np.asarray(realised, dtype=np.float64)
+        i, m = 0, len(est)
+        if self.running_start:
+            while i < m and (source not in self._count or self._count[source] + 1 < 1.0 / self.decay):
+                self.record(source, float(est[i]), float(real[i]))
+                i += 1
+        if i == m:
+            return
+        if source not in self._est:
+            self._est[source], self._real[source], self._count[source] = 1.0, self.prior_of(source), 1
+        k, rest = self.decay, m - i
+        w = k * (1 - k) ** np.arange(rest - 1, -1, -1)  # record i's weight after the last
+        keep = (1 - k) ** rest
+        self._est[source] = keep * self._est[source] + float(w @ est[i:])
+        self._real[source] = keep * self._real[source] + float(w @ real[i:])
+        self._count[source] += rest
+
 
 #: occurrence-count buckets of :class:`LookupCalibration`: 1, 2-3, >= 4 occurrences of the matched n-gram
 OCCURRENCE_EDGES = (2, 4)
@@ -428,23 +449,20 @@ class HybridPlanner:
         nd = self.max_draft
         cal = self.calibration
         # cumulative estimated accepted tokens by γ (index γ; 0 at γ = 0), calibrated, flat past each proposal's end
-        has_d = np.zeros(n, dtype=bool)
-        any_d = self.use_dflash and any(e is not None for e in dflash_expected)  # = has_d.any()
-        dfl = np.full((n, nd + 1), -1.0) if any_d else None
+        has_d = np.fromiter((e is not None for e in dflash_expected), dtype=bool, count=n)
+        any_d = self.use_dflash and bool(has_d.any())
+        dfl = self._block_table(dflash_expected, has_d, nd) if any_d else None
         host_look = device is None
         raw_l = np.zeros((n, nd + 1)) if host_look else None
-        for i, (e, prop) in enumerate(zip(dflash_expected, proposals)):
-            if e is not None and any_d:
-                ev = np.asarray(e[: min(len(e), nd)], dtype=np.float64) - 1.0
-                dfl[i, 0] = 0.0
-                dfl[i, 1:len(ev) + 1] = ev
-                dfl[i, len(ev) + 1:] = ev[-1] if len(ev) else 0.0
-                has_d[i] = True
-            if host_look and prop is not None and len(prop):
-                c = np.cumsum(prop.prefix_probs()[:nd])
-                raw_l[i, 1:len(c) + 1] = c
-                raw_l[i, len(c) + 1:] = c[-1]
+        if host_look:
+            for i, prop in enumerate(proposals):
+                if prop is not None and len(prop):
+                    c = np.cumsum(prop.prefix_probs()[:nd])
+                    raw_l[i, 1:len(c) + 1] = c
+                    raw_l[i, len(c) + 1:] = c[-1]
+        dfl_raw = None
         if any_d:
+            dfl_raw = dfl.copy()
             dfl[has_d] *= cal.factor("dflash")
         caps_a = np.maximum(np.minimum(np.asarray(caps, dtype=np.int64), nd), 0)
         if device is not None:  # vectorised: no per-request Proposal
@@ -492,33 +510,22 @@ class HybridPlanner:
         if forced and any_d:
             allow_d = True
         self.last_value = value if costs else None
-        choices: list[RowChoice] = []
-        used_d = used_l = False
-        # the chosen width's column as host lists (numpy scalar indexing per row costs more than the lists)
-        gam_j, vl_j, len_l = gam[:, j].tolist(), v_l[:, j].tolist(), prop_len.tolist()
-        vd_j = v_d[:, j].tolist() if allow_d else None
-        for i in range(n):
-            g_w = gam_j[i]
-            if fixed[i] is not None and has_d[i]:
-                g = min(fixed[i], int(caps_a[i]), self.block_size - 1)
-                choices.append(RowChoice("dflash", g, None, float(dflash_expected[i][g - 1] - 1) if g else 0.0))
-                used_d = used_d or g > 0
-                continue
-            d_val = vd_j[i] if allow_d else -1.0
-            l_val = vl_j[i]
-            g_l = min(g_w, len_l[i])
-            if d_val > 0 and d_val >= l_val and g_w > 0:
-                g = min(g_w, self.block_size - 1)
-                choices.append(RowChoice("dflash", g, None, float(dflash_expected[i][g - 1] - 1)))
-                used_d = True
-            elif l_val > 0 and g_l > 0:
-                if device is not None:
-                    choices.append(RowChoice(self.lookup, g_l, None, float(raw_l[i, g_l]), int(buckets[i])))
-                else:
-                    choices.append(RowChoice(self.lookup, g_l, proposals[i].tokens[:g_l], float(raw_l[i, g_l])))
-                used_l = True
-            else:
-                choices.append(RowChoice("none", 0))
+        # each row's source at the chosen width, as masks (the fixed rows apart), then one RowChoice per row
+        g_w, v_lj = gam[:, j], v_l[:, j]
+        g_l = np.minimum(g_w, prop_len)
+        is_d = (v_d[:, j] > 0) & (v_d[:, j] >= v_lj) & (g_w > 0) if allow_d else np.zeros(n, dtype=bool)
+        is_l = ~is_d & (v_lj > 0) & (g_l > 0)
+        g_d = np.minimum(g_w, self.block_size - 1)
+        is_fixed = np.fromiter((f is not None for f in fixed), dtype=bool, count=n) & has_d
+        if is_fixed.any():
+            fx = np.asarray([f if f is not None else 0 for f in fixed], dtype=np.int64)
+            g_d = np.where(is_fixed, np.minimum(np.minimum(fx, caps_a), self.block_size - 1), g_d)
+            is_d, is_l = (is_d & ~is_fixed) | (is_fixed & (g_d > 0)), is_l & ~is_fixed
+        used_d, used_l = bool(is_d.any()), bool(is_l.any())
+        est_d = dfl_raw[np.arange(n), g_d] if any_d else None  # uncalibrated, as recorded
+        est_l = raw_l[np.arange(n), g_l]
+        choices = self._choices(is_d, is_l, g_d, g_l, est_d, est_l, buckets if device is not None else None,
+                                proposals)
         # the drafter's block stays proposed while it is chosen in enough recent steps that had one (one step where the
         # lookups won every row does not stop it: at batch 1 that is any step with a good lookup match)
         # (and while a plan with it beats plain AR steps: a block that never pays is not kept for its average's sake)
@@ -540,6 +547,50 @@ class HybridPlanner:
         keep_d = used_d or net_pays or (d_pays and use_d >= IDLE_BELOW)
         return choices, self._end_step(any_d, keep_d, used_l, looked, probe_d, forced, lookup_pays, block_off)
 
+    @staticmethod
+    def _block_table(dflash_expected: list, has_d: np.ndarray, nd: int) -> np.ndarray:
+        """``[n, nd + 1]`` float64: column γ = E[accepted | γ] of each row's pending block (E[committed] - 1; 0 at
+        γ = 0, flat past the block's end), -1 in rows without one."""
+        n = len(dflash_expected)
+        dfl = np.full((n, nd + 1), -1.0)
+        rows = [e for e in dflash_expected if e is not None]
+        lens = {len(e) for e in rows}
+        if len(lens) == 1 and (k := min(lens.pop(), nd)) > 0:  # every block the same length: one array
+            ev = np.asarray([e[:k] for e in rows] if k < len(rows[0]) else rows, dtype=np.float64) - 1.0
+            dfl[has_d, 0] = 0.0
+            dfl[has_d, 1:k + 1] = ev
+            dfl[has_d, k + 1:] = ev[:, -1:]
+            return dfl
+        for i, e in enumerate(dflash_expected):
+            if e is not None:
+                ev = np.asarray(e[: min(len(e), nd)], dtype=np.float64) - 1.0
+                dfl[i, 0] = 0.0
+                dfl[i, 1:len(ev) + 1] = ev
+                dfl[i, len(ev) + 1:] = ev[-1] if len(ev) else 0.0
+        return dfl
+
+    def _choices(self, is_d, is_l, g_d, g_l, est_d, est_l, buckets, proposals) -> list[RowChoice]:
+        """One :class:`RowChoice` per row from the plan's masks (``[n]`` each): the block at ``g_d`` where ``is_d``,
+        the lookup at ``g_l`` where ``is_l`` (``buckets``: the device lookup's, else the host ``proposals``' tokens),
+        else none; ``est_*`` the uncalibrated estimates."""
+        kind = np.where(is_d, 1, np.where(is_l, 2, 0)).tolist()
+        gd, gl = g_d.tolist(), g_l.tolist()
+        ed = est_d.tolist() if est_d is not None else None
+        el = est_l.tolist()
+        bk = buckets.tolist() if buckets is not None else None
+        src = self.lookup
+        out = []
+        for i, k in enumerate(kind):
+            if k == 1:
+                out.append(RowChoice("dflash", gd[i], None, ed[i]))
+            elif k == 2:
+                g = gl[i]
+                out.append(RowChoice(src, g, None, el[i], bk[i]) if bk is not None
+                           else RowChoice(src, g, proposals[i].tokens[:g], el[i]))
+            else:
+                out.append(RowChoice("none", 0))
+        return out
+
     def _note_use(self, key: str, used: bool) -> float:
         """One more step of ``key``'s moving average of verified proposals (:data:`USE_EMA`); its new value."""
         self._use[key] = (1 - USE_EMA) * self._use[key] + USE_EMA * float(used)
@@ -558,17 +609,26 @@ class HybridPlanner:
         drafts, against the head's E[accepted | γ = cut]. So the block's estimate keeps learning on the steps where
         the lookups win, and a block the head under-rates is not left unused for want of records."""
         dev = []
+        host: dict[str, tuple[list[float], list[int]]] = {}
         for c, a in zip(choices, num_accepted):
             if c.device_lookup:
                 dev.append((c.bucket, c.draft_len, a))
             elif c.draft_len > 0:
-                self.calibration.record(c.source, c.estimated, a)
+                ea = host.setdefault(c.source, ([], []))
+                ea[0].append(c.estimated)
+                ea[1].append(a)
         if dev:
             self.lookup_calibration.record(*np.asarray(dev, dtype=np.int64).T)
+        for source, (est, real) in host.items():
+            self.calibration.record_many(source, est, real)
         if block_match is None or block_expected is None or not self.use_dflash:
             return
+        est, real = [], []
         for i, (c, (match, cut), e) in enumerate(zip(choices, block_match, block_expected)):
             if e is None or c.source == "dflash" or cut < 1 or (greedy is not None and not greedy[i]):
                 continue
             k = min(cut, len(e))
-            self.calibration.record("dflash", float(e[k - 1] - 1), min(match, k))
+            est.append(e[k - 1] - 1.0)
+            real.append(min(match, k))
+        if est:
+            self.calibration.record_many("dflash", est, real)
