@@ -197,7 +197,8 @@ def test_varied_gamma_and_prompt_lengths_lossless(monkeypatch, tiny_target):
     reference = {tuple(p): p + greedy_reference(tiny_target, p, n) for p, n in zip(prompts, num_new)}
     correct = {tuple(p): c for p, c in zip(prompts, [10 ** 9, 2, 0, 10 ** 9, 1, 4])}
     drafter, head = make_drafter(tiny_target, block_size=16, policy="direct")
-    engine = SpecEngine(tiny_target, drafter, head, max_batch_size=4, max_seq_len=256)
+    # γ by slot: the slots stay where admission put them (no compaction)
+    engine = SpecEngine(tiny_target, drafter, head, max_batch_size=4, max_seq_len=256, compact_slots=False)
     oracle = Oracle(monkeypatch, engine, reference, num_correct=lambda req: correct[tuple(req.prompt_ids)])
     pattern = [1, 5, 15, 3]
     monkeypatch.setattr(engine.runner, "length_policy", SlotPattern(oracle, pattern))
@@ -231,6 +232,60 @@ def test_random_drafter_lossless_with_slot_reuse(tiny_target):
             engine.step()
         for r, out in zip(reqs, ref):
             assert r.output_ids == out[: r.params.max_new_tokens]
+
+
+@pytest.mark.parametrize("sources", [None, ("dflash", "suffix")])
+def test_compaction_packs_slots_and_keeps_every_output(tiny_target, sources):
+    """Six requests of unequal budgets through six slots, none waiting: as they finish the rest are packed into the
+    lowest slots (their KV, drafter context, histories, drafts, lookup and sampling state moved), steps run at the
+    smaller batch, and every output - greedy, repetition-penalised greedy, seeded sampled with penalties and
+    min_tokens - equals the uncompacted engine's; after a compaction the moved requests' drafter context equals a
+    fresh projection of their tokens."""
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in [5, 40, 12, 3, 70, 21]]
+    budgets = [4, 40, 7, 30, 10, 36]
+    extra = {1: dict(repetition_penalty=1.3),
+             3: dict(temperature=0.9, seed=7, frequency_penalty=0.4, min_tokens=12, stop_token_ids=[5])}
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True, **extra.get(i, {})) for i, n in enumerate(budgets)]
+    outs, batch_sizes = {}, {}
+    for compact in (False, True):
+        policy = "cost" if sources else "direct"
+        drafter, head = make_drafter(tiny_target, block_size=8, layers=2, policy=policy, seed=3)
+        engine = SpecEngine(tiny_target, drafter, head, policy=policy, max_batch_size=6, max_seq_len=200,
+                            compact_slots=compact, draft_sources=sources, calibrate=False)
+        rows = []
+        real_step = engine.runner.step
+        engine.runner.step = lambda slots, *a, **k: rows.append(max(slots) + 1) or real_step(slots, *a, **k)
+        reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        checked = False
+        while engine.has_unfinished():
+            moves = engine.stats.num_slot_moves
+            engine.step()
+            if engine.stats.num_slot_moves > moves and not checked and sources is None:
+                running = [r for r in reqs if r.status == Status.RUNNING]
+                _assert_context_matches(engine, running, drafter)
+                checked = True
+        outs[compact] = [r.output_ids for r in reqs]
+        batch_sizes[compact] = rows
+        if compact:
+            assert engine.stats.num_compactions > 0 and engine.stats.num_slot_moves > 0
+            assert engine.stats.timing()["compaction"]["num_moves"] == engine.stats.num_slot_moves
+            assert checked or sources is not None
+        else:
+            assert engine.stats.num_slot_moves == 0
+    assert outs[True] == outs[False]
+    for i, p in enumerate(prompts):
+        if i not in extra:
+            assert outs[True][i] == greedy_reference(tiny_target, p, budgets[i])
+    assert sum(batch_sizes[True]) < sum(batch_sizes[False])  # rows computed: the tail runs at fewer rows
+
+
+def test_move_slots_rejects_bad_moves(tiny_target):
+    drafter, head = make_drafter(tiny_target, block_size=4, layers=1, policy="direct", seed=0)
+    runner = SpecEngine(tiny_target, drafter, head, max_batch_size=4, max_seq_len=64).runner
+    for src, dst in (([1], [1]), ([0, 1], [2]), ([0, 0], [2, 3]), ([4], [0]), ([-1], [0])):
+        with pytest.raises(ValueError, match="move_slots"):
+            runner.move_slots(src, dst)
 
 
 def test_request_draft_len_overrides_the_policy(tiny_target):

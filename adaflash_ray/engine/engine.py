@@ -160,8 +160,9 @@ class SpecEngine:
                  calibrate: bool = True, ar_steps: bool = True, probe_every: int = 8,
                  draft_sources=None, suffix_corpus: SuffixCorpus | None = None, lookup_max_ngram: int = 3,
                  argmax_drafts: bool = False, lookup_device: str = "auto", lookup_corpus_tokens: int = 1 << 16,
-                 throughput_guard: bool = True, clock=time.perf_counter):
+                 throughput_guard: bool = True, compact_slots: bool = True, clock=time.perf_counter):
         self.target, self.drafter, self.length_head = target, drafter, length_head
+        self.compact_slots = compact_slots
         self.draft_sources = (check_draft_sources(draft_sources, drafter is not None) if draft_sources is not None
                               else None)
         if self.draft_sources is not None and "dflash" in self.draft_sources and \
@@ -347,6 +348,8 @@ class SpecEngine:
         self._admit(spec, finished)
         if not self.scheduler.running:
             return finished
+        if self.compact_slots and not self.scheduler.waiting:
+            self._compact()
         t0 = self.clock()
         batch = self._schedule(spec)
         res = self._run(batch)
@@ -421,6 +424,27 @@ class SpecEngine:
             self._commit(req, toks, finished, res, i)
         self.stats.num_prefills += 1
         self.stats.prefill_seconds += self.clock() - t0
+
+    def _compact(self) -> None:
+        """Pack the running requests into the lowest slots when that shrinks the step's batch bucket (a step computes
+        rows 0..max(slot), so a batch whose low slots emptied - a closed batch's tail, requests of unequal lengths -
+        would keep paying for the highest slot): :meth:`ModelRunner.move_slots` moves their device state, the
+        scheduler their slots, and the device lookup's current proposals follow them."""
+        sched = self.scheduler
+        top = max(r.slot for r in sched.running) + 1
+        bucket = self.runner.batch_bucket
+        if bucket(len(sched.running)) >= bucket(top):
+            return
+        t0 = self.clock()
+        moves = sched.compaction()
+        src, dst = [r.slot for r, _ in moves], [d for _, d in moves]
+        self.runner.move_slots(src, dst)
+        self._dev_props[dst], self._dev_valid[dst] = self._dev_props[src], self._dev_valid[src]
+        sched.relocate(moves)
+        st = self.stats
+        st.num_compactions += 1
+        st.num_slot_moves += len(moves)
+        st.compaction_seconds += self.clock() - t0
 
     def _next_step_forced(self) -> bool:
         """Whether the next step (at the running batch's size) will be an AR step the throughput guard forces, or a

@@ -709,6 +709,39 @@ class ModelRunner:
             return
         graph.replay()
 
+    # ------------------------------------------------------------------ slots
+    def batch_bucket(self, n: int) -> int:
+        """The batch rows a step over slots 0..n-1 computes: ``n`` rounded up to a CUDA-graph bucket (CPU: ``n``)."""
+        return _round_up(n, self._batch_buckets) if self.is_cuda else n
+
+    @torch.no_grad()
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        """Move every per-slot state of slots ``src`` to the free slots ``dst`` (eager; one index copy per tensor):
+        the target's and the drafter's KV caches, the feature / hidden histories, the pending drafts and their q, the
+        device lookup's token history and proposals, the sampling state and the drafter-context lengths. A step then
+        reads the moved requests at their new slots, so a batch whose low slots emptied runs at a smaller batch
+        bucket (the rows a step computes are slots 0..max(slot)). Raises ValueError unless ``src`` and ``dst`` are
+        the same length, disjoint, with no repeats, all in 0..num_slots-1."""
+        if len(src) != len(dst) or len(set(src) | set(dst)) != 2 * len(src) or \
+                not all(0 <= x < self.num_slots for x in (*src, *dst)):
+            raise ValueError(f"move_slots: src {src} and dst {dst} must be disjoint slot lists of one length")
+        if not src:
+            return
+        si = torch.tensor(src, device=self.device)
+        di = torch.tensor(dst, device=self.device)
+        for cache in (self.kv, self.ctx):  # [L, S, T, H, D]
+            if cache is not None:
+                for t in (cache.k, cache.v):
+                    t.index_copy_(1, di, t.index_select(1, si))
+        lk = self.lookup
+        for t in (self.feat_hist, self.hid_hist, self.drafts, self.draft_probs,
+                  lk.history if lk is not None else None, lk.drafts if lk is not None else None):
+            if t is not None:
+                t.index_copy_(0, di, t.index_select(0, si))
+        self.sampling.move_slots(src, dst, si, di)
+        for a, b in zip(src, dst):
+            self.ctx_len[b] = self.ctx_len[a]
+
     # ------------------------------------------------------------------ history, reload
     def features(self, slot: int, n: int) -> torch.Tensor:
         """Target features ``[n, K*H]`` of positions 0..n-1 of ``slot`` (a view; copy before reuse)."""

@@ -276,6 +276,17 @@ class SlotSampling:
         self.seen_prompt: torch.Tensor | None = None
         self.stop_mask: torch.Tensor | None = None
 
+    def move_slots(self, src: list[int], dst: list[int], src_t: torch.Tensor, dst_t: torch.Tensor) -> None:
+        """Move slots ``src``' sampling state (host arrays, seeded streams, device counts / masks) to ``dst``
+        (``*_t``: the same as device index tensors)."""
+        for a in (self.floats, self.top_k, self.min_tokens, self.prompt_len, self.logprobs, self.flags):
+            a[dst] = a[src]
+        for x, y in zip(src, dst):
+            self.uniforms[y] = self.uniforms[x]
+        for t in (self.counts, self.seen_prompt, self.stop_mask):
+            if t is not None:
+                t.index_copy_(0, dst_t, t.index_select(0, src_t))
+
     def set_slots(self, slots: list[int], params: list, prompts: list[list[int]]) -> None:
         """Record the requests' ``SamplingParams`` for their slots and reset the slots' device state (eager; called
         by prefill). A seeded sampling request's stream covers ``max_new_tokens + U`` output indices."""

@@ -38,6 +38,25 @@ class Scheduler:
         self.running.remove(req)
         heapq.heappush(self.free_slots, req.slot)
 
+    def compaction(self) -> list[tuple[Request, int]]:
+        """The moves that pack the running requests into slots 0..n-1 (n running): each request in a slot >= n, the
+        highest first, to the lowest free slot below n; empty when they are packed already."""
+        n = len(self.running)
+        movers = sorted((r for r in self.running if r.slot >= n), key=lambda r: -r.slot)
+        if not movers:
+            return []
+        low = sorted(s for s in self.free_slots if s < n)  # as many as the movers: n - (running below n)
+        return list(zip(movers, low))
+
+    def relocate(self, moves: list[tuple[Request, int]]) -> None:
+        """Apply ``moves`` (request, free slot): each request takes its new slot and frees its old one."""
+        taken = {dst for _, dst in moves}
+        freed = [r.slot for r, _ in moves]
+        for req, dst in moves:
+            req.slot = dst
+        self.free_slots = [s for s in self.free_slots if s not in taken] + freed
+        heapq.heapify(self.free_slots)
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
