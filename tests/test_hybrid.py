@@ -760,3 +760,41 @@ def test_dflash_planning_without_the_acceptance_head_is_refused(tiny_target):
     eng = SpecEngine(tiny_target, drafter, head, policy="direct", max_batch_size=2, max_seq_len=64)
     r = eng.generate([[3, 4, 5, 6]], SamplingParams(max_new_tokens=12, ignore_eos=True, draft_len=3))[0]
     assert max(r.draft_lens) == 3 and r.output_ids == greedy_reference(tiny_target, [3, 4, 5, 6], 12)
+
+
+def test_one_row_plan_equals_the_array_plan():
+    """The one-request plan in host floats (HybridPlanner._plan_one) gives the array path's choices, propose flag,
+    value and schedule state on a random sequence of steps: with and without a pending block, lookup proposals of
+    every bucket and length, caps below the width, block_off, probes due, calibration records in between."""
+    from adaflash_ray.engine.hybrid import LookupArrays
+
+    rng = np.random.default_rng(3)
+    bs = [1, 2, 4]
+    spec = 1.2 + 0.03 * np.arange(1, 16)[None] + 0.01 * np.arange(3)[:, None]
+    look = 1.0 + 0.02 * np.arange(16)[None] + 0.01 * np.arange(3)[:, None]
+    planners = [HybridPlanner(("dflash", "suffix"), 15, 16, [1, 2, 3, 4, 6, 8, 12, 16], lookup_on_device=True,
+                              probe_every=3) for _ in range(2)]
+    planners[1].scalar_one_row = False
+    for p in planners:
+        p.set_costs(bs, spec, look)
+    seen = set()
+    for step in range(400):
+        e = None if rng.random() < 0.3 else list(1 + np.cumsum(np.cumprod(rng.uniform(0.2, 0.95, 15))))
+        arr = LookupArrays(rng.integers(0, 16, 1), rng.integers(0, 5, 1), rng.integers(0, 9, 1), rng.integers(0, 2, 1),
+                           rng.random(1) < 0.8)
+        cap, block_off = int(rng.integers(0, 20)), bool(rng.random() < 0.1)
+        out = [p.plan(1, [cap], [e], [None], [None], device=arr,
+                      block_off=block_off) for p in planners]
+        (c1, p1), (c2, p2) = out
+        assert p1 == p2 and c1 == c2, step
+        seen |= {c1[0].source, ("propose", p1)}
+        assert planners[0].last_value == pytest.approx(planners[1].last_value, rel=1e-12)
+        for key in ("_since", "_interval", "_idle"):
+            assert getattr(planners[0], key) == getattr(planners[1], key), (step, key)
+        assert planners[0]._use == pytest.approx(planners[1]._use)
+        assert planners[0]._block_net == pytest.approx(planners[1]._block_net, abs=1e-12)
+        acc = [int(rng.integers(0, c1[0].draft_len + 1))]
+        match = [(int(rng.integers(0, 6)), int(rng.integers(0, 6)))]
+        for p in planners:
+            p.record(c1, acc, match, [e], [True])
+    assert seen == {"dflash", "suffix", "none", ("propose", True), ("propose", False)}

@@ -210,6 +210,7 @@ class LookupCalibration:
         self.tried = np.zeros((num_buckets, max_draft))  # decayed counts: verified proposals reaching position i
         self.accepted = np.zeros((num_buckets, max_draft))  # ... and accepting it
         self._cum: np.ndarray | None = None  # expected()'s table of the current counts (None: record() changed them)
+        self._cum_rows: dict[int, list[float]] | None = None  # rows of the same as host lists (expected_row)
         self._edges = np.asarray(OCCURRENCE_EDGES)
         self._gammas = np.arange(max_draft + 1)[None]  # [1, D + 1]
 
@@ -218,6 +219,29 @@ class LookupCalibration:
         occ = np.searchsorted(self._edges, np.asarray(num_occurrences), side="right")
         n = np.minimum(np.maximum(np.asarray(match_len), 1), self.max_ngram) - 1
         return (np.asarray(source) * self.max_ngram + n) * (len(OCCURRENCE_EDGES) + 1) + occ
+
+    def bucket_one(self, source: int, match_len: int, num_occurrences: int) -> int:
+        """:meth:`bucket` of one proposal, in host ints."""
+        occ = bisect.bisect_right(OCCURRENCE_EDGES, num_occurrences)
+        n = min(max(match_len, 1), self.max_ngram) - 1
+        return (source * self.max_ngram + n) * (len(OCCURRENCE_EDGES) + 1) + occ
+
+    def expected_row(self, bucket: int) -> list[float]:
+        """``[max_draft + 1]`` floats: E[accepted | γ] of a proposal of ``bucket`` as long as max_draft (index γ;
+        cut it at a shorter proposal's length by ``row[min(γ, length)]``)."""
+        rows = self._cum_rows
+        if rows is None:
+            rows = self._cum_rows = {}
+        row = rows.get(bucket)
+        if row is None:  # this bucket's row of expected()'s table alone (record() changes the counts every step)
+            w, q = self.prior_weight, self.prior_weight * self.prior
+            row, c, acc = [0.0], 1.0, 0.0
+            for a, t in zip(self.accepted[bucket].tolist(), self.tried[bucket].tolist()):
+                c *= (a + q) / (t + w)
+                acc += c
+                row.append(acc)
+            rows[bucket] = row
+        return row
 
     def expected(self, buckets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """``[n, max_draft + 1]`` float: column γ = E[accepted | γ] of each row's proposal (0 at γ = 0; flat past
@@ -232,7 +256,7 @@ class LookupCalibration:
     def record(self, buckets: np.ndarray, draft_lens: np.ndarray, num_accepted: np.ndarray) -> None:
         """One step's verified device-lookup drafts (``[m]`` each): bucket, γ, accepted a. Positions
         1..min(a + 1, γ) were tried, 1..a accepted."""
-        self._cum = None
+        self._cum = self._cum_rows = None
         self.tried *= 1 - self.decay
         self.accepted *= 1 - self.decay
         pos = np.arange(1, self.max_draft + 1)[None]  # [1, D]
@@ -283,6 +307,7 @@ class HybridPlanner:
         self.widths = sorted(w for w in set(widths) if 1 <= w <= max_draft + 1) or [1]
         self._widths = np.asarray(self.widths)
         self._widx = self._widths - 1  # the cost tables' columns of the widths (and each width's longest γ)
+        self._widx_list = self._widx.tolist()
         self.probe_every = probe_every
         self.calibration = calibration or SourceCalibration()
         self.lookup_calibration = LookupCalibration(max_ngram, max_draft)
@@ -301,6 +326,9 @@ class HybridPlanner:
         # the propose's price in a step where the lookups or none won; > 0: the gain where the block won)
         self._block_net = 0.0
         self.last_value: float | None = None  # expected tokens per ms of the last plan (None without costs)
+        # one request, device lookups, costs set: plan in host floats (:meth:`_plan_one`; numpy's per-call overhead
+        # on arrays of one row costs more than the arithmetic); False: always the arrays
+        self.scalar_one_row = True
 
     # ------------------------------------------------------------------ costs
     def set_costs(self, batch_sizes: list[int], spec_costs_ms, lookup_costs_ms) -> None:
@@ -323,6 +351,9 @@ class HybridPlanner:
             extra = (spec[:, -1] - look[:, self.block_size - 1])[:, None]
             full[:, self.block_size:] = look[:, self.block_size:] + np.maximum(extra, 0.0)
         self.batch_sizes, self.spec_costs, self.lookup_costs = list(batch_sizes), full, look
+        # the same at the planner's widths, as host lists (the one-row plan reads them without numpy)
+        self._spec_w, self._look_w = full[:, self._widx].tolist(), look[:, self._widx].tolist()
+        self._look_ar = look[:, 0].tolist()
 
     def _row(self, batch_size: int) -> int:
         return min(bisect.bisect_left(self.batch_sizes, batch_size), len(self.batch_sizes) - 1)
@@ -405,6 +436,9 @@ class HybridPlanner:
             if empty:
                 looked = bool(device.valid.any()) if device is not None else any(p is not None for p in proposals)
                 return self._plan_nothing(batch_size, len(caps), fixed, looked, lookup_ms, block_off)
+        if (len(caps) == 1 and device is not None and self.spec_costs is not None and self.scalar_one_row
+                and (fixed is None or fixed[0] is None)):
+            return self._plan_one(batch_size, caps[0], dflash_expected[0], device, block_off)
         return self._plan_general(batch_size, caps, dflash_expected, proposals, fixed, lookup_ms, device, block_off)
 
     def _plan_nothing(self, batch_size: int, n: int, fixed: list[int | None] | None, looked: bool,
@@ -546,6 +580,63 @@ class HybridPlanner:
             net_pays = self._block_net > 0.0
         keep_d = used_d or net_pays or (d_pays and use_d >= IDLE_BELOW)
         return choices, self._end_step(any_d, keep_d, used_l, looked, probe_d, forced, lookup_pays, block_off)
+
+    def _plan_one(self, batch_size: int, cap: int, e: list[float] | None, device: LookupArrays,
+                  block_off: bool) -> tuple[list[RowChoice], bool]:
+        """:meth:`_plan_general` for one request with the device lookup and a cost table, in host floats: the same
+        plan, the same state updates (``tests/test_hybrid.py`` checks the two against each other)."""
+        nd, widx = self.max_draft, self._widx_list
+        r = self._row(batch_size)
+        any_d = self.use_dflash and e is not None
+        cap = max(min(cap, nd), 0)
+        looked = bool(device.valid[0])
+        plen = min(int(device.length[0]), nd) if looked else 0
+        lc = self.lookup_calibration
+        bucket = lc.bucket_one(int(device.source[0]), int(device.match_len[0]), int(device.num_occurrences[0]))
+        look = lc.expected_row(bucket)  # [D + 1] cumulative, by γ
+        gam = [min(w, cap) for w in widx]
+        v_l = [look[min(g, plen)] for g in gam]
+        if any_d:
+            k = min(len(e), nd)
+            raw_d = [0.0] + [e[min(g, k) - 1] - 1.0 if k else 0.0 for g in range(1, nd + 1)]  # by γ, flat past k
+            fac = self.calibration.factor("dflash")
+            v_d = [fac * raw_d[g] for g in gam]
+        probe_d = self.use_dflash and self._idle["dflash"] and self._since["dflash"] >= self._interval["dflash"] \
+            and not block_off
+        spec_w, look_w = self._spec_w[r], self._look_w[r]
+        plans = []
+        for allow_d in ((True, False) if any_d else (False,)):
+            costs = spec_w if (allow_d or probe_d) and not block_off else look_w
+            best_v, best_j = -1.0, 0
+            for jj, vl in enumerate(v_l):
+                v = (1.0 + max(v_d[jj] if allow_d else -1.0, vl, 0.0)) / costs[jj]
+                if v > best_v:
+                    best_v, best_j = v, jj
+            plans.append((best_v, best_j, allow_d))
+        value, j, allow_d = max(plans, key=lambda t: t[0])
+        self.last_value = value
+        g_w, vlj = gam[j], v_l[j]
+        g_l = min(g_w, plen)
+        is_d = allow_d and v_d[j] > 0 and v_d[j] >= vlj and g_w > 0
+        if is_d:
+            g = min(g_w, self.block_size - 1)
+            choice = RowChoice("dflash", g, None, raw_d[g])
+        elif vlj > 0 and g_l > 0:
+            choice = RowChoice(self.lookup, g_l, None, look[g_l], bucket)
+        else:
+            choice = RowChoice("none", 0)
+        used_l = not is_d and choice.draft_len > 0
+        use_d = self._note_use("dflash", is_d) if any_d else self._use["dflash"]
+        d_value = max((v for v, _, allow in plans if allow), default=None)
+        d_pays = d_value is not None and d_value > 1.0 / self._look_ar[r]
+        net_pays = False
+        if any_d:
+            best_d = max((1.0 + max(vd, vl, 0.0)) / max(sc, lk) for vd, vl, sc, lk in zip(v_d, v_l, spec_w, look_w))
+            best_l = max((1.0 + max(vl, 0.0)) / lk for vl, lk in zip(v_l, look_w))
+            self._block_net = (1 - NET_EMA) * self._block_net + NET_EMA * (best_d - best_l)
+            net_pays = self._block_net > 0.0
+        keep_d = is_d or net_pays or (d_pays and use_d >= IDLE_BELOW)
+        return [choice], self._end_step(any_d, keep_d, used_l, looked, probe_d, False, True, block_off)
 
     @staticmethod
     def _block_table(dflash_expected: list, has_d: np.ndarray, nd: int) -> np.ndarray:
