@@ -369,6 +369,7 @@ class SpecEngine:
             st.catch_up_positions += caught_up[0]
             st.catch_up_seconds += caught_up[1]
         captured = self.runner.step_captured
+        st.num_captures += bool(captured)
         if self.guard is not None and not captured:  # a graph capture's time is no step's cost
             n = len(batch.requests)
             self.guard.record(batch.batch_size, kind in ("probe", "draft"), n + sum(res.num_accepted), 1e3 * seconds, n)
