@@ -798,3 +798,22 @@ def test_one_row_plan_equals_the_array_plan():
         for p in planners:
             p.record(c1, acc, match, [e], [True])
     assert seen == {"dflash", "suffix", "none", ("propose", True), ("propose", False)}
+
+
+@pytest.mark.parametrize("running_start", [True, False])
+@pytest.mark.parametrize("decay", [0.02, 0.5, 1.0])
+def test_record_many_equals_records_one_by_one(running_start, decay):
+    """SourceCalibration.record_many: the same averages, factor and count as record() called per pair, across
+    the running start and after it, in chunks of 1 to 200."""
+    rng = np.random.default_rng(7)
+    one = SourceCalibration(decay=decay, running_start=running_start)
+    many = SourceCalibration(decay=decay, running_start=running_start)
+    for chunk in (3, 70, 1, 200, 0, 5):
+        est, real = rng.uniform(0, 5, chunk), rng.integers(0, 6, chunk)
+        for e, r in zip(est, real):
+            one.record("dflash", float(e), int(r))
+        many.record_many("dflash", est, real)
+        if chunk:
+            assert many.factor("dflash") == pytest.approx(one.factor("dflash"), rel=1e-9)
+            assert many._count == one._count
+    assert many.factor("dflash") != pytest.approx(SourceCalibration().factor("dflash"))
