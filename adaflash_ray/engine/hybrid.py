@@ -234,21 +234,20 @@ class LookupCalibration:
             rows = self._cum_rows = {}
         row = rows.get(bucket)
         if row is None:  # this bucket's row of expected()'s table alone (record() changes the counts every step)
-            w, q = self.prior_weight, self.prior_weight * self.prior
-            row, c, acc = [0.0], 1.0, 0.0
-            for a, t in zip(self.accepted[bucket].tolist(), self.tried[bucket].tolist()):
-                c *= (a + q) / (t + w)
-                acc += c
-                row.append(acc)
-            rows[bucket] = row
+            row = rows[bucket] = [0.0] + np.cumsum(np.cumprod(self._accept_probs(bucket))).tolist()
         return row
+
+    def _accept_probs(self, buckets) -> np.ndarray:
+        """P(draft i accepted | drafts < i accepted) of ``buckets`` (an index of the tables' rows): the decayed counts
+        smoothed by the prior's pseudo-trials."""
+        return (self.accepted[buckets] + self.prior_weight * self.prior) / (self.tried[buckets] + self.prior_weight)
 
     def expected(self, buckets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """``[n, max_draft + 1]`` float: column γ = E[accepted | γ] of each row's proposal (0 at γ = 0; flat past
         its ``lengths`` ``[n]``; all 0 for a length-0 row)."""
         cum = self._cum
         if cum is None:  # computed again only after record() changed the counts
-            p = (self.accepted + self.prior_weight * self.prior) / (self.tried + self.prior_weight)  # [nb, D]
+            p = self._accept_probs(slice(None))  # [nb, D]
             cum = self._cum = np.concatenate([np.zeros((len(p), 1)), np.cumsum(np.cumprod(p, 1), 1)], 1)  # [nb, D+1]
         g = np.minimum(self._gammas, np.asarray(lengths)[:, None])  # [n, D + 1]
         return cum[np.asarray(buckets)[:, None], g]
@@ -642,22 +641,14 @@ class HybridPlanner:
     def _block_table(dflash_expected: list, has_d: np.ndarray, nd: int) -> np.ndarray:
         """``[n, nd + 1]`` float64: column γ = E[accepted | γ] of each row's pending block (E[committed] - 1; 0 at
         γ = 0, flat past the block's end), -1 in rows without one."""
-        n = len(dflash_expected)
-        dfl = np.full((n, nd + 1), -1.0)
-        rows = [e for e in dflash_expected if e is not None]
-        lens = {len(e) for e in rows}
-        if len(lens) == 1 and (k := min(lens.pop(), nd)) > 0:  # every block the same length: one array
-            ev = np.asarray([e[:k] for e in rows] if k < len(rows[0]) else rows, dtype=np.float64) - 1.0
-            dfl[has_d, 0] = 0.0
-            dfl[has_d, 1:k + 1] = ev
-            dfl[has_d, k + 1:] = ev[:, -1:]
-            return dfl
-        for i, e in enumerate(dflash_expected):
-            if e is not None:
-                ev = np.asarray(e[: min(len(e), nd)], dtype=np.float64) - 1.0
-                dfl[i, 0] = 0.0
-                dfl[i, 1:len(ev) + 1] = ev
-                dfl[i, len(ev) + 1:] = ev[-1] if len(ev) else 0.0
+        def padded(e):  # E[committed | γ] for γ = 1..nd, the last value repeated past the block (1: an empty one)
+            head = list(e[:nd])
+            return head + [head[-1] if head else 1.0] * (nd - len(head))
+
+        dfl = np.full((len(dflash_expected), nd + 1), -1.0)
+        dfl[has_d, 0] = 0.0
+        rows = [e if len(e) == nd else padded(e) for e in dflash_expected if e is not None]  # as they are, mostly
+        dfl[has_d, 1:] = np.asarray(rows, dtype=np.float64) - 1.0
         return dfl
 
     def _choices(self, is_d, is_l, g_d, g_l, est_d, est_l, buckets, proposals) -> list[RowChoice]:
