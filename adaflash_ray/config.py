@@ -282,6 +282,10 @@ class DistillConfig(_Section):
     # the drafter's training attention: "sdpa" (an explicit visibility mask) or "flex" (flex attention with a block
     # mask that skips the key tiles a block never sees; compiled on CUDA on the first step)
     drafter_attention: Literal["sdpa", "flex"] = "sdpa"
+    # torch.compile (dynamic shapes) of each drafter layer of the training forward, forward and backward: Inductor
+    # fuses the norms, rotary, residual adds and SwiGLU between the GEMMs (the SDPA path; a compile on the first
+    # steps, cached per process)
+    compile_drafter: bool = False
     # the SDPA backends the trainer's attention (target recompute, drafter forward and backward) may use:
     # "auto" = PyTorch's own choice (on Hopper it picks cuDNN attention, fast once built but with an execution plan
     # built for every new shape); "no_cudnn" = flash, memory-efficient or math only

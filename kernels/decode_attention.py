@@ -24,7 +24,7 @@ import torch
 from adaflash_ray.kernels.reference import folded_attention, gqa_mask
 from adaflash_ray.kernels.triton_support import HAVE_TRITON, tl, triton
 
-__all__ = ["decode_attention", "decode_attention_ref", "default_num_splits"]
+__all__ = ["block_rows", "decode_attention", "decode_attention_ref", "default_num_splits"]
 
 
 def decode_attention_ref(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
@@ -141,8 +141,9 @@ def decode_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
     ``num_splits`` (host int) defaults to :func:`default_num_splits` with the device's multiprocessor count.
     Every query row must see at least one key (positions >= 0), as in the reference. ``head_dim`` must be a power
-    of two >= 16 and ``W*rep <= 128``; the query-row tile is sized for ``max_width`` positions (any W up to it
-    runs the same compiled kernel; a wider W compiles another). No host synchronisation; scratch
+    of two >= 16 and ``W*rep <= 128``; the query-row tile is the next power of two >= ``W*rep`` (:func:`block_rows`),
+    and the first call compiles the tiles of every width up to ``max_width`` (so a CUDA-graph capture of a new
+    width finds its kernel compiled). No host synchronisation; scratch
     ``[B*Hkv, splits, M, D + 2]`` float32 comes from the caching allocator (CUDA-graph capturable). On CUDA the
     float32 path's dot products run in TF32 (Triton's default); the engine's bf16 path is unaffected.
 
@@ -165,13 +166,52 @@ def decode_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if num_splits is None:
         sms = torch.cuda.get_device_properties(qg.device).multi_processor_count if qg.is_cuda else 132
         num_splits = default_num_splits(b, hkv, span, block_n, sms)
+    positions, rows = positions.contiguous(), rows.contiguous()
+    _compile_variants(qg, k_cache, v_cache, rows, positions, rep, block_n, max_width)
+    _launch(qg, k_cache, v_cache, rows, positions, span, num_splits, block_n, out)
+    return out
+
+
+def block_rows(m: int) -> int:
+    """The query-row tile of ``m = W * rep`` folded query rows: the next power of two >= max(m, 16) (a tile per
+    width bucket, so a decode step's ``rep`` rows do not pay for a 16-position tile)."""
+    return max(16, triton.next_power_of_2(m)) if HAVE_TRITON else max(16, 1 << max(0, (m - 1).bit_length()))
+
+
+_COMPILED: set = set()
+
+
+def _compile_variants(qg, k_cache, v_cache, rows, positions, rep: int, block_n: int, max_width: int) -> None:
+    """Compile every query-row tile that widths ``1..max_width`` need, once per (device, dtype, Hkv, rep, D), by
+    launching each on the first row (outside any CUDA-graph capture: a capture may not load a module, and the
+    engine captures new step shapes without an eager warm-up). Later calls, captured or not, find them compiled."""
+    b, hkv, _, d = qg.shape
+    key = (qg.device, qg.dtype, k_cache.dtype, hkv, rep, d, block_n, max_width)
+    if key in _COMPILED or (qg.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    _COMPILED.add(key)
+    done = set()
+    for w in range(1, max_width + 1):
+        if w * rep > 128 or block_rows(w * rep) in done:
+            continue
+        done.add(block_rows(w * rep))
+        pos = positions[:1, :1].expand(1, w).contiguous()
+        q = qg.new_zeros((1, hkv, w * rep, d))
+        _launch(q, k_cache, v_cache, rows[:1], pos, min(block_n, k_cache.shape[1]), 1, block_n,
+                qg.new_empty((1, w, hkv * rep * d)))  # keys 0..block_n-1 only: key 0 is visible to every row
+
+
+def _launch(qg, k_cache, v_cache, rows, positions, span: int, num_splits: int, block_n: int,
+            out: torch.Tensor) -> None:
+    """The two kernels of :func:`decode_attention` into ``out`` ``[B, W, Hq*D]``."""
+    b, hkv, m, d = qg.shape
+    w = positions.shape[1]
+    rep = m // w
     chunk = triton.cdiv(triton.cdiv(span, num_splits), block_n) * block_n
     num_splits = triton.cdiv(span, chunk)
-    # query-row tile fixed per model (widths up to max_width share one compiled variant: CUDA graphs)
-    block_m = max(16, triton.next_power_of_2(max(m, max_width * rep)))
+    block_m = block_rows(m)
     acc = torch.empty((b * hkv, num_splits, block_m, d), dtype=torch.float32, device=qg.device)
     ml = torch.empty((b * hkv, num_splits, block_m, 2), dtype=torch.float32, device=qg.device)
-    positions, rows = positions.contiguous(), rows.contiguous()
     qk_scale = (1.0 / math.sqrt(d)) * 1.4426950408889634  # log2(e): exp2 in the kernel
     _split_kernel[(b * hkv, num_splits)](
         qg, k_cache, v_cache, rows, positions, acc, ml, span, chunk, w, num_splits, m, qg.stride(0), qg.stride(1),
@@ -180,4 +220,3 @@ def decode_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         num_warps=8 if d >= 128 else 4, num_stages=2)  # sm_90 ptxas: D=128 at 4 warps spills (255 registers)
     _merge_kernel[(b * hkv, m)](acc, ml, out, w, num_splits, m, HKV=hkv, REP=rep, D=d, BLOCK_M=block_m,
                                 num_warps=1)
-    return out

@@ -7,20 +7,22 @@
 #     bash scripts/gpu_main_job.sh a && ADAFLASH_COMMIT=<sha> bash scripts/gpu_kernels.sh
 # It sources that script for its env_setup (PYTHONPATH onto the installed wheels). KERNELS_BUDGET_S (default 420) bounds
 # its own wall time: each step gets at most its own limit and what is left, in this order (most wanted first):
-# gpu tests (130 s), Qwen3-8B shape bench off then on (110 s each), kernel counts (60 s), drafter kernel counts
-# (90 s), attention timing (40 s), SmolLM2 shape bench off then on (45 s each), Qwen3-8B with the split-K attention
-# (110 s). A step cut short
+# gpu tests (130 s), Qwen3-8B shape bench with SDPA then with the calibrated split-K choice (120 s each), the same
+# for the SmolLM2 shape (50 s each), kernel counts (60 s), drafter kernel counts (90 s), attention timing (40 s),
+# both shapes with the kernels off (50 s, 120 s). A step cut short
 # leaves its rc (124) in steps.txt. Run after call a in a call of its own (the machine keeps /root/stage while
-# warm), KERNELS_BUDGET_S=590 (a call may run 600 s) reaches every step unless the earlier ones use their whole
-# limits (which add up to 740 s); ADAFLASH_COMMIT goes into summary.json.
+# warm), KERNELS_BUDGET_S=590 (a call may run 600 s); ADAFLASH_COMMIT goes into summary.json. $OUT/kernels holds
+# more than the 8 files a call brings back: tar it into one file at the end of the call.
 # Writes under $OUT/kernels/:
 #   tests.log                         pytest -q -m gpu tests/test_fused_kernels.py tests/test_drafter_kernels.py
-#   kernel_counts.json                count_forward_kernels for both shapes, fused off/on, (batch, width) (1,1) (1,16)
+#   kernel_counts.json                count_forward_kernels for both shapes, fused on, split-K off/on, (batch, width)
+#                                     (1,1) (1,16) (64,1)
 #   propose_kernel_counts.json        count_propose_kernels (drafter propose + context append) for both shapes,
 #                                     fused off/on, batch 1 and 8
-#   bench_<shape>_<off|on>.json/.log  python -m adaflash_ray.bench --shape <shape> (ADAFLASH_FUSED_KERNELS=off|auto)
+#   bench_<shape>_<mode>.json/.log   python -m adaflash_ray.bench --shape <shape>; mode off (ADAFLASH_FUSED_KERNELS=off),
+#                                     sdpa (kernels on, ADAFLASH_FUSED_ATTENTION=off), auto (kernels on, the split-K
+#                                     attention where the engine's calibration measured it faster)
 #   attention_micro.json              one Qwen3-8B layer's attention: SDPA + mask vs the split-K kernel, ms per call
-#   bench_qwen3-8b_on_splitk.json     the fused kernels plus the split-K attention (ADAFLASH_FUSED_ATTENTION=1)
 #   summary.json                      AR step / verify ratio / propose ms and share off vs on, kernels per layer
 #                                     (target forward, drafter propose and append), commit
 set -uo pipefail
@@ -52,28 +54,30 @@ run_step 130 tests bash -c "python3 -m pytest -q -m gpu tests/test_fused_kernels
 tail -3 "$K/tests.log"
 
 
-bench() {  # bench SHAPE MODE MAX_S ARGS...
-  local shape=$1 mode=$2 max=$3; shift 3
-  local tag=on split=0
-  [ "$mode" = off ] && tag=off
-  [ "$mode" = auto_splitk ] && { tag=on_splitk; split=1; mode=auto; }
-  run_step "$max" "bench_${shape}_$tag" env ADAFLASH_FUSED_KERNELS="$mode" ADAFLASH_FUSED_ATTENTION="$split" \
+bench() {  # bench SHAPE MODE MAX_S ARGS...: MODE off (kernels off) | sdpa (kernels on, SDPA attention) | auto
+  local shape=$1 mode=$2 max=$3; shift 3  # (kernels on, split-K attention where the engine's calibration chose it)
+  local kern=auto split=auto
+  [ "$mode" = off ] && { kern=off; split=off; }
+  [ "$mode" = sdpa ] && split=off
+  run_step "$max" "bench_${shape}_$mode" env ADAFLASH_FUSED_KERNELS="$kern" ADAFLASH_FUSED_ATTENTION="$split" \
     python3 -m adaflash_ray.bench --shape "$shape" \
-    "$@" --out "$K/bench_${shape}_$tag.json" > "$K/bench_${shape}_$tag.log" 2>&1
-  grep -E "ar |dflash|floor" "$K/bench_${shape}_$tag.log" | head -8
+    "$@" --out "$K/bench_${shape}_$mode.json" > "$K/bench_${shape}_$mode.log" 2>&1
+  grep -E "ar |dflash|floor" "$K/bench_${shape}_$mode.log" | head -8
 }
-Q=(--concurrency 1 64 --max-new-tokens 32 --num-iters 10)
-S=(--concurrency 1 --max-new-tokens 32 --num-iters 10)
-bench qwen3-8b off 110 "${Q[@]}"
-bench qwen3-8b auto 110 "${Q[@]}"
+Q=(--concurrency 1 8 64 --max-new-tokens 32 --num-iters 10)
+S=(--concurrency 1 8 64 --max-new-tokens 32 --num-iters 10)
+bench qwen3-8b sdpa 120 "${Q[@]}"
+bench qwen3-8b auto 120 "${Q[@]}"
+bench smollm2-135m sdpa 50 "${S[@]}"
+bench smollm2-135m auto 50 "${S[@]}"
 
 run_step 60 kernel_counts python3 - "$K/kernel_counts.json" <<'EOF'
 import json, sys
 from adaflash_ray.shapes import count_forward_kernels
 rows = []
-for shape, fused, split_k in (("qwen3-8b", False, False), ("qwen3-8b", True, False), ("qwen3-8b", True, True),
-                              ("smollm2-135m", False, False), ("smollm2-135m", True, False)):
-    for batch, width in ((1, 1), (1, 16)):
+for shape, fused, split_k in (("qwen3-8b", True, False), ("qwen3-8b", True, True),
+                              ("smollm2-135m", True, False), ("smollm2-135m", True, True)):
+    for batch, width in ((1, 1), (1, 16), (64, 1)):
         r = count_forward_kernels(shape, fused=fused, split_k=split_k, batch=batch, width=width)
         rows.append(r)
         print(f"{shape} fused={fused} split_k={split_k} (active {r['fused_active']}) b{batch} w{width}: "
@@ -141,17 +145,16 @@ for batch in (1, 8, 64):
         json.dump(rows_out, open(sys.argv[1], "w"), indent=1)
 EOF
 
-bench smollm2-135m off 45 "${S[@]}"
-bench smollm2-135m auto 45 "${S[@]}"
-# the fused kernels plus the split-K decode attention (off by default until measured faster)
-bench qwen3-8b auto_splitk 110 "${Q[@]}"
+# the kernels off altogether (the pure-torch path), last: the budget may not reach it
+bench smollm2-135m off 50 "${S[@]}"
+bench qwen3-8b off 120 "${Q[@]}"
 
 python3 - "$K" "${ADAFLASH_COMMIT:-unknown}" <<'EOF'
 import json, os, sys
 k, commit = sys.argv[1:]
 doc = {"commit": commit, "steps": open(os.path.join(k, "steps.txt")).read().splitlines()}
 for shape in ("qwen3-8b", "smollm2-135m"):
-    for tag in ("off", "on", "on_splitk"):
+    for tag in ("off", "sdpa", "auto"):
         p = os.path.join(k, f"bench_{shape}_{tag}.json")
         if not os.path.exists(p):
             continue
@@ -161,7 +164,8 @@ for shape in ("qwen3-8b", "smollm2-135m"):
             "ar_step_ms": b["ar_step_ms"], "spec_step_ms": b["spec_step_ms"], "memory_floor_ms": b["memory_floor_ms"],
             "ar_step_x_floor": {bs: v / b["memory_floor_ms"] for bs, v in b["ar_step_ms"].items()},
             "verify_w16_over_w1": {bs: row["16"] / row["1"] for bs, row in vc.items() if "16" in row},
-            "propose_ms": b["propose_ms"], "propose_frac_of_ar": b["propose_frac_of_ar"]}
+            "propose_ms": b["propose_ms"], "propose_frac_of_ar": b["propose_frac_of_ar"],
+            "split_k_chosen": {k: v["split_k"] for k, v in b.get("attention_calibration", {}).items()}}
 p = os.path.join(k, "attention_micro.json")
 if os.path.exists(p):
     doc["attention_micro"] = json.load(open(p))

@@ -887,6 +887,39 @@ def test_forward_train_flex_attention_equals_sdpa(target, trajectories):
         drafter.forward_train(batch.features, batch.input_ids, batch.anchors, attention="dense")
 
 
+def test_compiled_training_layers_equal_eager(target, trajectories):
+    """``DFlashDrafter.compile_training`` (torch.compile, dynamic shapes; Inductor's C++ backend on CPU): the same
+    hidden states and parameter gradients as the eager layers on two batches of different shapes (one compiled
+    graph serves both), and ``compile_training(False)`` restores the eager function."""
+    from adaflash_ray.models.drafter import _train_layer_step
+    from adaflash_ray.models.factory import build_drafter
+
+    drafter_cfg, head_cfg, _ = _cfgs()
+    drafter, _ = build_drafter(target, drafter_cfg, head_cfg, 0)
+    drafter.float()
+    batches = [collate(trajectories[:k], num_anchors=n, block_size=drafter.block_size,
+                       generator=torch.Generator().manual_seed(k)) for k, n in ((2, 4), (3, 6))]
+
+    def run():
+        out = []
+        for b in batches:
+            drafter.zero_grad()
+            hidden = drafter.forward_train(b.features, b.input_ids, b.anchors)
+            (hidden.float() ** 2).mean().backward()
+            out.append((hidden.detach(), [p.grad.clone() for p in drafter.parameters() if p.grad is not None]))
+        return out
+    eager = run()
+    drafter.compile_training()
+    assert drafter._train_layer is not _train_layer_step
+    compiled = run()
+    for (h0, g0), (h1, g1) in zip(eager, compiled):
+        torch.testing.assert_close(h1, h0, atol=1e-5, rtol=1e-4)
+        assert len(g0) == len(g1) > 0
+        for a, b in zip(g0, g1):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    assert drafter.compile_training(False)._train_layer is _train_layer_step
+
+
 def test_trainer_rejects_flex_attention_off_cuda(dist_env, target):
     with pytest.raises(ValueError, match="drafter_attention"):
         dist_env(target, *_cfgs(drafter_attention="flex"), seed=0)

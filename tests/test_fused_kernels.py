@@ -360,10 +360,10 @@ def test_kernels_compile_for_sm90(tmp_path):
                           {"HQ": heads, "HKV": hkv, "REP": max(1, heads // hkv), "D": d, "HALF": d // 2,
                            "BLOCK_HALF": d // 2, "QK_NORM": qk or heads == 0}, 2))
         rep = hq // hkv
-        bm = max(16, triton.next_power_of_2(16 * rep))
-        cases.append((da._split_kernel, {"HKV": hkv, "REP": rep, "D": d, "BLOCK_M": bm, "BLOCK_N": 64},
-                      8 if d >= 128 else 4))
-        cases.append((da._merge_kernel, {"HKV": hkv, "REP": rep, "D": d, "BLOCK_M": bm}, 1))
+        for bm in sorted({da.block_rows(w * rep) for w in range(1, 17)}):  # every query-row tile a width needs
+            cases.append((da._split_kernel, {"HKV": hkv, "REP": rep, "D": d, "BLOCK_M": bm, "BLOCK_N": 64},
+                          8 if d >= 128 else 4))
+            cases.append((da._merge_kernel, {"HKV": hkv, "REP": rep, "D": d, "BLOCK_M": bm}, 1))
     for kernel, consts, warps in cases:
         sig = {n: "constexpr" if n in consts else _arg_type(n) for n in kernel.arg_names}
         out = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
@@ -388,3 +388,26 @@ def test_cpu_default_stays_reference(monkeypatch):
         t.use_fused_kernels("on")
     monkeypatch.setenv("ADAFLASH_FUSED_KERNELS", "off")
     assert t.use_fused_kernels("auto") is False and t.fused_kernels == "off"
+
+
+def test_split_k_choice_follows_the_mode_and_the_calibration(monkeypatch):
+    """``fused_attention`` auto: split-K only where the calibration table chose it, looked up at the smallest
+    calibrated (batch, width) at or above the step's (none: SDPA); on / off (or the environment variable) override
+    it; a width the kernel does not take never uses it; a bad value is refused with its name."""
+    monkeypatch.delenv("ADAFLASH_FUSED_ATTENTION", raising=False)
+    t = _small_target("tiny", 1, "cpu", torch.float32)
+    assert t.attention_mode() == "auto" and not t._split_k(1, 1)  # not calibrated: SDPA
+    t.split_k_table = {(1, 1): True, (1, 16): False, (8, 1): True, (64, 1): False, (64, 16): False}
+    assert t._split_k(1, 1) and not t._split_k(1, 2)  # (1, 2) -> (1, 16)
+    assert t._split_k(2, 1) and t._split_k(8, 1) and not t._split_k(9, 1)  # (2, 1) -> (8, 1); (9, 1) -> (64, 1)
+    assert not t._split_k(65, 1)  # above every calibrated batch
+    t.fused_attention = True
+    assert t.attention_mode() == "on" and t._split_k(64, 16) and not t._split_k(1, 17)
+    monkeypatch.setenv("ADAFLASH_FUSED_ATTENTION", "0")
+    assert t.attention_mode() == "off" and not t._split_k(1, 1)
+    monkeypatch.setenv("ADAFLASH_FUSED_ATTENTION", "sometimes")
+    with pytest.raises(ValueError, match="sometimes"):
+        t.attention_mode()
+    monkeypatch.delenv("ADAFLASH_FUSED_ATTENTION")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        t.calibrate_attention(t.new_kv_cache(2, 64), [1], [1], [64])

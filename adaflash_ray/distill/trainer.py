@@ -268,6 +268,8 @@ class DistillTrainerCore:
         drafter.float()
         if head is not None:
             head.float()
+        if getattr(distill_cfg, "compile_drafter", False):
+            drafter.compile_training()
         self.drafter, self.length_head = drafter, head
         self.module = DistillModule(drafter, head, target.lm_head, distill_cfg, head_cfg)
         self.module.compute_dtype = self.compute_dtype

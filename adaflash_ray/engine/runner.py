@@ -56,7 +56,7 @@ from adaflash_ray.engine.sampling import (MAX_TOP_LOGPROBS, NEUTRAL_FLOATS, RowS
                                          SlotSampling, adjust_logits, choose_tokens, match_prefix, processed_probs,
                                          rejection_sample, sample_from, sample_inverse_cdf, window_counts)
 from adaflash_ray.models.drafter import DFlashDrafter
-from adaflash_ray.models.target import TargetModel
+from adaflash_ray.models.target import TargetModel, graph_replay_ms
 
 __all__ = ["ModelRunner", "StepKey", "StepResult", "processed_probs", "rejection_sample", "sample_from"]
 
@@ -233,6 +233,12 @@ class ModelRunner:
             torch.cuda.manual_seed(seed)
         self._batch_buckets = _buckets(num_slots) if self.is_cuda else None
         self._width_buckets = [x for x in (1, 2, 3, 4, 6, 8, 12, 16) if x < nd + 1] + [nd + 1]
+        # the split-K decode attention where it measures faster than SDPA, per (batch, width) bucket (CUDA,
+        # fused kernels, ``fused_attention`` auto); {} = not calibrated
+        self.attention_calibration: dict = {}
+        if self.is_cuda and target.fused_kernels_active and target.attention_mode() == "auto":
+            self.attention_calibration = target.calibrate_attention(
+                self.kv, self._batch_buckets, self._width_buckets, [256, min(max_seq_len, 2048)])
         self.graphs: dict[StepKey, torch.cuda.CUDAGraph] = {}
         # catch-up graphs per padded size: (rows buffer, positions buffer, pinned host staging [2, size], graph)
         self._catch_up_graphs: dict[int, tuple] = {}
@@ -772,23 +778,7 @@ class ModelRunner:
                 fn()
                 times.append((time.perf_counter() - t0) * 1e3)
             return pick(times)
-        fn()
-        fn()
-        graph = torch.cuda.CUDAGraph()
-        # a private pool, freed with this graph: a graph dropped from the steps' shared pool can leave that pool
-        # with no user, and a capture into a pool nobody holds fails inside the caching allocator
-        with torch.cuda.graph(graph):
-            fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(num_iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+        times = graph_replay_ms(fn, num_iters)
         return pick(times)
 
     @torch.no_grad()

@@ -303,6 +303,13 @@ def _flex_attention(device: torch.device):
     return _FLEX_COMPILED
 
 
+def _train_layer_step(layer: "_DrafterLayer", x, c, ccos, csin, cos, sin, visible):
+    """One drafter layer of the training forward: the context ``c`` ``[B, T, H]``'s keys / values (rotated at
+    ``ccos``/``csin``), then the layer over the block positions ``x`` ``[B, Q, H]``. Returns ``[B, Q, H]``."""
+    ck, cv = layer.self_attn.kv(c, ccos, csin)
+    return layer(x, cos, sin, ck, cv, visible)
+
+
 class DFlashDrafter(nn.Module):
     """DFlash drafter. Parameters (checkpoint names, DFlash format): ``fc.weight [H, K*Ht]``,
     ``hidden_norm.weight``, ``layers.N.*`` (Qwen3-style), ``norm.weight`` and, with no mask token,
@@ -326,6 +333,9 @@ class DFlashDrafter(nn.Module):
         #: ``auto`` / ``off``: the Triton kernels on the propose path (:meth:`use_fused_kernels`)
         self.fused_kernels = "auto"
         self.fused_kernels_active = False  # set by use_fused_kernels
+        #: the training forward's per-layer function (``_train_layer_step``, or its torch.compile'd form:
+        #: :meth:`compile_training`)
+        self._train_layer = _train_layer_step
         self._target_embed: nn.Embedding | None = None
         self._target_lm_head: nn.Linear | None = None
 
@@ -565,7 +575,16 @@ class DFlashDrafter(nn.Module):
             blk = torch.arange(n, device=c.device).repeat_interleave(bs)
             blk_vis = (blk[:, None] == blk[None, :]).expand(bsz, n * bs, n * bs)
             visible = torch.cat([ctx_vis, blk_vis], dim=-1)
+        step = self._train_layer if attention == "sdpa" else _train_layer_step
         for layer in self.layers:
-            ck, cv = layer.self_attn.kv(c, ccos, csin)
-            x = layer(x, cos, sin, ck, cv, visible)
+            x = step(layer, x, c, ccos, csin, cos, sin, visible)
         return self.norm(x).reshape(bsz, n, bs, -1)
+
+    def compile_training(self, enable: bool = True) -> "DFlashDrafter":
+        """Run each layer of :meth:`forward_train` (its context K/V projection, norms, rotary, attention, SwiGLU and
+        residual adds) through ``torch.compile(dynamic=True)`` (one graph per layer for every batch, length and
+        anchor count; Inductor fuses the element-wise chains between the GEMMs and the attention), forward and
+        backward; ``enable=False`` restores the eager function. The SDPA path only (flex attention is compiled on
+        its own). The values are the eager ones up to floating-point reassociation."""
+        self._train_layer = torch.compile(_train_layer_step, dynamic=True) if enable else _train_layer_step
+        return self

@@ -57,6 +57,30 @@ def set_fused_kernels(model: nn.Module, layers, mode: str, device: torch.device,
     return on
 
 
+def graph_replay_ms(fn, num_iters: int, calls: int = 1) -> list[float]:
+    """Per-call ms of ``fn`` (CUDA work, no host synchronisation inside) over ``num_iters`` replays of one CUDA graph
+    holding ``calls`` calls of it, after two eager warm-up calls and one untimed replay (CUDA events; a private
+    memory pool, freed with the graph: a graph dropped from a shared pool can leave that pool with no user, and a
+    capture into a pool nobody holds fails inside the caching allocator)."""
+    fn()
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(num_iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return times
+
+
 @dataclass
 class TargetConfig:
     """The subset of a Hugging Face ``config.json`` the engine needs.
@@ -183,8 +207,12 @@ class TargetModel(nn.Module):
         self.fused_kernels = "auto"
         self.fused_kernels_active = False  # set by use_fused_kernels
         #: split-K decode attention (adaflash_ray/kernels/decode_attention.py) on rows-are-slots forwards of width
-        #: <= 16 when the fused kernels are on; off by default (``ADAFLASH_FUSED_ATTENTION=1`` turns it on)
-        self.fused_attention = os.environ.get("ADAFLASH_FUSED_ATTENTION", "0") not in ("", "0", "off", "false")
+        #: <= 16 when the fused kernels are on: ``auto`` = where :meth:`calibrate_attention` measured it faster than
+        #: SDPA (nowhere before a calibration), ``on`` / True = always, ``off`` / False = never;
+        #: ``ADAFLASH_FUSED_ATTENTION`` (auto / on / off, or 1 / 0) overrides it
+        self.fused_attention: str | bool = "auto"
+        #: (batch, width) -> split-K chosen, from :meth:`calibrate_attention`
+        self.split_k_table: dict[tuple[int, int], bool] = {}
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -313,8 +341,9 @@ class TargetModel(nn.Module):
                 if rows_are_slots:
                     raise ValueError("rows_are_slots needs an explicit span")
                 span = int(positions.max().item()) + 1
-            key_pos = torch.arange(span, device=x.device)
-            visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, W, S]
+
+            def visible_of():
+                return torch.arange(span, device=x.device)[None, None, :] <= positions[:, :, None]  # [B, W, S]
             rows = torch.arange(b, device=x.device)[:, None] if rows_are_slots else slot_ids[:, None]
 
             def kv_io_for(i):
@@ -328,19 +357,23 @@ class TargetModel(nn.Module):
                     return kc[slot_ids, :span].to(k.dtype), vc[slot_ids, :span].to(v.dtype)
                 return kv_io
         else:
-            visible = positions[:, None, :] <= positions[:, :, None]  # [B, W, W]
-            if key_valid is not None:
-                visible = visible & key_valid[:, None, :]
-                visible = visible | torch.eye(w, dtype=torch.bool, device=x.device)[None]
+            def visible_of():
+                visible = positions[:, None, :] <= positions[:, :, None]  # [B, W, W]
+                if key_valid is not None:
+                    visible = visible & key_valid[:, None, :]
+                    visible = visible | torch.eye(w, dtype=torch.bool, device=x.device)[None]
+                return visible
 
             def kv_io_for(i):
                 return lambda k, v: (k, v)
-        mask = gqa_mask(visible, rep, x.dtype)  # once per forward, shared by every layer
+        fused = cache is not None and self._fused_path(x)
+        split_k = fused and rows_are_slots and self._split_k(b, w)  # the split-K kernel needs no mask
+        mask = None if split_k else gqa_mask(visible_of(), rep, x.dtype)  # once per forward, shared by every layer
         want = set(capture_layer_ids or [])
         captured: dict[int, torch.Tensor] = {}
-        if cache is not None and self._fused_path(x):
+        if fused:
             x, last = self._fused_layers(x, cos, sin, mask, cache, rows.view(-1), positions, span,
-                                         None if rows_are_slots else slot_ids, want, captured)
+                                         None if rows_are_slots else slot_ids, want, captured, split_k)
         else:
             for i, layer in enumerate(self.model.layers):
                 h = layer.input_layernorm(x)
@@ -357,14 +390,99 @@ class TargetModel(nn.Module):
                 logits = logits.to(logits_dtype)
         return TargetOutput(logits=logits, features=feats, last_hidden=last)
 
-    def _fused_layers(self, x, cos, sin, mask, cache, rows, positions, span, slot_ids, want, captured):
+    def attention_mode(self) -> str:
+        """``auto``, ``on`` or ``off``: :attr:`fused_attention`, or ``ADAFLASH_FUSED_ATTENTION`` when set.
+
+        Raises:
+            ValueError: either holds another value.
+        """
+        raw = os.environ.get("ADAFLASH_FUSED_ATTENTION")
+        v = self.fused_attention if raw is None else raw.strip().lower()
+        mode = {True: "on", False: "off", "1": "on", "on": "on", "true": "on", "0": "off", "off": "off",
+                "false": "off", "": "off", "auto": "auto"}.get(v)
+        if mode is None:
+            raise ValueError(f"fused_attention {v!r} (or ADAFLASH_FUSED_ATTENTION): expected auto, on or off")
+        return mode
+
+    def split_k_supported(self, width: int) -> bool:
+        """The split-K kernel takes this model and verify width: power-of-two head_dim >= 16, W <= 16, W*rep <= 128."""
+        c = self.config
+        rep = c.num_attention_heads // c.num_key_value_heads
+        return (c.head_dim >= 16 and c.head_dim & (c.head_dim - 1) == 0 and width <= 16 and width * rep <= 128)
+
+    def _split_k(self, batch: int, width: int) -> bool:
+        """Whether a rows-are-slots forward of ``batch`` rows and ``width`` positions attends with the split-K kernel
+        (see :attr:`fused_attention`); in ``auto`` the smallest calibrated (batch, width) at or above this one
+        decides (none: SDPA)."""
+        mode = self.attention_mode()
+        if mode == "off" or not self.split_k_supported(width):
+            return False
+        if mode == "on":
+            return True
+        above = [k for k in self.split_k_table if k[0] >= batch and k[1] >= width]
+        return bool(above) and self.split_k_table[min(above)]
+
+    @torch.no_grad()
+    def calibrate_attention(self, cache: KVCache, batch_sizes: list[int], widths: list[int], spans: list[int],
+                            num_iters: int = 10, reps: int = 4) -> dict:
+        """Time one layer's decode / verify attention both ways - SDPA over the cache with the additive mask (what
+        :meth:`forward` computes per layer; the mask itself is built once per forward and is not timed) and the
+        split-K kernel - for every (batch, width) of ``batch_sizes`` x ``widths`` at each span of ``spans`` (keys
+        read), each as a CUDA graph of ``reps`` calls replayed ``num_iters`` times (median), on layer 0 of
+        ``cache`` (its contents do not matter: timings only; nothing is written to it). Fills
+        :attr:`split_k_table`: split-K where it was faster at every span. Only with the fused kernels on a CUDA
+        device (the engine calls it at build when the mode is ``auto``).
+
+        Returns ``{"batch,width": {"sdpa_ms": [per span], "split_k_ms": [per span], "split_k": bool}}``.
+        Raises:
+            RuntimeError: not on CUDA, or the fused kernels are off.
+        """
+        from adaflash_ray.kernels.decode_attention import decode_attention
+        from adaflash_ray.kernels.reference import folded_attention
+
+        dev = self.lm_head.weight.device
+        if dev.type != "cuda" or not self.fused_kernels_active:
+            raise RuntimeError("calibrate_attention needs the fused kernels on a CUDA device")
+        c = self.config
+        rep = c.num_attention_heads // c.num_key_value_heads
+        kc, vc = cache.k[0], cache.v[0]
+        spans = sorted({min(s, kc.shape[1]) for s in spans})
+        report: dict[str, dict] = {}
+        table: dict[tuple[int, int], bool] = {}
+
+        def timed(fn) -> float:
+            times = graph_replay_ms(fn, num_iters, reps)
+            return sorted(times)[len(times) // 2]
+
+        for b in sorted(set(batch_sizes)):
+            if b > kc.shape[0]:
+                continue
+            for w in sorted(set(widths)):
+                if not self.split_k_supported(w):
+                    continue
+                sdpa, split = [], []
+                for span in spans:
+                    if span < w:
+                        continue
+                    q = torch.randn(b, c.num_key_value_heads, w * rep, c.head_dim, device=dev, dtype=kc.dtype)
+                    rows = torch.arange(b, device=dev)
+                    pos = (span - w + torch.arange(w, device=dev)).expand(b, w).contiguous()
+                    visible = torch.arange(span, device=dev)[None, None, :] <= pos[:, :, None]
+                    mask = gqa_mask(visible, rep, q.dtype)
+                    k, v = kc[:b, :span], vc[:b, :span]
+                    sdpa.append(timed(lambda: folded_attention(q, k, v, mask, w)))
+                    split.append(timed(lambda: decode_attention(q, kc, vc, rows, pos, span)))
+                if sdpa:
+                    table[b, w] = all(s < a for s, a in zip(split, sdpa))
+                    report[f"{b},{w}"] = {"sdpa_ms": sdpa, "split_k_ms": split, "split_k": table[b, w]}
+        self.split_k_table = table
+        return report
+
+    def _fused_layers(self, x, cos, sin, mask, cache, rows, positions, span, slot_ids, want, captured, split_k):
         """The decoder stack of :meth:`forward` over the cache with the fused kernels
         (:func:`adaflash_ray.models.layers.fused_layer_stack`): each residual add is fused into the next RMSNorm, so
-        layer i's output (captured when ``i in want``) is the residual the next norm returns. Returns
-        ``(x, last_hidden)``."""
-        c = self.config
-        split_k = (self.fused_attention and slot_ids is None and positions.shape[1] <= 16 and c.head_dim >= 16
-                   and c.head_dim & (c.head_dim - 1) == 0)
+        layer i's output (captured when ``i in want``) is the residual the next norm returns; ``split_k``: the
+        split-K attention (rows are slots; ``mask`` unused). Returns ``(x, last_hidden)``."""
 
         def attend(i, attn, h):
             return attn.forward_fused(h, cos, sin, mask, cache.k[i], cache.v[i], rows, positions, span, slot_ids,
