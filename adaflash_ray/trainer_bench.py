@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                             warmup=ns.warmup if ns.warmup is not None else (5 if cuda else 1),
                             steps=ns.steps or (10 if cuda else 2),
                             split_steps=ns.split_steps if ns.split_steps is not None else (3 if cuda else 1),
-                            log=lambda msg: print(msg, file=sys.stderr), out=ns.out)
+                            log=lambda msg: print(msg, file=sys.stderr), out=ns.out, profile=ns.profile is not None)
             print(json.dumps(doc))
             return 0
         doc = run(cfg, shape=ns.shape, batch_sizes=ns.batch_sizes or [cfg.distill.batch_size],

@@ -45,7 +45,7 @@ collate and copy; ``loss`` without the head-stats pass (:func:`~adaflash_ray.dis
 run inside the loss where it runs at all); ``forward_other`` = forward minus drafter, loss and the head-stats
 pass; ``other`` = the step minus every phase inside it), ``flops``
 (:func:`adaflash_ray.trainer_bench.step_flops` from the steps' real lengths and anchor counts, means), ``floor_ratio`` (step seconds / floor seconds at ``peak_tflops``, summed over the
-timed steps), ``peak_mem_gib`` (CUDA), ``last_loss``; a row that ran out of CUDA memory has ``error`` instead.
+timed steps), ``peak_mem_gib`` (CUDA), ``last_loss``, with ``--profile`` ``profile_top`` on the ``files_preread`` row; a row that ran out of CUDA memory has ``error`` instead.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 
 from adaflash_ray.trainer_bench import (PEAK_TFLOPS, _anchors_of, _head_stats, _header, _instrumented, _PhaseTimer,
-                                        _write, bench_target, check_sizes, oom_row, release, step_flops,
+                                        _write, bench_target, check_sizes, oom_row, profile_step, release, step_flops,
                                         synthetic_trajectories)
 
 FILE_SPLIT_PHASES = ("read", "target_recompute", "collate", "batch_to", "prep_other", "head_stats", "drafter_forward",
@@ -245,10 +245,12 @@ def measure(core, next_batch, *, warmup: int, steps: int, split_steps: int) -> d
 
 
 def run(cfg, trajectories: str | Path, *, shape: str | None, batch_sizes: list[int], prompt_len: int,
-        new_tokens: int, warmup: int, steps: int, split_steps: int, log=print, out: str | None = None) -> dict:
+        new_tokens: int, warmup: int, steps: int, split_steps: int, log=print, out: str | None = None,
+        profile: bool = False) -> dict:
     """The document of the module docstring for a loaded recipe ``cfg`` and a directory of trajectory files.
 
-    With ``out``, the document so far is written there after every row.
+    With ``out``, the document so far is written there after every row. ``profile``: the ``files_preread`` row also
+    gets ``profile_top`` (:func:`adaflash_ray.trainer_bench.profile_step` over its first batch).
     Raises:
         FileNotFoundError / ValueError: as :class:`~adaflash_ray.distill.loop.DirectorySource` (a missing or
             empty directory, a foreign file); bad sizes; an unknown shape; a trainer construction error.
@@ -305,6 +307,8 @@ def run(cfg, trajectories: str | Path, *, shape: str | None, batch_sizes: list[i
                         reader.close()
                 if src == "files_preread":  # what reading cost where it was not overlapped with steps
                     row["decode_s"] = statistics.mean(r for _, r in preread)
+                    if profile:
+                        row["profile_top"] = profile_step(core, preread[0][0], top=30)
                 rows[src] = row
                 doc["rows"].append(row)
                 log(f"trainer bench (files): batch {b} {src}: {row['positions_per_s']:,.0f} block positions/s "

@@ -28,7 +28,7 @@
 # ABL_SAMPLE_FRACTION (0.2), ABL_OVERHEAD_S (30: a variant's start + evaluations), ABL_GEN_BATCH (256 slots),
 # ABL_MIN_TRAJ (64: fewer trajectories end the call before training), ABL_BATCH (64), ABL_PUBLISH (150),
 # ABL_WARMUP_STEPS (10), ABL_TRAINER_BENCH (unset | 1 | only), ABL_BENCH_S (the bench's timeout, 150),
-# ABL_BENCH_VARIANTS ("recipe"; words NAME[:key=value,...]: one bench each, trainer_files_NAME.json / .log);
+# ABL_BENCH_ARGS (more bench arguments, e.g. "--profile"), ABL_BENCH_VARIANTS ("recipe"; words NAME[:key=value,...]: one bench each, trainer_files_NAME.json / .log);
 # for a CPU smoke run of the script itself: ABL_RECIPE, ABL_ROOT (instead of /root), ABL_SKIP_PREPARE=1.
 # $OUT (5 files, 7 with ABL_TRAINER_BENCH): ablation.json (per variant and version: training seconds, held-out τ per
 # domain, positions/s; the prompt-lookup and suffix-lookup τ on the same outputs; the warm-up), ablation.png, gen.log,
@@ -103,7 +103,7 @@ EOF
     name="${bv%%:*}" sets=()
     [ "$name" != "$bv" ] && { IFS=, read -ra kv <<< "${bv#*:}"; for x in "${kv[@]}"; do sets+=(--set "$x"); done; }
     timeout "${ABL_BENCH_S:-150}" python3 -m adaflash_ray.bench --trainer --trajectories "$TRAJ" --recipe "$R" \
-      --set distill.batch_size="${ABL_BATCH:-64}" "${sets[@]}" --prompt-len 256 --new-tokens 256 \
+      --set distill.batch_size="${ABL_BATCH:-64}" "${sets[@]}" --prompt-len 256 --new-tokens 256 ${ABL_BENCH_ARGS:-} \
       --out "$OUT/trainer_files_$name.json" > "$OUT/trainer_files_$name.log" 2>&1
     mark "trainer bench (files, $name) rc $?"
     grep -E "^trainer bench" "$OUT/trainer_files_$name.log"

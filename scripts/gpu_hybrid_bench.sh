@@ -21,7 +21,7 @@
 # 4. chat at temperature 0.8, concurrency 1: ar, dflash (sampled drafts), dflash-argmax, hybrid -> bench_t08.json
 # 5. POOLED=1: the pooled domain (all four, distinct prompts) at concurrency 64, 128, 256 -> bench_pooled.json/.png
 # 6. WALK=1: every-anchor acceptance vs the greedy walk's τ on the held-out outputs (adaflash_ray.distill.walk)
-# GPU_TESTS=0 skips step 1, C1_TIMEOUT=0 step 2, C64_TIMEOUT=0 step 3, T08=0 step 4.
+# HYBRID_METHODS="ar adaflash-cost ..." replaces the methods of steps 2, 3 and 5. GPU_TESTS=0 skips step 1, C1_TIMEOUT=0 step 2, C64_TIMEOUT=0 step 3, T08=0 step 4.
 # The suffix / hybrid corpus starts from the AR outputs of other held-out prompts of the same domain and is reset
 # before every timed repeat (it never holds a timed request's own output).
 # Everything (hybrid_bench.log with versions and each step's output, the JSON, PNG and logs) is tarred into ONE
@@ -80,7 +80,7 @@ EOF
   echo "drafter: $ck (ablation variant $name, mean held-out τ $tau at γ = 15)" | tee -a "$LOG"
   set -- --drafter "$ck" "$@"
 fi
-METHODS=(ar dflash adaflash-cost ngram suffix hybrid)
+read -r -a METHODS <<< "${HYBRID_METHODS:-ar dflash adaflash-cost ngram suffix hybrid}"  # HYBRID_METHODS: other methods
 if [ "${GPU_TESTS:-1}" != 0 ]; then
   step gpu_tests 90 python3 -m pytest -q -m gpu tests/test_gpu.py -k "lookup_and_hybrid or cost_policy_ar_steps" \
     -p no:cacheprovider -s

@@ -99,7 +99,7 @@ def test_profile_only_listed_batch_sizes(capsys):
 
 
 def test_trajectory_files_mode(tmp_path, capsys):
-    """--trajectories: four files written with spill.write_parquet (prompt 5/12/3/8, response 20/9/30/14 tokens),
+    """--trajectories (with --profile): four files written with spill.write_parquet (prompt 5/12/3/8, response 20/9/30/14 tokens),
     batches of 2 leased in file-name order: every row of the four sources, its split, the files' length statistics
     (directory and measured), the recompute / collate padding and the block counts of the timed step's batch."""
     import torch
@@ -118,10 +118,14 @@ def test_trajectory_files_mode(tmp_path, capsys):
     out = tmp_path / "files.json"
     rc = bench_main(["--trainer", "--recipe", "recipes/cpu_tiny.yaml", "--shape", "tiny", "--trajectories", str(traj),
                      "--batch-sizes", "2", "--warmup", "0", "--steps", "1", "--split-steps", "1", "--prompt-len", "10",
-                     "--new-tokens", "20", "--set", "distill.features=recompute", "--out", str(out)])
+                     "--new-tokens", "20", "--set", "distill.features=recompute", "--profile", "--out", str(out)])
     assert rc == 0
     doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert doc == json.loads(out.read_text())
+    prof = {r["source"]: r.get("profile_top") for r in doc["rows"]}
+    assert [s for s, p in prof.items() if p] == ["files_preread"]  # --profile: that row's first batch, once
+    assert all(e["self_ms"] >= 0 and e["calls"] >= 1 and e["name"] for e in prof["files_preread"])
+    assert any("mm" in e["name"] for e in prof["files_preread"])  # the step's matmuls show up
     assert doc["mode"] == "trainer_files" and doc["num_files"] == 4 and doc["features"] == "recompute"
     assert doc["loss_impl"] == "reference" and doc["compute_dtype"] == "float32" and doc["num_anchors"] == 8
     want = {"prompt_tokens": {"mean": 7, "p50": 5, "p90": 12, "max": 12, "min": 3},
