@@ -391,11 +391,13 @@ def test_cpu_default_stays_reference(monkeypatch):
 
 
 def test_split_k_choice_follows_the_mode_and_the_calibration(monkeypatch):
-    """``fused_attention`` auto: split-K only where the calibration table chose it, looked up at the smallest
+    """``fused_attention`` off by default; auto: split-K only where the calibration table chose it, looked up at the smallest
     calibrated (batch, width) at or above the step's (none: SDPA); on / off (or the environment variable) override
     it; a width the kernel does not take never uses it; a bad value is refused with its name."""
     monkeypatch.delenv("ADAFLASH_FUSED_ATTENTION", raising=False)
     t = _small_target("tiny", 1, "cpu", torch.float32)
+    assert t.attention_mode() == "off" and not t._split_k(1, 1)  # the default: SDPA
+    t.fused_attention = "auto"
     assert t.attention_mode() == "auto" and not t._split_k(1, 1)  # not calibrated: SDPA
     t.split_k_table = {(1, 1): True, (1, 16): False, (8, 1): True, (64, 1): False, (64, 16): False}
     assert t._split_k(1, 1) and not t._split_k(1, 2)  # (1, 2) -> (1, 16)

@@ -124,7 +124,7 @@ def test_load_numbers_are_locusts_and_match_the_server():
     th.start()
     try:
         cmd = [sys.executable, "-m", "adaflash_ray.loadtest", "--url", f"http://127.0.0.1:{srv.server_port}",
-               "--concurrency", "4", "--duration", "3", "--max-tokens", "8", "--num-prompts", "16",
+               "--concurrency", "4", "--duration", "5", "--max-tokens", "8", "--num-prompts", "16",
                "--overhead-s", "0", "--min-reloads", "1", "--recipe", "recipes/cpu_tiny.yaml"]
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     finally:
@@ -142,5 +142,6 @@ def test_load_numbers_are_locusts_and_match_the_server():
     assert 0 < ld["latency_p50_s"] <= ld["latency_p99_s"] and 0 < ld["ttft_p50_s"] <= ld["ttft_p99_s"] <= ld["latency_p99_s"]
     assert ld["tokens_per_s"] > 0 and ld["failures_sample"]
     assert res["num_reloads_during_load"] == 1 and res["reloads_during_load"][0]["version"] == 2
-    assert 0.5 < res["reloads_during_load"][0]["at_s"] < 3
+    # the stand-in reloads 1 s after its first request; locust may take seconds to start on a loaded machine
+    assert 0.5 < res["reloads_during_load"][0]["at_s"] <= 5
     assert "Response time percentiles" in r.stderr  # locust's own tables

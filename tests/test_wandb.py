@@ -13,6 +13,7 @@ Run: python -m pytest -q tests/test_wandb.py
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import sys
 from types import SimpleNamespace
 
@@ -101,23 +102,38 @@ def test_each_series_has_its_own_axis(fake_wandb, tmp_path):
     assert recs[2]["worker"] == 0 and recs[2]["spec/accept_len"] == 1.1 and recs[1]["step"] == 2  # JSONL flat
 
 
-def test_real_wandb_offline_from_env(tmp_path, monkeypatch):
+_OFFLINE_CHILD = """
+import sys
+from pathlib import Path
+from adaflash_ray.metrics import MetricsSink
+sink = MetricsSink(Path(sys.argv[1]), None, None, {"seed": 0}, "offline-test")
+assert (sink.wandb_mode, sink.wandb_project) == ("offline", "env-project"), (sink.wandb_mode, sink.wandb_project)
+assert sink._wandb is not None, "wandb failed to start offline"
+sink.log({"train/step": 1, "train/loss": 3.0}, step=1, kind="train")
+sink.log({"spec/accept_len": 1.1, "worker": 0}, kind="inference")
+sink.log({"eval/version": 0, "eval/accept_len": 1.0}, kind="eval")
+sink.close()
+print("closed")
+"""
+
+
+def test_real_wandb_offline_from_env(tmp_path):
+    """The real wandb, offline from the environment, in a fresh interpreter (wandb's service is per process: what
+    other tests of the session did to it cannot reach this run, and the process exit is the point where wandb
+    has written its run log whatever its version): the run log holds the project and every axis."""
     pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_PROJECT", "env-project")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    sink = MetricsSink(tmp_path, None, None, {"seed": 0}, "offline-test")
-    assert (sink.wandb_mode, sink.wandb_project) == ("offline", "env-project")
-    assert sink._wandb is not None, "wandb failed to start offline"
-    sink.log({"train/step": 1, "train/loss": 3.0}, step=1, kind="train")
-    sink.log({"spec/accept_len": 1.1, "worker": 0}, kind="inference")
-    sink.log({"eval/version": 0, "eval/accept_len": 1.0}, kind="eval")
-    sink.close()
+    import os
+    import subprocess
+
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_PROJECT="env-project", WANDB_SILENT="true")
+    r = subprocess.run([sys.executable, "-c", _OFFLINE_CHILD, str(tmp_path)], env=env, capture_output=True,
+                       text=True, timeout=240, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0 and "closed" in r.stdout, r.stderr[-3000:]
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1
     data = runs[0].read_bytes()  # the offline run log (protobuf records): the axes and the project are in it
     for key in (b"env-project", b"train/step", b"worker0/poll", b"worker0/spec/accept_len", b"eval/version"):
-        assert key in data, key
+        assert key in data, (key, len(data))
 
 
 def test_plot_tau_draws_the_domain_panel_with_the_lookup_lines(tmp_path):

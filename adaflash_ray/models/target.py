@@ -207,10 +207,12 @@ class TargetModel(nn.Module):
         self.fused_kernels = "auto"
         self.fused_kernels_active = False  # set by use_fused_kernels
         #: split-K decode attention (adaflash_ray/kernels/decode_attention.py) on rows-are-slots forwards of width
-        #: <= 16 when the fused kernels are on: ``auto`` = where :meth:`calibrate_attention` measured it faster than
-        #: SDPA (nowhere before a calibration), ``on`` / True = always, ``off`` / False = never;
-        #: ``ADAFLASH_FUSED_ATTENTION`` (auto / on / off, or 1 / 0) overrides it
-        self.fused_attention: str | bool = "auto"
+        #: <= 16 when the fused kernels are on: ``off`` / False = never (the default), ``on`` / True = always,
+        #: ``auto`` = where :meth:`calibrate_attention` measured it faster than SDPA (nowhere before a calibration);
+        #: ``ADAFLASH_FUSED_ATTENTION`` (auto / on / off, or 1 / 0) overrides it. Opt-in: the split-K sums are not
+        #: SDPA's bit for bit, and ``auto`` mixes the two kernels across widths, so a bf16 verify forward can
+        #: differ from the AR step at near-tied logits and greedy output is then not AR's token for token
+        self.fused_attention: str | bool = "off"
         #: (batch, width) -> split-K chosen, from :meth:`calibrate_attention`
         self.split_k_table: dict[tuple[int, int], bool] = {}
 
