@@ -146,6 +146,33 @@ def test_decode_attention_gpu(shape, batch, width, span):
         assert (alt.float() - ref.float()).abs().max().item() <= 0.02 * ref.float().abs().max().item()
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+def test_decode_attention_row_is_the_same_bits_in_every_forward_gpu(shape):
+    """One query row's split-K attention (bf16) is bitwise the same alone (the AR step: width 1, span p + 1), as
+    the first row of a width-16 verify block, over a larger span, and with 63 other slots in the batch: the
+    chunking depends on nothing but the keys (what lets greedy spec decoding with the kernel equal AR's output)."""
+    from adaflash_ray.kernels.decode_attention import decode_attention
+
+    _, _, _, hq, hkv, d, _ = shape
+    rep, p = hq // hkv, 300
+    g = torch.Generator(device="cuda").manual_seed(1)
+    kc = torch.randn(64, 1024, hkv, d, device="cuda", generator=g).bfloat16()
+    vc = torch.randn(64, 1024, hkv, d, device="cuda", generator=g).bfloat16()
+    q16 = torch.randn(64, hkv, 16 * rep, d, device="cuda", generator=g).bfloat16()
+
+    def row(batch, width, span):
+        pos = (p + torch.arange(width, device="cuda")).expand(batch, width).contiguous()
+        out = decode_attention(q16[:batch, :, : width * rep].contiguous(), kc, vc,
+                               torch.arange(batch, device="cuda"), pos, span)
+        return out[0, 0]
+
+    base = row(1, 1, p + 1)
+    for batch, width, span in [(1, 1, 1024), (1, 16, p + 16), (64, 1, p + 1), (64, 16, 1024), (7, 3, 517)]:
+        assert torch.equal(row(batch, width, span), base), (batch, width, span)
+
+
 def _small_target(shape_name: str, layers: int, device: str, dtype: torch.dtype):
     from adaflash_ray.shapes import SHAPES as REAL, build_random_target
 
