@@ -4,7 +4,7 @@ summary line, the run directory, that every published version reached the worker
 in the job log, and that Ray's listening sockets are on loopback only; then a second job starting from the
 first one's final checkpoint, after which no actor, placement group or object-store growth is left
 (soak). The first job is the golden cpu_tiny run: its loss curve and summary are checked against
-tests/golden/cpu_tiny.json (tests/test_golden.py). Slow (~3-4 minutes on 2 cores)."""
+tests/golden/cpu_tiny.json (compared by tests/test_golden.py). Slow (~3-4 minutes on 2 cores)."""
 from __future__ import annotations
 
 import json
@@ -159,8 +159,20 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
 
         golden_sets = [a for o in OVERRIDES if not o.startswith("logging.wandb_mode=") for a in ("--set", o)]
         job, summary = submit("--run-dir", str(run_dir), "--set", "logging.wandb_mode=offline", *golden_sets,
-                              "--set", "logging.progress=true", "--set", "logging.progress_every_s=5")
+                              "--set", "logging.progress=true", "--set", "logging.progress_every_s=5",
+                              "--set", "distill.weight_sync=collective")
         assert summary["final_version"] == 3
+        # distill.weight_sync collective (gloo here, NCCL on GPUs): every version reaches every worker through the
+        # broadcast (no object-store fallback) with the published checksum
+        ws = summary["weight_sync"]
+        assert ws["mode"] == "collective" and ws["num_fallbacks"] == 0
+        assert ws["path"] == {str(v): "collective" for v in range(1, summary["final_version"] + 1)}
+        assert all(0 < s < 60 for s in ws["broadcast_s"].values()) and ws["num_bytes"] > 0
+        sends = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        sends = [r for r in sends if r["kind"] == "train" and "sync/collective_ok" in r]
+        assert [r["sync/collective_ok"] for r in sends] == [1.0] * summary["final_version"]
+        assert all(r["sync/num_workers_ok"] == r["sync/num_workers"] for r in sends)
+        assert summary == json.loads((run_dir / "summary.json").read_text())
         # no terminal under `ray job submit`: plain progress lines show the run moving (issue 9.6)
         progress = [ln for ln in job.stdout.splitlines() if ln.startswith("progress ")]
         assert len(progress) >= 2 and "version 3/3" in progress[-1] and "trainer_util" in progress[0], progress
@@ -284,45 +296,30 @@ def test_plain_progress_lines_without_a_terminal():
 
 
 @pytest.mark.slow
-def test_two_trainers_zero3_run_publish_and_clean_up(tmp_path):
-    """Issue 9.8 end to end: the main job with 2 DeepSpeed trainer ranks under ZeRO-3 (gloo, one process
-    group over a rendezvous file): both ranks train in lockstep, every rank gathers at publication (no
-    deadlock), every version reaches the worker, and the rendezvous file is gone afterwards."""
+def test_warm_start_stage_publishes_version_1_before_on_policy(tmp_path):
+    """distill.warm_start on cpu_tiny with the cost policy, on 2 DeepSpeed trainer ranks under ZeRO-3 (gloo, one
+    process group over a rendezvous file): the trainers decode target text themselves (AR, no drafter), train on it
+    and publish version 1 before any worker is fed; on-policy training then continues from version 1 to
+    num_versions, both ranks in lockstep, every rank gathering at publication (no deadlock), every version saved,
+    evaluated and loaded by the workers; a quarter of the requests sampled; the rendezvous file is gone afterwards.
+    The trainer trains the acceptance head (the cost policy's), which every worker hot-loads with the drafter."""
     import glob
+    import json
     import tempfile
 
     from adaflash_ray.config import load_recipe
     from adaflash_ray.pipeline import run
 
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "adaflash_pg_*")))
-    cfg = load_recipe("recipes/cpu_tiny.yaml", ["placement.num_trainers=2", "distill.zero_stage=3",
-                                                "distill.num_versions=2", "logging.wandb_mode=disabled",
-                                                "data.num_eval_prompts=2", "data.eval_max_new_tokens=16"])
-    summary = run(cfg, tmp_path / "run")
-    assert summary["final_version"] == 2 and summary["workers_loaded_final"] is True
-    assert summary["versions_rising"] is True and summary["train_steps"] == 4
-    assert set(summary["eval_tau"]) == {"0", "1", "2"}
-    left = set(glob.glob(os.path.join(tempfile.gettempdir(), "adaflash_pg_*"))) - before
-    assert not left, f"rendezvous files left behind: {left}"
-
-
-@pytest.mark.slow
-def test_warm_start_stage_publishes_version_1_before_on_policy(tmp_path):
-    """distill.warm_start on cpu_tiny with the cost policy: the trainer decodes target text itself (AR, no drafter),
-    trains on it and publishes version 1 before any worker is fed; on-policy training then continues from version 1
-    to num_versions, every version saved, evaluated and loaded by the workers; a quarter of the requests sampled.
-    The trainer trains the acceptance head (the cost policy's), which every worker hot-loads with the drafter."""
-    import json
-
-    from adaflash_ray.config import load_recipe
-    from adaflash_ray.pipeline import run
-
     cfg = load_recipe("recipes/cpu_tiny.yaml", [
         "distill.warm_start=true", "distill.warm_start_prompts=6", "distill.warm_start_generate_s=30",
         "distill.warm_start_train_s=8", "distill.num_versions=2", "data.sample_fraction=0.25",
         "logging.wandb_mode=disabled", "data.num_eval_prompts=2", "data.eval_max_new_tokens=16",
-        "length_head.policy=cost"])
+        "length_head.policy=cost", "placement.num_trainers=2", "distill.zero_stage=3"])
     summary = run(cfg, tmp_path / "run")
+    left = set(glob.glob(os.path.join(tempfile.gettempdir(), "adaflash_pg_*"))) - before
+    assert not left, f"rendezvous files left behind: {left}"
+    assert len(summary["warm_start"]["ranks"]) == 2, summary["warm_start"]
     warm = summary["warm_start"]
     assert warm is not None and warm["ranks"][0]["version"] == 1 and warm["ranks"][0]["num_requests"] >= 1
     assert warm["ranks"][0]["steps"] >= 1
