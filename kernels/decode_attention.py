@@ -47,10 +47,13 @@ def decode_attention_ref(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return folded_attention(qg, k_cache[rows, :span], v_cache[rows, :span], mask, w)
 
 
-def default_num_splits(batch: int, num_kv_heads: int, span: int, block_n: int = 64, num_sms: int = 132) -> int:
-    """Chunks per (row, KV head): enough programs to fill ``num_sms`` about twice, at least one key block each."""
-    want = max(1, math.ceil(2 * num_sms / max(1, batch * num_kv_heads)))
-    return max(1, min(want, math.ceil(span / block_n)))
+def default_num_splits(span: int, block_n: int = 64) -> int:
+    """Chunks per (row, KV head): one per ``block_n`` keys of ``span``. The chunk is ``block_n`` keys whatever the
+    batch, width or span, so a query row's partial sums - and their merge - are the same operations in every forward
+    that reads its keys: keys past a row's position fall in chunks that contribute exactly 0 to the merge. One
+    position's attention is then the same bits in an AR step, a verify block and any batch (a batch-dependent chunk
+    changes the reduction order: greedy bf16 output would stop being AR's token for token)."""
+    return max(1, math.ceil(span / block_n))
 
 
 if HAVE_TRITON:
@@ -139,7 +142,8 @@ def decode_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                      block_n: int = 64, max_width: int = 16) -> torch.Tensor:
     """Split-K :func:`decode_attention_ref` (same arguments and result; two launches, no K/V copy, no mask tensor).
 
-    ``num_splits`` (host int) defaults to :func:`default_num_splits` with the device's multiprocessor count.
+    ``num_splits`` (host int) defaults to :func:`default_num_splits` (``block_n`` keys a chunk: batch-, width- and
+    span-invariant results per query row; another value trades that for fewer partials).
     Every query row must see at least one key (positions >= 0), as in the reference. ``head_dim`` must be a power
     of two >= 16 and ``W*rep <= 128``; the query-row tile is the next power of two >= ``W*rep`` (:func:`block_rows`),
     and the first call compiles the tiles of every width up to ``max_width`` (so a CUDA-graph capture of a new
@@ -164,8 +168,7 @@ def decode_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if b == 0:
         return out
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(qg.device).multi_processor_count if qg.is_cuda else 132
-        num_splits = default_num_splits(b, hkv, span, block_n, sms)
+        num_splits = default_num_splits(span, block_n)
     positions, rows = positions.contiguous(), rows.contiguous()
     _compile_variants(qg, k_cache, v_cache, rows, positions, rep, block_n, max_width)
     _launch(qg, k_cache, v_cache, rows, positions, span, num_splits, block_n, out)

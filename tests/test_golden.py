@@ -38,10 +38,8 @@ import json
 import os
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden" / "cpu_tiny.json"
-RECIPE = ROOT / "recipes" / "cpu_tiny.yaml"
 # Deterministic on purpose: no sink outside the run directory; no replay (with replay a step takes whatever
 # fresh trajectories arrived in its 0.2 s wait - thread timing: a collective-weight-sync run changed step 2's
 # batch 1 time in 3); no τ canary (its decodes share worker 0's slots at moments set by thread timing, which
