@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Where the cost policy's γ = 0 step loses time against the AR step, and the Qwen3-8B shape with the split-K attention
+# on: one call on ONE GPU, right after the install step of scripts/gpu_main_job.sh (carry [".gpu_stage"]):
+#   bash scripts/gpu_main_job.sh a && ADAFLASH_COMMIT=<sha> bash scripts/gpu_host_overhead.sh
+# Steps (each under its own timeout), all into $OUT/host_overhead.tar.gz:
+# 1. scripts/time_graph_replay.py: each captured graph's replay, host and device, ar vs gamma0  -> replay.jsonl
+# 2. scripts/profile_step_phases.py ar gamma0, batch 1 and 64, --sync (device time inside launch) -> phases_sync.log
+# 3. the same without --sync, under cProfile                                                       -> phases_cprofile.log
+# 4. python -m adaflash_ray.bench --shape qwen3-8b, ADAFLASH_FUSED_ATTENTION=off then on            -> bench_8b_*.json/.log
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+# shellcheck source=scripts/gpu_main_job.sh
+source scripts/gpu_main_job.sh
+env_setup
+OUT="${OUT:-/tmp/gpu_host_overhead_out}"
+W="$(mktemp -d)"
+mkdir -p "$OUT"
+echo "commit ${ADAFLASH_COMMIT:-unknown}" > "$W/steps.txt"
+step() {  # step NAME TIMEOUT_S CMD...
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  timeout "$limit" "$@"
+  echo "$name: rc $?, $(( $(date +%s) - t0 )) s" | tee -a "$W/steps.txt"
+}
+step replay 70 bash -c "python3 scripts/time_graph_replay.py --batch 1 64 > '$W/replay.jsonl' 2> '$W/replay.err'"
+cat "$W/replay.jsonl"
+step phases_sync 100 bash -c "python3 scripts/profile_step_phases.py --methods ar gamma0 --batch 1 64 --sync \
+  > '$W/phases_sync.log' 2>&1"
+grep -E "^(ar|gamma0) |gamma0 host" "$W/phases_sync.log"
+step phases_cprofile 80 bash -c "python3 scripts/profile_step_phases.py --methods ar gamma0 --batch 1 64 \
+  --cprofile ar gamma0 > '$W/phases_cprofile.log' 2>&1"
+grep -E "^(ar|gamma0) |gamma0 host" "$W/phases_cprofile.log"
+for split in off on; do
+  step "bench_8b_$split" 110 bash -c "ADAFLASH_FUSED_ATTENTION=$split python3 -m adaflash_ray.bench --shape qwen3-8b \
+    --concurrency 1 8 64 --max-new-tokens 32 --num-iters 10 --out '$W/bench_8b_$split.json' > '$W/bench_8b_$split.log' 2>&1"
+  grep -E "ar |dflash|floor" "$W/bench_8b_$split.log" | head -8
+done
+cat "$W/steps.txt"
+tar -czf "$OUT/host_overhead.tar.gz" -C "$W" . && ls -la "$OUT"
