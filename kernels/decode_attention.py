@@ -69,7 +69,7 @@ if HAVE_TRITON:
         split = tl.program_id(1)
         b = bh // HKV
         g = bh % HKV
-        offs_m = tl.arange(0, BLOCK_M)
+        offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # this row tile's folded query rows
         offs_d = tl.arange(0, D)
         m_ok = offs_m < rows_per_head
         q = tl.load(q_ptr + b * stride_qb + g * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
@@ -102,14 +102,14 @@ if HAVE_TRITON:
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
             m_i = m_new
             n0 += BLOCK_N
-        part = bh * num_splits + split  # partials [B*HKV, splits, BLOCK_M, (D | 2)]
-        tl.store(acc_ptr + (part * BLOCK_M + offs_m[:, None]) * D + offs_d[None, :], acc)
-        tl.store(ml_ptr + (part * BLOCK_M + offs_m) * 2, m_i)
-        tl.store(ml_ptr + (part * BLOCK_M + offs_m) * 2 + 1, l_i)
+        part = bh * num_splits + split  # partials [B*HKV, splits, W*rep, (D | 2)]: the real rows only
+        tl.store(acc_ptr + (part * rows_per_head + offs_m[:, None]) * D + offs_d[None, :], acc, mask=m_ok[:, None])
+        tl.store(ml_ptr + (part * rows_per_head + offs_m) * 2, m_i, mask=m_ok)
+        tl.store(ml_ptr + (part * rows_per_head + offs_m) * 2 + 1, l_i, mask=m_ok)
 
     @triton.jit(do_not_specialize=["width", "num_splits", "rows_per_head"])
     def _merge_kernel(acc_ptr, ml_ptr, out_ptr, width, num_splits, rows_per_head, HKV: tl.constexpr,
-                      REP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr):
+                      REP: tl.constexpr, D: tl.constexpr):
         bh = tl.program_id(0).to(tl.int64)
         row = tl.program_id(1)  # one folded query row t*REP + r
         b = bh // HKV
@@ -119,13 +119,13 @@ if HAVE_TRITON:
         m_max = tl.full([1], -1.0e30, tl.float32)
         s = num_splits * 0  # a tensor loop counter (while: see the split kernel)
         while s < num_splits:
-            m_max = tl.maximum(m_max, tl.load(ml_ptr + ((bh * num_splits + s) * BLOCK_M + row) * 2 + one))
+            m_max = tl.maximum(m_max, tl.load(ml_ptr + ((bh * num_splits + s) * rows_per_head + row) * 2 + one))
             s += 1
         num = tl.zeros([D], tl.float32)
         den = tl.zeros([1], tl.float32)
         s = num_splits * 0  # a tensor loop counter (while: see the split kernel)
         while s < num_splits:
-            base = (bh * num_splits + s) * BLOCK_M + row
+            base = (bh * num_splits + s) * rows_per_head + row
             wgt = tl.exp2(tl.load(ml_ptr + base * 2 + one) - m_max)
             num += tl.load(acc_ptr + base * D + offs_d) * wgt
             den += tl.load(ml_ptr + base * 2 + 1 + one) * wgt
@@ -145,10 +145,10 @@ def decode_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     ``num_splits`` (host int) defaults to :func:`default_num_splits` (``block_n`` keys a chunk: batch-, width- and
     span-invariant results per query row; another value trades that for fewer partials).
     Every query row must see at least one key (positions >= 0), as in the reference. ``head_dim`` must be a power
-    of two >= 16 and ``W*rep <= 128``; the query-row tile is the next power of two >= ``W*rep`` (:func:`block_rows`),
-    and the first call compiles the tiles of every width up to ``max_width`` (so a CUDA-graph capture of a new
+    of two >= 16 and ``W*rep <= 128``; the query rows go in tiles of :func:`block_rows` rows (16 or 32: the same
+    instruction path for every width, so a row's bits do not depend on the width it is verified in), and the first call compiles the tiles of every width up to ``max_width`` (so a CUDA-graph capture of a new
     width finds its kernel compiled). No host synchronisation; scratch
-    ``[B*Hkv, splits, M, D + 2]`` float32 comes from the caching allocator (CUDA-graph capturable). On CUDA the
+    ``[B*Hkv, splits, W*rep, D + 2]`` float32 (the real rows only) comes from the caching allocator (CUDA-graph capturable). On CUDA the
     float32 path's dot products run in TF32 (Triton's default); the engine's bf16 path is unaffected.
 
     Raises:
@@ -175,10 +175,17 @@ def decode_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
+#: the largest query-row tile. A 64-row tile's dot products take another instruction path on sm_90 (wgmma): its
+#: rows' sums are not the 16- and 32-row tiles' bits, so a width-16 verify row would differ from the AR step's.
+MAX_BLOCK_ROWS = 32
+
+
 def block_rows(m: int) -> int:
-    """The query-row tile of ``m = W * rep`` folded query rows: the next power of two >= max(m, 16) (a tile per
-    width bucket, so a decode step's ``rep`` rows do not pay for a 16-position tile)."""
-    return max(16, triton.next_power_of_2(m)) if HAVE_TRITON else max(16, 1 << max(0, (m - 1).bit_length()))
+    """The query-row tile of ``m = W * rep`` folded query rows: the next power of two >= max(m, 16), at most
+    :data:`MAX_BLOCK_ROWS` (more rows take several tiles; a decode step's ``rep`` rows do not pay for a 16-position
+    tile)."""
+    p2 = triton.next_power_of_2(m) if HAVE_TRITON else 1 << max(0, (m - 1).bit_length())
+    return min(MAX_BLOCK_ROWS, max(16, p2))
 
 
 _COMPILED: set = set()
@@ -213,13 +220,12 @@ def _launch(qg, k_cache, v_cache, rows, positions, span: int, num_splits: int, b
     chunk = triton.cdiv(triton.cdiv(span, num_splits), block_n) * block_n
     num_splits = triton.cdiv(span, chunk)
     block_m = block_rows(m)
-    acc = torch.empty((b * hkv, num_splits, block_m, d), dtype=torch.float32, device=qg.device)
-    ml = torch.empty((b * hkv, num_splits, block_m, 2), dtype=torch.float32, device=qg.device)
+    acc = torch.empty((b * hkv, num_splits, m, d), dtype=torch.float32, device=qg.device)
+    ml = torch.empty((b * hkv, num_splits, m, 2), dtype=torch.float32, device=qg.device)
     qk_scale = (1.0 / math.sqrt(d)) * 1.4426950408889634  # log2(e): exp2 in the kernel
-    _split_kernel[(b * hkv, num_splits)](
+    _split_kernel[(b * hkv, num_splits, triton.cdiv(m, block_m))](
         qg, k_cache, v_cache, rows, positions, acc, ml, span, chunk, w, num_splits, m, qg.stride(0), qg.stride(1),
         qg.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), qk_scale, HKV=hkv, REP=rep, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=8 if d >= 128 else 4, num_stages=2)  # sm_90 ptxas: D=128 at 4 warps spills (255 registers)
-    _merge_kernel[(b * hkv, m)](acc, ml, out, w, num_splits, m, HKV=hkv, REP=rep, D=d, BLOCK_M=block_m,
-                                num_warps=1)
+    _merge_kernel[(b * hkv, m)](acc, ml, out, w, num_splits, m, HKV=hkv, REP=rep, D=d, num_warps=1)

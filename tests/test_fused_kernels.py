@@ -150,27 +150,31 @@ def test_decode_attention_gpu(shape, batch, width, span):
 @needs_gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
 def test_decode_attention_row_is_the_same_bits_in_every_forward_gpu(shape):
-    """One query row's split-K attention (bf16) is bitwise the same alone (the AR step: width 1, span p + 1), as
-    the first row of a width-16 verify block, over a larger span, and with 63 other slots in the batch: the
-    chunking depends on nothing but the keys (what lets greedy spec decoding with the kernel equal AR's output)."""
+    """Every query row's split-K attention (bf16) is bitwise the same alone (the AR step: width 1, span p + 1) as at
+    any place of a verify block (widths 3, 8 and 16: 16- and 32-row tiles, two tiles), over a larger span, and with
+    other slots in the batch: the chunking and the instruction path depend on nothing but the keys (what lets greedy
+    spec decoding with the kernel equal AR's output). Queries at 1x and 6x scale (flat and peaked softmax)."""
     from adaflash_ray.kernels.decode_attention import decode_attention
 
     _, _, _, hq, hkv, d, _ = shape
-    rep, p = hq // hkv, 300
-    g = torch.Generator(device="cuda").manual_seed(1)
-    kc = torch.randn(64, 1024, hkv, d, device="cuda", generator=g).bfloat16()
-    vc = torch.randn(64, 1024, hkv, d, device="cuda", generator=g).bfloat16()
-    q16 = torch.randn(64, hkv, 16 * rep, d, device="cuda", generator=g).bfloat16()
+    rep = hq // hkv
+    for seed, p, scale in ((1, 300, 1.0), (2, 250, 6.0), (3, 61, 6.0)):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        kc = torch.randn(64, 1024, hkv, d, device="cuda", generator=g).bfloat16()
+        vc = torch.randn(64, 1024, hkv, d, device="cuda", generator=g).bfloat16()
+        q = (scale * torch.randn(64, hkv, 16, rep, d, device="cuda", generator=g)).bfloat16()  # [B, Hkv, t, r, D]
 
-    def row(batch, width, span):
-        pos = (p + torch.arange(width, device="cuda")).expand(batch, width).contiguous()
-        out = decode_attention(q16[:batch, :, : width * rep].contiguous(), kc, vc,
-                               torch.arange(batch, device="cuda"), pos, span)
-        return out[0, 0]
+        def rows_at(batch, start, width, span):  # positions start..start+width-1 of slot 0: [width, Hq*D]
+            pos = (p + start + torch.arange(width, device="cuda")).expand(batch, width).contiguous()
+            qg = q[:batch, :, start:start + width].reshape(batch, hkv, width * rep, d).contiguous()
+            return decode_attention(qg, kc, vc, torch.arange(batch, device="cuda"), pos, span)[0]
 
-    base = row(1, 1, p + 1)
-    for batch, width, span in [(1, 1, 1024), (1, 16, p + 16), (64, 1, p + 1), (64, 16, 1024), (7, 3, 517)]:
-        assert torch.equal(row(batch, width, span), base), (batch, width, span)
+        ar = [rows_at(1, j, 1, p + j + 1)[0] for j in range(16)]  # the AR steps
+        for batch, start, width, span in [(1, 0, 1, 1024), (1, 0, 16, p + 16), (64, 0, 16, 1024), (7, 0, 3, 517),
+                                          (1, 0, 8, p + 64), (3, 4, 8, p + 12), (64, 0, 1, p + 1)]:
+            got = rows_at(batch, start, width, span)
+            for j in range(width):
+                assert torch.equal(got[j], ar[start + j]), (seed, batch, start, width, span, j)
 
 
 def _small_target(shape_name: str, layers: int, device: str, dtype: torch.dtype):
