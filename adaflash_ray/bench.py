@@ -421,6 +421,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                            # wall ms per step kind (ar / gamma0 / probe / draft), prefill, catch-ups (SpecStats)
                            "step_timing": st.timing(), "guard": guard, "block_guard": block,
                            **request_spread(reqs, method != "ar")}
+                    # the engine's one decode / verify attention kernel (ModelRunner.split_k: split-K or SDPA)
+                    row["attention"] = "split_k" if engine_for(method).runner.split_k else "sdpa"
                     if with_corpus:
                         row["corpus_seed_sequences"] = len(seeds.get(domain, []))
                     if method == "ar":

@@ -175,17 +175,18 @@ def decode_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
-#: the largest query-row tile. A 64-row tile's dot products take another instruction path on sm_90 (wgmma): its
-#: rows' sums are not the 16- and 32-row tiles' bits, so a width-16 verify row would differ from the AR step's.
-MAX_BLOCK_ROWS = 32
+#: the largest query-row tile, by head_dim. A 64-row tile's dot products take another instruction path on sm_90
+#: (wgmma): its rows' sums are not the 16- and 32-row tiles' bits, so a width-16 verify row would differ from the AR
+#: step's. At head_dim 128 a 32-row tile spills registers (sm_90, 8 warps): 16 rows there.
+MAX_BLOCK_ROWS = {64: 32, 128: 16}
 
 
-def block_rows(m: int) -> int:
-    """The query-row tile of ``m = W * rep`` folded query rows: the next power of two >= max(m, 16), at most
-    :data:`MAX_BLOCK_ROWS` (more rows take several tiles; a decode step's ``rep`` rows do not pay for a 16-position
-    tile)."""
+def block_rows(m: int, d: int = 64) -> int:
+    """The query-row tile of ``m = W * rep`` folded query rows at head_dim ``d``: the next power of two >= max(m, 16),
+    at most :data:`MAX_BLOCK_ROWS` (32 up to head_dim 64, 16 above; more rows take several tiles, each reading the
+    chunk's keys; a decode step's ``rep`` rows do not pay for a 16-position tile)."""
     p2 = triton.next_power_of_2(m) if HAVE_TRITON else 1 << max(0, (m - 1).bit_length())
-    return min(MAX_BLOCK_ROWS, max(16, p2))
+    return min(MAX_BLOCK_ROWS[64] if d <= 64 else MAX_BLOCK_ROWS[128], max(16, p2))
 
 
 _COMPILED: set = set()
@@ -202,9 +203,9 @@ def _compile_variants(qg, k_cache, v_cache, rows, positions, rep: int, block_n: 
     _COMPILED.add(key)
     done = set()
     for w in range(1, max_width + 1):
-        if w * rep > 128 or block_rows(w * rep) in done:
+        if w * rep > 128 or block_rows(w * rep, d) in done:
             continue
-        done.add(block_rows(w * rep))
+        done.add(block_rows(w * rep, d))
         pos = positions[:1, :1].expand(1, w).contiguous()
         q = qg.new_zeros((1, hkv, w * rep, d))
         _launch(q, k_cache, v_cache, rows[:1], pos, min(block_n, k_cache.shape[1]), 1, block_n,
@@ -219,7 +220,7 @@ def _launch(qg, k_cache, v_cache, rows, positions, span: int, num_splits: int, b
     rep = m // w
     chunk = triton.cdiv(triton.cdiv(span, num_splits), block_n) * block_n
     num_splits = triton.cdiv(span, chunk)
-    block_m = block_rows(m)
+    block_m = block_rows(m, d)
     acc = torch.empty((b * hkv, num_splits, m, d), dtype=torch.float32, device=qg.device)
     ml = torch.empty((b * hkv, num_splits, m, 2), dtype=torch.float32, device=qg.device)
     qk_scale = (1.0 / math.sqrt(d)) * 1.4426950408889634  # log2(e): exp2 in the kernel

@@ -121,7 +121,7 @@ doc = json.load(open(sys.argv[1]))
 for r in doc["rows"]:
     print(f"{r['domain']:5s} c={r['concurrency']:<3d} {r['method']:14s} tau {r['tau'] or 0:5.2f} "
           f"{r['ms_per_step']:6.2f} ms/step {r['tokens_per_s']:9.1f} tok/s x{r['speedup_vs_ar'] or 0:4.2f} "
-          f"lossless {r['lossless']} ({r.get('match_rate')}) sources {r.get('source_hist')} "
+          f"lossless {r['lossless']} ({r.get('match_rate')}) {r.get('attention')} sources {r.get('source_hist')} "
           f"repeats {[round(x) for x in r.get('repeat_tokens_per_s', [])]}")
 EOF
 done

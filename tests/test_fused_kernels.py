@@ -391,10 +391,10 @@ def test_kernels_compile_for_sm90(tmp_path):
                           {"HQ": heads, "HKV": hkv, "REP": max(1, heads // hkv), "D": d, "HALF": d // 2,
                            "BLOCK_HALF": d // 2, "QK_NORM": qk or heads == 0}, 2))
         rep = hq // hkv
-        for bm in sorted({da.block_rows(w * rep) for w in range(1, 17)}):  # every query-row tile a width needs
+        for bm in sorted({da.block_rows(w * rep, d) for w in range(1, 17)}):  # every query-row tile a width needs
             cases.append((da._split_kernel, {"HKV": hkv, "REP": rep, "D": d, "BLOCK_M": bm, "BLOCK_N": 64},
                           8 if d >= 128 else 4))
-            cases.append((da._merge_kernel, {"HKV": hkv, "REP": rep, "D": d, "BLOCK_M": bm}, 1))
+        cases.append((da._merge_kernel, {"HKV": hkv, "REP": rep, "D": d}, 1))
     for kernel, consts, warps in cases:
         sig = {n: "constexpr" if n in consts else _arg_type(n) for n in kernel.arg_names}
         out = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
@@ -422,14 +422,13 @@ def test_cpu_default_stays_reference(monkeypatch):
 
 
 def test_split_k_choice_follows_the_mode_and_the_calibration(monkeypatch):
-    """``fused_attention`` off by default; auto: split-K only where the calibration table chose it, looked up at the smallest
-    calibrated (batch, width) at or above the step's (none: SDPA); on / off (or the environment variable) override
-    it; a width the kernel does not take never uses it; a bad value is refused with its name."""
+    """``fused_attention`` auto by default; a forward without the engine's choice: split-K only where the calibration
+    table chose it, looked up at the smallest calibrated (batch, width) at or above the step's (none: SDPA); on / off
+    (or the environment variable) override it; a width the kernel does not take never uses it; a bad value is refused
+    with its name."""
     monkeypatch.delenv("ADAFLASH_FUSED_ATTENTION", raising=False)
     t = _small_target("tiny", 1, "cpu", torch.float32)
-    assert t.attention_mode() == "off" and not t._split_k(1, 1)  # the default: SDPA
-    t.fused_attention = "auto"
-    assert t.attention_mode() == "auto" and not t._split_k(1, 1)  # not calibrated: SDPA
+    assert t.attention_mode() == "auto" and not t._split_k(1, 1)  # the default; not calibrated: SDPA
     t.split_k_table = {(1, 1): True, (1, 16): False, (8, 1): True, (64, 1): False, (64, 16): False}
     assert t._split_k(1, 1) and not t._split_k(1, 2)  # (1, 2) -> (1, 16)
     assert t._split_k(2, 1) and t._split_k(8, 1) and not t._split_k(9, 1)  # (2, 1) -> (8, 1); (9, 1) -> (64, 1)
@@ -444,3 +443,17 @@ def test_split_k_choice_follows_the_mode_and_the_calibration(monkeypatch):
     monkeypatch.delenv("ADAFLASH_FUSED_ATTENTION")
     with pytest.raises(RuntimeError, match="CUDA"):
         t.calibrate_attention(t.new_kv_cache(2, 64), [1], [1], [64])
+
+
+def test_split_k_pays_only_when_faster_at_every_batch_size():
+    """The engine's one choice for all its steps: split-K iff, at each calibrated batch size, its times summed over the
+    widths and spans are below SDPA's; an empty calibration keeps SDPA."""
+    from adaflash_ray.models.target import split_k_pays
+
+    fast_small = {"1,1": {"sdpa_ms": [0.02, 0.03], "split_k_ms": [0.01, 0.02]},
+                  "1,16": {"sdpa_ms": [0.02, 0.03], "split_k_ms": [0.025, 0.03]}}  # one width slower, the sum faster
+    assert split_k_pays(fast_small)
+    slow_big = {**fast_small, "64,1": {"sdpa_ms": [0.05, 0.08], "split_k_ms": [0.07, 0.10]},
+                "64,16": {"sdpa_ms": [0.10, 0.20], "split_k_ms": [0.09, 0.19]}}  # batch 64: 0.45 ms vs 0.43 ms
+    assert not split_k_pays(slow_big)
+    assert not split_k_pays({})

@@ -56,7 +56,7 @@ from adaflash_ray.engine.sampling import (MAX_TOP_LOGPROBS, NEUTRAL_FLOATS, RowS
                                          SlotSampling, adjust_logits, choose_tokens, match_prefix, processed_probs,
                                          rejection_sample, sample_from, sample_inverse_cdf, window_counts)
 from adaflash_ray.models.drafter import DFlashDrafter
-from adaflash_ray.models.target import TargetModel, graph_replay_ms
+from adaflash_ray.models.target import TargetModel, graph_replay_ms, split_k_pays
 
 __all__ = ["ModelRunner", "StepKey", "StepResult", "processed_probs", "rejection_sample", "sample_from"]
 
@@ -111,6 +111,10 @@ class StepKey(NamedTuple):
 
 #: E[committed tokens] travel to the host as fixed-point integers in the step's one output buffer (int64)
 EXPECTED_SCALE = 1000
+
+
+#: the verify widths an ``auto`` attention choice is calibrated at (every width bucket the split-K kernel may take)
+SPLIT_K_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
 def _concat(parts: list[StepResult]) -> StepResult:
@@ -233,12 +237,24 @@ class ModelRunner:
             torch.cuda.manual_seed(seed)
         self._batch_buckets = _buckets(num_slots) if self.is_cuda else None
         self._width_buckets = [x for x in (1, 2, 3, 4, 6, 8, 12, 16) if x < nd + 1] + [nd + 1]
-        # the split-K decode attention where it measures faster than SDPA, per (batch, width) bucket (CUDA,
-        # fused kernels, ``fused_attention`` auto); {} = not calibrated
+        # one attention kernel for every decode / verify step (a verify row is then the AR step's bits): split-K
+        # (CUDA, fused kernels) with ``fused_attention`` on, or auto where the calibration at this engine's batch
+        # buckets (every width the kernel takes, whatever this engine's) measured it faster at each batch bucket
+        # (split_k_pays); else SDPA. The choice is kept on the target per batch buckets: engines of one target and
+        # batch size - a spec engine and its AR reference - attend alike. {} = not calibrated
         self.attention_calibration: dict = {}
-        if self.is_cuda and target.fused_kernels_active and target.attention_mode() == "auto":
-            self.attention_calibration = target.calibrate_attention(
-                self.kv, self._batch_buckets, self._width_buckets, [256, min(max_seq_len, 2048)])
+        self.split_k = False
+        if self.is_cuda and target.fused_kernels_active and target.split_k_supported(max(self._width_buckets)):
+            mode = target.attention_mode()
+            if mode == "on":
+                self.split_k = True
+            elif mode == "auto":
+                key = (tuple(self._batch_buckets), min(max_seq_len, 2048))
+                if key not in target.attention_choices:
+                    report = target.calibrate_attention(self.kv, self._batch_buckets, list(SPLIT_K_WIDTHS),
+                                                        [256, min(max_seq_len, 2048)])
+                    target.attention_choices[key] = (report, split_k_pays(report))
+                self.attention_calibration, self.split_k = target.attention_choices[key]
         self.graphs: dict[StepKey, torch.cuda.CUDAGraph] = {}
         # catch-up graphs per padded size: (rows buffer, positions buffer, pinned host staging [2, size], graph)
         self._catch_up_graphs: dict[int, tuple] = {}
@@ -432,7 +448,7 @@ class ModelRunner:
             point = torch.ones_like(pos, dtype=torch.bool)
         inp = torch.cat([anchor[:, None], d], 1)  # [B, W]
         out = self.target(inp, positions, cache=self.kv, capture_layer_ids=self.layer_ids, span=span,
-                          rows_are_slots=True, logits_dtype=None)
+                          rows_are_slots=True, logits_dtype=None, split_k=self.split_k)
         extra = window_counts(d, w, out.logits.shape[-1]) if penalties else None
         logits = adjust_logits(out.logits, rs, ar[None], extra)  # [B, W, V]
         live = ar[None, :g_max] < gamma[:, None]  # [B, Γ]
@@ -794,7 +810,7 @@ class ModelRunner:
 
         def fn():
             out = self.target(inp, positions, cache=self.kv, capture_layer_ids=self.layer_ids, span=span,
-                              rows_are_slots=True, logits_dtype=None)
+                              rows_are_slots=True, logits_dtype=None, split_k=self.split_k)
             return out.logits.argmax(-1)
         return self._time(fn, num_iters, reduce)
 

@@ -149,6 +149,20 @@ class TargetOutput:
     last_hidden: torch.Tensor
 
 
+def split_k_pays(report: dict) -> bool:
+    """Whether one engine should attend with the split-K kernel in every decode / verify step: ``report`` is
+    :meth:`TargetModel.calibrate_attention`'s (``{"batch,width": {"sdpa_ms": [...], "split_k_ms": [...]}}``); True iff
+    at every calibrated batch size the split-K times, summed over its widths and spans, are below SDPA's (an empty
+    report: False). One kernel for all steps keeps a verify row the AR step's bits; the sum weighs the widths a step
+    may take alike."""
+    by_batch: dict[str, list[float]] = {}
+    for key, row in report.items():
+        acc = by_batch.setdefault(key.split(",")[0], [0.0, 0.0])
+        acc[0] += sum(row["split_k_ms"])
+        acc[1] += sum(row["sdpa_ms"])
+    return bool(by_batch) and all(split < sdpa for split, sdpa in by_batch.values())
+
+
 class KVCache:
     """Static per-slot KV cache: ``k, v`` of shape ``[L, num_slots, max_seq_len, Hkv, D]``.
 
@@ -207,14 +221,19 @@ class TargetModel(nn.Module):
         self.fused_kernels = "auto"
         self.fused_kernels_active = False  # set by use_fused_kernels
         #: split-K decode attention (adaflash_ray/kernels/decode_attention.py) on rows-are-slots forwards of width
-        #: <= 16 when the fused kernels are on: ``off`` / False = never (the default), ``on`` / True = always,
-        #: ``auto`` = where :meth:`calibrate_attention` measured it faster than SDPA (nowhere before a calibration);
-        #: ``ADAFLASH_FUSED_ATTENTION`` (auto / on / off, or 1 / 0) overrides it. Opt-in: the split-K sums are not
-        #: SDPA's bit for bit, and ``auto`` mixes the two kernels across widths, so a bf16 verify forward can
-        #: differ from the AR step at near-tied logits and greedy output is then not AR's token for token
-        self.fused_attention: str | bool = "off"
+        #: <= 16 when the fused kernels are on: ``off`` / False = never, ``on`` / True = always, ``auto`` (the
+        #: default) = the engine's choice (:class:`~adaflash_ray.engine.runner.ModelRunner` calibrates both kernels
+        #: at its batch buckets and widths and takes split-K for every step iff it is faster at each batch bucket:
+        #: :func:`split_k_pays`); a forward called without the engine's choice uses split-K where
+        #: :meth:`calibrate_attention` measured it faster (nowhere before a calibration).
+        #: ``ADAFLASH_FUSED_ATTENTION`` (auto / on / off, or 1 / 0) overrides it. The split-K sums are not SDPA's
+        #: bit for bit: one engine uses one kernel for every step, so a verify row is the AR step's bits (greedy
+        #: output AR's token for token); mixing the two across widths or batches would break that
+        self.fused_attention: str | bool = "auto"
         #: (batch, width) -> split-K chosen, from :meth:`calibrate_attention`
         self.split_k_table: dict[tuple[int, int], bool] = {}
+        #: the engines' ``auto`` choices: (batch buckets, longest span timed) -> (calibration report, split-K for every step)
+        self.attention_choices: dict[tuple, tuple[dict, bool]] = {}
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -313,7 +332,8 @@ class TargetModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *, cache: KVCache | None = None,
                 slot_ids: torch.Tensor | None = None, capture_layer_ids: list[int] | None = None,
                 key_valid: torch.Tensor | None = None, compute_logits: bool = True, span: int | None = None,
-                rows_are_slots: bool = False, logits_dtype: torch.dtype | None = torch.float32) -> TargetOutput:
+                rows_are_slots: bool = False, logits_dtype: torch.dtype | None = torch.float32,
+                split_k: bool | None = None) -> TargetOutput:
         """Run the decoder on ``input_ids`` ``[B, W]`` at absolute ``positions`` ``[B, W]`` (int64).
 
         Without a cache: causal attention inside the input; ``key_valid`` ``[B, W]`` (bool) can mask
@@ -330,7 +350,9 @@ class TargetModel(nn.Module):
           prefill and tests). ``span`` defaults to ``max(positions) + 1`` (one host sync).
 
         ``logits_dtype``: float32 by default (tests, training); the engine passes None to keep the
-        model dtype (argmax and sampling do not need a float32 copy of ``[B, W, V]``).
+        model dtype (argmax and sampling do not need a float32 copy of ``[B, W, V]``). ``split_k``: with the fused
+        kernels, a rows-are-slots forward attends with the split-K kernel (True, where the kernel takes the width) or
+        SDPA (False); None = :attr:`fused_attention`'s per-(batch, width) rule.
         Returns :class:`TargetOutput`.
         """
         b, w = input_ids.shape
@@ -369,7 +391,8 @@ class TargetModel(nn.Module):
             def kv_io_for(i):
                 return lambda k, v: (k, v)
         fused = cache is not None and self._fused_path(x)
-        split_k = fused and rows_are_slots and self._split_k(b, w)  # the split-K kernel needs no mask
+        split_k = fused and rows_are_slots and (self._split_k(b, w) if split_k is None else  # no mask needed
+                                                split_k and self.split_k_supported(w))
         mask = None if split_k else gqa_mask(visible_of(), rep, x.dtype)  # once per forward, shared by every layer
         want = set(capture_layer_ids or [])
         captured: dict[int, torch.Tensor] = {}
