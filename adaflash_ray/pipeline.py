@@ -160,6 +160,7 @@ class Driver:
         self.eval_by_domain: dict[int, dict[str, float]] = {}  # version -> {domain: held-out τ}
         self.eval_full_block_by_domain: dict[str, float] = {}  # the final version's, at γ = block_size-1
         self.eval_baselines: dict[str, dict[str, float]] = {}  # {"ngram" | "suffix": {domain: τ}}, same outputs
+        self.num_cancelled = 0  # training prompts dropped from the workers' queues when training ended
         self.train_positions = 0.0  # rank 0's block positions trained (train/num_positions summed)
         self.step, self.last_loss = 0, None
         # requests open per worker (running + waiting), topped up every poll
@@ -222,6 +223,8 @@ class Driver:
                 if len(done) == len(self.group.runs):
                     break
             train_summary = ray.get(self.group.runs)
+            # training is over: the queued training prompts go first, so the last canary is not decoded behind them
+            self.num_cancelled = sum(ray.get([w.cancel_recorded.remote() for w in self.group.workers]))
             if self.canary.prompts:
                 self.check_canary(wait=True)
         self.train_wall_s = time.time() - self.t_train0
@@ -370,10 +373,11 @@ class Driver:
 
     # ------------------------------------------------------------------ after training
     def finish_training(self) -> dict:
-        """Drop the queued training prompts, log the trainers' last metrics and check that every worker holds
-        the serving version (the final one, or the one the canary kept) with its published sha256."""
+        """Log the trainers' last metrics (the queued training prompts were dropped when training ended) and check
+        that every worker holds the serving version (the final one, or the one the canary kept) with its published
+        sha256."""
         g = self.group
-        num_cancelled = sum(ray.get([w.cancel_recorded.remote() for w in g.workers]))
+        num_cancelled = self.num_cancelled + sum(ray.get([w.cancel_recorded.remote() for w in g.workers]))
         for m in ray.get(g.trainers[0].pop_metrics.remote()):
             self.sink.log(m, kind="train")
         loaded = ray.get([w.loaded_version.remote() for w in g.workers])

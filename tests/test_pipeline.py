@@ -1,9 +1,8 @@
 """The main job end to end through a real Ray cluster: ``ray start --head`` on 127.0.0.1, then
 ``ray job submit -- python -m adaflash_ray.pipeline --recipe recipes/cpu_tiny.yaml``. Checks the
 summary line, the run directory, that every published version reached the worker, plain progress lines
-in the job log, and that Ray's listening sockets are on loopback only; then a second job starting from the
-first one's final checkpoint, after which no actor, placement group or object-store growth is left
-(soak). The first job is the golden cpu_tiny run: its loss curve and summary are checked against
+in the job log, and that Ray's listening sockets are on loopback only; then a second job, ``--resume`` of the
+first to one more version, after which no actor, placement group or object-store growth is left (soak). The first job is the golden cpu_tiny run: its loss curve and summary are checked against
 tests/golden/cpu_tiny.json (compared by tests/test_golden.py). Slow (~3-4 minutes on 2 cores)."""
 from __future__ import annotations
 
@@ -144,9 +143,10 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
         assert all(_is_loopback(a) for a in listening), f"Ray listens beyond loopback: {listening}"
         run_dir = tmp_path / "run"
 
-        def submit(*args: str):
+        def submit(*args: str, recipe: bool = True):
             cmd = [RAY, "job", "submit", f"--address=http://127.0.0.1:{dash_port}", "--working-dir", str(ROOT),
-                   "--", sys.executable, "-m", "adaflash_ray.pipeline", "--recipe", "recipes/cpu_tiny.yaml", *args]
+                   "--", sys.executable, "-m", "adaflash_ray.pipeline",
+                   *(("--recipe", "recipes/cpu_tiny.yaml") if recipe else ()), *args]
             deadline = time.time() + 180
             while True:  # the head's job agent may still be starting: Ray answers "No available agent"
                 job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
@@ -196,24 +196,19 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
         assert all(_is_loopback(a) for a in listening), f"Ray listens beyond loopback: {listening}"
         check_golden(summary, rd)  # the same recipe and seed as tests/test_golden.py: the same loss curve
 
-        # soak (issue 9.7): a second job on the same cluster, starting from the first one's final checkpoint;
-        # afterwards no actor or placement group is left and the object store did not grow
-        # Job 2 publishes one version: what its check needs (a version trained from the v3 start, hot-loaded by every
-        # worker), with the small held-out eval of the other pipeline tests (its start is checked on its v0
-        # checkpoint's tensors, not its τ). The cost policy's acceptance head end to end: the warm-start test.
+        # soak: a second job on the same cluster, `--resume` of the first to one more version (its trainer state,
+        # checkpoints and trajectory history); afterwards no actor or placement group is left and the object store
+        # did not grow. With the small held-out eval of the other pipeline tests.
         store_after_1 = _object_store_used(gcs_port, env)
-        small_eval = ("--set", "data.num_eval_prompts=2", "--set", "data.eval_max_new_tokens=16")
-        _, s2 = submit("--run-dir", str(tmp_path / "run2"), "--set", "logging.wandb_mode=disabled",
-                       "--set", f"drafter.init_path={rd / 'checkpoints' / 'v3'}", "--set", "distill.num_versions=1",
-                       *small_eval)
-        assert s2["final_version"] == 1 and s2["workers_loaded_final"] is True
-        import torch
-
-        from adaflash_ray.models import load_drafter_checkpoint
-
-        start, v3 = (load_drafter_checkpoint(d)[1] for d in (tmp_path / "run2" / "checkpoints" / "v0",
-                                                              rd / "checkpoints" / "v3"))
-        assert start.keys() == v3.keys() and all(torch.equal(start[k], v3[k]) for k in v3)  # it started from v3
+        _, s2 = submit("--resume", str(run_dir), "--set", "logging.wandb_mode=disabled",
+                       "--set", "distill.num_versions=4", "--set", "data.num_eval_prompts=2",
+                       "--set", "data.eval_max_new_tokens=16", recipe=False)
+        assert s2["final_version"] == 4 and set(s2["eval_tau"]) == {"0", "1", "2", "3", "4"}
+        assert s2["workers_loaded_final"] is True and s2["versions_rising"] is True
+        assert s2["train_steps"] > summary["train_steps"]  # the optimizer step count went on
+        assert s2["trajectories"]["counted_twice"] == 0
+        assert s2["trajectories"]["trained_fresh"] > summary["trajectories"]["trained_fresh"]  # the old ids kept
+        assert sorted(p.name for p in (rd / "checkpoints").iterdir()) == ["v0", "v1", "v2", "v3", "v4"]
         ours = {"InferenceWorker", "DistillTrainer", "TrajectoryBuffer", "WeightRegistry"}
         alive = [a for a in _ray_list("actors", dash_port, env) if a.get("class_name") in ours]
         assert alive == [], f"actors left alive after both jobs: {alive}"
