@@ -146,10 +146,11 @@ def decode_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     span-invariant results per query row; another value trades that for fewer partials).
     Every query row must see at least one key (positions >= 0), as in the reference. ``head_dim`` must be a power
     of two >= 16 and ``W*rep <= 128``; the query rows go in tiles of :func:`block_rows` rows (16 or 32: the same
-    instruction path for every width, so a row's bits do not depend on the width it is verified in), and the first call compiles the tiles of every width up to ``max_width`` (so a CUDA-graph capture of a new
-    width finds its kernel compiled). No host synchronisation; scratch
-    ``[B*Hkv, splits, W*rep, D + 2]`` float32 (the real rows only) comes from the caching allocator (CUDA-graph capturable). On CUDA the
-    float32 path's dot products run in TF32 (Triton's default); the engine's bf16 path is unaffected.
+    instruction path for every width, so a row's bits do not depend on the width it is verified in), and the first
+    call compiles the tiles of every width up to ``max_width`` (so a CUDA-graph capture of a new width finds its
+    kernel compiled). No host synchronisation; scratch ``[B*Hkv, splits, W*rep, D + 2]`` float32 (the real rows
+    only) comes from the caching allocator (CUDA-graph capturable). On CUDA the float32 path's dot products run in
+    TF32 (Triton's default); the engine's bf16 path is unaffected.
 
     Raises:
         RuntimeError: Triton is not installed.

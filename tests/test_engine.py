@@ -24,7 +24,7 @@ from conftest import greedy_reference, make_drafter, make_tiny_target
 from adaflash_ray.engine import SamplingParams, SpecEngine, Status
 from adaflash_ray.models.checkpoint import tensors_sha256
 
-REAL_NEW_TOKENS = 64
+REAL_NEW_TOKENS = 40
 
 
 # ----------------------------------------------------------------------------------- helpers
@@ -88,7 +88,7 @@ def outputs(reqs):
 # ----------------------------------------------------------------------------------- real model, greedy
 @pytest.fixture(scope="module")
 def real_ar(real_target, chat_prompts):
-    """Our engine's plain autoregressive greedy output: 8 chat prompts x 64 tokens (EOS ignored)."""
+    """Our engine's plain autoregressive greedy output: 8 chat prompts x REAL_NEW_TOKENS (40) tokens (EOS ignored)."""
     engine = SpecEngine(real_target, None, None, max_batch_size=8, max_seq_len=256)
     reqs = engine.generate(chat_prompts, SamplingParams(max_new_tokens=REAL_NEW_TOKENS, ignore_eos=True))
     assert all(r.finish_reason == "length" and len(r.output_ids) == REAL_NEW_TOKENS for r in reqs)
@@ -98,7 +98,7 @@ def real_ar(real_target, chat_prompts):
 
 @pytest.mark.parametrize("policy,block_size", [("fixed", 4), ("direct", 8), ("cost", 8)])
 def test_real_greedy_lossless_random_drafter(real_target, chat_prompts, real_ar, policy, block_size):
-    """8 prompts x 64 tokens, batch 8, random drafter: token for token the AR output."""
+    """8 prompts x 40 tokens, batch 8, random drafter: token for token the AR output."""
     drafter, head = make_drafter(real_target, block_size=block_size, policy=policy, seed=1)
     # the throughput guard off: its forced AR steps (a random drafter is slower than AR on CPU) would be γ = 0 below
     # the last token (tests/test_throughput_guard.py tests the guard, lossless included)

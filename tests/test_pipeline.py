@@ -2,7 +2,8 @@
 ``ray job submit -- python -m adaflash_ray.pipeline --recipe recipes/cpu_tiny.yaml``. Checks the
 summary line, the run directory, that every published version reached the worker, plain progress lines
 in the job log, and that Ray's listening sockets are on loopback only; then a second job, ``--resume`` of the
-first to one more version, after which no actor, placement group or object-store growth is left (soak). The first job is the golden cpu_tiny run: its loss curve and summary are checked against
+first to one more version, after which no actor, placement group or object-store growth is left (soak). The
+first job is the golden cpu_tiny run: its loss curve and summary are checked against
 tests/golden/cpu_tiny.json (compared by tests/test_golden.py). Slow (~3-4 minutes on 2 cores)."""
 from __future__ import annotations
 

@@ -236,7 +236,7 @@ def test_live_distillation_persists_and_resumes_the_learned_version(tmp_path):
     ``--resume RUN_DIR`` it serves version N from the first request (header and status route), without training
     further. The same directory without --resume, or a --resume of a non-run, is refused (exit 2)."""
     run_dir = tmp_path / "serve_run"
-    n = 2
+    n = 1  # one version learned live: what persisting and resuming need
     proc, url = _start_server(["--recipe", "recipes/cpu_tiny.yaml", "--set", "serve.distill=true",
                                "--set", f"serve.run_dir={run_dir}", "--set", f"distill.num_versions={n}",
                                "--set", "serve.api_key=secret-1", "--set", "logging.wandb_mode=disabled"], _free_port())

@@ -232,7 +232,8 @@ class TargetModel(nn.Module):
         self.fused_attention: str | bool = "auto"
         #: (batch, width) -> split-K chosen, from :meth:`calibrate_attention`
         self.split_k_table: dict[tuple[int, int], bool] = {}
-        #: the engines' ``auto`` choices: (batch buckets, longest span timed) -> (calibration report, split-K for every step)
+        #: the engines' ``auto`` choices: (batch buckets, longest span timed) -> (calibration report, split-K for
+        #: every step)
         self.attention_choices: dict[tuple, tuple[dict, bool]] = {}
 
     # ------------------------------------------------------------------ loading
