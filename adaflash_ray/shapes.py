@@ -189,7 +189,8 @@ def bench_shape(name: str, *, device: str = "cuda", dtype: torch.dtype = torch.b
     length policy (``SpecEngine.time_propose``) and ``propose_frac_of_ar`` = propose_ms / ar_step_ms;
     ``memory_floor_ms`` = :func:`decode_weight_bytes` / :func:`measure_copy_bandwidth`; ``attention_calibration``
     the spec engine's per-(batch, width) SDPA vs split-K timings (:meth:`TargetModel.calibrate_attention`; empty
-    off CUDA or with ``ADAFLASH_FUSED_ATTENTION`` on / off). ``use_cuda_graph``
+    off CUDA or with ``ADAFLASH_FUSED_ATTENTION`` on / off) and ``split_k`` its one kernel for every step
+    (``ModelRunner.split_k``). ``use_cuda_graph``
     goes to both engines (None = on for CUDA).
 
     Raises:
@@ -216,7 +217,7 @@ def bench_shape(name: str, *, device: str = "cuda", dtype: torch.dtype = torch.b
     verify_cost = {b: {w: engine.time_verify(b, w, num_iters=num_iters, context_len=context) for w in widths}
                    for b in batch_sizes}
     propose_ms = {b: engine.time_propose(b, num_iters=num_iters, context_len=context) for b in batch_sizes}
-    attention = engine.runner.attention_calibration
+    attention, split_k = engine.runner.attention_calibration, engine.runner.split_k
     del engine
     ar_engine = SpecEngine(target, None, None, policy="fixed", max_batch_size=bmax, max_seq_len=max_seq_len,
                            seed=seed, use_cuda_graph=use_cuda_graph)
@@ -234,7 +235,7 @@ def bench_shape(name: str, *, device: str = "cuda", dtype: torch.dtype = torch.b
         "verify_cost": {str(b): {str(w): ms for w, ms in row.items()} for b, row in verify_cost.items()},
         "propose_ms": {str(b): v for b, v in propose_ms.items()},
         "propose_frac_of_ar": {str(b): propose_ms[b] / ar_step[b] for b in batch_sizes},
-        "attention_calibration": attention,
+        "attention_calibration": attention, "split_k": split_k,
     }
 
 

@@ -20,8 +20,8 @@
 #   propose_kernel_counts.json        count_propose_kernels (drafter propose + context append) for both shapes,
 #                                     fused off/on, batch 1 and 8
 #   bench_<shape>_<mode>.json/.log   python -m adaflash_ray.bench --shape <shape>; mode off (ADAFLASH_FUSED_KERNELS=off),
-#                                     sdpa (kernels on, ADAFLASH_FUSED_ATTENTION=off), auto (kernels on, the split-K
-#                                     attention where the engine's calibration measured it faster)
+#                                     sdpa (kernels on, ADAFLASH_FUSED_ATTENTION=off), auto (kernels on, the engine's
+#                                     one kernel: split-K iff its calibration measured it faster at each batch bucket)
 #   attention_micro.json              one Qwen3-8B layer's attention: SDPA + mask vs the split-K kernel, ms per call
 #   summary.json                      AR step / verify ratio / propose ms and share off vs on, kernels per layer
 #                                     (target forward, drafter propose and append), commit
@@ -165,7 +165,8 @@ for shape in ("qwen3-8b", "smollm2-135m"):
             "ar_step_x_floor": {bs: v / b["memory_floor_ms"] for bs, v in b["ar_step_ms"].items()},
             "verify_w16_over_w1": {bs: row["16"] / row["1"] for bs, row in vc.items() if "16" in row},
             "propose_ms": b["propose_ms"], "propose_frac_of_ar": b["propose_frac_of_ar"],
-            "split_k_chosen": {k: v["split_k"] for k, v in b.get("attention_calibration", {}).items()}}
+            "split_k_faster": {k: v["split_k"] for k, v in b.get("attention_calibration", {}).items()},
+            "split_k": b.get("split_k")}
 p = os.path.join(k, "attention_micro.json")
 if os.path.exists(p):
     doc["attention_micro"] = json.load(open(p))
