@@ -168,7 +168,11 @@ SLOW_FILES = frozenset({"test_pipeline.py", "test_faults.py", "test_golden.py", 
 
 def pytest_collection_modifyitems(config, items):
     """Mark ``slow`` every test of :data:`SLOW_FILES` and every test that uses a :data:`SLOW_FIXTURES` fixture, so
-    ``python -m pytest -q -m "not slow"`` runs the unit tests on tiny random models and fakes alone."""
+    ``python -m pytest -q -m "not slow"`` runs the unit tests on tiny random models and fakes alone; skip the ``long``
+    tests unless ``ADAFLASH_LONG_TESTS=1`` (the default command, CI's, stays within its time box)."""
+    run_long = os.environ.get("ADAFLASH_LONG_TESTS") == "1"
     for item in items:
         if item.path.name in SLOW_FILES or SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        if not run_long and item.get_closest_marker("long") is not None:
+            item.add_marker(pytest.mark.skip(reason="a long end-to-end variant: ADAFLASH_LONG_TESTS=1 runs it"))

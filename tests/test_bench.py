@@ -27,6 +27,7 @@ def _last_json(capsys) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~50 s; the bench's CLI, rows and losslessness are also test_model_mode_draft_source_methods'
 def test_model_mode_rows_lossless_and_outputs(tmp_path, capsys):
     out, png = tmp_path / "res" / "bench.json", tmp_path / "bench.png"
     rc = main(["--concurrency", "1", "2", "--num-prompts", "2", "--max-new-tokens", "8", "--domains", "qa", "chat",

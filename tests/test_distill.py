@@ -887,6 +887,7 @@ def test_forward_train_flex_attention_equals_sdpa(target, trajectories):
         drafter.forward_train(batch.features, batch.input_ids, batch.anchors, attention="dense")
 
 
+@pytest.mark.long  # ~35 s of Inductor compiles on CPU; distill.compile_drafter is off by default
 def test_compiled_training_layers_equal_eager(target, trajectories):
     """``DFlashDrafter.compile_training`` (torch.compile, dynamic shapes; Inductor's C++ backend on CPU): the same
     hidden states and parameter gradients as the eager layers on two batches of different shapes (one compiled

@@ -40,6 +40,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~150 s; the Serve hot reload under traffic is also tests/test_serve.py's
 def test_short_sampled_soak(tmp_path):
     out = tmp_path / "soak.json"
     cmd = [sys.executable, "-m", "adaflash_ray.loadtest", "--soak", "--soak-steps", str(SOAK_STEPS),
