@@ -219,7 +219,7 @@ def test_source_histogram_counts():
     assert dict((s + s).source_hist) == {"ngram": 4, "none": 2, "dflash": 2}
 
 
-@pytest.mark.parametrize("where", ["host", "device"])
+@pytest.mark.parametrize("where", [pytest.param("host", marks=pytest.mark.long), "device"])  # host: ~30 s, long
 def test_sampled_lookup_drafts_follow_the_target(where):
     """Temperature 0.8, vocab 12, suffix drafts (host or device lookup) from a corpus of the target's own samples (a
     point-mass q, accepted and rejected both): the joint law of the first 4 generated tokens equals the target's (χ²

@@ -57,6 +57,7 @@ def test_group_refuses_bad_members(tmp_path):
         WeightBroadcastGroup("http://127.0.0.1:1", 0, 2, "cpu")
 
 
+@pytest.mark.long  # ~30 s; the collective path end to end: tests/test_pipeline.py (weight_sync collective)
 def test_weight_sync_bench_both_paths_deliver_the_tensors():
     """Object store (through a real WeightRegistry) and the collective both deliver every tensor."""
     from adaflash_ray.actors.weight_sync_bench import bench_weight_sync
