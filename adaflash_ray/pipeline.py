@@ -377,7 +377,7 @@ class Driver:
         that every worker holds the serving version (the final one, or the one the canary kept) with its published
         sha256."""
         g = self.group
-        num_cancelled = self.num_cancelled + sum(ray.get([w.cancel_recorded.remote() for w in g.workers]))
+        num_cancelled = self.num_cancelled  # nothing is queued for training after train() dropped the queues
         for m in ray.get(g.trainers[0].pop_metrics.remote()):
             self.sink.log(m, kind="train")
         loaded = ray.get([w.loaded_version.remote() for w in g.workers])

@@ -176,10 +176,10 @@ def decode_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
-#: the largest query-row tile, by head_dim. A 64-row tile's dot products take another instruction path on sm_90
-#: (wgmma): its rows' sums are not the 16- and 32-row tiles' bits, so a width-16 verify row would differ from the AR
-#: step's. At head_dim 128 a 32-row tile spills registers (sm_90, 8 warps): 16 rows there.
-MAX_BLOCK_ROWS = {64: 32, 128: 16}
+#: the largest query-row tile up to head_dim 64 (16 rows above: a 32-row tile at head_dim 128 spills registers on
+#: sm_90 at 8 warps). A 64-row tile's dot products take another instruction path on sm_90 (wgmma): its rows' sums
+#: are not the 16- and 32-row tiles' bits, so a width-16 verify row would differ from the AR step's.
+MAX_BLOCK_ROWS = 32
 
 
 def block_rows(m: int, d: int = 64) -> int:
@@ -187,7 +187,7 @@ def block_rows(m: int, d: int = 64) -> int:
     at most :data:`MAX_BLOCK_ROWS` (32 up to head_dim 64, 16 above; more rows take several tiles, each reading the
     chunk's keys; a decode step's ``rep`` rows do not pay for a 16-position tile)."""
     p2 = triton.next_power_of_2(m) if HAVE_TRITON else 1 << max(0, (m - 1).bit_length())
-    return min(MAX_BLOCK_ROWS[64] if d <= 64 else MAX_BLOCK_ROWS[128], max(16, p2))
+    return min(MAX_BLOCK_ROWS if d <= 64 else 16, max(16, p2))
 
 
 _COMPILED: set = set()

@@ -18,12 +18,7 @@ OUT="${OUT:-/tmp/gpu_host_overhead_out}"
 W="$(mktemp -d)"
 mkdir -p "$OUT"
 echo "commit ${ADAFLASH_COMMIT:-unknown}" > "$W/steps.txt"
-step() {  # step NAME TIMEOUT_S CMD...
-  local name=$1 limit=$2; shift 2
-  local t0=$(date +%s)
-  timeout "$limit" "$@"
-  echo "$name: rc $?, $(( $(date +%s) - t0 )) s" | tee -a "$W/steps.txt"
-}
+step() { timed_step "$W/steps.txt" "$@"; }  # step NAME TIMEOUT_S CMD...
 for shape in smollm2-135m qwen3-8b; do
   step "forward_invariance_$shape" 60 bash -c "python3 scripts/check_forward_invariance.py --shape $shape \
     >> '$W/forward_invariance.jsonl' 2>> '$W/forward_invariance.err'"

@@ -42,6 +42,13 @@ install_wheels() {  # the wheels `stage` downloaded ($1: their folder, e.g. .gpu
   mkdir -p "$STAGE/pydeps" && python3 -m pip install -q --no-index --no-deps --no-compile --target "$STAGE/pydeps" "$1"/*.whl
 }
 
+timed_step() {  # timed_step STATUS_FILE NAME TIMEOUT_S CMD...: run under a timeout, "NAME: rc N, S s" into STATUS_FILE
+  local file=$1 name=$2 limit=$3; shift 3
+  local t0=$(date +%s)
+  timeout "$limit" "$@"
+  echo "$name: rc $?, $(( $(date +%s) - t0 )) s" | tee -a "$file"
+}
+
 wait_job() {  # until the background main job has ended or $1 seconds have passed; shows its progress
   local t0=$(date +%s)
   while [ ! -f "$JOB/rc" ] && [ $(( $(date +%s) - t0 )) -lt "$1" ]; do sleep 5; done

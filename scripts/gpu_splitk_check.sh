@@ -19,12 +19,7 @@ OUT="${OUT:-/tmp/gpu_splitk_out}"
 W="$(mktemp -d)"
 mkdir -p "$OUT"
 { echo "commit ${ADAFLASH_COMMIT:-unknown}"; nvidia-smi --query-gpu=name,driver_version --format=csv; } > "$W/steps.txt"
-step() {  # step NAME TIMEOUT_S CMD...
-  local name=$1 limit=$2; shift 2
-  local t0=$(date +%s)
-  timeout "$limit" "$@"
-  echo "$name: rc $?, $(( $(date +%s) - t0 )) s" | tee -a "$W/steps.txt"
-}
+step() { timed_step "$W/steps.txt" "$@"; }  # step NAME TIMEOUT_S CMD...
 step same_bits 100 bash -c "python3 -m pytest -q -m gpu tests/test_fused_kernels.py -k same_bits -p no:cacheprovider \
   > '$W/tests.log' 2>&1"
 tail -3 "$W/tests.log"

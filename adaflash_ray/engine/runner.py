@@ -113,8 +113,9 @@ class StepKey(NamedTuple):
 EXPECTED_SCALE = 1000
 
 
-#: the verify widths an ``auto`` attention choice is calibrated at (every width bucket the split-K kernel may take)
-SPLIT_K_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
+#: the verify width buckets on CUDA (a step's width is rounded up to one; the widest is the runner's max_draft + 1);
+#: an ``auto`` attention choice is calibrated at all of them, whatever one engine's widest
+WIDTH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
 def _concat(parts: list[StepResult]) -> StepResult:
@@ -236,7 +237,7 @@ class ModelRunner:
         if self.is_cuda:
             torch.cuda.manual_seed(seed)
         self._batch_buckets = _buckets(num_slots) if self.is_cuda else None
-        self._width_buckets = [x for x in (1, 2, 3, 4, 6, 8, 12, 16) if x < nd + 1] + [nd + 1]
+        self._width_buckets = [x for x in WIDTH_BUCKETS if x < nd + 1] + [nd + 1]
         # one attention kernel for every decode / verify step (a verify row is then the AR step's bits): split-K
         # (CUDA, fused kernels) with ``fused_attention`` on, or auto where the calibration at this engine's batch
         # buckets (every width the kernel takes, whatever this engine's) measured it faster at each batch bucket
@@ -251,7 +252,7 @@ class ModelRunner:
             elif mode == "auto":
                 key = (tuple(self._batch_buckets), min(max_seq_len, 2048))
                 if key not in target.attention_choices:
-                    report = target.calibrate_attention(self.kv, self._batch_buckets, list(SPLIT_K_WIDTHS),
+                    report = target.calibrate_attention(self.kv, self._batch_buckets, list(WIDTH_BUCKETS),
                                                         [256, min(max_seq_len, 2048)])
                     target.attention_choices[key] = (report, split_k_pays(report))
                 self.attention_calibration, self.split_k = target.attention_choices[key]
