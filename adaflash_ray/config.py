@@ -233,9 +233,11 @@ class DistillConfig(_Section):
     # features: recompute - how the trainer's frozen target runs over a batch: "padded" (rows right-padded to the
     # longest, SDPA is_causal) or "packed" (sequences end to end in one row, no padding; variable-length flash
     # attention on CUDA); recompute_fused: the engine's Triton kernels (add + RMSNorm, qk-norm + rotary, SwiGLU)
-    # in that forward, CUDA only (adaflash_ray.distill.blocks.recompute_features)
+    # in that forward, CUDA only (adaflash_ray.distill.blocks.recompute_features); recompute_compiled: instead of
+    # those kernels, torch.compile (dynamic shapes) of each layer's work around the attention, CUDA only
     recompute_layout: Literal["padded", "packed"] = "padded"
     recompute_fused: bool = False
+    recompute_compiled: bool = False
     # share of each trajectory's anchors drawn from the positions its serving engine's verify steps started from (the
     # greedy walk: just after each rejection, where acceptance runs below the every-anchor mean); 0 = all random
     walk_anchor_fraction: float = Field(0.0, ge=0, le=1)
@@ -283,8 +285,8 @@ class DistillConfig(_Section):
     # mask that skips the key tiles a block never sees; compiled on CUDA on the first step)
     drafter_attention: Literal["sdpa", "flex"] = "sdpa"
     # torch.compile (dynamic shapes) of each drafter layer of the training forward, forward and backward: Inductor
-    # fuses the norms, rotary, residual adds and SwiGLU between the GEMMs (the SDPA path; a compile on the first
-    # steps, cached per process)
+    # fuses the norms, rotary, residual adds and SwiGLU between the GEMMs (with drafter_attention flex, the flex
+    # attention inside the same graph; a compile on the first steps, cached per process)
     compile_drafter: bool = False
     # the SDPA backends the trainer's attention (target recompute, drafter forward and backward) may use:
     # "auto" = PyTorch's own choice (on Hopper it picks cuDNN attention, fast once built but with an execution plan
@@ -340,6 +342,13 @@ class DistillConfig(_Section):
     canary_prompts: int = Field(4, ge=0)
     canary_delta: float = Field(0.1, gt=0, lt=1)
     canary_max_new_tokens: int = Field(32, ge=1)
+
+    @model_validator(mode="after")
+    def _check_recompute(self) -> DistillConfig:
+        if self.recompute_fused and self.recompute_compiled:
+            raise ValueError("distill.recompute_fused and distill.recompute_compiled are two ways to the same "
+                             "forward: set one")
+        return self
 
 
 class BufferConfig(_Section):

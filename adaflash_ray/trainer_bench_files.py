@@ -28,7 +28,8 @@ Each row: ``warmup`` untimed steps, ``steps`` timed ones (whole steps, as the lo
 object on the last stdout line (and in ``--out``): the trainer bench's header, ``mode: trainer_files``,
 ``trajectories, num_files, directory_lengths`` (prompt / new / total tokens of every file, from the Parquet
 footers: ``mean, p50, p90, max, min``), the resolved ``loss_impl, compute_dtype, drafter_attention, features,
-recompute_layout, recompute_fused, position_weighting, reject_boost, num_anchors, block_size, num_threads``, ``peak_tflops``, ``rows`` and ``gaps``
+recompute_layout, recompute_fused, recompute_compiled, compile_drafter, position_weighting, reject_boost,
+num_anchors, block_size, num_threads``, ``peak_tflops``, ``rows`` and ``gaps``
 (``positions_per_s`` ratios of the neighbouring rows above, per batch size). A row: ``batch_size, source, steps,
 step_s`` (median), ``read_s`` (mean seconds per step waiting for files, outside the step), ``positions_per_s``
 (block positions = valid blocks x (block_size-1), the trainer bench's unit), ``supervised_positions_per_s``
@@ -272,6 +273,7 @@ def run(cfg, trajectories: str | Path, *, shape: str | None, batch_sizes: list[i
            "trajectories": str(trajectories), "num_files": len(files), "directory_lengths": dir_lengths,
            "loss_impl": None, "compute_dtype": None, "drafter_attention": dc.drafter_attention,
            "features": dc.features, "recompute_layout": dc.recompute_layout, "recompute_fused": dc.recompute_fused,
+           "recompute_compiled": dc.recompute_compiled, "compile_drafter": dc.compile_drafter,
            "position_weighting": dc.position_weighting, "reject_boost": dc.reject_boost,
            "num_anchors": dc.num_anchors, "block_size": None, "loss_chunk_size": dc.loss_chunk_size,
            "num_threads": torch.get_num_threads(), "dtype": cfg.model.dtype, "peak_tflops": PEAK_TFLOPS,

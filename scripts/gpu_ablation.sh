@@ -28,7 +28,8 @@
 # ABL_SAMPLE_FRACTION (0.2), ABL_OVERHEAD_S (30: a variant's start + evaluations), ABL_GEN_BATCH (256 slots),
 # ABL_MIN_TRAJ (64: fewer trajectories end the call before training), ABL_BATCH (64), ABL_PUBLISH (150),
 # ABL_WARMUP_STEPS (10), ABL_TRAINER_BENCH (unset | 1 | only), ABL_BENCH_S (the bench's timeout, 150),
-# ABL_BENCH_ARGS (more bench arguments, e.g. "--profile"), ABL_BENCH_VARIANTS ("recipe"; words NAME[:key=value,...]: one bench each, trainer_files_NAME.json / .log);
+# ABL_BENCH_ARGS (more bench arguments, e.g. "--profile"), ABL_REUSE_TRAJ=1 (keep the trajectory files an earlier call
+# on the same warm machine wrote, instead of generating), ABL_BENCH_VARIANTS ("recipe"; words NAME[:key=value,...]: one bench each, trainer_files_NAME.json / .log);
 # for a CPU smoke run of the script itself: ABL_RECIPE, ABL_ROOT (instead of /root), ABL_SKIP_PREPARE=1.
 # $OUT (5 files, 7 with ABL_TRAINER_BENCH): ablation.json (per variant and version: training seconds, held-out τ per
 # domain, positions/s; the prompt-lookup and suffix-lookup τ on the same outputs; the warm-up), ablation.png, gen.log,
@@ -76,14 +77,20 @@ if [ -z "${ABL_SKIP_PREPARE:-}" ]; then  # set on a machine whose model cache is
 fi
 mark "model ready"
 
-rm -rf "$TRAJ" "$ABL"
 GEN_S="${ABL_GEN_S:-75}"
-timeout "$GEN_S" python3 -m adaflash_ray.distill.loop generate --recipe "$R" --out "$TRAJ" \
-  --prompts "${ABL_PROMPTS:-5000}" --set engine.max_batch_size="$SLOTS" --set data.num_train_prompts=5400 \
-  --set data.sample_fraction="${ABL_SAMPLE_FRACTION:-0.2}" --set data.sampled_temperature=0.8 >> "$OUT/gen.log" 2>&1
-rc=$?
-n=$(ls "$TRAJ"/*.parquet 2>/dev/null | wc -l)
-mark "generate rc $rc (124 = cut at ${GEN_S} s; files kept): $n trajectories"
+if [ -n "${ABL_REUSE_TRAJ:-}" ] && ls "$TRAJ"/*.parquet > /dev/null 2>&1; then  # an earlier call's files, same machine
+  rm -rf "$ABL"
+  n=$(ls "$TRAJ"/*.parquet | wc -l)
+  mark "reusing $n trajectories of an earlier call"
+else
+  rm -rf "$TRAJ" "$ABL"
+  timeout "$GEN_S" python3 -m adaflash_ray.distill.loop generate --recipe "$R" --out "$TRAJ" \
+    --prompts "${ABL_PROMPTS:-5000}" --set engine.max_batch_size="$SLOTS" --set data.num_train_prompts=5400 \
+    --set data.sample_fraction="${ABL_SAMPLE_FRACTION:-0.2}" --set data.sampled_temperature=0.8 >> "$OUT/gen.log" 2>&1
+  rc=$?
+  n=$(ls "$TRAJ"/*.parquet 2>/dev/null | wc -l)
+  mark "generate rc $rc (124 = cut at ${GEN_S} s; files kept): $n trajectories"
+fi
 [ "$n" -ge "${ABL_MIN_TRAJ:-64}" ] || { echo "too few trajectories"; tail -20 "$OUT/gen.log"; exit 1; }
 
 if [ -n "${ABL_TRAINER_BENCH:-}" ]; then  # the loop's step on these files, phase by phase (trainer_bench_files.py)

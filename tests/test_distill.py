@@ -887,6 +887,38 @@ def test_forward_train_flex_attention_equals_sdpa(target, trajectories):
         drafter.forward_train(batch.features, batch.input_ids, batch.anchors, attention="dense")
 
 
+@pytest.mark.parametrize("bsz,n,bs,t", [(2, 20, 16, 300), (3, 7, 5, 130), (1, 96, 16, 768), (2, 30, 16, 256)])
+def test_flex_block_mask_tiles_equal_create_block_mask(bsz, n, bs, t):
+    """``flex_block_mask`` (from the anchors, a few tensor ops) visits the same key tiles per query tile as
+    ``create_block_mask`` evaluating the visibility on every (query, key) pair; its full tiles are fully visible
+    on every real query, so no mask is needed there (the reference also counts the padded query rows of a last,
+    partial tile, so it may call fewer tiles full)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from adaflash_ray.models.drafter import FLEX_TILE, flex_block_mask
+
+    g = torch.Generator().manual_seed(n)
+    tp = -(-t // FLEX_TILE) * FLEX_TILE
+    anchors = torch.sort(torch.randint(1, t, (bsz, n), generator=g), dim=1).values
+    q_anchor = anchors.repeat_interleave(bs, dim=1)  # [B, Q]
+
+    def visible(b, h, q, kv):
+        return torch.where(kv < tp, kv < q_anchor[b, q], (kv - tp) // bs == q // bs)
+
+    got = flex_block_mask(q_anchor, bs, tp)
+    ref = create_block_mask(visible, bsz, None, n * bs, tp + n * bs, device="cpu")
+    assert torch.equal(got.to_dense().bool(), ref.to_dense().bool())
+    q = torch.arange(n * bs)
+    dense = visible(torch.arange(bsz)[:, None, None], 0, q[None, :, None], torch.arange(tp + n * bs)[None, None])
+    for b in range(bsz):  # every full tile holds only visible pairs (real queries)
+        for qt in range(got.full_kv_num_blocks.shape[2]):
+            for kt in got.full_kv_indices[b, 0, qt, :got.full_kv_num_blocks[b, 0, qt]].tolist():
+                tile = dense[b, qt * FLEX_TILE:(qt + 1) * FLEX_TILE, kt * FLEX_TILE:(kt + 1) * FLEX_TILE]
+                assert tile.all()
+    with pytest.raises(ValueError, match="multiple of"):
+        flex_block_mask(q_anchor, bs, tp + 1)
+
+
 @pytest.mark.long  # ~35 s of Inductor compiles on CPU; distill.compile_drafter is off by default
 def test_compiled_training_layers_equal_eager(target, trajectories):
     """``DFlashDrafter.compile_training`` (torch.compile, dynamic shapes; Inductor's C++ backend on CPU): the same

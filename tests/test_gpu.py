@@ -345,8 +345,9 @@ def test_bf16_train_step_matches_fp32_step_tiny():
 
 
 def test_recompute_causal_features_match_target_forward():
-    """The trainer's CUDA recompute path (SDPA is_causal, fused projections; also its Triton-kernel variant) against
-    the target's masked forward, bf16, a random target of 4 layers with grouped KV heads and right-padded rows."""
+    """The trainer's CUDA recompute path (SDPA is_causal, fused projections; also its Triton-kernel and its
+    torch.compile variants) against the target's masked forward, bf16, a random target of 4 layers with grouped KV
+    heads and right-padded rows."""
     from adaflash_ray.distill.blocks import causal_features, recompute_features
     from adaflash_ray.models.target import TargetConfig
 
@@ -361,13 +362,14 @@ def test_recompute_causal_features_match_target_forward():
     for layer in target.model.layers:  # as DistillTrainerCore does on CUDA (the fused variant needs it)
         layer.self_attn.fuse()
         layer.mlp.fuse()
-    for fused in (False, True):
-        f, h = causal_features(target, ids, [1, 3], fused=fused)
+    modes = (dict(fused=False), dict(fused=True), dict(compiled=True))  # compiled: torch.compile around attention
+    for mode in modes:
+        f, h = causal_features(target, ids, [1, 3], **mode)
         for got, want in ((f, ref.features), (h, ref.last_hidden)):
-            assert _rel(got.float(), want.float()) < 2e-2, fused
+            assert _rel(got.float(), want.float()) < 2e-2, mode
     seqs = [torch.randint(0, 256, (n,)) for n in (120, 201, 64)]
-    runs = [dict(layout=layout, fused=fused, pad_multiple=pad) for layout in ("padded", "packed")
-            for fused in (False, True) for pad in (1, 128)]  # packed: variable-length flash attention
+    runs = [dict(layout=layout, pad_multiple=pad, **mode) for layout in ("padded", "packed")
+            for mode in modes for pad in (1, 128)]  # packed: variable-length flash attention
     for kw in runs:
         for s, (fs, hs) in zip(seqs, recompute_features(target, seqs, [1, 3], **kw)):
             r = target(s[None, :-1].cuda(), torch.arange(len(s) - 1, device="cuda")[None], capture_layer_ids=[1, 3],
@@ -378,8 +380,9 @@ def test_recompute_causal_features_match_target_forward():
 
 
 def test_drafter_flex_attention_matches_sdpa_cuda():
-    """The drafter's training forward with compiled flex attention (block mask) against the explicit-mask SDPA
-    forward on CUDA, float32: values and the gradients into the features and the weights."""
+    """The drafter's training forward with compiled flex attention (the block mask of ``flex_block_mask``, the
+    context padded to whole tiles), alone and inside ``compile_training``'s layer graphs, against the explicit-mask
+    SDPA forward on CUDA, float32: values and the gradients into the features and the weights."""
     import dataclasses
 
     from test_distill import _cfgs, _greedy_trajectories, make_distill_target
@@ -405,7 +408,8 @@ def test_drafter_flex_attention_matches_sdpa_cuda():
     drafter = drafter.float().cuda()
     batch = collate(trajs, num_anchors=8, block_size=drafter.block_size, generator=torch.Generator().manual_seed(2))
     outs = []
-    for attention in ("sdpa", "flex"):
+    for attention, compiled in (("sdpa", False), ("flex", False), ("flex", True)):  # True: compile_training's graphs
+        drafter.compile_training(compiled)
         drafter.zero_grad()
         feats = batch.features.clone().requires_grad_(True)
         h = drafter.forward_train(feats, batch.input_ids, batch.anchors, attention=attention)
@@ -413,8 +417,9 @@ def test_drafter_flex_attention_matches_sdpa_cuda():
         outs.append((h.detach(), feats.grad, drafter.fc.weight.grad.clone()))
     # the compiled flex kernels may run their float32 matmuls at TF32 precision (10-bit mantissa, ~1e-3 relative):
     # on the H200 the worst of the three tensors differed by 1.2e-3 from SDPA's; a wrong mask differs by O(1)
-    for got, want in zip(outs[1], outs[0]):
-        assert _rel(got, want) < 5e-3
+    for out in outs[1:]:
+        for got, want in zip(out, outs[0]):
+            assert _rel(got, want) < 5e-3
 
 
 def _lookup_case():

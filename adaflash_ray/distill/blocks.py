@@ -211,7 +211,7 @@ def collate(trajectories: list[Trajectory], num_anchors: int, block_size: int,
 
 @torch.no_grad()
 def causal_features(target, input_ids: torch.Tensor, layer_ids: list[int],
-                    fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    fused: bool = False, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's features and final hidden states of ``input_ids`` ``[B, W]`` (positions ``0..W-1``, causal
     attention inside each row): what ``target(input_ids, positions, capture_layer_ids=layer_ids,
     compute_logits=False)`` returns, computed with SDPA's ``is_causal`` path (flash attention on CUDA) instead of
@@ -229,10 +229,14 @@ def causal_features(target, input_ids: torch.Tensor, layer_ids: list[int],
             (``AttentionProjections.fuse``, ``SwiGLU.fuse``) and a device Triton launches on. The kernels are
             launched from Python, 3-4 per layer: they pay when a forward holds many tokens (the packed recompute of
             :func:`recompute_features`), not at a few hundred.
+        compiled: each layer's work around the attention as two ``torch.compile(dynamic=True)`` graphs (input norm,
+            q/k/v GEMMs, qk-norm, rotary and the GQA repeat of K/V; o_proj, residual adds, post norm and SwiGLU),
+            one compilation for every layer and token count (the weights are graph inputs); the attention stays
+            eager. The values are the eager ones up to floating-point reassociation inside the fused kernels.
     Returns:
         ``(features [B, W, len(layer_ids)*H], last_hidden [B, W, H])`` in the target's dtype.
     Raises:
-        ValueError: a layer id outside ``[0, L)``.
+        ValueError: a layer id outside ``[0, L)``; ``fused`` and ``compiled`` both set.
     """
     b, w = input_ids.shape
     pos = torch.arange(w, device=input_ids.device)[None].expand(b, w).contiguous()
@@ -244,19 +248,93 @@ def causal_features(target, input_ids: torch.Tensor, layer_ids: list[int],
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, w, -1)
 
-    return _causal_stack(target, input_ids, pos, layer_ids, attend, fused)
+    return _causal_stack(target, input_ids, pos, layer_ids, attend, fused, compiled)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """:class:`~adaflash_ray.models.layers.RMSNorm`'s forward on plain tensors (same branches, same ops)."""
+    if x.dtype == w.dtype:
+        return F.rms_norm(x, x.shape[-1:], w, eps)
+    return w * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+
+
+def _layer_pre(x, ln_w, ln_eps: float, wq, bq, wk, bk, wv, bv, qn_w, kn_w, qk_eps: float, cos, sin,
+               hq: int, hkv: int, d: int):
+    """One decoder layer up to its attention, on plain tensors: input RMSNorm, q/k/v GEMMs (+ bias), qk RMSNorm
+    (Qwen3; ``qn_w`` None = none), rotary; K/V repeated to the query heads. ``x`` ``[B, W, H]`` -> q ``[B, W, Hq,
+    D]``, k, v ``[B, W, Hq, D]`` (contiguous, the layout variable-length flash attention takes)."""
+    from adaflash_ray.models.layers import apply_rotary
+
+    b, w = x.shape[0], x.shape[1]
+    h = _rms(x, ln_w, ln_eps)
+    q = F.linear(h, wq, bq).view(b, w, hq, d)
+    k = F.linear(h, wk, bk).view(b, w, hkv, d)
+    v = F.linear(h, wv, bv).view(b, w, hkv, d)
+    if qn_w is not None:
+        q, k = _rms(q, qn_w, qk_eps), _rms(k, kn_w, qk_eps)
+    qk = apply_rotary(torch.cat([q, k], dim=2), cos, sin)
+    q, k = qk[:, :, :hq], qk[:, :, hq:]
+    if hq != hkv:
+        k, v = k.repeat_interleave(hq // hkv, dim=2), v.repeat_interleave(hq // hkv, dim=2)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def _layer_post(x, a, wo, ln_w, ln_eps: float, wg, wu, wd):
+    """The rest of one decoder layer on plain tensors: ``x + o_proj(a)``, then ``+ SwiGLU(RMSNorm(.))``.
+    ``x`` ``[B, W, H]``, ``a`` ``[B, W, Hq*D]`` (the attention output) -> ``[B, W, H]``."""
+    x = x + F.linear(a, wo)
+    h = _rms(x, ln_w, ln_eps)
+    return x + F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_layer_fns():
+    """``(pre, post)``: :func:`_layer_pre` and :func:`_layer_post` through ``torch.compile(dynamic=True)``, built
+    once per process (the weights are inputs, so every layer and token count shares the compilation)."""
+    return torch.compile(_layer_pre, dynamic=True), torch.compile(_layer_post, dynamic=True)
+
+
+def _compiled_stack(target, input_ids: torch.Tensor, pos: torch.Tensor, layer_ids: list[int], attend):
+    """:func:`_causal_stack` with :func:`_compiled_layer_fns` around ``attend`` (which takes K/V already repeated
+    to the query heads here)."""
+    m = target.model
+    pre, post = _compiled_layer_fns()
+    x = m.embed_tokens(input_ids)
+    cos, sin = target.rotary.cos_sin(pos)
+    want = set(layer_ids)
+    captured: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(m.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        qn = None if attn.q_norm is None else attn.q_norm.weight
+        kn = None if attn.k_norm is None else attn.k_norm.weight
+        q, k, v = pre(x, layer.input_layernorm.weight, layer.input_layernorm.eps, attn.q_proj.weight,
+                      attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias, attn.v_proj.weight, attn.v_proj.bias,
+                      qn, kn, 0.0 if attn.q_norm is None else attn.q_norm.eps, cos, sin,
+                      attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        ln = layer.post_attention_layernorm
+        x = post(x, attend(q, k, v), attn.o_proj.weight, ln.weight, ln.eps, mlp.gate_proj.weight,
+                 mlp.up_proj.weight, mlp.down_proj.weight)
+        if i in want:
+            captured[i] = x
+    return torch.cat([captured[i] for i in layer_ids], dim=-1), m.norm(x)
 
 
 def _causal_stack(target, input_ids: torch.Tensor, pos: torch.Tensor, layer_ids: list[int], attend,
-                  fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  fused: bool, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's decoder stack over ``input_ids`` ``[B, W]`` at rotary positions ``pos`` ``[B, W]``, with
     ``attend(q [B, W, Hq, D], k [B, W, Hkv, D], v) -> [B, W, Hq*D]`` as the attention (which decides which
-    positions see which); ``fused`` as in :func:`causal_features`. Returns ``(features, last_hidden)`` as there."""
+    positions see which; it must also take K/V already repeated to ``Hq`` heads); ``fused`` and ``compiled`` as in
+    :func:`causal_features`. Returns ``(features, last_hidden)`` as there."""
     m = target.model
     n_layers = len(m.layers)
     bad = [i for i in layer_ids if not 0 <= i < n_layers]
     if bad:
         raise ValueError(f"layer ids {bad} outside [0, {n_layers})")
+    if fused and compiled:
+        raise ValueError("fused (the Triton kernels) and compiled (torch.compile) are two ways to the same forward: "
+                         "choose one")
+    if compiled:
+        return _compiled_stack(target, input_ids, pos, layer_ids, attend)
     b, w = input_ids.shape
     x = m.embed_tokens(input_ids)  # [B, W, H]
     if fused:
@@ -330,7 +408,7 @@ def _varlen_fn():
 
 @torch.no_grad()
 def packed_causal_features(target, token_ids: torch.Tensor, seq_lens: list[int], layer_ids: list[int],
-                           fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                           fused: bool = False, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Features and last hidden states of several sequences packed end to end in one row, no padding: causal
     attention inside each sequence, none across them, every sequence's rotary positions from 0.
 
@@ -344,11 +422,12 @@ def packed_causal_features(target, token_ids: torch.Tensor, seq_lens: list[int],
         token_ids: ``[S]`` int64 on the target's device, ``S = sum(seq_lens)``.
         seq_lens: each sequence's length (>= 1), in packing order.
         layer_ids: as :func:`causal_features`.
-        fused: as :func:`causal_features`.
+        fused, compiled: as :func:`causal_features`.
     Returns:
         ``(features [S, len(layer_ids)*H], last_hidden [S, H])`` in the target's dtype, sequences in packing order.
     Raises:
-        ValueError: ``seq_lens`` empty, holding a length < 1, or not summing to ``S``; a layer id outside ``[0, L)``.
+        ValueError: ``seq_lens`` empty, holding a length < 1, or not summing to ``S``; a layer id outside ``[0, L)``;
+            ``fused`` and ``compiled`` both set.
     """
     s = int(token_ids.shape[0])
     if not seq_lens or min(seq_lens) < 1 or sum(seq_lens) != s:
@@ -381,14 +460,14 @@ def packed_causal_features(target, token_ids: torch.Tensor, seq_lens: list[int],
             at += n
         return torch.cat(parts).reshape(1, s, -1)
 
-    feats, last = _causal_stack(target, token_ids[None], pos, layer_ids, attend, fused)
+    feats, last = _causal_stack(target, token_ids[None], pos, layer_ids, attend, fused, compiled)
     return feats[0], last[0]
 
 
 @torch.no_grad()
 def recompute_features(target, token_ids_list: list[torch.Tensor], layer_ids: list[int],
                        max_batch_tokens: int = 32768, pad_multiple: int = 1, layout: str = "padded",
-                       fused: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                       fused: bool = False, compiled: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Run the frozen target over each sequence (``features: recompute``, docs/design/ALGORITHMS.md §3).
 
     ``layout="padded"``: sequences are right-padded and run together, up to ``max_batch_tokens`` padded positions
@@ -413,6 +492,8 @@ def recompute_features(target, token_ids_list: list[torch.Tensor], layer_ids: li
             attention keeps the extra positions out of every real one, and rows never mix). Packed: as above.
         layout: ``"padded"`` or ``"packed"``.
         fused: the Triton kernels of :func:`causal_features` (CUDA only; needs fused projections).
+        compiled: the ``torch.compile`` graphs of :func:`causal_features` (the CUDA and packed paths; the padded
+            CPU path runs the target's own forward). Not with ``fused``.
     Returns:
         Per sequence ``(features [T_b-1, K*H], last_hidden [T_b-1, H])`` in the target's dtype, on its
         device: positions 0..T_b-2, exactly the layout the engine captures (the last token is never fed).
@@ -442,7 +523,7 @@ def recompute_features(target, token_ids_list: list[torch.Tensor], layer_ids: li
                 pieces.append(torch.zeros(extra, dtype=torch.long))
                 lens.append(extra)
             ids = torch.cat([p.cpu() for p in pieces]).to(device, non_blocking=True)  # one host-to-device copy
-            feats, last = packed_causal_features(target, ids, lens, list(layer_ids), fused=fused)
+            feats, last = packed_causal_features(target, ids, lens, list(layer_ids), fused=fused, compiled=compiled)
             at = 0
             for i, n in zip(group, lens):
                 out[i] = (feats[at:at + n], last[at:at + n])
@@ -461,7 +542,7 @@ def recompute_features(target, token_ids_list: list[torch.Tensor], layer_ids: li
             inp[r, : ids.shape[0] - 1] = ids[:-1]
         inp = inp.to(device, non_blocking=True)  # one host-to-device copy
         if device.type == "cuda":
-            feats, last = causal_features(target, inp, list(layer_ids), fused=fused)
+            feats, last = causal_features(target, inp, list(layer_ids), fused=fused, compiled=compiled)
         else:
             pos = torch.arange(t_max, device=device)[None].expand(width, -1)
             res = target(inp, pos, capture_layer_ids=list(layer_ids), compute_logits=False)
@@ -474,10 +555,11 @@ def recompute_features(target, token_ids_list: list[torch.Tensor], layer_ids: li
 
 
 def with_recomputed_features(target, trajectories: list[Trajectory], layer_ids: list[int],
-                             pad_multiple: int = 1, layout: str = "padded", fused: bool = False) -> list[Trajectory]:
+                             pad_multiple: int = 1, layout: str = "padded", fused: bool = False,
+                             compiled: bool = False) -> list[Trajectory]:
     """Copies of ``trajectories`` whose features / last_hidden come from :func:`recompute_features`."""
     feats = recompute_features(target, [tr.token_ids for tr in trajectories], layer_ids, pad_multiple=pad_multiple,
-                               layout=layout, fused=fused)
+                               layout=layout, fused=fused, compiled=compiled)
     return [dataclasses.replace(tr, features=f, last_hidden=h) for tr, (f, h) in zip(trajectories, feats)]
 
 

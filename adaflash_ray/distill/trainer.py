@@ -401,7 +401,8 @@ class DistillTrainerCore:
                 trajectories = with_recomputed_features(
                     self.target, trajectories, self.layer_ids, pad_multiple=pad_t,
                     layout=getattr(cfg, "recompute_layout", "padded"),
-                    fused=bool(getattr(cfg, "recompute_fused", False)) and self.device.type == "cuda")
+                    fused=bool(getattr(cfg, "recompute_fused", False)) and self.device.type == "cuda",
+                    compiled=bool(getattr(cfg, "recompute_compiled", False)) and self.device.type == "cuda")
             batch = collate(trajectories, cfg.num_anchors, self.drafter.block_size, self.generator,
                             self.feature_dtype, pad_tokens_multiple=pad_t, pad_anchors_multiple=pad_n,
                             walk_anchor_fraction=float(getattr(cfg, "walk_anchor_fraction", 0.0))).to(self.device)

@@ -268,8 +268,11 @@ class _DrafterLayer(DecoderLayerParams):
         if isinstance(visible, torch.Tensor):
             out = masked_attention(q, k, v, visible)
         else:
-            out = _flex_attention(q.device)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                            block_mask=visible, enable_gqa=True).transpose(1, 2)
+            from torch.nn.attention.flex_attention import flex_attention
+
+            fn = flex_attention if torch.compiler.is_compiling() else _flex_attention(q.device)  # inside compile_training
+            out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=visible,
+                     enable_gqa=True).transpose(1, 2)
         x = x + attn.o_proj(out.reshape(x.shape[0], x.shape[1], -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -289,6 +292,64 @@ class _DrafterLayer(DecoderLayerParams):
 
 _FLEX_COMPILED = None
 
+#: flex attention's tile (queries and keys) in :func:`flex_block_mask`: its default ``BLOCK_SIZE``.
+FLEX_TILE = 128
+
+
+def flex_block_mask(q_anchor: torch.Tensor, block_size: int, ctx_len: int):
+    """The flex-attention ``BlockMask`` of :meth:`DFlashDrafter.forward_train`'s visibility, built from the anchors
+    with a few small tensor ops (``create_block_mask`` evaluates the mask on every (query, key) pair: ~10^8 of them
+    for a training batch).
+
+    Keys are ``ctx_len`` context positions (a multiple of :data:`FLEX_TILE`) followed by the ``Q`` block positions;
+    query ``i`` (block ``i // block_size``) sees context keys ``< q_anchor[b, i]`` and the keys of its own block.
+    Per query tile: the context tiles below every anchor of the tile are full (no mask evaluated), those up to its
+    largest anchor partial, and the tiles holding its blocks' own keys partial (one, the diagonal, when
+    ``block_size`` divides :data:`FLEX_TILE`); every other tile is skipped.
+
+    Args:
+        q_anchor: ``[B, Q]`` int64, each query's anchor (``1 <= a < ctx_len``), non-decreasing along ``Q`` within a
+            tile or not (tiles use their min and max).
+        block_size: positions per block (``Q`` a multiple of it).
+        ctx_len: context keys, a multiple of :data:`FLEX_TILE`.
+    Returns:
+        ``BlockMask`` for ``[B, *, Q, ctx_len + Q]`` (heads broadcast).
+    Raises:
+        ValueError: ``ctx_len`` not a multiple of the tile.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if ctx_len % FLEX_TILE:
+        raise ValueError(f"ctx_len ({ctx_len}) must be a multiple of {FLEX_TILE}")
+    bsz, q_len = q_anchor.shape
+    q_tiles = -(-q_len // FLEX_TILE)
+    ctx_tiles = ctx_len // FLEX_TILE
+    pad = q_tiles * FLEX_TILE - q_len
+    a = F.pad(q_anchor, (0, pad), value=-1).view(bsz, q_tiles, FLEX_TILE)
+    a_hi = a.amax(-1)  # [B, QT]
+    a_lo = torch.where(a < 0, q_anchor.new_tensor(ctx_len), a).amin(-1)
+    j = torch.arange(ctx_tiles + q_tiles, device=q_anchor.device)  # key tiles: context, then block
+    ctx = j < ctx_tiles
+    full = ctx & ((j + 1) * FLEX_TILE <= a_lo[..., None])  # [B, QT, KT]
+    t = torch.arange(q_tiles, device=j.device)[:, None]  # [QT, 1]
+    first = (t * FLEX_TILE // block_size) * block_size  # the tile's block keys: its first query's block ...
+    last = torch.clamp(((t * FLEX_TILE + FLEX_TILE - 1) // block_size + 1) * block_size, max=q_len) - 1  # ... last
+    own = ~ctx & (j - ctx_tiles >= first // FLEX_TILE) & (j - ctx_tiles <= last // FLEX_TILE)  # [QT, KT]
+    partial = (ctx & ~full & (j * FLEX_TILE < a_hi[..., None])) | own
+
+    def listed(m):  # counts [B, 1, QT] and the tiles' indices first, in order, [B, 1, QT, KT] (int32)
+        idx = torch.argsort((~m).to(torch.int8), dim=-1, stable=True)
+        return m.sum(-1, dtype=torch.int32)[:, None], idx.to(torch.int32)[:, None]
+
+    def visible_mod(b, h, q_idx, kv_idx):  # keys: context 0..ctx_len-1, then the Q block positions
+        return torch.where(kv_idx < ctx_len, kv_idx < q_anchor[b, q_idx],
+                           (kv_idx - ctx_len) // block_size == q_idx // block_size)
+
+    kv_num, kv_idx = listed(partial)
+    full_num, full_idx = listed(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=FLEX_TILE, mask_mod=visible_mod,
+                                    seq_lengths=(q_len, ctx_len + q_len))
+
 
 def _flex_attention(device: torch.device):
     """``torch.nn.attention.flex_attention.flex_attention``: compiled (once per process) on CUDA, where only the
@@ -299,7 +360,7 @@ def _flex_attention(device: torch.device):
     if device.type != "cuda":
         return flex_attention
     if _FLEX_COMPILED is None:
-        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
+        _FLEX_COMPILED = torch.compile(flex_attention)  # automatic dynamic shapes: batches differ
     return _FLEX_COMPILED
 
 
@@ -541,7 +602,8 @@ class DFlashDrafter(nn.Module):
             anchors: ``[B, N]`` int64 anchor positions (>= 1; padding anchors may repeat a valid
                 one - their loss weight must be zero).
             attention: ``sdpa`` (SDPA with an explicit ``[B, N*bs, T + N*bs]`` visibility mask) or ``flex``
-                (flex attention with a block mask: key tiles no query of a tile sees are skipped; compiled on CUDA).
+                (flex attention with the block mask of :func:`flex_block_mask`, the context padded to whole tiles:
+                key tiles no query of a tile sees are skipped; compiled on CUDA).
         Returns:
             ``[B, N, block_size, H]`` final hidden states; block position k predicts token anchor+k.
         Block n sees context positions ``< anchors[b, n]`` and the positions of its own block only.
@@ -564,18 +626,17 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary.cos_sin(pos)
         q_anchor = anchors.repeat_interleave(bs, dim=1)  # [B, N*bs]
         if attention == "flex":
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            def visible_mod(b, h, q_idx, kv_idx):  # keys: context 0..T-1, then the N*bs block positions
-                return torch.where(kv_idx < t, kv_idx < q_anchor[b, q_idx], (kv_idx - t) // bs == q_idx // bs)
-
-            visible = create_block_mask(visible_mod, bsz, None, n * bs, t + n * bs, device=c.device)
+            pad = (-t) % FLEX_TILE  # context keys padded to whole tiles (never visible: every anchor is < t)
+            if pad:
+                c = F.pad(c, (0, 0, 0, pad))
+                ccos, csin = self.rotary.cos_sin(torch.arange(t + pad, device=c.device).expand(bsz, t + pad))
+            visible = flex_block_mask(q_anchor, bs, t + pad)
         else:
             ctx_vis = ctx_pos[:, None, :] < q_anchor[:, :, None]  # [B, N*bs, T]
             blk = torch.arange(n, device=c.device).repeat_interleave(bs)
             blk_vis = (blk[:, None] == blk[None, :]).expand(bsz, n * bs, n * bs)
             visible = torch.cat([ctx_vis, blk_vis], dim=-1)
-        step = self._train_layer if attention == "sdpa" else _train_layer_step
+        step = self._train_layer
         for layer in self.layers:
             x = step(layer, x, c, ccos, csin, cos, sin, visible)
         return self.norm(x).reshape(bsz, n, bs, -1)
@@ -584,7 +645,7 @@ class DFlashDrafter(nn.Module):
         """Run each layer of :meth:`forward_train` (its context K/V projection, norms, rotary, attention, SwiGLU and
         residual adds) through ``torch.compile(dynamic=True)`` (one graph per layer for every batch, length and
         anchor count; Inductor fuses the element-wise chains between the GEMMs and the attention), forward and
-        backward; ``enable=False`` restores the eager function. The SDPA path only (flex attention is compiled on
-        its own). The values are the eager ones up to floating-point reassociation."""
+        backward; ``enable=False`` restores the eager function. With ``attention="flex"`` the flex attention is
+        traced into the same graph. The values are the eager ones up to floating-point reassociation."""
         self._train_layer = torch.compile(_train_layer_step, dynamic=True) if enable else _train_layer_step
         return self
