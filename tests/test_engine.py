@@ -96,7 +96,10 @@ def real_ar(real_target, chat_prompts):
     return outputs(reqs)
 
 
-@pytest.mark.parametrize("policy,block_size", [("fixed", 4), ("direct", 8), ("cost", 8)])
+# fixed and direct: ~20 s each on 2 CPU cores, long (the tiny-model lossless tests cover every policy; cost, the
+# recipes' policy, runs on the real model by default)
+@pytest.mark.parametrize("policy,block_size", [pytest.param("fixed", 4, marks=pytest.mark.long),
+                                               pytest.param("direct", 8, marks=pytest.mark.long), ("cost", 8)])
 def test_real_greedy_lossless_random_drafter(real_target, chat_prompts, real_ar, policy, block_size):
     """8 prompts x 40 tokens, batch 8, random drafter: token for token the AR output."""
     drafter, head = make_drafter(real_target, block_size=block_size, policy=policy, seed=1)

@@ -199,11 +199,11 @@ def test_ray_job_submit_runs_the_pipeline(tmp_path):
 
         # soak: a second job on the same cluster, `--resume` of the first to one more version (its trainer state,
         # checkpoints and trajectory history); afterwards no actor or placement group is left and the object store
-        # did not grow. With the small held-out eval of the other pipeline tests.
+        # did not grow. With a one-prompt held-out eval.
         store_after_1 = _object_store_used(gcs_port, env)
         _, s2 = submit("--resume", str(run_dir), "--set", "logging.wandb_mode=disabled",
-                       "--set", "distill.num_versions=4", "--set", "data.num_eval_prompts=2",
-                       "--set", "data.eval_max_new_tokens=16", recipe=False)
+                       "--set", "distill.num_versions=4", "--set", "data.num_eval_prompts=1",
+                       "--set", "data.eval_max_new_tokens=8", recipe=False)
         assert s2["final_version"] == 4 and set(s2["eval_tau"]) == {"0", "1", "2", "3", "4"}
         assert s2["workers_loaded_final"] is True and s2["versions_rising"] is True
         assert s2["train_steps"] > summary["train_steps"]  # the optimizer step count went on
@@ -308,7 +308,7 @@ def test_warm_start_stage_publishes_version_1_before_on_policy(tmp_path):
 
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "adaflash_pg_*")))
     cfg = load_recipe("recipes/cpu_tiny.yaml", [
-        "distill.warm_start=true", "distill.warm_start_prompts=6", "distill.warm_start_generate_s=30",
+        "distill.warm_start=true", "distill.warm_start_prompts=6", "distill.warm_start_generate_s=15",
         "distill.warm_start_train_s=8", "distill.num_versions=2", "data.sample_fraction=0.25",
         "logging.wandb_mode=disabled", "data.num_eval_prompts=2", "data.eval_max_new_tokens=16",
         "length_head.policy=cost", "placement.num_trainers=2", "distill.zero_stage=3"])
