@@ -99,9 +99,11 @@ def write_parquet(traj: Trajectory, path: str | Path) -> Path:
 
 def read_parquet(path: str | Path) -> Trajectory:
     """Read a trajectory written by :func:`write_parquet`. Raises ValueError on a foreign or
-    corrupt file."""
+    corrupt file. Decodes on the calling thread (no Arrow thread pool: the readers of
+    :class:`~adaflash_ray.distill.loop.DirectorySource` are the parallelism, and a pool per small file would compete
+    with the trainer's own thread for the cores)."""
     try:
-        table = pq.read_table(path)
+        table = pq.read_table(path, use_threads=False)
         meta = json.loads(table.schema.metadata[_META_KEY])
     except Exception as e:
         raise ValueError(f"{path}: not an adaflash trajectory file: {e}") from e
