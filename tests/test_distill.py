@@ -798,6 +798,27 @@ def test_cpu_default_has_no_autocast_and_bf16_autocast_reaches_the_drafter(dist_
     assert b["train/loss"] == pytest.approx(a["train/loss"], rel=3e-2)
 
 
+@pytest.mark.long  # ~40 s of Inductor compiles on CPU; distill.recompute_compiled is a CUDA option
+def test_compiled_recompute_equals_eager(target):
+    """``compiled=True`` (torch.compile around each layer's attention; Inductor's C++ backend on CPU): the packed
+    and the padded recompute give the eager features and last hidden states, one compilation serving several
+    packings; ``fused`` and ``compiled`` together are refused."""
+    from adaflash_ray.distill.blocks import causal_features, packed_causal_features
+
+    g = torch.Generator().manual_seed(0)
+    for lens in ([9, 13], [5, 7, 11], [30]):
+        ids = torch.randint(0, 128, (sum(lens),), generator=g)
+        got = packed_causal_features(target, ids, lens, [3, 1], compiled=True)
+        want = packed_causal_features(target, ids, lens, [3, 1])
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    ids = torch.randint(0, 128, (3, 17), generator=g)
+    for a, b in zip(causal_features(target, ids, [0, 3], compiled=True), causal_features(target, ids, [0, 3])):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="choose one"):
+        causal_features(target, ids, [0], fused=True, compiled=True)
+
+
 def test_packed_causal_features_refuse_bad_lengths(target):
     from adaflash_ray.distill.blocks import packed_causal_features
 
