@@ -231,8 +231,9 @@ def causal_features(target, input_ids: torch.Tensor, layer_ids: list[int],
             :func:`recompute_features`), not at a few hundred.
         compiled: each layer's work around the attention as two ``torch.compile(dynamic=True)`` graphs (input norm,
             q/k/v GEMMs, qk-norm, rotary and the GQA repeat of K/V; o_proj, residual adds, post norm and SwiGLU),
-            one compilation for every layer and token count (the weights are graph inputs); the attention stays
-            eager. The values are the eager ones up to floating-point reassociation inside the fused kernels.
+            the same graphs for every layer and token count (the weights are graph inputs; Dynamo specialises on
+            one row against several, so a few compilations in all); the attention stays eager. The values are the
+            eager ones up to floating-point reassociation inside the fused kernels.
     Returns:
         ``(features [B, W, len(layer_ids)*H], last_hidden [B, W, H])`` in the target's dtype.
     Raises:
@@ -290,7 +291,8 @@ def _layer_post(x, a, wo, ln_w, ln_eps: float, wg, wu, wd):
 @functools.lru_cache(maxsize=1)
 def _compiled_layer_fns():
     """``(pre, post)``: :func:`_layer_pre` and :func:`_layer_post` through ``torch.compile(dynamic=True)``, built
-    once per process (the weights are inputs, so every layer and token count shares the compilation)."""
+    once per process (the weights are inputs, so every layer and token count shares a compilation; one packed row
+    and several padded rows compile apart)."""
     return torch.compile(_layer_pre, dynamic=True), torch.compile(_layer_post, dynamic=True)
 
 
