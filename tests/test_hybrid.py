@@ -287,6 +287,7 @@ def test_cost_ar_steps_defer_the_drafter_context(tiny_target):
         assert r.output_ids == greedy_reference(tiny_target, p, 40)
 
 
+@pytest.mark.long  # ~35 s; the point-mass q of a deterministic proposal also runs in the sampled-lookup test
 def test_argmax_drafter_blocks_follow_the_target():
     """``argmax_drafts``: at temperature 0.8 the drafter's block is its argmax, verified as a point-mass q; the joint
     law of the first 3 tokens is still the target's (χ² on pairs), and both accept and reject paths ran."""
