@@ -252,27 +252,20 @@ def causal_features(target, input_ids: torch.Tensor, layer_ids: list[int],
     return _causal_stack(target, input_ids, pos, layer_ids, attend, fused, compiled)
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """:class:`~adaflash_ray.models.layers.RMSNorm`'s forward on plain tensors (same branches, same ops)."""
-    if x.dtype == w.dtype:
-        return F.rms_norm(x, x.shape[-1:], w, eps)
-    return w * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
-
-
 def _layer_pre(x, ln_w, ln_eps: float, wq, bq, wk, bk, wv, bv, qn_w, kn_w, qk_eps: float, cos, sin,
                hq: int, hkv: int, d: int):
     """One decoder layer up to its attention, on plain tensors: input RMSNorm, q/k/v GEMMs (+ bias), qk RMSNorm
     (Qwen3; ``qn_w`` None = none), rotary; K/V repeated to the query heads. ``x`` ``[B, W, H]`` -> q ``[B, W, Hq,
     D]``, k, v ``[B, W, Hq, D]`` (contiguous, the layout variable-length flash attention takes)."""
-    from adaflash_ray.models.layers import apply_rotary
+    from adaflash_ray.models.layers import apply_rotary, rms_norm
 
     b, w = x.shape[0], x.shape[1]
-    h = _rms(x, ln_w, ln_eps)
+    h = rms_norm(x, ln_w, ln_eps)
     q = F.linear(h, wq, bq).view(b, w, hq, d)
     k = F.linear(h, wk, bk).view(b, w, hkv, d)
     v = F.linear(h, wv, bv).view(b, w, hkv, d)
     if qn_w is not None:
-        q, k = _rms(q, qn_w, qk_eps), _rms(k, kn_w, qk_eps)
+        q, k = rms_norm(q, qn_w, qk_eps), rms_norm(k, kn_w, qk_eps)
     qk = apply_rotary(torch.cat([q, k], dim=2), cos, sin)
     q, k = qk[:, :, :hq], qk[:, :, hq:]
     if hq != hkv:
@@ -283,8 +276,10 @@ def _layer_pre(x, ln_w, ln_eps: float, wq, bq, wk, bk, wv, bv, qn_w, kn_w, qk_ep
 def _layer_post(x, a, wo, ln_w, ln_eps: float, wg, wu, wd):
     """The rest of one decoder layer on plain tensors: ``x + o_proj(a)``, then ``+ SwiGLU(RMSNorm(.))``.
     ``x`` ``[B, W, H]``, ``a`` ``[B, W, Hq*D]`` (the attention output) -> ``[B, W, H]``."""
+    from adaflash_ray.models.layers import rms_norm
+
     x = x + F.linear(a, wo)
-    h = _rms(x, ln_w, ln_eps)
+    h = rms_norm(x, ln_w, ln_eps)
     return x + F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
 
 

@@ -618,7 +618,10 @@ class DFlashDrafter(nn.Module):
             c = self.hidden_norm(self.fc(features))  # [B, T, H], = project_context(features)
         else:
             c = self.project_context(features)  # [B, T, H]
-        ctx_pos = torch.arange(t, device=c.device).expand(bsz, t)
+        pad = (-t) % FLEX_TILE if attention == "flex" else 0  # flex: context keys padded to whole tiles
+        if pad:  # never visible: every anchor is < t
+            c = F.pad(c, (0, 0, 0, pad))
+        ctx_pos = torch.arange(t + pad, device=c.device).expand(bsz, t + pad)
         ccos, csin = self.rotary.cos_sin(ctx_pos)
         anchor_ids = input_ids.gather(1, anchors)  # [B, N]
         x = self.block_embeddings(anchor_ids).reshape(bsz, n * bs, -1)  # [B, N*bs, H]
@@ -626,10 +629,6 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary.cos_sin(pos)
         q_anchor = anchors.repeat_interleave(bs, dim=1)  # [B, N*bs]
         if attention == "flex":
-            pad = (-t) % FLEX_TILE  # context keys padded to whole tiles (never visible: every anchor is < t)
-            if pad:
-                c = F.pad(c, (0, 0, 0, pad))
-                ccos, csin = self.rotary.cos_sin(torch.arange(t + pad, device=c.device).expand(bsz, t + pad))
             visible = flex_block_mask(q_anchor, bs, t + pad)
         else:
             ctx_vis = ctx_pos[:, None, :] < q_anchor[:, :, None]  # [B, N*bs, T]

@@ -34,9 +34,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype:  # one fused kernel on CUDA (statistics in float32 for bf16 input)
-            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:class:`RMSNorm`'s forward on plain tensors (``x`` ``[..., D]``, ``weight`` ``[D]``): one fused kernel on CUDA
+    when the dtypes agree (statistics in float32 for bf16 input), else computed in float32 and cast back."""
+    if x.dtype == weight.dtype:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
 class SwiGLU(nn.Module):
