@@ -636,6 +636,10 @@ class DFlashDrafter(nn.Module):
             blk_vis = (blk[:, None] == blk[None, :]).expand(bsz, n * bs, n * bs)
             visible = torch.cat([ctx_vis, blk_vis], dim=-1)
         step = self._train_layer
+        if step is not _train_layer_step:
+            # compiled: Dynamo guards on a view input's base (x._base), so layer 0's view input and the later layers'
+            # plain ones would compile two graphs for every shape regime; a copy (B*N*bs*H elements) makes it one
+            x = x.clone()
         for layer in self.layers:
             x = step(layer, x, c, ccos, csin, cos, sin, visible)
         return self.norm(x).reshape(bsz, n, bs, -1)
