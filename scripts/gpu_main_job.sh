@@ -179,7 +179,7 @@ EOF
     echo "${ADAFLASH_COMMIT:-unknown}" > "$JOB/commit"
     # the main job in its own process session (setsid): it outlives this call (600 s at most) and call d
     # waits for it, so the run may take its whole 15 minutes
-    setsid bash -c 't0=$(date +%s); timeout "${MAIN_JOB_TIMEOUT:-1000}" python3 -m adaflash_ray.pipeline \
+    setsid bash -c 't0=$(date +%s); timeout "${MAIN_JOB_TIMEOUT:-1180}" python3 -m adaflash_ray.pipeline \
       --recipe recipes/smollm2_135m_gpu.yaml --run-dir "$0" "${@:2}" > "$1/main_job.log" 2>&1; rc=$?;
       echo "main job rc=$rc wall $(( $(date +%s) - t0 )) s" >> "$1/main_job.log"; echo $rc > "$1/rc"' \
       "$RUN_DIR" "$JOB" "${@:2}" "${extra[@]}" < /dev/null > /dev/null 2>&1 &

@@ -974,6 +974,26 @@ def test_compiled_training_layers_equal_eager(target, trajectories):
     assert drafter.compile_training(False)._train_layer is _train_layer_step
 
 
+def test_compiled_training_layers_share_one_graph(target, trajectories):
+    """Every layer of the compiled training forward runs one Dynamo graph: layer 0's input (the block embeddings)
+    is handed over as a plain tensor, not a view - Dynamo guards on a view's base, and the later layers' plain
+    inputs used to fail that guard and compile a second graph (each costing tens of seconds on a GPU)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from adaflash_ray.models.factory import build_drafter
+
+    drafter_cfg, head_cfg, _ = _cfgs()
+    drafter, _ = build_drafter(target, drafter_cfg.model_copy(update={"num_hidden_layers": 2}), head_cfg, 0)
+    drafter.float().compile_training()
+    torch._dynamo.reset()
+    counters.clear()
+    b = collate(trajectories[:2], num_anchors=4, block_size=drafter.block_size, generator=torch.Generator().manual_seed(0))
+    (drafter.forward_train(b.features, b.input_ids, b.anchors).float() ** 2).mean().backward()
+    assert counters["frames"]["ok"] == 1, dict(counters["frames"])
+    assert all(p.grad is not None for p in drafter.layers.parameters())
+
+
 def test_trainer_rejects_flex_attention_off_cuda(dist_env, target):
     with pytest.raises(ValueError, match="drafter_attention"):
         dist_env(target, *_cfgs(drafter_attention="flex"), seed=0)
