@@ -29,8 +29,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shape", default="smollm2-135m", help="random weights of this shape (adaflash_ray.shapes)")
+    p.add_argument("--no-duck-shape", action="store_true",
+                   help="torch.fx.experimental._config.use_duck_shape = False (sizes that happen to be equal get no "
+                        "shared symbol, so no equality guard)")
     args = p.parse_args()
     cfg = config_from_args(args)
+    if args.no_duck_shape:
+        import torch.fx.experimental._config as fx_config
+
+        fx_config.use_duck_shape = False
     from adaflash_ray.distill.trainer import DistillTrainerCore
     import torch._dynamo.utils as dyn_utils
 
@@ -60,7 +67,7 @@ def main() -> None:
                       "slow_steps": [(r["step"], r["seconds"], r["num_blocks"]) for r in slow],
                       "seconds_in_slow_steps": round(sum(r["seconds"] for r in slow), 1),
                       "median_step_s": sorted(secs)[len(secs) // 2],
-                      "overrides": args.overrides}))
+                      "overrides": args.overrides, "duck_shape": not args.no_duck_shape}))
 
 
 if __name__ == "__main__":

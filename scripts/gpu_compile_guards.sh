@@ -15,6 +15,8 @@ run() {  # run NAME CACHE_DIR [--set ...]
   echo "$name rc $?: $(tail -1 "$OUT/guards_$name.log")"
   grep -A3 "Recompiling" "$OUT/guards_$name.log" | grep -E "^\S.*- |guard" | sed 's/.*__recompiles\]//' | head -8
 }
-run A /tmp/ind_a
-run B /tmp/ind_a
-run C /tmp/ind_c --set "${GUARD_SET:-distill.pad_anchors_multiple=96}"
+# GUARD_RUNS: which of A B C (default all); GUARD_ARGS: extra arguments of C (e.g. --no-duck-shape)
+runs=" ${GUARD_RUNS:-A B C} "
+[[ $runs == *" A "* ]] && run A /tmp/ind_a
+[[ $runs == *" B "* ]] && run B /tmp/ind_a
+[[ $runs == *" C "* ]] && run C /tmp/ind_c --set "${GUARD_SET:-distill.pad_anchors_multiple=96}" ${GUARD_ARGS:-}
