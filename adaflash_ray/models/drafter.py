@@ -649,6 +649,14 @@ class DFlashDrafter(nn.Module):
         residual adds) through ``torch.compile(dynamic=True)`` (one graph per layer for every batch, length and
         anchor count; Inductor fuses the element-wise chains between the GEMMs and the attention), forward and
         backward; ``enable=False`` restores the eager function. With ``attention="flex"`` the flex attention is
-        traced into the same graph. The values are the eager ones up to floating-point reassociation."""
+        traced into the same graph. The values are the eager ones up to floating-point reassociation.
+
+        Enabling it turns off Dynamo's duck sizing for the process (``torch.fx.experimental._config.use_duck_shape``):
+        sizes that happen to be equal in the first batch (e.g. a flex block mask's tile count and the block size, both
+        16) would otherwise share one symbol, and a later batch where they differ would compile the layer again."""
+        if enable:
+            import torch.fx.experimental._config as fx_config
+
+            fx_config.use_duck_shape = False
         self._train_layer = torch.compile(_train_layer_step, dynamic=True) if enable else _train_layer_step
         return self
