@@ -557,6 +557,13 @@ def test_error_cases_raw_http(server):
     assert got == 400 and err["code"] == "context_length_exceeded" and str(limit) in err["message"]
     got, err = post("/v1/completions", b"{not json")
     assert got == 400 and err["code"] == "invalid_json"
+    for ctype in ("text/plain", "application/x-www-form-urlencoded"):  # JSON sent as another media type
+        got, err = post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1},
+                        {**HDR, "Content-Type": ctype})
+        assert (got, err["param"], err["code"]) == (415, "Content-Type", "unsupported_media_type"), err
+    r = requests.post(u + "/v1/completions", data=json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}),
+                      headers={**HDR, "Content-Type": "application/json; charset=utf-8"}, timeout=60)
+    assert r.status_code == 200, r.text
     got, err = post("/v1/completions", {"model": MODEL, "prompt": "x" * 5000})  # serve.max_body_bytes=4096
     assert got == 413 and "4096" in err["message"]
     r = requests.get(u + "/v1/nothing-here", headers=HDR, timeout=30)

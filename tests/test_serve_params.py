@@ -53,6 +53,8 @@ def test_sampling_fields_reach_the_engine_params(tok):
     ps = [spec.choice_params(i, [EOS]) for i in range(3)]
     assert [p.seed for p in ps] == [5, 6, 7] and all(p.stop_token_ids == [7] for p in ps)
     assert spec.sampling.seed == 5 and spec.sampling.stop_token_ids is None  # the spec itself is not changed
+    top = parse_request("chat", {**CHAT, "n": 2, "seed": 2 ** 63 - 1, "temperature": 0.8}, **_kw(tok))
+    assert [top.choice_params(i, [EOS]).seed for i in range(2)] == [2 ** 63 - 1, -2 ** 63]  # wrapped, still int64
     neutral = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "frequency_penalty": 0, "presence_penalty": 0,
                "min_tokens": 0, "ignore_eos": False, "logprobs": False, "n": 1, "seed": None, "top_logprobs": None}
     for body in (CHAT, {**CHAT, **neutral}):

@@ -319,6 +319,13 @@ class AdaFlashServer:
                            type="authentication_error", code="invalid_api_key")
 
     async def _body(self, request: Request) -> object:
+        ctype = request.headers.get("content-type")
+        media = None if ctype is None else ctype.partition(";")[0].strip().lower()
+        if media is not None and media != "application/json" and not media.endswith("+json"):
+            # a missing Content-Type is read as JSON; another media type is refused, as FastAPI-based servers do
+            # (a browser page may send text/plain or a form cross-origin without a preflight)
+            raise APIError(415, f"Content-Type {media!r} is not supported: send the JSON body with 'Content-Type: "
+                                f"application/json'.", param="Content-Type", code="unsupported_media_type")
         limit = self.cfg.serve.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:

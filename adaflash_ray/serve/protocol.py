@@ -63,7 +63,7 @@ class APIError(Exception):
     """An HTTP error answered as OpenAI error JSON.
 
     Args:
-        status: HTTP status (400, 401, 404, 413, 429, 503, 500).
+        status: HTTP status (400, 401, 404, 413, 415, 429, 503, 500).
         message: human-readable, names the field and the limit.
         type: OpenAI error type (``invalid_request_error``, ``authentication_error``, ...).
         param: the request field at fault, or None.
@@ -231,16 +231,18 @@ class GenSpec:
         return self.sampling.seed
 
     def choice_params(self, index: int, eos_ids: list[int]) -> SamplingParams:
-        """The engine parameters of choice ``index`` (0 .. n-1): its own random stream, ``seed + index`` when a
-        seed is given (vLLM's rule for its n child requests, vllm/v1/engine/parallel_sampling.py), the engine's
-        shared generator otherwise. Stop ids: the user's plus ``eos_ids`` (the user's only with ``ignore_eos``;
+        """The engine parameters of choice ``index`` (0 .. n-1): its own random stream, ``seed + index`` (wrapped
+        into int64) when a seed is given (vLLM's rule for its n child requests, vllm/v1/engine/parallel_sampling.py),
+        the engine's shared generator otherwise. Stop ids: the user's plus ``eos_ids`` (the user's only with ``ignore_eos``;
         None = the engine's EOS default when the user gave none)."""
         p = self.sampling
         if p.ignore_eos:
             stop = list(self.stop_token_ids)
         else:
             stop = [*eos_ids, *self.stop_token_ids] if self.stop_token_ids else None
-        return dataclasses.replace(p, stop_token_ids=stop, seed=None if p.seed is None else p.seed + index)
+        # choice i samples with seed + i, wrapped into the engine's int64 seed range
+        seed = None if p.seed is None else (p.seed + index + 2**63) % 2**64 - 2**63
+        return dataclasses.replace(p, stop_token_ids=stop, seed=seed)
 
 
 def _first_error(err: ValidationError) -> APIError:
