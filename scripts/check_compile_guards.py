@@ -2,6 +2,7 @@
 seconds, block count) and how many times ``torch.compile`` compiled, so that recompiles (a guard on a size, e.g. an
 Inductor kernel choice that depends on how many rows a batch has) show as steps of tens of seconds. Run with
 ``TORCH_LOGS=recompiles`` to print which guard failed. Random weights of the recipe's shape: no model files needed.
+(Until 6a01406 a ``--no-duck-shape`` flag turned Dynamo's duck sizing off; ``compile_training`` now does.)
 
     TORCH_LOGS=recompiles python scripts/check_compile_guards.py --recipe recipes/smollm2_135m_gpu.yaml \\
         --steps 40 [--set distill.pad_anchors_multiple=96]
@@ -29,15 +30,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shape", default="smollm2-135m", help="random weights of this shape (adaflash_ray.shapes)")
-    p.add_argument("--no-duck-shape", action="store_true",
-                   help="torch.fx.experimental._config.use_duck_shape = False (sizes that happen to be equal get no "
-                        "shared symbol, so no equality guard)")
     args = p.parse_args()
     cfg = config_from_args(args)
-    if args.no_duck_shape:
-        import torch.fx.experimental._config as fx_config
-
-        fx_config.use_duck_shape = False
     from adaflash_ray.distill.trainer import DistillTrainerCore
     import torch._dynamo.utils as dyn_utils
 
@@ -67,7 +61,7 @@ def main() -> None:
                       "slow_steps": [(r["step"], r["seconds"], r["num_blocks"]) for r in slow],
                       "seconds_in_slow_steps": round(sum(r["seconds"] for r in slow), 1),
                       "median_step_s": sorted(secs)[len(secs) // 2],
-                      "overrides": args.overrides, "duck_shape": not args.no_duck_shape}))
+                      "overrides": args.overrides}))
 
 
 if __name__ == "__main__":

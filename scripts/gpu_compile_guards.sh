@@ -15,7 +15,7 @@ run() {  # run NAME CACHE_DIR [--set ...]
   echo "$name rc $?: $(tail -1 "$OUT/guards_$name.log")"
   grep -A3 "Recompiling" "$OUT/guards_$name.log" | grep -E "^\S.*- |guard" | sed 's/.*__recompiles\]//' | head -8
 }
-# GUARD_RUNS: which of A B C (default all); GUARD_ARGS: extra arguments of C (e.g. --no-duck-shape)
+# GUARD_RUNS: which of A B C (default all); GUARD_ARGS: extra arguments of C (e.g. --steps 60)
 runs=" ${GUARD_RUNS:-A B C} "
 [[ $runs == *" A "* ]] && run A /tmp/ind_a
 [[ $runs == *" B "* ]] && run B /tmp/ind_a

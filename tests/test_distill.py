@@ -988,7 +988,8 @@ def test_compiled_training_layers_share_one_graph(target, trajectories):
     drafter.float().compile_training()
     torch._dynamo.reset()
     counters.clear()
-    b = collate(trajectories[:2], num_anchors=4, block_size=drafter.block_size, generator=torch.Generator().manual_seed(0))
+    b = collate(trajectories[:2], num_anchors=4, block_size=drafter.block_size,
+                generator=torch.Generator().manual_seed(0))
     (drafter.forward_train(b.features, b.input_ids, b.anchors).float() ** 2).mean().backward()
     assert counters["frames"]["ok"] == 1, dict(counters["frames"])
     assert all(p.grad is not None for p in drafter.layers.parameters())

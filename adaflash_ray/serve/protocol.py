@@ -233,8 +233,8 @@ class GenSpec:
     def choice_params(self, index: int, eos_ids: list[int]) -> SamplingParams:
         """The engine parameters of choice ``index`` (0 .. n-1): its own random stream, ``seed + index`` (wrapped
         into int64) when a seed is given (vLLM's rule for its n child requests, vllm/v1/engine/parallel_sampling.py),
-        the engine's shared generator otherwise. Stop ids: the user's plus ``eos_ids`` (the user's only with ``ignore_eos``;
-        None = the engine's EOS default when the user gave none)."""
+        the engine's shared generator otherwise. Stop ids: the user's plus ``eos_ids`` (the user's only with
+        ``ignore_eos``; None = the engine's EOS default when the user gave none)."""
         p = self.sampling
         if p.ignore_eos:
             stop = list(self.stop_token_ids)
