@@ -8,8 +8,9 @@ Inductor kernel choice that depends on how many rows a batch has) show as steps 
         --steps 40 [--set distill.pad_anchors_multiple=96]
 
 The stream: ``--steps`` batches of ``distill.batch_size`` trajectories, lengths drawn as the warm start's text
-(prompt 16-512 tokens, output 8-256), grouped by length as ``distill.warm_start_group_by_length`` does, so short
-batches (few anchors) come round as they do there; the last JSON line sums it up.
+(prompt 16-512 tokens; output 2-16, 8-256 or 256), grouped by output length as ``distill.warm_start_group_by_length``
+groups by length, so batches of short answers (few anchors) come round as they do there; the last JSON line sums it
+up. (At c2d363b and before, outputs were 8-256 or 256, sorted by prompt length: no batch of short answers only.)
 """
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ def main() -> None:
     core = DistillTrainerCore(target, cfg.drafter, cfg.length_head, dcfg, seed=cfg.seed)
     rng = random.Random(args.seed)
     b = dcfg.batch_size
-    lens = sorted((rng.randint(16, 512), rng.choice([rng.randint(8, 256), 256])) for _ in range(b * args.steps))
+    # outputs: short (2-16 tokens: one-word and multiple-choice answers), mid-length, or cut at the 256-token cap
+    lens = sorted(((rng.randint(16, 512), rng.choice([rng.randint(2, 16), rng.randint(8, 256), 256]))
+                   for _ in range(b * args.steps)), key=lambda pn: pn[1])  # grouped by output length
     batches = [lens[i * b:(i + 1) * b] for i in range(args.steps)]
     rng.shuffle(batches)
     vocab = target.config.vocab_size
