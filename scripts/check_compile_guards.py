@@ -19,8 +19,6 @@ import json
 import random
 import time
 
-import torch
-
 from adaflash_ray.config import add_recipe_args, config_from_args
 from adaflash_ray.trainer_bench import bench_target, synthetic_trajectories
 
