@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -198,6 +199,18 @@ def test_warm_start_groups_its_text_by_length():
     assert length_grouped(trajs, 3, seed=0) == length_grouped(trajs, 3, seed=0)
     with pytest.raises(ValueError, match="batch_size"):
         length_grouped(trajs, 0)
+
+
+def test_warm_start_replays_its_whole_set_max_reuse_times():
+    """A warm-start set larger than the on-policy replay pool (4 x batch_size x max_reuse = 16 here): every
+    trajectory trains max_reuse = 2 times in all, once fresh then once replayed - not only the last 16 pooled."""
+    trajs = [_traj(f"t{i}", 8) for i in range(40)]
+    core = FakeCore([])
+    loop = TrainerLoop(core, _dc(max_reuse=2, warm_start_group_by_length=False), seed=2)
+    summary = loop.warm_start(trajs, FakeSink([]), train_s=30.0)
+    counts = Counter(x for step in core.trained for x in step)
+    assert counts == {f"t{i}": 2 for i in range(40)} and summary["steps"] == 40
+    assert core.trained[:20] == [[f"t{2 * i}", f"t{2 * i + 1}"] for i in range(20)]  # the fresh pass first
 
 
 def test_loop_replays_up_to_max_reuse_then_publishes_what_it_trained():

@@ -105,18 +105,25 @@ class TrainerLoop:
         return {k: v.to(self.serving_dtype) for k, v in self.core.publish_tensors().items()}
 
     def run(self, source: TrajectorySource, sink: WeightSink, num_versions: int | None = None,
-            close: bool = True) -> dict:
+            close: bool = True, replay_pool: int | None = None) -> dict:
         """Train until ``num_versions`` (default ``distill.num_versions``) versions are published, the time
         budget ``distill.max_train_s`` (from the first step) is spent, ``should_stop`` says so, or ``source``
         is exhausted; then hand back what was leased untrained and (``close``) close ``sink`` and the core
         (``close=False``: a stage before another ``run``, e.g. :meth:`warm_start`). Returns
         ``{rank, final_version, steps, seconds, num_fresh, num_counted_twice, num_lost, num_duplicates_skipped}``
         - trajectories first trained on over the whole run (resumes included) and those among them trained as
-        fresh more than once (0 unless a resume replayed one)."""
+        fresh more than once (0 unless a resume replayed one).
+
+        ``replay_pool``: the most trajectories the replay pool keeps (the most recent ones; each is replayed until
+        trained ``distill.max_reuse`` times). None = ``distill.replay_pool``, else 4 x ``batch_size`` x
+        ``max_reuse``: on-policy data keeps coming, and the pool then holds the latest few steps' worth. A stage
+        that trains on a fixed set (:meth:`warm_start`) passes the set's size, so every trajectory is replayed
+        ``max_reuse`` times in all, not only the last few batches' worth once the set is exhausted."""
         dc, core = self.dc, self.core
         num_versions = num_versions or dc.num_versions
         cfg_dict = core.drafter_model_config().as_dict()
         t_start = time.time()
+        pool_cap = replay_pool or getattr(dc, "replay_pool", None) or 4 * dc.batch_size * dc.max_reuse
         pool: list[list] = []  # [trajectory, version, uses, handle]: leased on-policy data, and recent data for reuse
         pending_ids: list[str] = []  # first trained since the last save
         rng = random.Random(self.seed + self.rank + 7919 * self.version)
@@ -181,8 +188,8 @@ class TrainerLoop:
             trajs = [p[0] for p in chosen]
             versions = [p[1] for p in chosen]
             del fresh
-            if len(pool) > 4 * dc.batch_size * dc.max_reuse:
-                pool = pool[-4 * dc.batch_size * dc.max_reuse:]
+            if len(pool) > pool_cap:
+                pool = pool[-pool_cap:]
             recent_s = min(step_times[-5:]) if step_times else 0.0
             if dc.prefetch and recent_s > 0 and not self._may_publish_next(t_first_step, recent_s):
                 # the next batch gathers in the source during this step (returns by the step's end)
@@ -241,7 +248,8 @@ class TrainerLoop:
         if getattr(dc, "warm_start_group_by_length", False):
             trajectories = length_grouped(trajectories, dc.batch_size, self.seed + self.rank)
         try:
-            return self.run(MemorySource(trajectories), sink, num_versions=self.version + 1, close=False)
+            return self.run(MemorySource(trajectories), sink, num_versions=self.version + 1, close=False,
+                            replay_pool=max(len(trajectories), 4 * dc.batch_size * dc.max_reuse))
         finally:
             self.dc, self._on_metrics = dc, on_metrics
 
