@@ -85,7 +85,8 @@ if [ -n "${ABL_REUSE_TRAJ:-}" ] && ls "$TRAJ"/*.parquet > /dev/null 2>&1; then  
 else
   rm -rf "$TRAJ" "$ABL"
   timeout "$GEN_S" python3 -m adaflash_ray.distill.loop generate --recipe "$R" --out "$TRAJ" \
-    --prompts "${ABL_PROMPTS:-5000}" --set engine.max_batch_size="$SLOTS" --set data.num_train_prompts=5400 \
+    --prompts "${ABL_PROMPTS:-5000}" --set engine.max_batch_size="$SLOTS" \
+    --set data.num_train_prompts=$(( ${ABL_PROMPTS:-5000} > 5000 ? ${ABL_PROMPTS:-5000} + 400 : 5400 )) \
     --set data.sample_fraction="${ABL_SAMPLE_FRACTION:-0.2}" --set data.sampled_temperature=0.8 >> "$OUT/gen.log" 2>&1
   rc=$?
   n=$(ls "$TRAJ"/*.parquet 2>/dev/null | wc -l)
@@ -125,12 +126,14 @@ V=()
 for v in "${@:-base ctxinit:drafter.init_context_from_target=true dpace:distill.position_weighting=dpace lr5e-3:distill.lr=5e-3}"; do
   for w in $v; do V+=(--variant "$w"); done
 done
-# offline data: each trajectory may feed up to 4 steps (fresh anchors each time); every variant sees the same files
+# offline data: each trajectory may feed up to 4 steps (fresh anchors each time) - the replay pool holds every file
+# (distill.replay_pool; before 5aaa4ed it held 4 x 64 x 4, so a variant trained its files about once and then ran out
+# of data: ~125 steps on 5,000 trajectories); every variant sees the same files
 DEADLINE=$(( $(left) - 5 ))
 timeout "$(( DEADLINE + 3 ))" python3 -m adaflash_ray.distill.ablate --recipe "$R" --trajectories "$TRAJ" \
   --out "$ABL" --train-s "$TRAIN_S" --deadline-s "$DEADLINE" --overhead-s "${ABL_OVERHEAD_S:-30}" \
   --warmup-steps "${ABL_WARMUP_STEPS:-10}" \
-  --set distill.max_reuse=4 --set distill.batch_size="${ABL_BATCH:-64}" --set distill.publish_every="${ABL_PUBLISH:-150}" \
+  --set distill.max_reuse=4 --set distill.replay_pool=1000000 --set distill.batch_size="${ABL_BATCH:-64}" --set distill.publish_every="${ABL_PUBLISH:-150}" \
   --set distill.warm_start=false --set engine.max_batch_size="$SLOTS" "${V[@]}" > "$OUT/ablate.log" 2>&1
 mark "ablate rc $?"
 collect >> "$OUT/timeline.txt" 2>&1
