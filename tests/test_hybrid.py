@@ -801,6 +801,97 @@ def test_one_row_plan_equals_the_array_plan():
     assert seen == {"dflash", "suffix", "none", ("propose", True), ("propose", False)}
 
 
+@pytest.mark.parametrize("with_costs", [True, False])
+def test_lookup_only_plan_equals_the_array_plan(with_costs):
+    """A step with device lookups and no pending drafter block (the block idle, or no drafter) takes the lookup-only
+    plan (HybridPlanner._plan_lookup): the array path's choices, propose flag, value and schedule state, step after
+    step, with and without a cost table, for the hybrid and a lookup-only planner, at batch 1 (no cost table) and
+    above: caps below the width, empty and stale proposals, fixed γ, block_off, the block's probes due (proposing
+    steps whose blocks the next steps verify: those take the array path in both planners), calibration records in
+    between. Both planners see the same record, so any divergence shows in the next step."""
+    from adaflash_ray.engine.hybrid import LookupArrays
+
+    rng = np.random.default_rng(11)
+    bs = [1, 2, 4, 8]
+    spec = 1.2 + 0.03 * np.arange(1, 16)[None] + 0.01 * np.arange(4)[:, None]
+    look = 1.0 + 0.02 * np.arange(16)[None] + 0.01 * np.arange(4)[:, None]
+    block = list(1 + np.cumsum(np.cumprod(np.full(15, 0.6))))
+    for sources in (("dflash", "suffix"), ("suffix",)):
+        fast, ref = (HybridPlanner(sources, 15, 16, [1, 2, 3, 4, 6, 8, 12, 16], lookup_on_device=True, probe_every=2)
+                     for _ in range(2))
+        ref.lookup_only_fast = False
+        if with_costs:
+            for p in (fast, ref):
+                p.set_costs(bs, spec, look)
+        calls, pending, seen = [0], None, set()
+        real = fast._plan_lookup
+        fast._plan_lookup = lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or real(*a, **k)
+        for step in range(300):
+            n = int(rng.integers(1, 8))
+            caps = rng.integers(0, 20, n).tolist()
+            arr = LookupArrays(rng.integers(0, 16, n), rng.integers(0, 5, n), rng.integers(0, 9, n),
+                               rng.integers(0, 2, n), rng.random(n) < 0.8)
+            dexp = [block if pending and rng.random() < 0.7 else None for _ in range(n)]
+            fixed = [3 if rng.random() < 0.03 else None for _ in range(n)]
+            block_off = bool(rng.random() < 0.1)
+            args = (min(n, 8), caps, dexp, [None] * n, fixed)
+            got = fast.plan(*args, device=arr, block_off=block_off)
+            want = ref.plan(*args, device=arr, block_off=block_off)
+            assert got[1] == want[1] and [vars(c) for c in got[0]] == [vars(c) for c in want[0]], step
+            assert fast.last_value == want_value if (want_value := ref.last_value) is None else \
+                fast.last_value == pytest.approx(want_value, rel=1e-12), step
+            for key in ("_since", "_interval", "_idle", "_use"):
+                assert getattr(fast, key) == getattr(ref, key), (step, key)
+            assert fast._block_net == ref._block_net, step
+            seen |= {c.source for c in got[0]} | {("propose", got[1])}
+            pending = got[1] and "dflash" in sources
+            acc = [int(rng.integers(0, c.draft_len + 1)) for c in got[0]]
+            match = [(int(rng.integers(0, 6)), int(rng.integers(1, 6))) for _ in range(n)]
+            for p in (fast, ref):
+                p.record(got[0], acc, match, dexp, [True] * n)
+        assert calls[0] > 30, calls  # the fast path ran
+        assert {"suffix", "none"} <= seen and ("propose", False) in seen
+        if "dflash" in sources:
+            assert ("propose", True) in seen
+
+
+def test_hybrid_engine_with_the_lookup_only_plan_is_unchanged_and_lossless(tiny_target):
+    """The hybrid engine (device lookups, a cost table under which the drafter's random block goes idle, both guards
+    on a fake clock) with the lookup-only plan and with the array path for every step: the same outputs - the
+    target's greedy ones -, per-request draft lengths and sources, planner state and calibration."""
+    prompts, budgets = _prompts(), [100, 70, 90]
+    ref_out = [greedy_reference(tiny_target, p, n) for p, n in zip(prompts, budgets)]
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
+    runs = []
+    for fast in (True, False):
+        ticks = [0]
+        eng = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=160,
+                         calibrate=False, draft_sources=("dflash", "suffix"), lookup_device="device",
+                         lookup_corpus_tokens=1024, clock=lambda: ticks.__setitem__(0, ticks[0] + 1) or 1e-3 * ticks[0])
+        nd = eng.runner.max_draft
+        eng.planner.set_costs([1, 2, 3], np.full((3, 7), 3.0), 1.0 + 0.01 * np.arange(nd + 1)[None].repeat(3, 0))
+        eng.planner.lookup_only_fast = fast
+        calls, real = [0], eng.planner._plan_lookup
+        eng.planner._plan_lookup = lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or real(*a, **k)
+        for g in (eng.guard, eng.block_guard):
+            g.set_buckets([1, 2, 3])
+        # the corpus holds each greedy continuation with every 5th token wrong: drafts of a few accepted tokens
+        eng.reset_corpus([p + [(t + 1) % 128 if i % 5 == 4 else t for i, t in enumerate(o)]
+                          for p, o in zip(prompts, ref_out)])
+        reqs = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, budgets)]
+        while eng.has_unfinished():
+            eng.step()
+        for r, out in zip(reqs, ref_out):
+            assert r.output_ids == out, fast
+        pl = eng.planner
+        runs.append(([(r.draft_lens, r.num_accepted, r.step_sources) for r in reqs], dict(eng.stats.source_hist),
+                     (pl._since, pl._interval, pl._idle, pl._use, pl._block_net, pl.last_value),
+                     pl.lookup_calibration.tried.tolist(), pl.calibration.factor("dflash")))
+        assert (calls[0] > 5) == fast, calls
+    assert runs[0] == runs[1]
+    assert runs[0][1].get("suffix", 0) > 0 and runs[0][2][2]["dflash"]  # lookups drafted, the block went idle
+
+
 @pytest.mark.parametrize("running_start", [True, False])
 @pytest.mark.parametrize("decay", [0.02, 0.5, 1.0])
 def test_record_many_equals_records_one_by_one(running_start, decay):

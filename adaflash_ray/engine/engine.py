@@ -100,6 +100,7 @@ class _Batch(NamedTuple):
     lookup_rows: list[bool] | None = None  # rows verifying the device lookup's proposal
     lookup: bool = False  # the step proposes the next device lookup drafts
     batch_size: int = 0  # max(slot) + 1 (the cost table's and the throughput guard's batch size)
+    blocks: bool = False  # some row has a pending drafter block (the planner scores it on other sources' steps)
 
 
 class SpecEngine:
@@ -495,12 +496,13 @@ class SpecEngine:
             t0 = time.perf_counter()
             proposals = [self._lookup(r, min(nd, c)) if c > 0 else None for r, c in zip(running, caps)]
             lookup_ms = 1e3 * (time.perf_counter() - t0)
-        choices, propose = planner.plan(batch_size, caps, [r.dflash_expected for r in running], proposals,
-                                        [r.params.draft_len for r in running], lookup_ms=lookup_ms,
-                                        block_off=block_off)
+        expected = [r.dflash_expected for r in running]
+        choices, propose = planner.plan(batch_size, caps, expected, proposals, [r.params.draft_len for r in running],
+                                        lookup_ms=lookup_ms, block_off=block_off)
         host = [c.tokens if c.source not in ("dflash", "none") else None for c in choices]
         return _Batch(running, [c.draft_len for c in choices], True, propose, append=propose, choices=choices,
-                      host_drafts=host if any(h is not None for h in host) else None, batch_size=batch_size)
+                      host_drafts=host if any(h is not None for h in host) else None, batch_size=batch_size,
+                      blocks=any(e is not None for e in expected))
 
     def _plan_device(self, running: list[Request], caps: list[int], batch_size: int, block_off: bool = False
                      ) -> _Batch:
@@ -511,13 +513,15 @@ class SpecEngine:
         slots = np.fromiter((r.slot for r in running), np.int64, len(running))
         props, valid = self._dev_props[slots], self._dev_valid[slots]
         arrays = LookupArrays(props[:, nd], props[:, nd + 1], props[:, nd + 2], props[:, nd + 3], valid)
-        choices, propose = planner.plan(batch_size, caps, [r.dflash_expected for r in running],
-                                        [None] * len(running), [r.params.draft_len for r in running], device=arrays,
-                                        block_off=block_off)
-        rows = [c.device_lookup for c in choices]
-        return _Batch(running, [c.draft_len for c in choices], True, propose, append=propose, choices=choices,
+        expected = [r.dflash_expected for r in running]
+        choices, propose = planner.plan(batch_size, caps, expected, [None] * len(running),
+                                        [r.params.draft_len for r in running], device=arrays, block_off=block_off)
+        lens = [c.draft_len for c in choices]
+        rows = [c.bucket >= 0 and g > 0 for c, g in zip(choices, lens)]  # RowChoice.device_lookup
+        return _Batch(running, lens, True, propose, append=propose, choices=choices,
                       lookup_rows=rows if any(rows) else None,
-                      lookup=planner.lookup_due() or planner.spec_costs is None, batch_size=batch_size)
+                      lookup=planner.lookup_due() or planner.spec_costs is None, batch_size=batch_size,
+                      blocks=any(e is not None for e in expected))
 
     def _block_off(self, batch_size: int, any_own: bool) -> bool:
         """Whether the block guard keeps this planned step from proposing the drafter's next block (never when a
@@ -545,7 +549,8 @@ class SpecEngine:
         reqs = batch.requests
         return self.runner.step([r.slot for r in reqs], [r.last_token for r in reqs],
                                 [r.num_tokens - 1 for r in reqs], batch.draft_lens, batch.spec, batch.propose,
-                                batch.host_drafts, batch.append, batch.lookup_rows, batch.lookup)
+                                batch.host_drafts, batch.append, batch.lookup_rows, batch.lookup,
+                                block_match=batch.blocks)
 
     def _postprocess(self, batch: _Batch, res: StepResult, finished: list[Request]) -> None:
         """Record each request's step (γ, a, drafter version, draft source), commit its tokens, and tell the policy
@@ -555,7 +560,8 @@ class SpecEngine:
         if self.planner is not None:
             if batch.choices is not None:
                 reqs = batch.requests
-                cf = res.block_match is not None  # the pending blocks, scored where other drafts were verified
+                # the pending blocks, scored where other drafts were verified (none pending: nothing to score)
+                cf = res.block_match is not None and batch.blocks
                 self.planner.record(batch.choices, res.num_accepted, res.block_match,
                                     [r.dflash_expected for r in reqs] if cf else None,
                                     [r.params.temperature == 0 for r in reqs] if cf else None)
@@ -570,6 +576,7 @@ class SpecEngine:
             else:
                 sources = ["dflash" if g else "none" for g in batch.draft_lens]
             self.stats.record_steps(batch.draft_lens, res.num_accepted, sources)
+        new_blocks = res.expected if batch.propose else None  # each request's next pending block (planner)
         for i, (req, g, a, toks, nxt) in enumerate(zip(batch.requests, batch.draft_lens, res.num_accepted,
                                                        res.committed, res.next_draft_lens)):
             if batch.spec:
@@ -581,7 +588,7 @@ class SpecEngine:
                     req.first_version = version
             req.next_draft_len = nxt
             if self.planner is not None:
-                req.dflash_expected = res.expected[i] if batch.propose and res.expected is not None else None
+                req.dflash_expected = new_blocks[i] if new_blocks is not None else None
             self._commit(req, toks, finished, res, i)
 
     def _commit(self, req: Request, tokens: list[int], finished: list[Request], res: StepResult | None = None,

@@ -245,12 +245,22 @@ class LookupCalibration:
     def expected(self, buckets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """``[n, max_draft + 1]`` float: column γ = E[accepted | γ] of each row's proposal (0 at γ = 0; flat past
         its ``lengths`` ``[n]``; all 0 for a length-0 row)."""
+        g = np.minimum(self._gammas, np.asarray(lengths)[:, None])  # [n, D + 1]
+        return self._table()[np.asarray(buckets)[:, None], g]
+
+    def expected_at(self, buckets: np.ndarray, gammas: np.ndarray) -> np.ndarray:
+        """E[accepted | γ] of each row's proposal at the γ values ``gammas`` ``[n, k]`` int (each already cut at its
+        proposal's length): ``[n, k]`` float, :meth:`expected`'s entries at those columns."""
+        return self._table()[np.asarray(buckets)[:, None], gammas]
+
+    def _table(self) -> np.ndarray:
+        """``[num_buckets, max_draft + 1]`` float: E[accepted | γ] per bucket of the current counts (computed again
+        only after :meth:`record` changed them)."""
         cum = self._cum
-        if cum is None:  # computed again only after record() changed the counts
+        if cum is None:
             p = self._accept_probs(slice(None))  # [nb, D]
             cum = self._cum = np.concatenate([np.zeros((len(p), 1)), np.cumsum(np.cumprod(p, 1), 1)], 1)  # [nb, D+1]
-        g = np.minimum(self._gammas, np.asarray(lengths)[:, None])  # [n, D + 1]
-        return cum[np.asarray(buckets)[:, None], g]
+        return cum
 
     def record(self, buckets: np.ndarray, draft_lens: np.ndarray, num_accepted: np.ndarray) -> None:
         """One step's verified device-lookup drafts (``[m]`` each): bucket, γ, accepted a. Positions
@@ -328,6 +338,10 @@ class HybridPlanner:
         # one request, device lookups, costs set: plan in host floats (:meth:`_plan_one`; numpy's per-call overhead
         # on arrays of one row costs more than the arithmetic); False: always the arrays
         self.scalar_one_row = True
+        # device lookups and no pending drafter block: the lookup-only plan (:meth:`_plan_lookup`); False: the arrays
+        self.lookup_only_fast = True
+        # the last lookup-only plan's (choices, lookup rows [n] bool, buckets [n], γ [n]): its record without the rows
+        self._lookup_plan: tuple | None = None
 
     # ------------------------------------------------------------------ costs
     def set_costs(self, batch_sizes: list[int], spec_costs_ms, lookup_costs_ms) -> None:
@@ -425,9 +439,13 @@ class HybridPlanner:
             be proposed in this step (it was chosen for some request, or its probe is due).
 
         A step with nothing to verify (no pending block, no lookup proposal of a token or more: the γ = 0 regime)
-        takes :meth:`_plan_nothing`, the same answer and state updates without the arrays.
+        takes :meth:`_plan_nothing`, the same answer and state updates without the arrays; one request with the
+        device lookup and a cost table takes :meth:`_plan_one` (host floats); a step with the device lookup and no
+        pending block (the drafter's block idle, or no drafter) takes :meth:`_plan_lookup`, the lookup-only plan
+        without the drafter's arrays. Each gives :meth:`_plan_general`'s answer and state updates.
         """
-        if not (self.use_dflash and any(e is not None for e in dflash_expected)):
+        blocks = self.use_dflash and any(e is not None for e in dflash_expected)
+        if not blocks:
             if device is None:
                 empty = all(p is None or not len(p) for p in proposals)
             else:
@@ -438,7 +456,44 @@ class HybridPlanner:
         if (len(caps) == 1 and device is not None and self.spec_costs is not None and self.scalar_one_row
                 and (fixed is None or fixed[0] is None)):
             return self._plan_one(batch_size, caps[0], dflash_expected[0], device, block_off)
+        if not blocks and device is not None and self.lookup_only_fast:
+            return self._plan_lookup(batch_size, caps, device, fixed, block_off)
         return self._plan_general(batch_size, caps, dflash_expected, proposals, fixed, lookup_ms, device, block_off)
+
+    def _plan_lookup(self, batch_size: int, caps: list[int], device: LookupArrays, fixed: list[int | None] | None,
+                     block_off: bool) -> tuple[list[RowChoice], bool]:
+        """:meth:`_plan_general` of a step with the device lookup where no row has a pending drafter block: one plan
+        (lookups only; the spec table when the drafter's probe is due, else the lookup table), no drafter arrays, no
+        net value of the block; the same choices, value and state updates (``tests/test_hybrid.py`` checks them
+        against each other). ``v_l[i, k]`` = E[accepted] of row i's proposal at width k's γ, capped by its cap and
+        its proposal's length: ``[n, len(widths)]`` float, read straight from :class:`LookupCalibration`'s table."""
+        nd, n = self.max_draft, len(caps)
+        lc = self.lookup_calibration
+        buckets = lc.bucket(device.source, device.match_len, device.num_occurrences)
+        prop_len = np.where(device.valid, np.minimum(device.length, nd), 0).astype(np.int64)
+        caps_a = np.maximum(np.minimum(np.asarray(caps, dtype=np.int64), nd), 0)
+        gam = np.minimum(self._widx[None, :], np.minimum(caps_a, prop_len)[:, None])  # [n, nw] γ of each row
+        v_l = lc.expected_at(buckets, gam)  # [n, nw], >= 0
+        probe_d = self.use_dflash and self._idle["dflash"] and self._since["dflash"] >= self._interval["dflash"] \
+            and not block_off
+        total = n + v_l.sum(0)  # expected committed tokens per width
+        costs = self.spec_costs is not None
+        if costs:
+            table = self.spec_costs if probe_d else self.lookup_costs
+            value = total / table[self._row(batch_size), self._widx]
+        else:
+            value = total + 1e-9 * self._widths  # no costs: the most tokens, the longest width on a tie
+        j = int(np.argmax(value))
+        self.last_value = float(value[j]) if costs else None
+        g_l, v_lj = gam[:, j], v_l[:, j]
+        is_l = (v_lj > 0) & (g_l > 0)
+        src = self.lookup
+        choices = [RowChoice(src, g, None, e, b) if use else RowChoice("none", 0)
+                   for use, g, e, b in zip(is_l.tolist(), g_l.tolist(), v_lj.tolist(), buckets.tolist())]
+        self._lookup_plan = (choices, is_l, buckets, g_l)  # record() of these choices reads the arrays
+        forced = fixed is not None and any(f is not None for f in fixed)
+        return choices, self._end_step(False, False, bool(is_l.any()), bool(device.valid.any()), probe_d, forced,
+                                       True, block_off)
 
     def _plan_nothing(self, batch_size: int, n: int, fixed: list[int | None] | None, looked: bool,
                       lookup_ms: float, block_off: bool = False) -> tuple[list[RowChoice], bool]:
@@ -690,12 +745,21 @@ class HybridPlanner:
         calibrates the block: had the block been verified at γ = cut, it would have accepted ``min(match, cut)``
         drafts, against the head's E[accepted | γ = cut]. So the block's estimate keeps learning on the steps where
         the lookups win, and a block the head under-rates is not left unused for want of records."""
+        last = self._lookup_plan
+        if last is not None and last[0] is choices:  # a lookup-only plan: its rows are device lookups or none
+            _, rows, buckets, gammas = last
+            if rows.any():
+                self.lookup_calibration.record(buckets[rows], gammas[rows], np.asarray(num_accepted, np.int64)[rows])
+            return  # no pending block: nothing else to calibrate
         dev = []
         host: dict[str, tuple[list[float], list[int]]] = {}
         for c, a in zip(choices, num_accepted):
-            if c.device_lookup:
-                dev.append((c.bucket, c.draft_len, a))
-            elif c.draft_len > 0:
+            g = c.draft_len
+            if g <= 0:
+                continue
+            if c.bucket >= 0:  # the device lookup's proposal (RowChoice.device_lookup)
+                dev.append((c.bucket, g, a))
+            else:
                 ea = host.setdefault(c.source, ([], []))
                 ea[0].append(c.estimated)
                 ea[1].append(a)

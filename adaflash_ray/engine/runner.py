@@ -582,7 +582,8 @@ class ModelRunner:
     @torch.no_grad()
     def step(self, slots: list[int], anchors: list[int], anchor_pos: list[int], draft_lens: list[int], spec: bool,
              propose: bool = True, host_drafts: list[list[int] | None] | None = None,
-             append: bool | None = None, lookup_rows: list[bool] | None = None, lookup: bool = False) -> StepResult:
+             append: bool | None = None, lookup_rows: list[bool] | None = None, lookup: bool = False,
+             block_match: bool = True) -> StepResult:
         """One decoding step for the running requests in ``slots`` (each prefilled into its slot: the sampling
         settings are the ones :meth:`prefill` recorded).
 
@@ -603,6 +604,9 @@ class ModelRunner:
                 or prefill with ``lookup``; the caller keeps γ within its length), instead of the drafter's block or
                 host drafts. None = none.
             lookup: propose the next lookup drafts on the device at the end of the step (``StepResult.lookup``).
+            block_match: on a step that verifies host / device-lookup drafts with a drafter, decode the pending
+                blocks' match (``StepResult.block_match``); False leaves it None (no row has a current block: the
+                caller has nothing to score; the device computes it either way).
         Raises:
             ValueError: drafter drafts to verify without a drafter, or host drafts shorter than their γ or longer
                 than ``max_draft``; ``lookup`` / ``lookup_rows`` without a device lookup.
@@ -668,7 +672,7 @@ class ModelRunner:
             key = StepKey(b, w, span, spec, propose, use_host and spec, flags, append, lookup)
         self._run(key)
         with_exp = spec and propose and self.expected_fn is not None
-        with_cf = use_host and spec and has_drafter and w > 1
+        with_cf = use_host and spec and has_drafter and w > 1 and block_match
         cols = self._num_out_cols(w, with_exp, flags.logprobs, lookup, with_cf)
         host = self.out[:b, :cols].cpu().numpy()  # the one transfer
         res = self._result(slots, host[idx], w, spec and propose, with_exp, flags.logprobs, lookup, with_cf)
