@@ -650,6 +650,94 @@ def test_stop_tokens(monkeypatch):
     assert a.features is None  # record=False: no trajectory features kept
 
 
+_STAT_TIMES = ("decode_seconds", "prefill_seconds", "catch_up_seconds", "compaction_seconds", "kind_seconds")
+
+
+@pytest.mark.parametrize("policy, sources, where, mode", [
+    ("direct", None, "host", "spec"), ("direct", None, "host", "ar"),
+    ("cost", ("dflash", "suffix"), "device", "spec"), ("cost", ("dflash", "ngram"), "host", "spec"),
+    ("fixed", ("suffix",), "device", "spec")])
+def test_batched_commit_matches_per_request_commit(policy, sources, where, mode):
+    """A batch mixing the target's EOS (hit mid-output), stop ids hit inside a step's chunk, ignore_eos rows whose
+    outputs hold another row's stop id, budgets 1..40, min_tokens, a logprobs row and seeded sampling, through four
+    slots (admissions mid-flight, slot reuse, compaction): committing the rows that cannot end in _postprocess itself
+    (``fast_commit``) gives the outputs, finish reasons, per-step records and statistics (counters' key order
+    included) of committing every row through _commit; the engine's per-slot counters (anchor position, tokens left)
+    equal every running request's ``num_tokens - 1`` and ``remaining`` after each step."""
+    from dataclasses import fields
+
+    from adaflash_ray.engine import SpecStats
+
+    target = make_tiny_target("llama", seed=2)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 9, 3, 14, 7, 6, 11, 4, 8, 10)]
+    probe = SpecEngine(target, None, None, policy="fixed", max_batch_size=10, max_seq_len=128)
+    ref = [r.output_ids for r in probe.generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True), mode="ar")]
+    eos = ref[2][10]  # in the ignore_eos row 2's output: another row's stop id there
+    target.config.eos_token_ids = [eos]
+    budgets = [40, 1, 40, 17, 25, 3, 40, 12, 33, 6]
+    extra = {1: dict(ignore_eos=True), 2: dict(ignore_eos=True), 3: dict(stop_token_ids=[ref[3][4], ref[3][9]]),
+             4: dict(min_tokens=10), 5: dict(logprobs=2, ignore_eos=True), 6: dict(stop_token_ids=[ref[6][20]]),
+             7: dict(temperature=0.8, seed=3), 8: dict(stop_token_ids=[eos, ref[8][30]], logprobs=0),
+             9: dict(ignore_eos=True, repetition_penalty=1.2)}
+    params = [SamplingParams(max_new_tokens=n, **extra.get(i, {})) for i, n in enumerate(budgets)]
+    runs = {}
+    for fast in (True, False):
+        drafter, head = make_drafter(target, block_size=8, layers=1, policy=policy, seed=1) \
+            if policy != "fixed" else (None, None)
+        engine = SpecEngine(target, drafter, head, policy=policy, max_batch_size=4, max_seq_len=128,
+                            draft_sources=sources, lookup_device=where, calibrate=False, throughput_guard=False)
+        engine.fast_commit = fast
+
+        def check(eng):
+            for r in eng.scheduler.running:
+                assert eng._slot_pos[r.slot] == r.num_tokens - 1 and eng._slot_left[r.slot] == r.remaining
+
+        reqs = engine.generate(prompts, params, mode=mode, on_step=check)
+        st = engine.stats
+        runs[fast] = ([(r.output_ids, r.finish_reason, r.draft_lens, r.num_accepted, r.step_sources, r.step_versions,
+                        r.output_logprobs, r.output_top_logprobs) for r in reqs],
+                      {f.name: getattr(st, f.name) for f in fields(SpecStats) if f.name not in _STAT_TIMES},
+                      {f.name: list(getattr(st, f.name).items()) for f in fields(SpecStats)
+                       if isinstance(getattr(st, f.name), dict) and f.name not in _STAT_TIMES})
+        reasons = [r.finish_reason for r in reqs]
+        assert "stop" in reasons and "length" in reasons
+    assert runs[True] == runs[False]
+    outs = [o[0] for o in runs[True][0]]
+    for i in (0, 1, 2, 3, 6, 8):  # greedy rows: the AR output cut after the first stop id, then at the budget
+        sp = params[i]
+        stop = [] if sp.ignore_eos and sp.stop_token_ids is None else (sp.stop_token_ids or [eos])
+        cut = next((k + 1 for k, t in enumerate(ref[i]) if t in stop), len(ref[i]))
+        assert outs[i] == ref[i][:min(cut, budgets[i])], i
+    assert outs[2] == ref[2]  # ignore_eos: past the stop id of the others
+
+
+def test_record_steps_equals_record_step_per_request():
+    """SpecStats.record_steps (one engine step's rows at once) counts what record_step per row counts, and inserts the
+    counters' keys in the same order; with and without sources, a step of γ = 0 rows only included."""
+    from dataclasses import fields
+
+    from adaflash_ray.engine import SpecStats
+
+    rng = np.random.default_rng(0)
+    one, batched = SpecStats(), SpecStats()
+    for step in range(40):
+        n = int(rng.integers(1, 12))
+        lens = rng.integers(0, 8, n).tolist() if step % 5 else [0] * n
+        acc = [int(rng.integers(0, g + 1)) for g in lens]
+        src = None if step % 3 == 0 else [str(rng.choice(["dflash", "suffix"])) if g else "none" for g in lens]
+        batched.record_steps(lens, acc, src)
+        for i, (g, a) in enumerate(zip(lens, acc)):
+            one.record_step(g, a, src[i] if src is not None else None)
+    for f in fields(SpecStats):
+        a, b = getattr(one, f.name), getattr(batched, f.name)
+        assert a == b, f.name
+        if isinstance(a, dict):  # (a step of γ = 0 rows only leaves out the zero Σγ / Σa entries, as it did)
+            assert [kv for kv in a.items() if kv[1]] == [kv for kv in b.items() if kv[1]], f.name
+    with pytest.raises(ValueError):
+        SpecStats().record_steps([1, 2], [1])
+
+
 # ----------------------------------------------------------------------------------- sampling
 def _chi2_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
     """χ² goodness of fit, cells with expected < 5 pooled into one."""

@@ -25,6 +25,8 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from itertools import chain
+from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -49,6 +51,7 @@ from adaflash_ray.versions import is_newer
 
 # float dtypes by the values they hold exactly: a tensor converted to a dtype at or above its own keeps its values
 _FLOAT_WIDTH = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+_slot_of = attrgetter("slot")
 
 
 def device_lock_path(device: torch.device | str) -> str:
@@ -101,6 +104,8 @@ class _Batch(NamedTuple):
     lookup: bool = False  # the step proposes the next device lookup drafts
     batch_size: int = 0  # max(slot) + 1 (the cost table's and the throughput guard's batch size)
     blocks: bool = False  # some row has a pending drafter block (the planner scores it on other sources' steps)
+    slots: list[int] | None = None  # the requests' KV slots, host ints (None: read from the requests)
+    slot_idx: np.ndarray | None = None  # the same, [n] int64 (indexes the engine's per-slot arrays)
 
 
 class SpecEngine:
@@ -199,6 +204,17 @@ class SpecEngine:
         # the device lookup's latest proposal per slot (packed runner rows) and whether it is current
         self._dev_props = np.zeros((max_batch_size, self.runner.max_draft + NUM_META), np.int64)
         self._dev_valid = np.zeros(max_batch_size, dtype=bool)
+        # per KV slot of a running request (int64 [max_batch_size]): its anchor position (num_tokens - 1) and the
+        # tokens it may still commit (max_new_tokens - generated); set at admission, advanced by each step's commits
+        # (a finished request's entries are stale until its slot is admitted again), moved by compaction
+        self._slot_pos = np.zeros(max_batch_size, np.int64)
+        self._slot_left = np.zeros(max_batch_size, np.int64)
+        # a superset of the running requests' stop token ids (taken at each admission): one check per step finds
+        # the steps where no committed token can stop any request
+        self._stop_union: frozenset[int] = frozenset()
+        # _postprocess appends the tokens of rows that cannot end (budget, stop ids) and carry no logprobs itself;
+        # False: every row commits through _commit (the same outputs; tests compare the two)
+        self.fast_commit = True
         self.runner.argmax_drafts = bool(argmax_drafts)
         self.lookup = None  # the lookup source's proposer (PromptLookup / SuffixLookup), or None
         if lookup == "ngram":
@@ -424,8 +440,19 @@ class SpecEngine:
                 if self.lookup is not None and not self.lookup_on_device:
                     req.lookup_state, req.lookup_synced = self.lookup.begin(req.prompt_ids), 0
             self._commit(req, toks, finished, res, i)
+        self._note_running(admitted)
         self.stats.num_prefills += 1
         self.stats.prefill_seconds += self.clock() - t0
+
+    def _note_running(self, admitted: list[Request]) -> None:
+        """The per-slot counters of the newly ``admitted`` requests (after their prefill's commit) and the stop ids of
+        every running request. A request's ``SamplingParams`` are read here once: as the runner's sampling settings
+        (recorded at prefill), its ``max_new_tokens`` and ``stop_token_ids`` must not change while it runs."""
+        for req in admitted:
+            if req.status == Status.RUNNING:
+                self._slot_pos[req.slot] = req.num_tokens - 1
+                self._slot_left[req.slot] = req.remaining
+        self._stop_union = frozenset().union(*[r.params.stop_token_ids or () for r in self.scheduler.running])
 
     def _compact(self) -> None:
         """Pack the running requests into the lowest slots when that shrinks the step's batch bucket (a step computes
@@ -433,7 +460,7 @@ class SpecEngine:
         would keep paying for the highest slot): :meth:`ModelRunner.move_slots` moves their device state, the
         scheduler their slots, and the device lookup's current proposals follow them."""
         sched = self.scheduler
-        top = max(r.slot for r in sched.running) + 1
+        top = max(map(_slot_of, sched.running)) + 1
         bucket = self.runner.batch_bucket
         if bucket(len(sched.running)) >= bucket(top):
             return
@@ -442,6 +469,7 @@ class SpecEngine:
         src, dst = [r.slot for r, _ in moves], [d for _, d in moves]
         self.runner.move_slots(src, dst)
         self._dev_props[dst], self._dev_valid[dst] = self._dev_props[src], self._dev_valid[src]
+        self._slot_pos[dst], self._slot_left[dst] = self._slot_pos[src], self._slot_left[src]
         sched.relocate(moves)
         st = self.stats
         st.num_compactions += 1
@@ -461,67 +489,90 @@ class SpecEngine:
         """The running requests' γ for this step - the policy's (or the request's own), capped by the tokens left -
         and whether the step proposes the next block (the policy's probe schedule)."""
         running = list(self.scheduler.running)
-        batch_size = max(r.slot for r in running) + 1
-        own = [r.params.draft_len is not None for r in running]  # requests that fix their own γ
-        any_own = any(own)
+        n = len(running)
+        slots = list(map(_slot_of, running))
+        idx = np.array(slots, dtype=np.int64)
+        batch_size = max(slots) + 1
+        fixed = [r.params.draft_len for r in running]  # a γ the request fixes, else None
+        any_own = fixed.count(None) != n
         if spec and self.guard is not None and not any_own and \
                 self.guard.force_ar(batch_size):  # the policy is slower than AR here: AR steps for a while
             self.stats.num_guard_steps += 1
-            return _Batch(running, [0] * len(running), True, False, append=False, batch_size=batch_size)
+            return _Batch(running, [0] * n, True, False, append=False, batch_size=batch_size, slots=slots,
+                          slot_idx=idx)
         if spec and self.planner is not None:
-            return self._plan(running, batch_size, self._block_off(batch_size, any_own))
+            return self._plan(running, batch_size, self._block_off(batch_size, any_own), slots=slots, slot_idx=idx,
+                              fixed=fixed)
         pending = [r.next_draft_len for r in running]
         if spec and (any_own or any(pending)):
-            gammas = [max(min(g if r.params.draft_len is None else r.params.draft_len, r.remaining - 1), 0)
-                      for r, g in zip(running, pending)]
+            last = (self._slot_left[idx] - 1).tolist()  # the largest γ the budget leaves (may be < 0)
+            gammas = [max(min(g if d is None else d, c), 0) for g, d, c in zip(pending, fixed, last)]
         else:  # AR mode, or every request pending at γ = 0 (the cost policy's AR regime): no per-request caps
-            gammas = [0] * len(running)
+            gammas = [0] * n
         propose = True
         if self.policy is not None:
-            propose = self.policy.propose_now(spec, pending, own)
+            propose = self.policy.propose_now(spec, pending, [d is not None for d in fixed])
         # a step that does not propose is an AR step (the cost policy's γ = 0): its drafter context append is
         # deferred and caught up from the feature history when the next step proposes
-        return _Batch(running, gammas, spec, propose, append=propose, batch_size=batch_size)
+        return _Batch(running, gammas, spec, propose, append=propose, batch_size=batch_size, slots=slots,
+                      slot_idx=idx)
 
-    def _plan(self, running: list[Request], batch_size: int, block_off: bool = False) -> _Batch:
+    def _plan(self, running: list[Request], batch_size: int, block_off: bool = False, *,
+              slots: list[int] | None = None, slot_idx: np.ndarray | None = None,
+              fixed: list[int | None] | None = None) -> _Batch:
         """The draft sources' step: each request's lookup proposal (host; when the planner wants lookups this step),
-        then the planner's source and γ per request and whether the step proposes the next DFlash block."""
+        then the planner's source and γ per request and whether the step proposes the next DFlash block.
+        ``slots`` / ``slot_idx`` / ``fixed``: the requests' slots (list, ``[n]`` int64) and own γ (None: the
+        planner's), as :meth:`_schedule` has them (None: read from the requests)."""
         planner, nd = self.planner, self.runner.max_draft
-        caps = [max(r.remaining - 1, 0) for r in running]
-        proposals = [None] * len(running)
+        if slots is None:
+            slots = list(map(_slot_of, running))
+        if slot_idx is None:
+            slot_idx = np.array(slots, dtype=np.int64)
+        if fixed is None:
+            fixed = [r.params.draft_len for r in running]
+        caps = np.maximum(self._slot_left[slot_idx] - 1, 0).tolist()  # per request the largest γ its budget leaves
+        n = len(running)
+        proposals = [None] * n
         lookup_ms = 0.0
         if self.lookup_on_device:
-            return self._plan_device(running, caps, batch_size, block_off)
+            return self._plan_device(running, caps, batch_size, block_off, slots=slots, slot_idx=slot_idx,
+                                     fixed=fixed)
         if self.lookup is not None and (planner.lookup_due() or planner.spec_costs is None):
             t0 = time.perf_counter()
             proposals = [self._lookup(r, min(nd, c)) if c > 0 else None for r, c in zip(running, caps)]
             lookup_ms = 1e3 * (time.perf_counter() - t0)
         expected = [r.dflash_expected for r in running]
-        choices, propose = planner.plan(batch_size, caps, expected, proposals, [r.params.draft_len for r in running],
+        choices, propose = planner.plan(batch_size, caps, expected, proposals, fixed,
                                         lookup_ms=lookup_ms, block_off=block_off)
         host = [c.tokens if c.source not in ("dflash", "none") else None for c in choices]
         return _Batch(running, [c.draft_len for c in choices], True, propose, append=propose, choices=choices,
-                      host_drafts=host if any(h is not None for h in host) else None, batch_size=batch_size,
-                      blocks=any(e is not None for e in expected))
+                      host_drafts=host if host.count(None) != n else None, batch_size=batch_size,
+                      blocks=expected.count(None) != n, slots=slots, slot_idx=slot_idx)
 
-    def _plan_device(self, running: list[Request], caps: list[int], batch_size: int, block_off: bool = False
-                     ) -> _Batch:
+    def _plan_device(self, running: list[Request], caps: list[int], batch_size: int, block_off: bool = False, *,
+                     slots: list[int] | None = None, slot_idx: np.ndarray | None = None,
+                     fixed: list[int | None] | None = None) -> _Batch:
         """:meth:`_plan` with the device lookup: the proposals the requests' previous steps made (arrays, no
         per-request lookup; no host lookup time to weigh, so ``lookup_ms`` stays 0), and whether this step makes the
         next ones (the planner's lookup schedule)."""
         planner, nd = self.planner, self.runner.max_draft
-        slots = np.fromiter((r.slot for r in running), np.int64, len(running))
-        props, valid = self._dev_props[slots], self._dev_valid[slots]
+        n = len(running)
+        if slots is None:
+            slots = list(map(_slot_of, running))
+        if slot_idx is None:
+            slot_idx = np.array(slots, dtype=np.int64)
+        if fixed is None:
+            fixed = [r.params.draft_len for r in running]
+        props, valid = self._dev_props[slot_idx], self._dev_valid[slot_idx]
         arrays = LookupArrays(props[:, nd], props[:, nd + 1], props[:, nd + 2], props[:, nd + 3], valid)
         expected = [r.dflash_expected for r in running]
-        choices, propose = planner.plan(batch_size, caps, expected, [None] * len(running),
-                                        [r.params.draft_len for r in running], device=arrays, block_off=block_off)
-        lens = [c.draft_len for c in choices]
-        rows = [c.bucket >= 0 and g > 0 for c, g in zip(choices, lens)]  # RowChoice.device_lookup
-        return _Batch(running, lens, True, propose, append=propose, choices=choices,
-                      lookup_rows=rows if any(rows) else None,
+        choices, propose = planner.plan(batch_size, caps, expected, [None] * n, fixed, device=arrays,
+                                        block_off=block_off)
+        lens, rows = planner.plan_rows(choices)  # γ per request; rows verifying the device lookup's drafts (or None)
+        return _Batch(running, lens, True, propose, append=propose, choices=choices, lookup_rows=rows,
                       lookup=planner.lookup_due() or planner.spec_costs is None, batch_size=batch_size,
-                      blocks=any(e is not None for e in expected))
+                      blocks=expected.count(None) != n, slots=slots, slot_idx=slot_idx)
 
     def _block_off(self, batch_size: int, any_own: bool) -> bool:
         """Whether the block guard keeps this planned step from proposing the drafter's next block (never when a
@@ -547,62 +598,96 @@ class SpecEngine:
     def _run(self, batch: _Batch) -> StepResult:
         """One batched step on the device (verify, accept, propose): one device -> host transfer."""
         reqs = batch.requests
-        return self.runner.step([r.slot for r in reqs], [r.last_token for r in reqs],
-                                [r.num_tokens - 1 for r in reqs], batch.draft_lens, batch.spec, batch.propose,
-                                batch.host_drafts, batch.append, batch.lookup_rows, batch.lookup,
+        if batch.slot_idx is None:
+            slots, pos = [r.slot for r in reqs], [r.num_tokens - 1 for r in reqs]
+        else:
+            slots, pos = batch.slots, self._slot_pos[batch.slot_idx].tolist()
+        # a running request has committed its prefill's token: its last token is its output's last
+        return self.runner.step(slots, [r.output_ids[-1] for r in reqs], pos, batch.draft_lens, batch.spec,
+                                batch.propose, batch.host_drafts, batch.append, batch.lookup_rows, batch.lookup,
                                 block_match=batch.blocks)
 
     def _postprocess(self, batch: _Batch, res: StepResult, finished: list[Request]) -> None:
         """Record each request's step (γ, a, drafter version, draft source), commit its tokens, and tell the policy
         (or the planner, which calibrates its acceptance estimates on the outcome)."""
+        reqs, lens, acc, committed = batch.requests, batch.draft_lens, res.num_accepted, res.committed
+        n = len(reqs)
+        idx = batch.slot_idx if batch.slot_idx is not None else np.array([r.slot for r in reqs], dtype=np.int64)
         if self.lookup_on_device:
-            self._keep_proposals([r.slot for r in batch.requests], res)
-        if self.planner is not None:
+            self._keep_proposals(idx, res)
+        planner = self.planner
+        if planner is not None:
             if batch.choices is not None:
-                reqs = batch.requests
                 # the pending blocks, scored where other drafts were verified (none pending: nothing to score)
                 cf = res.block_match is not None and batch.blocks
-                self.planner.record(batch.choices, res.num_accepted, res.block_match,
-                                    [r.dflash_expected for r in reqs] if cf else None,
-                                    [r.params.temperature == 0 for r in reqs] if cf else None)
+                planner.record(batch.choices, acc, res.block_match,
+                               [r.dflash_expected for r in reqs] if cf else None,
+                               [r.params.temperature == 0 for r in reqs] if cf else None)
         elif self.policy is not None:
             self.policy.after_step(batch.spec, batch.propose, res.next_draft_lens)
         version = self.drafter_version
-        if batch.spec:
-            if not any(batch.draft_lens):  # every row γ = 0 (an AR step of the policy or the planner)
-                sources = ["none"] * len(batch.draft_lens)
+        spec = batch.spec
+        sources = None
+        if spec:
+            if not any(lens):  # every row γ = 0 (an AR step of the policy or the planner)
+                sources = ["none"] * n
             elif batch.choices is not None:
-                sources = [c.source if g else "none" for c, g in zip(batch.choices, batch.draft_lens)]
+                sources = [c.source if g else "none" for c, g in zip(batch.choices, lens)]
             else:
-                sources = ["dflash" if g else "none" for g in batch.draft_lens]
-            self.stats.record_steps(batch.draft_lens, res.num_accepted, sources)
+                sources = ["dflash" if g else "none" for g in lens]
+            self.stats.record_steps(lens, acc, sources)
+        num_new = list(map(len, committed))  # a + 1 per request
+        # rows whose tokens may end the request (the budget, a stop token) or that carry logprobs commit through
+        # _commit; the rest append their tokens here. The budget: tokens left <= tokens committed now
+        left = self._slot_left[idx]
+        new = np.array(num_new, dtype=np.int64)
+        ends = (new >= left).tolist() if n else []
+        stop = self._stop_union
+        maybe_stop = bool(stop) and not stop.isdisjoint(chain.from_iterable(committed))
+        slow_all = res.logprobs is not None or not self.fast_commit
         new_blocks = res.expected if batch.propose else None  # each request's next pending block (planner)
-        for i, (req, g, a, toks, nxt) in enumerate(zip(batch.requests, batch.draft_lens, res.num_accepted,
-                                                       res.committed, res.next_draft_lens)):
-            if batch.spec:
+        if planner is not None and new_blocks is None:
+            new_blocks = [None] * n
+        steps = sources if spec else lens  # any [n] list: zip's column for the per-step records
+        generated = 0
+        for i, (req, g, a, s, toks, nxt, end) in enumerate(zip(reqs, lens, acc, steps, committed,
+                                                               res.next_draft_lens, ends)):
+            if spec:
                 req.draft_lens.append(g)
                 req.num_accepted.append(a)
-                req.step_sources.append(sources[i])
+                req.step_sources.append(s)
                 req.step_versions.append(version)
                 if req.first_version is None:
                     req.first_version = version
             req.next_draft_len = nxt
-            if self.planner is not None:
-                req.dflash_expected = new_blocks[i] if new_blocks is not None else None
-            self._commit(req, toks, finished, res, i)
+            if planner is not None:
+                req.dflash_expected = new_blocks[i]
+            if end or slow_all or (maybe_stop and not stop.isdisjoint(toks)):
+                self._commit(req, toks, finished, res, i)
+            else:
+                req.output_ids += toks
+                generated += len(toks)
+        self.stats.num_generated += generated
+        # the running requests' counters (the finished ones' slots are stale until admitted again)
+        self._slot_pos[idx] += new
+        self._slot_left[idx] = left - new
 
     def _commit(self, req: Request, tokens: list[int], finished: list[Request], res: StepResult | None = None,
                 row: int = 0) -> None:
         """Append ``tokens`` (cut after a stop token or at the budget) to the request's output, with their
-        log-probabilities from ``res`` (row ``row``) when the request asked for them; finish it if it ended."""
-        stop = set(req.params.stop_token_ids or [])
+        log-probabilities from ``res`` (row ``row``) when the request asked for them; finish it if it ended.
+        :meth:`_postprocess` appends the tokens of the rows that can neither end nor carry logprobs itself."""
+        stop_ids = req.params.stop_token_ids
         reason = None
-        for n, tok in enumerate(tokens):
-            if tok in stop:
-                tokens, reason = tokens[: n + 1], "stop"
-                break
-        if len(tokens) >= req.remaining:
-            tokens, reason = tokens[: req.remaining], reason or "length"
+        if stop_ids:
+            stop = set(stop_ids)
+            for n, tok in enumerate(tokens):
+                if tok in stop:
+                    tokens, reason = tokens[: n + 1], "stop"
+                    break
+        left = req.remaining
+        if len(tokens) >= left:
+            tokens, reason = tokens[:left], reason or "length"
         if res is not None and res.logprobs is not None and res.logprobs[row] is not None:
             req.output_logprobs.extend(res.logprobs[row][: len(tokens)])
             req.output_top_logprobs.extend(res.top_logprobs[row][: len(tokens)])

@@ -274,7 +274,7 @@ class LookupCalibration:
         np.add.at(self.accepted, np.asarray(buckets), (pos <= a).astype(float))
 
 
-@dataclass
+@dataclass(slots=True)
 class RowChoice:
     """One request's draft for the next step: ``source`` in :data:`DRAFT_SOURCES` or "none", γ (0 for "none"),
     ``tokens`` (the host lookup's drafts; None for the drafter's block and for the device lookup's, which stay on the
@@ -342,6 +342,11 @@ class HybridPlanner:
         self.lookup_only_fast = True
         # the last lookup-only plan's (choices, lookup rows [n] bool, buckets [n], γ [n]): its record without the rows
         self._lookup_plan: tuple | None = None
+        # the last plan with no draft in any row (its choices): its record is empty
+        self._nothing_plan: list[RowChoice] | None = None
+        # the last lookup-only or draft-less plan's (choices, γ [n] host ints, device-lookup rows [n] bool or None):
+        # plan_rows() of those choices without a pass over them
+        self._plan_rows: tuple | None = None
 
     # ------------------------------------------------------------------ costs
     def set_costs(self, batch_sizes: list[int], spec_costs_ms, lookup_costs_ms) -> None:
@@ -444,7 +449,7 @@ class HybridPlanner:
         pending block (the drafter's block idle, or no drafter) takes :meth:`_plan_lookup`, the lookup-only plan
         without the drafter's arrays. Each gives :meth:`_plan_general`'s answer and state updates.
         """
-        blocks = self.use_dflash and any(e is not None for e in dflash_expected)
+        blocks = self.use_dflash and dflash_expected.count(None) != len(dflash_expected)
         if not blocks:
             if device is None:
                 empty = all(p is None or not len(p) for p in proposals)
@@ -488,10 +493,15 @@ class HybridPlanner:
         g_l, v_lj = gam[:, j], v_l[:, j]
         is_l = (v_lj > 0) & (g_l > 0)
         src = self.lookup
-        choices = [RowChoice(src, g, None, e, b) if use else RowChoice("none", 0)
-                   for use, g, e, b in zip(is_l.tolist(), g_l.tolist(), v_lj.tolist(), buckets.tolist())]
+        none = RowChoice("none", 0)
+        use_l = is_l.tolist()
+        choices = [RowChoice(src, g, None, e, b) if use else none
+                   for use, g, e, b in zip(use_l, g_l.tolist(), v_lj.tolist(), buckets.tolist())]
         self._lookup_plan = (choices, is_l, buckets, g_l)  # record() of these choices reads the arrays
-        forced = fixed is not None and any(f is not None for f in fixed)
+        # every chosen row verifies its device lookup proposal (a bucket >= 0, γ > 0): RowChoice.device_lookup
+        any_l = bool(is_l.any())
+        self._plan_rows = (choices, np.where(is_l, g_l, 0).tolist(), use_l if any_l else None)
+        forced = fixed is not None and fixed.count(None) != len(fixed)
         return choices, self._end_step(False, False, bool(is_l.any()), bool(device.valid.any()), probe_d, forced,
                                        True, block_off)
 
@@ -509,10 +519,24 @@ class HybridPlanner:
             self.last_value = float((float(n) / table[self._row(batch_size), self._widx]).max())
         else:
             self.last_value = None
-        forced = fixed is not None and any(f is not None for f in fixed)
+        forced = fixed is not None and fixed.count(None) != len(fixed)
         propose = self._end_step(False, False, False, looked, probe_d, forced,
                                  lookup_pays=not (costs and looked and lookup_ms > 0), block_off=block_off)
-        return [RowChoice("none", 0) for _ in range(n)], propose
+        choices = [RowChoice("none", 0)] * n  # one shared RowChoice (choices are read, never changed)
+        self._nothing_plan = choices
+        self._plan_rows = (choices, [0] * n, None)
+        return choices, propose
+
+    def plan_rows(self, choices: list[RowChoice]) -> tuple[list[int], list[bool] | None]:
+        """Of a plan's ``choices``: per request its γ (``[n]`` host ints) and which rows verify the device lookup's
+        proposal (``[n]`` bool, :attr:`RowChoice.device_lookup`; None where no row does). The last plan's come
+        without a pass over the choices when it was lookup-only or draft-less."""
+        last = self._plan_rows
+        if last is not None and last[0] is choices:
+            return last[1], last[2]
+        lens = [c.draft_len for c in choices]
+        rows = [c.bucket >= 0 and g > 0 for c, g in zip(choices, lens)]
+        return lens, rows if any(rows) else None
 
     def _end_step(self, any_d: bool, keep_d: bool, used_l: bool, looked: bool, probe_d: bool, forced: bool,
                   lookup_pays: bool, block_off: bool = False) -> bool:
@@ -716,6 +740,7 @@ class HybridPlanner:
         el = est_l.tolist()
         bk = buckets.tolist() if buckets is not None else None
         src = self.lookup
+        none = RowChoice("none", 0)  # shared by the rows without a draft (choices are read, never changed)
         out = []
         for i, k in enumerate(kind):
             if k == 1:
@@ -725,7 +750,7 @@ class HybridPlanner:
                 out.append(RowChoice(src, g, None, el[i], bk[i]) if bk is not None
                            else RowChoice(src, g, proposals[i].tokens[:g], el[i]))
             else:
-                out.append(RowChoice("none", 0))
+                out.append(none)
         return out
 
     def _note_use(self, key: str, used: bool) -> float:
@@ -745,6 +770,9 @@ class HybridPlanner:
         calibrates the block: had the block been verified at γ = cut, it would have accepted ``min(match, cut)``
         drafts, against the head's E[accepted | γ = cut]. So the block's estimate keeps learning on the steps where
         the lookups win, and a block the head under-rates is not left unused for want of records."""
+        if choices is self._nothing_plan and (block_expected is None or
+                                              block_expected.count(None) == len(block_expected)):
+            return  # no row drafted, no pending block to score
         last = self._lookup_plan
         if last is not None and last[0] is choices:  # a lookup-only plan: its rows are device lookups or none
             _, rows, buckets, gammas = last

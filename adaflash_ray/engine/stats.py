@@ -106,17 +106,55 @@ class SpecStats:
             self.source_accepted[source] += num_accepted
 
     def record_steps(self, draft_lens: list[int], num_accepted: list[int], sources: list[str] | None = None) -> None:
-        """:meth:`record_step` for each request of one engine step; a step where no request drafted (every γ = 0:
-        the ``cost`` policy's AR steps) is counted in O(1)."""
+        """:meth:`record_step` for each request of one engine step (``draft_lens`` / ``num_accepted`` /
+        ``sources``: ``[n]`` host ints / strings), counted per step rather than per request: the same counts, and
+        the counters' keys inserted in the same order (the order the rows first show them). A step where no
+        request drafted (every γ = 0: the ``cost`` policy's AR steps) is counted in O(1). Raises ValueError when
+        the lists' lengths differ."""
+        if not isinstance(draft_lens, list):
+            draft_lens = list(draft_lens)
+        n = len(draft_lens)
         if not any(draft_lens):
-            n = len(draft_lens)
             self.num_verify_steps += n
             self.draft_len_hist[0] += n
             if sources is not None:
                 self.source_hist["none"] += n
             return
-        for i, (g, a) in enumerate(zip(draft_lens, num_accepted)):
-            self.record_step(g, a, sources[i] if sources is not None else None)
+        if not isinstance(num_accepted, list):
+            num_accepted = list(num_accepted)
+        if len(num_accepted) != n or (sources is not None and len(sources) != n):
+            raise ValueError(f"record_steps: {n} draft lengths, {len(num_accepted)} accepted counts"
+                             + (f", {len(sources)} sources" if sources is not None else ""))
+        self.num_verify_steps += n
+        self.num_drafting_steps += n - draft_lens.count(0)
+        total_g, total_a = sum(draft_lens), sum(num_accepted)
+        self.num_drafted += total_g
+        self.num_accepted += total_a
+        self.draft_len_hist.update(draft_lens)  # += 1 per row, keys in first-seen order
+        if total_a:  # accepted_per_pos[i] += rows with a > i, for i = 0 .. max(a) - 1 in order
+            per_a = Counter(num_accepted)
+            left = n - per_a.get(0, 0)
+            app = self.accepted_per_pos
+            for i in range(max(num_accepted)):
+                app[i] += left
+                left -= per_a.get(i + 1, 0)
+        if sources is None:
+            return
+        self.source_hist.update(sources)
+        kinds = list(dict.fromkeys(sources))  # first-seen order, as record_step inserts the keys
+        if len(kinds) == 1:
+            drafted = {kinds[0]: total_g}
+            accepted = {kinds[0]: total_a}
+        else:
+            drafted, accepted = dict.fromkeys(kinds, 0), dict.fromkeys(kinds, 0)
+            for s, g, a in zip(sources, draft_lens, num_accepted):
+                if g or a:
+                    drafted[s] += g
+                    accepted[s] += a
+        sd, sa = self.source_drafted, self.source_accepted
+        for s in kinds:
+            sd[s] += drafted[s]
+            sa[s] += accepted[s]
 
     def __add__(self, other: "SpecStats") -> "SpecStats":
         return SpecStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
