@@ -105,7 +105,6 @@ class _Batch(NamedTuple):
     batch_size: int = 0  # max(slot) + 1 (the cost table's and the throughput guard's batch size)
     blocks: bool = False  # some row has a pending drafter block (the planner scores it on other sources' steps)
     slots: list[int] | None = None  # the requests' KV slots, host ints (None: read from the requests)
-    slot_idx: np.ndarray | None = None  # the same, [n] int64 (indexes the engine's per-slot arrays)
 
 
 class SpecEngine:
@@ -204,11 +203,6 @@ class SpecEngine:
         # the device lookup's latest proposal per slot (packed runner rows) and whether it is current
         self._dev_props = np.zeros((max_batch_size, self.runner.max_draft + NUM_META), np.int64)
         self._dev_valid = np.zeros(max_batch_size, dtype=bool)
-        # per KV slot of a running request (int64 [max_batch_size]): its anchor position (num_tokens - 1) and the
-        # tokens it may still commit (max_new_tokens - generated); set at admission, advanced by each step's commits
-        # (a finished request's entries are stale until its slot is admitted again), moved by compaction
-        self._slot_pos = np.zeros(max_batch_size, np.int64)
-        self._slot_left = np.zeros(max_batch_size, np.int64)
         # a superset of the running requests' stop token ids (taken at each admission): one check per step finds
         # the steps where no committed token can stop any request
         self._stop_union: frozenset[int] = frozenset()
@@ -445,13 +439,9 @@ class SpecEngine:
         self.stats.prefill_seconds += self.clock() - t0
 
     def _note_running(self, admitted: list[Request]) -> None:
-        """The per-slot counters of the newly ``admitted`` requests (after their prefill's commit) and the stop ids of
-        every running request. A request's ``SamplingParams`` are read here once: as the runner's sampling settings
-        (recorded at prefill), its ``max_new_tokens`` and ``stop_token_ids`` must not change while it runs."""
-        for req in admitted:
-            if req.status == Status.RUNNING:
-                self._slot_pos[req.slot] = req.num_tokens - 1
-                self._slot_left[req.slot] = req.remaining
+        """After an admission (``admitted``: its requests, their prefill's token committed): the stop ids of every
+        running request, read once here (as the runner's sampling settings at prefill: a request's
+        ``stop_token_ids`` must not change while it runs)."""
         self._stop_union = frozenset().union(*[r.params.stop_token_ids or () for r in self.scheduler.running])
 
     def _compact(self) -> None:
@@ -469,7 +459,6 @@ class SpecEngine:
         src, dst = [r.slot for r, _ in moves], [d for _, d in moves]
         self.runner.move_slots(src, dst)
         self._dev_props[dst], self._dev_valid[dst] = self._dev_props[src], self._dev_valid[src]
-        self._slot_pos[dst], self._slot_left[dst] = self._slot_pos[src], self._slot_left[src]
         sched.relocate(moves)
         st = self.stats
         st.num_compactions += 1
@@ -491,22 +480,19 @@ class SpecEngine:
         running = list(self.scheduler.running)
         n = len(running)
         slots = list(map(_slot_of, running))
-        idx = np.array(slots, dtype=np.int64)
         batch_size = max(slots) + 1
         fixed = [r.params.draft_len for r in running]  # a γ the request fixes, else None
         any_own = fixed.count(None) != n
         if spec and self.guard is not None and not any_own and \
                 self.guard.force_ar(batch_size):  # the policy is slower than AR here: AR steps for a while
             self.stats.num_guard_steps += 1
-            return _Batch(running, [0] * n, True, False, append=False, batch_size=batch_size, slots=slots,
-                          slot_idx=idx)
+            return _Batch(running, [0] * n, True, False, append=False, batch_size=batch_size, slots=slots)
         if spec and self.planner is not None:
-            return self._plan(running, batch_size, self._block_off(batch_size, any_own), slots=slots, slot_idx=idx,
-                              fixed=fixed)
+            return self._plan(running, batch_size, self._block_off(batch_size, any_own), slots=slots, fixed=fixed)
         pending = [r.next_draft_len for r in running]
-        if spec and (any_own or any(pending)):
-            last = (self._slot_left[idx] - 1).tolist()  # the largest γ the budget leaves (may be < 0)
-            gammas = [max(min(g if d is None else d, c), 0) for g, d, c in zip(pending, fixed, last)]
+        if spec and (any_own or any(pending)):  # γ capped by the tokens left - 1 (r.remaining - 1), at least 0
+            gammas = [max(min(g if d is None else d, r.params.max_new_tokens - len(r.output_ids) - 1), 0)
+                      for r, g, d in zip(running, pending, fixed)]
         else:  # AR mode, or every request pending at γ = 0 (the cost policy's AR regime): no per-request caps
             gammas = [0] * n
         propose = True
@@ -514,30 +500,26 @@ class SpecEngine:
             propose = self.policy.propose_now(spec, pending, [d is not None for d in fixed])
         # a step that does not propose is an AR step (the cost policy's γ = 0): its drafter context append is
         # deferred and caught up from the feature history when the next step proposes
-        return _Batch(running, gammas, spec, propose, append=propose, batch_size=batch_size, slots=slots,
-                      slot_idx=idx)
+        return _Batch(running, gammas, spec, propose, append=propose, batch_size=batch_size, slots=slots)
 
     def _plan(self, running: list[Request], batch_size: int, block_off: bool = False, *,
-              slots: list[int] | None = None, slot_idx: np.ndarray | None = None,
-              fixed: list[int | None] | None = None) -> _Batch:
+              slots: list[int] | None = None, fixed: list[int | None] | None = None) -> _Batch:
         """The draft sources' step: each request's lookup proposal (host; when the planner wants lookups this step),
         then the planner's source and γ per request and whether the step proposes the next DFlash block.
-        ``slots`` / ``slot_idx`` / ``fixed``: the requests' slots (list, ``[n]`` int64) and own γ (None: the
-        planner's), as :meth:`_schedule` has them (None: read from the requests)."""
+        ``slots`` / ``fixed``: the requests' slots and own γ (None: the planner's), as :meth:`_schedule` has them
+        (None: read from the requests)."""
         planner, nd = self.planner, self.runner.max_draft
         if slots is None:
             slots = list(map(_slot_of, running))
-        if slot_idx is None:
-            slot_idx = np.array(slots, dtype=np.int64)
         if fixed is None:
             fixed = [r.params.draft_len for r in running]
-        caps = np.maximum(self._slot_left[slot_idx] - 1, 0).tolist()  # per request the largest γ its budget leaves
+        # per request the largest γ its budget leaves: max(r.remaining - 1, 0)
+        caps = [c if (c := r.params.max_new_tokens - len(r.output_ids) - 1) > 0 else 0 for r in running]
         n = len(running)
         proposals = [None] * n
         lookup_ms = 0.0
         if self.lookup_on_device:
-            return self._plan_device(running, caps, batch_size, block_off, slots=slots, slot_idx=slot_idx,
-                                     fixed=fixed)
+            return self._plan_device(running, caps, batch_size, block_off, slots=slots, fixed=fixed)
         if self.lookup is not None and (planner.lookup_due() or planner.spec_costs is None):
             t0 = time.perf_counter()
             proposals = [self._lookup(r, min(nd, c)) if c > 0 else None for r, c in zip(running, caps)]
@@ -548,11 +530,10 @@ class SpecEngine:
         host = [c.tokens if c.source not in ("dflash", "none") else None for c in choices]
         return _Batch(running, [c.draft_len for c in choices], True, propose, append=propose, choices=choices,
                       host_drafts=host if host.count(None) != n else None, batch_size=batch_size,
-                      blocks=expected.count(None) != n, slots=slots, slot_idx=slot_idx)
+                      blocks=expected.count(None) != n, slots=slots)
 
     def _plan_device(self, running: list[Request], caps: list[int], batch_size: int, block_off: bool = False, *,
-                     slots: list[int] | None = None, slot_idx: np.ndarray | None = None,
-                     fixed: list[int | None] | None = None) -> _Batch:
+                     slots: list[int] | None = None, fixed: list[int | None] | None = None) -> _Batch:
         """:meth:`_plan` with the device lookup: the proposals the requests' previous steps made (arrays, no
         per-request lookup; no host lookup time to weigh, so ``lookup_ms`` stays 0), and whether this step makes the
         next ones (the planner's lookup schedule)."""
@@ -560,10 +541,9 @@ class SpecEngine:
         n = len(running)
         if slots is None:
             slots = list(map(_slot_of, running))
-        if slot_idx is None:
-            slot_idx = np.array(slots, dtype=np.int64)
         if fixed is None:
             fixed = [r.params.draft_len for r in running]
+        slot_idx = np.array(slots, dtype=np.int64)
         props, valid = self._dev_props[slot_idx], self._dev_valid[slot_idx]
         arrays = LookupArrays(props[:, nd], props[:, nd + 1], props[:, nd + 2], props[:, nd + 3], valid)
         expected = [r.dflash_expected for r in running]
@@ -572,7 +552,7 @@ class SpecEngine:
         lens, rows = planner.plan_rows(choices)  # γ per request; rows verifying the device lookup's drafts (or None)
         return _Batch(running, lens, True, propose, append=propose, choices=choices, lookup_rows=rows,
                       lookup=planner.lookup_due() or planner.spec_costs is None, batch_size=batch_size,
-                      blocks=expected.count(None) != n, slots=slots, slot_idx=slot_idx)
+                      blocks=expected.count(None) != n, slots=slots)
 
     def _block_off(self, batch_size: int, any_own: bool) -> bool:
         """Whether the block guard keeps this planned step from proposing the drafter's next block (never when a
@@ -598,12 +578,11 @@ class SpecEngine:
     def _run(self, batch: _Batch) -> StepResult:
         """One batched step on the device (verify, accept, propose): one device -> host transfer."""
         reqs = batch.requests
-        if batch.slot_idx is None:
-            slots, pos = [r.slot for r in reqs], [r.num_tokens - 1 for r in reqs]
-        else:
-            slots, pos = batch.slots, self._slot_pos[batch.slot_idx].tolist()
-        # a running request has committed its prefill's token: its last token is its output's last
-        return self.runner.step(slots, [r.output_ids[-1] for r in reqs], pos, batch.draft_lens, batch.spec,
+        slots = batch.slots if batch.slots is not None else [r.slot for r in reqs]
+        # a running request has committed its prefill's token: its last token is its output's last; its anchor
+        # position is num_tokens - 1
+        return self.runner.step(slots, [r.output_ids[-1] for r in reqs],
+                                [len(r.prompt_ids) + len(r.output_ids) - 1 for r in reqs], batch.draft_lens, batch.spec,
                                 batch.propose, batch.host_drafts, batch.append, batch.lookup_rows, batch.lookup,
                                 block_match=batch.blocks)
 
@@ -612,9 +591,8 @@ class SpecEngine:
         (or the planner, which calibrates its acceptance estimates on the outcome)."""
         reqs, lens, acc, committed = batch.requests, batch.draft_lens, res.num_accepted, res.committed
         n = len(reqs)
-        idx = batch.slot_idx if batch.slot_idx is not None else np.array([r.slot for r in reqs], dtype=np.int64)
         if self.lookup_on_device:
-            self._keep_proposals(idx, res)
+            self._keep_proposals(batch.slots if batch.slots is not None else [r.slot for r in reqs], res)
         planner = self.planner
         if planner is not None:
             if batch.choices is not None:
@@ -636,12 +614,8 @@ class SpecEngine:
             else:
                 sources = ["dflash" if g else "none" for g in lens]
             self.stats.record_steps(lens, acc, sources)
-        num_new = list(map(len, committed))  # a + 1 per request
-        # rows whose tokens may end the request (the budget, a stop token) or that carry logprobs commit through
-        # _commit; the rest append their tokens here. The budget: tokens left <= tokens committed now
-        left = self._slot_left[idx]
-        new = np.array(num_new, dtype=np.int64)
-        ends = (new >= left).tolist() if n else []
+        # rows whose tokens may end the request (its budget: tokens left <= tokens committed now; a stop token) or
+        # that carry logprobs commit through _commit; the rest append their tokens here
         stop = self._stop_union
         maybe_stop = bool(stop) and not stop.isdisjoint(chain.from_iterable(committed))
         slow_all = res.logprobs is not None or not self.fast_commit
@@ -650,8 +624,7 @@ class SpecEngine:
             new_blocks = [None] * n
         steps = sources if spec else lens  # any [n] list: zip's column for the per-step records
         generated = 0
-        for i, (req, g, a, s, toks, nxt, end) in enumerate(zip(reqs, lens, acc, steps, committed,
-                                                               res.next_draft_lens, ends)):
+        for i, (req, g, a, s, toks, nxt) in enumerate(zip(reqs, lens, acc, steps, committed, res.next_draft_lens)):
             if spec:
                 req.draft_lens.append(g)
                 req.num_accepted.append(a)
@@ -662,15 +635,14 @@ class SpecEngine:
             req.next_draft_len = nxt
             if planner is not None:
                 req.dflash_expected = new_blocks[i]
-            if end or slow_all or (maybe_stop and not stop.isdisjoint(toks)):
+            out = req.output_ids
+            if slow_all or len(toks) >= req.params.max_new_tokens - len(out) or \
+                    (maybe_stop and not stop.isdisjoint(toks)):
                 self._commit(req, toks, finished, res, i)
             else:
-                req.output_ids += toks
+                out += toks
                 generated += len(toks)
         self.stats.num_generated += generated
-        # the running requests' counters (the finished ones' slots are stale until admitted again)
-        self._slot_pos[idx] += new
-        self._slot_left[idx] = left - new
 
     def _commit(self, req: Request, tokens: list[int], finished: list[Request], res: StepResult | None = None,
                 row: int = 0) -> None:

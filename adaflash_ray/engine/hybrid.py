@@ -274,7 +274,7 @@ class LookupCalibration:
         np.add.at(self.accepted, np.asarray(buckets), (pos <= a).astype(float))
 
 
-@dataclass(slots=True)
+@dataclass
 class RowChoice:
     """One request's draft for the next step: ``source`` in :data:`DRAFT_SOURCES` or "none", γ (0 for "none"),
     ``tokens`` (the host lookup's drafts; None for the drafter's block and for the device lookup's, which stay on the
