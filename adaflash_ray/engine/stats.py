@@ -107,9 +107,9 @@ class SpecStats:
 
     def record_steps(self, draft_lens: list[int], num_accepted: list[int], sources: list[str] | None = None) -> None:
         """:meth:`record_step` for each request of one engine step (``draft_lens`` / ``num_accepted`` /
-        ``sources``: ``[n]`` host ints / strings), counted per step rather than per request: the same counts, and
-        the counters' keys inserted in the same order (the order the rows first show them). A step where no
-        request drafted (every γ = 0: the ``cost`` policy's AR steps) is counted in O(1). Raises ValueError when
+        ``sources``: ``[n]`` host ints / strings); above 4 rows counted per step rather than per request: the same
+        counts, and the counters' keys inserted in the same order (the order the rows first show them). A step where
+        no request drafted (every γ = 0: the ``cost`` policy's AR steps) is counted in O(1). Raises ValueError when
         the lists' lengths differ."""
         if not isinstance(draft_lens, list):
             draft_lens = list(draft_lens)
@@ -122,6 +122,10 @@ class SpecStats:
             return
         if not isinstance(num_accepted, list):
             num_accepted = list(num_accepted)
+        if n <= 4 and len(num_accepted) == n and (sources is None or len(sources) == n):  # a few rows: one by one
+            for i in range(n):
+                self.record_step(draft_lens[i], num_accepted[i], sources[i] if sources is not None else None)
+            return
         if len(num_accepted) != n or (sources is not None and len(sources) != n):
             raise ValueError(f"record_steps: {n} draft lengths, {len(num_accepted)} accepted counts"
                              + (f", {len(sources)} sources" if sources is not None else ""))
