@@ -331,7 +331,7 @@ class DistillConfig(_Section):
     max_reuse: int = Field(6, ge=1)
     # the most trajectories the trainer's replay pool keeps (the most recent; None = 4 x batch_size x max_reuse, a few
     # steps' worth of on-policy data). The warm start always pools its whole set; training from trajectory files
-    # (python -m adaflash_ray.distill.loop train, the ablations) replays them max_reuse times only with a pool as
+    # (python -m adaflash_ray.distill.loop --trajectories DIR, the ablations) replays them max_reuse times only with a pool as
     # large as the files
     replay_pool: int | None = Field(None, ge=1)
     # ask the buffer for the next batch before each optimizer step, so waiting for on-policy data overlaps
