@@ -434,14 +434,13 @@ class SpecEngine:
                 if self.lookup is not None and not self.lookup_on_device:
                     req.lookup_state, req.lookup_synced = self.lookup.begin(req.prompt_ids), 0
             self._commit(req, toks, finished, res, i)
-        self._note_running(admitted)
+        self._note_running()
         self.stats.num_prefills += 1
         self.stats.prefill_seconds += self.clock() - t0
 
-    def _note_running(self, admitted: list[Request]) -> None:
-        """After an admission (``admitted``: its requests, their prefill's token committed): the stop ids of every
-        running request, read once here (as the runner's sampling settings at prefill: a request's
-        ``stop_token_ids`` must not change while it runs)."""
+    def _note_running(self) -> None:
+        """After an admission: the union of every running request's stop ids, read once here (as the runner's
+        sampling settings at prefill: a request's ``stop_token_ids`` must not change while it runs)."""
         self._stop_union = frozenset().union(*[r.params.stop_token_ids or () for r in self.scheduler.running])
 
     def _compact(self) -> None:

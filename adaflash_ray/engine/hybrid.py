@@ -502,7 +502,7 @@ class HybridPlanner:
         any_l = bool(is_l.any())
         self._plan_rows = (choices, np.where(is_l, g_l, 0).tolist(), use_l if any_l else None)
         forced = fixed is not None and fixed.count(None) != len(fixed)
-        return choices, self._end_step(False, False, bool(is_l.any()), bool(device.valid.any()), probe_d, forced,
+        return choices, self._end_step(False, False, any_l, bool(device.valid.any()), probe_d, forced,
                                        True, block_off)
 
     def _plan_nothing(self, batch_size: int, n: int, fixed: list[int | None] | None, looked: bool,
