@@ -24,7 +24,7 @@
 # Every step runs under a timeout and the whole call under ABL_BUDGET_S (default 285 s): ablate skips the variants
 # that no longer fit (recorded as skipped) and kills a training past the budget; ablation.json is rewritten after
 # each variant, so a cut call keeps the variants done. VARIANT: name[:key=value,...] (ablate's --variant).
-# Knobs (environment): ABL_TRAIN_S, ABL_BUDGET_S, ABL_GEN_S (generation timeout, 75), ABL_PROMPTS (5000),
+# Knobs (environment): ABL_TRAIN_S, ABL_BUDGET_S, ABL_GEN_S (seconds after which the generation starts no request, setup included: 75; at a28849e 60 s gave only 1,095 trajectories - ~35 s of it were setup -, so give ~10,000 prompts ~150 s), ABL_PROMPTS (5000),
 # ABL_SAMPLE_FRACTION (0.2), ABL_OVERHEAD_S (30: a variant's start + evaluations), ABL_GEN_BATCH (256 slots),
 # ABL_MIN_TRAJ (64: fewer trajectories end the call before training), ABL_BATCH (64), ABL_PUBLISH (150),
 # ABL_WARMUP_STEPS (10), ABL_TRAINER_BENCH (unset | 1 | only), ABL_BENCH_S (the bench's timeout, 150),
@@ -84,13 +84,15 @@ if [ -n "${ABL_REUSE_TRAJ:-}" ] && ls "$TRAJ"/*.parquet > /dev/null 2>&1; then  
   mark "reusing $n trajectories of an earlier call"
 else
   rm -rf "$TRAJ" "$ABL"
-  timeout "$GEN_S" python3 -m adaflash_ray.distill.loop generate --recipe "$R" --out "$TRAJ" \
-    --prompts "${ABL_PROMPTS:-5000}" --set engine.max_batch_size="$SLOTS" \
+  # no request starts after GEN_S seconds (setup included); the started ones finish (one request's decode: 256
+  # steps, seconds at batch 256), so the outer timeout is only a backstop
+  timeout $(( GEN_S + 45 )) python3 -m adaflash_ray.distill.loop generate --recipe "$R" --out "$TRAJ" \
+    --prompts "${ABL_PROMPTS:-5000}" --time-limit-s "$GEN_S" --set engine.max_batch_size="$SLOTS" \
     --set data.num_train_prompts=$(( ${ABL_PROMPTS:-5000} > 5000 ? ${ABL_PROMPTS:-5000} + 400 : 5400 )) \
     --set data.sample_fraction="${ABL_SAMPLE_FRACTION:-0.2}" --set data.sampled_temperature=0.8 >> "$OUT/gen.log" 2>&1
   rc=$?
   n=$(ls "$TRAJ"/*.parquet 2>/dev/null | wc -l)
-  mark "generate rc $rc (124 = cut at ${GEN_S} s; files kept): $n trajectories"
+  mark "generate rc $rc (124 = cut by the backstop at $(( GEN_S + 45 )) s; files kept): $n trajectories"
 fi
 [ "$n" -ge "${ABL_MIN_TRAJ:-64}" ] || { echo "too few trajectories"; tail -20 "$OUT/gen.log"; exit 1; }
 

@@ -321,6 +321,23 @@ assert "ray" not in sys.modules, "the offline loop imported ray"
 
 
 @pytest.mark.slow
+def test_generate_time_limit_counts_setup_and_starts_nothing_after_it(tmp_path):
+    """generate's time limit counts from the call's start, setup included: a limit the setup alone outlasts starts
+    no request (no file, no error); a limit <= 0 is refused with the option's name; without one every prompt is
+    decoded and written."""
+    from adaflash_ray.config import load_recipe
+    from adaflash_ray.distill.loop import generate_files
+
+    cfg = load_recipe("recipes/cpu_tiny.yaml", ["engine.max_new_tokens=4"])
+    assert generate_files(cfg, 3, tmp_path / "cut", time_limit_s=1e-6) == []
+    assert not list((tmp_path / "cut").glob("*.parquet"))
+    with pytest.raises(ValueError, match="--time-limit-s"):
+        generate_files(cfg, 3, tmp_path / "bad", time_limit_s=0)
+    files = generate_files(cfg, 3, tmp_path / "all", time_limit_s=600)
+    assert len(files) == 3 and all(f.is_file() for f in files)
+
+
+@pytest.mark.slow
 def test_registry_tells_the_buffer_each_version_once_every_worker_loaded():
     """The loop's sink on Ray: the WeightRegistry, not the trainer, tells the TrajectoryBuffer the new version
     after the push (trajectories now too stale are dropped there) and records publish -> loaded seconds; a

@@ -595,7 +595,7 @@ def decode_for_training(engine, cfg, prompts: list[list[int]], on_trajectory: Ca
 
 
 def generate_files(cfg, num_prompts: int, out: str | Path, drafter: str | Path | None = None, *,
-                   progress_s: float = 10.0) -> list[Path]:
+                   progress_s: float = 10.0, time_limit_s: float | None = None) -> list[Path]:
     """Decode ``num_prompts`` training prompts with the built-in engine, recording, and write each request's
     trajectory to ``out`` (:func:`~adaflash_ray.distill.spill.spill_path`) as soon as it finishes; no Ray.
 
@@ -609,11 +609,14 @@ def generate_files(cfg, num_prompts: int, out: str | Path, drafter: str | Path |
     metadata naming the files) it drafts with it, so the trajectories record its proposals' acceptance.
 
     The files are written by two background threads while the engine steps (each atomically renamed into place:
-    a run killed part way leaves only whole files). Request ids get a per-call tag (``gen-<tag>-<id>``). Returns
-    the files written, in finishing order.
+    a run killed part way leaves only whole files). Request ids get a per-call tag (``gen-<tag>-<id>``).
+    ``time_limit_s`` (seconds from this call's start, setup included: loading the prompts and the engine, CUDA-graph
+    capture): no request starts after it; the started ones finish and are written, so the command ends by itself
+    about one request's decode later instead of being cut by an outer timeout mid-stream. Returns the files
+    written, in finishing order.
     Raises:
-        ValueError: ``num_prompts`` < 1; CheckpointError: an unreadable ``drafter``; as prepare_inputs, the
-            engine and the writer (an error in a background write is raised here).
+        ValueError: ``num_prompts`` < 1 or ``time_limit_s`` <= 0; CheckpointError: an unreadable ``drafter``; as
+            prepare_inputs, the engine and the writer (an error in a background write is raised here).
     """
     import sys
     from concurrent.futures import ThreadPoolExecutor
@@ -625,6 +628,9 @@ def generate_files(cfg, num_prompts: int, out: str | Path, drafter: str | Path |
 
     if num_prompts < 1:
         raise ValueError(f"--prompts must be >= 1, got {num_prompts}")
+    if time_limit_s is not None and time_limit_s <= 0:
+        raise ValueError(f"--time-limit-s must be > 0, got {time_limit_s}")
+    t_start = time.perf_counter()
     torch.set_num_threads(cfg.engine.num_threads)
     out = Path(out)
     prompts = list(prepare_inputs(cfg, out / "inputs").train)[:num_prompts]
@@ -635,12 +641,16 @@ def generate_files(cfg, num_prompts: int, out: str | Path, drafter: str | Path |
         engine.load_drafter(tensors, int(meta.get("version", 0)), meta.get("sha256"))
     out.mkdir(parents=True, exist_ok=True)
     run_tag = uuid.uuid4().hex[:8]  # request ids unique across runs written into one directory
+    setup_s = time.perf_counter() - t_start
+    print(f"[generate] setup {setup_s:.1f} s ({len(prompts)} prompts, engine ready)", file=sys.stderr, flush=True)
+    decode_limit = None if time_limit_s is None else max(time_limit_s - setup_s, 0.0)
     writes: list[Future] = []
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="traj-writer") as pool:
         stats = decode_for_training(
             engine, cfg, prompts,
             lambda t: writes.append(pool.submit(write_parquet, t, spill_path(out, t.request_id, t.drafter_version))),
-            mode="spec" if drafter is not None else "ar", tag=f"gen-{run_tag}-", progress_s=progress_s)
+            mode="spec" if drafter is not None else "ar", tag=f"gen-{run_tag}-", progress_s=progress_s,
+            time_limit_s=decode_limit)
         written = [f.result() for f in writes]
     print(f"[generate] {stats['num_requests']} requests, {stats['num_tokens']} tokens in {stats['seconds']:.1f} s "
           f"({stats['tokens_per_s']:.0f} tokens/s), {len(written)} files", file=sys.stderr, flush=True)
@@ -665,13 +675,16 @@ def main(argv: list[str] | None = None) -> int:
     if gen:
         parser.add_argument("--prompts", type=int, required=True, help="training prompts to decode")
         parser.add_argument("--drafter", default=None, help="DFlash checkpoint to draft with (default: v0)")
+        parser.add_argument("--time-limit-s", type=float, default=None,
+                            help="seconds from the start (setup included) after which no request starts; the "
+                                 "started ones finish and are written")
     else:
         parser.add_argument("--trajectories", required=True, help="directory of trajectory files (*.parquet)")
     ns = parser.parse_args(argv[1:] if gen else argv)
     try:
         cfg = config_from_args(ns)
         if gen:
-            files = generate_files(cfg, ns.prompts, ns.out, ns.drafter)
+            files = generate_files(cfg, ns.prompts, ns.out, ns.drafter, time_limit_s=ns.time_limit_s)
             print(json.dumps({"out": str(ns.out), "num_files": len(files)}))
             return 0
         summary = train_from_files(cfg, ns.trajectories, ns.out)
