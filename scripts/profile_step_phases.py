@@ -17,7 +17,9 @@ Methods (``--methods``):
                  step is the policy's γ = 0, and its probe schedule runs
   cost           the same with the guard on: its γ = 0 steps, probes and guard-forced steps apart
   dflash         the drafter's whole block every step (``fixed`` policy, γ = block size - 1)
-  ngram, suffix  a lookup draft source alone (``fixed`` policy, no drafter)
+  ngram, suffix  a lookup draft source alone (``fixed`` policy, no drafter), where ``lookup_device="auto"`` puts it
+                 (the device on CUDA, the host on CPU)
+  suffix-device  ``suffix`` with the lookups on the device (what the bench runs on CUDA; on CPU its host phases)
   hybrid-host, hybrid-device
                  ``draft_sources=("dflash", "suffix")`` with the lookups on the host / on the device, the cost and
                  lookup tables set so that neither pays: the planner's γ = 0 steps
@@ -52,7 +54,7 @@ from adaflash_ray.engine.length_policy import length_policy
 from adaflash_ray.engine.runner import _buckets
 from adaflash_ray.shapes import build_random_drafter, build_random_target, shape_config
 
-METHODS = ("ar", "gamma0", "cost", "dflash", "ngram", "suffix", "hybrid-host", "hybrid-device")
+METHODS = ("ar", "gamma0", "cost", "dflash", "ngram", "suffix", "suffix-device", "hybrid-host", "hybrid-device")
 DEFAULT_METHODS = ("ar", "gamma0", "dflash", "ngram", "suffix")
 TIMED = ("admit", "schedule", "runner_pre", "launch", "wait_post", "postprocess")  # wrapped calls
 PHASES = (*TIMED, "rest", "host")
@@ -64,6 +66,8 @@ def _engine(method: str, target, drafter, head, batch: int, seq: int) -> SpecEng
         return SpecEngine(target, None, None, policy="fixed", **kw)
     if method in ("ngram", "suffix"):
         return SpecEngine(target, None, None, policy="fixed", draft_sources=(method,), **kw)
+    if method == "suffix-device":
+        return SpecEngine(target, None, None, policy="fixed", draft_sources=("suffix",), lookup_device="device", **kw)
     if method == "dflash":
         return SpecEngine(target, drafter, None, policy="fixed", **kw)
     sources = ("dflash", "suffix") if method.startswith("hybrid") else None

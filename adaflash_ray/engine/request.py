@@ -67,10 +67,12 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """One generation. Token bookkeeping: ``all_ids = prompt_ids + output_ids``; the target KV cache
     and the feature history cover positions ``0 .. num_tokens-2``; the last token is the next anchor.
+    Compared and hashed by identity (``eq=False``): the scheduler's ``list.remove`` of a finishing request then
+    compares no fields of the requests before it.
     ``next_draft_len``: γ the length policy chose for the pending block (capped by the budget at use).
     ``features`` / ``last_hidden`` (bf16, CPU) are filled when the request finishes on a recording engine."""
 
