@@ -218,7 +218,8 @@ def profile(method: str, target, drafter, head, batch: int, ns) -> dict:
         _kernel_table(method, batch, eng, prompts, sp, mode)
     if prof is not None:
         print(f"--- cProfile {method} b={batch} (all timed steps, tottime) ---")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        restrict = (ns.cprofile_match, 40) if ns.cprofile_match else (25,)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(*restrict)
     return min(rows, key=lambda r: r["ms_per_step"]) if ns.reduce == "min" else _median(rows)
 
 
@@ -285,6 +286,9 @@ def main() -> None:
     p.add_argument("--sync", action="store_true",
                    help="synchronise the device after each forward (CUDA): launch holds the device time, host is "
                         "host work only")
+    p.add_argument("--cprofile-match", default=None, metavar="REGEX",
+                   help="with --cprofile: only the functions whose 'file:line(name)' matches (e.g. 'engine/' for the "
+                        "engine's host code apart from the models' device work on CPU), the 40 costliest")
     p.add_argument("--cprofile", nargs="*", default=[], choices=METHODS, metavar="METHOD",
                    help="methods whose timed runs also run under cProfile (their times then carry its overhead)")
     p.add_argument("--kernels", action="store_true",

@@ -373,6 +373,35 @@ def test_lookup_calibration_learns_acceptance_by_bucket():
         LookupCalibration(3, 6, prior=1.5)
 
 
+@pytest.mark.parametrize("max_ngram,max_draft", [(3, 15), (1, 4), (4, 31), (3, 1)])
+def test_lookup_calibration_record_and_bucket_match_their_definitions(max_ngram, max_draft):
+    """LookupCalibration.record (histograms summed from the right) adds what its docstring says - 1 at positions
+    1..min(a + 1, γ) to ``tried`` and 1..a to ``accepted`` of each row's bucket, the counts decayed first - and
+    bucket() (a table read) equals the arithmetic its table is built from, over random rows and 200 steps."""
+    from adaflash_ray.engine.hybrid import LookupCalibration
+
+    rng = np.random.default_rng(max_ngram * 100 + max_draft)
+    cal = LookupCalibration(max_ngram, max_draft, decay=0.03)
+    tried, accepted = np.zeros_like(cal.tried), np.zeros_like(cal.accepted)
+    pos = np.arange(1, max_draft + 1)
+    for _ in range(200):
+        m = int(rng.integers(1, 80))
+        src, ml, occ = rng.integers(0, 2, m), rng.integers(0, max_ngram + 3, m), rng.integers(0, 9, m)
+        b = cal.bucket(src, ml, occ)
+        assert b.tolist() == cal._bucket_arith(src, ml, occ).tolist()
+        g = rng.integers(1, max_draft + 1, m)
+        a = np.minimum(rng.integers(0, max_draft + 1, m), g)
+        cal.record(b, g, a)
+        tried *= 0.97
+        accepted *= 0.97
+        for bi, gi, ai in zip(b, g, a):
+            tried[bi] += pos <= min(ai + 1, gi)
+            accepted[bi] += pos <= ai
+    np.testing.assert_allclose(cal.tried, tried, rtol=1e-12)
+    np.testing.assert_allclose(cal.accepted, accepted, rtol=1e-12)
+    assert tried[tried > 0].size and (accepted <= tried + 1e-9).all()
+
+
 def test_lookup_device_option_is_checked(tiny_target):
     """``lookup_device``: auto = host on CPU (the CPU behaviour unchanged); an unknown value is a ValueError."""
     assert not SpecEngine(tiny_target, None, None, max_batch_size=1, max_seq_len=64,

@@ -207,18 +207,32 @@ class LookupCalibration:
         self.max_ngram, self.max_draft = max_ngram, max_draft
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
         num_buckets = 2 * max_ngram * (len(OCCURRENCE_EDGES) + 1)
-        self.tried = np.zeros((num_buckets, max_draft))  # decayed counts: verified proposals reaching position i
-        self.accepted = np.zeros((num_buckets, max_draft))  # ... and accepting it
+        self._counts = np.zeros((2, num_buckets, max_draft))  # tried and accepted, one array (record: one pass)
+        self.tried = self._counts[0]  # decayed counts: verified proposals reaching position i
+        self.accepted = self._counts[1]  # ... and accepting it
         self._cum: np.ndarray | None = None  # expected()'s table of the current counts (None: record() changed them)
         self._cum_rows: dict[int, list[float]] | None = None  # rows of the same as host lists (expected_row)
         self._edges = np.asarray(OCCURRENCE_EDGES)
         self._gammas = np.arange(max_draft + 1)[None]  # [1, D + 1]
+        # bucket ids by (source, match length clipped to 0..max_ngram, occurrences clipped past the last edge): one
+        # table read per row instead of a search and the arithmetic
+        occ_cap = OCCURRENCE_EDGES[-1] if OCCURRENCE_EDGES else 0
+        src, n, occ = np.meshgrid(np.arange(2), np.arange(max_ngram + 1), np.arange(occ_cap + 1), indexing="ij")
+        self._bucket_table = self._bucket_arith(src, n, occ)  # [2, max_ngram + 1, occ_cap + 1] int64
+        self._occ_cap = occ_cap
 
-    def bucket(self, source: np.ndarray, match_len: np.ndarray, num_occurrences: np.ndarray) -> np.ndarray:
-        """``[n]`` int64 bucket ids (the match length clipped to 1..max_ngram)."""
+    def _bucket_arith(self, source, match_len, num_occurrences) -> np.ndarray:
+        """:meth:`bucket` by its arithmetic (the table :meth:`bucket` reads is built from it)."""
         occ = np.searchsorted(self._edges, np.asarray(num_occurrences), side="right")
         n = np.minimum(np.maximum(np.asarray(match_len), 1), self.max_ngram) - 1
         return (np.asarray(source) * self.max_ngram + n) * (len(OCCURRENCE_EDGES) + 1) + occ
+
+    def bucket(self, source: np.ndarray, match_len: np.ndarray, num_occurrences: np.ndarray) -> np.ndarray:
+        """``[n]`` int64 bucket ids (source code 0 / 1, the match length clipped to 1..max_ngram, the occurrences
+        bucketed by :data:`OCCURRENCE_EDGES`)."""
+        n = np.minimum(match_len, self.max_ngram)
+        occ = np.minimum(num_occurrences, self._occ_cap)
+        return self._bucket_table[source, np.maximum(n, 0), np.maximum(occ, 0)]
 
     def bucket_one(self, source: int, match_len: int, num_occurrences: int) -> int:
         """:meth:`bucket` of one proposal, in host ints."""
@@ -266,12 +280,16 @@ class LookupCalibration:
         """One step's verified device-lookup drafts (``[m]`` each): bucket, γ, accepted a. Positions
         1..min(a + 1, γ) were tried, 1..a accepted."""
         self._cum = self._cum_rows = None
-        self.tried *= 1 - self.decay
-        self.accepted *= 1 - self.decay
-        pos = np.arange(1, self.max_draft + 1)[None]  # [1, D]
-        g, a = np.asarray(draft_lens)[:, None], np.asarray(num_accepted)[:, None]
-        np.add.at(self.tried, np.asarray(buckets), (pos <= np.minimum(a + 1, g)).astype(float))
-        np.add.at(self.accepted, np.asarray(buckets), (pos <= a).astype(float))
+        counts = self._counts
+        counts *= 1 - self.decay
+        _, nb, d = counts.shape
+        b = np.asarray(buckets, dtype=np.int64) * (d + 1)
+        a = np.minimum(np.asarray(num_accepted, dtype=np.int64), d)
+        reach = np.minimum(a + 1, np.asarray(draft_lens, dtype=np.int64))
+        # per bucket, the rows reaching position i (accepting it) = the rows whose reach (a) is >= i: one histogram of
+        # reach and a per bucket, summed from the right (one bincount instead of a scatter of [m, D] ones per table)
+        hist = np.bincount(np.concatenate([b + reach, b + a + nb * (d + 1)]), minlength=2 * nb * (d + 1))
+        counts += np.cumsum(hist.reshape(2, nb, d + 1)[:, :, ::-1], axis=2)[:, :, -2::-1]
 
 
 @dataclass

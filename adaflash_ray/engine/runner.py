@@ -617,7 +617,10 @@ class ModelRunner:
         use_host = host_drafts is not None and any(h is not None for h in host_drafts)
         use_dev = lookup_rows is not None and any(lookup_rows)
         lookup = self._check_lookup(lookup or use_dev) and lookup
-        for i, g in enumerate(draft_lens):
+        # the per-row checks: host or device-lookup drafts to bound, or drafts without a drafter (an AR step, or a
+        # drafter's step where every row verifies its own block, has nothing to check)
+        checked = draft_lens if use_host or use_dev or (spec and not has_drafter) else ()
+        for i, g in enumerate(checked):
             h = host_drafts[i] if use_host else None
             if use_dev and lookup_rows[i]:
                 if g > self.max_draft:
