@@ -93,15 +93,19 @@ class DistillTrainer:
         source = _BufferSource(buffer, f"trainer-{self.rank}")
         return self.loop.run(source, _RegistrySink(registry, self), num_versions)
 
-    def warm_start(self, prompts: list[list[int]], registry) -> dict:
+    def warm_start(self, prompts: list[list[int]], registry, warm_buffer=None, num_warm_sources: int = 0) -> dict:
         """The offline warm start (``distill.warm_start``) on this rank's device, before :meth:`run`: decode
         ``prompts`` (this rank's share of the training prompts, token ids) with the frozen target - AR steps, no
         drafter, ``distill.warm_start_batch_size`` KV slots (None: ``engine.max_batch_size``), the
         ``data.sample_fraction`` share sampled - for at most ``distill.warm_start_generate_s`` seconds, free the
-        engine, then train on that text for ``distill.warm_start_train_s`` seconds and (rank 0) publish the next
-        version to ``registry`` (:meth:`TrainerLoop.warm_start`). Every rank calls it concurrently. Returns
-        ``{rank, num_requests, num_tokens, tokens_per_s, generate_s, version, steps}``; a resumed rank past
-        version 0 does nothing (``version`` only).
+        engine, add this rank's share of the text ``num_warm_sources`` inference workers decoded meanwhile (taken
+        from ``warm_buffer``, :meth:`TrajectoryBuffer.take_warm`, waiting for them at most
+        ``warm_start_generate_s`` + 300 s more), then train on all of it for ``distill.warm_start_train_s``
+        seconds and (rank 0) publish the next version to ``registry`` (:meth:`TrainerLoop.warm_start`). Every rank
+        calls it concurrently. Returns ``{rank, num_requests, num_tokens, tokens_per_s, generate_s, version,
+        steps}`` (this rank's own decode) plus, with worker sources, ``worker_requests`` / ``worker_tokens`` (the
+        trajectories of this rank's share) and ``workers`` (each source's report); a resumed rank past version 0
+        does nothing (``version`` only).
         Raises:
             ValueError: no prompts, or none decoded with output."""
         from adaflash_ray.distill.loop import decode_for_training
@@ -123,15 +127,25 @@ class DistillTrainer:
         del engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the engine's KV cache and graphs back to the device before training
+        extra: dict = {}
+        if num_warm_sources:  # the workers' share, decoded beside this rank's (they end by the same time limit)
+            got = ray.get(warm_buffer.take_warm.remote(num_warm_sources, self.rank, self.world_size,
+                                                       dc.warm_start_generate_s + 300.0))
+            theirs = [t for part in ray.get(got["refs"]) for t in part]
+            extra = {"worker_requests": len(theirs), "worker_tokens": sum(t.num_response_tokens for t in theirs),
+                     "workers": got["reports"]}
+            trajs += theirs
         if not trajs:
             raise ValueError(f"warm start: none of {len(prompts)} prompts gave output")
         self._record({"train/step": float(self.core.global_step), "warm/num_requests": float(stats["num_requests"]),
                       "warm/num_tokens": float(stats["num_tokens"]),
-                      "warm/tokens_per_s": stats["tokens_per_s"], "warm/generate_s": stats["seconds"]})
+                      "warm/tokens_per_s": stats["tokens_per_s"], "warm/generate_s": stats["seconds"],
+                      **({"warm/worker_requests": float(extra["worker_requests"]),
+                          "warm/worker_tokens": float(extra["worker_tokens"])} if extra else {})})
         out = self.loop.warm_start(trajs, _RegistrySink(registry, self), dc.warm_start_train_s)
         return {"rank": self.rank, "num_requests": stats["num_requests"], "num_tokens": stats["num_tokens"],
                 "tokens_per_s": round(stats["tokens_per_s"], 1), "generate_s": round(stats["seconds"], 2),
-                "version": out["final_version"], "steps": out["steps"]}
+                "version": out["final_version"], "steps": out["steps"], **extra}
 
     def join_weight_group(self, rendezvous: str, world_size: int) -> int:
         """Rank 0 only (``distill.weight_sync: collective``): become the sender (group rank 0) of the weight

@@ -147,6 +147,53 @@ class InferenceWorker:
                                 for _ in prompts], True)
         return len(prompts)
 
+    def start_warm_decode(self, prompts: list[list[int]], time_limit_s: float, batch: int = 64) -> int:
+        """The warm start's share of this worker (``distill.warm_start_workers``): once its engine is idle, decode
+        ``prompts`` (training prompts, token ids) on the engine thread with the frozen target - AR steps, no drafter
+        work, ``engine.max_batch_size`` KV slots, the ``data.sample_fraction`` share sampled - starting none after
+        ``time_limit_s`` seconds (:func:`~adaflash_ray.distill.loop.decode_for_training`), and hand the trajectories
+        to the buffer in lists of ``batch`` (:meth:`TrajectoryBuffer.add_warm`), then report to it
+        (:meth:`TrajectoryBuffer.warm_done`, source ``worker-<index>``: the counts, or the error that stopped the
+        decode). Returns at once with the number of prompts queued; the trainer ranks take the text from the buffer.
+        Raises:
+            ValueError: on the SGLang backend, without a buffer, or with no prompts."""
+        if self.backend is not None:
+            raise ValueError("the workers' warm-start decode needs engine.backend: torch")
+        if self.buffer is None or not prompts:
+            raise ValueError("start_warm_decode needs the worker's buffer and at least one prompt")
+        from adaflash_ray.distill.loop import decode_for_training
+
+        buf, pending = self.buffer, []
+
+        def flush() -> None:
+            if pending:
+                buf.add_warm.remote([ray.put(list(pending))])
+                pending.clear()
+
+        def keep(traj) -> None:
+            pending.append(traj)
+            if len(pending) >= batch:
+                flush()
+
+        def run(eng) -> dict:  # engine thread, no request of the service queued or running
+            report: dict = {"error": "not started"}
+            try:
+                stats = decode_for_training(eng, self.cfg, prompts, keep, mode="ar", time_limit_s=time_limit_s,
+                                            tag=f"warm-w{self.index}-",
+                                            log_prefix=f"[warm start worker {self.index}]")
+                flush()
+                report = {"num_requests": stats["num_requests"], "num_tokens": stats["num_tokens"],
+                          "tokens_per_s": round(stats["tokens_per_s"], 1), "generate_s": round(stats["seconds"], 2)}
+            except Exception as e:  # noqa: BLE001 - reported to the trainers, which train on what arrived
+                flush()
+                report = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+            finally:
+                buf.warm_done.remote(f"worker-{self.index}", report)
+            return report
+
+        self.service.call(run, when_idle=True)
+        return len(prompts)
+
     def load_drafter(self, version: int, tensors: dict, sha256: str | None = None,
                      config: dict | None = None, timeout_s: float = 600.0) -> dict:
         """Queue a weight swap, applied between engine steps; returns {worker, version, sha256}.

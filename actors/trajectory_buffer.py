@@ -46,6 +46,11 @@ class TrajectoryBuffer:
         self.counts = {"added": 0, "consumed": 0, "dropped_stale": 0, "dropped_capacity": 0, "spilled": 0,
                        "committed": 0, "redelivered": 0, "recovered": 0, "reloaded": 0, "duplicates_ignored": 0}
         self.leases: dict[str, list] = {}  # consumer -> items handed out since its last commit
+        # the warm start's text decoded by the inference workers (distill.warm_start_workers): batches of trajectories
+        # kept apart from the on-policy queue until the trainer ranks take them (add_warm / warm_done / take_warm)
+        self.warm_refs: list = []
+        self.warm_reports: dict[str, dict] = {}
+        self.warm_taken: set[int] = set()
         self._cond = asyncio.Condition()
         if self.spill_dir is not None and self.spill_dir.is_dir():  # a restarted buffer: take back its journal
             from adaflash_ray.distill.spill import spill_version  # lazy: only with spill_dir
@@ -195,6 +200,42 @@ class TrajectoryBuffer:
             self.leases[consumer] = [item for item in lease if item[0] not in wanted]
             self._put_back(back)
             return len(back)
+
+    # ------------------------------------------------------------------ the warm start's text from the workers
+    async def add_warm(self, refs: list) -> None:
+        """Warm-start text an inference worker decoded (``refs``: ObjectRefs of lists of trajectories, in a list so
+        Ray passes them unresolved): held apart from the on-policy queue - no capacity, no version lag, no journal -
+        until the trainer ranks :meth:`take_warm` it."""
+        async with self._cond:
+            self.warm_refs.extend(refs)
+
+    async def warm_done(self, source: str, report: dict) -> None:
+        """``source`` (e.g. ``worker-0``) has added all its warm-start text; ``report``: its decode's counts (or an
+        ``error``)."""
+        async with self._cond:
+            self.warm_reports[source] = report
+            self._cond.notify_all()
+
+    async def take_warm(self, num_sources: int, rank: int = 0, world_size: int = 1, timeout_s: float = 600.0) -> dict:
+        """Wait until ``num_sources`` sources reported :meth:`warm_done` (at most ``timeout_s``: a worker that died
+        mid-decode leaves what it added); returns ``{"refs": this rank's share of the batches (every world_size-th
+        from ``rank``), "reports": {source: report}}``. Once every rank has taken its share the batches are
+        forgotten (the object store frees them when the ranks drop theirs)."""
+        deadline = time.monotonic() + timeout_s
+        async with self._cond:
+            while len(self.warm_reports) < num_sources:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(self._cond.wait(), timeout=left)
+                except asyncio.TimeoutError:
+                    pass
+            out = {"refs": self.warm_refs[rank::world_size], "reports": dict(self.warm_reports)}
+            self.warm_taken.add(rank)
+            if len(self.warm_taken) >= world_size:
+                self.warm_refs, self.warm_taken = [], set()
+            return out
 
     async def stats(self) -> dict[str, float]:
         return {"buffer/depth": float(len(self.items)), "buffer/on_disk": float(len(self.on_disk)),

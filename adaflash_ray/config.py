@@ -310,6 +310,11 @@ class DistillConfig(_Section):
     warm_start_generate_s: float = Field(60.0, gt=0)
     warm_start_train_s: float = Field(60.0, gt=0)
     warm_start_batch_size: int | None = Field(None, ge=1)
+    # the inference workers, idle until version 1, decode a share of the warm start's prompts too - AR steps on their
+    # own engines (engine.max_batch_size slots each), the same time limit - while the trainer ranks decode theirs;
+    # the ranks train on both. Shares in proportion to the KV slots. On the two-GPU layout the workers' GPU decodes
+    # beside the trainers'; on one GPU the processes share it. The built-in engine only (engine.backend torch)
+    warm_start_workers: bool = False
     # the warm start's text in batches of similar length (adaflash_ray.distill.loop.length_grouped): sorted by
     # length, cut into batch_size groups, the groups shuffled - each step pads little (at 0c891e0's batch 64 of
     # 38-766-token trajectories the collated batch held 47k token rows for 19k real ones)

@@ -97,6 +97,19 @@ class WorkerLost(RuntimeError):
     """An inference worker died for good (restarts exhausted) or its engine thread failed."""
 
 
+def deal_by_weight(items: list, weights: list[int]) -> list[list]:
+    """``items`` dealt in order to ``len(weights)`` parts in proportion to ``weights`` (each item to the part
+    furthest below its share so far, the first such part on a tie): the parts interleave the sequence, so each holds
+    the same mix of it. Raises ValueError on no weights or one < 1."""
+    if not weights or min(weights) < 1:
+        raise ValueError(f"deal_by_weight needs weights >= 1, got {weights}")
+    parts: list[list] = [[] for _ in weights]
+    for it in items:
+        j = min(range(len(weights)), key=lambda i: ((len(parts[i]) + 1) / weights[i], i))
+        parts[j].append(it)
+    return parts
+
+
 def _poll(refs: list, default, timeout_s: float = 120.0):
     """The workers' answers, in the order of ``refs``, gathered by one ``ray.wait`` over all of them: one not
     ready within ``timeout_s`` seconds, or from a worker being restarted by Ray, yields ``default``; a worker
@@ -237,16 +250,26 @@ class Driver:
         """The offline warm start (``distill.warm_start``): the first ``distill.warm_start_prompts`` training
         prompts, split across the trainer ranks, are decoded by the ranks themselves with the frozen target (AR
         steps, no drafter work) and trained on (:meth:`DistillTrainer.warm_start`); rank 0 publishes version 1,
-        which the registry pushes to every worker. The workers are fed nothing meanwhile (on-policy traffic
-        starts with version 1, from the prompt after the warm start's). Metrics, the version-1 checkpoint and its
+        which the registry pushes to every worker. With ``distill.warm_start_workers`` the inference workers
+        decode a share too (:meth:`InferenceWorker.start_warm_decode`; shares in proportion to the KV slots,
+        :func:`deal_by_weight`) and the ranks train on theirs as well. No on-policy traffic meanwhile (it starts
+        with version 1, from the prompt after the warm start's). Metrics, the version-1 checkpoint and its
         canary are handled as in the loop; the ranks' reports go to the summary (``warm_start``).
         Raises: as the trainers (a rank that dies here ends the run: its state holds no version yet)."""
         cfg, g, train = self.cfg, self.group, self.inputs.train
-        n, k = cfg.distill.warm_start_prompts, len(g.trainers)
+        dc = cfg.distill
+        n, k = dc.warm_start_prompts, len(g.trainers)
         prompts = [list(train[j % len(train)]) for j in range(n)]
         self.next_prompt = n
         t0 = time.time()
-        refs = [t.warm_start.remote(prompts[r::k], g.registry) for r, t in enumerate(g.trainers)]
+        workers = g.workers if dc.warm_start_workers and cfg.engine.backend == "torch" else []
+        slots = [dc.warm_start_batch_size or cfg.engine.max_batch_size] * k + [cfg.engine.max_batch_size] * len(workers)
+        shares = deal_by_weight(prompts, slots)  # trainer ranks first, then the workers
+        for w, share in zip(workers, shares[k:]):
+            if share:
+                w.start_warm_decode.remote(share, dc.warm_start_generate_s)
+        num_sources = sum(1 for share in shares[k:] if share)
+        refs = [t.warm_start.remote(shares[r], g.registry, g.buffer, num_sources) for r, t in enumerate(g.trainers)]
         while True:
             done, _ = ray.wait(refs, num_returns=len(refs), timeout=2.0)
             self.collect_metrics()

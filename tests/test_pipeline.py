@@ -291,6 +291,51 @@ def test_plain_progress_lines_without_a_terminal():
     assert lines[1].startswith("progress 00:00:35 version 2/5") and "loss -" in lines[1]
 
 
+def test_deal_by_weight_interleaves_in_proportion():
+    """deal_by_weight: equal weights give the round robin ``items[r::k]`` (the trainer ranks' old split); weights
+    2 : 1 : 1 give shares 1/2, 1/4, 1/4, interleaved; every item lands once, in order within its part."""
+    from adaflash_ray.pipeline import deal_by_weight
+
+    items = list(range(103))
+    assert deal_by_weight(items, [4, 4, 4]) == [items[r::3] for r in range(3)]
+    parts = deal_by_weight(items, [2, 1, 1])
+    assert [len(p) for p in parts] == [52, 26, 25]
+    assert sorted(x for p in parts for x in p) == items and all(p == sorted(p) for p in parts)
+    assert max(parts[1][:10]) < 40  # interleaved, not a contiguous cut
+    with pytest.raises(ValueError, match="weights"):
+        deal_by_weight(items, [1, 0])
+
+
+@pytest.mark.slow
+def test_warm_start_workers_decode_a_share_the_trainer_trains_on(tmp_path):
+    """distill.warm_start_workers on cpu_tiny, one trainer rank and two inference workers: the prompts are dealt by
+    KV slots (warm_start_batch_size 8 for the rank, 4 per worker: 8 / 4 / 4 of 16), each worker decodes its share
+    on its own engine and hands it to the buffer, and the rank trains on its own text and theirs before it
+    publishes version 1; the summary reports each worker's decode."""
+    import json
+
+    from adaflash_ray.config import load_recipe
+    from adaflash_ray.pipeline import run
+
+    cfg = load_recipe("recipes/cpu_tiny.yaml", [
+        "distill.warm_start=true", "distill.warm_start_workers=true", "distill.warm_start_prompts=16",
+        "distill.warm_start_batch_size=8", "distill.warm_start_generate_s=20", "distill.warm_start_train_s=5",
+        "distill.num_versions=1", "placement.num_inference_workers=2", "logging.wandb_mode=disabled",
+        "data.num_eval_prompts=2", "data.eval_max_new_tokens=8", "distill.canary_prompts=0"])
+    summary = run(cfg, tmp_path / "run")
+    (rank,) = summary["warm_start"]["ranks"]
+    assert rank["version"] == 1 and rank["steps"] >= 1
+    assert rank["num_requests"] == 8, rank  # its own share, every prompt finished within the time limit
+    workers = rank["workers"]
+    assert sorted(workers) == ["worker-0", "worker-1"], workers
+    assert all(w.get("num_requests") == 4 and w["num_tokens"] > 0 for w in workers.values()), workers
+    assert rank["worker_requests"] == 8
+    assert rank["worker_tokens"] == sum(w["num_tokens"] for w in workers.values())
+    records = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any(m.get("warm/worker_requests") == 8.0 for m in records)
+    assert summary["final_version"] == 1
+
+
 @pytest.mark.slow
 def test_warm_start_stage_publishes_version_1_before_on_policy(tmp_path):
     """distill.warm_start on cpu_tiny with the cost policy, on 2 DeepSpeed trainer ranks under ZeRO-3 (gloo, one
