@@ -128,6 +128,19 @@ class TrajectoryBuffer:
                 keep.append(it)
         self.items = keep
 
+    async def _wait(self, ready, deadline: float) -> bool:
+        """With ``self._cond`` held: wait for its notifications until ``ready()`` or the ``time.monotonic()``
+        ``deadline``; returns ``ready()``'s last answer."""
+        while not ready():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._cond.wait(), timeout=left)
+            except asyncio.TimeoutError:
+                pass
+        return True
+
     async def set_version(self, version: int) -> None:
         """The trainer's latest published version; entries now too stale are dropped."""
         async with self._cond:
@@ -137,20 +150,13 @@ class TrajectoryBuffer:
     async def get_batch(self, n: int, timeout_s: float = 30.0, consumer: str | None = None) -> list:
         """Wait up to ``timeout_s`` for ``n`` fresh trajectories; returns up to n as ``[[ref, version], ...]``
         (oldest first; fewer on timeout). With ``consumer`` they stay leased to it until :meth:`commit`."""
-        deadline = time.monotonic() + timeout_s
+        def ready() -> bool:
+            self._drop_stale()
+            self._reload(n)
+            return len(self.items) >= n
+
         async with self._cond:
-            while True:
-                self._drop_stale()
-                self._reload(n)
-                if len(self.items) >= n:
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                try:
-                    await asyncio.wait_for(self._cond.wait(), timeout=left)
-                except asyncio.TimeoutError:
-                    pass
+            await self._wait(ready, time.monotonic() + timeout_s)
             out = []
             while self.items and len(out) < n:
                 item = self.items.popleft()
@@ -221,16 +227,8 @@ class TrajectoryBuffer:
         mid-decode leaves what it added); returns ``{"refs": this rank's share of the batches (every world_size-th
         from ``rank``), "reports": {source: report}}``. Once every rank has taken its share the batches are
         forgotten (the object store frees them when the ranks drop theirs)."""
-        deadline = time.monotonic() + timeout_s
         async with self._cond:
-            while len(self.warm_reports) < num_sources:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                try:
-                    await asyncio.wait_for(self._cond.wait(), timeout=left)
-                except asyncio.TimeoutError:
-                    pass
+            await self._wait(lambda: len(self.warm_reports) >= num_sources, time.monotonic() + timeout_s)
             out = {"refs": self.warm_refs[rank::world_size], "reports": dict(self.warm_reports)}
             self.warm_taken.add(rank)
             if len(self.warm_taken) >= world_size:
