@@ -27,7 +27,7 @@
 # Knobs (environment): ABL_TRAIN_S, ABL_BUDGET_S, ABL_GEN_S (seconds after which the generation starts no request, setup included: 75; at a28849e 60 s gave only 1,095 trajectories - ~35 s of it were setup -, so give ~10,000 prompts ~150 s), ABL_PROMPTS (5000),
 # ABL_SAMPLE_FRACTION (0.2), ABL_OVERHEAD_S (30: a variant's start + evaluations), ABL_GEN_BATCH (256 slots),
 # ABL_MIN_TRAJ (64: fewer trajectories end the call before training), ABL_BATCH (64), ABL_PUBLISH (150),
-# ABL_WARMUP_STEPS (10), ABL_TRAINER_BENCH (unset | 1 | only), ABL_BENCH_S (the bench's timeout, 150),
+# ABL_WARMUP_STEPS (10), ABL_GEN_PROCS (1: generating processes side by side on the GPU), ABL_TRAINER_BENCH (unset | 1 | only), ABL_BENCH_S (the bench's timeout, 150),
 # ABL_BENCH_ARGS (more bench arguments, e.g. "--profile"), ABL_REUSE_TRAJ=1 (keep the trajectory files an earlier call
 # on the same warm machine wrote, instead of generating), ABL_BENCH_VARIANTS ("recipe"; words NAME[:key=value,...]: one bench each, trainer_files_NAME.json / .log);
 # for a CPU smoke run of the script itself: ABL_RECIPE, ABL_ROOT (instead of /root), ABL_SKIP_PREPARE=1.
@@ -86,11 +86,23 @@ else
   rm -rf "$TRAJ" "$ABL"
   # no request starts after GEN_S seconds (setup included); the started ones finish (one request's decode: 256
   # steps, seconds at batch 256), so the outer timeout is only a backstop
-  timeout $(( GEN_S + 45 )) python3 -m adaflash_ray.distill.loop generate --recipe "$R" --out "$TRAJ" \
-    --prompts "${ABL_PROMPTS:-5000}" --time-limit-s "$GEN_S" --set engine.max_batch_size="$SLOTS" \
-    --set data.num_train_prompts=$(( ${ABL_PROMPTS:-5000} > 5000 ? ${ABL_PROMPTS:-5000} + 400 : 5400 )) \
-    --set data.sample_fraction="${ABL_SAMPLE_FRACTION:-0.2}" --set data.sampled_temperature=0.8 >> "$OUT/gen.log" 2>&1
-  rc=$?
+  # ABL_GEN_PROCS = N > 1: N processes on the one GPU, each decoding every N-th prompt (--shard i/N) into $TRAJ;
+  # each one's "[generate] ... tokens/s" line in gen.log gives the decode rate of N processes side by side
+  procs="${ABL_GEN_PROCS:-1}"
+  pids=()
+  for (( i = 0; i < procs; i++ )); do
+    shard=()
+    [ "$procs" -gt 1 ] && shard=(--shard "$i/$procs")
+    timeout $(( GEN_S + 45 )) python3 -m adaflash_ray.distill.loop generate --recipe "$R" --out "$TRAJ" \
+      --prompts "${ABL_PROMPTS:-5000}" --time-limit-s "$GEN_S" --set engine.max_batch_size="$SLOTS" "${shard[@]}" \
+      --set data.num_train_prompts=$(( ${ABL_PROMPTS:-5000} > 5000 ? ${ABL_PROMPTS:-5000} + 400 : 5400 )) \
+      --set data.sample_fraction="${ABL_SAMPLE_FRACTION:-0.2}" --set data.sampled_temperature=0.8 \
+      > "$OUT/gen_$i.log" 2>&1 &
+    pids+=($!)
+  done
+  rc=0
+  for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+  for (( i = 0; i < procs; i++ )); do { echo "--- generate process $i of $procs"; cat "$OUT/gen_$i.log"; } >> "$OUT/gen.log"; rm -f "$OUT/gen_$i.log"; done
   n=$(ls "$TRAJ"/*.parquet 2>/dev/null | wc -l)
   mark "generate rc $rc (124 = cut by the backstop at $(( GEN_S + 45 )) s; files kept): $n trajectories"
 fi

@@ -335,6 +335,16 @@ def test_generate_time_limit_counts_setup_and_starts_nothing_after_it(tmp_path):
         generate_files(cfg, 3, tmp_path / "bad", time_limit_s=0)
     files = generate_files(cfg, 3, tmp_path / "all", time_limit_s=600)
     assert len(files) == 3 and all(f.is_file() for f in files)
+    # two shards into one directory: the same three prompts between them, each decoded once
+    from adaflash_ray.distill.spill import read_parquet
+
+    shards = [generate_files(cfg, 3, tmp_path / "shards", shard=(i, 2)) for i in range(2)]
+    assert [len(f) for f in shards] == [2, 1]
+    def prompts_of(fs):
+        return sorted(tuple(t.token_ids[:t.prompt_len].tolist()) for t in map(read_parquet, fs))
+    assert prompts_of(shards[0] + shards[1]) == prompts_of(files)
+    with pytest.raises(ValueError, match="--shard"):
+        generate_files(cfg, 3, tmp_path / "bad", shard=(2, 2))
 
 
 @pytest.mark.slow

@@ -595,7 +595,8 @@ def decode_for_training(engine, cfg, prompts: list[list[int]], on_trajectory: Ca
 
 
 def generate_files(cfg, num_prompts: int, out: str | Path, drafter: str | Path | None = None, *,
-                   progress_s: float = 10.0, time_limit_s: float | None = None) -> list[Path]:
+                   progress_s: float = 10.0, time_limit_s: float | None = None,
+                   shard: tuple[int, int] | None = None) -> list[Path]:
     """Decode ``num_prompts`` training prompts with the built-in engine, recording, and write each request's
     trajectory to ``out`` (:func:`~adaflash_ray.distill.spill.spill_path`) as soon as it finishes; no Ray.
 
@@ -612,10 +613,13 @@ def generate_files(cfg, num_prompts: int, out: str | Path, drafter: str | Path |
     a run killed part way leaves only whole files). Request ids get a per-call tag (``gen-<tag>-<id>``).
     ``time_limit_s`` (seconds from this call's start, setup included: loading the prompts and the engine, CUDA-graph
     capture): no request starts after it; the started ones finish and are written, so the command ends by itself
-    about one request's decode later instead of being cut by an outer timeout mid-stream. Returns the files
-    written, in finishing order.
+    about one request's decode later instead of being cut by an outer timeout mid-stream. ``shard`` ``(i, n)``: this
+    call decodes every n-th of the ``num_prompts`` from the i-th (``prompts[i::n]``; its inputs under
+    ``out/inputs-<i>-of-<n>``), so n concurrent calls into one ``out`` decode the set once between them. Returns the
+    files written, in finishing order.
     Raises:
-        ValueError: ``num_prompts`` < 1 or ``time_limit_s`` <= 0; CheckpointError: an unreadable ``drafter``; as
+        ValueError: ``num_prompts`` < 1, ``time_limit_s`` <= 0 or a shard outside ``0 <= i < n``;
+            CheckpointError: an unreadable ``drafter``; as
             prepare_inputs, the engine and the writer (an error in a background write is raised here).
     """
     import sys
@@ -630,10 +634,14 @@ def generate_files(cfg, num_prompts: int, out: str | Path, drafter: str | Path |
         raise ValueError(f"--prompts must be >= 1, got {num_prompts}")
     if time_limit_s is not None and time_limit_s <= 0:
         raise ValueError(f"--time-limit-s must be > 0, got {time_limit_s}")
+    if shard is not None and not 0 <= shard[0] < shard[1]:
+        raise ValueError(f"--shard must be I/N with 0 <= I < N, got {shard[0]}/{shard[1]}")
     t_start = time.perf_counter()
     torch.set_num_threads(cfg.engine.num_threads)
     out = Path(out)
-    prompts = list(prepare_inputs(cfg, out / "inputs").train)[:num_prompts]
+    i, n = shard or (0, 1)
+    prompts = list(prepare_inputs(cfg, out / ("inputs" if shard is None else f"inputs-{i}-of-{n}")).train)
+    prompts = prompts[:num_prompts][i::n]
     engine = SpecEngine.from_config(cfg, record=True, record_features=cfg.distill.features == "captured",
                                     calibrate=False)
     if drafter is not None:
@@ -678,13 +686,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--time-limit-s", type=float, default=None,
                             help="seconds from the start (setup included) after which no request starts; the "
                                  "started ones finish and are written")
+        parser.add_argument("--shard", default=None, metavar="I/N",
+                            help="decode prompts[I::N] of the --prompts (N concurrent calls into one --out)")
     else:
         parser.add_argument("--trajectories", required=True, help="directory of trajectory files (*.parquet)")
     ns = parser.parse_args(argv[1:] if gen else argv)
     try:
         cfg = config_from_args(ns)
         if gen:
-            files = generate_files(cfg, ns.prompts, ns.out, ns.drafter, time_limit_s=ns.time_limit_s)
+            shard = None
+            if ns.shard is not None:
+                parts = ns.shard.split("/")
+                if len(parts) != 2 or not all(x.strip().isdigit() for x in parts):
+                    raise ValueError(f"--shard must be I/N (two integers), got {ns.shard!r}")
+                shard = (int(parts[0]), int(parts[1]))
+            files = generate_files(cfg, ns.prompts, ns.out, ns.drafter, time_limit_s=ns.time_limit_s, shard=shard)
             print(json.dumps({"out": str(ns.out), "num_files": len(files)}))
             return 0
         summary = train_from_files(cfg, ns.trajectories, ns.out)
