@@ -426,6 +426,10 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                            **request_spread(reqs, method != "ar")}
                     # the engine's one decode / verify attention kernel (ModelRunner.split_k: split-K or SDPA)
                     row["attention"] = "split_k" if engine_for(method).runner.split_k else "sdpa"
+                    # the measured step costs the policy / planner chose by, beside step_timing's realised ones
+                    table = engine_for(method).cost_table
+                    if table is not None:
+                        row["cost_table"] = table
                     if with_corpus:
                         row["corpus_seed_sequences"] = len(seeds.get(domain, []))
                     if method == "ar":

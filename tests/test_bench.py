@@ -206,8 +206,14 @@ def test_model_mode_draft_source_methods(capsys):
         assert sum(r["source_hist"].values()) == sum(r["gamma_hist"].values())
     assert rows["suffix"]["corpus_seed_sequences"] == 2 and rows["hybrid"]["corpus_seed_sequences"] == 2
     assert rows["hybrid"]["guard"] is not None and rows["suffix"]["guard"] is None  # the cost policy's guard
+    table = rows["hybrid"]["cost_table"]  # the hybrid's measured tables (the cost policy's) in its row
+    assert len(table["costs_ms"]) == len(table["batch_sizes"]) and "lookup_costs_ms" in table
+    assert "cost_table" not in rows["suffix"]
     for r in rows.values():
         assert sum(v["count"] for v in r["step_timing"]["steps"].values()) == r["num_engine_steps"]
+        by_shape = r["step_timing"]["steps_by_shape"]  # the same steps by (rows x width) as the device ran them
+        assert {k: sum(v["count"] for v in d.values()) for k, d in by_shape.items()} == \
+            {k: v["count"] for k, v in r["step_timing"]["steps"].items()}
         # both requests admitted at once: the slower one's decode steps are the run's engine steps
         assert r["max_request_steps"] == r["num_engine_steps"], r
         assert 1.0 <= r["request_tau_min"] <= r["request_tau_p10"] <= r["request_tau_median"]

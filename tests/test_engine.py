@@ -650,7 +650,8 @@ def test_stop_tokens(monkeypatch):
     assert a.features is None  # record=False: no trajectory features kept
 
 
-_STAT_TIMES = ("decode_seconds", "prefill_seconds", "catch_up_seconds", "compaction_seconds", "kind_seconds")
+_STAT_TIMES = ("decode_seconds", "prefill_seconds", "catch_up_seconds", "compaction_seconds", "kind_seconds",
+               "shape_seconds")
 
 
 @pytest.mark.parametrize("policy, sources, where, mode", [

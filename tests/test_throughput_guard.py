@@ -92,6 +92,11 @@ def test_step_kinds_ar_run_and_probe_schedule(tiny_target):
     t = st.timing()
     assert t["catch_up"]["count"] == 3 and t["catch_up"]["num_positions"] == 84 and t["num_guard_steps"] == 0
     assert t["steps"] == by and t["prefill"]["count"] == 1
+    # by the shape the device ran: 3 rows (slots 0-2), width 1 (γ = 0 everywhere; a probe proposes, verifies none)
+    shapes = t["steps_by_shape"]
+    assert {k: {s: r["count"] for s, r in v.items()} for k, v in shapes.items()} == {"gamma0": {"3x1": 28},
+                                                                                    "probe": {"3x1": 3}}
+    assert shapes["probe"]["3x1"]["mean_ms"] == pytest.approx(3.0)
     while eng.has_unfinished():
         eng.step()
     for r, p in zip(reqs, prompts):
@@ -99,6 +104,8 @@ def test_step_kinds_ar_run_and_probe_schedule(tiny_target):
     assert sum(st.kind_steps.values()) == st.num_engine_steps and set(st.kind_steps) <= set(STEP_KINDS)
     window = st - SpecStats()
     assert window.kind_steps == st.kind_steps and (st + st).kind_steps["probe"] == 2 * st.kind_steps["probe"]
+    assert window.shape_steps == st.shape_steps and sum(st.shape_steps.values()) == st.num_engine_steps
+    assert {k[2] for k in st.shape_steps} == {1}  # never a draft to verify under this table
 
 
 def test_guard_forces_ar_when_drafting_is_slow(tiny_target):

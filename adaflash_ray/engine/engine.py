@@ -374,7 +374,7 @@ class SpecEngine:
             kind = "draft"
         else:
             kind = "probe" if batch.propose and self.drafter is not None else "gamma0"
-        st.record_engine_step(kind, seconds)
+        st.record_engine_step(kind, seconds, self.runner.step_shape)
         if caught_up[0]:
             st.num_catch_ups += 1
             st.catch_up_positions += caught_up[0]

@@ -229,6 +229,7 @@ class ModelRunner:
         self.step_catch_up: tuple[int, float] = (0, 0.0)
         # the last step captured its CUDA graph (or ran the very first step eagerly): a one-off cost, not the step's
         self.step_captured = False
+        self.step_shape: tuple[int, int] = (0, 0)  # the last step's (rows, verify width) as the device ran it
         pin = self.is_cuda
         self._ints_host = torch.zeros(num_slots, 7 + nd, dtype=torch.long, pin_memory=pin)
         self._floats_host = torch.zeros(num_slots, len(NEUTRAL_FLOATS), dtype=torch.float32, pin_memory=pin)
@@ -643,6 +644,7 @@ class ModelRunner:
         if self.is_cuda:  # the same buckets with or without graphs
             b = _round_up(b, self._batch_buckets)
             w = _round_up(w, self._width_buckets)
+        self.step_shape = (b, w)  # the rows and verify width the device runs (buckets on CUDA)
         span = self._span(max(anchor_pos) + w + (self.block_size if spec and propose else 0))
         idx = np.asarray(slots)
         ints, floats = self._ints_host.numpy(), self._floats_host.numpy()

@@ -71,6 +71,9 @@ class SpecStats:
     catch_up_seconds: float = 0.0  # their host time (inside the steps' times)
     num_guard_steps: int = 0  # AR steps the throughput guard forced (counted as gamma0 too)
     num_captures: int = 0  # steps that captured a CUDA graph (their own or a catch-up's; a capture's time is in them)
+    # (kind, rows, verify width) of each step as the device ran it (batch and width buckets on CUDA) -> steps, seconds
+    shape_steps: Counter = field(default_factory=Counter)
+    shape_seconds: Counter = field(default_factory=Counter)
     num_compactions: int = 0  # times the running requests were packed into the lowest slots (between steps)
     num_slot_moves: int = 0  # requests those moved
     compaction_seconds: float = 0.0
@@ -166,21 +169,36 @@ class SpecStats:
     def __sub__(self, earlier: "SpecStats") -> "SpecStats":
         out = {f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)}
         for k in ("draft_len_hist", "accepted_per_pos", "source_hist", "source_drafted", "source_accepted",
-                  "kind_steps", "kind_seconds"):
+                  "kind_steps", "kind_seconds", "shape_steps", "shape_seconds"):
             out[k] = +out[k]  # Counter subtraction keeps positive counts only
         return SpecStats(**out)
 
     def copy(self) -> "SpecStats":
         return self - SpecStats()
 
-    def record_engine_step(self, kind: str, seconds: float) -> None:
+    def record_engine_step(self, kind: str, seconds: float, shape: tuple[int, int] | None = None) -> None:
         """Count one engine step of ``kind`` (:data:`STEP_KINDS`) that took ``seconds`` of wall time (also added to
-        ``num_engine_steps`` / ``decode_seconds``)."""
+        ``num_engine_steps`` / ``decode_seconds``); with ``shape`` ``(rows, verify width)`` as the device ran it, also
+        by shape (:meth:`step_ms_by_shape`)."""
         assert kind in STEP_KINDS, kind
         self.num_engine_steps += 1
         self.decode_seconds += seconds
         self.kind_steps[kind] += 1
         self.kind_seconds[kind] += seconds
+        if shape is not None:
+            key = (kind, *shape)
+            self.shape_steps[key] += 1
+            self.shape_seconds[key] += seconds
+
+    def step_ms_by_shape(self) -> dict[str, dict[str, dict]]:
+        """``{kind: {"<rows>x<width>": {"count", "total_ms", "mean_ms"}}}``: the wall time of each kind's steps by the
+        shape the device ran (rows = the batch bucket, width = the verify width bucket: the cost tables' row and
+        column), rows then widths ascending - the realised price of each width beside the tables' measured one."""
+        out: dict[str, dict[str, dict]] = {}
+        for key in sorted(self.shape_steps, key=lambda k: (STEP_KINDS.index(k[0]), k[1], k[2])):
+            out.setdefault(key[0], {})[f"{key[1]}x{key[2]}"] = _time_row(self.shape_steps[key],
+                                                                         self.shape_seconds.get(key, 0.0))
+        return out
 
     @property
     def step_ms_by_kind(self) -> dict[str, dict[str, float]]:
@@ -192,8 +210,9 @@ class SpecStats:
         """JSON-ready wall-time split: ``steps`` (:attr:`step_ms_by_kind`), ``prefill`` and ``catch_up``
         (``{"count", "total_ms", "mean_ms"}``, catch-up with ``num_positions``), ``compaction`` (the same, with
         ``num_moves``: requests moved to lower slots between steps), ``num_captures`` (steps that captured a CUDA graph),
-        ``num_guard_steps``."""
-        return {"steps": self.step_ms_by_kind, "prefill": _time_row(self.num_prefills, self.prefill_seconds),
+        ``num_guard_steps``, ``steps_by_shape`` (:meth:`step_ms_by_shape`)."""
+        return {"steps": self.step_ms_by_kind, "steps_by_shape": self.step_ms_by_shape(),
+                "prefill": _time_row(self.num_prefills, self.prefill_seconds),
                 "catch_up": {**_time_row(self.num_catch_ups, self.catch_up_seconds),
                              "num_positions": self.catch_up_positions},
                 "compaction": {**_time_row(self.num_compactions, self.compaction_seconds),
