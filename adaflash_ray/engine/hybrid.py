@@ -365,6 +365,17 @@ class HybridPlanner:
         # the last lookup-only or draft-less plan's (choices, γ [n] host ints, device-lookup rows [n] bool or None):
         # plan_rows() of those choices without a pass over them
         self._plan_rows: tuple | None = None
+        # the measured tables price a step by its device work and the runner's host work; the engine's own host work
+        # per step (planning, recording, commits: the same for every width, so it makes long widths relatively cheaper)
+        # is not in them. observe_step keeps per table row a moving average of realised - table ms over the planned
+        # steps and the plans read table + that (at least half the table): tokens per measured ms of the whole step.
+        # False: the tables as measured
+        self.realised_costs = True
+        self.step_cost_decay = 0.05  # weight of one step in that moving average (a running mean before 1 / decay)
+        self.step_cost_every = 8  # a row's prices are brought up to date every this many of its observed steps
+        self._base: tuple[np.ndarray, np.ndarray] | None = None  # the tables as set (set_costs)
+        self._resid: list[float] = []  # per row: the moving average of realised - table ms
+        self._resid_n: list[int] = []  # per row: steps observed
 
     # ------------------------------------------------------------------ costs
     def set_costs(self, batch_sizes: list[int], spec_costs_ms, lookup_costs_ms) -> None:
@@ -386,13 +397,46 @@ class HybridPlanner:
         if self.max_draft + 1 > self.block_size:  # widths past the block: lookup cost + the propose's share
             extra = (spec[:, -1] - look[:, self.block_size - 1])[:, None]
             full[:, self.block_size:] = look[:, self.block_size:] + np.maximum(extra, 0.0)
-        self.batch_sizes, self.spec_costs, self.lookup_costs = list(batch_sizes), full, look
+        self.batch_sizes, self._base = list(batch_sizes), (full, look)
+        self.spec_costs, self.lookup_costs = full.copy(), look.copy()  # the prices the plans read (observe_step)
         # the same at the planner's widths, as host lists (the one-row plan reads them without numpy)
         self._spec_w, self._look_w = full[:, self._widx].tolist(), look[:, self._widx].tolist()
         self._look_ar = look[:, 0].tolist()
+        self._resid, self._resid_n = [0.0] * nb, [0] * nb
 
     def _row(self, batch_size: int) -> int:
         return min(bisect.bisect_left(self.batch_sizes, batch_size), len(self.batch_sizes) - 1)
+
+    def observe_step(self, batch_size: int, width: int, proposed: bool, ms: float) -> None:
+        """A planned step's realised wall ``ms`` (the engine's whole step: planning, the device work and its transfer,
+        recording and commits) at ``batch_size`` rows and verify ``width`` (the shape the device ran; ``proposed``: it
+        proposed the drafter's next block, priced by the spec table, else by the lookup table). With
+        :attr:`realised_costs`, the row's moving average of realised - table ms moves towards it, and every
+        :attr:`step_cost_every` steps of the row its prices become table + that average (at least half the table).
+        No-op without a cost table."""
+        if self._base is None or not self.realised_costs:
+            return
+        r = self._row(batch_size)
+        spec, look = self._base
+        col = min(max(int(width), 1), self.max_draft + 1) - 1
+        n = self._resid_n[r] = self._resid_n[r] + 1
+        w = max(self.step_cost_decay, 1.0 / n)
+        self._resid[r] += w * (ms - float((spec if proposed else look)[r, col]) - self._resid[r])
+        if n % self.step_cost_every == 0 or n == 1:
+            d = self._resid[r]
+            for base, eff in ((spec, self.spec_costs), (look, self.lookup_costs)):
+                eff[r] = np.maximum(base[r] + d, 0.5 * base[r])
+            self._spec_w[r] = self.spec_costs[r, self._widx].tolist()
+            self._look_w[r] = self.lookup_costs[r, self._widx].tolist()
+            self._look_ar[r] = float(self.lookup_costs[r, 0])
+
+    def realised_cost_state(self) -> dict[str, dict[str, float]] | None:
+        """Per table row (its batch size, as a string): ``ms_over_table`` (the moving average of realised - table ms)
+        and ``steps`` observed; None without a cost table. JSON-ready."""
+        if self._base is None:
+            return None
+        return {str(b): {"ms_over_table": d, "steps": n}
+                for b, d, n in zip(self.batch_sizes, self._resid, self._resid_n)}
 
     # ------------------------------------------------------------------ schedules
     def lookup_due(self) -> bool:
