@@ -107,36 +107,40 @@ class DistillTrainer:
         trajectories of this rank's share) and ``workers`` (each source's report); a resumed rank past version 0
         does nothing (``version`` only).
         Raises:
-            ValueError: no prompts, or none decoded with output."""
+            ValueError: no prompts and no worker sources, or no trajectory with output (own or the workers')."""
         from adaflash_ray.distill.loop import decode_for_training
         from adaflash_ray.engine import SpecEngine
 
         if self.loop.version > 0:
             return {"rank": self.rank, "version": self.loop.version, "skipped": "resumed past version 0"}
-        if not prompts:
-            raise ValueError("warm start: no prompts for this rank")
+        if not prompts and not num_warm_sources:
+            raise ValueError("warm start: no prompts for this rank and no worker decoding a share")
         cfg, dc = self.cfg, self.cfg.distill
-        engine = SpecEngine(self.core.target, None, None, layer_ids=self.core.layer_ids,
-                            max_batch_size=dc.warm_start_batch_size or cfg.engine.max_batch_size,
-                            max_seq_len=cfg.engine.max_seq_len, record=True,
-                            record_features=dc.features == "captured", seed=cfg.seed + 7 + self.rank)
         trajs: list = []
-        stats = decode_for_training(engine, cfg, prompts, trajs.append, mode="ar",
-                                    time_limit_s=dc.warm_start_generate_s, tag=f"warm{self.rank}-",
-                                    log_prefix=f"[warm start rank {self.rank}]")
-        del engine
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # the engine's KV cache and graphs back to the device before training
+        stats = {"num_requests": 0, "num_tokens": 0, "tokens_per_s": 0.0, "seconds": 0.0}
+        if prompts:  # none: more prompts went to the workers' slots than there were (this rank trains on theirs)
+            engine = SpecEngine(self.core.target, None, None, layer_ids=self.core.layer_ids,
+                                max_batch_size=dc.warm_start_batch_size or cfg.engine.max_batch_size,
+                                max_seq_len=cfg.engine.max_seq_len, record=True,
+                                record_features=dc.features == "captured", seed=cfg.seed + 7 + self.rank)
+            stats = decode_for_training(engine, cfg, prompts, trajs.append, mode="ar",
+                                        time_limit_s=dc.warm_start_generate_s, tag=f"warm{self.rank}-",
+                                        log_prefix=f"[warm start rank {self.rank}]")
+            del engine
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the engine's KV cache and graphs back to the device before training
         extra: dict = {}
         if num_warm_sources:  # the workers' share, decoded beside this rank's (they end by the same time limit)
             got = ray.get(warm_buffer.take_warm.remote(num_warm_sources, self.rank, self.world_size,
                                                        dc.warm_start_generate_s + 300.0))
-            theirs = [t for part in ray.get(got["refs"]) for t in part]
+            parts = _get_or_none(got["refs"])  # None: a batch whose worker died before it was read
+            theirs = [t for part in parts if part is not None for t in part]
             extra = {"worker_requests": len(theirs), "worker_tokens": sum(t.num_response_tokens for t in theirs),
-                     "workers": got["reports"]}
+                     "worker_batches_lost": sum(part is None for part in parts), "workers": got["reports"]}
             trajs += theirs
         if not trajs:
-            raise ValueError(f"warm start: none of {len(prompts)} prompts gave output")
+            raise ValueError(f"warm start: none of {len(prompts)} prompts gave output"
+                             + (f" and no worker batch arrived ({extra})" if num_warm_sources else ""))
         self._record({"train/step": float(self.core.global_step), "warm/num_requests": float(stats["num_requests"]),
                       "warm/num_tokens": float(stats["num_tokens"]),
                       "warm/tokens_per_s": stats["tokens_per_s"], "warm/generate_s": stats["seconds"],
@@ -196,6 +200,19 @@ class DistillTrainer:
         self._stop = True
 
 
+def _get_or_none(refs: list) -> list:
+    """``ray.get`` of each of ``refs``, None for an object whose owner (an inference worker) died before it was
+    fetched, or that is lost."""
+    out = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref))
+        except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError,
+                ray.exceptions.ObjectFetchTimedOutError):
+            out.append(None)
+    return out
+
+
 class _PendingRef:
     """A ``get_batch`` in flight (a prefetch): :meth:`result` waits for it."""
 
@@ -222,14 +239,7 @@ class _BufferSource:
 
     def resolve(self, handles: list) -> list:
         """The trajectories; None for one whose owner (an inference worker) died before it was fetched."""
-        out = []
-        for ref in handles:
-            try:
-                out.append(ray.get(ref))
-            except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError,
-                    ray.exceptions.ObjectFetchTimedOutError):
-                out.append(None)
-        return out
+        return _get_or_none(handles)
 
     def release(self, handles: list) -> None:
         ray.get(self.buffer.release.remote(consumer=self.consumer, refs=list(handles)))

@@ -6,6 +6,7 @@ requests in flight continue and stay correct (verification is lossless whatever 
 """
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import time
 import uuid
@@ -177,6 +178,7 @@ class InferenceWorker:
 
         def run(eng) -> dict:  # engine thread, no request of the service queued or running
             report: dict = {"error": "not started"}
+            saved = eng.stats.copy()  # the warm decode's AR steps stay out of the serving statistics
             try:
                 stats = decode_for_training(eng, self.cfg, prompts, keep, mode="ar", time_limit_s=time_limit_s,
                                             tag=f"warm-w{self.index}-",
@@ -188,11 +190,26 @@ class InferenceWorker:
                 flush()
                 report = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
             finally:
+                eng.stats = saved
                 buf.warm_done.remote(f"worker-{self.index}", report)
             return report
 
-        self.service.call(run, when_idle=True)
+        self._warm_future = self.service.call(run, when_idle=True)
         return len(prompts)
+
+    def warm_decode_result(self, timeout_s: float) -> dict:
+        """Wait at most ``timeout_s`` seconds for the decode :meth:`start_warm_decode` started; its report (the
+        counts, or ``error``: the decode's, the engine's, none started on this worker - e.g. after a restart - or
+        a timeout)."""
+        fut = getattr(self, "_warm_future", None)
+        if fut is None:
+            return {"error": "no warm-start decode was started on this worker"}
+        try:
+            return fut.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            return {"error": f"the warm-start decode did not end within {timeout_s:.0f} s"}
+        except Exception as e:  # noqa: BLE001 - the engine thread's failure (EngineDead), reported as the decode's
+            return {"error": f"{type(e).__name__}: {str(e)[:500]}"}
 
     def load_drafter(self, version: int, tensors: dict, sha256: str | None = None,
                      config: dict | None = None, timeout_s: float = 600.0) -> dict:

@@ -44,13 +44,15 @@ class TrajectoryBuffer:
         self.known: set[str] = set()  # journal file names held (memory, disk or lease): a retried add is a no-op
         self.latest_version = 0
         self.counts = {"added": 0, "consumed": 0, "dropped_stale": 0, "dropped_capacity": 0, "spilled": 0,
-                       "committed": 0, "redelivered": 0, "recovered": 0, "reloaded": 0, "duplicates_ignored": 0}
+                       "committed": 0, "redelivered": 0, "recovered": 0, "reloaded": 0, "duplicates_ignored": 0,
+                       "warm_batches_late": 0}
         self.leases: dict[str, list] = {}  # consumer -> items handed out since its last commit
         # the warm start's text decoded by the inference workers (distill.warm_start_workers): batches of trajectories
         # kept apart from the on-policy queue until the trainer ranks take them (add_warm / warm_done / take_warm)
         self.warm_refs: list = []
         self.warm_reports: dict[str, dict] = {}
         self.warm_taken: set[int] = set()
+        self.warm_shared: list | None = None  # the batches as the first rank to take found them (None: none taken)
         self._cond = asyncio.Condition()
         if self.spill_dir is not None and self.spill_dir.is_dir():  # a restarted buffer: take back its journal
             from adaflash_ray.distill.spill import spill_version  # lazy: only with spill_dir
@@ -213,26 +215,36 @@ class TrajectoryBuffer:
         Ray passes them unresolved): held apart from the on-policy queue - no capacity, no version lag, no journal -
         until the trainer ranks :meth:`take_warm` it."""
         async with self._cond:
+            if self.warm_shared is not None:  # a worker late past the ranks' deadline: they train without it
+                self.counts["warm_batches_late"] += len(refs)
+                return
             self.warm_refs.extend(refs)
 
     async def warm_done(self, source: str, report: dict) -> None:
         """``source`` (e.g. ``worker-0``) has added all its warm-start text; ``report``: its decode's counts (or an
-        ``error``)."""
+        ``error``). The first report of a source stands (the driver reports a worker it saw die, which may have
+        reported itself)."""
         async with self._cond:
-            self.warm_reports[source] = report
+            self.warm_reports.setdefault(source, report)
             self._cond.notify_all()
 
     async def take_warm(self, num_sources: int, rank: int = 0, world_size: int = 1, timeout_s: float = 600.0) -> dict:
         """Wait until ``num_sources`` sources reported :meth:`warm_done` (at most ``timeout_s``: a worker that died
         mid-decode leaves what it added); returns ``{"refs": this rank's share of the batches (every world_size-th
-        from ``rank``), "reports": {source: report}}``. Once every rank has taken its share the batches are
-        forgotten (the object store frees them when the ranks drop theirs)."""
+        from ``rank``), "reports": {source: report}}``. The first rank's take fixes the batches every rank shares
+        (batches added later are dropped, counted as ``warm_batches_late``), so the shares never overlap or miss
+        one; once every rank has taken its share the batches and reports are forgotten (the object store frees them
+        when the ranks drop theirs)."""
         async with self._cond:
-            await self._wait(lambda: len(self.warm_reports) >= num_sources, time.monotonic() + timeout_s)
-            out = {"refs": self.warm_refs[rank::world_size], "reports": dict(self.warm_reports)}
+            await self._wait(lambda: self.warm_shared is not None or len(self.warm_reports) >= num_sources,
+                             time.monotonic() + timeout_s)
+            if self.warm_shared is None:
+                self.warm_shared = list(self.warm_refs)
+                self.warm_refs = []
+            out = {"refs": self.warm_shared[rank::world_size], "reports": dict(self.warm_reports)}
             self.warm_taken.add(rank)
             if len(self.warm_taken) >= world_size:
-                self.warm_refs, self.warm_taken = [], set()
+                self.warm_shared, self.warm_taken, self.warm_reports = [], set(), {}
             return out
 
     async def stats(self) -> dict[str, float]:

@@ -262,16 +262,40 @@ class Driver:
         prompts = [list(train[j % len(train)]) for j in range(n)]
         self.next_prompt = n
         t0 = time.time()
+        if dc.warm_start_workers and cfg.engine.backend != "torch":
+            console.print(f"warm start: distill.warm_start_workers needs engine.backend: torch (not "
+                          f"{cfg.engine.backend}); the trainer ranks decode the whole warm start", markup=False)
         workers = g.workers if dc.warm_start_workers and cfg.engine.backend == "torch" else []
         slots = [dc.warm_start_batch_size or cfg.engine.max_batch_size] * k + [cfg.engine.max_batch_size] * len(workers)
         shares = deal_by_weight(prompts, slots)  # trainer ranks first, then the workers
-        for w, share in zip(workers, shares[k:]):
-            if share:
-                w.start_warm_decode.remote(share, dc.warm_start_generate_s)
-        num_sources = sum(1 for share in shares[k:] if share)
+        for r in range(k):  # fewer prompts than slots: a rank without a prompt of its own takes one from a worker
+            if not shares[r] and any(shares[k:]):
+                shares[r].append(max(shares[k:], key=len).pop())
+        waits = {}  # source name -> the ref of its decode's report (a dead worker's raises: reported for it)
+        for i, (w, share) in enumerate(zip(workers, shares[k:])):
+            if not share:
+                continue
+            try:
+                ray.get(w.start_warm_decode.remote(share, dc.warm_start_generate_s))
+            except (ray.exceptions.RayError, ValueError) as e:  # its share is not decoded; the ranks do not wait for it
+                console.print(f"warm start: worker {i} did not start its share ({len(share)} prompts): "
+                              f"{type(e).__name__}: {str(e)[:300]}", markup=False)
+                continue
+            waits[f"worker-{i}"] = w.warm_decode_result.remote(dc.warm_start_generate_s + 300.0)
+        num_sources = len(waits)
         refs = [t.warm_start.remote(shares[r], g.registry, g.buffer, num_sources) for r, t in enumerate(g.trainers)]
         while True:
             done, _ = ray.wait(refs, num_returns=len(refs), timeout=2.0)
+            for source, ref in list(waits.items()):
+                if not ray.wait([ref], timeout=0)[0]:
+                    continue
+                del waits[source]
+                try:
+                    report = ray.get(ref)
+                except ray.exceptions.RayError as e:  # the worker died mid-decode: what it added stands
+                    report = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                if "error" in report:  # a worker that reported itself keeps its own report (the first stands)
+                    g.buffer.warm_done.remote(source, report)
             self.collect_metrics()
             if self.save_new_versions() and self.canary.prompts:
                 self.canary.start(g.workers[0], self.last_version)

@@ -22,6 +22,7 @@ not fed to the guard: its time is a one-off, not what the step costs.
 """
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
@@ -52,6 +53,7 @@ from adaflash_ray.versions import is_newer
 # float dtypes by the values they hold exactly: a tensor converted to a dtype at or above its own keeps its values
 _FLOAT_WIDTH = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 _slot_of = attrgetter("slot")
+log = logging.getLogger(__name__)
 
 
 def device_lock_path(device: torch.device | str) -> str:
@@ -706,6 +708,8 @@ class SpecEngine:
         independent of ``len(prompts)`` (the finished requests are counted, not rescanned).
         Raises:
             ValueError: as :meth:`add_request`; ``params`` a list of another length; ``admit_min`` < 1.
+            Whatever a step, ``on_step`` or ``on_finish`` raised, after aborting these requests (none of them is
+            left in the engine's queue or KV slots).
         """
         from collections import deque
 
@@ -724,27 +728,37 @@ class SpecEngine:
                 held.appendleft(self.scheduler.waiting.pop())
         mine = {id(r) for r in reqs}
         first_unfinished = 0  # every request before it has finished
-        while True:
-            while first_unfinished < len(reqs) and reqs[first_unfinished].status == Status.FINISHED:
-                first_unfinished += 1
-            if first_unfinished == len(reqs):
-                return reqs
-            if held and stop_admitting is not None and stop_admitting():
-                for req in held:
-                    req.status, req.finish_reason = Status.FINISHED, "abort"
-                held.clear()
-                continue
-            if held:
-                sched = self.scheduler
-                free = len(sched.free_slots) - len(sched.waiting)
-                if free >= min(admit_min, len(held)) or not sched.running:
-                    for _ in range(min(max(free, 1), len(held))):
-                        sched.waiting.append(held.popleft())
-            for req in self.step(mode):
-                if on_finish is not None and id(req) in mine:
-                    on_finish(req)
-            if on_step is not None:
-                on_step(self)
+        try:
+            while True:
+                while first_unfinished < len(reqs) and reqs[first_unfinished].status == Status.FINISHED:
+                    first_unfinished += 1
+                if first_unfinished == len(reqs):
+                    return reqs
+                if held and stop_admitting is not None and stop_admitting():
+                    for req in held:
+                        req.status, req.finish_reason = Status.FINISHED, "abort"
+                    held.clear()
+                    continue
+                if held:
+                    sched = self.scheduler
+                    free = len(sched.free_slots) - len(sched.waiting)
+                    if free >= min(admit_min, len(held)) or not sched.running:
+                        for _ in range(min(max(free, 1), len(held))):
+                            sched.waiting.append(held.popleft())
+                for req in self.step(mode):
+                    if on_finish is not None and id(req) in mine:
+                        on_finish(req)
+                if on_step is not None:
+                    on_step(self)
+        except BaseException:  # a callback or a step raised: none of these requests stays queued or holds a slot
+            for req in held:
+                req.status, req.finish_reason = Status.FINISHED, "abort"
+            for req in reqs:
+                try:
+                    self.abort(req)
+                except Exception:  # noqa: BLE001 - a step that failed half-way may leave a request inconsistent
+                    log.warning("generate: could not abort request %s after a failure", req.request_id)
+            raise
 
     # ------------------------------------------------------------------ trajectories
     def to_trajectory(self, req: Request) -> Trajectory:

@@ -278,14 +278,14 @@ class LookupCalibration:
 
     def record(self, buckets: np.ndarray, draft_lens: np.ndarray, num_accepted: np.ndarray) -> None:
         """One step's verified device-lookup drafts (``[m]`` each): bucket, γ, accepted a. Positions
-        1..min(a + 1, γ) were tried, 1..a accepted."""
+        1..min(a + 1, γ) were tried, 1..a accepted (both cut at ``max_draft``)."""
         self._cum = self._cum_rows = None
         counts = self._counts
         counts *= 1 - self.decay
         _, nb, d = counts.shape
         b = np.asarray(buckets, dtype=np.int64) * (d + 1)
         a = np.minimum(np.asarray(num_accepted, dtype=np.int64), d)
-        reach = np.minimum(a + 1, np.asarray(draft_lens, dtype=np.int64))
+        reach = np.minimum(np.minimum(a + 1, np.asarray(draft_lens, dtype=np.int64)), d)
         # per bucket, the rows reaching position i (accepting it) = the rows whose reach (a) is >= i: one histogram of
         # reach and a per bucket, summed from the right (one bincount instead of a scatter of [m, D] ones per table)
         hist = np.bincount(np.concatenate([b + reach, b + a + nb * (d + 1)]), minlength=2 * nb * (d + 1))
@@ -370,7 +370,7 @@ class HybridPlanner:
         # is not in them. observe_step keeps per table row a moving average of realised - table ms over the planned
         # steps and the plans read table + that (at least half the table): tokens per measured ms of the whole step.
         # False: the tables as measured
-        self.realised_costs = True
+        self._realised_costs = True
         self.step_cost_decay = 0.05  # weight of one step in that moving average (a running mean before 1 / decay)
         self.step_cost_every = 8  # a row's prices are brought up to date every this many of its observed steps
         self._base: tuple[np.ndarray, np.ndarray] | None = None  # the tables as set (set_costs)
@@ -378,6 +378,22 @@ class HybridPlanner:
         self._resid_n: list[int] = []  # per row: steps observed
 
     # ------------------------------------------------------------------ costs
+    @property
+    def realised_costs(self) -> bool:
+        """Whether the plans price steps by the tables plus the realised moving average (:meth:`observe_step`);
+        setting it False puts the tables' measured prices back at once (the averages are kept: True again applies
+        them at the next update of each row)."""
+        return self._realised_costs
+
+    @realised_costs.setter
+    def realised_costs(self, on: bool) -> None:
+        self._realised_costs = bool(on)
+        if not on and self._base is not None:
+            spec, look = self._base
+            self.spec_costs, self.lookup_costs = spec.copy(), look.copy()
+            self._spec_w, self._look_w = spec[:, self._widx].tolist(), look[:, self._widx].tolist()
+            self._look_ar = look[:, 0].tolist()
+
     def set_costs(self, batch_sizes: list[int], spec_costs_ms, lookup_costs_ms) -> None:
         """``spec_costs_ms`` ``[len(batch_sizes), bs-1]``: a step that verifies γ = 1..bs-1 drafts and proposes (the
         ``cost`` policy's table); ``lookup_costs_ms`` ``[len(batch_sizes), max_draft + 1]``: a step of width

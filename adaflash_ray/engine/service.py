@@ -67,7 +67,8 @@ class StepEvent:
     committed: ``(handle, tokens)`` per request that committed tokens in this step (the prefill's first token
         included), in running order. finished: handles of the requests that finished in this step (not aborted
         ones), their futures still pending. stats: the step's :class:`SpecStats` delta (counts of this step
-        only). drafter_version: the version that served the step.
+        only; the per-shape counters left empty, :meth:`SpecStats.since`). drafter_version: the version that served
+        the step.
     """
 
     committed: list[tuple[RequestHandle, list[int]]]
@@ -253,7 +254,7 @@ class EngineService:
 
     def _step(self) -> None:
         eng = self.engine
-        before, version = eng.stats.copy(), eng.drafter_version
+        before, version = eng.stats.copy(by_shape=False), eng.drafter_version
         finished = eng.step("spec")
         committed = []
         for h in self._in_engine.values():
@@ -262,7 +263,7 @@ class EngineService:
                 committed.append((h, h.req.output_ids[h.num_sent:]))
                 h.num_sent = n
         done = [self._in_engine.pop(r.request_id) for r in finished]
-        event = StepEvent(committed, done, eng.stats - before, version)
+        event = StepEvent(committed, done, eng.stats.since(before, by_shape=False), version)
         for callback in self._subscribers:
             callback(event)
         for h in done:

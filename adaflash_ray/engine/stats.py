@@ -39,6 +39,9 @@ from typing import Iterable
 STEP_KINDS = ("ar", "gamma0", "probe", "draft")
 
 
+_SHAPE_FIELDS = ("shape_steps", "shape_seconds")
+
+
 def _time_row(count: int, seconds: float) -> dict:
     """``{"count", "total_ms", "mean_ms"}`` (mean None without a count)."""
     return {"count": count, "total_ms": 1e3 * seconds, "mean_ms": 1e3 * seconds / count if count else None}
@@ -167,14 +170,23 @@ class SpecStats:
         return SpecStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
     def __sub__(self, earlier: "SpecStats") -> "SpecStats":
-        out = {f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)}
+        return self.since(earlier)
+
+    def since(self, earlier: "SpecStats", by_shape: bool = True) -> "SpecStats":
+        """The counts added after ``earlier`` (``self - earlier``); with ``by_shape=False`` the per-shape counters
+        (``shape_steps`` / ``shape_seconds``, up to one key per batch x width bucket and step kind) are left empty -
+        the cheap delta of one engine step that the serving path takes every step."""
+        skip = () if by_shape else _SHAPE_FIELDS
+        out = {f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self) if f.name not in skip}
         for k in ("draft_len_hist", "accepted_per_pos", "source_hist", "source_drafted", "source_accepted",
                   "kind_steps", "kind_seconds", "shape_steps", "shape_seconds"):
-            out[k] = +out[k]  # Counter subtraction keeps positive counts only
+            if k in out:
+                out[k] = +out[k]  # Counter subtraction keeps positive counts only
         return SpecStats(**out)
 
-    def copy(self) -> "SpecStats":
-        return self - SpecStats()
+    def copy(self, by_shape: bool = True) -> "SpecStats":
+        """A copy; with ``by_shape=False`` without the per-shape counters (see :meth:`since`)."""
+        return self.since(SpecStats(), by_shape)
 
     def record_engine_step(self, kind: str, seconds: float, shape: tuple[int, int] | None = None) -> None:
         """Count one engine step of ``kind`` (:data:`STEP_KINDS`) that took ``seconds`` of wall time (also added to
