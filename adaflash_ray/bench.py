@@ -438,8 +438,10 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                     table, planner = engine_for(method).cost_table, engine_for(method).planner
                     if table is not None:
                         row["cost_table"] = table
-                    if planner is not None and planner.realised_cost_state() is not None:
-                        row["realised_costs"] = planner.realised_cost_state()  # per row: realised - table ms
+                    if planner is not None and planner.realised_costs and planner.realised_cost_state() is not None:
+                        # per table row: realised - table ms, the engine's state after this cell (one engine serves
+                        # every cell of its method, warm-up passes included)
+                        row["realised_costs"] = planner.realised_cost_state()
                     if with_corpus:
                         row["corpus_seed_sequences"] = len(seeds.get(domain, []))
                     if method == "ar":

@@ -110,6 +110,39 @@ def deal_by_weight(items: list, weights: list[int]) -> list[list]:
     return parts
 
 
+def deal_warm_start(prompts: list, slots: list[int], num_ranks: int) -> list[list]:
+    """The warm start's prompts dealt to the trainer ranks (the first ``num_ranks`` of ``slots``) and the workers
+    (the rest) in proportion to their KV ``slots`` (:func:`deal_by_weight`), except that a rank left without a prompt
+    - fewer prompts than the workers' slots outweigh - takes one from the worker holding the most, as long as any
+    worker holds one: every rank decodes some text of its own. Raises ValueError as :func:`deal_by_weight`."""
+    shares = deal_by_weight(prompts, slots)
+    for r in range(num_ranks):
+        if not shares[r] and any(shares[num_ranks:]):
+            shares[r].append(max(shares[num_ranks:], key=len).pop())
+    return shares
+
+
+def report_ended_warm_sources(waits: dict, buffer) -> list[str]:
+    """The workers' warm-start decodes that ended, without waiting: ``waits`` maps a source name (``worker-<i>``) to
+    the ref of its :meth:`InferenceWorker.warm_decode_result`; each ready one leaves ``waits``, and one that ended in
+    an error - or whose worker died, so that the ref raises - is reported to ``buffer`` for it
+    (:meth:`TrajectoryBuffer.warm_done`; a worker that reported itself keeps its own report), so the trainer ranks
+    stop waiting for it and train on what it added. Returns the sources that ended."""
+    ended = []
+    for source, ref in list(waits.items()):
+        if not ray.wait([ref], timeout=0)[0]:
+            continue
+        del waits[source]
+        ended.append(source)
+        try:
+            report = ray.get(ref)
+        except ray.exceptions.RayError as e:  # the worker died mid-decode
+            report = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        if "error" in report:
+            buffer.warm_done.remote(source, report)
+    return ended
+
+
 def _poll(refs: list, default, timeout_s: float = 120.0):
     """The workers' answers, in the order of ``refs``, gathered by one ``ray.wait`` over all of them: one not
     ready within ``timeout_s`` seconds, or from a worker being restarted by Ray, yields ``default``; a worker
@@ -267,10 +300,7 @@ class Driver:
                           f"{cfg.engine.backend}); the trainer ranks decode the whole warm start", markup=False)
         workers = g.workers if dc.warm_start_workers and cfg.engine.backend == "torch" else []
         slots = [dc.warm_start_batch_size or cfg.engine.max_batch_size] * k + [cfg.engine.max_batch_size] * len(workers)
-        shares = deal_by_weight(prompts, slots)  # trainer ranks first, then the workers
-        for r in range(k):  # fewer prompts than slots: a rank without a prompt of its own takes one from a worker
-            if not shares[r] and any(shares[k:]):
-                shares[r].append(max(shares[k:], key=len).pop())
+        shares = deal_warm_start(prompts, slots, k)  # trainer ranks first, then the workers
         waits = {}  # source name -> the ref of its decode's report (a dead worker's raises: reported for it)
         for i, (w, share) in enumerate(zip(workers, shares[k:])):
             if not share:
@@ -286,16 +316,7 @@ class Driver:
         refs = [t.warm_start.remote(shares[r], g.registry, g.buffer, num_sources) for r, t in enumerate(g.trainers)]
         while True:
             done, _ = ray.wait(refs, num_returns=len(refs), timeout=2.0)
-            for source, ref in list(waits.items()):
-                if not ray.wait([ref], timeout=0)[0]:
-                    continue
-                del waits[source]
-                try:
-                    report = ray.get(ref)
-                except ray.exceptions.RayError as e:  # the worker died mid-decode: what it added stands
-                    report = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                if "error" in report:  # a worker that reported itself keeps its own report (the first stands)
-                    g.buffer.warm_done.remote(source, report)
+            report_ended_warm_sources(waits, g.buffer)
             self.collect_metrics()
             if self.save_new_versions() and self.canary.prompts:
                 self.canary.start(g.workers[0], self.last_version)

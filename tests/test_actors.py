@@ -331,6 +331,84 @@ def test_buffer_release_hands_back_only_the_prefetched_batch(ray_local):
     assert ray.get(buf.release.remote("nobody", [other])) == 0
 
 
+def test_buffer_warm_start_shares_are_fixed_at_the_first_take(ray_local):
+    """The warm start's text from the workers (add_warm / warm_done / take_warm): a rank whose wait ran out takes
+    what arrived; the first take fixes the batches the ranks share (disjoint, none missed), a batch added after it
+    is dropped and counted late, the first report of a source stands, and once every rank took its share the next
+    warm start begins empty."""
+    from adaflash_ray.actors import TrajectoryBuffer
+
+    buf = TrajectoryBuffer.remote(capacity=10, max_version_lag=5)
+    batches = [ray.put([_traj(10 * b + i, 0) for i in range(2)]) for b in range(3)]
+    ray.get(buf.add_warm.remote(batches[:3]))
+    ray.get(buf.warm_done.remote("worker-0", {"num_requests": 6}))
+    ray.get(buf.warm_done.remote("worker-0", {"error": "reported again by the driver"}))
+    t0 = time.monotonic()
+    first = ray.get(buf.take_warm.remote(2, 0, 2, 0.5))  # worker-1 never reports: the wait runs out
+    assert time.monotonic() - t0 >= 0.4
+    assert first["reports"] == {"worker-0": {"num_requests": 6}}
+    ray.get(buf.add_warm.remote([ray.put([_traj(99, 0)])]))  # late: after the first take
+    second = ray.get(buf.take_warm.remote(2, 1, 2, 30.0))  # answered at once: the shares are fixed
+    got = [[t.request_id for t in ray.get(r)] for r in first["refs"] + second["refs"]]
+    assert sorted(got) == [["t0", "t1"], ["t10", "t11"], ["t20", "t21"]]
+    assert len(first["refs"]) == 2 and len(second["refs"]) == 1
+    assert ray.get(buf.stats.remote())["buffer/warm_batches_late"] == 1
+    assert ray.get(buf.take_warm.remote(1, 0, 1, 0.2)) == {"refs": [], "reports": {}}
+
+
+def test_driver_reports_a_worker_that_died_in_its_warm_decode(ray_local):
+    """The driver's watch over the workers' warm-start decodes (pipeline.report_ended_warm_sources): a worker that
+    dies mid-decode is reported to the buffer for it, so the ranks' take_warm returns at once with what it added; a
+    worker that ends normally is left to its own report; one still decoding stays watched."""
+    from adaflash_ray.actors import TrajectoryBuffer
+    from adaflash_ray.pipeline import report_ended_warm_sources
+
+    @ray.remote(max_restarts=0)
+    class Decoder:
+        def warm_decode_result(self, wait_s):
+            time.sleep(wait_s)
+            return {"num_requests": 3}
+
+    buf = TrajectoryBuffer.remote(capacity=10, max_version_lag=5)
+    dying, fine, slow = Decoder.remote(), Decoder.remote(), Decoder.remote()
+    ray.get(buf.add_warm.remote([ray.put([_traj(1, 0)])]))  # what the dying worker added before it died
+    waits = {"worker-0": dying.warm_decode_result.remote(60), "worker-1": fine.warm_decode_result.remote(0),
+             "worker-2": slow.warm_decode_result.remote(60)}
+    ray.kill(dying, no_restart=True)
+    ended, deadline = [], time.monotonic() + 30
+    while len(ended) < 2 and time.monotonic() < deadline:
+        ended += report_ended_warm_sources(waits, buf)
+        time.sleep(0.1)
+    assert sorted(ended) == ["worker-0", "worker-1"] and list(waits) == ["worker-2"]
+    ray.get(buf.warm_done.remote("worker-1", {"num_requests": 3}))  # its own report
+    ray.get(buf.warm_done.remote("worker-2", {"num_requests": 0}))
+    t0 = time.monotonic()
+    got = ray.get(buf.take_warm.remote(3, 0, 1, 60.0))
+    assert time.monotonic() - t0 < 10
+    assert "error" in got["reports"]["worker-0"] and "Actor" in got["reports"]["worker-0"]["error"]
+    assert got["reports"]["worker-1"] == {"num_requests": 3}
+    assert [t.request_id for r in got["refs"] for t in ray.get(r)] == ["t1"]
+    ray.kill(slow)
+
+
+def test_a_batch_whose_worker_died_reads_as_none(ray_local):
+    """The trainer's read of the workers' warm-start batches: an object whose owner (the worker that put it) died
+    reads as None instead of raising, so the rank trains on the batches that survived."""
+    from adaflash_ray.actors.distill_trainer import _get_or_none
+
+    @ray.remote(max_restarts=0)
+    class Owner:
+        def put(self, x):
+            return [ray.put(x)]
+
+    owner = Owner.remote()
+    (lost,) = ray.get(owner.put.remote([1, 2]))
+    kept = ray.put([3])
+    ray.kill(owner, no_restart=True)
+    time.sleep(1)
+    assert _get_or_none([lost, kept]) == [None, [3]]
+
+
 def test_trainer_prefetches_and_a_starved_trainer_still_stops_on_time(ray_local):
     """distill.prefetch + distill.max_train_s: the trainer takes its second batch while the first step
     computes, trains everything it got, and - starved of data afterwards - still stops once its time budget is

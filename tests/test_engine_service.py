@@ -184,3 +184,46 @@ def test_calibrate_waits_for_an_idle_engine(tiny_target):
     assert got["batch_sizes"] == [1, 2] and len(got["costs_ms"][0]) == 7
     assert engine.runner.length_policy.batch_sizes == [1, 2]
     service.shutdown()
+
+
+def test_a_command_whose_generate_raises_leaves_the_engine_serving(tiny_target):
+    """A command (``call(when_idle=True)``) that runs its own ``SpecEngine.generate`` and raises half-way (here its
+    ``on_finish``, as the workers' warm-start decode could): generate aborts its requests - none stays queued or
+    holds a KV slot -, the command's future raises the error, and the engine thread goes on serving (the service's
+    own requests finish with the target's greedy output)."""
+    engine = _engine(tiny_target, max_batch_size=2)
+    service = EngineService(engine, name="test")
+    prompts = _prompts(5)
+
+    def decode_then_fail(eng):
+        def boom(req):
+            raise RuntimeError("writer failed")
+
+        params = [SamplingParams(max_new_tokens=3 + 6 * i, ignore_eos=True) for i in range(len(prompts))]
+        eng.generate(prompts, params, mode="ar", on_finish=boom, admit_min=1, stop_admitting=lambda: False)
+
+    with pytest.raises(RuntimeError, match="writer failed"):
+        service.call(decode_then_fail, when_idle=True).result(timeout=120)
+    assert service.call(lambda eng: (eng.scheduler.num_unfinished, len(eng.scheduler.free_slots))).result(
+        timeout=60) == (0, 2)
+    ref = greedy_reference(tiny_target, prompts[1], 10)
+    h = service.submit(prompts[1], SamplingParams(max_new_tokens=10))
+    assert h.future.result(timeout=120).output_ids == ref
+    assert service.dead is None
+    service.shutdown()
+
+
+def test_step_events_carry_no_shape_counters(tiny_target):
+    """The per-step stats delta of a StepEvent leaves the per-shape counters out (their copy grows with the shapes
+    seen); the engine's own stats keep them, and the events' other counts still add up to the engine's."""
+    engine = _engine(tiny_target, max_batch_size=2)
+    service = EngineService(engine, name="test")
+    events = []
+    service.subscribe(lambda ev: events.append(ev.stats))
+    for h in [service.submit(p, SamplingParams(max_new_tokens=10)) for p in _prompts(3)]:
+        h.future.result(timeout=120)
+    service.shutdown()
+    assert events and all(not s.shape_steps and not s.shape_seconds for s in events)
+    assert sum(engine.stats.shape_steps.values()) == engine.stats.num_engine_steps > 0
+    assert sum(s.num_engine_steps for s in events) == engine.stats.num_engine_steps
+    assert sum(s.num_generated for s in events) == engine.stats.num_generated

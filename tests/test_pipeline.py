@@ -306,6 +306,18 @@ def test_deal_by_weight_interleaves_in_proportion():
         deal_by_weight(items, [1, 0])
 
 
+def test_deal_warm_start_gives_every_rank_a_prompt():
+    """deal_warm_start: by KV slots as deal_by_weight, except that a trainer rank the workers' slots left without a
+    prompt takes one from the worker holding most; with no prompt at any worker nothing moves."""
+    from adaflash_ray.pipeline import deal_by_weight, deal_warm_start
+
+    items = list(range(16))
+    assert deal_warm_start(items, [8, 4, 4], 1) == deal_by_weight(items, [8, 4, 4])
+    shares = deal_warm_start(list(range(3)), [4, 4, 256, 256], 2)
+    assert all(shares[:2]) and sorted(x for p in shares for x in p) == [0, 1, 2]
+    assert deal_warm_start([7], [4, 4], 2) == [[7], []]
+
+
 @pytest.mark.slow
 def test_warm_start_workers_decode_a_share_the_trainer_trains_on(tmp_path):
     """distill.warm_start_workers on cpu_tiny, one trainer rank and two inference workers: the prompts are dealt by

@@ -36,3 +36,18 @@ def test_windows_add_and_subtract():
     assert dict(window.draft_len_hist) == {4: 1}
     assert (before + window).accept_len == total.accept_len
     assert before.num_verify_steps == 2  # the snapshot is independent
+
+
+def test_since_without_shapes_leaves_only_the_shape_counters_out():
+    a = SpecStats()
+    a.record_engine_step("draft", 0.002, (4, 8))
+    a.record_steps([3, 0, 5, 2, 1], [1, 0, 5, 2, 0], ["dflash", "none", "suffix", "suffix", "dflash"])
+    before = a.copy(by_shape=False)
+    assert not before.shape_steps and not before.shape_seconds and before.num_engine_steps == 1
+    a.record_engine_step("gamma0", 0.001, (4, 1))
+    a.record_steps([0, 0, 0, 0], [0, 0, 0, 0], ["none"] * 4)
+    d = a.since(before, by_shape=False)
+    full = a - before
+    assert not d.shape_steps and full.shape_steps == {("draft", 4, 8): 1, ("gamma0", 4, 1): 1}
+    assert (d.num_engine_steps, d.num_verify_steps, d.kind_steps) == (1, 4, {"gamma0": 1})
+    assert a.copy().shape_steps == a.shape_steps
