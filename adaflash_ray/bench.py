@@ -293,8 +293,13 @@ class _HFGenerate:
 def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concurrency: list[int],
           domains: list[str], num_prompts: int, max_new_tokens: int, warmup: str,
           engine_kwargs: dict | None = None, log=print, repeats: int = 1, corpus_prompts: int | None = None,
-          temperature: float = 0.0, admit_min: int = 1) -> dict:
+          temperature: float = 0.0, admit_min: int = 1, precapture: bool = True) -> dict:
     """Run every method per (domain, concurrency) on the recipe's target; returns the JSON document.
+
+    ``precapture`` (CUDA graphs only): after a cell's warm-up passes every engine captures the graphs of every step
+    shape it may meet (:meth:`SpecEngine.precapture_graphs`: each kind of step it ran, at every batch bucket, width
+    bucket and span), so the timed runs measure the steady state of a server that captured at start-up rather than
+    the captures an adaptive method's moving shapes trigger; the row reports them (``precaptured``).
 
     ``admit_min``: a timed run's waiting requests are admitted only when at least that many KV slots are free (or
     none is running): fewer, larger prefills when requests refill a batch (:meth:`SpecEngine.generate`).
@@ -379,6 +384,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
             # the timed runs of the engine methods, round-robin: repeat k of every method before repeat k+1 of any, so
             # a drift of the machine (clocks, other processes) reaches every method alike
             runs_by: dict[str, list] = {}
+            precaptured: dict[str, dict] = {}
             engine_methods = [m for m in methods if m != HF_METHOD]
 
             def one_run(method: str):  # the corpus holds only the held-out outputs: never a timed request's own
@@ -397,6 +403,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                     for i in range(WARMUP_PASSES):
                         if one_run(method)[3].num_captures == 0 and i + 1 >= WARMUP_MIN_PASSES:
                             break
+                if precapture and warmup != "none":
+                    precaptured[method] = engine_for(method).precapture_graphs()
                 runs_by[method] = []
             for _ in range(max(repeats, 1)):
                 for method in engine_methods:
@@ -434,6 +442,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                            **request_spread(reqs, method != "ar")}
                     # the engine's one decode / verify attention kernel (ModelRunner.split_k: split-K or SDPA)
                     row["attention"] = "split_k" if engine_for(method).runner.split_k else "sdpa"
+                    if method in precaptured:  # graphs captured after this cell's warm-up, before its timed runs
+                        row["precaptured"] = precaptured[method]
                     # the measured step costs the policy / planner chose by, beside step_timing's realised ones
                     table, planner = engine_for(method).cost_table, engine_for(method).planner
                     if table is not None:
@@ -472,7 +482,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
     return {**_header(device), "mode": "model", "model": name, "recipe": cfg.name,
             "drafter": drafter_path or "untrained (recipe init)", "block_size": block_size, "dtype": dtype,
             "threads": cfg.engine.num_threads, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens,
-            "max_seq_len": max_seq_len, "warmup": warmup, "admit_min": admit_min, "engine_kwargs": engine_kwargs or {},
+            "max_seq_len": max_seq_len, "warmup": warmup, "admit_min": admit_min, "precapture": precapture,
+            "engine_kwargs": engine_kwargs or {},
             "temperature": temperature,
             "tau_convention": TAU_CONVENTION,
             "domains": {d: DOMAINS.get(d, "+".join(DOMAINS.values())) for d in domains}, "rows": rows}
@@ -629,6 +640,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="untimed warm-up: repeat = every timed engine run once before (captures its CUDA graphs; "
                         "default on CUDA), short = one 2-token pass per engine (default on CPU), none")
     p.add_argument("--eager", action="store_true", help="engine without CUDA graphs (use_cuda_graph=False)")
+    p.add_argument("--no-precapture", action="store_true",
+                   help="CUDA: do not capture every step shape after the warm-up passes (the timed runs then capture "
+                        "the graphs of shapes the warm-up did not meet, as a server that captures lazily)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per engine cell; the row is the median one")
     p.add_argument("--admit-min", type=int, default=1,
                    help="admit waiting requests only when at least this many KV slots are free (fewer, larger "
@@ -733,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
                         warmup=ns.warmup or ("repeat" if on_cuda else "short"),
                         engine_kwargs={"use_cuda_graph": False} if ns.eager else None, log=log,
                         repeats=ns.repeats, corpus_prompts=ns.corpus_prompts, temperature=ns.temperature,
-                        admit_min=ns.admit_min)
+                        admit_min=ns.admit_min, precapture=not ns.no_precapture)
     except (RecipeError, ValueError, MissingDataPackageError) as e:  # incl. ShapeError, CheckpointError
         print(f"error: {e}", file=sys.stderr)
         return 2

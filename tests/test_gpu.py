@@ -482,6 +482,33 @@ def test_device_lookup_graphs_greedy_equal_ar_tiny(sources):
             assert any(k.lookup for k in eng.runner.graphs) and any(k.host_drafts for k in eng.runner.graphs)
 
 
+def test_precaptured_graphs_serve_without_capture_and_equal_ar_tiny():
+    """SpecEngine.precapture_graphs on the hybrid with device lookups (tiny random fp32 target): after two passes it
+    captures every kind of step the passes ran at every batch bucket x width bucket x span (ModelRunner.graph_grid),
+    without running them (outputs of the next passes still equal AR token for token); a later pass then captures a
+    step graph only for a kind of step never run before."""
+    target, prompts, ar = _lookup_case()
+    drafter, head = make_drafter(target, block_size=8, layers=1, policy="cost", seed=5)
+    eng = SpecEngine(target, drafter, head, policy="cost", max_batch_size=4, max_seq_len=256,
+                     draft_sources=("dflash", "suffix"), lookup_device="device")
+    for _ in range(2):  # the second pass meets the first one's sequences in the corpus: more lookup rows
+        out, _ = _gen(eng, prompts)
+        assert out == ar
+    grid = eng.runner.graph_grid()
+    kind = lambda k: k._replace(batch_size=0, width=0, span=0)  # noqa: E731
+    kinds = {kind(k) for k in eng.runner.graphs}
+    assert set(grid) >= set(eng.runner.graphs) and len(grid) >= len(kinds) * len(eng.runner._batch_buckets)
+    seen = set(eng.runner.graphs)
+    assert eng.precapture_graphs()["graphs"] == len(set(grid) - seen) > 0
+    assert set(grid) <= set(eng.runner.graphs) and eng.precapture_graphs()["graphs"] == 0
+    before = set(eng.runner.graphs)
+    third, _ = _gen(eng, prompts)
+    assert third == ar
+    assert all(kind(k) not in kinds for k in set(eng.runner.graphs) - before)  # only a kind never run before captures
+    reqs = eng.generate(prompts[:3], [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (5, 40, 70)])
+    assert [r.output_ids for r in reqs] == [a[:n] for a, n in zip(ar, (5, 40, 70))]
+
+
 def test_device_lookup_triton_kernels_equal_tensor_ops_cuda():
     """The device lookup's Triton kernels on CUDA == its tensor ops (packed proposals and drafts), random states; an
     engine on CUDA picks them (``kernel="auto"``)."""

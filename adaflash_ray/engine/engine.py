@@ -863,6 +863,16 @@ class SpecEngine:
         self._check_timing_args(batch_size, self.drafter.block_size, context_len)
         return self.runner.time_propose(batch_size, context_len, num_iters)
 
+    def precapture_graphs(self) -> dict:
+        """Capture, ahead of use, the CUDA graphs of every step shape this engine may meet next
+        (:meth:`ModelRunner.graph_grid` of the kinds of step it has run: each at every batch bucket, width bucket and
+        span), so an adaptive engine - whose widths and batch buckets move from step to step - does not capture
+        inside a step later. Call between steps (e.g. after a warm-up run); a no-op without CUDA graphs. Returns
+        ``{"graphs": captured now, "seconds": wall time}``."""
+        t0 = time.perf_counter()
+        n = self.runner.precapture(self.runner.graph_grid())
+        return {"graphs": n, "seconds": round(time.perf_counter() - t0, 3)}
+
     @torch.no_grad()
     def calibrate_costs(self, batch_sizes: list[int] | None = None, context_len: int | None = None,
                         num_iters: int = 5, lock_timeout_s: float = 600.0) -> dict:

@@ -579,6 +579,44 @@ class ModelRunner:
             self.graphs[key] = graph
         graph.replay()
 
+    def graph_grid(self, keys=None) -> list[StepKey]:
+        """The step keys an adaptive engine may meet next: every kind of step among ``keys`` (default: the captured
+        ones) - the same ``spec`` / ``propose`` / ``host_drafts`` / ``sampling`` / ``append`` / ``lookup`` - at every
+        batch bucket, every span this runner reaches (:meth:`_span` up to ``max_seq_len``) and, for a verify step,
+        every width bucket (an AR key stays at width 1). Empty without CUDA graphs (CPU: no buckets, nothing to
+        capture). Sorted by (batch, width, span) within the order the kinds first appear."""
+        if not self.use_graphs:
+            return []
+        kinds = dict.fromkeys(k._replace(batch_size=0, width=0, span=0) for k in (self.graphs if keys is None else keys))
+        spans = sorted({self._span(n) for n in range(1, self.max_seq_len + 1, 16)} | {self._span(self.max_seq_len)})
+        out = []
+        for kind in kinds:
+            widths = self._width_buckets if kind.spec else [1]
+            out += [kind._replace(batch_size=b, width=w, span=sp)
+                    for b in self._batch_buckets for w in widths for sp in spans]
+        return out
+
+    @torch.no_grad()
+    def precapture(self, keys) -> int:
+        """Capture the CUDA graph of each of ``keys`` (:class:`StepKey`) not captured yet, without running it (a capture
+        records the kernels; nothing in the KV cache or the drafter context changes), so a later step of that shape
+        replays at once instead of capturing inside a step (tens of ms each). After the runner's first step only
+        (that one runs eagerly to initialise the kernels); returns how many graphs were captured (0 without graphs)."""
+        if not self.use_graphs or not self._warm:
+            return 0
+        n = 0
+        for key in keys:
+            if key in self.graphs:
+                continue
+            if key.sampling.sample:
+                self._ensure_sampling()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._step_fn(*key)
+            self.graphs[key] = graph
+            n += 1
+        return n
+
     # ------------------------------------------------------------------ one step (host side)
     @torch.no_grad()
     def step(self, slots: list[int], anchors: list[int], anchor_pos: list[int], draft_lens: list[int], spec: bool,
