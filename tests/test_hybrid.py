@@ -6,6 +6,8 @@ SuffixDecoding, arXiv 2411.04975) and the hybrid per-request choice (adaflash_ra
 - a perfect lookup (a corpus holding the request's own greedy continuation) commits > 1 token per step;
 - the planner answers "none" when no source pays (cost table by hand), the lookup when its estimate wins, the
   drafter's block when its estimate wins, and skips the drafter's propose while it is not chosen;
+- on a synthetic two-source stream (no model) the hybrid keeps proposing a block that pays on the steps without a
+  lookup match (batch 1, chat-like), and follows the suffix where it is the better source or the propose costs more;
 - the source histogram counts every request-step; a deferred drafter context (AR steps) is caught up exactly.
 
 Run: python -m pytest -q tests/test_hybrid.py
@@ -976,3 +978,87 @@ def test_record_many_equals_records_one_by_one(running_start, decay):
             assert many.factor("dflash") == pytest.approx(one.factor("dflash"), rel=1e-9)
             assert many._count == one._count
     assert many.factor("dflash") != pytest.approx(SourceCalibration().factor("dflash"))
+
+
+def _two_source_run(policy: str, match_p: float, lookup_p: float, block_p: float, batch: int, spec, look,
+                    steps: int, seed: int = 0, planner_cls=HybridPlanner) -> tuple[float, float]:
+    """A synthetic DFlash + device-suffix stream driven through ``policy`` at ``batch`` rows per step (no model).
+
+    Per row per step a suffix match exists with probability ``match_p`` (a 15-token proposal of one bucket); the
+    realised acceptance of the lookup's drafts and of the drafter's block are the leading run of successes with
+    per-position probability ``lookup_p`` / ``block_p`` (about 1.6 / 1.4 accepted at 0.615 / 0.583), cut at the γ
+    verified; the acceptance head's E[committed | γ] is the block's exact one. A step costs ``spec[W - 2]`` ms
+    (``[15]``, widths 2..16, width 1 at width 2's price) when it proposes the next block, else ``look[W - 1]``
+    (``[16]``, W = 1: the AR step). Policies: ``block`` (always the block, γ = 15), ``lookup`` (the suffix at γ = 15
+    where it matched, else none), ``best`` (always propose; each row the suffix where it matched, else the block:
+    the per-step choice by the two sources' mean acceptance) and ``hybrid`` (:class:`HybridPlanner` through its public
+    plan / record, sources dflash + suffix, lookups on the device, ``probe_every`` 8). Returns (committed tokens per
+    ms, share of steps that proposed the next block)."""
+    from adaflash_ray.engine.hybrid import LookupArrays
+
+    rng = np.random.default_rng(seed)
+    spec_w = np.concatenate([[spec[0]], spec])  # by width 1..16
+    widths = [1, 2, 3, 4, 6, 8, 12, 16]
+
+    def run_len(p, size):  # leading successes of 15 Bernoulli(p) trials, per row
+        ok = rng.random((size, 15)) < p
+        return np.where(ok.all(1), 15, np.argmin(ok, 1))
+
+    pl = planner_cls(("dflash", "suffix"), 15, 16, widths, probe_every=8, lookup_on_device=True)
+    pl.set_costs([batch], np.asarray(spec)[None], np.asarray(look)[None])
+    head = (1.0 + np.cumsum(np.cumprod(np.full(15, block_p)))).tolist()
+    tokens = ms = 0.0
+    pending, proposes = True, 0
+    for _ in range(steps):
+        has_s = rng.random(batch) < match_p
+        a_s, a_b = run_len(lookup_p, batch), run_len(block_p, batch)
+        if policy == "block":
+            tokens, ms = tokens + (1 + a_b).sum(), ms + spec_w[15]
+            proposes += 1
+        elif policy == "lookup":
+            tokens, ms = tokens + (1 + np.where(has_s, a_s, 0)).sum(), ms + look[15 if has_s.any() else 0]
+        elif policy == "best":
+            tokens, ms = tokens + (1 + np.where(has_s, a_s, a_b)).sum(), ms + spec_w[15]
+            proposes += 1
+        else:
+            dev = LookupArrays(np.where(has_s, 15, 0), np.full(batch, 3), np.full(batch, 4), np.ones(batch, np.int64),
+                               has_s)
+            blocks = [head if pending else None] * batch
+            choices, propose = pl.plan(batch, [100] * batch, blocks, [None] * batch, device=dev)
+            g = np.array([c.draft_len for c in choices])
+            src = np.array([c.source for c in choices])
+            acc = np.minimum(np.where(src == "suffix", a_s, np.where(src == "dflash", a_b, 0)), g)
+            w = next(x for x in widths if x >= g.max() + 1)
+            tokens, ms = tokens + (1 + acc).sum(), ms + (spec_w if propose else look)[w - 1]
+            proposes += propose
+            match = list(zip(a_b.tolist(), np.minimum(acc + 1, w - 1).tolist())) if pending and w > 1 else None
+            pl.record(choices, acc.tolist(), match, blocks if match else None, [True] * batch)
+            pending = propose
+    return tokens / ms, proposes / steps
+
+
+#: the H200 bench's batch-1 prices (ms; smollm2-135m, block 16): a step that proposes ~1.45-1.47 at any width, a
+#: lookup verify 1.30-1.36 by width, a γ = 0 step 1.25; and its batch-64 row, where the propose costs 2.4-2.7 ms
+_C1_SPEC, _C1_LOOK = np.linspace(1.45, 1.47, 15), np.concatenate([[1.25], np.linspace(1.30, 1.36, 15)])
+_C64_SPEC, _C64_LOOK = np.linspace(4.23, 5.0, 15), np.concatenate([[1.575], np.linspace(1.86, 2.67, 15)])
+
+
+def test_hybrid_keeps_proposing_a_block_that_pays_on_the_steps_without_a_lookup_match():
+    """Batch 1, chat-like: a suffix match on ~70 % of steps (~1.6 accepted), the block ~1.4 accepted on every step,
+    a propose costing ~0.1-0.2 ms. Proposing every step and taking the suffix where it matched, else the block, beats
+    both single sources; the hybrid matches it (its net value counts the steps without a pending block too, by the
+    recent blocks' estimate, so an idle block comes back once it pays). Code-like (a match on ~90 % of steps, ~2.1
+    accepted) the suffix alone is the best source: the hybrid follows it and proposes on few steps. At batch 64,
+    where a propose costs more than the block gains, it follows the suffix too and seldom proposes."""
+    chat = {pol: _two_source_run(pol, 0.7, 0.615, 0.583, 1, _C1_SPEC, _C1_LOOK, 3000)
+            for pol in ("block", "lookup", "best", "hybrid")}
+    assert chat["best"][0] > max(chat["block"][0], chat["lookup"][0]) * 1.03, chat
+    assert chat["hybrid"][0] >= 0.99 * chat["best"][0] and chat["hybrid"][1] > 0.9, chat
+    code = {pol: _two_source_run(pol, 0.9, 0.72, 0.583, 1, _C1_SPEC, _C1_LOOK, 3000)
+            for pol in ("block", "lookup", "best", "hybrid")}
+    assert code["lookup"][0] > 1.04 * max(code["block"][0], code["best"][0]), code
+    assert code["hybrid"][0] >= 0.99 * code["lookup"][0] and code["hybrid"][1] < 0.15, code
+    wide = {pol: _two_source_run(pol, 0.7, 0.615, 0.583, 64, _C64_SPEC, _C64_LOOK, 300)
+            for pol in ("block", "lookup", "best", "hybrid")}
+    assert wide["lookup"][0] > 1.2 * max(wide["block"][0], wide["best"][0]), wide
+    assert wide["hybrid"][0] >= 0.98 * wide["lookup"][0] and wide["hybrid"][1] < 0.15, wide

@@ -43,7 +43,11 @@ a source is "not chosen" only when the moving average of the steps that verified
 had one) falls below :data:`IDLE_BELOW` - one step where the other source won every row does not stop it - and, with
 a cost table, the drafter's block also stays while the moving average of its net value per step (tokens per ms of
 the best plan with it, proposing the next block, minus the best plan without it and without the propose) is > 0:
-at batch 1 a lookup match wins most steps and the block the steps without one, which pay for its proposes. Host lookups
+at batch 1 a lookup match wins most steps and the block the steps without one, which pay for its proposes. The average
+runs over every planned step: a step without a pending block (the block idle, so its propose was skipped) counts by
+the recent blocks' estimate standing in for each row's block, and once the average is > 0 the step proposes again,
+without waiting for a probe (a propose decides for the next step, whose lookup match is not known yet: the average over
+matched and unmatched steps, not one probe step, is what it earns). Host lookups
 are also skipped the same way when they do not pay for their host time, so that time is not spent every step; device
 lookups (:mod:`adaflash_ray.engine.device_lookup`) run in every step.
 
@@ -76,9 +80,10 @@ LOOKUP_SOURCES = ("ngram", "suffix")
 #: lookups over the steps that looked up, the drafter's block over the steps that had one), and the level below which
 #: the source goes on the probe schedule
 USE_EMA, IDLE_BELOW = 0.2, 0.3
-#: weight of each step with the drafter's block in the moving average of the block's net value (tokens per ms; a
-#: longer memory than USE_EMA: the sign of a mean over wins and losses, not the latest steps', decides)
-NET_EMA = 0.1
+#: weight of each planned step in the moving average of the block's net value (tokens per ms; a longer memory than
+#: USE_EMA: the sign of a mean over wins and losses, not the latest steps', decides), and of each step with a pending
+#: block in the moving average of the blocks' estimate that stands in for the block on steps without one
+NET_EMA = 0.05
 #: the moving averages after a reset: the lookups survive several steps without a match (a context often has none for a
 #: step or two); the drafter's block, whose every propose costs a drafter forward, three steps without being chosen
 USE_START = {"dflash": 0.5, "lookup": 1.0}
@@ -348,10 +353,16 @@ class HybridPlanner:
         self._interval = {"dflash": probe_every, "lookup": probe_every}
         self._idle = {"dflash": False, "lookup": False}
         self._use = dict(USE_START)  # moving averages of the steps whose proposals were verified
-        # moving average (NET_EMA) over the steps that had the drafter's block of its net value in tokens per ms: the
+        # moving average (NET_EMA) over the planned steps of the drafter's block's net value in tokens per ms: the
         # best plan with the block (proposing the next one) minus the best without it and without proposing (< 0:
-        # the propose's price in a step where the lookups or none won; > 0: the gain where the block won)
+        # the propose's price in a step where the lookups or none won; > 0: the gain where the block won); a step
+        # without a pending block values the block by _block_est
         self._block_net = 0.0
+        # the drafter's recent blocks' uncalibrated E[accepted | γ] (index γ = 0..max_draft, host floats): per step
+        # with a pending block, a moving average (NET_EMA) of the mean over its rows; on a step without one it stands in
+        # for every row's block in that step's net value, so the net value is averaged over every step, not only over
+        # the steps that proposed (None: no block seen since construction or reset)
+        self._block_est: list[float] | None = None
         self.last_value: float | None = None  # expected tokens per ms of the last plan (None without costs)
         # one request, device lookups, costs set: plan in host floats (:meth:`_plan_one`; numpy's per-call overhead
         # on arrays of one row costs more than the arithmetic); False: always the arrays
@@ -493,6 +504,7 @@ class HybridPlanner:
             self._idle[key], self._since[key], self._interval[key] = False, 0, self.probe_every
         self._use = dict(USE_START)
         self._block_net = 0.0
+        self._block_est = None
 
     # ------------------------------------------------------------------ the choice
     def plan(self, batch_size: int, caps: list[int], dflash_expected: list[list[float] | None],
@@ -535,7 +547,7 @@ class HybridPlanner:
                 empty = not (device.valid & (device.length > 0)).any()
             if empty:
                 looked = bool(device.valid.any()) if device is not None else any(p is not None for p in proposals)
-                return self._plan_nothing(batch_size, len(caps), fixed, looked, lookup_ms, block_off)
+                return self._plan_nothing(batch_size, caps, fixed, looked, lookup_ms, block_off)
         if (len(caps) == 1 and device is not None and self.spec_costs is not None and self.scalar_one_row
                 and (fixed is None or fixed[0] is None)):
             return self._plan_one(batch_size, caps[0], dflash_expected[0], device, block_off)
@@ -546,10 +558,11 @@ class HybridPlanner:
     def _plan_lookup(self, batch_size: int, caps: list[int], device: LookupArrays, fixed: list[int | None] | None,
                      block_off: bool) -> tuple[list[RowChoice], bool]:
         """:meth:`_plan_general` of a step with the device lookup where no row has a pending drafter block: one plan
-        (lookups only; the spec table when the drafter's probe is due, else the lookup table), no drafter arrays, no
-        net value of the block; the same choices, value and state updates (``tests/test_hybrid.py`` checks them
-        against each other). ``v_l[i, k]`` = E[accepted] of row i's proposal at width k's γ, capped by its cap and
-        its proposal's length: ``[n, len(widths)]`` float, read straight from :class:`LookupCalibration`'s table."""
+        (lookups only; the spec table when the drafter's probe is due, else the lookup table), no drafter arrays, the
+        block's net value by the recent blocks' estimate (:meth:`_stand_in_net`); the same choices, value and state
+        updates (``tests/test_hybrid.py`` checks them against each other). ``v_l[i, k]`` = E[accepted] of row i's
+        proposal at width k's γ, capped by its cap and its proposal's length: ``[n, len(widths)]`` float, read
+        straight from :class:`LookupCalibration`'s table."""
         nd, n = self.max_draft, len(caps)
         lc = self.lookup_calibration
         buckets = lc.bucket(device.source, device.match_len, device.num_occurrences)
@@ -580,15 +593,17 @@ class HybridPlanner:
         any_l = bool(is_l.any())
         self._plan_rows = (choices, np.where(is_l, g_l, 0).tolist(), use_l if any_l else None)
         forced = fixed is not None and fixed.count(None) != len(fixed)
-        return choices, self._end_step(False, False, any_l, bool(device.valid.any()), probe_d, forced,
+        keep_d = costs and self._stand_in_net(self._row(batch_size), caps_a, v_l)  # the block's net value
+        return choices, self._end_step(False, keep_d, any_l, bool(device.valid.any()), probe_d, forced,
                                        True, block_off)
 
-    def _plan_nothing(self, batch_size: int, n: int, fixed: list[int | None] | None, looked: bool,
+    def _plan_nothing(self, batch_size: int, caps: list[int], fixed: list[int | None] | None, looked: bool,
                       lookup_ms: float, block_off: bool = False) -> tuple[list[RowChoice], bool]:
-        """:meth:`plan` of a step where no row has a pending block or a non-empty lookup proposal (``looked``: some row
-        was looked up): every row "none"; the plan's value, the drafter's propose and the schedules as
-        :meth:`_plan_general` sets them there (tokens per ms = n / the cheapest width's cost; lookups that took host
-        time, ``lookup_ms`` > 0, never pay for it)."""
+        """:meth:`plan` of a step where no row (``caps``: per request its largest γ) has a pending block or a
+        non-empty lookup proposal (``looked``: some row was looked up): every row "none"; the plan's value, the
+        drafter's propose, its net value and the schedules as :meth:`_plan_general` sets them there (tokens per ms =
+        n / the cheapest width's cost; lookups that took host time, ``lookup_ms`` > 0, never pay for it)."""
+        n = len(caps)
         costs = self.spec_costs is not None
         probe_d = self.use_dflash and self._idle["dflash"] and self._since["dflash"] >= self._interval["dflash"] \
             and not block_off
@@ -598,7 +613,11 @@ class HybridPlanner:
         else:
             self.last_value = None
         forced = fixed is not None and fixed.count(None) != len(fixed)
-        propose = self._end_step(False, False, False, looked, probe_d, forced,
+        keep_d = False  # the block's net value, as the recent blocks' estimate has it (no lookup: 0 per row)
+        if costs and self.use_dflash and self._block_est is not None:
+            caps_a = np.maximum(np.minimum(np.asarray(caps, dtype=np.int64), self.max_draft), 0)
+            keep_d = self._stand_in_net(self._row(batch_size), caps_a, np.zeros((n, len(self.widths))))
+        propose = self._end_step(False, keep_d, False, looked, probe_d, forced,
                                  lookup_pays=not (costs and looked and lookup_ms > 0), block_off=block_off)
         choices = [RowChoice("none", 0)] * n  # one shared RowChoice (choices are read, never changed)
         self._nothing_plan = choices
@@ -723,17 +742,15 @@ class HybridPlanner:
         d_value = max((v for v, _, allow in plans if allow), default=None)
         d_pays = d_value is not None and (not costs or d_value > n / self.lookup_costs[r, 0])
         # ... and while it pays on average: the steps where it wins gain more than the steps where it loses pay for
-        # its propose (at batch 1 a lookup match wins most steps, the block the steps without one)
+        # its propose (at batch 1 a lookup match wins most steps, the block the steps without one); a step without a
+        # pending block counts too, by the recent blocks' estimate, so an idle block is proposed again once it pays
         net_pays = False
-        if costs and any_d:
-            total_l = n + np.maximum(v_l, 0.0).sum(0)
-            # the plan with the block at no less than the lookup table's cost per width: the two tables are measured
-            # apart, and a propose priced below nothing by their noise must not keep a block that never wins
-            total_d = n + np.maximum(np.maximum(v_d, v_l), 0.0).sum(0)
-            cost_d = np.maximum(self.spec_costs[r, self._widx], self.lookup_costs[r, self._widx])
-            net = float((total_d / cost_d).max()) - float((total_l / self.lookup_costs[r, self._widx]).max())
-            self._block_net = (1 - NET_EMA) * self._block_net + NET_EMA * net
-            net_pays = self._block_net > 0.0
+        if any_d:
+            self._note_block(dfl_raw[has_d].mean(0).tolist())
+            if costs:
+                net_pays = self._note_net(r, v_d, v_l)
+        elif costs:
+            net_pays = self._stand_in_net(r, caps_a, v_l)
         keep_d = used_d or net_pays or (d_pays and use_d >= IDLE_BELOW)
         return choices, self._end_step(any_d, keep_d, used_l, looked, probe_d, forced, lookup_pays, block_off)
 
@@ -787,6 +804,11 @@ class HybridPlanner:
         d_pays = d_value is not None and d_value > 1.0 / self._look_ar[r]
         net_pays = False
         if any_d:
+            self._note_block(raw_d)
+        elif self.use_dflash and self._block_est is not None:  # no pending block: the recent blocks' estimate
+            est, fac = self._block_est, self.calibration.factor("dflash")
+            v_d = [fac * est[g] for g in gam]
+        if any_d or (self.use_dflash and self._block_est is not None):
             best_d = max((1.0 + max(vd, vl, 0.0)) / max(sc, lk) for vd, vl, sc, lk in zip(v_d, v_l, spec_w, look_w))
             best_l = max((1.0 + max(vl, 0.0)) / lk for vl, lk in zip(v_l, look_w))
             self._block_net = (1 - NET_EMA) * self._block_net + NET_EMA * (best_d - best_l)
@@ -830,6 +852,38 @@ class HybridPlanner:
             else:
                 out.append(none)
         return out
+
+    def _note_block(self, raw: list[float]) -> None:
+        """One more step of :attr:`_block_est`: ``raw`` ``[max_draft + 1]`` the step's mean uncalibrated
+        E[accepted | γ] over its rows with a pending block."""
+        est = self._block_est
+        self._block_est = list(raw) if est is None else \
+            [(1 - NET_EMA) * a + NET_EMA * b for a, b in zip(est, raw)]
+
+    def _note_net(self, r: int, v_d: np.ndarray, v_l: np.ndarray) -> bool:
+        """One more step of the block's net value (:attr:`_block_net`, tokens per ms) at cost table row ``r``:
+        ``v_d``, ``v_l`` ``[n, len(widths)]`` E[accepted] of each row's block (-1: none) and lookup (0: none) at each
+        width's γ. The best plan with the block (proposing, priced at no less than the lookup table: the two tables
+        are measured apart) minus the best without it and without the propose. Returns whether the average is > 0."""
+        n = v_l.shape[0]
+        total_l = n + np.maximum(v_l, 0.0).sum(0)
+        total_d = n + np.maximum(np.maximum(v_d, v_l), 0.0).sum(0)
+        look = self.lookup_costs[r, self._widx]
+        cost_d = np.maximum(self.spec_costs[r, self._widx], look)
+        net = float((total_d / cost_d).max()) - float((total_l / look).max())
+        self._block_net = (1 - NET_EMA) * self._block_net + NET_EMA * net
+        return self._block_net > 0.0
+
+    def _stand_in_net(self, r: int, caps_a: np.ndarray, v_l: np.ndarray) -> bool:
+        """:meth:`_note_net` of a step without a pending block, every row's block taken as :attr:`_block_est`
+        (calibrated) at its γ ``min(W - 1, cap)`` (``caps_a`` ``[n]`` int, already cut at max_draft): whether proposing
+        would pay on this step as the steps with a block measure it. False (no update) without a cost table, a
+        drafter source or a block seen."""
+        if self._block_est is None or self.spec_costs is None or not self.use_dflash:
+            return False
+        gam = np.minimum(self._widx[None, :], caps_a[:, None])  # [n, nw]
+        v_d = self.calibration.factor("dflash") * np.asarray(self._block_est)[gam]
+        return self._note_net(r, v_d, v_l)
 
     def _note_use(self, key: str, used: bool) -> float:
         """One more step of ``key``'s moving average of verified proposals (:data:`USE_EMA`); its new value."""
