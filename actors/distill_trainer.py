@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 
 import ray
 import torch
@@ -93,7 +94,8 @@ class DistillTrainer:
         source = _BufferSource(buffer, f"trainer-{self.rank}")
         return self.loop.run(source, _RegistrySink(registry, self), num_versions)
 
-    def warm_start(self, prompts: list[list[int]], registry, warm_buffer=None, num_warm_sources: int = 0) -> dict:
+    def warm_start(self, prompts: list[list[int]], registry, warm_buffer=None, num_warm_sources: int = 0,
+                   stream: bool = False, expected: int = 0) -> dict:
         """The offline warm start (``distill.warm_start``) on this rank's device, before :meth:`run`: decode
         ``prompts`` (this rank's share of the training prompts, token ids) with the frozen target - AR steps, no
         drafter, ``distill.warm_start_batch_size`` KV slots (None: ``engine.max_batch_size``), the
@@ -102,10 +104,13 @@ class DistillTrainer:
         from ``warm_buffer``, :meth:`TrajectoryBuffer.take_warm`, waiting for them at most
         ``warm_start_generate_s`` + 300 s more), then train on all of it for ``distill.warm_start_train_s``
         seconds and (rank 0) publish the next version to ``registry`` (:meth:`TrainerLoop.warm_start`). Every rank
-        calls it concurrently. Returns ``{rank, num_requests, num_tokens, tokens_per_s, generate_s, version,
-        steps}`` (this rank's own decode) plus, with worker sources, ``worker_requests`` / ``worker_tokens`` (the
-        trajectories of this rank's share) and ``workers`` (each source's report); a resumed rank past version 0
-        does nothing (``version`` only).
+        calls it concurrently. With ``stream`` (``distill.warm_start_streaming``) the rank decodes nothing and trains
+        on the workers' batches as they arrive (:meth:`TrajectoryBuffer.take_warm_stream`; ``expected``: about how
+        many trajectories its share holds, the replay pool's size), ``warm_start_train_s`` counting from its first
+        step. Returns ``{rank, num_requests, num_tokens, tokens_per_s, generate_s, version, steps}`` (this rank's
+        own decode) plus, with worker sources, ``worker_requests`` / ``worker_tokens`` (the trajectories of this
+        rank's share) and ``workers`` (each source's report); a resumed rank past version 0 does nothing
+        (``version`` only).
         Raises:
             ValueError: no prompts and no worker sources, or no trajectory with output (own or the workers')."""
         from adaflash_ray.distill.loop import decode_for_training
@@ -116,6 +121,8 @@ class DistillTrainer:
         if not prompts and not num_warm_sources:
             raise ValueError("warm start: no prompts for this rank and no worker decoding a share")
         cfg, dc = self.cfg, self.cfg.distill
+        if stream:
+            return self._warm_start_stream(registry, warm_buffer, num_warm_sources, expected)
         trajs: list = []
         stats = {"num_requests": 0, "num_tokens": 0, "tokens_per_s": 0.0, "seconds": 0.0}
         if prompts:  # none: more prompts went to the workers' slots than there were (this rank trains on theirs)
@@ -150,6 +157,37 @@ class DistillTrainer:
         return {"rank": self.rank, "num_requests": stats["num_requests"], "num_tokens": stats["num_tokens"],
                 "tokens_per_s": round(stats["tokens_per_s"], 1), "generate_s": round(stats["seconds"], 2),
                 "version": out["final_version"], "steps": out["steps"], **extra}
+
+    def _warm_start_stream(self, registry, warm_buffer, num_sources: int, expected: int) -> dict:
+        """:meth:`warm_start` with ``stream``: train on the workers' batches as they arrive."""
+        from adaflash_ray.distill.loop import StreamSource
+
+        if not num_sources:
+            raise ValueError("the streaming warm start needs at least one worker decoding")
+        dc, got = self.cfg.distill, {"batches_lost": 0, "reports": {}}
+        deadline = time.monotonic() + dc.warm_start_generate_s + 300.0  # as take_warm: a worker that never reports
+
+        def fetch(wait_s: float) -> tuple[list, bool]:
+            left = deadline - time.monotonic()
+            r = ray.get(warm_buffer.take_warm_stream.remote(self.rank, self.world_size, num_sources,
+                                                            max(0.0, min(wait_s, left))))
+            parts = _get_or_none(r["refs"])
+            got["batches_lost"] += sum(p is None for p in parts)
+            if r["done"]:
+                got["reports"] = r["reports"]
+            return [t for p in parts if p is not None for t in p], r["done"] or left <= 0
+
+        source = StreamSource(fetch)
+        t0 = time.time()
+        out = self.loop.warm_start(source, _RegistrySink(registry, self), dc.warm_start_train_s, pool_size=expected)
+        theirs = source.trajectories
+        extra = {"worker_requests": len(theirs), "worker_tokens": sum(t.num_response_tokens for t in theirs),
+                 "worker_batches_lost": got["batches_lost"], "workers": got["reports"]}
+        self._record({"train/step": float(self.core.global_step), "warm/worker_requests": float(len(theirs)),
+                      "warm/worker_tokens": float(extra["worker_tokens"])})
+        return {"rank": self.rank, "num_requests": 0, "num_tokens": 0, "tokens_per_s": 0.0, "generate_s": 0.0,
+                "streamed": True, "stage_s": round(time.time() - t0, 2), "version": out["final_version"],
+                "steps": out["steps"], **extra}
 
     def join_weight_group(self, rendezvous: str, world_size: int) -> int:
         """Rank 0 only (``distill.weight_sync: collective``): become the sender (group rank 0) of the weight

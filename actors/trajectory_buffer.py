@@ -53,6 +53,8 @@ class TrajectoryBuffer:
         self.warm_reports: dict[str, dict] = {}
         self.warm_taken: set[int] = set()
         self.warm_shared: list | None = None  # the batches as the first rank to take found them (None: none taken)
+        self.warm_cursor: dict[int, int] = {}  # take_warm_stream: per rank, the index of its next batch
+        self.warm_stream_done: set[int] = set()  # ranks whose stream ended
         self._cond = asyncio.Condition()
         if self.spill_dir is not None and self.spill_dir.is_dir():  # a restarted buffer: take back its journal
             from adaflash_ray.distill.spill import spill_version  # lazy: only with spill_dir
@@ -219,6 +221,7 @@ class TrajectoryBuffer:
                 self.counts["warm_batches_late"] += len(refs)
                 return
             self.warm_refs.extend(refs)
+            self._cond.notify_all()  # a streaming rank waits for its next batch
 
     async def warm_done(self, source: str, report: dict) -> None:
         """``source`` (e.g. ``worker-0``) has added all its warm-start text; ``report``: its decode's counts (or an
@@ -246,6 +249,36 @@ class TrajectoryBuffer:
             if len(self.warm_taken) >= world_size:
                 self.warm_shared, self.warm_taken, self.warm_reports = [], set(), {}
             return out
+
+    async def take_warm_stream(self, rank: int, world_size: int, num_sources: int, timeout_s: float) -> dict:
+        """The streaming warm start (``distill.warm_start_streaming``): this rank's batches added since its last call -
+        batch ``j`` (in order of arrival) is rank ``j % world_size``'s - waiting at most ``timeout_s`` for one when
+        there is none yet. Returns ``{"refs": the new batches' refs, "done": True once num_sources sources reported
+        warm_done and this rank has all its batches, "reports": {source: report} (with done)}``. Once every rank's
+        stream is done the batches and reports are forgotten."""
+        async with self._cond:
+            start = self.warm_cursor.get(rank, rank)
+            await self._wait(lambda: start < len(self.warm_refs) or len(self.warm_reports) >= num_sources,
+                             time.monotonic() + timeout_s)
+            refs = self.warm_refs[start::world_size]
+            self.warm_cursor[rank] = start + world_size * len(refs)
+            done = len(self.warm_reports) >= num_sources and self.warm_cursor[rank] >= len(self.warm_refs)
+            out = {"refs": refs, "done": done, "reports": dict(self.warm_reports) if done else {}}
+            if done:
+                self.warm_stream_done.add(rank)
+                if len(self.warm_stream_done) >= world_size:
+                    self.warm_refs, self.warm_reports, self.warm_cursor, self.warm_stream_done = [], {}, {}, set()
+                    self.warm_shared = []  # the warm start is over: a late batch is dropped (warm_batches_late)
+            return out
+
+    async def clear_warm(self) -> int:
+        """End the warm start: forget its batches and reports (a batch added later is dropped and counted as
+        ``warm_batches_late``). Returns how many batches it still held."""
+        async with self._cond:
+            left = len(self.warm_refs)
+            self.warm_refs, self.warm_reports, self.warm_cursor, self.warm_stream_done = [], {}, {}, set()
+            self.warm_taken, self.warm_shared = set(), []
+            return left
 
     async def stats(self) -> dict[str, float]:
         return {"buffer/depth": float(len(self.items)), "buffer/on_disk": float(len(self.on_disk)),

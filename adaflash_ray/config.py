@@ -315,6 +315,11 @@ class DistillConfig(_Section):
     # the ranks train on both. Shares in proportion to the KV slots. On the two-GPU layout the workers' GPU decodes
     # beside the trainers'; on one GPU the processes share it. The built-in engine only (engine.backend torch)
     warm_start_workers: bool = False
+    # with warm_start_workers: the trainer ranks decode nothing themselves and start training on the workers' batches
+    # as they arrive (the workers take every prompt, shares by KV slots), replaying them max_reuse times, for
+    # warm_start_train_s seconds from the first step or until every batch was used up - decoding and training overlap
+    # instead of following each other (no length grouping: batches come in the order requests finish)
+    warm_start_streaming: bool = False
     # the warm start's text in batches of similar length (adaflash_ray.distill.loop.length_grouped): sorted by
     # length, cut into batch_size groups, the groups shuffled - each step pads little (at 0c891e0's batch 64 of
     # 38-766-token trajectories the collated batch held 47k token rows for 19k real ones)

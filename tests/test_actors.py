@@ -356,6 +356,34 @@ def test_buffer_warm_start_shares_are_fixed_at_the_first_take(ray_local):
     assert ray.get(buf.take_warm.remote(1, 0, 1, 0.2)) == {"refs": [], "reports": {}}
 
 
+def test_buffer_streams_the_warm_batches_to_the_ranks(ray_local):
+    """take_warm_stream: batch j in order of arrival goes to rank j % world_size; a call returns this rank's new
+    batches (waiting for one at most its timeout), done once every source reported and the rank has all of its own;
+    after every rank's stream ended (or clear_warm) a late batch is dropped and counted."""
+    from adaflash_ray.actors import TrajectoryBuffer
+
+    buf = TrajectoryBuffer.remote(capacity=10, max_version_lag=5)
+    put = lambda i: ray.put([_traj(i, 0)])  # noqa: E731
+    ids = lambda r: [t.request_id for ref in r["refs"] for t in ray.get(ref)]  # noqa: E731
+    ray.get(buf.add_warm.remote([put(0), put(1), put(2)]))
+    a = ray.get(buf.take_warm_stream.remote(0, 2, 1, 5.0))
+    assert ids(a) == ["t0", "t2"] and not a["done"]
+    t0 = time.monotonic()
+    assert ray.get(buf.take_warm_stream.remote(0, 2, 1, 0.3))["refs"] == []  # nothing new: waited its timeout
+    assert time.monotonic() - t0 >= 0.25
+    waiting = buf.take_warm_stream.remote(0, 2, 1, 30.0)
+    ray.get(buf.add_warm.remote([put(3), put(4)]))  # t4 is rank 0's next: the waiting call returns with it
+    assert ids(ray.get(waiting)) == ["t4"]
+    ray.get(buf.warm_done.remote("worker-0", {"num_requests": 5}))
+    last0 = ray.get(buf.take_warm_stream.remote(0, 2, 1, 5.0))
+    assert last0 == {"refs": [], "done": True, "reports": {"worker-0": {"num_requests": 5}}}
+    b = ray.get(buf.take_warm_stream.remote(1, 2, 1, 5.0))
+    assert ids(b) == ["t1", "t3"] and b["done"]
+    ray.get(buf.add_warm.remote([put(5)]))
+    assert ray.get(buf.stats.remote())["buffer/warm_batches_late"] == 1
+    assert ray.get(buf.clear_warm.remote()) == 0
+
+
 def test_driver_reports_a_worker_that_died_in_its_warm_decode(ray_local):
     """The driver's watch over the workers' warm-start decodes (pipeline.report_ended_warm_sources): a worker that
     dies mid-decode is reported to the buffer for it, so the ranks' take_warm returns at once with what it added; a

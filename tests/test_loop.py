@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from adaflash_ray.config import DistillConfig
-from adaflash_ray.distill.loop import CheckpointSink, DirectorySource, TrainerLoop, main, version_table
+from adaflash_ray.distill.loop import CheckpointSink, DirectorySource, StreamSource, TrainerLoop, main, version_table
 from adaflash_ray.distill.spill import spill_path, write_parquet
 from adaflash_ray.models import load_drafter_checkpoint, tensors_sha256
 from adaflash_ray.trajectory import Trajectory
@@ -211,6 +211,31 @@ def test_warm_start_replays_its_whole_set_max_reuse_times():
     counts = Counter(x for step in core.trained for x in step)
     assert counts == {f"t{i}": 2 for i in range(40)} and summary["steps"] == 40
     assert core.trained[:20] == [[f"t{2 * i}", f"t{2 * i + 1}"] for i in range(20)]  # the fresh pass first
+
+
+def test_streaming_warm_start_trains_as_the_text_arrives():
+    """The streaming warm start (StreamSource): the loop trains on the first batches before the rest has arrived,
+    every trajectory that arrives trains max_reuse times in all (the pool holds the announced size), and the stage
+    publishes once the stream is done and used up; a stream that ends with nothing raises."""
+    arrivals = [[_traj(f"t{i}", 8) for i in range(j, j + 4)] for j in range(0, 12, 4)]
+    fetched = []
+
+    def fetch(wait_s):
+        batch = arrivals[len(fetched)] if len(fetched) < len(arrivals) else []
+        fetched.append((len(core.trained), wait_s))
+        return batch, len(fetched) >= len(arrivals)
+
+    core = FakeCore([])
+    loop = TrainerLoop(core, _dc(max_reuse=2, batch_size=2, warm_start_group_by_length=True), seed=2)
+    source = StreamSource(fetch)
+    summary = loop.warm_start(source, FakeSink([]), train_s=30.0, pool_size=12)
+    counts = Counter(x for step in core.trained for x in step)
+    assert counts == {f"t{i}": 2 for i in range(12)} and summary["steps"] == 12 and summary["final_version"] == 1
+    assert [n for n, _ in fetched] == [0, 2, 4]  # the second batch was fetched after two steps on the first
+    assert source.num_fetched == 12 and source.exhausted()
+    with pytest.raises(ValueError, match="stream ended after 0 trajectories"):  # every worker failed
+        TrainerLoop(FakeCore([]), _dc(batch_size=2), seed=2).warm_start(
+            StreamSource(lambda w: ([], True)), FakeSink([]), train_s=5.0)
 
 
 def test_loop_replays_up_to_max_reuse_then_publishes_what_it_trained():

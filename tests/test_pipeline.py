@@ -349,6 +349,29 @@ def test_warm_start_workers_decode_a_share_the_trainer_trains_on(tmp_path):
 
 
 @pytest.mark.slow
+def test_streaming_warm_start_trains_while_the_workers_decode(tmp_path):
+    """distill.warm_start_streaming on cpu_tiny, one trainer rank and two inference workers: the workers decode every
+    warm-start prompt (8 / 8 of 16 by KV slots), the rank decodes none and trains on their batches as they arrive,
+    publishing version 1; the summary says the stage streamed and reports each worker's decode."""
+    from adaflash_ray.config import load_recipe
+    from adaflash_ray.pipeline import run
+
+    cfg = load_recipe("recipes/cpu_tiny.yaml", [
+        "distill.warm_start=true", "distill.warm_start_workers=true", "distill.warm_start_streaming=true",
+        "distill.warm_start_prompts=16", "distill.warm_start_generate_s=20", "distill.warm_start_train_s=5",
+        "distill.num_versions=1", "placement.num_inference_workers=2", "logging.wandb_mode=disabled",
+        "data.num_eval_prompts=2", "data.eval_max_new_tokens=8", "distill.canary_prompts=0"])
+    summary = run(cfg, tmp_path / "run")
+    warm = summary["warm_start"]
+    (rank,) = warm["ranks"]
+    assert warm["streamed"] is True and rank["streamed"] is True
+    assert rank["num_requests"] == 0 and rank["version"] == 1 and rank["steps"] >= 1
+    assert rank["worker_requests"] == 16 and rank["worker_batches_lost"] == 0, rank
+    assert {w: r.get("num_requests") for w, r in rank["workers"].items()} == {"worker-0": 8, "worker-1": 8}
+    assert summary["final_version"] == 1
+
+
+@pytest.mark.slow
 def test_warm_start_stage_publishes_version_1_before_on_policy(tmp_path):
     """distill.warm_start on cpu_tiny with the cost policy, on 2 DeepSpeed trainer ranks under ZeRO-3 (gloo, one
     process group over a rendezvous file): the trainers decode target text themselves (AR, no drafter), train on it

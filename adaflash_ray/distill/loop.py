@@ -224,17 +224,23 @@ class TrainerLoop:
                 "num_counted_twice": len(self.fresh_ids) - len(set(self.fresh_ids)), "num_lost": self.num_lost,
                 "num_duplicates_skipped": self.num_duplicates_skipped}
 
-    def warm_start(self, trajectories: list[Trajectory], sink: WeightSink, train_s: float) -> dict:
+    def warm_start(self, trajectories: list[Trajectory] | StreamSource, sink: WeightSink, train_s: float,
+                   pool_size: int | None = None) -> dict:
         """The offline warm start: train on ``trajectories`` (target text, e.g. :func:`decode_for_training`'s)
         for ``train_s`` seconds of optimizer steps (or until they are used ``distill.max_reuse`` times each) and
         publish the result as the next version - version 1 on a fresh run - without closing ``sink`` or the core
-        (the on-policy :meth:`run` follows). Every rank calls it with its own share. Each metric dict carries
-        ``train/warm_start = 1``; the publication's ``train/time_up`` / ``train/out_of_data`` marker is dropped
-        (it ends the stage, not the run). Returns :meth:`run`'s summary.
+        (the on-policy :meth:`run` follows). Every rank calls it with its own share. ``trajectories`` may be a
+        :class:`StreamSource` (the streaming warm start: text that arrives while it trains; ``train_s`` counts from the
+        first step; ``pool_size``: about how many will arrive, so all of them stay in the replay pool). Each metric
+        dict carries ``train/warm_start = 1``; the publication's ``train/time_up`` / ``train/out_of_data`` marker is
+        dropped (it ends the stage, not the run). Returns :meth:`run`'s summary.
         Raises:
-            ValueError: ``train_s`` <= 0 or no trajectories."""
-        if not train_s > 0 or not trajectories:
-            raise ValueError(f"warm start needs train_s > 0 and trajectories, got {train_s}, {len(trajectories)}")
+            ValueError: ``train_s`` <= 0 or no trajectories (an empty list, or a stream that ended before any
+                step)."""
+        stream = isinstance(trajectories, StreamSource)
+        if not train_s > 0 or (not stream and not trajectories):
+            raise ValueError(f"warm start needs train_s > 0 and trajectories, got {train_s}, "
+                             f"{'a stream' if stream else len(trajectories)}")
         dc, on_metrics = self.dc, self._on_metrics
 
         def tagged(m: dict) -> None:
@@ -245,13 +251,20 @@ class TrainerLoop:
 
         self.dc = dc.model_copy(update={"max_train_s": train_s, "publish_every": 1 << 30, "prefetch": False})
         self._on_metrics = tagged
-        if getattr(dc, "warm_start_group_by_length", False):
+        if not stream and getattr(dc, "warm_start_group_by_length", False):
             trajectories = length_grouped(trajectories, dc.batch_size, self.seed + self.rank)
+        size = (pool_size or 0) if stream else len(trajectories)
+        steps_before = self.core.global_step
         try:
-            return self.run(MemorySource(trajectories), sink, num_versions=self.version + 1, close=False,
-                            replay_pool=max(len(trajectories), 4 * dc.batch_size * dc.max_reuse))
+            out = self.run(trajectories if stream else MemorySource(trajectories), sink,
+                           num_versions=self.version + 1, close=False,
+                           replay_pool=max(size, 4 * dc.batch_size * dc.max_reuse))
         finally:
             self.dc, self._on_metrics = dc, on_metrics
+        if stream and self.core.global_step == steps_before:
+            raise ValueError(f"warm start: the stream ended after {trajectories.num_fetched} trajectories "
+                             "without one optimizer step")
+        return out
 
     def _resolve(self, source: TrajectorySource, items: list) -> tuple[list[Trajectory], list]:
         """Trajectories of ``items``; one the source lost (its producer died) is skipped and counted."""
@@ -446,6 +459,35 @@ class MemorySource(_QueueSource):
     def __init__(self, trajectories: list[Trajectory]):
         self.trajectories = list(trajectories)
         super().__init__(range(len(self.trajectories)))
+
+    def resolve(self, handles: Sequence) -> list[Trajectory]:
+        return [self.trajectories[i] for i in handles]
+
+
+class StreamSource(_QueueSource):
+    """A :class:`TrajectorySource` over trajectories that arrive while the loop trains (the streaming warm start):
+    ``fetch(wait_s)`` returns ``(new trajectories, done)`` - waiting at most ``wait_s`` seconds for some - and is
+    called whenever fewer than the requested items are queued and more may come; each trajectory is handed out once,
+    in order of arrival (handles are indices); exhausted once ``fetch`` said done and all were handed out.
+    ``num_fetched`` counts the trajectories received."""
+
+    def __init__(self, fetch: Callable[[float], tuple[list[Trajectory], bool]]):
+        self.fetch, self.done, self.trajectories = fetch, False, []
+        super().__init__([])
+
+    @property
+    def num_fetched(self) -> int:
+        return len(self.trajectories)
+
+    def get_batch(self, n: int, wait_s: float = 0.0) -> list[Item]:
+        if len(self.queue) < n and not self.done:
+            new, self.done = self.fetch(0.0 if self.queue else wait_s)
+            self.queue.extend(range(len(self.trajectories), len(self.trajectories) + len(new)))
+            self.trajectories.extend(new)
+        return super().get_batch(n, wait_s)
+
+    def exhausted(self) -> bool:
+        return self.done and not self.queue
 
     def resolve(self, handles: Sequence) -> list[Trajectory]:
         return [self.trajectories[i] for i in handles]
