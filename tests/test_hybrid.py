@@ -431,7 +431,9 @@ def test_realised_step_cost_moves_the_lookup_width(realised):
     assert gammas() == ({15} if realised else {7})
     state = pl.realised_cost_state()
     if realised:
-        assert state["64"] == {"ms_over_table": pytest.approx(1.0), "steps": 16} and state["32"]["steps"] == 0
+        assert state["64"] == {"ms_over_table": pytest.approx(1.0), "steps": 16, "propose_ms_over_table": 0.0,
+                               "propose_steps": 0} and state["32"]["steps"] == 0
+        np.testing.assert_allclose(pl.spec_costs[1, 1:16], look[1, 1:] + 0.5 + 1.0)  # no propose seen: the same
         np.testing.assert_allclose(pl.lookup_costs[1], look[1] + 1.0)
         np.testing.assert_allclose(pl.lookup_costs[0], look[0])  # the other row: as measured
     else:
@@ -440,6 +442,31 @@ def test_realised_step_cost_moves_the_lookup_width(realised):
     pl.set_costs([32, 64], look[:, 1:] + 0.5, look)
     pl.observe_step(64, 8, False, 0.01)
     np.testing.assert_allclose(pl.lookup_costs[1], 0.5 * look[1] if realised else look[1])
+
+
+def test_realised_cost_of_proposing_is_learned_apart():
+    """observe_step keeps the steps that proposed the block apart from the others: the tables price a propose at
+    +0.5 ms over a lookup step of the same width; steps in the engine run 0.4 ms above the lookup table without a
+    propose and only 0.1 ms above the spec table with one, so the realised propose premium (0.2 ms) is what the prices
+    carry afterwards - each table moved by its own kind's average."""
+    pl = HybridPlanner(("dflash", "suffix"), 15, 16, [1, 8, 16], lookup_on_device=True)
+    look = np.full((1, 16), 1.0)
+    spec = look[:, 1:] + 0.5
+    pl.set_costs([64], spec, look)
+    for _ in range(8):
+        pl.observe_step(64, 8, False, 1.4)
+    np.testing.assert_allclose(pl.spec_costs[0, 1:16], spec[0] + 0.4)  # no propose seen yet: the common overhead
+    for _ in range(8):
+        pl.observe_step(64, 8, True, 1.6)
+    np.testing.assert_allclose(pl.lookup_costs[0], look[0] + 0.4)
+    np.testing.assert_allclose(pl.spec_costs[0, 1:16], spec[0] + 0.1)
+    assert pl.spec_costs[0, 7] - pl.lookup_costs[0, 7] == pytest.approx(0.2)
+    st = pl.realised_cost_state()["64"]
+    assert (st["steps"], st["propose_steps"]) == (8, 8)
+    assert st["ms_over_table"] == pytest.approx(0.4) and st["propose_ms_over_table"] == pytest.approx(0.1)
+    pl.realised_costs = False  # back to the tables at once
+    np.testing.assert_allclose(pl.spec_costs[0, 1:16], spec[0])
+    np.testing.assert_allclose(pl.lookup_costs[0], look[0])
 
 
 def test_lookup_device_option_is_checked(tiny_target):

@@ -385,8 +385,10 @@ class HybridPlanner:
         self.step_cost_decay = 0.05  # weight of one step in that moving average (a running mean before 1 / decay)
         self.step_cost_every = 8  # a row's prices are brought up to date every this many of its observed steps
         self._base: tuple[np.ndarray, np.ndarray] | None = None  # the tables as set (set_costs)
-        self._resid: list[float] = []  # per row: the moving average of realised - table ms
-        self._resid_n: list[int] = []  # per row: steps observed
+        # per kind of step (proposing the block: priced by the spec table; not: by the lookup table) and table row:
+        # the moving average of realised - table ms and the steps observed
+        self._resid: dict[bool, list[float]] = {True: [], False: []}
+        self._resid_n: dict[bool, list[int]] = {True: [], False: []}
 
     # ------------------------------------------------------------------ costs
     @property
@@ -429,7 +431,8 @@ class HybridPlanner:
         # the same at the planner's widths, as host lists (the one-row plan reads them without numpy)
         self._spec_w, self._look_w = full[:, self._widx].tolist(), look[:, self._widx].tolist()
         self._look_ar = look[:, 0].tolist()
-        self._resid, self._resid_n = [0.0] * nb, [0] * nb
+        self._resid = {True: [0.0] * nb, False: [0.0] * nb}
+        self._resid_n = {True: [0] * nb, False: [0] * nb}
 
     def _row(self, batch_size: int) -> int:
         return min(bisect.bisect_left(self.batch_sizes, batch_size), len(self.batch_sizes) - 1)
@@ -438,32 +441,46 @@ class HybridPlanner:
         """A planned step's realised wall ``ms`` (the engine's whole step: planning, the device work and its transfer,
         recording and commits) at ``batch_size`` rows and verify ``width`` (the shape the device ran; ``proposed``: it
         proposed the drafter's next block, priced by the spec table, else by the lookup table). With
-        :attr:`realised_costs`, the row's moving average of realised - table ms moves towards it, and every
-        :attr:`step_cost_every` steps of the row its prices become table + that average (at least half the table).
-        No-op without a cost table."""
+        :attr:`realised_costs`, the moving average of realised - table ms of the row's steps of that kind moves
+        towards it, and every :attr:`step_cost_every` steps of the row (or at the first of a kind) both tables' prices
+        become table + their kind's average (at least half the table; a kind not observed yet borrows the other's:
+        the engine's host work common to both) - so a propose that costs less or more in the engine than the tables
+        measured it apart is priced as it runs. No-op without a cost table."""
         if self._base is None or not self.realised_costs:
             return
         r = self._row(batch_size)
         spec, look = self._base
+        kind = bool(proposed)
         col = min(max(int(width), 1), self.max_draft + 1) - 1
-        n = self._resid_n[r] = self._resid_n[r] + 1
+        resid, counts = self._resid[kind], self._resid_n[kind]
+        n = counts[r] = counts[r] + 1
         w = max(self.step_cost_decay, 1.0 / n)
-        self._resid[r] += w * (ms - float((spec if proposed else look)[r, col]) - self._resid[r])
-        if n % self.step_cost_every == 0 or n == 1:
-            d = self._resid[r]
-            for base, eff in ((spec, self.spec_costs), (look, self.lookup_costs)):
+        resid[r] += w * (ms - float((spec if kind else look)[r, col]) - resid[r])
+        total = n + self._resid_n[not kind][r]
+        if total % self.step_cost_every == 0 or n == 1:
+            d_spec, d_look = self._kind_resid(r)
+            for base, eff, d in ((spec, self.spec_costs, d_spec), (look, self.lookup_costs, d_look)):
                 eff[r] = np.maximum(base[r] + d, 0.5 * base[r])
             self._spec_w[r] = self.spec_costs[r, self._widx].tolist()
             self._look_w[r] = self.lookup_costs[r, self._widx].tolist()
             self._look_ar[r] = float(self.lookup_costs[r, 0])
 
+    def _kind_resid(self, r: int) -> tuple[float, float]:
+        """Row ``r``'s realised - table ms of proposing and of other steps (a kind not observed: the other's; 0
+        without either)."""
+        spec_n, look_n = self._resid_n[True][r], self._resid_n[False][r]
+        d_spec, d_look = self._resid[True][r], self._resid[False][r]
+        return (d_spec if spec_n else d_look if look_n else 0.0), (d_look if look_n else d_spec if spec_n else 0.0)
+
     def realised_cost_state(self) -> dict[str, dict[str, float]] | None:
-        """Per table row (its batch size, as a string): ``ms_over_table`` (the moving average of realised - table ms)
-        and ``steps`` observed; None without a cost table. JSON-ready."""
+        """Per table row (its batch size, as a string): ``ms_over_table`` / ``steps`` (the moving average of realised -
+        table ms over the steps that did not propose, and how many) and ``propose_ms_over_table`` / ``propose_steps``
+        (the same over the steps that proposed the block); None without a cost table. JSON-ready."""
         if self._base is None:
             return None
-        return {str(b): {"ms_over_table": d, "steps": n}
-                for b, d, n in zip(self.batch_sizes, self._resid, self._resid_n)}
+        return {str(b): {"ms_over_table": self._resid[False][i], "steps": self._resid_n[False][i],
+                         "propose_ms_over_table": self._resid[True][i], "propose_steps": self._resid_n[True][i]}
+                for i, b in enumerate(self.batch_sizes)}
 
     # ------------------------------------------------------------------ schedules
     def lookup_due(self) -> bool:
