@@ -107,7 +107,8 @@ class DistillTrainer:
         calls it concurrently. With ``stream`` (``distill.warm_start_streaming``) the rank decodes nothing and trains
         on the workers' batches as they arrive (:meth:`TrajectoryBuffer.take_warm_stream`; ``expected``: about how
         many trajectories its share holds, the replay pool's size), ``warm_start_train_s`` counting from its first
-        step. Returns ``{rank, num_requests, num_tokens, tokens_per_s, generate_s, version, steps}`` (this rank's
+        step; should the stream end before any step (no worker's text arrived: the same on every rank), it decodes
+        ``prompts`` itself as without ``stream``. Returns ``{rank, num_requests, num_tokens, tokens_per_s, generate_s, version, steps}`` (this rank's
         own decode) plus, with worker sources, ``worker_requests`` / ``worker_tokens`` (the trajectories of this
         rank's share) and ``workers`` (each source's report); a resumed rank past version 0 does nothing
         (``version`` only).
@@ -122,7 +123,13 @@ class DistillTrainer:
             raise ValueError("warm start: no prompts for this rank and no worker decoding a share")
         cfg, dc = self.cfg, self.cfg.distill
         if stream:
-            return self._warm_start_stream(registry, warm_buffer, num_warm_sources, expected)
+            try:
+                return self._warm_start_stream(registry, warm_buffer, num_warm_sources, expected)
+            except _EmptyStream as e:  # every rank alike (no step trained anywhere): decode this rank's share
+                print(f"DistillTrainer rank {self.rank}: {e}; decoding its {len(prompts)} prompts itself", flush=True)
+                if not prompts:
+                    raise ValueError(f"warm start: {e}, and no prompts for this rank") from None
+                num_warm_sources = 0
         trajs: list = []
         stats = {"num_requests": 0, "num_tokens": 0, "tokens_per_s": 0.0, "seconds": 0.0}
         if prompts:  # none: more prompts went to the workers' slots than there were (this rank trains on theirs)
@@ -179,7 +186,14 @@ class DistillTrainer:
 
         source = StreamSource(fetch)
         t0 = time.time()
-        out = self.loop.warm_start(source, _RegistrySink(registry, self), dc.warm_start_train_s, pool_size=expected)
+        try:
+            out = self.loop.warm_start(source, _RegistrySink(registry, self), dc.warm_start_train_s,
+                                       pool_size=expected)
+        except ValueError as e:
+            if source.num_fetched == 0 or "without one optimizer step" in str(e):
+                raise _EmptyStream(f"the workers' warm-start stream ended with {source.num_fetched} trajectories "
+                                   f"and no step ({got['reports']})") from e
+            raise
         theirs = source.trajectories
         extra = {"worker_requests": len(theirs), "worker_tokens": sum(t.num_response_tokens for t in theirs),
                  "worker_batches_lost": got["batches_lost"], "workers": got["reports"]}
@@ -236,6 +250,10 @@ class DistillTrainer:
 
     def stop(self) -> None:
         self._stop = True
+
+
+class _EmptyStream(Exception):
+    """The streaming warm start ended before any optimizer step (no worker's text arrived)."""
 
 
 def _get_or_none(refs: list) -> list:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import threading
 import time
 import uuid
 
@@ -152,8 +153,9 @@ class InferenceWorker:
         """The warm start's share of this worker (``distill.warm_start_workers``): once its engine is idle, decode
         ``prompts`` (training prompts, token ids) on the engine thread with the frozen target - AR steps, no drafter
         work, ``engine.max_batch_size`` KV slots, the ``data.sample_fraction`` share sampled - starting none after
-        ``time_limit_s`` seconds (:func:`~adaflash_ray.distill.loop.decode_for_training`), and hand the trajectories
-        to the buffer in lists of ``batch`` (:meth:`TrajectoryBuffer.add_warm`), then report to it
+        ``time_limit_s`` seconds or after :meth:`stop_warm_decode`
+        (:func:`~adaflash_ray.distill.loop.decode_for_training`), and hand the trajectories to the buffer in lists of
+        ``batch`` (:meth:`TrajectoryBuffer.add_warm`), then report to it
         (:meth:`TrajectoryBuffer.warm_done`, source ``worker-<index>``: the counts, or the error that stopped the
         decode). Returns at once with the number of prompts queued; the trainer ranks take the text from the buffer.
         Raises:
@@ -176,12 +178,17 @@ class InferenceWorker:
             if len(pending) >= batch:
                 flush()
 
+        self._warm_stop = threading.Event()
+        stop = self._warm_stop
+
         def run(eng) -> dict:  # engine thread, no request of the service queued or running
             report: dict = {"error": "not started"}
-            saved = eng.stats.copy()  # the warm decode's AR steps stay out of the serving statistics
+            # the warm decode's AR steps stay out of the serving statistics and the throughput guards' AR baselines
+            saved, guards = eng.stats.copy(), (eng.guard, eng.block_guard)
+            eng.guard = eng.block_guard = None
             try:
                 stats = decode_for_training(eng, self.cfg, prompts, keep, mode="ar", time_limit_s=time_limit_s,
-                                            tag=f"warm-w{self.index}-",
+                                            stop=stop.is_set, tag=f"warm-w{self.index}-",
                                             log_prefix=f"[warm start worker {self.index}]")
                 flush()
                 report = {"num_requests": stats["num_requests"], "num_tokens": stats["num_tokens"],
@@ -190,12 +197,20 @@ class InferenceWorker:
                 flush()
                 report = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
             finally:
-                eng.stats = saved
+                eng.stats, (eng.guard, eng.block_guard) = saved, guards
                 buf.warm_done.remote(f"worker-{self.index}", report)
             return report
 
         self._warm_future = self.service.call(run, when_idle=True)
         return len(prompts)
+
+    def stop_warm_decode(self) -> bool:
+        """Start no more requests of the warm-start decode (the started ones finish, their text still goes to the
+        buffer): the warm start ended without needing the rest. Returns whether a decode had been started."""
+        ev = getattr(self, "_warm_stop", None)
+        if ev is not None:
+            ev.set()
+        return ev is not None
 
     def warm_decode_result(self, timeout_s: float) -> dict:
         """Wait at most ``timeout_s`` seconds for the decode :meth:`start_warm_decode` started; its report (the

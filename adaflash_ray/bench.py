@@ -83,6 +83,7 @@ POOLED = "all"
 HF_METHOD = "hf-generate"
 WARMUP_PASSES = 5  # --warmup repeat: untimed passes at most (past the minimum, again only while the last one captured)
 WARMUP_MIN_PASSES = 2
+PRECAPTURE_S = 60.0  # precapture: the most seconds one engine spends capturing graphs ahead in a cell
 ADAPTIVE_PREFIX = "adaflash-"  # + a registered length policy with a head (LENGTH_POLICIES): adaflash-direct, ...
 #: methods whose drafts come from draft sources (SpecEngine ``draft_sources``; adaflash_ray.engine.hybrid):
 #: prompt lookup, suffix lookup (no drafter), and the hybrid of the DFlash block and suffix lookup (``cost`` policy)
@@ -296,10 +297,11 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
           temperature: float = 0.0, admit_min: int = 1, precapture: bool = True) -> dict:
     """Run every method per (domain, concurrency) on the recipe's target; returns the JSON document.
 
-    ``precapture`` (CUDA graphs only): after a cell's warm-up passes every engine captures the graphs of every step
+    ``precapture`` (CUDA graphs only): after a cell's warm-up passes every engine captures the step graphs of every
     shape it may meet (:meth:`SpecEngine.precapture_graphs`: each kind of step it ran, at every batch bucket, width
-    bucket and span), so the timed runs measure the steady state of a server that captured at start-up rather than
-    the captures an adaptive method's moving shapes trigger; the row reports them (``precaptured``).
+    bucket and span; at most :data:`PRECAPTURE_S` seconds per engine and cell), so the timed runs do not pay the
+    captures an adaptive method's moving shapes trigger; the row reports them (``precaptured``), and its
+    ``step_timing.num_captures`` the captures left in the timed runs (catch-up graphs, kinds of step never run).
 
     ``admit_min``: a timed run's waiting requests are admitted only when at least that many KV slots are free (or
     none is running): fewer, larger prefills when requests refill a batch (:meth:`SpecEngine.generate`).
@@ -404,7 +406,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                         if one_run(method)[3].num_captures == 0 and i + 1 >= WARMUP_MIN_PASSES:
                             break
                 if precapture and warmup != "none":
-                    precaptured[method] = engine_for(method).precapture_graphs()
+                    precaptured[method] = engine_for(method).precapture_graphs(PRECAPTURE_S)
                 runs_by[method] = []
             for _ in range(max(repeats, 1)):
                 for method in engine_methods:

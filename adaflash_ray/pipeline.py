@@ -287,7 +287,7 @@ class Driver:
         decode a share too (:meth:`InferenceWorker.start_warm_decode`; shares in proportion to the KV slots,
         :func:`deal_by_weight`) and the ranks train on theirs as well; with ``distill.warm_start_streaming`` the
         workers decode every prompt and the ranks train on the batches as they arrive (falling back to decoding
-        themselves when no worker starts). No on-policy traffic meanwhile (it starts
+        a share each themselves when no worker starts, or when no worker's text arrived). No on-policy traffic meanwhile (it starts
         with version 1, from the prompt after the warm start's). Metrics, the version-1 checkpoint and its
         canary are handled as in the loop; the ranks' reports go to the summary (``warm_start``).
         Raises: as the trainers (a rank that dies here ends the run: its state holds no version yet)."""
@@ -303,11 +303,13 @@ class Driver:
         workers = g.workers if dc.warm_start_workers and cfg.engine.backend == "torch" else []
         stream = dc.warm_start_streaming and bool(workers)
         rank_slots = dc.warm_start_batch_size or cfg.engine.max_batch_size
-        if stream:  # the workers decode everything; the ranks train as it arrives
-            shares = [[] for _ in range(k)] + deal_by_weight(prompts, [cfg.engine.max_batch_size] * len(workers))
+        if stream:  # the workers decode everything; the ranks train as it arrives (their share: only if none does)
+            shares = deal_by_weight(prompts, [rank_slots] * k) + \
+                deal_by_weight(prompts, [cfg.engine.max_batch_size] * len(workers))
         else:
             shares = deal_warm_start(prompts, [rank_slots] * k + [cfg.engine.max_batch_size] * len(workers), k)
         waits = {}  # source name -> the ref of its decode's report (a dead worker's raises: reported for it)
+        started = []  # the workers whose decode started
         for i, (w, share) in enumerate(zip(workers, shares[k:])):
             if not share:
                 continue
@@ -318,11 +320,12 @@ class Driver:
                               f"{type(e).__name__}: {str(e)[:300]}", markup=False)
                 continue
             waits[f"worker-{i}"] = w.warm_decode_result.remote(dc.warm_start_generate_s + 300.0)
+            started.append(w)
         num_sources = len(waits)
         if stream and not num_sources:  # no worker decodes: the ranks decode the whole warm start themselves
             console.print("warm start: no worker started its decode; the trainer ranks decode every prompt",
                           markup=False)
-            stream, shares = False, deal_by_weight(prompts, [rank_slots] * k)
+            stream = False
         expected = sum(len(sh) for sh in shares[k:]) // k if stream else 0
         refs = [t.warm_start.remote(shares[r], g.registry, g.buffer, num_sources, stream, expected)
                 for r, t in enumerate(g.trainers)]
@@ -335,6 +338,8 @@ class Driver:
             if len(done) == len(refs):
                 break
         reports = ray.get(refs)
+        for w in started:  # a decode still running (a stream whose training ended first) starts nothing more
+            w.stop_warm_decode.remote()
         ray.get(g.buffer.clear_warm.remote())  # batches no rank took (a stream cut by its time) are let go
         self.warm_summary = {"seconds": round(time.time() - t0, 1), "streamed": stream, "ranks": reports}
         console.print(f"warm start: {reports} in {self.warm_summary['seconds']} s; workers at version "

@@ -470,6 +470,30 @@ def test_trainer_prefetches_and_a_starved_trainer_still_stops_on_time(ray_local)
     ray.kill(trainer)
 
 
+def test_streaming_warm_start_falls_back_to_the_ranks_decode(ray_local):
+    """distill.warm_start_streaming on a trainer rank whose worker reports a failed decode before adding anything:
+    the stream ends before any step, so the rank decodes its own share of the prompts (AR, no drafter), trains on
+    it and publishes version 1 instead of failing the run."""
+    from adaflash_ray.actors import DistillTrainer, TrajectoryBuffer, WeightRegistry
+    from adaflash_ray.actors.recovery import setup_trainers
+
+    cfg = load_recipe("recipes/cpu_tiny.yaml", overrides=[
+        "distill.features=recompute", "distill.warm_start=true", "distill.warm_start_workers=true",
+        "distill.warm_start_streaming=true", "distill.warm_start_generate_s=20", "distill.warm_start_train_s=3",
+        "engine.max_new_tokens=8"])
+    buf = TrajectoryBuffer.remote(capacity=16, max_version_lag=5)
+    registry = WeightRegistry.remote()
+    trainer = DistillTrainer.options(num_cpus=1).remote(cfg.model_dump())
+    setup_trainers([trainer], None, False)
+    ray.get(buf.warm_done.remote("worker-0", {"error": "EngineDead: worker 0: engine step failed"}))
+    prompts = [[5 + i, 9, 12, 7 + i] for i in range(6)]
+    out = ray.get(trainer.warm_start.remote(prompts, registry, buf, 1, True, 6), timeout=300)
+    assert out["version"] == 1 and out["steps"] >= 1 and out["num_requests"] == 6, out
+    assert "streamed" not in out
+    assert ray.get(registry.latest_meta.remote())["version"] == 1
+    ray.kill(trainer)
+
+
 def _live_placement_groups() -> set:
     return {pid for pid, pg in ray.util.placement_group_table().items() if pg["state"] == "CREATED"}
 

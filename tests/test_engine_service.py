@@ -190,7 +190,8 @@ def test_a_command_whose_generate_raises_leaves_the_engine_serving(tiny_target):
     """A command (``call(when_idle=True)``) that runs its own ``SpecEngine.generate`` and raises half-way (here its
     ``on_finish``, as the workers' warm-start decode could): generate aborts its requests - none stays queued or
     holds a KV slot -, the command's future raises the error, and the engine thread goes on serving (the service's
-    own requests finish with the target's greedy output)."""
+    own requests finish with the target's greedy output). The same when a prompt fails validation after others were
+    queued."""
     engine = _engine(tiny_target, max_batch_size=2)
     service = EngineService(engine, name="test")
     prompts = _prompts(5)
@@ -206,6 +207,12 @@ def test_a_command_whose_generate_raises_leaves_the_engine_serving(tiny_target):
         service.call(decode_then_fail, when_idle=True).result(timeout=120)
     assert service.call(lambda eng: (eng.scheduler.num_unfinished, len(eng.scheduler.free_slots))).result(
         timeout=60) == (0, 2)
+    # a prompt that fails validation after others passed: those are not left queued either
+    too_long = list(range(1, 200))
+    with pytest.raises(ValueError):
+        service.call(lambda eng: eng.generate([prompts[0], prompts[1], too_long],
+                                              SamplingParams(max_new_tokens=4)), when_idle=True).result(timeout=60)
+    assert service.call(lambda eng: eng.scheduler.num_unfinished).result(timeout=60) == 0
     ref = greedy_reference(tiny_target, prompts[1], 10)
     h = service.submit(prompts[1], SamplingParams(max_new_tokens=10))
     assert h.future.result(timeout=120).output_ids == ref

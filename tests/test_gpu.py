@@ -499,7 +499,8 @@ def test_precaptured_graphs_serve_without_capture_and_equal_ar_tiny():
     kinds = {kind(k) for k in eng.runner.graphs}
     assert set(grid) >= set(eng.runner.graphs) and len(grid) >= len(kinds) * len(eng.runner._batch_buckets)
     seen = set(eng.runner.graphs)
-    assert eng.precapture_graphs()["graphs"] == len(set(grid) - seen) > 0
+    got = eng.precapture_graphs()
+    assert got["graphs"] == len(set(grid) - seen) > 0 and got["stopped"] is None and got["grid"] == len(grid)
     assert set(grid) <= set(eng.runner.graphs) and eng.precapture_graphs()["graphs"] == 0
     before = set(eng.runner.graphs)
     third, _ = _gen(eng, prompts)

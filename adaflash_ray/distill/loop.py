@@ -589,8 +589,8 @@ def train_from_files(cfg, trajectories: str | Path, out: str | Path) -> dict:
 
 
 def decode_for_training(engine, cfg, prompts: list[list[int]], on_trajectory: Callable[[Trajectory], None], *,
-                        mode: str = "ar", time_limit_s: float | None = None, tag: str = "",
-                        progress_s: float = 10.0, log_prefix: str = "[generate]") -> dict:
+                        mode: str = "ar", time_limit_s: float | None = None, stop: Callable[[], bool] | None = None,
+                        tag: str = "", progress_s: float = 10.0, log_prefix: str = "[generate]") -> dict:
     """Decode training ``prompts`` with ``engine`` (a recording :class:`~adaflash_ray.engine.SpecEngine`) and hand
     each finished request's trajectory (request id prefixed with ``tag``) to ``on_trajectory`` as it finishes.
 
@@ -598,8 +598,8 @@ def decode_for_training(engine, cfg, prompts: list[list[int]], on_trajectory: Ca
     the prompts (:meth:`~adaflash_ray.config.DataConfig.is_sampled`, by index in ``prompts``) decoded at
     ``data.sampled_temperature``. Freed KV slots are refilled in groups of ``max_batch_size // 8`` (one batched
     prefill; :meth:`SpecEngine.generate`'s ``admit_min``). With ``time_limit_s`` no request starts after that many
-    seconds (the started ones finish: at most one request's decode past it; the rest never run). Every
-    ``progress_s`` seconds a line goes to stderr.
+    seconds (the started ones finish: at most one request's decode past it; the rest never run); the same from the
+    moment ``stop()`` returns True (polled between steps). Every ``progress_s`` seconds a line goes to stderr.
 
     Returns ``{"num_requests", "num_tokens", "seconds", "tokens_per_s"}`` (requests finished, tokens generated).
     Raises: as the engine (ValueError for a prompt that does not fit) and ``on_trajectory``.
@@ -629,9 +629,12 @@ def decode_for_training(engine, cfg, prompts: list[list[int]], on_trajectory: Ca
             print(f"{log_prefix} {done['num_requests']}/{len(prompts)} requests, "
                   f"{done['num_tokens'] / (now - t0):.0f} tokens/s, {now - t0:.0f} s", file=sys.stderr, flush=True)
 
-    stop = None if time_limit_s is None else (lambda: time.perf_counter() - t0 >= time_limit_s)
+    def stop_admitting() -> bool:  # no request starts once the time limit passed or ``stop`` says so
+        return (time_limit_s is not None and time.perf_counter() - t0 >= time_limit_s) or \
+            (stop is not None and stop())
+
     engine.generate(prompts, params, mode=mode, on_finish=on_finish, admit_min=max(1, slots // 8),
-                    stop_admitting=stop)
+                    stop_admitting=None if time_limit_s is None and stop is None else stop_admitting)
     dt = time.perf_counter() - t0
     return {**done, "seconds": dt, "tokens_per_s": done["num_tokens"] / max(dt, 1e-9)}
 

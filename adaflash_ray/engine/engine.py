@@ -707,7 +707,8 @@ class SpecEngine:
         All requests are validated (:meth:`add_request`) before the first step. The host work per step is
         independent of ``len(prompts)`` (the finished requests are counted, not rescanned).
         Raises:
-            ValueError: as :meth:`add_request`; ``params`` a list of another length; ``admit_min`` < 1.
+            ValueError: as :meth:`add_request` (the prompts validated before the bad one are aborted, not left
+                queued); ``params`` a list of another length; ``admit_min`` < 1.
             Whatever a step, ``on_step`` or ``on_finish`` raised, after aborting these requests (none of them is
             left in the engine's queue or KV slots).
         """
@@ -721,11 +722,18 @@ class SpecEngine:
             per_prompt = [SamplingParams(**vars(p)) for p in params]
         else:
             per_prompt = [SamplingParams(**vars(params)) if params else None for _ in prompts]
-        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
+        reqs: list[Request] = []
         held: deque[Request] = deque()  # validated, not yet queued (admit_min > 1 or stop_admitting); WAITING
-        if admit_min > 1 or stop_admitting is not None:
-            for _ in reqs:  # ours are the newest in the queue
-                held.appendleft(self.scheduler.waiting.pop())
+        try:
+            for p, sp in zip(prompts, per_prompt):  # a bad prompt: the ones queued before it are aborted below
+                reqs.append(self.add_request(p, sp))
+            if admit_min > 1 or stop_admitting is not None:
+                for _ in reqs:  # ours are the newest in the queue
+                    held.appendleft(self.scheduler.waiting.pop())
+        except BaseException:
+            for req in reqs:
+                self.abort(req)
+            raise
         mine = {id(r) for r in reqs}
         first_unfinished = 0  # every request before it has finished
         try:
@@ -863,15 +871,18 @@ class SpecEngine:
         self._check_timing_args(batch_size, self.drafter.block_size, context_len)
         return self.runner.time_propose(batch_size, context_len, num_iters)
 
-    def precapture_graphs(self) -> dict:
-        """Capture, ahead of use, the CUDA graphs of every step shape this engine may meet next
+    def precapture_graphs(self, max_seconds: float | None = None) -> dict:
+        """Capture, ahead of use, the CUDA step graphs of every shape this engine may meet next
         (:meth:`ModelRunner.graph_grid` of the kinds of step it has run: each at every batch bucket, width bucket and
-        span), so an adaptive engine - whose widths and batch buckets move from step to step - does not capture
-        inside a step later. Call between steps (e.g. after a warm-up run); a no-op without CUDA graphs. Returns
-        ``{"graphs": captured now, "seconds": wall time}``."""
+        span), so an adaptive engine - whose widths and batch buckets move from step to step - does not capture them
+        inside a step later (a kind of step it never ran, and the drafter-context catch-up graphs, are still captured
+        on first use). Call between steps (e.g. after a warm-up run); a no-op without CUDA graphs; stops after
+        ``max_seconds`` or at a failed capture (:meth:`ModelRunner.precapture`). Returns ``{"graphs": captured now,
+        "grid": the shapes it covers, "seconds": wall time, "stopped": why it stopped early or None}``."""
         t0 = time.perf_counter()
-        n = self.runner.precapture(self.runner.graph_grid())
-        return {"graphs": n, "seconds": round(time.perf_counter() - t0, 3)}
+        grid = self.runner.graph_grid()
+        n, why = self.runner.precapture(grid, max_seconds)
+        return {"graphs": n, "grid": len(grid), "seconds": round(time.perf_counter() - t0, 3), "stopped": why}
 
     @torch.no_grad()
     def calibrate_costs(self, batch_sizes: list[int] | None = None, context_len: int | None = None,

@@ -597,25 +597,33 @@ class ModelRunner:
         return out
 
     @torch.no_grad()
-    def precapture(self, keys) -> int:
-        """Capture the CUDA graph of each of ``keys`` (:class:`StepKey`) not captured yet, without running it (a capture
-        records the kernels; nothing in the KV cache or the drafter context changes), so a later step of that shape
-        replays at once instead of capturing inside a step (tens of ms each). After the runner's first step only
-        (that one runs eagerly to initialise the kernels); returns how many graphs were captured (0 without graphs)."""
+    def precapture(self, keys, max_seconds: float | None = None) -> tuple[int, str | None]:
+        """Capture the CUDA graph of each of ``keys`` (:class:`StepKey`) not captured yet, in order, without running it
+        (a capture records the kernels; nothing in the KV cache or the drafter context changes), so a later step of
+        that shape replays at once instead of capturing inside a step (tens of ms each). After the runner's first
+        step only (that one runs eagerly to initialise the kernels). Stops early - the rest stay lazy - once
+        ``max_seconds`` have passed or a capture fails (e.g. out of device memory). Returns ``(graphs captured, why
+        it stopped early or None)``; ``(0, None)`` without graphs."""
         if not self.use_graphs or not self._warm:
-            return 0
-        n = 0
+            return 0, None
+        n, t0 = 0, time.perf_counter()
         for key in keys:
             if key in self.graphs:
                 continue
-            if key.sampling.sample:
-                self._ensure_sampling()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._step_fn(*key)
+            if max_seconds is not None and time.perf_counter() - t0 >= max_seconds:
+                return n, f"time budget of {max_seconds:g} s spent"
+            try:
+                if key.sampling.sample:
+                    self._ensure_sampling()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    self._step_fn(*key)
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # the key stays lazy, as do the ones after it
+                torch.cuda.synchronize()
+                return n, f"capture of {key} failed: {type(e).__name__}: {str(e)[:200]}"
             self.graphs[key] = graph
             n += 1
-        return n
+        return n, None
 
     # ------------------------------------------------------------------ one step (host side)
     @torch.no_grad()

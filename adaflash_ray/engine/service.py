@@ -262,7 +262,9 @@ class EngineService:
             if n > h.num_sent:
                 committed.append((h, h.req.output_ids[h.num_sent:]))
                 h.num_sent = n
-        done = [self._in_engine.pop(r.request_id) for r in finished]
+        # a request the service does not own (a command's own generate left it, which it should not) is not its to
+        # resolve: skipped rather than taking the engine thread down
+        done = [h for r in finished if (h := self._in_engine.pop(r.request_id, None)) is not None]
         event = StepEvent(committed, done, eng.stats.since(before, by_shape=False), version)
         for callback in self._subscribers:
             callback(event)
