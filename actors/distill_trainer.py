@@ -108,8 +108,8 @@ class DistillTrainer:
         on the workers' batches as they arrive (:meth:`TrajectoryBuffer.take_warm_stream`; ``expected``: about how
         many trajectories its share holds, the replay pool's size), ``warm_start_train_s`` counting from its first
         step; should the stream end before any step (no worker's text arrived: the same on every rank), it decodes
-        ``prompts`` itself as without ``stream``. Returns ``{rank, num_requests, num_tokens, tokens_per_s, generate_s, version, steps}`` (this rank's
-        own decode) plus, with worker sources, ``worker_requests`` / ``worker_tokens`` (the trajectories of this
+        ``prompts`` itself as without ``stream``. Returns ``{rank, num_requests, num_tokens, tokens_per_s,
+        generate_s, version, steps}`` (this rank's own decode) plus, with worker sources, ``worker_requests`` / ``worker_tokens`` (the trajectories of this
         rank's share) and ``workers`` (each source's report); a resumed rank past version 0 does nothing
         (``version`` only).
         Raises:

@@ -287,9 +287,9 @@ class Driver:
         decode a share too (:meth:`InferenceWorker.start_warm_decode`; shares in proportion to the KV slots,
         :func:`deal_by_weight`) and the ranks train on theirs as well; with ``distill.warm_start_streaming`` the
         workers decode every prompt and the ranks train on the batches as they arrive (falling back to decoding
-        a share each themselves when no worker starts, or when no worker's text arrived). No on-policy traffic meanwhile (it starts
-        with version 1, from the prompt after the warm start's). Metrics, the version-1 checkpoint and its
-        canary are handled as in the loop; the ranks' reports go to the summary (``warm_start``).
+        a share each themselves when no worker starts, or when no worker's text arrived). No on-policy traffic
+        meanwhile (it starts with version 1, from the prompt after the warm start's). Metrics, the version-1
+        checkpoint and its canary are handled as in the loop; the ranks' reports go to the summary (``warm_start``).
         Raises: as the trainers (a rank that dies here ends the run: its state holds no version yet)."""
         cfg, g, train = self.cfg, self.group, self.inputs.train
         dc = cfg.distill

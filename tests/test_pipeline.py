@@ -318,6 +318,14 @@ def test_deal_warm_start_gives_every_rank_a_prompt():
     assert deal_warm_start([7], [4, 4], 2) == [[7], []]
 
 
+def _warm_workers_overrides(*extra: str) -> list[str]:
+    """cpu_tiny with a warm start of 16 prompts decoded with two inference workers, one version, a short evaluation."""
+    return ["distill.warm_start=true", "distill.warm_start_workers=true", "distill.warm_start_prompts=16",
+            "distill.warm_start_generate_s=20", "distill.warm_start_train_s=5", "distill.num_versions=1",
+            "placement.num_inference_workers=2", "logging.wandb_mode=disabled", "data.num_eval_prompts=2",
+            "data.eval_max_new_tokens=8", "distill.canary_prompts=0", *extra]
+
+
 @pytest.mark.slow
 def test_warm_start_workers_decode_a_share_the_trainer_trains_on(tmp_path):
     """distill.warm_start_workers on cpu_tiny, one trainer rank and two inference workers: the prompts are dealt by
@@ -329,11 +337,7 @@ def test_warm_start_workers_decode_a_share_the_trainer_trains_on(tmp_path):
     from adaflash_ray.config import load_recipe
     from adaflash_ray.pipeline import run
 
-    cfg = load_recipe("recipes/cpu_tiny.yaml", [
-        "distill.warm_start=true", "distill.warm_start_workers=true", "distill.warm_start_prompts=16",
-        "distill.warm_start_batch_size=8", "distill.warm_start_generate_s=20", "distill.warm_start_train_s=5",
-        "distill.num_versions=1", "placement.num_inference_workers=2", "logging.wandb_mode=disabled",
-        "data.num_eval_prompts=2", "data.eval_max_new_tokens=8", "distill.canary_prompts=0"])
+    cfg = load_recipe("recipes/cpu_tiny.yaml", _warm_workers_overrides("distill.warm_start_batch_size=8"))
     summary = run(cfg, tmp_path / "run")
     (rank,) = summary["warm_start"]["ranks"]
     assert rank["version"] == 1 and rank["steps"] >= 1
@@ -356,11 +360,7 @@ def test_streaming_warm_start_trains_while_the_workers_decode(tmp_path):
     from adaflash_ray.config import load_recipe
     from adaflash_ray.pipeline import run
 
-    cfg = load_recipe("recipes/cpu_tiny.yaml", [
-        "distill.warm_start=true", "distill.warm_start_workers=true", "distill.warm_start_streaming=true",
-        "distill.warm_start_prompts=16", "distill.warm_start_generate_s=20", "distill.warm_start_train_s=5",
-        "distill.num_versions=1", "placement.num_inference_workers=2", "logging.wandb_mode=disabled",
-        "data.num_eval_prompts=2", "data.eval_max_new_tokens=8", "distill.canary_prompts=0"])
+    cfg = load_recipe("recipes/cpu_tiny.yaml", _warm_workers_overrides("distill.warm_start_streaming=true"))
     summary = run(cfg, tmp_path / "run")
     warm = summary["warm_start"]
     (rank,) = warm["ranks"]

@@ -587,7 +587,8 @@ class ModelRunner:
         capture). Sorted by (batch, width, span) within the order the kinds first appear."""
         if not self.use_graphs:
             return []
-        kinds = dict.fromkeys(k._replace(batch_size=0, width=0, span=0) for k in (self.graphs if keys is None else keys))
+        seen = self.graphs if keys is None else keys
+        kinds = dict.fromkeys(k._replace(batch_size=0, width=0, span=0) for k in seen)
         spans = sorted({self._span(n) for n in range(1, self.max_seq_len + 1, 16)} | {self._span(self.max_seq_len)})
         out = []
         for kind in kinds:
