@@ -109,9 +109,9 @@ class DistillTrainer:
         many trajectories its share holds, the replay pool's size), ``warm_start_train_s`` counting from its first
         step; should the stream end before any step (no worker's text arrived: the same on every rank), it decodes
         ``prompts`` itself as without ``stream``. Returns ``{rank, num_requests, num_tokens, tokens_per_s,
-        generate_s, version, steps}`` (this rank's own decode) plus, with worker sources, ``worker_requests`` / ``worker_tokens`` (the trajectories of this
-        rank's share) and ``workers`` (each source's report); a resumed rank past version 0 does nothing
-        (``version`` only).
+        generate_s, version, steps}`` (this rank's own decode) plus, with worker sources, ``worker_requests`` /
+        ``worker_tokens`` (the trajectories of this rank's share) and ``workers`` (each source's report); a resumed
+        rank past version 0 does nothing (``version`` only).
         Raises:
             ValueError: no prompts and no worker sources, or no trajectory with output (own or the workers')."""
         from adaflash_ray.distill.loop import decode_for_training
@@ -185,12 +185,12 @@ class DistillTrainer:
             return [t for p in parts if p is not None for t in p], r["done"] or left <= 0
 
         source = StreamSource(fetch)
-        t0 = time.time()
+        t0, steps_before = time.time(), self.core.global_step
         try:
             out = self.loop.warm_start(source, _RegistrySink(registry, self), dc.warm_start_train_s,
                                        pool_size=expected)
         except ValueError as e:
-            if source.num_fetched == 0 or "without one optimizer step" in str(e):
+            if self.core.global_step == steps_before:  # the stream ended before any step (the same on every rank)
                 raise _EmptyStream(f"the workers' warm-start stream ended with {source.num_fetched} trajectories "
                                    f"and no step ({got['reports']})") from e
             raise

@@ -262,9 +262,15 @@ class EngineService:
             if n > h.num_sent:
                 committed.append((h, h.req.output_ids[h.num_sent:]))
                 h.num_sent = n
-        # a request the service does not own (a command's own generate left it, which it should not) is not its to
-        # resolve: skipped rather than taking the engine thread down
-        done = [h for r in finished if (h := self._in_engine.pop(r.request_id, None)) is not None]
+        # a request the service does not own (a command's own generate left it, which generate should not) is not
+        # its to resolve: skipped, and said, rather than taking the engine thread down
+        done = []
+        for r in finished:
+            h = self._in_engine.pop(r.request_id, None)
+            if h is None:
+                log.warning("%s: request %s finished without a handle (left by a command?)", self.name, r.request_id)
+            else:
+                done.append(h)
         event = StepEvent(committed, done, eng.stats.since(before, by_shape=False), version)
         for callback in self._subscribers:
             callback(event)
