@@ -344,6 +344,11 @@ class DistillConfig(_Section):
     # (python -m adaflash_ray.distill.loop --trajectories DIR, the ablations) replays them max_reuse times only with a pool as
     # large as the files
     replay_pool: int | None = Field(None, ge=1)
+    # after the warm start, a rank keeps its warm-start text; an on-policy step that finds too little on-policy data
+    # to fill its batch (nothing fresh, the pool's replays used up) tops the batch up with trajectories drawn at random
+    # from that text instead of waiting for the workers - the trainer steps while inference catches up. Needs
+    # warm_start; off = wait
+    warm_replay: bool = False
     # ask the buffer for the next batch before each optimizer step, so waiting for on-policy data overlaps
     # the step's compute instead of following it (never across a publication: what a publication commits
     # is always trained in)
@@ -363,6 +368,8 @@ class DistillConfig(_Section):
         if self.recompute_fused and self.recompute_compiled:
             raise ValueError("distill.recompute_fused and distill.recompute_compiled are two ways to the same "
                              "forward: set one")
+        if self.warm_replay and not self.warm_start:
+            raise ValueError("distill.warm_replay replays the warm start's text: set distill.warm_start too")
         return self
 
 

@@ -559,6 +559,7 @@ class Driver:
                    "trajectories": {"trained_fresh": t0["num_fresh"], "counted_twice": t0["num_counted_twice"],
                                     "lost_owner_died": t0["num_lost"],
                                     "duplicates_delivered_not_retrained": t0["num_duplicates_skipped"],
+                                    "warm_replayed": t0.get("num_warm_replayed", 0),
                                     "redelivered_after_restart": int(bfinal["buffer/redelivered"])},
                    "prompts_cancelled_after_training": end["num_cancelled"],
                    "buffer": {k.split("/", 1)[1]: v for k, v in bfinal.items()},

@@ -184,6 +184,12 @@ def test_set_errors_name_the_problem():
         load_recipe(None, ["distill.lr=[1,"])
 
 
+def test_warm_replay_without_a_warm_start_is_refused():
+    with pytest.raises(RecipeError, match=r"distill\.warm_replay replays the warm start's text"):
+        load_recipe(None, ["distill.warm_replay=true", "distill.warm_start=false"])
+    assert load_recipe(None, ["distill.warm_replay=true", "distill.warm_start=true"]).distill.warm_replay
+
+
 def test_set_parent_not_a_mapping(tmp_path):
     path = _write(tmp_path, "distill: 3\n")
     with pytest.raises(RecipeError, match=r"parent 'distill' is not a mapping"):

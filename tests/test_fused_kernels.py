@@ -48,6 +48,34 @@ def _close_bf16(a: torch.Tensor, b: torch.Tensor, ulps: float = 2.0) -> None:
 # --------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("vocab", [49152, 151936])  # SmolLM2, Qwen3
+@pytest.mark.parametrize("rows", [15, 64 * 15])
+def test_draft_confidence_gpu(vocab, rows):
+    """The acceptance head's draft confidence in one pass == the float64 definition (and the torch reference within its
+    own cancellation error) on drafter-like float32 logits; captured in a CUDA graph it replays the same bits."""
+    from adaflash_ray.kernels.draft_confidence import draft_confidence_fused, draft_confidence_ref
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    z = 4 * torch.randn(rows, vocab, device="cuda", generator=g)
+    z[:, :8] += 12 * torch.rand(rows, 8, device="cuda", generator=g)  # a few likely words, as a trained drafter's
+    p64 = torch.softmax(z.double(), -1)
+    exact = torch.stack([p64.max(-1).values, -(p64 * torch.log_softmax(z.double(), -1)).sum(-1)], -1)
+    got = draft_confidence_fused(z)
+    assert (got.double() - exact).abs().max().item() <= 2e-5 * max(1.0, exact.abs().max().item())
+    assert (got - draft_confidence_ref(z)).abs().max().item() <= 5e-4 * max(1.0, exact.abs().max().item())
+    zb = z.bfloat16()
+    assert (draft_confidence_fused(zb) - draft_confidence_ref(zb)).abs().max().item() <= 5e-4 * exact.abs().max()
+    out = torch.empty_like(got)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(draft_confidence_fused(z))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got)
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
 @pytest.mark.parametrize("rows", [1, 16, 1024])
 def test_add_rmsnorm_gpu(shape, rows):
@@ -344,6 +372,23 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     for other in outs[1:]:
         for a, b in zip(outs[0], other):
             close(a, b, 1e-5)
+
+    # the acceptance head's draft confidence: one pass against the float64 definition (the torch reference's own
+    # cancellation is ~1e-4 at logits ~30), a vocabulary that is no multiple of the kernel's block, bf16 input, an
+    # uneven row stride, a one-word vocabulary
+    from adaflash_ray.kernels.draft_confidence import draft_confidence_fused, draft_confidence_ref
+    for shape, dt, scale in (((3, 5, 1000), torch.float32, 3.0), ((2, 7, 4099), torch.bfloat16, 8.0),
+                             ((4, 300), torch.float32, 30.0), ((2, 1), torch.float32, 1.0)):
+        z = (torch.randn(*shape, generator=g) * scale).to(dt)
+        z[..., 0] += 20.0
+        p64 = torch.softmax(z.double(), -1)
+        exact = torch.stack([p64.max(-1).values, -(p64 * torch.log_softmax(z.double(), -1)).sum(-1)], -1)
+        got = draft_confidence_fused(z)
+        assert got.shape == (*shape[:-1], 2) and got.dtype == torch.float32
+        close(got, exact, 2e-6)
+        close(got, draft_confidence_ref(z), 2e-4)
+    z = torch.randn(6, 2 * 4099, generator=g)[:, ::2]
+    close(draft_confidence_fused(z), draft_confidence_ref(z), 2e-6)
     print("interpreter ok")
 """)
 
@@ -379,12 +424,13 @@ def test_kernels_compile_for_sm90(tmp_path):
     from triton.compiler import ASTSource
 
     from adaflash_ray.kernels import decode_attention as da
-    from adaflash_ray.kernels import fused_norm, rotary_cache, swiglu
+    from adaflash_ray.kernels import draft_confidence, fused_norm, rotary_cache, swiglu
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     cases = [(fused_norm._add_rmsnorm_kernel, {"HAS_DELTA": True, "BLOCK": 4096}, 8),
              (fused_norm._add_rmsnorm_kernel, {"HAS_DELTA": False, "BLOCK": 1024}, 4),
-             (swiglu._swiglu_kernel, {"BLOCK": 1024}, 4)]
+             (swiglu._swiglu_kernel, {"BLOCK": 1024}, 4),
+             (draft_confidence._confidence_kernel, {"BLOCK": 2048}, 8)]
     for _, _, _, hq, hkv, d, qk in SHAPES:
         for heads in (hq, 0):  # 0: keys and values only (the drafter's context, rotary_kv_cache)
             cases.append((rotary_cache._rotary_qkv_cache_kernel,
@@ -395,8 +441,10 @@ def test_kernels_compile_for_sm90(tmp_path):
             cases.append((da._split_kernel, {"HKV": hkv, "REP": rep, "D": d, "BLOCK_M": bm, "BLOCK_N": 64},
                           8 if d >= 128 else 4))
         cases.append((da._merge_kernel, {"HKV": hkv, "REP": rep, "D": d}, 1))
+    fp32_io = {draft_confidence._confidence_kernel}  # float32 logits in, float32 features out
     for kernel, consts, warps in cases:
-        sig = {n: "constexpr" if n in consts else _arg_type(n) for n in kernel.arg_names}
+        ptr = "*fp32" if kernel in fp32_io else "*bf16"
+        sig = {n: "constexpr" if n in consts else _arg_type(n, ptr) for n in kernel.arg_names}
         out = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                              options={"num_warps": warps})
         assert out.asm.get("cubin"), kernel

@@ -105,6 +105,44 @@ def test_hybrid_greedy_lossless_with_measured_costs(tiny_target, where):
     assert engine.stats.accept_len > 1.5
 
 
+def test_planned_propose_skips_the_length_policy_forward(tiny_target, monkeypatch):
+    """With the planner's block estimate (``runner.expected_fn``) the planner picks each row's γ, so a propose runs
+    the acceptance head once (the estimate) and not the ``cost`` policy's own forward as well; the cost policy
+    alone still runs its forward once per propose."""
+    from adaflash_ray.engine import length_policy as lp
+    from adaflash_ray.models import length_head as lh
+
+    calls = {"policy": 0, "confidence": 0}
+    policy_call, conf = lp.CostLength.__call__, lh.draft_confidence
+
+    def counted_policy(self, *a, **k):
+        calls["policy"] += 1
+        return policy_call(self, *a, **k)
+
+    def counted_conf(*a, **k):
+        calls["confidence"] += 1
+        return conf(*a, **k)
+
+    monkeypatch.setattr(lp.CostLength, "__call__", counted_policy)
+    monkeypatch.setattr(lp, "draft_confidence", counted_conf)
+    import adaflash_ray.engine.engine as eng
+    monkeypatch.setattr(eng, "draft_confidence", counted_conf)
+    prompts = _prompts()
+    for sources in (("dflash", "suffix"), None):
+        drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
+        engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=160,
+                            draft_sources=sources, lookup_device="host")
+        calls.update(policy=0, confidence=0)
+        reqs = engine.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+        for r in reqs:
+            assert r.output_ids == greedy_reference(tiny_target, r.prompt_ids, 12)
+        proposes = engine.stats.num_prefills + engine.stats.num_engine_steps  # at most one propose each
+        if sources is not None:
+            assert calls["policy"] == 0 and calls["confidence"] > 0
+        else:
+            assert calls["policy"] > 0 and calls["confidence"] == calls["policy"] <= proposes
+
+
 def test_hybrid_sources_chosen_by_hand_costs_lossless(tiny_target):
     """Hand-set tables: drafting never pays -> every step "none" (no propose after the first block); the drafter's
     block always pays -> "dflash" steps; output exact in both."""

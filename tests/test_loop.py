@@ -159,7 +159,7 @@ def test_loop_over_spill_files_publishes_on_cadence_saves_then_commits_then_publ
     assert events[0][1:] == ("v1", {"version": 1, "fresh_ids": ["r0", "r1", "r2", "r3"], "num_lost": 0})
     assert source.num_committed == 6 and source.exhausted() and source.version == 2
     assert summary == {"rank": 0, "final_version": 2, "steps": 3, "seconds": summary["seconds"], "num_fresh": 6,
-                       "num_counted_twice": 0, "num_lost": 0, "num_duplicates_skipped": 0}
+                       "num_counted_twice": 0, "num_lost": 0, "num_duplicates_skipped": 0, "num_warm_replayed": 0}
     assert sink.closed and core.closed
     assert [m.get("sync/version") for m in records] == [None, 1.0, None, 2.0]  # v2: a publish-only record
     assert records[3] == {**records[3], "train/step": 3.0, "train/out_of_data": 1.0} and "train/loss" not in records[3]
@@ -253,6 +253,38 @@ def test_loop_replays_up_to_max_reuse_then_publishes_what_it_trained():
     assert core.fresh[:2] == [[True, True], [True, True]] and all(not any(f) for f in core.fresh[2:])
     assert summary["final_version"] == 1 and summary["num_fresh"] == 4
     assert events == [("commit", 4), ("publish", 1)]  # the lease ends before the version goes out
+
+
+def test_warm_replay_fills_short_on_policy_batches_with_the_warm_start_text():
+    """distill.warm_replay: after the warm start the rank keeps its text; an on-policy step with too little fresh data
+    fills its batch with warm-start trajectories (not fresh, not in the pool's uses) instead of waiting for the source,
+    and the fresh data still goes first. Off: the same run waits and trains only the on-policy data."""
+    def run(replay: bool):
+        events, records = [], []
+        core = FakeCore(events)
+        loop = TrainerLoop(core, _dc(batch_size=4, max_reuse=1, publish_every=100, max_train_s=0.6,
+                                     warm_replay=replay, warm_start=True, warm_start_group_by_length=False),
+                           seed=5, on_metrics=records.append)
+        warm = [_traj(f"w{i}", 8) for i in range(8)]
+        loop.warm_start(warm, FakeSink(events), train_s=30.0)
+        warm_steps = core.global_step
+        source = ListSource(["a", "b", "c", "d", "e"], events)
+        summary = loop.run(source, FakeSink(events))
+        return core, records, summary, warm_steps, loop
+
+    core, records, summary, warm_steps, loop = run(True)
+    steps = core.trained[warm_steps:]
+    assert warm_steps == 2 and loop.warm_set and len(loop.warm_set) == 8
+    assert steps[0] == ["a", "b", "c", "d"]  # a full batch of fresh data: no filler
+    assert steps[1][0] == "e" and all(x.startswith("w") for x in steps[1][1:])  # fresh first, then warm-start text
+    assert len(steps) > 5 and all(len(s) == 4 and all(x.startswith("w") for x in s) for s in steps[2:])
+    assert core.fresh[warm_steps + 1] == [True, False, False, False]
+    on_policy = [r for r in records if "train/warm_start" not in r and "train/loss" in r]
+    assert [r["train/num_warm_replay"] for r in on_policy[:2]] == [0.0, 3.0]
+    assert summary["num_warm_replayed"] == 3 + 4 * (len(steps) - 2) and summary["num_fresh"] == 5 + 8
+    core, records, summary, warm_steps, loop = run(False)
+    assert core.trained[warm_steps:] == [["a", "b", "c", "d"], ["e"]] and summary["num_warm_replayed"] == 0
+    assert not loop.warm_set
 
 
 def test_loop_skips_duplicates_and_counts_lost_trajectories():

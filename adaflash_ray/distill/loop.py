@@ -95,6 +95,8 @@ class TrainerLoop:
         self.fresh_ids: list[str] = list(state.get("fresh_ids", []))  # first trained on in a saved state
         self.num_lost = int(state.get("num_lost", 0))  # trajectories whose producer died before they were fetched
         self.num_duplicates_skipped = 0  # trajectories delivered again (a recovered buffer) and not retrained
+        self.warm_set: list[Trajectory] = []  # this rank's warm-start text, kept for distill.warm_replay
+        self.num_warm_replayed = 0  # warm-start trajectories that filled on-policy batches (distill.warm_replay)
         self._on_metrics = on_metrics or (lambda m: None)
         self._should_stop = should_stop or (lambda: False)
 
@@ -118,7 +120,13 @@ class TrainerLoop:
         trained ``distill.max_reuse`` times). None = ``distill.replay_pool``, else 4 x ``batch_size`` x
         ``max_reuse``: on-policy data keeps coming, and the pool then holds the latest few steps' worth. A stage
         that trains on a fixed set (:meth:`warm_start`) passes the set's size, so every trajectory is replayed
-        ``max_reuse`` times in all, not only the last few batches' worth once the set is exhausted."""
+        ``max_reuse`` times in all, not only the last few batches' worth once the set is exhausted.
+
+        With ``distill.warm_replay`` and a kept warm-start set (:attr:`warm_set`, from :meth:`warm_start`), a step
+        whose pool cannot fill a batch does not wait for ``source``: it waits at most 0.05 s (or its prefetch) and
+        fills the rest of the batch with warm-start trajectories drawn at random (not fresh, not counted in the
+        pool's uses; ``train/num_warm_replay`` per step, ``num_warm_replayed`` in the summary). Not while
+        ``source`` is exhausted: a finite source still ends the run."""
         dc, core = self.dc, self.core
         num_versions = num_versions or dc.num_versions
         cfg_dict = core.drafter_model_config().as_dict()
@@ -143,26 +151,29 @@ class TrainerLoop:
                 seen.difference_update(p[0].request_id for p in unused)  # a redelivery is then new to it
                 pool = [p for p in pool if p[2] > 0]
 
+        warm = self.warm_set if getattr(dc, "warm_replay", False) else []
         while not time_up and core.all_ranks(self.version < num_versions and not self._should_stop()):
             pool = [p for p in pool
                     if p[2] < dc.max_reuse and within_version_lag(self.version, p[1], dc.max_version_lag)]
+            replay = bool(warm) and not source.exhausted()  # may fill a short batch with warm-start text
             wait_s = 60.0  # for a batch when no step is possible without one
             if dc.max_train_s is not None and t_first_step is not None:  # a starved trainer still times out
                 wait_s = max(0.0, min(wait_s, dc.max_train_s - (time.time() - t_first_step)))
             if prefetched is not None:  # it waited while the last step computed
                 items, prefetched = list(prefetched.result()), None
-                if len(pool) + len(items) < dc.batch_size:  # no step possible yet: wait for the rest
+                if len(pool) + len(items) < dc.batch_size and not replay:  # no step possible yet: wait for the rest
                     items += source.get_batch(dc.batch_size - len(items), wait_s)
             else:
                 reusable = len(pool) >= dc.batch_size
-                items = list(source.get_batch(dc.batch_size, min(0.2, wait_s) if reusable else wait_s))
+                items = list(source.get_batch(dc.batch_size, min(0.2 if reusable else 0.05, wait_s)
+                                              if reusable or replay else wait_s))
             fresh, items = self._resolve(source, items)
             keep = [i for i, t in enumerate(fresh) if t.request_id not in seen]  # a redelivery it already has
             self.num_duplicates_skipped += len(fresh) - len(keep)
             fresh, items = [fresh[i] for i in keep], [items[i] for i in keep]
             seen.update(t.request_id for t in fresh)
             pool.extend([t, it[1], 0, it[0]] for t, it in zip(fresh, items))
-            if not core.all_ranks(len(pool) >= dc.batch_size or bool(fresh)):
+            if not core.all_ranks(len(pool) >= dc.batch_size or bool(fresh) or replay):
                 timed_out = (dc.max_train_s is not None and t_first_step is not None
                              and not core.all_ranks(time.time() - t_first_step < dc.max_train_s))
                 if timed_out or core.all_ranks(source.exhausted()):
@@ -185,7 +196,9 @@ class TrainerLoop:
                 if p[2] == 0:
                     pending_ids.append(p[0].request_id)
                 p[2] += 1
-            trajs = [p[0] for p in chosen]
+            filler = rng.sample(warm, min(len(warm), dc.batch_size - len(chosen))) if replay else []
+            self.num_warm_replayed += len(filler)
+            trajs = [p[0] for p in chosen] + filler
             versions = [p[1] for p in chosen]
             del fresh
             if len(pool) > pool_cap:
@@ -194,7 +207,7 @@ class TrainerLoop:
             if dc.prefetch and recent_s > 0 and not self._may_publish_next(t_first_step, recent_s):
                 # the next batch gathers in the source during this step (returns by the step's end)
                 prefetched = source.prefetch(dc.batch_size, 0.9 * recent_s)
-            m = core.train_step(trajs, fresh=[p[2] == 1 for p in chosen])
+            m = core.train_step(trajs, fresh=[p[2] == 1 for p in chosen] + [False] * len(filler))
             if t_first_step is not None:
                 step_times = step_times[-4:] + [m["train/seconds"]]
             t_first_step = t_first_step or time.time() - m["train/seconds"]
@@ -203,7 +216,9 @@ class TrainerLoop:
             if prefetched is not None and (time_up or self._should_stop()):  # sooner than foreseen: hand it back
                 source.release([it[0] for it in prefetched.result()])
                 prefetched = None
-            m["train/version_lag"] = sum(self.version - v for v in versions) / len(versions)
+            m["train/version_lag"] = sum(self.version - v for v in versions) / max(len(versions), 1)
+            if replay:
+                m["train/num_warm_replay"] = float(len(filler))
             m["train/version"] = float(self.version)
             m["train/num_fresh"] = float(sum(1 for p in chosen if p[2] == 1))
             m["train/num_lost_trajectories"] = float(self.num_lost)
@@ -222,7 +237,7 @@ class TrainerLoop:
         return {"rank": self.rank, "final_version": self.version, "steps": core.global_step,
                 "seconds": time.time() - t_start, "num_fresh": len(self.fresh_ids),
                 "num_counted_twice": len(self.fresh_ids) - len(set(self.fresh_ids)), "num_lost": self.num_lost,
-                "num_duplicates_skipped": self.num_duplicates_skipped}
+                "num_duplicates_skipped": self.num_duplicates_skipped, "num_warm_replayed": self.num_warm_replayed}
 
     def warm_start(self, trajectories: list[Trajectory] | StreamSource, sink: WeightSink, train_s: float,
                    pool_size: int | None = None) -> dict:
@@ -249,7 +264,8 @@ class TrainerLoop:
             m["train/warm_start"] = 1.0
             on_metrics(m)
 
-        self.dc = dc.model_copy(update={"max_train_s": train_s, "publish_every": 1 << 30, "prefetch": False})
+        self.dc = dc.model_copy(update={"max_train_s": train_s, "publish_every": 1 << 30, "prefetch": False,
+                                        "warm_replay": False})
         self._on_metrics = tagged
         if not stream and getattr(dc, "warm_start_group_by_length", False):
             trajectories = length_grouped(trajectories, dc.batch_size, self.seed + self.rank)
@@ -264,6 +280,8 @@ class TrainerLoop:
         if stream and self.core.global_step == steps_before:
             raise ValueError(f"warm start: the stream ended after {trajectories.num_fetched} trajectories "
                              "without one optimizer step")
+        if getattr(dc, "warm_replay", False):  # kept for the on-policy stage's short batches
+            self.warm_set = list(trajectories.trajectories if stream else trajectories)
         return out
 
     def _resolve(self, source: TrajectorySource, items: list) -> tuple[list[Trajectory], list]:

@@ -225,12 +225,21 @@ class SpecEngine:
             self.planner = HybridPlanner(self.draft_sources, self.runner.max_draft, self.runner.block_size,
                                          self.runner._width_buckets, probe_every=probe_every,
                                          max_ngram=lookup_max_ngram, lookup_on_device=self.lookup_on_device)
+        # the acceptance head's draft confidence in one Triton kernel where the engine's fused kernels are on (CUDA),
+        # compiled here, before any CUDA graph capture may first meet it; else the torch reference
+        fused_conf = on_cuda and bool(getattr(target, "fused_kernels_active", False))
+        if isinstance(self.policy, CostLength):
+            self.policy.fused_confidence = fused_conf
+        if self.draft_sources is not None:
             if "dflash" in self.draft_sources and isinstance(length_head, AcceptanceHead):
                 head = length_head
 
                 def block_expected(block_hidden, draft_logits):  # [B, bs, H], [B, bs-1, V] -> [B, bs-1]
-                    return expected_committed(torch.sigmoid(head(block_hidden[:, 1:], draft_confidence(draft_logits))))
+                    conf = draft_confidence(draft_logits, fused_conf)
+                    return expected_committed(torch.sigmoid(head(block_hidden[:, 1:], conf)))
                 self.runner.expected_fn = block_expected
+        if fused_conf and isinstance(length_head, AcceptanceHead):
+            draft_confidence(torch.zeros(1, 2, target.config.vocab_size, device=target.lm_head.weight.device), True)
         self.record, self.record_features = record, record_features
         self.stats = SpecStats()
         self.clock = self.runner.clock = clock

@@ -165,6 +165,9 @@ class CostLength(LengthPolicy):
         self.ar_chosen = False  # the last answer for the running batch was γ = 0
         self.steps_since_probe = 0  # AR steps since the last propose while it was
         self.probe_interval = probe_every  # AR steps before the next propose (doubles while γ stays 0)
+        # the draft confidence by the Triton kernel (True), the torch reference (False) or the default rule (None):
+        # the engine sets its fused-kernel choice
+        self.fused_confidence: bool | None = None
 
     @classmethod
     def create(cls, head, block_size, *, min_len, ar_steps, probe_every, **settings) -> "CostLength":
@@ -309,7 +312,7 @@ class CostLength(LengthPolicy):
         cost = self.cost_row(block_hidden.shape[0])
         if cost is None:  # not calibrated: no head forward needed
             return self.choose(block_hidden.new_zeros(block_hidden.shape[0], self.block_size - 1), None)
-        p = torch.sigmoid(self.head(block_hidden[:, 1:], draft_confidence(draft_logits)))  # [B, bs-1]
+        p = torch.sigmoid(self.head(block_hidden[:, 1:], draft_confidence(draft_logits, self.fused_confidence)))
         return self.choose(p, cost, live, self.ar_cost(block_hidden.shape[0]))
 
 

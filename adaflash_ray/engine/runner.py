@@ -217,7 +217,8 @@ class ModelRunner:
         self.out = torch.zeros(num_slots, self._top_col + 2 * (nd + 1) * MAX_TOP_LOGPROBS, dtype=torch.long,
                                device=dev)
         # (block_hidden [B, bs, H], draft_logits [B, bs-1, V]) -> E[committed | γ] [B, bs-1] float, or None: set by
-        # an engine whose scheduler weighs the drafter's block against other sources (graph-safe, no host sync)
+        # an engine whose scheduler weighs the drafter's block against other sources (graph-safe, no host sync); that
+        # scheduler then picks each row's γ itself, so the length policy's forward is skipped (its γ: 0 in every row)
         self.expected_fn = None
         # sampling rows draft the drafter's argmax, verified as a point-mass q (still lossless), instead of sampling
         # each block position from q independently
@@ -381,7 +382,8 @@ class ModelRunner:
                  live=None, anchor_hidden=None):
         """Drafter forward on ``[anchor, MASK...]`` -> pending drafts (+ their probabilities q when sampling)
         stored per slot; returns (γ ``[B]`` from the length policy (``live`` [B] bool: the rows that are real
-        requests, None = all), E[committed | γ] ``[B, bs-1]`` float from ``expected_fn`` or None). A policy with
+        requests, None = all), None) or, with an ``expected_fn``, (zeros ``[B]`` - the planner picks each row's γ;
+        no policy forward - , E[committed | γ] ``[B, bs-1]`` float). A policy with
         ``needs_anchor_hidden`` also gets ``anchor_hidden`` ``[B, H]``: the target's final-normed hidden state whose
         logits gave each anchor token.
 
@@ -408,7 +410,9 @@ class ModelRunner:
             self.drafts[:b, :nb] = drafts
         else:
             self.drafts[slot_ids, :nb] = drafts
-        expected = self.expected_fn(hidden, draft_logits) if self.expected_fn is not None else None
+        if self.expected_fn is not None:  # the planner's estimate; it chooses γ per row (no policy forward)
+            return torch.zeros(b, dtype=torch.long, device=anchors.device), self.expected_fn(hidden, draft_logits)
+        expected = None
         if self.wants_anchor_hidden:
             return self.length_policy(hidden, draft_logits, live, anchor_hidden=anchor_hidden).to(torch.long), expected
         return self.length_policy(hidden, draft_logits, live).to(torch.long), expected

@@ -76,20 +76,33 @@ def direct_length_label(num_accepted: torch.Tensor, block_size: int, lookahead: 
     return ((num_accepted.float() + lookahead) / block_size).clamp(0.0, 1.0)
 
 
-def draft_confidence(draft_logits: torch.Tensor) -> torch.Tensor:
+def draft_confidence(draft_logits: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
     """Confidence features of drafts for the ``cost`` policy's :class:`AcceptanceHead`.
 
     Args:
         draft_logits: ``[..., V]`` drafter logits of block positions (any float dtype).
+        fused: take the Triton kernel that reads the logits once
+            (:func:`adaflash_ray.kernels.draft_confidence.draft_confidence_fused`; the engine passes its fused-kernel
+            choice); None = on CUDA with Triton unless ``ADAFLASH_FUSED_KERNELS=off``. False: the pure-torch
+            reference.
     Returns:
         ``[..., 2]`` float32: (max probability, entropy in nats) of ``softmax(draft_logits)`` (temperature 1).
     """
-    z = draft_logits.float()
-    lse = torch.logsumexp(z, dim=-1)
-    maxp = (z.max(dim=-1).values - lse).exp()
-    # H = lse - Σ_v p_v z_v, the sum as a batched dot product (no [.., V] product tensor)
-    entropy = lse - torch.einsum("...v,...v->...", torch.softmax(z, dim=-1), z)
-    return torch.stack([maxp, entropy], dim=-1)
+    if fused if fused is not None else (draft_logits.is_cuda and _fused_confidence()):
+        from adaflash_ray.kernels.draft_confidence import draft_confidence_fused
+
+        return draft_confidence_fused(draft_logits)
+    from adaflash_ray.kernels.draft_confidence import draft_confidence_ref
+
+    return draft_confidence_ref(draft_logits)
+
+
+def _fused_confidence() -> bool:
+    """Whether :func:`draft_confidence` takes the Triton kernel on a CUDA tensor (Triton imports, the environment's
+    ``ADAFLASH_FUSED_KERNELS`` is not ``off``)."""
+    from adaflash_ray.kernels.triton_support import HAVE_TRITON, env_mode
+
+    return HAVE_TRITON and env_mode() != "off"
 
 
 class AcceptanceHead(nn.Module):
