@@ -199,7 +199,9 @@ def profile(method: str, target, drafter, head, batch: int, ns) -> dict:
     sp = SamplingParams(max_new_tokens=ns.new_tokens, ignore_eos=True)
     eng = _engine(method, target, drafter, head, batch, ns.prompt_len + ns.new_tokens + 64)
     mode = "ar" if method == "ar" else "spec"
-    eng.generate(prompts, sp, mode=mode)  # warm-up: captures every graph the timed runs need
+    eng.generate(prompts, sp, mode=mode)  # warm-up: captures the graphs of the shapes it met
+    if eng.runner.is_cuda and not ns.no_precapture:  # and every shape the timed runs may meet, as the bench does
+        print(f"  {method} b={batch} precapture: {eng.precapture_graphs(120.0)}", flush=True)
     timer = _Timer(eng, ns.sync)
     prof = cProfile.Profile() if method in ns.cprofile else None
     rows = []
@@ -281,6 +283,8 @@ def main() -> None:
     p.add_argument("--methods", "--modes", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS, metavar="METHOD",
                    help=f"of {', '.join(METHODS)} (default: {' '.join(DEFAULT_METHODS)})")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per method and batch (after one warm-up)")
+    p.add_argument("--no-precapture", action="store_true",
+                   help="leave the graphs of shapes the warm-up did not meet to be captured in the timed runs")
     p.add_argument("--reduce", default="min", choices=("min", "median"),
                    help="the repeats' row: the fastest run's, or the field-wise median")
     p.add_argument("--sync", action="store_true",

@@ -484,9 +484,10 @@ def test_device_lookup_graphs_greedy_equal_ar_tiny(sources):
 
 def test_precaptured_graphs_serve_without_capture_and_equal_ar_tiny():
     """SpecEngine.precapture_graphs on the hybrid with device lookups (tiny random fp32 target): after two passes it
-    captures every kind of step the passes ran at every batch bucket x width bucket x span (ModelRunner.graph_grid),
-    without running them (outputs of the next passes still equal AR token for token); a later pass then captures a
-    step graph only for a kind of step never run before."""
+    captures every kind of step the passes ran at every batch bucket x width bucket x span (ModelRunner.graph_grid)
+    and the drafter-context catch-up graphs up to 8,192 positions, without running them (outputs of the next passes
+    still equal AR token for token); a later pass then captures a step graph only for a kind of step never run
+    before."""
     target, prompts, ar = _lookup_case()
     drafter, head = make_drafter(target, block_size=8, layers=1, policy="cost", seed=5)
     eng = SpecEngine(target, drafter, head, policy="cost", max_batch_size=4, max_seq_len=256,
@@ -499,9 +500,13 @@ def test_precaptured_graphs_serve_without_capture_and_equal_ar_tiny():
     kinds = {kind(k) for k in eng.runner.graphs}
     assert set(grid) >= set(eng.runner.graphs) and len(grid) >= len(kinds) * len(eng.runner._batch_buckets)
     seen = set(eng.runner.graphs)
+    cu_seen = set(eng.runner._catch_up_graphs)
     got = eng.precapture_graphs()
     assert got["graphs"] == len(set(grid) - seen) > 0 and got["stopped"] is None and got["grid"] == len(grid)
-    assert set(grid) <= set(eng.runner.graphs) and eng.precapture_graphs()["graphs"] == 0
+    sizes = {64 << i for i in range(8)}  # 64 .. 8192: the drafter-context catch-up graphs, captured without running
+    assert got["catch_up_graphs"] == len(sizes - cu_seen) and sizes <= set(eng.runner._catch_up_graphs)
+    again = eng.precapture_graphs()
+    assert set(grid) <= set(eng.runner.graphs) and again["graphs"] == 0 and again["catch_up_graphs"] == 0
     before = set(eng.runner.graphs)
     third, _ = _gen(eng, prompts)
     assert third == ar

@@ -884,14 +884,21 @@ class SpecEngine:
         """Capture, ahead of use, the CUDA step graphs of every shape this engine may meet next
         (:meth:`ModelRunner.graph_grid` of the kinds of step it has run: each at every batch bucket, width bucket and
         span), so an adaptive engine - whose widths and batch buckets move from step to step - does not capture them
-        inside a step later (a kind of step it never ran, and the drafter-context catch-up graphs, are still captured
-        on first use). Call between steps (e.g. after a warm-up run); a no-op without CUDA graphs; stops after
-        ``max_seconds`` or at a failed capture (:meth:`ModelRunner.precapture`). Returns ``{"graphs": captured now,
-        "grid": the shapes it covers, "seconds": wall time, "stopped": why it stopped early or None}``."""
+        inside a step later (a kind of step it never ran is still captured on first use); then, with a drafter, the
+        drafter-context catch-up graphs of every padded size up to 8,192 positions
+        (:meth:`ModelRunner.precapture_catch_up`). Call between steps (e.g. after a warm-up run); a no-op without CUDA
+        graphs; stops after ``max_seconds`` or at a failed capture (:meth:`ModelRunner.precapture`). Returns
+        ``{"graphs": step graphs captured now, "grid": the shapes it covers, "catch_up_graphs": catch-up graphs
+        captured now, "seconds": wall time, "stopped": why it stopped early or None}``."""
         t0 = time.perf_counter()
         grid = self.runner.graph_grid()
         n, why = self.runner.precapture(grid, max_seconds)
-        return {"graphs": n, "grid": len(grid), "seconds": round(time.perf_counter() - t0, 3), "stopped": why}
+        n_cu = 0
+        if why is None:
+            left = None if max_seconds is None else max(0.0, max_seconds - (time.perf_counter() - t0))
+            n_cu, why = self.runner.precapture_catch_up(max_seconds=left)
+        return {"graphs": n, "grid": len(grid), "catch_up_graphs": n_cu, "seconds": round(time.perf_counter() - t0, 3),
+                "stopped": why}
 
     @torch.no_grad()
     def calibrate_costs(self, batch_sizes: list[int] | None = None, context_len: int | None = None,

@@ -758,6 +758,37 @@ class ModelRunner:
         for s, _, b in spans:
             self.ctx_len[s] = max(self.ctx_len[s], b)
 
+    @torch.no_grad()
+    def precapture_catch_up(self, max_size: int = 8192, max_seconds: float | None = None) -> tuple[int, str | None]:
+        """Capture the drafter-context catch-up graphs of every padded size (:meth:`_catch_up_graphed`: powers of two
+        from 64) up to ``max_size`` not captured yet, without running them (a capture records the feature gather, the
+        context projection and the K/V writes; nothing in the drafter context changes), so the first catch-up of
+        each size after an AR stretch (the ``cost`` policy's probes, a planner's block coming back) replays instead
+        of capturing inside its step. After the runner's first step only (its kernels initialised). Stops early at
+        ``max_seconds`` or at a failed capture. Returns ``(graphs captured, why it stopped early or None)``; ``(0,
+        None)`` without graphs or a drafter."""
+        if not self.use_graphs or self.drafter is None or not self._warm:
+            return 0, None
+        n, t0, size = 0, time.perf_counter(), 64
+        while size <= max_size:
+            if size not in self._catch_up_graphs:
+                if max_seconds is not None and time.perf_counter() - t0 >= max_seconds:
+                    return n, f"time budget of {max_seconds:g} s spent"
+                rows_buf = torch.zeros(size, dtype=torch.long, device=self.device)
+                pos_buf = torch.zeros(size, dtype=torch.long, device=self.device)
+                host = torch.zeros(2, size, dtype=torch.long, pin_memory=True)
+                try:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self._pool):
+                        self.drafter.append_context(self.ctx, rows_buf, pos_buf, self.feat_hist[rows_buf, pos_buf])
+                except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+                    torch.cuda.synchronize()
+                    return n, f"catch-up capture of size {size} failed: {type(e).__name__}: {str(e)[:200]}"
+                self._catch_up_graphs[size] = (rows_buf, pos_buf, host, graph)
+                n += 1
+            size *= 2
+        return n, None
+
     def _catch_up_graphed(self, rows: np.ndarray, pos: np.ndarray) -> None:
         """:meth:`catch_up_context`'s append on CUDA graphs: the ``N`` (row, position) pairs padded to a bucket
         (the next power of two >= max(N, 64)) by repeating the last pair - a padded entry writes the same K/V to the
