@@ -22,6 +22,7 @@
 # 5. POOLED=1: the pooled domain (all four, distinct prompts) at concurrency 64, 128, 256 -> bench_pooled.json/.png
 # 6. WALK=1: every-anchor acceptance vs the greedy walk's τ on the held-out outputs (adaflash_ray.distill.walk)
 # HYBRID_METHODS="ar adaflash-cost ..." replaces the methods of steps 2, 3 and 5. GPU_TESTS=0 skips step 1, C1_TIMEOUT=0 step 2, C64_TIMEOUT=0 step 3, T08=0 step 4.
+# Step 1's tests: GPU_TEST_FILES (default tests/test_gpu.py), GPU_TESTS_K (its -k expression), GPU_TESTS_TIMEOUT (90 s).
 # The suffix / hybrid corpus starts from the AR outputs of other held-out prompts of the same domain and is reset
 # before every timed repeat (it never holds a timed request's own output).
 # Everything (hybrid_bench.log with versions and each step's output, the JSON, PNG and logs) is tarred into ONE
@@ -82,8 +83,9 @@ EOF
 fi
 read -r -a METHODS <<< "${HYBRID_METHODS:-ar dflash adaflash-cost ngram suffix hybrid}"  # HYBRID_METHODS: other methods
 if [ "${GPU_TESTS:-1}" != 0 ]; then
-  step gpu_tests 90 python3 -m pytest -q -m gpu tests/test_gpu.py -k "lookup_and_hybrid or cost_policy_ar_steps" \
-    -p no:cacheprovider -s
+  read -r -a TEST_FILES <<< "${GPU_TEST_FILES:-tests/test_gpu.py}"
+  step gpu_tests "${GPU_TESTS_TIMEOUT:-90}" python3 -m pytest -q -m gpu "${TEST_FILES[@]}" \
+    -k "${GPU_TESTS_K:-lookup_and_hybrid or cost_policy_ar_steps}" -p no:cacheprovider -s
 fi
 [ "${C1_TIMEOUT:-230}" != 0 ] && step bench_c1 "${C1_TIMEOUT:-230}" python3 -m adaflash_ray.bench --recipe "$RECIPE" --methods "${METHODS[@]}" \
   --concurrency 1 --domains code chat --num-prompts 8 --max-new-tokens 256 --warmup "${C1_WARMUP:-repeat}" \

@@ -485,9 +485,9 @@ def test_device_lookup_graphs_greedy_equal_ar_tiny(sources):
 def test_precaptured_graphs_serve_without_capture_and_equal_ar_tiny():
     """SpecEngine.precapture_graphs on the hybrid with device lookups (tiny random fp32 target): after two passes it
     captures every kind of step the passes ran at every batch bucket x width bucket x span (ModelRunner.graph_grid)
-    and the drafter-context catch-up graphs up to 8,192 positions, without running them (outputs of the next passes
-    still equal AR token for token); a later pass then captures a step graph only for a kind of step never run
-    before."""
+    and the drafter-context catch-up graphs up to the runner's 4 x 256 positions, without running them (outputs of
+    the next passes still equal AR token for token); a later pass then captures a step graph only for a kind of step
+    never run before."""
     target, prompts, ar = _lookup_case()
     drafter, head = make_drafter(target, block_size=8, layers=1, policy="cost", seed=5)
     eng = SpecEngine(target, drafter, head, policy="cost", max_batch_size=4, max_seq_len=256,
@@ -503,7 +503,7 @@ def test_precaptured_graphs_serve_without_capture_and_equal_ar_tiny():
     cu_seen = set(eng.runner._catch_up_graphs)
     got = eng.precapture_graphs()
     assert got["graphs"] == len(set(grid) - seen) > 0 and got["stopped"] is None and got["grid"] == len(grid)
-    sizes = {64 << i for i in range(8)}  # 64 .. 8192: the drafter-context catch-up graphs, captured without running
+    sizes = {64 << i for i in range(5)}  # 64 .. 1024 = 4 slots x 256: the drafter-context catch-up graphs, unrun
     assert got["catch_up_graphs"] == len(sizes - cu_seen) and sizes <= set(eng.runner._catch_up_graphs)
     again = eng.precapture_graphs()
     assert set(grid) <= set(eng.runner.graphs) and again["graphs"] == 0 and again["catch_up_graphs"] == 0

@@ -112,9 +112,9 @@ class TrainerLoop:
         budget ``distill.max_train_s`` (from the first step) is spent, ``should_stop`` says so, or ``source``
         is exhausted; then hand back what was leased untrained and (``close``) close ``sink`` and the core
         (``close=False``: a stage before another ``run``, e.g. :meth:`warm_start`). Returns
-        ``{rank, final_version, steps, seconds, num_fresh, num_counted_twice, num_lost, num_duplicates_skipped}``
-        - trajectories first trained on over the whole run (resumes included) and those among them trained as
-        fresh more than once (0 unless a resume replayed one).
+        ``{rank, final_version, steps, seconds, num_fresh, num_counted_twice, num_lost, num_duplicates_skipped,
+        num_warm_replayed}`` - trajectories first trained on over the whole run (resumes included) and those among
+        them trained as fresh more than once (0 unless a resume replayed one).
 
         ``replay_pool``: the most trajectories the replay pool keeps (the most recent ones; each is replayed until
         trained ``distill.max_reuse`` times). None = ``distill.replay_pool``, else 4 x ``batch_size`` x
@@ -152,6 +152,9 @@ class TrainerLoop:
                 pool = [p for p in pool if p[2] > 0]
 
         warm = self.warm_set if getattr(dc, "warm_replay", False) else []
+        if getattr(dc, "warm_replay", False) and not warm and self.rank == 0:  # e.g. resumed past the warm start
+            print(f"[rank {self.rank}] distill.warm_replay: no warm-start text kept (a resumed run skips the warm "
+                  "start), so short on-policy batches wait for data", flush=True)
         while not time_up and core.all_ranks(self.version < num_versions and not self._should_stop()):
             pool = [p for p in pool
                     if p[2] < dc.max_reuse and within_version_lag(self.version, p[1], dc.max_version_lag)]
@@ -216,7 +219,8 @@ class TrainerLoop:
             if prefetched is not None and (time_up or self._should_stop()):  # sooner than foreseen: hand it back
                 source.release([it[0] for it in prefetched.result()])
                 prefetched = None
-            m["train/version_lag"] = sum(self.version - v for v in versions) / max(len(versions), 1)
+            if versions:  # a batch of warm-start filler only has no on-policy lag to report
+                m["train/version_lag"] = sum(self.version - v for v in versions) / len(versions)
             if replay:
                 m["train/num_warm_replay"] = float(len(filler))
             m["train/version"] = float(self.version)

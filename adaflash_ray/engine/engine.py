@@ -885,9 +885,10 @@ class SpecEngine:
         (:meth:`ModelRunner.graph_grid` of the kinds of step it has run: each at every batch bucket, width bucket and
         span), so an adaptive engine - whose widths and batch buckets move from step to step - does not capture them
         inside a step later (a kind of step it never ran is still captured on first use); then, with a drafter, the
-        drafter-context catch-up graphs of every padded size up to 8,192 positions
-        (:meth:`ModelRunner.precapture_catch_up`). Call between steps (e.g. after a warm-up run); a no-op without CUDA
-        graphs; stops after ``max_seconds`` or at a failed capture (:meth:`ModelRunner.precapture`). Returns
+        drafter-context catch-up graphs of every padded size up to 8,192 positions or the runner's slots x
+        ``max_seq_len`` (:meth:`ModelRunner.precapture_catch_up`; none before a context append has run). Call between
+        steps (e.g. after a warm-up run); a no-op without CUDA graphs; stops after ``max_seconds`` or at a failed
+        capture (:meth:`ModelRunner.precapture`). Returns
         ``{"graphs": step graphs captured now, "grid": the shapes it covers, "catch_up_graphs": catch-up graphs
         captured now, "seconds": wall time, "stopped": why it stopped early or None}``."""
         t0 = time.perf_counter()

@@ -165,9 +165,9 @@ class CostLength(LengthPolicy):
         self.ar_chosen = False  # the last answer for the running batch was γ = 0
         self.steps_since_probe = 0  # AR steps since the last propose while it was
         self.probe_interval = probe_every  # AR steps before the next propose (doubles while γ stays 0)
-        # the draft confidence by the Triton kernel (True), the torch reference (False) or the default rule (None):
-        # the engine sets its fused-kernel choice
-        self.fused_confidence: bool | None = None
+        # the draft confidence by the Triton kernel (True) or the torch reference (False): the engine sets its
+        # fused-kernel choice (and compiles the kernel before any graph capture)
+        self.fused_confidence = False
 
     @classmethod
     def create(cls, head, block_size, *, min_len, ar_steps, probe_every, **settings) -> "CostLength":

@@ -262,6 +262,8 @@ class ModelRunner:
         # catch-up graphs per padded size: (rows buffer, positions buffer, pinned host staging [2, size], graph)
         self._catch_up_graphs: dict[int, tuple] = {}
         self._warm = False
+        # a drafter-context append has run (its kernels initialised): catch-up graphs may then be captured unrun
+        self._appended = False
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     @property
@@ -353,6 +355,7 @@ class ModelRunner:
         if self.drafter is not None:
             if append:
                 self.drafter.append_context(self.ctx, rows, positions, out.features)
+                self._appended = True
             for s, prompt in zip(slots, prompts):
                 self.ctx_len[s] = len(prompt) if append else 0  # 0: caught up from the history when needed
             if spec:
@@ -501,6 +504,7 @@ class ModelRunner:
             self._write_logprobs(slice(0, b), out.logits, committed, logprobs)
         if spec and append and self.drafter is not None:
             self.drafter.append_context(self.ctx, rows.expand(b, w), positions, out.features)
+            self._appended = True  # eagerly, or inside a capture that succeeded: its kernels were compiled before
         if spec and propose:
             # rows of idle slots and of the padded bucket carry position 0 (a real request's anchor is >= 1)
             anchor_hidden = out.last_hidden[rows[:, 0], accepted] if self.wants_anchor_hidden else None  # [B, H]
@@ -755,6 +759,7 @@ class ModelRunner:
             rows_t = torch.from_numpy(rows).to(self.device)
             pos_t = torch.from_numpy(pos).to(self.device)
             self.drafter.append_context(self.ctx, rows_t, pos_t, self.feat_hist[rows_t, pos_t])
+        self._appended = True
         for s, _, b in spans:
             self.ctx_len[s] = max(self.ctx_len[s], b)
 
@@ -764,11 +769,16 @@ class ModelRunner:
         from 64) up to ``max_size`` not captured yet, without running them (a capture records the feature gather, the
         context projection and the K/V writes; nothing in the drafter context changes), so the first catch-up of
         each size after an AR stretch (the ``cost`` policy's probes, a planner's block coming back) replays instead
-        of capturing inside its step. After the runner's first step only (its kernels initialised). Stops early at
-        ``max_seconds`` or at a failed capture. Returns ``(graphs captured, why it stopped early or None)``; ``(0,
-        None)`` without graphs or a drafter."""
-        if not self.use_graphs or self.drafter is None or not self._warm:
+        of capturing inside its step. Only once an append of the drafter context has run (its kernels initialised:
+        a capture must not be where a Triton kernel first compiles); sizes past the most positions this runner holds
+        (``num_slots x max_seq_len``) are left out. Stops early at ``max_seconds`` or at a failed capture. Returns
+        ``(graphs captured, why it stopped early or None)``; ``(0, None)`` without graphs or a drafter, ``(0, "no
+        drafter-context append has run yet")`` before one."""
+        if not self.use_graphs or self.drafter is None:
             return 0, None
+        if not (self._warm and self._appended):
+            return 0, "no drafter-context append has run yet"
+        max_size = min(max_size, max(64, 1 << (self.num_slots * self.max_seq_len - 1).bit_length()))
         n, t0, size = 0, time.perf_counter(), 64
         while size <= max_size:
             if size not in self._catch_up_graphs:
@@ -816,6 +826,7 @@ class ModelRunner:
         if graph is None:  # eager once (kernels initialised), then captured for the next catch-up of this size
             self.step_captured = True
             append()
+            self._appended = True
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 append()
