@@ -143,6 +143,27 @@ def test_planned_propose_skips_the_length_policy_forward(tiny_target, monkeypatc
             assert calls["policy"] > 0 and calls["confidence"] == calls["policy"] <= proposes
 
 
+def test_confidence_kernel_is_checked_before_an_engine_takes_it(tiny_target, caplog, monkeypatch):
+    """An engine takes the draft-confidence Triton kernel only if it builds and agrees with the torch reference (a
+    failing or wrong kernel leaves the reference in use, with a warning naming why, instead of stopping the engine)."""
+    import adaflash_ray.kernels.draft_confidence as dc
+    from adaflash_ray.engine import engine as eng
+
+    def broken(z):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(dc, "draft_confidence_fused", broken)
+    with caplog.at_level("WARNING"):
+        assert eng._confidence_kernel_ok(tiny_target) is False
+    assert "no kernel here" in caplog.text
+    monkeypatch.setattr(dc, "draft_confidence_fused", lambda z: dc.draft_confidence_ref(z) + 0.01)
+    with caplog.at_level("WARNING"):
+        assert eng._confidence_kernel_ok(tiny_target) is False
+    assert "disagrees" in caplog.text
+    monkeypatch.setattr(dc, "draft_confidence_fused", dc.draft_confidence_ref)
+    assert eng._confidence_kernel_ok(tiny_target) is True
+
+
 def test_hybrid_sources_chosen_by_hand_costs_lossless(tiny_target):
     """Hand-set tables: drafting never pays -> every step "none" (no propose after the first block); the drafter's
     block always pays -> "dflash" steps; output exact in both."""

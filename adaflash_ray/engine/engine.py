@@ -109,6 +109,25 @@ class _Batch(NamedTuple):
     slots: list[int] | None = None  # the requests' KV slots, host ints (None: read from the requests)
 
 
+def _confidence_kernel_ok(target) -> bool:
+    """Whether the draft-confidence Triton kernel compiles and agrees with the torch reference on this device (float32
+    logits of the target's vocabulary, as ``DFlashDrafter.logits`` gives them): the engine takes it only then, and
+    otherwise keeps the reference with a warning - a kernel that fails to build must not stop an engine."""
+    dev = target.lm_head.weight.device
+    try:
+        z = 4 * torch.randn(3, 2, target.config.vocab_size, device=dev, generator=torch.Generator(dev).manual_seed(0))
+        got, ref = draft_confidence(z, True), draft_confidence(z, False)
+        err, scale = float((got - ref).abs().max()), max(1.0, float(ref.abs().max()))
+        ok = bool(torch.isfinite(got).all()) and err <= 1e-3 * scale
+    except Exception as e:  # noqa: BLE001 - any failure of an optional kernel: the reference path instead
+        log.warning("draft-confidence Triton kernel unavailable (%s: %s); using the torch reference",
+                    type(e).__name__, str(e)[:200])
+        return False
+    if not ok:
+        log.warning("draft-confidence Triton kernel disagrees with the torch reference; using the reference")
+    return ok
+
+
 class SpecEngine:
     """Facade over Scheduler (request state) and ModelRunner (tensors).
 
@@ -226,8 +245,10 @@ class SpecEngine:
                                          self.runner._width_buckets, probe_every=probe_every,
                                          max_ngram=lookup_max_ngram, lookup_on_device=self.lookup_on_device)
         # the acceptance head's draft confidence in one Triton kernel where the engine's fused kernels are on (CUDA),
-        # compiled here, before any CUDA graph capture may first meet it; else the torch reference
-        fused_conf = on_cuda and bool(getattr(target, "fused_kernels_active", False))
+        # compiled and checked against the torch reference here, before any CUDA graph capture may first meet it;
+        # else (or if that fails) the reference
+        fused_conf = on_cuda and bool(getattr(target, "fused_kernels_active", False)) and \
+            isinstance(length_head, AcceptanceHead) and _confidence_kernel_ok(target)
         if isinstance(self.policy, CostLength):
             self.policy.fused_confidence = fused_conf
         if self.draft_sources is not None:
@@ -238,8 +259,6 @@ class SpecEngine:
                     conf = draft_confidence(draft_logits, fused_conf)
                     return expected_committed(torch.sigmoid(head(block_hidden[:, 1:], conf)))
                 self.runner.expected_fn = block_expected
-        if fused_conf and isinstance(length_head, AcceptanceHead):
-            draft_confidence(torch.zeros(1, 2, target.config.vocab_size, device=target.lm_head.weight.device), True)
         self.record, self.record_features = record, record_features
         self.stats = SpecStats()
         self.clock = self.runner.clock = clock
