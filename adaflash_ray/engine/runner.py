@@ -758,7 +758,7 @@ class ModelRunner:
         else:
             rows_t = torch.from_numpy(rows).to(self.device)
             pos_t = torch.from_numpy(pos).to(self.device)
-            self.drafter.append_context(self.ctx, rows_t, pos_t, self.feat_hist[rows_t, pos_t])
+            self._append_from_history(rows_t, pos_t)
         self._appended = True
         for s, _, b in spans:
             self.ctx_len[s] = max(self.ctx_len[s], b)
@@ -784,17 +784,12 @@ class ModelRunner:
             if size not in self._catch_up_graphs:
                 if max_seconds is not None and time.perf_counter() - t0 >= max_seconds:
                     return n, f"time budget of {max_seconds:g} s spent"
-                rows_buf = torch.zeros(size, dtype=torch.long, device=self.device)
-                pos_buf = torch.zeros(size, dtype=torch.long, device=self.device)
-                host = torch.zeros(2, size, dtype=torch.long, pin_memory=True)
+                rows_buf, pos_buf, host, _ = self._catch_up_entry(size)
                 try:
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self._pool):
-                        self.drafter.append_context(self.ctx, rows_buf, pos_buf, self.feat_hist[rows_buf, pos_buf])
+                    self._catch_up_graphs[size] = (rows_buf, pos_buf, host, self._capture_catch_up(rows_buf, pos_buf))
                 except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
                     torch.cuda.synchronize()
                     return n, f"catch-up capture of size {size} failed: {type(e).__name__}: {str(e)[:200]}"
-                self._catch_up_graphs[size] = (rows_buf, pos_buf, host, graph)
                 n += 1
             size *= 2
         return n, None
@@ -807,32 +802,40 @@ class ModelRunner:
         write) is replayed: one launch instead of the eager path's tens of kernel launches with host work between."""
         n = len(rows)
         size = max(64, 1 << (n - 1).bit_length())
-        entry = self._catch_up_graphs.get(size)
-        if entry is None:
-            rows_buf = torch.zeros(size, dtype=torch.long, device=self.device)
-            pos_buf = torch.zeros(size, dtype=torch.long, device=self.device)
-            host = torch.zeros(2, size, dtype=torch.long, pin_memory=True)
-            entry = (rows_buf, pos_buf, host, None)
-        rows_buf, pos_buf, host, graph = entry
+        rows_buf, pos_buf, host, graph = self._catch_up_entry(size)
         h = host.numpy()
         h[0, :n], h[1, :n] = rows, pos
         h[0, n:], h[1, n:] = rows[-1], pos[-1]
         rows_buf.copy_(host[0], non_blocking=True)
         pos_buf.copy_(host[1], non_blocking=True)
-
-        def append():
-            self.drafter.append_context(self.ctx, rows_buf, pos_buf, self.feat_hist[rows_buf, pos_buf])
-
         if graph is None:  # eager once (kernels initialised), then captured for the next catch-up of this size
             self.step_captured = True
-            append()
+            self._append_from_history(rows_buf, pos_buf)
             self._appended = True
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                append()
-            self._catch_up_graphs[size] = (rows_buf, pos_buf, host, graph)
+            self._catch_up_graphs[size] = (rows_buf, pos_buf, host, self._capture_catch_up(rows_buf, pos_buf))
             return
         graph.replay()
+
+    def _catch_up_entry(self, size: int) -> tuple:
+        """The catch-up graph entry of padded ``size``: (rows buffer, positions buffer, pinned host staging [2, size],
+        graph), new buffers and graph None where none is kept yet."""
+        entry = self._catch_up_graphs.get(size)
+        if entry is not None:
+            return entry
+        return (torch.zeros(size, dtype=torch.long, device=self.device),
+                torch.zeros(size, dtype=torch.long, device=self.device),
+                torch.zeros(2, size, dtype=torch.long, pin_memory=True), None)
+
+    def _append_from_history(self, rows_buf: torch.Tensor, pos_buf: torch.Tensor) -> None:
+        """The drafter context of the (row, position) pairs in the buffers, from the feature history."""
+        self.drafter.append_context(self.ctx, rows_buf, pos_buf, self.feat_hist[rows_buf, pos_buf])
+
+    def _capture_catch_up(self, rows_buf: torch.Tensor, pos_buf: torch.Tensor) -> torch.cuda.CUDAGraph:
+        """A CUDA graph of :meth:`_append_from_history` over the buffers (captured, not run)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._append_from_history(rows_buf, pos_buf)
+        return graph
 
     # ------------------------------------------------------------------ slots
     def batch_bucket(self, n: int) -> int:
