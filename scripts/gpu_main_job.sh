@@ -22,7 +22,8 @@
 # Call e (no carry):                 bash scripts/gpu_main_job.sh e   # bench the final drafter
 #                                    (WEIGHT_SYNC=1: also time the Qwen3-8B-shape weight broadcast)
 # The main job runs in its own process session: it outlives call c (600 s at most), and call d waits for it.
-# Results land in $OUT: run_summary.json (summary + device + commit), metrics.jsonl, tau_vs_version.png,
+# Results land in $OUT: main_job_files.tar.gz (run_summary.json: summary + device + commit, metrics.jsonl,
+# tau_vs_version.png, config.yaml, the log), the serving drafter as drafter_vN.tar.part*,
 # bench JSON/PNG, weight-sync JSON, logs. Copy them to results/ with the commit in the names.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -200,6 +201,16 @@ EOF
     for f in metrics.jsonl config.yaml tau_vs_version.png summary.json; do
       [ -f "$RUN_DIR/$f" ] && cp "$RUN_DIR/$f" "$OUT/"
     done
+    # the serving drafter as a tar in parts under the 16 MiB a returned file may hold (the `drafter` call takes the
+    # whole tar back: cat drafter_vN.tar.part* > .gpu_drafter/vN.tar), so a later session benches it without a run
+    v=$(python3 -c "import json; print(json.load(open('$RUN_DIR/summary.json'))['serving_version'])" 2>/dev/null)
+    if [ -n "$v" ] && [ -d "$RUN_DIR/checkpoints/v$v" ]; then
+      tar -cf - -C "$RUN_DIR/checkpoints" --exclude='*.pt' "v$v" | split -b 15M -d - "$OUT/drafter_v$v.tar.part"
+      ls -la "$OUT"/drafter_v*
+    fi
+    # one file for the run's own (a returned $OUT holds 8 files at most; the bench chained after d adds two)
+    (cd "$OUT" && tar -czf main_job_files.tar.gz --remove-files main_job.log $(ls metrics.jsonl config.yaml \
+      tau_vs_version.png summary.json run_summary.json 2>/dev/null)) && ls -la "$OUT"
     python3 - "$RUN_DIR" "$OUT" "$(cat "$JOB/commit")" <<'EOF'
 import json, os, sys, torch
 run, out, commit = sys.argv[1:]
