@@ -406,3 +406,29 @@ def test_init_context_from_target_gives_the_target_layers_own_input(tiny_target)
         plain, _ = build_drafter(tiny_target, cfg.model_copy(update={"init_context_from_target": False}),
                                  LengthHeadConfig(policy="fixed"))
         assert not torch.allclose(plain.project_context(out.features), want, atol=1e-2)
+
+
+def test_init_from_target_widens_a_larger_mlp_without_changing_its_function(tiny_target):
+    """drafter.intermediate_size above the target's: init_from_target copies the target's MLP into the leading
+    channels and zeroes down_proj's extra columns, so each drafter MLP computes what the copied target layer's does
+    (the extra channels are live: their gate/up rows are not zero)."""
+    from adaflash_ray.config import DrafterConfig, LengthHeadConfig
+    from adaflash_ray.models.factory import build_drafter
+
+    L, inter = tiny_target.config.num_hidden_layers, tiny_target.config.intermediate_size
+    cfg = DrafterConfig(num_hidden_layers=2, block_size=4, num_target_layers=2, target_layer_ids=[0, 1],
+                        init_from_target=True, intermediate_size=2 * inter)
+    drafter, _ = build_drafter(tiny_target, cfg, LengthHeadConfig(policy="fixed"))
+    x = torch.randn(5, tiny_target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for i, layer in enumerate(drafter.layers):
+        src = tiny_target.model.layers[L - 2 + i]
+        assert layer.mlp.gate_proj.weight.shape[0] == 2 * inter
+        with torch.no_grad():
+            got, want = layer.mlp(x), src.mlp(x)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()
+        assert layer.mlp.down_proj.weight[:, inter:].abs().max() == 0
+        assert layer.mlp.gate_proj.weight[inter:].abs().max() > 0
+    with torch.no_grad():  # without the widening the wider MLP is fresh: another function
+        plain = cfg.model_copy(update={"init_from_target": False})
+        other, _ = build_drafter(tiny_target, plain, LengthHeadConfig(policy="fixed"))
+        assert not torch.allclose(other.layers[0].mlp(x), tiny_target.model.layers[L - 2].mlp(x), atol=1e-3)

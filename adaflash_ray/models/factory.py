@@ -96,7 +96,10 @@ def init_from_target(drafter: DFlashDrafter, target: TargetModel, context: bool 
     shape only: norms, q/k/v/o, MLP) and drafter ``norm`` <- the target's final norm, so the drafter's
     output lands in the space the shared ``lm_head`` expects. ``fc``, ``hidden_norm`` and the mask
     embedding keep their fresh init, so version 0 still proposes near-random drafts (τ ≈ 1).
-    Speeds up the first minutes of distillation on small budgets (the CPU recipes).
+    Speeds up the first minutes of distillation on small budgets (the CPU recipes). A drafter MLP wider than the
+    target's (``drafter.intermediate_size``) takes the target's weights in its leading channels and zero in the extra
+    columns of ``down_proj`` (function-preserving widening, as in Net2Net, arXiv 1511.05641): the layer computes what
+    the target's does until the extra channels train.
 
     With ``context``: ``fc.weight`` ``[H, K*Ht]`` becomes the identity on the last (deepest) conditioning layer's
     ``Ht`` columns and zero on the others, and ``hidden_norm`` takes target layer ``L - n``'s input norm: the
@@ -112,8 +115,14 @@ def init_from_target(drafter: DFlashDrafter, target: TargetModel, context: bool 
         src_params = dict(src.named_parameters())
         for name, p in dst.named_parameters():
             sp = src_params.get(name)
-            if sp is not None and sp.shape == p.shape:
+            if sp is None:
+                continue
+            if sp.shape == p.shape:
                 p.copy_(sp.to(p.dtype))
+            elif _widened_mlp(name, p, sp):  # a wider MLP: the target's in the leading slice, the same function
+                if name.endswith("down_proj.weight"):
+                    p.zero_()  # the extra intermediate channels add nothing until trained
+                p[tuple(slice(0, d) for d in sp.shape)].copy_(sp.to(p.dtype))
     drafter.norm.weight.copy_(target.model.norm.weight.to(drafter.norm.weight.dtype))
     if context:
         h, kh = drafter.fc.weight.shape
@@ -124,6 +133,19 @@ def init_from_target(drafter: DFlashDrafter, target: TargetModel, context: bool 
         drafter.fc.weight.zero_()
         drafter.fc.weight[:, kh - ht:].copy_(torch.eye(h, dtype=drafter.fc.weight.dtype))
         drafter.hidden_norm.weight.copy_(src_layers[0].input_layernorm.weight.to(drafter.hidden_norm.weight.dtype))
+
+
+def _widened_mlp(name: str, p: torch.Tensor, sp: torch.Tensor) -> bool:
+    """Whether drafter MLP weight ``p`` is the target's ``sp`` with a larger intermediate size: gate/up ``[I', H]``
+    against ``[I, H]``, down ``[H, I']`` against ``[H, I]``, I' > I (``drafter.intermediate_size`` above the
+    target's). Copying ``sp`` into the leading slice and zeroing down's extra columns keeps the layer's function."""
+    if p.dim() != 2 or sp.dim() != 2:
+        return False
+    if name.endswith(("gate_proj.weight", "up_proj.weight")):
+        return p.shape[1] == sp.shape[1] and p.shape[0] > sp.shape[0]
+    if name.endswith("down_proj.weight"):
+        return p.shape[0] == sp.shape[0] and p.shape[1] > sp.shape[1]
+    return False
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
