@@ -148,7 +148,7 @@ timeout "$(( DEADLINE + 3 ))" python3 -m adaflash_ray.distill.ablate --recipe "$
   --out "$ABL" --train-s "$TRAIN_S" --deadline-s "$DEADLINE" --overhead-s "${ABL_OVERHEAD_S:-30}" \
   --warmup-steps "${ABL_WARMUP_STEPS:-10}" \
   --set distill.max_reuse=4 --set distill.replay_pool=1000000 --set distill.batch_size="${ABL_BATCH:-64}" --set distill.publish_every="${ABL_PUBLISH:-150}" \
-  --set distill.warm_start=false --set engine.max_batch_size="$SLOTS" "${V[@]}" > "$OUT/ablate.log" 2>&1
+  --set distill.warm_start=false --set distill.warm_replay=false --set engine.max_batch_size="$SLOTS" "${V[@]}" > "$OUT/ablate.log" 2>&1
 mark "ablate rc $?"
 collect >> "$OUT/timeline.txt" 2>&1
 grep -E "^\[ablate\]|^v[0-9]+:" "$OUT/ablate.log"
