@@ -547,7 +547,9 @@ class ModelRunner:
         cf = None
         if with_cf:  # (match, known) per row: the block's common prefix with the committed tokens, and where it is cut
             cf = list(zip(host[:, self._cf_col].tolist(), [min(a + 1, w - 1) for a in acc]))
-        committed = [r[: a + 1].tolist() for r, a in zip(host, acc)]
+        # each row's committed tokens: one host list of the first w columns, cut per row (no per-row numpy slice)
+        committed = [[t] for t in host[:, 0].tolist()] if w == 1 else \
+            [r[: a + 1] for r, a in zip(host[:, :w].tolist(), acc)]
         nxt = host[:, w + 1].tolist() if with_next else [0] * len(slots)
         expected = (host[:, self._exp_col:self._look_col] / EXPECTED_SCALE).tolist() if with_exp else None
         res = StepResult(committed=committed, num_accepted=acc, next_draft_lens=nxt, expected=expected,
