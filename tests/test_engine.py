@@ -692,6 +692,13 @@ def test_batched_commit_matches_per_request_commit(policy, sources, where, mode)
         def check(eng):  # the step-wide stop check covers every running request's stop ids
             for r in eng.scheduler.running:
                 assert set(r.params.stop_token_ids or ()) <= eng._stop_union
+            if eng.scheduler.running:  # the batch state kept across steps is the scheduler's, read afresh
+                cur = eng._running_state()
+                assert cur.requests == eng.scheduler.running and cur.slots == [r.slot for r in cur.requests]
+                assert cur.slot_idx.tolist() == cur.slots and cur.batch_size == max(cur.slots) + 1
+                assert cur.fixed == [r.params.draft_len for r in cur.requests]
+            if eng.planner is not None and not eng._any_block:  # no pending block flagged: none pending
+                assert all(r.dflash_expected is None for r in eng.scheduler.running)
 
         reqs = engine.generate(prompts, params, mode=mode, on_step=check)
         st = engine.stats

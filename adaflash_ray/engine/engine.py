@@ -91,6 +91,20 @@ def _widens(src: torch.dtype, dst: torch.dtype) -> bool:
     return src == dst or _FLOAT_WIDTH.get(src, 9) < _FLOAT_WIDTH.get(dst, 0)
 
 
+class _Running(NamedTuple):
+    """The running batch's host state, kept while the scheduler's batch is unchanged (:attr:`Scheduler.version`):
+    the requests, their KV slots (host ints and ``[n]`` int64 numpy), max(slot) + 1, the γ each request fixes (None:
+    the policy's / planner's) and whether any does."""
+
+    version: int
+    requests: list[Request]
+    slots: list[int]
+    slot_idx: np.ndarray
+    batch_size: int
+    fixed: list[int | None]
+    any_own: bool
+
+
 class _Batch(NamedTuple):
     """One step's plan: the running requests, their γ (host ints), AR or speculative, whether it proposes and
     appends the drafter context, and with draft sources the per-request choices (their lookup drafts)."""
@@ -224,6 +238,10 @@ class SpecEngine:
         # the device lookup's latest proposal per slot (packed runner rows) and whether it is current
         self._dev_props = np.zeros((max_batch_size, self.runner.max_draft + NUM_META), np.int64)
         self._dev_valid = np.zeros(max_batch_size, dtype=bool)
+        self._running: _Running | None = None  # the running batch's host state (_running_state)
+        # False while no running request has a pending drafter block (every dflash_expected None: the steps before
+        # proposed none): the plan then skips reading them
+        self._any_block = True
         # a superset of the running requests' stop token ids (taken at each admission): one check per step finds
         # the steps where no committed token can stop any request
         self._stop_union: frozenset[int] = frozenset()
@@ -458,6 +476,7 @@ class SpecEngine:
         if self.lookup_on_device:
             self._keep_proposals([r.slot for r in admitted], res)
         gammas, expected = res.next_draft_lens, res.expected if propose else None
+        self._any_block |= expected is not None
         if self.policy is not None and self.planner is None:
             gammas = self.policy.on_admit(gammas, running_before, spec, proposed=propose)
         for i, (req, toks, g) in enumerate(zip(admitted, res.committed, gammas)):
@@ -509,12 +528,8 @@ class SpecEngine:
     def _schedule(self, spec: bool) -> _Batch:
         """The running requests' γ for this step - the policy's (or the request's own), capped by the tokens left -
         and whether the step proposes the next block (the policy's probe schedule)."""
-        running = list(self.scheduler.running)
+        _, running, slots, _, batch_size, fixed, any_own = self._running_state()
         n = len(running)
-        slots = list(map(_slot_of, running))
-        batch_size = max(slots) + 1
-        fixed = [r.params.draft_len for r in running]  # a γ the request fixes, else None
-        any_own = fixed.count(None) != n
         if spec and self.guard is not None and not any_own and \
                 self.guard.force_ar(batch_size):  # the policy is slower than AR here: AR steps for a while
             self.stats.num_guard_steps += 1
@@ -533,6 +548,19 @@ class SpecEngine:
         # a step that does not propose is an AR step (the cost policy's γ = 0): its drafter context append is
         # deferred and caught up from the feature history when the next step proposes
         return _Batch(running, gammas, spec, propose, append=propose, batch_size=batch_size, slots=slots)
+
+    def _running_state(self) -> _Running:
+        """The running batch's requests, slots and fixed γ, read again only after the scheduler's batch changed
+        (admission, finish, compaction): a request's sampling parameters do not change while it runs."""
+        cur, version = self._running, self.scheduler.version
+        if cur is not None and cur.version == version:
+            return cur
+        running = list(self.scheduler.running)
+        slots = list(map(_slot_of, running))
+        fixed = [r.params.draft_len for r in running]  # a γ the request fixes, else None
+        cur = self._running = _Running(version, running, slots, np.array(slots, dtype=np.int64), max(slots) + 1, fixed,
+                                       fixed.count(None) != len(running))
+        return cur
 
     def _plan(self, running: list[Request], batch_size: int, block_off: bool = False, *,
               slots: list[int] | None = None, fixed: list[int | None] | None = None) -> _Batch:
@@ -575,10 +603,11 @@ class SpecEngine:
             slots = list(map(_slot_of, running))
         if fixed is None:
             fixed = [r.params.draft_len for r in running]
-        slot_idx = np.array(slots, dtype=np.int64)
+        cur = self._running
+        slot_idx = cur.slot_idx if cur is not None and cur.slots is slots else np.array(slots, dtype=np.int64)
         props, valid = self._dev_props[slot_idx], self._dev_valid[slot_idx]
         arrays = LookupArrays(props[:, nd], props[:, nd + 1], props[:, nd + 2], props[:, nd + 3], valid)
-        expected = [r.dflash_expected for r in running]
+        expected = [r.dflash_expected for r in running] if self._any_block else [None] * n
         choices, propose = planner.plan(batch_size, caps, expected, [None] * n, fixed, device=arrays,
                                         block_off=block_off)
         lens, rows = planner.plan_rows(choices)  # γ per request; rows verifying the device lookup's drafts (or None)
@@ -591,8 +620,9 @@ class SpecEngine:
         request fixes its γ, ``any_own``: that step proposes anyway)."""
         return self.block_guard is not None and not any_own and self.block_guard.force_ar(batch_size)
 
-    def _keep_proposals(self, slots: list[int], res: StepResult) -> None:
-        """Keep the device lookup's proposals of ``res`` (current for ``slots``; none: not current)."""
+    def _keep_proposals(self, slots, res: StepResult) -> None:
+        """Keep the device lookup's proposals of ``res`` (current for ``slots``: host ints or an ``[n]`` int64 index
+        array; none: not current)."""
         if res.lookup is None:
             self._dev_valid[slots] = False
         else:
@@ -624,7 +654,9 @@ class SpecEngine:
         reqs, lens, acc, committed = batch.requests, batch.draft_lens, res.num_accepted, res.committed
         n = len(reqs)
         if self.lookup_on_device:
-            self._keep_proposals(batch.slots if batch.slots is not None else [r.slot for r in reqs], res)
+            cur = self._running
+            self._keep_proposals(cur.slot_idx if cur is not None and batch.slots is cur.slots else
+                                 batch.slots if batch.slots is not None else [r.slot for r in reqs], res)
         planner = self.planner
         if planner is not None:
             if batch.choices is not None:
@@ -652,8 +684,11 @@ class SpecEngine:
         maybe_stop = bool(stop) and not stop.isdisjoint(chain.from_iterable(committed))
         slow_all = res.logprobs is not None or not self.fast_commit
         new_blocks = res.expected if batch.propose else None  # each request's next pending block (planner)
-        if planner is not None and new_blocks is None:
+        # the rows' pending blocks are written unless they are None already and stay None
+        set_blocks = planner is not None and (new_blocks is not None or self._any_block)
+        if set_blocks and new_blocks is None:
             new_blocks = [None] * n
+        self._any_block = set_blocks and res.expected is not None and batch.propose
         steps = sources if spec else lens  # any [n] list: zip's column for the per-step records
         generated = 0
         for i, (req, g, a, s, toks, nxt) in enumerate(zip(reqs, lens, acc, steps, committed, res.next_draft_lens)):
@@ -665,7 +700,7 @@ class SpecEngine:
                 if req.first_version is None:
                     req.first_version = version
             req.next_draft_len = nxt
-            if planner is not None:
+            if set_blocks:
                 req.dflash_expected = new_blocks[i]
             out = req.output_ids
             if slow_all or len(toks) >= req.params.max_new_tokens - len(out) or \

@@ -16,6 +16,9 @@ class Scheduler:
         self.free_slots = list(range(num_slots))  # a heap
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # bumped whenever ``running`` or a running request's slot changes (admit, finish, relocate): the engine keeps
+        # per-batch host state (slots, slot index arrays) across the steps of an unchanged batch
+        self.version = 0
 
     def add(self, req: Request) -> None:
         req.status = Status.WAITING
@@ -30,6 +33,7 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             admitted.append(req)
+        self.version += bool(admitted)
         return admitted
 
     def finish(self, req: Request, reason: str) -> None:
@@ -37,6 +41,7 @@ class Scheduler:
         req.finish_reason = reason
         self.running.remove(req)
         heapq.heappush(self.free_slots, req.slot)
+        self.version += 1
 
     def compaction(self) -> list[tuple[Request, int]]:
         """The moves that pack the running requests into slots 0..n-1 (n running): each request in a slot >= n, the
@@ -56,6 +61,7 @@ class Scheduler:
             req.slot = dst
         self.free_slots = [s for s in self.free_slots if s not in taken] + freed
         heapq.heapify(self.free_slots)
+        self.version += 1
 
     @property
     def num_unfinished(self) -> int:
