@@ -956,14 +956,15 @@ def test_one_row_plan_equals_the_array_plan():
     assert seen == {"dflash", "suffix", "none", ("propose", True), ("propose", False)}
 
 
-@pytest.mark.parametrize("with_costs", [True, False])
+@pytest.mark.parametrize("with_costs", [True, False, "dear"])
 def test_lookup_only_plan_equals_the_array_plan(with_costs):
     """A step with device lookups and no pending drafter block (the block idle, or no drafter) takes the lookup-only
     plan (HybridPlanner._plan_lookup): the array path's choices, propose flag, value and schedule state, step after
     step, with and without a cost table, for the hybrid and a lookup-only planner, at batch 1 (no cost table) and
     above: caps below the width, empty and stale proposals, fixed γ, block_off, the block's probes due (proposing
     steps whose blocks the next steps verify: those take the array path in both planners), calibration records in
-    between. Both planners see the same record, so any divergence shows in the next step."""
+    between; ``dear``: every width above AR's costs 1e4 ms, so rows with proposals draft nothing (the plan's
+    draft-less choices). Both planners see the same record, so any divergence shows in the next step."""
     from adaflash_ray.engine.hybrid import LookupArrays
 
     rng = np.random.default_rng(11)
@@ -976,8 +977,10 @@ def test_lookup_only_plan_equals_the_array_plan(with_costs):
                      for _ in range(2))
         ref.lookup_only_fast = False
         if with_costs:
+            dear = with_costs == "dear"
             for p in (fast, ref):
-                p.set_costs(bs, spec, look)
+                p.set_costs(bs, np.full_like(spec, 1e4) if dear else spec,
+                            np.concatenate([look[:, :1], np.full_like(look[:, 1:], 1e4)], 1) if dear else look)
         calls, pending, seen = [0], None, set()
         real = fast._plan_lookup
         fast._plan_lookup = lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or real(*a, **k)
@@ -1005,6 +1008,9 @@ def test_lookup_only_plan_equals_the_array_plan(with_costs):
             for p in (fast, ref):
                 p.record(got[0], acc, match, dexp, [True] * n)
         assert calls[0] > 30, calls  # the fast path ran
+        if with_costs == "dear":
+            assert "none" in seen and ("propose", False) in seen
+            continue
         assert {"suffix", "none"} <= seen and ("propose", False) in seen
         if "dflash" in sources:
             assert ("propose", True) in seen

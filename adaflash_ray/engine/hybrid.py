@@ -363,6 +363,7 @@ class HybridPlanner:
         # for every row's block in that step's net value, so the net value is averaged over every step, not only over
         # the steps that proposed (None: no block seen since construction or reset)
         self._block_est: list[float] | None = None
+        self._block_est_array: tuple | None = None  # (_block_est, the same as [max_draft + 1] float64): _stand_in_net
         self.last_value: float | None = None  # expected tokens per ms of the last plan (None without costs)
         # one request, device lookups, costs set: plan in host floats (:meth:`_plan_one`; numpy's per-call overhead
         # on arrays of one row costs more than the arithmetic); False: always the arrays
@@ -596,19 +597,22 @@ class HybridPlanner:
             value = total / table[self._row(batch_size), self._widx]
         else:
             value = total + 1e-9 * self._widths  # no costs: the most tokens, the longest width on a tie
-        j = int(np.argmax(value))
+        j = int(value.argmax())
         self.last_value = float(value[j]) if costs else None
         g_l, v_lj = gam[:, j], v_l[:, j]
         is_l = (v_lj > 0) & (g_l > 0)
         src = self.lookup
         none = RowChoice("none", 0)
-        use_l = is_l.tolist()
-        choices = [RowChoice(src, g, None, e, b) if use else none
-                   for use, g, e, b in zip(use_l, g_l.tolist(), v_lj.tolist(), buckets.tolist())]
+        any_l = bool(is_l.any())
+        if any_l:
+            use_l = is_l.tolist()
+            choices = [RowChoice(src, g, None, e, b) if use else none
+                       for use, g, e, b in zip(use_l, g_l.tolist(), v_lj.tolist(), buckets.tolist())]
+        else:  # no row drafts (the cost tables price every width above AR's): one shared "none" per row
+            choices = [none] * n
         self._lookup_plan = (choices, is_l, buckets, g_l)  # record() of these choices reads the arrays
         # every chosen row verifies its device lookup proposal (a bucket >= 0, γ > 0): RowChoice.device_lookup
-        any_l = bool(is_l.any())
-        self._plan_rows = (choices, np.where(is_l, g_l, 0).tolist(), use_l if any_l else None)
+        self._plan_rows = (choices, np.where(is_l, g_l, 0).tolist() if any_l else [0] * n, use_l if any_l else None)
         forced = fixed is not None and fixed.count(None) != len(fixed)
         keep_d = costs and self._stand_in_net(self._row(batch_size), caps_a, v_l)  # the block's net value
         return choices, self._end_step(False, keep_d, any_l, bool(device.valid.any()), probe_d, forced,
@@ -899,7 +903,10 @@ class HybridPlanner:
         if self._block_est is None or self.spec_costs is None or not self.use_dflash:
             return False
         gam = np.minimum(self._widx[None, :], caps_a[:, None])  # [n, nw]
-        v_d = self.calibration.factor("dflash") * np.asarray(self._block_est)[gam]
+        est = self._block_est_array
+        if est is None or est[0] is not self._block_est:  # the array of the current estimate, made once per estimate
+            est = self._block_est_array = (self._block_est, np.asarray(self._block_est))
+        v_d = self.calibration.factor("dflash") * est[1][gam]
         return self._note_net(r, v_d, v_l)
 
     def _note_use(self, key: str, used: bool) -> float:
