@@ -581,7 +581,7 @@ def test_planner_nothing_to_verify_fast_path_matches_the_arrays(where):
     from adaflash_ray.engine.hybrid import LookupArrays
 
     rng = np.random.default_rng(0)
-    num_fast = 0
+    num_fast = num_one = 0
     for with_costs in (True, False):
         fast, ref = (HybridPlanner(("dflash", "suffix"), 15, 16, [1, 2, 3, 4, 6, 8, 12, 16], probe_every=2,
                                    lookup_on_device=where == "device") for _ in range(2))
@@ -610,7 +610,10 @@ def test_planner_nothing_to_verify_fast_path_matches_the_arrays(where):
             assert got[1] == want[1] and [vars(c) for c in got[0]] == [vars(c) for c in want[0]], step
             assert (fast.last_value, fast._use, fast._since, fast._interval, fast._idle) == \
                 (ref.last_value, ref._use, ref._since, ref._interval, ref._idle), step
+            assert fast._block_net == pytest.approx(ref._block_net, abs=1e-12), step
+            num_one += empty and n == 1 and with_costs and fast._block_est is not None
     assert num_fast > 40  # the fast path ran
+    assert num_one > 5  # its one-row float path too, with a block estimate to value
 
 
 def test_planner_keeps_a_block_that_pays_on_average():

@@ -561,10 +561,14 @@ class HybridPlanner:
         if not blocks:
             if device is None:
                 empty = all(p is None or not len(p) for p in proposals)
+                looked = empty and any(p is not None for p in proposals)
+            elif len(caps) == 1:  # one row: numpy scalars, not a ufunc per test
+                looked = bool(device.valid[0])
+                empty = not (looked and device.length[0] > 0)
             else:
                 empty = not (device.valid & (device.length > 0)).any()
+                looked = empty and bool(device.valid.any())
             if empty:
-                looked = bool(device.valid.any()) if device is not None else any(p is not None for p in proposals)
                 return self._plan_nothing(batch_size, caps, fixed, looked, lookup_ms, block_off)
         if (len(caps) == 1 and device is not None and self.spec_costs is not None and self.scalar_one_row
                 and (fixed is None or fixed[0] is None)):
@@ -623,21 +627,30 @@ class HybridPlanner:
         """:meth:`plan` of a step where no row (``caps``: per request its largest γ) has a pending block or a
         non-empty lookup proposal (``looked``: some row was looked up): every row "none"; the plan's value, the
         drafter's propose, its net value and the schedules as :meth:`_plan_general` sets them there (tokens per ms =
-        n / the cheapest width's cost; lookups that took host time, ``lookup_ms`` > 0, never pay for it)."""
+        n / the cheapest width's cost; lookups that took host time, ``lookup_ms`` > 0, never pay for it). One row
+        (with :attr:`scalar_one_row`) takes host floats for the value and the net value."""
         n = len(caps)
         costs = self.spec_costs is not None
         probe_d = self.use_dflash and self._idle["dflash"] and self._since["dflash"] >= self._interval["dflash"] \
             and not block_off
+        one = n == 1 and self.scalar_one_row  # host floats: the array path's values, without numpy's per-call cost
         if costs:
-            table = self.spec_costs if probe_d else self.lookup_costs
-            self.last_value = float((float(n) / table[self._row(batch_size), self._widx]).max())
+            r = self._row(batch_size)
+            if one:
+                self.last_value = max(1.0 / c for c in (self._spec_w if probe_d else self._look_w)[r])
+            else:
+                table = self.spec_costs if probe_d else self.lookup_costs
+                self.last_value = float((float(n) / table[r, self._widx]).max())
         else:
             self.last_value = None
         forced = fixed is not None and fixed.count(None) != len(fixed)
         keep_d = False  # the block's net value, as the recent blocks' estimate has it (no lookup: 0 per row)
         if costs and self.use_dflash and self._block_est is not None:
-            caps_a = np.maximum(np.minimum(np.asarray(caps, dtype=np.int64), self.max_draft), 0)
-            keep_d = self._stand_in_net(self._row(batch_size), caps_a, np.zeros((n, len(self.widths))))
+            if one:
+                keep_d = self._stand_in_net_one(r, max(min(caps[0], self.max_draft), 0))
+            else:
+                caps_a = np.maximum(np.minimum(np.asarray(caps, dtype=np.int64), self.max_draft), 0)
+                keep_d = self._stand_in_net(r, caps_a, np.zeros((n, len(self.widths))))
         propose = self._end_step(False, keep_d, False, looked, probe_d, forced,
                                  lookup_pays=not (costs and looked and lookup_ms > 0), block_off=block_off)
         choices = [RowChoice("none", 0)] * n  # one shared RowChoice (choices are read, never changed)
@@ -798,15 +811,14 @@ class HybridPlanner:
         probe_d = self.use_dflash and self._idle["dflash"] and self._since["dflash"] >= self._interval["dflash"] \
             and not block_off
         spec_w, look_w = self._spec_w[r], self._look_w[r]
+        m_l = [max(vl, 0.0) for vl in v_l]  # E[accepted] of the best allowed draft per width, lookups only
+        m_d = [max(vd, vl, 0.0) for vd, vl in zip(v_d, v_l)] if any_d else None  # the block allowed too
         plans = []
         for allow_d in ((True, False) if any_d else (False,)):
             costs = spec_w if (allow_d or probe_d) and not block_off else look_w
-            best_v, best_j = -1.0, 0
-            for jj, vl in enumerate(v_l):
-                v = (1.0 + max(v_d[jj] if allow_d else -1.0, vl, 0.0)) / costs[jj]
-                if v > best_v:
-                    best_v, best_j = v, jj
-            plans.append((best_v, best_j, allow_d))
+            values = [(1.0 + m) / c for m, c in zip(m_d if allow_d else m_l, costs)]
+            best_v = max(values)
+            plans.append((best_v, values.index(best_v), allow_d))  # the first width of the best value
         value, j, allow_d = max(plans, key=lambda t: t[0])
         self.last_value = value
         g_w, vlj = gam[j], v_l[j]
@@ -830,8 +842,10 @@ class HybridPlanner:
             est, fac = self._block_est, self.calibration.factor("dflash")
             v_d = [fac * est[g] for g in gam]
         if any_d or (self.use_dflash and self._block_est is not None):
-            best_d = max((1.0 + max(vd, vl, 0.0)) / max(sc, lk) for vd, vl, sc, lk in zip(v_d, v_l, spec_w, look_w))
-            best_l = max((1.0 + max(vl, 0.0)) / lk for vl, lk in zip(v_l, look_w))
+            if m_d is None:
+                m_d = [max(vd, vl, 0.0) for vd, vl in zip(v_d, v_l)]
+            best_d = max((1.0 + m) / (sc if sc >= lk else lk) for m, sc, lk in zip(m_d, spec_w, look_w))
+            best_l = max((1.0 + m) / lk for m, lk in zip(m_l, look_w))
             self._block_net = (1 - NET_EMA) * self._block_net + NET_EMA * (best_d - best_l)
             net_pays = self._block_net > 0.0
         keep_d = is_d or net_pays or (d_pays and use_d >= IDLE_BELOW)
@@ -908,6 +922,16 @@ class HybridPlanner:
             est = self._block_est_array = (self._block_est, np.asarray(self._block_est))
         v_d = self.calibration.factor("dflash") * est[1][gam]
         return self._note_net(r, v_d, v_l)
+
+    def _stand_in_net_one(self, r: int, cap: int) -> bool:
+        """:meth:`_stand_in_net` of one row with no lookup proposal (``cap``: its largest γ, already cut at max_draft),
+        in host floats: the same net value and update (``tests/test_hybrid.py`` checks them against each other)."""
+        est, fac = self._block_est, self.calibration.factor("dflash")
+        best_d = max((1 + max(fac * est[min(w, cap)], 0.0)) / max(sc, lk)
+                     for w, sc, lk in zip(self._widx_list, self._spec_w[r], self._look_w[r]))
+        best_l = max(1.0 / lk for lk in self._look_w[r])
+        self._block_net = (1 - NET_EMA) * self._block_net + NET_EMA * (best_d - best_l)
+        return self._block_net > 0.0
 
     def _note_use(self, key: str, used: bool) -> float:
         """One more step of ``key``'s moving average of verified proposals (:data:`USE_EMA`); its new value."""
