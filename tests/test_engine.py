@@ -498,7 +498,8 @@ def test_cost_policy_ar_steps_lossless_and_probing(tiny_target):
     assert len(proposes) - len(in_steps) == 3
     # steps 1-4 AR, step 5 proposes (γ = 0 again, so the wait doubles), 6-13 AR, step 14 proposes
     assert in_steps == [4, 13], in_steps
-    assert all(set(r.draft_lens) == {0} for r in reqs)
+    engine.flush_records()  # the running requests' pending γ = 0 records (lazy_ar_records)
+    assert all(set(r.draft_lens) == {0} and len(r.draft_lens) == 15 for r in reqs)
     for _ in range(16):  # steps 16-30 AR (the wait is 16), step 31 proposes; γ = 0 again: the wait doubles to 32
         engine.step()
     assert [s for s in proposes if s > 0] == [4, 13, 30] and pol.probe_interval == 32
@@ -525,6 +526,53 @@ def test_cost_policy_ar_steps_lossless_and_probing(tiny_target):
     sampled = engine.generate(prompts, SamplingParams(max_new_tokens=20, temperature=1.0, ignore_eos=True))
     assert all(len(r.output_ids) == 20 and all(0 <= t < 128 for t in r.output_ids) for r in sampled)
     assert 0 in engine.stats.draft_len_hist
+
+
+def test_lazy_ar_records_equal_the_eager_ones(tiny_target):
+    """The cost policy's γ = 0 steps recorded as a pending run (``lazy_ar_records``, written by flush_records) give
+    every request the same per-step records - draft lengths, accepted counts, sources, drafter versions, first
+    version - as writing them each step, through AR stretches, probes, drafting stretches, finishes at different
+    steps, admissions into a running batch, a drafter reload and an abort; and the same outputs and stats."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in [4, 11, 25, 7, 9]]
+    budgets = [150, 90, 120, 60, 100]
+    ar_cheap = (torch.full((3, 7), 100.0), torch.ones(3))
+    draft_cheap = (torch.ones(3, 7), torch.full((3,), 100.0))
+    runs = []
+    for lazy in (True, False):  # each engine its own drafter and head (the same seed): nothing shared between runs
+        drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
+        engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=200,
+                            calibrate=False, probe_every=2, throughput_guard=False)
+        engine.lazy_ar_records = lazy
+        pol = engine.runner.length_policy
+        pol.set_costs([1, 2, 3], *ar_cheap)
+        reqs = [engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+                for p, n in zip(prompts, budgets)]
+        weights = engine.drafter_tensors()
+        for step in range(400):
+            if not engine.has_unfinished():
+                break
+            if step == 8:
+                pol.set_costs([1, 2, 3], *draft_cheap)  # drafting pays: a drafting stretch
+            elif step == 40:
+                pol.set_costs([1, 2, 3], *ar_cheap)
+            elif step == 50:
+                engine.load_drafter(weights, version=1)  # the same weights as version 1 mid AR stretch
+            elif step == 56:
+                assert reqs[2] in engine.scheduler.running and engine.abort(reqs[2])
+                at_abort = (list(reqs[2].draft_lens), list(reqs[2].step_sources))  # complete when it ends
+            engine.step()
+            if lazy and step == 10:
+                assert engine._ar_run is not None and engine._ar_run[1] > 1  # a pending run of several steps
+        runs.append([(r.output_ids, r.draft_lens, r.num_accepted, r.step_sources, r.step_versions, r.first_version,
+                      r.finish_reason) for r in reqs] + [dict(engine.stats.draft_len_hist), engine.stats.num_generated,
+                                                           at_abort])
+    assert runs[0] == runs[1]
+    assert ar_cheap[0].eq(100.0).all() and draft_cheap[0].eq(1.0).all()  # set_costs kept copies, wrote none back
+    recs = runs[0][:5]
+    assert all(len(r[1]) == len(r[2]) == len(r[3]) == len(r[4]) > 0 for r in recs)
+    assert any(0 in r[1] for r in recs) and any(g > 0 for r in recs for g in r[1])  # both kinds of step
+    assert {v for r in recs for v in r[4]} == {0, 1} and recs[2][6] == "abort"
 
 
 def test_cost_policy_gamma0_inside_a_drafting_stretch_waits_one_step(tiny_target):

@@ -248,6 +248,12 @@ class SpecEngine:
         # _postprocess appends the tokens of rows that cannot end (budget, stop ids) and carry no logprobs itself;
         # False: every row commits through _commit (the same outputs; tests compare the two)
         self.fast_commit = True
+        # a run of spec steps where every row had γ = 0 (the cost policy's or the planner's AR steps), not yet in the
+        # requests' per-step records: the rows (the running list those steps had), the steps, the drafter version.
+        # flush_records() writes them (before any other step's records, a finish, an abort, a drafter reload), so a
+        # γ = 0 step records in O(1) instead of four appends per row; False: every step writes its records at once
+        self.lazy_ar_records = True
+        self._ar_run: tuple[list[Request], int, int] | None = None
         self.runner.argmax_drafts = bool(argmax_drafts)
         self.lookup = None  # the lookup source's proposer (PromptLookup / SuffixLookup), or None
         if lookup == "ngram":
@@ -390,12 +396,32 @@ class SpecEngine:
         steps). Its ``finish_reason`` becomes "abort". Returns False if it had already finished."""
         if req.status == Status.FINISHED:
             return False
+        if self._ar_run is not None:
+            self.flush_records()
         if req.status == Status.WAITING:
             self.scheduler.waiting.remove(req)
             req.status, req.finish_reason = Status.FINISHED, "abort"
         else:
             self.scheduler.finish(req, "abort")
         return True
+
+    def flush_records(self) -> None:
+        """Write the pending run of γ = 0 steps (:attr:`lazy_ar_records`) into its rows' per-step records
+        (``draft_lens`` / ``num_accepted`` 0, ``step_sources`` "none", ``step_versions`` the run's drafter version, and
+        ``first_version`` where unset): a running request's records are complete after this; a finished one's always
+        are."""
+        run, self._ar_run = self._ar_run, None
+        if run is None:
+            return
+        reqs, k, version = run
+        zeros, nones, versions = [0] * k, ["none"] * k, [version] * k
+        for req in reqs:
+            req.draft_lens += zeros
+            req.num_accepted += zeros
+            req.step_sources += nones
+            req.step_versions += versions
+            if req.first_version is None:
+                req.first_version = version
 
     # ------------------------------------------------------------------ stepping
     def step(self, mode: str = "spec") -> list[Request]:
@@ -670,13 +696,23 @@ class SpecEngine:
         version = self.drafter_version
         spec = batch.spec
         sources = None
+        lazy = False  # this γ = 0 step's records join the pending run (flush_records) instead of each row's lists
         if spec:
             if not any(lens):  # every row γ = 0 (an AR step of the policy or the planner)
                 sources = ["none"] * n
+                run = self._ar_run
+                if self.lazy_ar_records:
+                    if run is not None and (run[0] is not reqs or run[2] != version):
+                        self.flush_records()  # another batch (admission, finish, compaction) or drafter version
+                        run = None
+                    self._ar_run = (reqs, 1 if run is None else run[1] + 1, version)
+                    lazy = True
             elif batch.choices is not None:
                 sources = [c.source if g else "none" for c, g in zip(batch.choices, lens)]
             else:
                 sources = ["dflash" if g else "none" for g in lens]
+            if not lazy and self._ar_run is not None:
+                self.flush_records()
             self.stats.record_steps(lens, acc, sources)
         # rows whose tokens may end the request (its budget: tokens left <= tokens committed now; a stop token) or
         # that carry logprobs commit through _commit; the rest append their tokens here
@@ -691,8 +727,9 @@ class SpecEngine:
         self._any_block = set_blocks and res.expected is not None and batch.propose
         steps = sources if spec else lens  # any [n] list: zip's column for the per-step records
         generated = 0
+        record = spec and not lazy
         for i, (req, g, a, s, toks, nxt) in enumerate(zip(reqs, lens, acc, steps, committed, res.next_draft_lens)):
-            if spec:
+            if record:
                 req.draft_lens.append(g)
                 req.num_accepted.append(a)
                 req.step_sources.append(s)
@@ -733,6 +770,8 @@ class SpecEngine:
         req.output_ids.extend(tokens)
         self.stats.num_generated += len(tokens)
         if reason is not None:
+            if self._ar_run is not None:  # the finished request's records complete
+                self.flush_records()
             if self.record and self.record_features:  # positions < num_tokens-1, before the slot is reused
                 n = req.num_tokens - 1
                 req.features = self.runner.features(req.slot, n).to(torch.bfloat16).cpu()

@@ -260,8 +260,9 @@ class CostLength(LengthPolicy):
             return False
         dev = self.head.out.weight.device
         self.batch_sizes = list(batch_sizes)
-        self.costs = costs_ms.to(dev)
-        self.ar_costs = ar_costs_ms.to(dev) if ar_costs_ms is not None else None
+        # copies: later tables are copied into these in place, which must never write into the caller's tensors
+        self.costs = costs_ms.to(dev, copy=True)
+        self.ar_costs = ar_costs_ms.to(dev, copy=True) if ar_costs_ms is not None else None
         return True
 
     def _row(self, batch_size: int) -> int:
