@@ -74,6 +74,9 @@ class Request:
     Compared and hashed by identity (``eq=False``): the scheduler's ``list.remove`` of a finishing request then
     compares no fields of the requests before it.
     ``next_draft_len``: γ the length policy chose for the pending block (capped by the budget at use).
+    Per-step records (``draft_lens``, ``num_accepted``, ``step_sources``, ``step_versions``, ``first_version``): one
+    entry per decode step, complete once the request has finished; while it runs, a run of steps where every row had
+    γ = 0 may still be pending in its engine (``SpecEngine.flush_records`` writes it).
     ``features`` / ``last_hidden`` (bf16, CPU) are filled when the request finishes on a recording engine."""
 
     prompt_ids: list[int]
