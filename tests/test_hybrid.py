@@ -14,6 +14,8 @@ Run: python -m pytest -q tests/test_hybrid.py
 """
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 import pytest
 import torch
@@ -528,6 +530,55 @@ def test_realised_cost_of_proposing_is_learned_apart():
     np.testing.assert_allclose(pl.lookup_costs[0], look[0])
 
 
+def _observe_step_arrays(pl: HybridPlanner, batch_size: int, width: int, proposed: bool, ms: float) -> None:
+    """HybridPlanner.observe_step by the numpy tables (the reference of its host-list path)."""
+    if pl._base is None or not pl.realised_costs:
+        return
+    r = min(bisect.bisect_left(pl.batch_sizes, batch_size), len(pl.batch_sizes) - 1)
+    spec, look = pl._base
+    kind = bool(proposed)
+    col = min(max(int(width), 1), pl.max_draft + 1) - 1
+    resid, counts = pl._resid[kind], pl._resid_n[kind]
+    n = counts[r] = counts[r] + 1
+    w = max(pl.step_cost_decay, 1.0 / n)
+    resid[r] += w * (ms - float((spec if kind else look)[r, col]) - resid[r])
+    if (n + pl._resid_n[not kind][r]) % pl.step_cost_every == 0 or n == 1:
+        d_spec, d_look = pl._kind_resid(r)
+        for base, eff, d in ((spec, pl.spec_costs, d_spec), (look, pl.lookup_costs, d_look)):
+            eff[r] = np.maximum(base[r] + d, 0.5 * base[r])
+        pl._spec_w[r] = pl.spec_costs[r, pl._widx].tolist()
+        pl._look_w[r] = pl.lookup_costs[r, pl._widx].tolist()
+        pl._look_ar[r] = float(pl.lookup_costs[r, 0])
+
+
+def test_observe_step_host_lists_equal_the_arrays():
+    """observe_step's host-list update gives the numpy tables' prices bit for bit (both tables, the widths' lists,
+    the AR price, the averages) over random steps: every batch size (between and past the buckets), width, kind,
+    realised times far below and above the tables, a realised_costs switch off and on, and a new table."""
+    rng = np.random.default_rng(7)
+    bs = [1, 2, 4, 8]
+    fast, ref = (HybridPlanner(("dflash", "suffix"), 15, 16, [1, 2, 3, 4, 6, 8, 12, 16], lookup_on_device=True)
+                 for _ in range(2))
+    for step in range(600):
+        if step % 200 == 0:  # a new table (the rows' averages start over)
+            spec = rng.uniform(1.0, 3.0, (4, 15))
+            look = rng.uniform(0.8, 2.5, (4, 16))
+            for p in (fast, ref):
+                p.set_costs(bs, spec, look)
+        if step == 350:
+            fast.realised_costs = ref.realised_costs = False
+        if step == 420:
+            fast.realised_costs = ref.realised_costs = True
+        args = (int(rng.integers(1, 12)), int(rng.integers(0, 20)), bool(rng.random() < 0.4),
+                float(rng.choice([0.01, rng.uniform(0.5, 4.0), 9.0])))
+        fast.observe_step(*args)
+        _observe_step_arrays(ref, *args)
+        assert np.array_equal(fast.spec_costs, ref.spec_costs) and np.array_equal(fast.lookup_costs, ref.lookup_costs)
+        assert (fast._spec_w, fast._look_w, fast._look_ar) == (ref._spec_w, ref._look_w, ref._look_ar), step
+        assert (fast._resid, fast._resid_n) == (ref._resid, ref._resid_n), step
+    assert not np.array_equal(fast.lookup_costs, fast._base[1])  # the prices moved
+
+
 def test_lookup_device_option_is_checked(tiny_target):
     """``lookup_device``: auto = host on CPU (the CPU behaviour unchanged); an unknown value is a ValueError."""
     assert not SpecEngine(tiny_target, None, None, max_batch_size=1, max_seq_len=64,
@@ -946,6 +997,7 @@ def test_one_row_plan_equals_the_array_plan():
                       block_off=block_off) for p in planners]
         (c1, p1), (c2, p2) = out
         assert p1 == p2 and c1 == c2, step
+        assert planners[0].plan_rows(c1) == planners[0].plan_rows(list(c1)), step  # kept rows = a pass over them
         seen |= {c1[0].source, ("propose", p1)}
         assert planners[0].last_value == pytest.approx(planners[1].last_value, rel=1e-12)
         for key in ("_since", "_interval", "_idle"):

@@ -347,6 +347,7 @@ class HybridPlanner:
         self.use_dflash = "dflash" in sources
         # cost tables (ms): set_costs; None = choose by expected tokens alone
         self.batch_sizes: list[int] = []
+        self._row_of: dict[int, int] = {}  # batch size -> the tables' row (_row), as steps meet them
         self.spec_costs: np.ndarray | None = None  # [nb, max_draft + 1] by width (index W - 1), propose included
         self.lookup_costs: np.ndarray | None = None  # [nb, max_draft + 1] by width, no propose (W = 1: AR step)
         self._since = {"dflash": 0, "lookup": 0}
@@ -374,8 +375,8 @@ class HybridPlanner:
         self._lookup_plan: tuple | None = None
         # the last plan with no draft in any row (its choices): its record is empty
         self._nothing_plan: list[RowChoice] | None = None
-        # the last lookup-only or draft-less plan's (choices, γ [n] host ints, device-lookup rows [n] bool or None):
-        # plan_rows() of those choices without a pass over them
+        # the last lookup-only, draft-less or one-row plan's (choices, γ [n] host ints, device-lookup rows [n] bool or
+        # None): plan_rows() of those choices without a pass over them
         self._plan_rows: tuple | None = None
         # the measured tables price a step by its device work and the runner's host work; the engine's own host work
         # per step (planning, recording, commits: the same for every width, so it makes long widths relatively cheaper)
@@ -428,6 +429,8 @@ class HybridPlanner:
             extra = (spec[:, -1] - look[:, self.block_size - 1])[:, None]
             full[:, self.block_size:] = look[:, self.block_size:] + np.maximum(extra, 0.0)
         self.batch_sizes, self._base = list(batch_sizes), (full, look)
+        self._base_rows = (full.tolist(), look.tolist())  # the same as host lists (observe_step reads them)
+        self._row_of = {}
         self.spec_costs, self.lookup_costs = full.copy(), look.copy()  # the prices the plans read (observe_step)
         # the same at the planner's widths, as host lists (the one-row plan reads them without numpy)
         self._spec_w, self._look_w = full[:, self._widx].tolist(), look[:, self._widx].tolist()
@@ -436,7 +439,12 @@ class HybridPlanner:
         self._resid_n = {True: [0] * nb, False: [0] * nb}
 
     def _row(self, batch_size: int) -> int:
-        return min(bisect.bisect_left(self.batch_sizes, batch_size), len(self.batch_sizes) - 1)
+        """The cost tables' row of ``batch_size``: the first bucket >= it, else the last."""
+        r = self._row_of.get(batch_size)
+        if r is None:
+            r = self._row_of[batch_size] = min(bisect.bisect_left(self.batch_sizes, batch_size),
+                                               len(self.batch_sizes) - 1)
+        return r
 
     def observe_step(self, batch_size: int, width: int, proposed: bool, ms: float) -> None:
         """A planned step's realised wall ``ms`` (the engine's whole step: planning, the device work and its transfer,
@@ -447,24 +455,26 @@ class HybridPlanner:
         become table + their kind's average (at least half the table; a kind not observed yet borrows the other's:
         the engine's host work common to both) - so a propose that costs less or more in the engine than the tables
         measured it apart is priced as it runs. No-op without a cost table."""
-        if self._base is None or not self.realised_costs:
+        if self._base is None or not self._realised_costs:
             return
         r = self._row(batch_size)
-        spec, look = self._base
+        spec, look = self._base_rows  # host lists: a step's update without numpy scalars or row ufuncs
         kind = bool(proposed)
         col = min(max(int(width), 1), self.max_draft + 1) - 1
         resid, counts = self._resid[kind], self._resid_n[kind]
         n = counts[r] = counts[r] + 1
         w = max(self.step_cost_decay, 1.0 / n)
-        resid[r] += w * (ms - float((spec if kind else look)[r, col]) - resid[r])
+        resid[r] += w * (ms - (spec if kind else look)[r][col] - resid[r])
         total = n + self._resid_n[not kind][r]
         if total % self.step_cost_every == 0 or n == 1:
             d_spec, d_look = self._kind_resid(r)
-            for base, eff, d in ((spec, self.spec_costs, d_spec), (look, self.lookup_costs, d_look)):
-                eff[r] = np.maximum(base[r] + d, 0.5 * base[r])
-            self._spec_w[r] = self.spec_costs[r, self._widx].tolist()
-            self._look_w[r] = self.lookup_costs[r, self._widx].tolist()
-            self._look_ar[r] = float(self.lookup_costs[r, 0])
+            widx = self._widx_list
+            spec_r = [max(b + d_spec, 0.5 * b) for b in spec[r]]  # table + average, at least half the table
+            look_r = [max(b + d_look, 0.5 * b) for b in look[r]]
+            self.spec_costs[r], self.lookup_costs[r] = spec_r, look_r
+            self._spec_w[r] = [spec_r[i] for i in widx]
+            self._look_w[r] = [look_r[i] for i in widx]
+            self._look_ar[r] = look_r[0]
 
     def _kind_resid(self, r: int) -> tuple[float, float]:
         """Row ``r``'s realised - table ms of proposing and of other steps (a kind not observed: the other's; 0
@@ -661,7 +671,7 @@ class HybridPlanner:
     def plan_rows(self, choices: list[RowChoice]) -> tuple[list[int], list[bool] | None]:
         """Of a plan's ``choices``: per request its γ (``[n]`` host ints) and which rows verify the device lookup's
         proposal (``[n]`` bool, :attr:`RowChoice.device_lookup`; None where no row does). The last plan's come
-        without a pass over the choices when it was lookup-only or draft-less."""
+        without a pass over the choices when it was lookup-only, draft-less or one row's."""
         last = self._plan_rows
         if last is not None and last[0] is choices:
             return last[1], last[2]
@@ -845,11 +855,15 @@ class HybridPlanner:
             if m_d is None:
                 m_d = [max(vd, vl, 0.0) for vd, vl in zip(v_d, v_l)]
             best_d = max((1.0 + m) / (sc if sc >= lk else lk) for m, sc, lk in zip(m_d, spec_w, look_w))
-            best_l = max((1.0 + m) / lk for m, lk in zip(m_l, look_w))
+            # the best plan without the block and without a propose: the lookup-only plan above when it was priced
+            # by the lookup table (no probe due, or block_off), the same floats
+            best_l = plans[-1][0] if block_off or not probe_d else max((1.0 + m) / lk for m, lk in zip(m_l, look_w))
             self._block_net = (1 - NET_EMA) * self._block_net + NET_EMA * (best_d - best_l)
             net_pays = self._block_net > 0.0
         keep_d = is_d or net_pays or (d_pays and use_d >= IDLE_BELOW)
-        return [choice], self._end_step(any_d, keep_d, used_l, looked, probe_d, False, True, block_off)
+        choices = [choice]
+        self._plan_rows = (choices, [choice.draft_len], [True] if used_l else None)  # plan_rows() without a pass
+        return choices, self._end_step(any_d, keep_d, used_l, looked, probe_d, False, True, block_off)
 
     @staticmethod
     def _block_table(dflash_expected: list, has_d: np.ndarray, nd: int) -> np.ndarray:
