@@ -93,13 +93,15 @@ def _widens(src: torch.dtype, dst: torch.dtype) -> bool:
 
 class _Running(NamedTuple):
     """The running batch's host state, kept while the scheduler's batch is unchanged (:attr:`Scheduler.version`):
-    the requests, their KV slots (host ints and ``[n]`` int64 numpy), max(slot) + 1, the γ each request fixes (None:
+    the requests, their KV slots (host ints, ``[n]`` int64 numpy, and the index of their rows in the per-slot arrays:
+    ``slice(0, n)`` where the slots are 0..n-1, else that int64 array), max(slot) + 1, the γ each request fixes (None:
     the policy's / planner's) and whether any does."""
 
     version: int
     requests: list[Request]
     slots: list[int]
     slot_idx: np.ndarray
+    slot_rows: slice | np.ndarray  # the per-slot arrays' rows of the slots: slice(0, n) where they are 0..n-1
     batch_size: int
     fixed: list[int | None]
     any_own: bool
@@ -554,7 +556,7 @@ class SpecEngine:
     def _schedule(self, spec: bool) -> _Batch:
         """The running requests' γ for this step - the policy's (or the request's own), capped by the tokens left -
         and whether the step proposes the next block (the policy's probe schedule)."""
-        _, running, slots, _, batch_size, fixed, any_own = self._running_state()
+        _, running, slots, _, _, batch_size, fixed, any_own = self._running_state()
         n = len(running)
         if spec and self.guard is not None and not any_own and \
                 self.guard.force_ar(batch_size):  # the policy is slower than AR here: AR steps for a while
@@ -584,7 +586,9 @@ class SpecEngine:
         running = list(self.scheduler.running)
         slots = list(map(_slot_of, running))
         fixed = [r.params.draft_len for r in running]  # a γ the request fixes, else None
-        cur = self._running = _Running(version, running, slots, np.array(slots, dtype=np.int64), max(slots) + 1, fixed,
+        slot_idx = np.array(slots, dtype=np.int64)
+        rows = slice(0, len(slots)) if slots == list(range(len(slots))) else slot_idx  # a slice: views, no gather
+        cur = self._running = _Running(version, running, slots, slot_idx, rows, max(slots) + 1, fixed,
                                        fixed.count(None) != len(running))
         return cur
 
@@ -630,8 +634,10 @@ class SpecEngine:
         if fixed is None:
             fixed = [r.params.draft_len for r in running]
         cur = self._running
-        slot_idx = cur.slot_idx if cur is not None and cur.slots is slots else np.array(slots, dtype=np.int64)
-        props, valid = self._dev_props[slot_idx], self._dev_valid[slot_idx]
+        slot_rows = cur.slot_rows if cur is not None and cur.slots is slots else np.array(slots, dtype=np.int64)
+        # the running slots' proposals (views of the per-slot arrays where the slots are 0..n-1: the plan reads them
+        # before this step's result rewrites them, and keeps none)
+        props, valid = self._dev_props[slot_rows], self._dev_valid[slot_rows]
         arrays = LookupArrays(props[:, nd], props[:, nd + 1], props[:, nd + 2], props[:, nd + 3], valid)
         expected = [r.dflash_expected for r in running] if self._any_block else [None] * n
         choices, propose = planner.plan(batch_size, caps, expected, [None] * n, fixed, device=arrays,
@@ -647,8 +653,8 @@ class SpecEngine:
         return self.block_guard is not None and not any_own and self.block_guard.force_ar(batch_size)
 
     def _keep_proposals(self, slots, res: StepResult) -> None:
-        """Keep the device lookup's proposals of ``res`` (current for ``slots``: host ints or an ``[n]`` int64 index
-        array; none: not current)."""
+        """Keep the device lookup's proposals of ``res`` (current for ``slots``: host ints, an ``[n]`` int64 index
+        array or a slice of the per-slot arrays' rows; none: not current)."""
         if res.lookup is None:
             self._dev_valid[slots] = False
         else:
@@ -681,7 +687,7 @@ class SpecEngine:
         n = len(reqs)
         if self.lookup_on_device:
             cur = self._running
-            self._keep_proposals(cur.slot_idx if cur is not None and batch.slots is cur.slots else
+            self._keep_proposals(cur.slot_rows if cur is not None and batch.slots is cur.slots else
                                  batch.slots if batch.slots is not None else [r.slot for r in reqs], res)
         planner = self.planner
         if planner is not None:

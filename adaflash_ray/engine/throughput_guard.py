@@ -111,9 +111,15 @@ class ThroughputGuard:
             raise ValueError(f"batch_sizes must be non-empty and strictly increasing, got {batch_sizes}")
         self.batch_sizes = list(batch_sizes)
         self.buckets = [_Bucket(_Rate(), _Rate()) for _ in batch_sizes]
+        self._bucket_of: dict[int, _Bucket] = {}  # batch size -> its bucket (_bucket), as steps meet them
 
     def _bucket(self, batch_size: int) -> _Bucket:
-        return self.buckets[min(bisect.bisect_left(self.batch_sizes, batch_size), len(self.batch_sizes) - 1)]
+        """The bucket of ``batch_size``: the first at or above it, else the last."""
+        bk = self._bucket_of.get(batch_size)
+        if bk is None:
+            bk = self._bucket_of[batch_size] = \
+                self.buckets[min(bisect.bisect_left(self.batch_sizes, batch_size), len(self.batch_sizes) - 1)]
+        return bk
 
     def _reference_due(self, bk: _Bucket) -> int:
         """AR steps an AR reference run of ``bk`` needs now (0: none): its AR samples are too few, or too old, once
