@@ -642,6 +642,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="untimed warm-up: repeat = every timed engine run once before (captures its CUDA graphs; "
                         "default on CUDA), short = one 2-token pass per engine (default on CPU), none")
     p.add_argument("--eager", action="store_true", help="engine without CUDA graphs (use_cuda_graph=False)")
+    p.add_argument("--lookup-device", default="auto", choices=("auto", "host", "device"),
+                   help="where the suffix / hybrid lookups run (SpecEngine lookup_device; auto: the device on CUDA, "
+                        "the host on CPU)")
     p.add_argument("--no-precapture", action="store_true",
                    help="CUDA: do not capture every step shape after the warm-up passes (the timed runs then capture "
                         "the graphs of shapes the warm-up did not meet, as a server that captures lazily)")
@@ -747,7 +750,9 @@ def main(argv: list[str] | None = None) -> int:
                         domains=list(dict.fromkeys(ns.domains)), num_prompts=ns.num_prompts,
                         max_new_tokens=ns.max_new_tokens,
                         warmup=ns.warmup or ("repeat" if on_cuda else "short"),
-                        engine_kwargs={"use_cuda_graph": False} if ns.eager else None, log=log,
+                        engine_kwargs={**({"use_cuda_graph": False} if ns.eager else {}),
+                                       **({"lookup_device": ns.lookup_device} if ns.lookup_device != "auto" else {})}
+                        or None, log=log,
                         repeats=ns.repeats, corpus_prompts=ns.corpus_prompts, temperature=ns.temperature,
                         admit_min=ns.admit_min, precapture=not ns.no_precapture)
     except (RecipeError, ValueError, MissingDataPackageError) as e:  # incl. ShapeError, CheckpointError

@@ -253,3 +253,22 @@ def test_model_mode_sampled_with_argmax_drafts(capsys):
         assert 1.0 <= r["tau"] <= doc["block_size"] and r["speedup_vs_ar"] > 0
     assert main(["--methods", "ar", "--temperature", "-1", "--num-prompts", "1", "--concurrency", "1"]) == 2
     assert main(["--methods", "ar", HF_METHOD, "--temperature", "0.5", "--num-prompts", "1", "--concurrency", "1"]) == 2
+
+
+@pytest.mark.parametrize("flags, want", [([], None), (["--lookup-device", "host"], {"lookup_device": "host"}),
+                                         (["--eager", "--lookup-device", "device"],
+                                          {"use_cuda_graph": False, "lookup_device": "device"})])
+def test_lookup_device_option_reaches_the_engines(monkeypatch, flags, want):
+    """``--lookup-device`` puts the suffix / hybrid lookups where it says (SpecEngine ``lookup_device``); left at
+    ``auto`` the engines get no such argument (the device on CUDA, the host on CPU)."""
+    import adaflash_ray.bench as bench_mod
+
+    seen = {}
+
+    def fake_bench(cfg, drafter, **kw):
+        seen.update(kw)
+        raise ValueError("stop before any model is loaded")
+
+    monkeypatch.setattr(bench_mod, "bench", fake_bench)
+    assert main(["--methods", "ar", "hybrid", "--concurrency", "1", "--num-prompts", "1", *flags]) == 2
+    assert seen["engine_kwargs"] == want
