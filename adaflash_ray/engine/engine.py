@@ -93,14 +93,13 @@ def _widens(src: torch.dtype, dst: torch.dtype) -> bool:
 
 class _Running(NamedTuple):
     """The running batch's host state, kept while the scheduler's batch is unchanged (:attr:`Scheduler.version`):
-    the requests, their KV slots (host ints, ``[n]`` int64 numpy, and the index of their rows in the per-slot arrays:
-    ``slice(0, n)`` where the slots are 0..n-1, else that int64 array), max(slot) + 1, the γ each request fixes (None:
+    the requests, their KV slots (host ints, and the index of their rows in the per-slot arrays: ``slice(0, n)`` where
+    the slots are 0..n-1, else an ``[n]`` int64 numpy array), max(slot) + 1, the γ each request fixes (None:
     the policy's / planner's) and whether any does."""
 
     version: int
     requests: list[Request]
     slots: list[int]
-    slot_idx: np.ndarray
     slot_rows: slice | np.ndarray  # the per-slot arrays' rows of the slots: slice(0, n) where they are 0..n-1
     batch_size: int
     fixed: list[int | None]
@@ -556,7 +555,7 @@ class SpecEngine:
     def _schedule(self, spec: bool) -> _Batch:
         """The running requests' γ for this step - the policy's (or the request's own), capped by the tokens left -
         and whether the step proposes the next block (the policy's probe schedule)."""
-        _, running, slots, _, _, batch_size, fixed, any_own = self._running_state()
+        _, running, slots, _, batch_size, fixed, any_own = self._running_state()
         n = len(running)
         if spec and self.guard is not None and not any_own and \
                 self.guard.force_ar(batch_size):  # the policy is slower than AR here: AR steps for a while
@@ -586,9 +585,9 @@ class SpecEngine:
         running = list(self.scheduler.running)
         slots = list(map(_slot_of, running))
         fixed = [r.params.draft_len for r in running]  # a γ the request fixes, else None
-        slot_idx = np.array(slots, dtype=np.int64)
-        rows = slice(0, len(slots)) if slots == list(range(len(slots))) else slot_idx  # a slice: views, no gather
-        cur = self._running = _Running(version, running, slots, slot_idx, rows, max(slots) + 1, fixed,
+        # a slice where the slots are 0..n-1 (views, no gather), else their index array
+        rows = slice(0, len(slots)) if slots == list(range(len(slots))) else np.array(slots, dtype=np.int64)
+        cur = self._running = _Running(version, running, slots, rows, max(slots) + 1, fixed,
                                        fixed.count(None) != len(running))
         return cur
 
