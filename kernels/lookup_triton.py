@@ -56,7 +56,8 @@ if HAVE_TRITON:
             tok_p = tl.load(hay_ptr + offs, mask=inb, other=sep)
             valid = inb & (tok_p != sep)
             head = tl.load(head_ptr)
-            order = (offs.to(tl.int64) - head + hay_len) % hay_len
+            order = offs.to(tl.int64) - head  # the ring age, 0 = oldest: one wrap at most (0 <= offs, head < hay_len)
+            order = tl.where(order < 0, order + hay_len, order)
         else:
             valid = (offs >= 1) & (offs < length)
             order = offs.to(tl.int64)
@@ -67,8 +68,8 @@ if HAVE_TRITON:
             s_j = tl.load(ctx_row + tl.maximum(s_pos, 0))
             s_j = tl.where(s_pos >= 0, s_j, -2)  # no suffix token there: matches nothing
             idx = offs - 1 - j
-            if IS_RING:
-                idx = (idx + hay_len) % hay_len
+            if IS_RING:  # one wrap at most (idx >= -N > -hay_len): no integer division per candidate
+                idx = tl.where(idx < 0, idx + hay_len, idx)
                 t = tl.load(hay_ptr + idx, mask=alive, other=-7)
                 alive = alive & (t == s_j)
             else:

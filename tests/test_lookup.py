@@ -370,6 +370,17 @@ def compare_lookup_kernels(device: str, cases: int = 60, seed: int = 0) -> int:
 
     from adaflash_ray.engine.device_lookup import DeviceLookup
 
+    # first, matches that straddle the ring's wrap: the sequence 1..7 written across the end of a 16-token ring (1..5
+    # in cells 11-15, 6 7 in cells 0-1), and contexts ending in its n-grams up to the wrap and past it
+    ref, fast = (DeviceLookup(3, 8, 4, device, kernel=k, max_ngram=3, corpus_tokens=16) for k in ("torch", "triton"))
+    for lk in (ref, fast):
+        lk.add_sequence(list(range(20, 30)))
+        lk.add_sequence(list(range(1, 8)))
+        lk.history[:, :3] = torch.tensor([[3, 4, 5], [4, 5, 6], [9, 5, 6]], device=device)
+    lens = torch.full((3,), 3, dtype=torch.long, device=device)
+    want, got = ref.propose_packed(slice(0, 3), ref.history[:, :3], lens), \
+        fast.propose_packed(slice(0, 3), fast.history[:, :3], lens)
+    assert want[:, :2].tolist() == [[6, 7], [7, 0], [7, 0]] and torch.equal(want, got), (want.tolist(), got.tolist())
     rng = np.random.default_rng(seed)
     for case in range(cases):
         vocab = int(rng.choice([3, 5, 20]))
