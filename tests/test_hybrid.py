@@ -647,12 +647,14 @@ def test_planner_nothing_to_verify_fast_path_matches_the_arrays(where):
             fixed = [3 if rng.random() < 0.1 else None for _ in range(n)]
             device, props = None, [None] * n
             if where == "device":
-                device = LookupArrays(np.where(rng.random(n) < 0.15, 4, 0), rng.integers(0, 4, n),
+                device = LookupArrays(np.where(rng.random(n) < 0.15, rng.integers(1, 5, n), 0), rng.integers(0, 4, n),
                                       rng.integers(0, 6, n), rng.integers(0, 2, n), rng.random(n) < 0.7)
             else:
                 props = [None if rng.random() < 0.3 else Proposal([5, 6, 7], 2, "context", [3, 2, 1], 3)
                          if rng.random() < 0.15 else Proposal([], 0, "context", [], 0) for _ in range(n)]
-            args = (4 if n > 1 else 1, caps, dexp, props, fixed, float(rng.choice([0.0, 0.05])), device)
+            # host lookup time only with host lookups (the engine gives device lookups none to weigh)
+            lookup_ms = float(rng.choice([0.0, 0.05])) if device is None else 0.0
+            args = (4 if n > 1 else 1, caps, dexp, props, fixed, lookup_ms, device)
             empty = all(e is None for e in dexp) and (
                 not (device.valid & (device.length > 0)).any() if device is not None else
                 all(p is None or not len(p) for p in props))
@@ -1011,6 +1013,40 @@ def test_one_row_plan_equals_the_array_plan():
     assert seen == {"dflash", "suffix", "none", ("propose", True), ("propose", False)}
 
 
+def test_stand_in_net_equals_the_net_value_of_the_blocks_it_stands_for():
+    """HybridPlanner._stand_in_net (the block estimate clamped and scaled once per estimate and factor, the cost rows
+    kept as arrays, the lookup plan's totals and best value reused) moves the block's net value exactly as _note_net
+    of the stand-in blocks does: random estimates (negative entries too), factors, caps (past max_draft and 0),
+    lookup values (none too), table rows whose prices observe_step moves, best_l given and not."""
+    rng = np.random.default_rng(5)
+    bs = [1, 4, 16]
+    fast, ref = (HybridPlanner(("dflash", "suffix"), 15, 16, [1, 2, 3, 4, 6, 8, 12, 16], lookup_on_device=True)
+                 for _ in range(2))
+    spec, look = rng.uniform(1.0, 3.0, (3, 15)), rng.uniform(0.8, 2.5, (3, 16))
+    for p in (fast, ref):
+        p.set_costs(bs, spec, look)
+    for step in range(300):
+        if step % 7 == 0:  # a new block estimate
+            fast._block_est = ref._block_est = rng.uniform(-0.5, 6.0, 16).tolist()
+        if step % 3 == 0:  # the drafter's calibration moves, the estimate stays
+            realised = int(rng.integers(0, 4))
+            for p in (fast, ref):
+                p.calibration.record("dflash", 2.0, realised)
+        n, r = int(rng.integers(1, 20)), int(rng.integers(0, 3))
+        caps = rng.integers(0, 25, n)
+        v_l = None if rng.random() < 0.3 else rng.uniform(0.0, 5.0, (n, 8)) * (rng.random((n, 8)) < 0.6)
+        zeros = np.zeros((n, 8)) if v_l is None else v_l
+        total_l = n + zeros.sum(0)
+        best_l = float((total_l / fast.lookup_costs[r, fast._widx]).max()) if rng.random() < 0.5 else None
+        got = fast._stand_in_net(r, caps, v_l, total_l, best_l)
+        gam = np.minimum(ref._widx[None, :], np.minimum(caps, 15)[:, None])
+        want = ref._note_net(r, ref.calibration.factor("dflash") * np.asarray(ref._block_est)[gam], zeros)
+        assert got == want and fast._block_net == ref._block_net, step
+        step_args = (bs[r], int(rng.integers(1, 17)), bool(rng.random() < 0.5), float(rng.uniform(0.5, 4.0)))
+        for p in (fast, ref):
+            p.observe_step(*step_args)
+
+
 @pytest.mark.parametrize("with_costs", [True, False, "dear"])
 def test_lookup_only_plan_equals_the_array_plan(with_costs):
     """A step with device lookups and no pending drafter block (the block idle, or no drafter) takes the lookup-only
@@ -1019,7 +1055,8 @@ def test_lookup_only_plan_equals_the_array_plan(with_costs):
     above: caps below the width, empty and stale proposals, fixed γ, block_off, the block's probes due (proposing
     steps whose blocks the next steps verify: those take the array path in both planners), calibration records in
     between; ``dear``: every width above AR's costs 1e4 ms, so rows with proposals draft nothing (the plan's
-    draft-less choices). Both planners see the same record, so any divergence shows in the next step."""
+    draft-less choices). Both planners see the same record and realised step times (the prices they plan with
+    move), so any divergence shows in the next step."""
     from adaflash_ray.engine.hybrid import LookupArrays
 
     rng = np.random.default_rng(11)
@@ -1060,8 +1097,10 @@ def test_lookup_only_plan_equals_the_array_plan(with_costs):
             pending = got[1] and "dflash" in sources
             acc = [int(rng.integers(0, c.draft_len + 1)) for c in got[0]]
             match = [(int(rng.integers(0, 6)), int(rng.integers(1, 6))) for _ in range(n)]
+            ms = float(rng.uniform(0.5, 3.0))  # realised step times: the rows' prices move every few steps
             for p in (fast, ref):
                 p.record(got[0], acc, match, dexp, [True] * n)
+                p.observe_step(min(n, 8), 1 + max(c.draft_len for c in got[0]), got[1], ms)
         assert calls[0] > 30, calls  # the fast path ran
         if with_costs == "dear":
             assert "none" in seen and ("propose", False) in seen

@@ -364,7 +364,9 @@ class HybridPlanner:
         # for every row's block in that step's net value, so the net value is averaged over every step, not only over
         # the steps that proposed (None: no block seen since construction or reset)
         self._block_est: list[float] | None = None
-        self._block_est_array: tuple | None = None  # (_block_est, the same as [max_draft + 1] float64): _stand_in_net
+        # (_block_est, the dflash factor, max(factor * _block_est, 0) as [max_draft + 1] float64): _stand_in_net
+        self._block_est_array: tuple | None = None
+        self._cost_row_arrays: dict[int, tuple] = {}  # table row -> its prices at the widths as arrays (_cost_rows)
         self.last_value: float | None = None  # expected tokens per ms of the last plan (None without costs)
         # one request, device lookups, costs set: plan in host floats (:meth:`_plan_one`; numpy's per-call overhead
         # on arrays of one row costs more than the arithmetic); False: always the arrays
@@ -568,6 +570,7 @@ class HybridPlanner:
         without the drafter's arrays. Each gives :meth:`_plan_general`'s answer and state updates.
         """
         blocks = self.use_dflash and dflash_expected.count(None) != len(dflash_expected)
+        prop_len = None
         if not blocks:
             if device is None:
                 empty = all(p is None or not len(p) for p in proposals)
@@ -575,31 +578,37 @@ class HybridPlanner:
             elif len(caps) == 1:  # one row: numpy scalars, not a ufunc per test
                 looked = bool(device.valid[0])
                 empty = not (looked and device.length[0] > 0)
-            else:
-                empty = not (device.valid & (device.length > 0)).any()
-                looked = empty and bool(device.valid.any())
+            else:  # the proposals' lengths cut at max_draft (> 0 where the length is): the lookup-only plan's too
+                prop_len = np.where(device.valid, np.minimum(device.length, self.max_draft), 0)
+                empty = not prop_len.max(initial=0) > 0
+                looked = bool(device.valid.any())
             if empty:
                 return self._plan_nothing(batch_size, caps, fixed, looked, lookup_ms, block_off)
         if (len(caps) == 1 and device is not None and self.spec_costs is not None and self.scalar_one_row
                 and (fixed is None or fixed[0] is None)):
             return self._plan_one(batch_size, caps[0], dflash_expected[0], device, block_off)
         if not blocks and device is not None and self.lookup_only_fast:
-            return self._plan_lookup(batch_size, caps, device, fixed, block_off)
+            return self._plan_lookup(batch_size, caps, device, fixed, block_off, prop_len, looked)
         return self._plan_general(batch_size, caps, dflash_expected, proposals, fixed, lookup_ms, device, block_off)
 
     def _plan_lookup(self, batch_size: int, caps: list[int], device: LookupArrays, fixed: list[int | None] | None,
-                     block_off: bool) -> tuple[list[RowChoice], bool]:
+                     block_off: bool, prop_len: np.ndarray | None = None,
+                     looked: bool | None = None) -> tuple[list[RowChoice], bool]:
         """:meth:`_plan_general` of a step with the device lookup where no row has a pending drafter block: one plan
         (lookups only; the spec table when the drafter's probe is due, else the lookup table), no drafter arrays, the
         block's net value by the recent blocks' estimate (:meth:`_stand_in_net`); the same choices, value and state
         updates (``tests/test_hybrid.py`` checks them against each other). ``v_l[i, k]`` = E[accepted] of row i's
         proposal at width k's γ, capped by its cap and its proposal's length: ``[n, len(widths)]`` float, read
-        straight from :class:`LookupCalibration`'s table."""
+        straight from :class:`LookupCalibration`'s table. ``prop_len``: the proposals' lengths where valid, cut at
+        max_draft (``[n]`` int), ``looked``: whether any proposal is current (:meth:`plan` has both at batch > 1;
+        None: computed here)."""
         nd, n = self.max_draft, len(caps)
         lc = self.lookup_calibration
         buckets = lc.bucket(device.source, device.match_len, device.num_occurrences)
-        prop_len = np.where(device.valid, np.minimum(device.length, nd), 0).astype(np.int64)
-        caps_a = np.maximum(np.minimum(np.asarray(caps, dtype=np.int64), nd), 0)
+        if prop_len is None:
+            prop_len = np.where(device.valid, np.minimum(device.length, nd), 0)  # [n], <= nd
+        # caps cut at 0: min(W - 1, cap) and min(cap, prop_len) need no cut at max_draft (W - 1, prop_len <= it)
+        caps_a = np.maximum(caps, 0)
         gam = np.minimum(self._widx[None, :], np.minimum(caps_a, prop_len)[:, None])  # [n, nw] γ of each row
         v_l = lc.expected_at(buckets, gam)  # [n, nw], >= 0
         probe_d = self.use_dflash and self._idle["dflash"] and self._since["dflash"] >= self._interval["dflash"] \
@@ -607,30 +616,38 @@ class HybridPlanner:
         total = n + v_l.sum(0)  # expected committed tokens per width
         costs = self.spec_costs is not None
         if costs:
-            table = self.spec_costs if probe_d else self.lookup_costs
-            value = total / table[self._row(batch_size), self._widx]
+            r = self._row(batch_size)
+            look, spec, _ = self._cost_rows(r)
+            value = total / (spec if probe_d else look)
         else:
             value = total + 1e-9 * self._widths  # no costs: the most tokens, the longest width on a tie
-        j = int(value.argmax())
-        self.last_value = float(value[j]) if costs else None
-        g_l, v_lj = gam[:, j], v_l[:, j]
-        is_l = (v_lj > 0) & (g_l > 0)
+        values = value.tolist()
+        j = values.index(max(values))  # the first best width (argmax's)
+        self.last_value = values[j] if costs else None
         src = self.lookup
         none = RowChoice("none", 0)
-        any_l = bool(is_l.any())
+        if self._widx_list[j]:  # a width above AR's: its rows with a proposal draft
+            g_l, v_lj = gam[:, j], v_l[:, j]
+            is_l = (v_lj > 0) & (g_l > 0)
+            any_l = bool(is_l.any())
+        else:  # the AR width: γ = 0 in every row, no row drafts
+            g_l = is_l = None
+            any_l = False
         if any_l:
             use_l = is_l.tolist()
             choices = [RowChoice(src, g, None, e, b) if use else none
                        for use, g, e, b in zip(use_l, g_l.tolist(), v_lj.tolist(), buckets.tolist())]
         else:  # no row drafts (the cost tables price every width above AR's): one shared "none" per row
             choices = [none] * n
-        self._lookup_plan = (choices, is_l, buckets, g_l)  # record() of these choices reads the arrays
+        self._lookup_plan = (choices, is_l if any_l else None, buckets, g_l)  # record() of these choices reads them
         # every chosen row verifies its device lookup proposal (a bucket >= 0, γ > 0): RowChoice.device_lookup
         self._plan_rows = (choices, np.where(is_l, g_l, 0).tolist() if any_l else [0] * n, use_l if any_l else None)
         forced = fixed is not None and fixed.count(None) != len(fixed)
-        keep_d = costs and self._stand_in_net(self._row(batch_size), caps_a, v_l)  # the block's net value
-        return choices, self._end_step(False, keep_d, any_l, bool(device.valid.any()), probe_d, forced,
-                                       True, block_off)
+        # the block's net value; without a probe the plan's value is the best lookup-only value at the lookup table
+        keep_d = costs and self._stand_in_net(r, caps_a, v_l, total, None if probe_d else self.last_value)
+        if looked is None:
+            looked = bool(device.valid.any())
+        return choices, self._end_step(False, keep_d, any_l, looked, probe_d, forced, True, block_off)
 
     def _plan_nothing(self, batch_size: int, caps: list[int], fixed: list[int | None] | None, looked: bool,
                       lookup_ms: float, block_off: bool = False) -> tuple[list[RowChoice], bool]:
@@ -659,8 +676,8 @@ class HybridPlanner:
             if one:
                 keep_d = self._stand_in_net_one(r, max(min(caps[0], self.max_draft), 0))
             else:
-                caps_a = np.maximum(np.minimum(np.asarray(caps, dtype=np.int64), self.max_draft), 0)
-                keep_d = self._stand_in_net(r, caps_a, np.zeros((n, len(self.widths))))
+                keep_d = self._stand_in_net(r, np.maximum(caps, 0), None, np.full(len(self.widths), float(n)),
+                                            None if probe_d else self.last_value)
         propose = self._end_step(False, keep_d, False, looked, probe_d, forced,
                                  lookup_pays=not (costs and looked and lookup_ms > 0), block_off=block_off)
         choices = [RowChoice("none", 0)] * n  # one shared RowChoice (choices are read, never changed)
@@ -794,7 +811,7 @@ class HybridPlanner:
             if costs:
                 net_pays = self._note_net(r, v_d, v_l)
         elif costs:
-            net_pays = self._stand_in_net(r, caps_a, v_l)
+            net_pays = self._stand_in_net(r, caps_a, v_l, n + np.maximum(v_l, 0.0).sum(0))
         keep_d = used_d or net_pays or (d_pays and use_d >= IDLE_BELOW)
         return choices, self._end_step(any_d, keep_d, used_l, looked, probe_d, forced, lookup_pays, block_off)
 
@@ -858,8 +875,7 @@ class HybridPlanner:
             # the best plan without the block and without a propose: the lookup-only plan above when it was priced
             # by the lookup table (no probe due, or block_off), the same floats
             best_l = plans[-1][0] if block_off or not probe_d else max((1.0 + m) / lk for m, lk in zip(m_l, look_w))
-            self._block_net = (1 - NET_EMA) * self._block_net + NET_EMA * (best_d - best_l)
-            net_pays = self._block_net > 0.0
+            net_pays = self._note_net_value(best_d - best_l)
         keep_d = is_d or net_pays or (d_pays and use_d >= IDLE_BELOW)
         choices = [choice]
         self._plan_rows = (choices, [choice.draft_len], [True] if used_l else None)  # plan_rows() without a pass
@@ -917,25 +933,47 @@ class HybridPlanner:
         n = v_l.shape[0]
         total_l = n + np.maximum(v_l, 0.0).sum(0)
         total_d = n + np.maximum(np.maximum(v_d, v_l), 0.0).sum(0)
-        look = self.lookup_costs[r, self._widx]
-        cost_d = np.maximum(self.spec_costs[r, self._widx], look)
-        net = float((total_d / cost_d).max()) - float((total_l / look).max())
-        self._block_net = (1 - NET_EMA) * self._block_net + NET_EMA * net
-        return self._block_net > 0.0
+        look, _, cost_d = self._cost_rows(r)
+        return self._note_net_value(float((total_d / cost_d).max()) - float((total_l / look).max()))
 
-    def _stand_in_net(self, r: int, caps_a: np.ndarray, v_l: np.ndarray) -> bool:
+    def _stand_in_net(self, r: int, caps_a: np.ndarray, v_l: np.ndarray | None, total_l: np.ndarray,
+                      best_l: float | None = None) -> bool:
         """:meth:`_note_net` of a step without a pending block, every row's block taken as :attr:`_block_est`
-        (calibrated) at its γ ``min(W - 1, cap)`` (``caps_a`` ``[n]`` int, already cut at max_draft): whether proposing
-        would pay on this step as the steps with a block measure it. False (no update) without a cost table, a
-        drafter source or a block seen."""
+        (calibrated) at its γ ``min(W - 1, cap)`` (``caps_a`` ``[n]`` int >= 0): whether proposing would pay on this
+        step as the steps with a block measure it. ``v_l`` ``[n, len(widths)]`` float the rows' lookup values
+        (None: all 0), ``total_l`` ``[len(widths)]`` float = n + ``max(v_l, 0)`` summed over the rows, ``best_l`` the
+        best of ``total_l`` / the lookup table's row where the caller has it (None: computed here). The same net value
+        as :meth:`_note_net` (max(v_d, v_l, 0) taken as max(max(v_d, 0), v_l), the first factor kept per estimate).
+        False (no update) without a cost table, a drafter source or a block seen."""
         if self._block_est is None or self.spec_costs is None or not self.use_dflash:
             return False
-        gam = np.minimum(self._widx[None, :], caps_a[:, None])  # [n, nw]
+        fac = self.calibration.factor("dflash")
         est = self._block_est_array
-        if est is None or est[0] is not self._block_est:  # the array of the current estimate, made once per estimate
-            est = self._block_est_array = (self._block_est, np.asarray(self._block_est))
-        v_d = self.calibration.factor("dflash") * est[1][gam]
-        return self._note_net(r, v_d, v_l)
+        if est is None or est[0] is not self._block_est or est[1] != fac:  # made once per estimate and factor
+            est = self._block_est_array = (self._block_est, fac, np.maximum(fac * np.asarray(self._block_est), 0.0))
+        v_d = est[2][np.minimum(self._widx[None, :], caps_a[:, None])]  # [n, nw], >= 0
+        total_d = len(caps_a) + (v_d if v_l is None else np.maximum(v_d, v_l)).sum(0)
+        look, _, cost_d = self._cost_rows(r)
+        if best_l is None:
+            best_l = float((total_l / look).max())
+        return self._note_net_value(float((total_d / cost_d).max()) - best_l)
+
+    def _cost_rows(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Cost table row ``r`` at the planner's widths: the lookup table's, the spec table's and their elementwise
+        max (``[len(widths)]`` float64 ms each), made again only after :meth:`set_costs` or :meth:`observe_step` gave
+        the row new prices (their host lists ``_spec_w[r]`` / ``_look_w[r]`` are then new lists)."""
+        spec_w, look_w = self._spec_w[r], self._look_w[r]
+        kept = self._cost_row_arrays.get(r)
+        if kept is None or kept[0] is not spec_w or kept[1] is not look_w:
+            look, spec = np.asarray(look_w), np.asarray(spec_w)
+            kept = self._cost_row_arrays[r] = (spec_w, look_w, look, spec, np.maximum(spec, look))
+        return kept[2], kept[3], kept[4]
+
+    def _note_net_value(self, net: float) -> bool:
+        """One more step of :attr:`_block_net` (moving average :data:`NET_EMA`) at ``net`` tokens per ms; whether the
+        average is > 0."""
+        self._block_net = (1 - NET_EMA) * self._block_net + NET_EMA * net
+        return self._block_net > 0.0
 
     def _stand_in_net_one(self, r: int, cap: int) -> bool:
         """:meth:`_stand_in_net` of one row with no lookup proposal (``cap``: its largest γ, already cut at max_draft),
@@ -944,8 +982,7 @@ class HybridPlanner:
         best_d = max((1 + max(fac * est[min(w, cap)], 0.0)) / max(sc, lk)
                      for w, sc, lk in zip(self._widx_list, self._spec_w[r], self._look_w[r]))
         best_l = max(1.0 / lk for lk in self._look_w[r])
-        self._block_net = (1 - NET_EMA) * self._block_net + NET_EMA * (best_d - best_l)
-        return self._block_net > 0.0
+        return self._note_net_value(best_d - best_l)
 
     def _note_use(self, key: str, used: bool) -> float:
         """One more step of ``key``'s moving average of verified proposals (:data:`USE_EMA`); its new value."""
@@ -970,7 +1007,7 @@ class HybridPlanner:
         last = self._lookup_plan
         if last is not None and last[0] is choices:  # a lookup-only plan: its rows are device lookups or none
             _, rows, buckets, gammas = last
-            if rows.any():
+            if rows is not None:  # some row drafted
                 self.lookup_calibration.record(buckets[rows], gammas[rows], np.asarray(num_accepted, np.int64)[rows])
             return  # no pending block: nothing else to calibrate
         dev = []
