@@ -1014,9 +1014,9 @@ def test_one_row_plan_equals_the_array_plan():
 
 
 def test_stand_in_net_equals_the_net_value_of_the_blocks_it_stands_for():
-    """HybridPlanner._stand_in_net (the block estimate clamped and scaled once per estimate and factor, the cost rows
-    kept as arrays, the lookup plan's totals and best value reused) moves the block's net value exactly as _note_net
-    of the stand-in blocks does: random estimates (negative entries too), factors, caps (past max_draft and 0),
+    """HybridPlanner._stand_in_net (the block estimate clamped and scaled once per estimate and factor, the per-width
+    quotients in host floats, the lookup plan's totals and best value reused) moves the block's net value exactly as
+    _note_net of the stand-in blocks does: random estimates (negative entries too), factors, caps (past max_draft and 0),
     lookup values (none too), table rows whose prices observe_step moves, best_l given and not."""
     rng = np.random.default_rng(5)
     bs = [1, 4, 16]
@@ -1038,7 +1038,7 @@ def test_stand_in_net_equals_the_net_value_of_the_blocks_it_stands_for():
         zeros = np.zeros((n, 8)) if v_l is None else v_l
         total_l = n + zeros.sum(0)
         best_l = float((total_l / fast.lookup_costs[r, fast._widx]).max()) if rng.random() < 0.5 else None
-        got = fast._stand_in_net(r, caps, v_l, total_l, best_l)
+        got = fast._stand_in_net(r, caps, v_l, total_l.tolist(), best_l)
         gam = np.minimum(ref._widx[None, :], np.minimum(caps, 15)[:, None])
         want = ref._note_net(r, ref.calibration.factor("dflash") * np.asarray(ref._block_est)[gam], zeros)
         assert got == want and fast._block_net == ref._block_net, step

@@ -366,7 +366,6 @@ class HybridPlanner:
         self._block_est: list[float] | None = None
         # (_block_est, the dflash factor, max(factor * _block_est, 0) as [max_draft + 1] float64): _stand_in_net
         self._block_est_array: tuple | None = None
-        self._cost_row_arrays: dict[int, tuple] = {}  # table row -> its prices at the widths as arrays (_cost_rows)
         self.last_value: float | None = None  # expected tokens per ms of the last plan (None without costs)
         # one request, device lookups, costs set: plan in host floats (:meth:`_plan_one`; numpy's per-call overhead
         # on arrays of one row costs more than the arithmetic); False: always the arrays
@@ -613,15 +612,13 @@ class HybridPlanner:
         v_l = lc.expected_at(buckets, gam)  # [n, nw], >= 0
         probe_d = self.use_dflash and self._idle["dflash"] and self._since["dflash"] >= self._interval["dflash"] \
             and not block_off
-        total = n + v_l.sum(0)  # expected committed tokens per width
+        total = [n + t for t in v_l.sum(0).tolist()]  # expected committed tokens per width (host floats)
         costs = self.spec_costs is not None
         if costs:
             r = self._row(batch_size)
-            look, spec, _ = self._cost_rows(r)
-            value = total / (spec if probe_d else look)
-        else:
-            value = total + 1e-9 * self._widths  # no costs: the most tokens, the longest width on a tie
-        values = value.tolist()
+            values = [t / c for t, c in zip(total, (self._spec_w if probe_d else self._look_w)[r])]
+        else:  # no costs: the most tokens, the longest width on a tie
+            values = (np.asarray(total) + 1e-9 * self._widths).tolist()
         j = values.index(max(values))  # the first best width (argmax's)
         self.last_value = values[j] if costs else None
         src = self.lookup
@@ -676,7 +673,7 @@ class HybridPlanner:
             if one:
                 keep_d = self._stand_in_net_one(r, max(min(caps[0], self.max_draft), 0))
             else:
-                keep_d = self._stand_in_net(r, np.maximum(caps, 0), None, np.full(len(self.widths), float(n)),
+                keep_d = self._stand_in_net(r, np.maximum(caps, 0), None, [float(n)] * len(self.widths),
                                             None if probe_d else self.last_value)
         propose = self._end_step(False, keep_d, False, looked, probe_d, forced,
                                  lookup_pays=not (costs and looked and lookup_ms > 0), block_off=block_off)
@@ -811,7 +808,7 @@ class HybridPlanner:
             if costs:
                 net_pays = self._note_net(r, v_d, v_l)
         elif costs:
-            net_pays = self._stand_in_net(r, caps_a, v_l, n + np.maximum(v_l, 0.0).sum(0))
+            net_pays = self._stand_in_net(r, caps_a, v_l, (n + np.maximum(v_l, 0.0).sum(0)).tolist())
         keep_d = used_d or net_pays or (d_pays and use_d >= IDLE_BELOW)
         return choices, self._end_step(any_d, keep_d, used_l, looked, probe_d, forced, lookup_pays, block_off)
 
@@ -933,18 +930,20 @@ class HybridPlanner:
         n = v_l.shape[0]
         total_l = n + np.maximum(v_l, 0.0).sum(0)
         total_d = n + np.maximum(np.maximum(v_d, v_l), 0.0).sum(0)
-        look, _, cost_d = self._cost_rows(r)
+        look = self.lookup_costs[r, self._widx]
+        cost_d = np.maximum(self.spec_costs[r, self._widx], look)
         return self._note_net_value(float((total_d / cost_d).max()) - float((total_l / look).max()))
 
-    def _stand_in_net(self, r: int, caps_a: np.ndarray, v_l: np.ndarray | None, total_l: np.ndarray,
+    def _stand_in_net(self, r: int, caps_a: np.ndarray, v_l: np.ndarray | None, total_l: list[float],
                       best_l: float | None = None) -> bool:
         """:meth:`_note_net` of a step without a pending block, every row's block taken as :attr:`_block_est`
         (calibrated) at its γ ``min(W - 1, cap)`` (``caps_a`` ``[n]`` int >= 0): whether proposing would pay on this
         step as the steps with a block measure it. ``v_l`` ``[n, len(widths)]`` float the rows' lookup values
-        (None: all 0), ``total_l`` ``[len(widths)]`` float = n + ``max(v_l, 0)`` summed over the rows, ``best_l`` the
-        best of ``total_l`` / the lookup table's row where the caller has it (None: computed here). The same net value
-        as :meth:`_note_net` (max(v_d, v_l, 0) taken as max(max(v_d, 0), v_l), the first factor kept per estimate).
-        False (no update) without a cost table, a drafter source or a block seen."""
+        (None: all 0), ``total_l`` ``[len(widths)]`` host floats = n + ``max(v_l, 0)`` summed over the rows,
+        ``best_l`` the best of ``total_l`` / the lookup table's row where the caller has it (None: computed here).
+        The same net value as :meth:`_note_net` (max(v_d, v_l, 0) taken as max(max(v_d, 0), v_l), the first factor
+        kept per estimate; the per-width quotients in host floats). False (no update) without a cost table, a
+        drafter source or a block seen."""
         if self._block_est is None or self.spec_costs is None or not self.use_dflash:
             return False
         fac = self.calibration.factor("dflash")
@@ -952,22 +951,12 @@ class HybridPlanner:
         if est is None or est[0] is not self._block_est or est[1] != fac:  # made once per estimate and factor
             est = self._block_est_array = (self._block_est, fac, np.maximum(fac * np.asarray(self._block_est), 0.0))
         v_d = est[2][np.minimum(self._widx[None, :], caps_a[:, None])]  # [n, nw], >= 0
-        total_d = len(caps_a) + (v_d if v_l is None else np.maximum(v_d, v_l)).sum(0)
-        look, _, cost_d = self._cost_rows(r)
+        n, look_w = len(caps_a), self._look_w[r]
+        sums = (v_d if v_l is None else np.maximum(v_d, v_l)).sum(0).tolist()
+        best_d = max((n + t) / max(sc, lk) for t, sc, lk in zip(sums, self._spec_w[r], look_w))
         if best_l is None:
-            best_l = float((total_l / look).max())
-        return self._note_net_value(float((total_d / cost_d).max()) - best_l)
-
-    def _cost_rows(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Cost table row ``r`` at the planner's widths: the lookup table's, the spec table's and their elementwise
-        max (``[len(widths)]`` float64 ms each), made again only after :meth:`set_costs` or :meth:`observe_step` gave
-        the row new prices (their host lists ``_spec_w[r]`` / ``_look_w[r]`` are then new lists)."""
-        spec_w, look_w = self._spec_w[r], self._look_w[r]
-        kept = self._cost_row_arrays.get(r)
-        if kept is None or kept[0] is not spec_w or kept[1] is not look_w:
-            look, spec = np.asarray(look_w), np.asarray(spec_w)
-            kept = self._cost_row_arrays[r] = (spec_w, look_w, look, spec, np.maximum(spec, look))
-        return kept[2], kept[3], kept[4]
+            best_l = max(t / lk for t, lk in zip(total_l, look_w))
+        return self._note_net_value(best_d - best_l)
 
     def _note_net_value(self, net: float) -> bool:
         """One more step of :attr:`_block_net` (moving average :data:`NET_EMA`) at ``net`` tokens per ms; whether the
