@@ -652,9 +652,7 @@ def test_planner_nothing_to_verify_fast_path_matches_the_arrays(where):
             else:
                 props = [None if rng.random() < 0.3 else Proposal([5, 6, 7], 2, "context", [3, 2, 1], 3)
                          if rng.random() < 0.15 else Proposal([], 0, "context", [], 0) for _ in range(n)]
-            # host lookup time only with host lookups (the engine gives device lookups none to weigh)
-            lookup_ms = float(rng.choice([0.0, 0.05])) if device is None else 0.0
-            args = (4 if n > 1 else 1, caps, dexp, props, fixed, lookup_ms, device)
+            args = (4 if n > 1 else 1, caps, dexp, props, fixed, float(rng.choice([0.0, 0.05])), device)
             empty = all(e is None for e in dexp) and (
                 not (device.valid & (device.length > 0)).any() if device is not None else
                 all(p is None or not len(p) for p in props))

@@ -551,7 +551,8 @@ class HybridPlanner:
                 None.
             lookup_ms: host milliseconds this step's lookups took. With a cost table, lookups whose expected gain
                 does not cover that time (tokens per ms with it added to the step, against the best plan without
-                lookups) count as not chosen for the lookup probe schedule, so later steps skip them.
+                lookups) count as not chosen for the lookup probe schedule, so later steps skip them. Ignored with
+                ``device`` (its lookups run inside the step: no host time to weigh).
             device: the device lookup's proposals (then ``proposals`` are all None): estimated by
                 :attr:`lookup_calibration`; a lookup row's :class:`RowChoice` has no tokens (they stay on the
                 device) and its bucket.
@@ -582,7 +583,8 @@ class HybridPlanner:
                 empty = not prop_len.max(initial=0) > 0
                 looked = bool(device.valid.any())
             if empty:
-                return self._plan_nothing(batch_size, caps, fixed, looked, lookup_ms, block_off)
+                return self._plan_nothing(batch_size, caps, fixed, looked, lookup_ms if device is None else 0.0,
+                                          block_off)
         if (len(caps) == 1 and device is not None and self.spec_costs is not None and self.scalar_one_row
                 and (fixed is None or fixed[0] is None)):
             return self._plan_one(batch_size, caps[0], dflash_expected[0], device, block_off)
@@ -769,7 +771,7 @@ class HybridPlanner:
         plans = best_plans(v_l)  # this step's lookups are computed already: their host time is spent
         # do the lookups pay for their host time? (else they go on the probe schedule, like the drafter's block)
         lookup_pays = True
-        if costs and looked and lookup_ms > 0:
+        if costs and looked and lookup_ms > 0 and device is None:  # device lookups: no host time to weigh
             lookup_pays = max(best_plans(v_l, lookup_ms))[0] > max(best_plans(np.zeros_like(v_l)))[0]
         # forced rows (a request's own γ) always take the drafter's block: such a step drafts and proposes
         forced = any(f is not None for f in fixed)
