@@ -47,26 +47,51 @@ def decode_attention_ref(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return folded_attention(qg, k_cache[rows, :span], v_cache[rows, :span], mask, w)
 
 
-def default_num_splits(span: int, block_n: int = 64) -> int:
-    """Chunks per (row, KV head): one per ``block_n`` keys of ``span``. The chunk is ``block_n`` keys whatever the
-    batch, width or span, so a query row's partial sums - and their merge - are the same operations in every forward
-    that reads its keys: keys past a row's position fall in chunks that contribute exactly 0 to the merge. One
-    position's attention is then the same bits in an AR step, a verify block and any batch (a batch-dependent chunk
-    changes the reduction order: greedy bf16 output would stop being AR's token for token)."""
+def default_num_splits(batch: int, hkv: int, row_tiles: int, span: int, num_sms: int, block_n: int = 64) -> int:
+    """Programs per (row, KV head, row tile): 1 (one pass over every key tile, no partials) once ``batch * hkv *
+    row_tiles`` programs fill the ``num_sms`` multiprocessors; else one per ``block_n``-key tile of ``span``
+    (flash-decoding's split, partials merged after). Either way the result is the same bits (see
+    :func:`decode_attention`): this only chooses the faster launch."""
+    if batch * hkv * row_tiles >= num_sms:
+        return 1
     return max(1, math.ceil(span / block_n))
 
 
+_NUM_SMS: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (cached); 1 elsewhere (the interpreter: every split is as good)."""
+    if device.type != "cuda":
+        return 1
+    if device not in _NUM_SMS:
+        _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _NUM_SMS[device]
+
+
 if HAVE_TRITON:
+    @triton.jit
+    def _merge_partial(m, l, a, m_t, l_t, a_t):
+        """One key tile's softmax partial ``(m_t, l_t, a_t)`` merged into the running state ``(m, l, a)`` (rows
+        ``[M]``, ``[M]``, ``[M, D]``): the same operations - explicit fused multiply-adds, so the compiler contracts
+        nothing differently - in the one-pass kernel and in the merge of stored partials."""
+        m_new = tl.maximum(m, m_t)
+        alpha = tl.exp2(m - m_new)
+        beta = tl.exp2(m_t - m_new)
+        l = tl.fma(l, alpha, l_t * beta)
+        a = tl.fma(a, alpha[:, None], a_t * beta[:, None])
+        return m_new, l, a
+
     # one compiled variant for every batch size and width (CUDA graphs: see adaflash_ray/kernels/triton_support.py)
-    @triton.jit(do_not_specialize=["span", "chunk", "width", "num_splits", "rows_per_head", "stride_qb", "stride_qh",
-                                   "stride_qm", "stride_ks", "stride_kp", "stride_kh", "stride_vs", "stride_vp",
-                                   "stride_vh"])
-    def _split_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, pos_ptr, acc_ptr, ml_ptr, span, chunk, width, num_splits,
-                      rows_per_head, stride_qb, stride_qh, stride_qm, stride_ks, stride_kp, stride_kh, stride_vs,
-                      stride_vp, stride_vh, qk_scale, HKV: tl.constexpr, REP: tl.constexpr, D: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # the caches' strides in units of a position (HKV*D elements, a constexpr): the compiler then knows every key row
+    # starts 16-byte aligned and loads it in vectors (runtime element strides would leave it 2-byte loads)
+    @triton.jit(do_not_specialize=["span", "width", "num_tiles", "tiles_per_program", "rows_per_head", "stride_qb",
+                                   "stride_qh", "stride_qm", "k_slot_stride", "v_slot_stride"])
+    def _split_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, pos_ptr, out_ptr, acc_ptr, ml_ptr, span, width, num_tiles,
+                      tiles_per_program, rows_per_head, stride_qb, stride_qh, stride_qm, k_slot_stride, v_slot_stride,
+                      qk_scale, HKV: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, PARTIALS: tl.constexpr):
         bh = tl.program_id(0).to(tl.int64)  # b * HKV + g
-        split = tl.program_id(1)
         b = bh // HKV
         g = bh % HKV
         offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # this row tile's folded query rows
@@ -77,99 +102,121 @@ if HAVE_TRITON:
         t = offs_m // REP
         qpos = tl.load(pos_ptr + b * width + t, mask=m_ok, other=-1)  # rows beyond W*rep see nothing
         slot = tl.load(rows_ptr + b).to(tl.int64)
-        k_base = k_ptr + slot * stride_ks + g * stride_kh
-        v_base = v_ptr + slot * stride_vs + g * stride_vh
-        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
-        start = split * chunk
-        end = tl.minimum(start + chunk, span)
-        n0 = start  # a while loop: the CPU interpreter cannot range() over a runtime bound
-        while n0 < end:
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < end
-            kt = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_kp + offs_d[None, :], mask=n_ok[:, None],
+        k_base = k_ptr + (slot * k_slot_stride) * (HKV * D) + g * D
+        v_base = v_ptr + (slot * v_slot_stride) * (HKV * D) + g * D
+        # this program's key tiles, cut after the last one a row of the tile sees (a tile past a row's position
+        # merges as exactly nothing: skipping it changes no bit)
+        first = tl.program_id(1) * tiles_per_program
+        last = tl.minimum(tl.minimum(first + tiles_per_program, num_tiles), tl.max(qpos) // BLOCK_N + 1)
+        m_s = tl.full([BLOCK_M], -1.0e30, tl.float32)  # the empty state: merging a partial into it gives the partial
+        l_s = tl.zeros([BLOCK_M], tl.float32)
+        a_s = tl.zeros([BLOCK_M, D], tl.float32)
+        for tile in tl.range(first, last):
+            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < span
+            kt = tl.load(k_base + offs_n[:, None].to(tl.int64) * (HKV * D) + offs_d[None, :], mask=n_ok[:, None],
                          other=0.0)
             s = tl.dot(q, tl.trans(kt)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-            vis = (offs_n[None, :] <= qpos[:, None]) & n_ok[None, :]
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            vt = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vp + offs_d[None, :], mask=n_ok[:, None],
+            s = tl.where(offs_n[None, :] <= qpos[:, None], s, float("-inf"))  # (positions < span: keys < span too)
+            # the tile's own partial, from nothing: the same bits whichever program or pass computes it
+            m_t = tl.maximum(tl.max(s, axis=1), -1.0e30)
+            p = tl.exp2(s - m_t[:, None])
+            l_t = tl.sum(p, axis=1)
+            vt = tl.load(v_base + offs_n[:, None].to(tl.int64) * (HKV * D) + offs_d[None, :], mask=n_ok[:, None],
                          other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-            m_i = m_new
-            n0 += BLOCK_N
-        part = bh * num_splits + split  # partials [B*HKV, splits, W*rep, (D | 2)]: the real rows only
-        tl.store(acc_ptr + (part * rows_per_head + offs_m[:, None]) * D + offs_d[None, :], acc, mask=m_ok[:, None])
-        tl.store(ml_ptr + (part * rows_per_head + offs_m) * 2, m_i, mask=m_ok)
-        tl.store(ml_ptr + (part * rows_per_head + offs_m) * 2 + 1, l_i, mask=m_ok)
+            a_t = tl.dot(p.to(vt.dtype), vt)
+            if PARTIALS:  # [B*HKV, num_tiles, W*rep, (D | 2)]: the real rows only
+                part = bh * num_tiles + tile
+                tl.store(acc_ptr + (part * rows_per_head + offs_m[:, None]) * D + offs_d[None, :], a_t,
+                         mask=m_ok[:, None])
+                tl.store(ml_ptr + (part * rows_per_head + offs_m) * 2, m_t, mask=m_ok)
+                tl.store(ml_ptr + (part * rows_per_head + offs_m) * 2 + 1, l_t, mask=m_ok)
+            else:
+                m_s, l_s, a_s = _merge_partial(m_s, l_s, a_s, m_t, l_t, a_t)
+        if not PARTIALS:  # one program held every tile its rows see: the output now
+            _store_rows(out_ptr, a_s, l_s, b, g, offs_m, offs_d, m_ok, width, HKV, REP, D)
 
-    @triton.jit(do_not_specialize=["width", "num_splits", "rows_per_head"])
-    def _merge_kernel(acc_ptr, ml_ptr, out_ptr, width, num_splits, rows_per_head, HKV: tl.constexpr,
-                      REP: tl.constexpr, D: tl.constexpr):
+    @triton.jit
+    def _store_rows(out_ptr, a, l, b, g, offs_m, offs_d, m_ok, width, HKV: tl.constexpr, REP: tl.constexpr,
+                    D: tl.constexpr):
+        """The merged rows ``a / l`` into ``o_proj``'s input layout ``[B, W, Hq*D]`` (row ``t*REP + r`` = query head
+        ``g*REP + r`` at position t)."""
+        o = a / l[:, None]
+        t = offs_m // REP
+        r = offs_m % REP
+        dst = out_ptr + ((b * width + t) * (HKV * REP) + g * REP + r)[:, None] * D + offs_d[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+
+    @triton.jit(do_not_specialize=["width", "num_tiles", "rows_per_head"])
+    def _merge_kernel(acc_ptr, ml_ptr, pos_ptr, out_ptr, width, num_tiles, rows_per_head, HKV: tl.constexpr,
+                      REP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The stored partials of one (row, KV head, row tile), merged tile by tile in key order from the empty
+        state (:func:`_merge_partial`, as the one-pass kernel merges them), then the output."""
         bh = tl.program_id(0).to(tl.int64)
-        row = tl.program_id(1)  # one folded query row t*REP + r
         b = bh // HKV
         g = bh % HKV
+        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D)
-        one = tl.arange(0, 1)
-        m_max = tl.full([1], -1.0e30, tl.float32)
-        s = num_splits * 0  # a tensor loop counter (while: see the split kernel)
-        while s < num_splits:
-            m_max = tl.maximum(m_max, tl.load(ml_ptr + ((bh * num_splits + s) * rows_per_head + row) * 2 + one))
-            s += 1
-        num = tl.zeros([D], tl.float32)
-        den = tl.zeros([1], tl.float32)
-        s = num_splits * 0  # a tensor loop counter (while: see the split kernel)
-        while s < num_splits:
-            base = (bh * num_splits + s) * rows_per_head + row
-            wgt = tl.exp2(tl.load(ml_ptr + base * 2 + one) - m_max)
-            num += tl.load(acc_ptr + base * D + offs_d) * wgt
-            den += tl.load(ml_ptr + base * 2 + 1 + one) * wgt
-            s += 1
-        o = num / den
-        t = row // REP
-        r = row % REP
-        dst = out_ptr + (b * width + t) * (HKV * REP * D) + (g * REP + r) * D + offs_d
-        tl.store(dst, o.to(out_ptr.dtype.element_ty))
+        m_ok = offs_m < rows_per_head
+        qpos = tl.load(pos_ptr + b * width + offs_m // REP, mask=m_ok, other=-1)
+        last = tl.minimum(num_tiles, tl.max(qpos) // BLOCK_N + 1)  # the split kernel stored these tiles
+        m_s = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_s = tl.zeros([BLOCK_M], tl.float32)
+        a_s = tl.zeros([BLOCK_M, D], tl.float32)
+        for tile in tl.range(0, last):
+            base = (bh * num_tiles + tile) * rows_per_head + offs_m
+            m_t = tl.load(ml_ptr + base * 2, mask=m_ok, other=-1.0e30)
+            l_t = tl.load(ml_ptr + base * 2 + 1, mask=m_ok, other=0.0)
+            a_t = tl.load(acc_ptr + base[:, None] * D + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+            m_s, l_s, a_s = _merge_partial(m_s, l_s, a_s, m_t, l_t, a_t)
+        _store_rows(out_ptr, a_s, l_s, b, g, offs_m, offs_d, m_ok, width, HKV, REP, D)
 
 
 def decode_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
                      positions: torch.Tensor, span: int, num_splits: int | None = None,
                      block_n: int = 64, max_width: int = 16) -> torch.Tensor:
-    """Split-K :func:`decode_attention_ref` (same arguments and result; two launches, no K/V copy, no mask tensor).
+    """:func:`decode_attention_ref` in Triton (same arguments and result; no K/V copy, no mask tensor).
 
-    ``num_splits`` (host int) defaults to :func:`default_num_splits` (``block_n`` keys a chunk: batch-, width- and
-    span-invariant results per query row; another value trades that for fewer partials).
+    The keys go in tiles of ``block_n``; each tile's softmax partial is computed from nothing, and the partials are
+    merged in key order from the empty state (:func:`_merge_partial`). ``num_splits`` (host int; None:
+    :func:`default_num_splits`) only says how programs share that work: 1 = one program per (row, KV head, row
+    tile) merges its tiles as it goes and writes the output (one launch: enough programs at large batch); n > 1 =
+    n programs per (row, KV head, row tile) each store their tiles' partials, and a second kernel merges them
+    (flash-decoding's split-K: parallelism at small batch). Both are the same operations in the same order, so a
+    query row's result is the same bits at every batch, width, span and split - what lets greedy spec decoding
+    with the kernel equal AR's output. Tiles past every position of a row tile are skipped (they merge as nothing),
+    so a CUDA graph captured for a long ``span`` reads only the keys its rows see.
+
     Every query row must see at least one key (positions >= 0), as in the reference. ``head_dim`` must be a power
     of two >= 16 and ``W*rep <= 128``; the query rows go in tiles of :func:`block_rows` rows (16 or 32: the same
-    instruction path for every width, so a row's bits do not depend on the width it is verified in), and the first
-    call compiles the tiles of every width up to ``max_width`` (so a CUDA-graph capture of a new width finds its
-    kernel compiled). No host synchronisation; scratch ``[B*Hkv, splits, W*rep, D + 2]`` float32 (the real rows
-    only) comes from the caching allocator (CUDA-graph capturable). On CUDA the float32 path's dot products run in
-    TF32 (Triton's default); the engine's bf16 path is unaffected.
+    instruction path for every width), and the first call compiles both launches for the tiles of every width up
+    to ``max_width`` (so a CUDA-graph capture of a new width finds its kernels compiled). No host synchronisation;
+    the split launch's scratch ``[B*Hkv, tiles, W*rep, D + 2]`` float32 comes from the caching allocator (CUDA-graph
+    capturable). On CUDA the float32 path's dot products run in TF32 (Triton's default); the engine's bf16 path is
+    unaffected.
 
     Raises:
         RuntimeError: Triton is not installed.
-        ValueError: unsupported head_dim / query rows, or mis-shaped inputs.
+        ValueError: unsupported head_dim / query rows, mis-shaped inputs, a cache whose positions are not packed
+            ``[Hkv, D]`` blocks (strides ``(k*Hkv*D, Hkv*D, D, 1)``), or ``num_splits < 1``.
     """
     if not HAVE_TRITON:
         raise RuntimeError("decode_attention needs triton (use decode_attention_ref)")
     b, hkv, m, d = qg.shape
     w = positions.shape[1]
     if (d < 16 or d & (d - 1) or m % w or m > 128 or positions.shape[0] != b or rows.shape != (b,)
-            or k_cache.shape[-2:] != (hkv, d) or v_cache.shape != k_cache.shape or qg.stride(-1) != 1):
+            or k_cache.shape[-2:] != (hkv, d) or v_cache.shape != k_cache.shape or qg.stride(-1) != 1
+            or not all(_positions_packed(c) for c in (k_cache, v_cache))):
         raise ValueError(f"decode_attention: qg {tuple(qg.shape)}, cache {tuple(k_cache.shape)}, positions "
                          f"{tuple(positions.shape)}, rows {tuple(rows.shape)}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"decode_attention: num_splits must be >= 1, got {num_splits}")
     rep = m // w
     out = torch.empty((b, w, hkv * rep * d), dtype=qg.dtype, device=qg.device)
     if b == 0:
         return out
     if num_splits is None:
-        num_splits = default_num_splits(span, block_n)
+        num_splits = default_num_splits(b, hkv, triton.cdiv(m, block_rows(m, d)), span, _num_sms(qg.device), block_n)
     positions, rows = positions.contiguous(), rows.contiguous()
     _compile_variants(qg, k_cache, v_cache, rows, positions, rep, block_n, max_width)
     _launch(qg, k_cache, v_cache, rows, positions, span, num_splits, block_n, out)
@@ -185,7 +232,7 @@ MAX_BLOCK_ROWS = 32
 def block_rows(m: int, d: int = 64) -> int:
     """The query-row tile of ``m = W * rep`` folded query rows at head_dim ``d``: the next power of two >= max(m, 16),
     at most :data:`MAX_BLOCK_ROWS` (32 up to head_dim 64, 16 above; more rows take several tiles, each reading the
-    chunk's keys; a decode step's ``rep`` rows do not pay for a 16-position tile)."""
+    keys; a decode step's ``rep`` rows do not pay for a 16-position tile)."""
     p2 = triton.next_power_of_2(m) if HAVE_TRITON else 1 << max(0, (m - 1).bit_length())
     return min(MAX_BLOCK_ROWS if d <= 64 else 16, max(16, p2))
 
@@ -193,10 +240,18 @@ def block_rows(m: int, d: int = 64) -> int:
 _COMPILED: set = set()
 
 
+def _positions_packed(cache: torch.Tensor) -> bool:
+    """A cache layer whose positions are packed ``[Hkv, D]`` blocks (strides ``(k * Hkv * D, Hkv * D, D, 1)``), as
+    the engine's static cache is: the kernel addresses it in whole positions."""
+    _, _, hkv, d = cache.shape
+    return cache.stride()[1:] == (hkv * d, d, 1) and cache.stride(0) % (hkv * d) == 0
+
+
 def _compile_variants(qg, k_cache, v_cache, rows, positions, rep: int, block_n: int, max_width: int) -> None:
-    """Compile every query-row tile that widths ``1..max_width`` need, once per (device, dtype, Hkv, rep, D), by
-    launching each on the first row (outside any CUDA-graph capture: a capture may not load a module, and the
-    engine captures new step shapes without an eager warm-up). Later calls, captured or not, find them compiled."""
+    """Compile every query-row tile that widths ``1..max_width`` need, in both launches (one pass; split + merge),
+    once per (device, dtype, Hkv, rep, D), by launching each on the first row (outside any CUDA-graph capture: a
+    capture may not load a module, and the engine captures new step shapes without an eager warm-up). Later calls,
+    captured or not, find them compiled."""
     b, hkv, _, d = qg.shape
     key = (qg.device, qg.dtype, k_cache.dtype, hkv, rep, d, block_n, max_width)
     if key in _COMPILED or (qg.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -207,27 +262,36 @@ def _compile_variants(qg, k_cache, v_cache, rows, positions, rep: int, block_n: 
         if w * rep > 128 or block_rows(w * rep, d) in done:
             continue
         done.add(block_rows(w * rep, d))
-        pos = positions[:1, :1].expand(1, w).contiguous()
+        pos = torch.zeros((1, w), dtype=positions.dtype, device=positions.device)  # key 0 only
         q = qg.new_zeros((1, hkv, w * rep, d))
-        _launch(q, k_cache, v_cache, rows[:1], pos, min(block_n, k_cache.shape[1]), 1, block_n,
-                qg.new_empty((1, w, hkv * rep * d)))  # keys 0..block_n-1 only: key 0 is visible to every row
+        for splits in (1, 2):
+            _launch(q, k_cache, v_cache, rows[:1], pos, min(2 * block_n, k_cache.shape[1]), splits, block_n,
+                    qg.new_empty((1, w, hkv * rep * d)))
 
 
 def _launch(qg, k_cache, v_cache, rows, positions, span: int, num_splits: int, block_n: int,
             out: torch.Tensor) -> None:
-    """The two kernels of :func:`decode_attention` into ``out`` ``[B, W, Hq*D]``."""
+    """The kernels of :func:`decode_attention` into ``out`` ``[B, W, Hq*D]``."""
     b, hkv, m, d = qg.shape
     w = positions.shape[1]
     rep = m // w
-    chunk = triton.cdiv(triton.cdiv(span, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(span, chunk)
+    num_tiles = triton.cdiv(span, block_n)
+    per_program = triton.cdiv(num_tiles, min(num_splits, num_tiles))
+    programs = triton.cdiv(num_tiles, per_program)
+    partials = programs > 1 or num_splits > 1
     block_m = block_rows(m, d)
-    acc = torch.empty((b * hkv, num_splits, m, d), dtype=torch.float32, device=qg.device)
-    ml = torch.empty((b * hkv, num_splits, m, 2), dtype=torch.float32, device=qg.device)
+    row_tiles = triton.cdiv(m, block_m)
+    if partials:
+        acc = torch.empty((b * hkv, num_tiles, m, d), dtype=torch.float32, device=qg.device)
+        ml = torch.empty((b * hkv, num_tiles, m, 2), dtype=torch.float32, device=qg.device)
+    else:
+        acc = ml = out  # unused
     qk_scale = (1.0 / math.sqrt(d)) * 1.4426950408889634  # log2(e): exp2 in the kernel
-    _split_kernel[(b * hkv, num_splits, triton.cdiv(m, block_m))](
-        qg, k_cache, v_cache, rows, positions, acc, ml, span, chunk, w, num_splits, m, qg.stride(0), qg.stride(1),
-        qg.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), qk_scale, HKV=hkv, REP=rep, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=8 if d >= 128 else 4, num_stages=2)  # sm_90 ptxas: D=128 at 4 warps spills (255 registers)
-    _merge_kernel[(b * hkv, m)](acc, ml, out, w, num_splits, m, HKV=hkv, REP=rep, D=d, num_warps=1)
+    _split_kernel[(b * hkv, programs, row_tiles)](
+        qg, k_cache, v_cache, rows, positions, out, acc, ml, span, w, num_tiles, per_program, m, qg.stride(0),
+        qg.stride(1), qg.stride(2), k_cache.stride(0) // (hkv * d), v_cache.stride(0) // (hkv * d), qk_scale,
+        HKV=hkv, REP=rep, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        PARTIALS=partials, num_warps=8 if d >= 128 else 4, num_stages=2)  # sm_90 ptxas: D=128 at 4 warps spills
+    if partials:
+        _merge_kernel[(b * hkv, row_tiles)](acc, ml, positions, out, w, num_tiles, m, HKV=hkv, REP=rep, D=d,
+                                            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)

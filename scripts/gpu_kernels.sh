@@ -50,9 +50,57 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__, t
   2>&1 | tee "$K/versions.txt"
 
 run_step 130 tests bash -c "python3 -m pytest -q -m gpu tests/test_fused_kernels.py tests/test_drafter_kernels.py \
-  -p no:cacheprovider > '$K/tests.log' 2>&1"
+  -p no:cacheprovider ${KERNELS_TESTS_K:+-k '$KERNELS_TESTS_K'} > '$K/tests.log' 2>&1"
 tail -3 "$K/tests.log"
 
+
+# one layer's attention at the Qwen3-8B and SmolLM2 shapes: SDPA with the additive mask (what the engine runs) vs the
+# split-K kernel in the launch it picks (split_k_ms) and in each launch (one pass: one_pass_ms; split + merge, one
+# program per 64-key tile: split_ms), 20 calls per CUDA graph, median of 5 replays
+run_step 60 attention_micro python3 - "$K/attention_micro.json" <<'EOF'
+import json, math, statistics, sys, torch
+from adaflash_ray.kernels.decode_attention import decode_attention
+from adaflash_ray.kernels.reference import fold_queries
+from adaflash_ray.models.layers import folded_attention, gqa_mask
+span = 768
+rows_out = []
+for shape, hq, hkv, d in (("qwen3-8b", 32, 8, 128), ("smollm2-135m", 9, 3, 64)):
+    for batch in (1, 8, 64):
+        kc = torch.randn(batch, span, hkv, d, device="cuda").bfloat16()
+        vc = torch.randn_like(kc)
+        for width in (1, 16):
+            q = fold_queries(torch.randn(batch, width, hq, d, device="cuda").bfloat16(), hkv)
+            rows = torch.arange(batch, device="cuda")
+            pos = (span - 32 - width + torch.arange(width, device="cuda")).expand(batch, width).contiguous()
+            res = {"shape": shape, "batch": batch, "width": width, "span": span}
+            # as the engine calls it: cache views, the mask built once per forward (outside the timing)
+            mask = gqa_mask(torch.arange(span, device="cuda")[None, None, :] <= pos[:, :, None], hq // hkv, q.dtype)
+            tiles = math.ceil(span / 64)
+            for name, fn in (("sdpa_ms", lambda: folded_attention(q, kc[:batch, :span], vc[:batch, :span], mask, width)),
+                             ("split_k_ms", lambda: decode_attention(q, kc, vc, rows, pos, span)),
+                             ("one_pass_ms", lambda: decode_attention(q, kc, vc, rows, pos, span, 1)),
+                             ("split_ms", lambda: decode_attention(q, kc, vc, rows, pos, span, tiles))):
+                fn()
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for _ in range(20):
+                        fn()
+                times = []
+                for _ in range(5):
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    g.replay()
+                    b.record()
+                    torch.cuda.synchronize()
+                    times.append(a.elapsed_time(b) / 20)
+                res[name] = statistics.median(times)
+            # bytes of K and V the rows see (positions 0..max), over the split-K time: achieved GB/s
+            res["kv_gb_per_s"] = 2 * batch * (int(pos.max()) + 1) * hkv * d * 2 / (res["split_k_ms"] * 1e-3) / 1e9
+            rows_out.append(res)
+            print(res, flush=True)
+            json.dump(rows_out, open(sys.argv[1], "w"), indent=1)
+EOF
 
 bench() {  # bench SHAPE MODE MAX_S ARGS...: MODE off (kernels off) | sdpa (kernels on, SDPA attention) | auto
   local shape=$1 mode=$2 max=$3; shift 3  # (kernels on, split-K attention where the engine's calibration chose it)
@@ -102,47 +150,6 @@ for shape in ("qwen3-8b", "smollm2-135m"):
                 print(f"{shape} {path} fused={fused} (active {r['fused_active']}) b{batch}: {p['per_layer']:.1f} "
                       f"kernels per drafter layer, {p['per_forward']} per call", flush=True)
             json.dump(rows, open(sys.argv[1], "w"), indent=1)
-EOF
-
-# one layer's attention at the Qwen3-8B shape: SDPA with the additive mask (what the engine runs) vs the split-K
-# kernel, 20 calls per CUDA graph, median of 5 replays
-run_step 40 attention_micro python3 - "$K/attention_micro.json" <<'EOF'
-import json, statistics, sys, torch
-from adaflash_ray.kernels.decode_attention import decode_attention
-from adaflash_ray.kernels.reference import fold_queries
-from adaflash_ray.models.layers import folded_attention, gqa_mask
-hq, hkv, d, span = 32, 8, 128, 768
-rows_out = []
-for batch in (1, 8, 64):
-    kc = torch.randn(batch, span, hkv, d, device="cuda").bfloat16()
-    vc = torch.randn_like(kc)
-    for width in (1, 16):
-        q = fold_queries(torch.randn(batch, width, hq, d, device="cuda").bfloat16(), hkv)
-        rows = torch.arange(batch, device="cuda")
-        pos = (span - 32 - width + torch.arange(width, device="cuda")).expand(batch, width).contiguous()
-        res = {"batch": batch, "width": width, "span": span}
-        # as the engine calls it: cache views, the mask built once per forward (outside the timing)
-        mask = gqa_mask(torch.arange(span, device="cuda")[None, None, :] <= pos[:, :, None], hq // hkv, q.dtype)
-        for name, fn in (("sdpa_ms", lambda: folded_attention(q, kc[:batch, :span], vc[:batch, :span], mask, width)),
-                         ("split_k_ms", lambda: decode_attention(q, kc, vc, rows, pos, span))):
-            fn()
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for _ in range(20):
-                    fn()
-            times = []
-            for _ in range(5):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                g.replay()
-                b.record()
-                torch.cuda.synchronize()
-                times.append(a.elapsed_time(b) / 20)
-            res[name] = statistics.median(times)
-        rows_out.append(res)
-        print(res, flush=True)
-        json.dump(rows_out, open(sys.argv[1], "w"), indent=1)
 EOF
 
 # the kernels off altogether (the pure-torch path), last: the budget may not reach it

@@ -179,9 +179,10 @@ def test_decode_attention_gpu(shape, batch, width, span):
 @pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
 def test_decode_attention_row_is_the_same_bits_in_every_forward_gpu(shape):
     """Every query row's split-K attention (bf16) is bitwise the same alone (the AR step: width 1, span p + 1) as at
-    any place of a verify block (widths 3, 8 and 16: 16- and 32-row tiles, two tiles), over a larger span, and with
-    other slots in the batch: the chunking and the instruction path depend on nothing but the keys (what lets greedy
-    spec decoding with the kernel equal AR's output). Queries at 1x and 6x scale (flat and peaked softmax)."""
+    any place of a verify block (widths 3, 8 and 16: 16- and 32-row tiles, two tiles), over a larger span, with
+    other slots in the batch and in either launch (one pass; split + merge): the key tiles, their merge order and
+    the instruction path depend on nothing but the keys (what lets greedy spec decoding with the kernel equal AR's
+    output). Queries at 1x and 6x scale (flat and peaked softmax)."""
     from adaflash_ray.kernels.decode_attention import decode_attention
 
     _, _, _, hq, hkv, d, _ = shape
@@ -192,17 +193,19 @@ def test_decode_attention_row_is_the_same_bits_in_every_forward_gpu(shape):
         vc = torch.randn(64, 1024, hkv, d, device="cuda", generator=g).bfloat16()
         q = (scale * torch.randn(64, hkv, 16, rep, d, device="cuda", generator=g)).bfloat16()  # [B, Hkv, t, r, D]
 
-        def rows_at(batch, start, width, span):  # positions start..start+width-1 of slot 0: [width, Hq*D]
+        def rows_at(batch, start, width, span, splits=None):  # positions start..start+width-1 of slot 0
             pos = (p + start + torch.arange(width, device="cuda")).expand(batch, width).contiguous()
             qg = q[:batch, :, start:start + width].reshape(batch, hkv, width * rep, d).contiguous()
-            return decode_attention(qg, kc, vc, torch.arange(batch, device="cuda"), pos, span)[0]
+            return decode_attention(qg, kc, vc, torch.arange(batch, device="cuda"), pos, span, splits)[0]
 
         ar = [rows_at(1, j, 1, p + j + 1)[0] for j in range(16)]  # the AR steps
+        # each case in the launch its shape gets (None) and in both launches: one pass (1), split + merge (4)
         for batch, start, width, span in [(1, 0, 1, 1024), (1, 0, 16, p + 16), (64, 0, 16, 1024), (7, 0, 3, 517),
                                           (1, 0, 8, p + 64), (3, 4, 8, p + 12), (64, 0, 1, p + 1)]:
-            got = rows_at(batch, start, width, span)
-            for j in range(width):
-                assert torch.equal(got[j], ar[start + j]), (seed, batch, start, width, span, j)
+            for splits in (None, 1, 4):
+                got = rows_at(batch, start, width, span, splits)
+                for j in range(width):
+                    assert torch.equal(got[j], ar[start + j]), (seed, batch, start, width, span, splits, j)
 
 
 def _small_target(shape_name: str, layers: int, device: str, dtype: torch.dtype):
@@ -356,6 +359,24 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
             q = torch.randn(b, hkv, wd * (hq // hkv), hd, generator=g)
             close(decode_attention(q, kc, vc, rows, pos, span, num_splits=splits),
                   decode_attention_ref(q, kc, vc, rows, pos, span))
+    # a query row's result is the same bits alone (the AR step: batch 1, width 1, span p + 1) as beside other rows,
+    # inside a verify block, over a longer span and in either launch (one pass, or split + merge): widths 1-5 with
+    # rep 3 keep one 16-row tile (numpy's matmul, the interpreter's dot, may round a 32-row tile's rows otherwise)
+    hkv, rep, hd = 3, 3, 64
+    kc, vc = torch.randn(6, 256, hkv, hd, generator=g), torch.randn(6, 256, hkv, hd, generator=g)
+    qq = 4 * torch.randn(6, hkv, 8, rep, hd, generator=g)
+    p0 = 130
+    def rows_at(batch, start, width, span, splits):
+        pos = (p0 + start + torch.arange(width)).expand(batch, width).contiguous()
+        qg = qq[:batch, :, start:start + width].reshape(batch, hkv, width * rep, hd).contiguous()
+        return decode_attention(qg, kc, vc, torch.arange(batch), pos, span, num_splits=splits)[0]
+    ar = [rows_at(1, j, 1, p0 + j + 1, None)[0] for j in range(8)]
+    assert not torch.equal(ar[0], rows_at(1, 0, 1, p0 + 1, 1)[0] * (1 + 2 ** -20))  # the check can fail
+    for batch, start, width, span, splits in ((1, 0, 1, 256, 1), (6, 0, 5, 256, 1), (6, 3, 5, p0 + 8, 4),
+                                              (2, 0, 4, 200, 2), (1, 2, 3, p0 + 64, None), (6, 0, 1, p0 + 1, 7)):
+        got = rows_at(batch, start, width, span, splits)
+        for j in range(width):
+            assert torch.equal(got[j], ar[start + j]), (batch, start, width, span, splits, j)
 
     # the fused target forward on a 2-layer random model (Qwen3 layout: qk-norm), prefill then a verify step
     t = build_random_target(dataclasses.replace(SHAPES["tiny"], num_hidden_layers=2), "cpu", torch.float32)
@@ -427,6 +448,11 @@ def test_kernels_compile_for_sm90(tmp_path):
     from adaflash_ray.kernels import draft_confidence, fused_norm, rotary_cache, swiglu
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    try:  # the ptxas Triton itself runs for sm_90 (3.9 and later: its newer bundled one)
+        from triton.backends.nvidia.compiler import get_ptxas
+        ptxas = Path(get_ptxas(90).path)
+    except (ImportError, AttributeError, TypeError):
+        pass
     cases = [(fused_norm._add_rmsnorm_kernel, {"HAS_DELTA": True, "BLOCK": 4096}, 8),
              (fused_norm._add_rmsnorm_kernel, {"HAS_DELTA": False, "BLOCK": 1024}, 4),
              (swiglu._swiglu_kernel, {"BLOCK": 1024}, 4),
@@ -438,9 +464,10 @@ def test_kernels_compile_for_sm90(tmp_path):
                            "BLOCK_HALF": d // 2, "QK_NORM": qk or heads == 0}, 2))
         rep = hq // hkv
         for bm in sorted({da.block_rows(w * rep, d) for w in range(1, 17)}):  # every query-row tile a width needs
-            cases.append((da._split_kernel, {"HKV": hkv, "REP": rep, "D": d, "BLOCK_M": bm, "BLOCK_N": 64},
-                          8 if d >= 128 else 4))
-        cases.append((da._merge_kernel, {"HKV": hkv, "REP": rep, "D": d}, 1))
+            for partials in (False, True):
+                cases.append((da._split_kernel, {"HKV": hkv, "REP": rep, "D": d, "BLOCK_M": bm, "BLOCK_N": 64,
+                                                 "PARTIALS": partials}, 8 if d >= 128 else 4))
+            cases.append((da._merge_kernel, {"HKV": hkv, "REP": rep, "D": d, "BLOCK_M": bm, "BLOCK_N": 64}, 4))
     fp32_io = {draft_confidence._confidence_kernel}  # float32 logits in, float32 features out
     for kernel, consts, warps in cases:
         ptr = "*fp32" if kernel in fp32_io else "*bf16"
