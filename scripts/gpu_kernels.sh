@@ -7,9 +7,9 @@
 #     bash scripts/gpu_main_job.sh a && ADAFLASH_COMMIT=<sha> bash scripts/gpu_kernels.sh
 # It sources that script for its env_setup (PYTHONPATH onto the installed wheels). KERNELS_BUDGET_S (default 420) bounds
 # its own wall time: each step gets at most its own limit and what is left, in this order (most wanted first):
-# gpu tests (130 s), Qwen3-8B shape bench with SDPA then with the calibrated split-K choice (120 s each), the same
-# for the SmolLM2 shape (50 s each), kernel counts (60 s), drafter kernel counts (90 s), attention timing (40 s),
-# both shapes with the kernels off (50 s, 120 s). A step cut short
+# gpu tests (130 s; KERNELS_TESTS_K: a pytest -k filter), attention timing (60 s), Qwen3-8B shape bench with SDPA
+# then with the calibrated split-K choice (120 s each), the same for the SmolLM2 shape (50 s each), kernel counts
+# (60 s), drafter kernel counts (90 s), both shapes with the kernels off (50 s, 120 s). A step cut short
 # leaves its rc (124) in steps.txt. Run after call a in a call of its own (the machine keeps /root/stage while
 # warm), KERNELS_BUDGET_S=590 (a call may run 600 s); ADAFLASH_COMMIT goes into summary.json. $OUT/kernels holds
 # more than the 8 files a call brings back: tar it into one file at the end of the call.
@@ -22,7 +22,8 @@
 #   bench_<shape>_<mode>.json/.log   python -m adaflash_ray.bench --shape <shape>; mode off (ADAFLASH_FUSED_KERNELS=off),
 #                                     sdpa (kernels on, ADAFLASH_FUSED_ATTENTION=off), auto (kernels on, the engine's
 #                                     one kernel: split-K iff its calibration measured it faster at each batch bucket)
-#   attention_micro.json              one Qwen3-8B layer's attention: SDPA + mask vs the split-K kernel, ms per call
+#   attention_micro.json              one layer's attention (Qwen3-8B and SmolLM2 shapes, batch 1 / 8 / 64, width 1 / 16):
+#                                     SDPA + mask vs the split-K kernel (its launch; one pass; split + merge), ms per call
 #   summary.json                      AR step / verify ratio / propose ms and share off vs on, kernels per layer
 #                                     (target forward, drafter propose and append), commit
 set -uo pipefail
