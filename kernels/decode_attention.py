@@ -223,18 +223,19 @@ def decode_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
-#: the largest query-row tile up to head_dim 64 (16 rows above: a 32-row tile at head_dim 128 spills registers on
-#: sm_90 at 8 warps). A 64-row tile's dot products take another instruction path on sm_90 (wgmma): its rows' sums
-#: are not the 16- and 32-row tiles' bits, so a width-16 verify row would differ from the AR step's.
+#: the largest query-row tile (each row tile reads the keys again: a width-16 verify at rep 4 is 64 rows, two tiles).
+#: A 64-row tile's dot products take another instruction path on sm_90 (wgmma): its rows' sums are not the 16- and
+#: 32-row tiles' bits, so a width-16 verify row would differ from the AR step's. At head_dim 128 the 32-row tile
+#: compiles for sm_90 at 8 warps without spills since the keys are addressed in whole positions (124 registers).
 MAX_BLOCK_ROWS = 32
 
 
 def block_rows(m: int, d: int = 64) -> int:
-    """The query-row tile of ``m = W * rep`` folded query rows at head_dim ``d``: the next power of two >= max(m, 16),
-    at most :data:`MAX_BLOCK_ROWS` (32 up to head_dim 64, 16 above; more rows take several tiles, each reading the
-    keys; a decode step's ``rep`` rows do not pay for a 16-position tile)."""
+    """The query-row tile of ``m = W * rep`` folded query rows (``d``: head_dim, kept for callers): the next power of
+    two >= max(m, 16), at most :data:`MAX_BLOCK_ROWS` (more rows take several tiles, each reading the keys; a decode
+    step's ``rep`` rows do not pay for a 16-position tile)."""
     p2 = triton.next_power_of_2(m) if HAVE_TRITON else 1 << max(0, (m - 1).bit_length())
-    return min(MAX_BLOCK_ROWS if d <= 64 else 16, max(16, p2))
+    return min(MAX_BLOCK_ROWS, max(16, p2))
 
 
 _COMPILED: set = set()
