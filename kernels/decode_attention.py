@@ -83,6 +83,23 @@ if HAVE_TRITON:
         return m_new, l, a
 
     # one compiled variant for every batch size and width (CUDA graphs: see adaflash_ray/kernels/triton_support.py)
+    @triton.jit
+    def _tile_partial(q, kt, vt, qpos, offs_n, qk_scale):
+        """One key tile's softmax partial for a query-row tile, from nothing: ``(m_t, l_t, a_t)`` (running max in log2
+        units, sum of exp2, unnormalised output ``[M, D]``); keys past a row's position count as absent."""
+        s = tl.dot(q, tl.trans(kt)) * qk_scale  # [M, BLOCK_N], log2 units
+        s = tl.where(offs_n[None, :] <= qpos[:, None], s, float("-inf"))  # (positions < span: keys < span too)
+        m_t = tl.maximum(tl.max(s, axis=1), -1.0e30)
+        p = tl.exp2(s - m_t[:, None])
+        return m_t, tl.sum(p, axis=1), tl.dot(p.to(vt.dtype), vt)
+
+    @triton.jit
+    def _store_partial(acc_ptr, ml_ptr, part, rows_per_head, offs_m, offs_d, m_ok, m_t, l_t, a_t, D: tl.constexpr):
+        """A tile's partial into the scratch ``[B*HKV, num_tiles, W*rep, (D | 2)]`` (the real rows only)."""
+        tl.store(acc_ptr + (part * rows_per_head + offs_m[:, None]) * D + offs_d[None, :], a_t, mask=m_ok[:, None])
+        tl.store(ml_ptr + (part * rows_per_head + offs_m) * 2, m_t, mask=m_ok)
+        tl.store(ml_ptr + (part * rows_per_head + offs_m) * 2 + 1, l_t, mask=m_ok)
+
     # the caches' strides in units of a position (HKV*D elements, a constexpr): the compiler then knows every key row
     # starts 16-byte aligned and loads it in vectors (runtime element strides would leave it 2-byte loads)
     @triton.jit(do_not_specialize=["span", "width", "num_tiles", "tiles_per_program", "rows_per_head", "stride_qb",
@@ -90,51 +107,62 @@ if HAVE_TRITON:
     def _split_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, pos_ptr, out_ptr, acc_ptr, ml_ptr, span, width, num_tiles,
                       tiles_per_program, rows_per_head, stride_qb, stride_qh, stride_qm, k_slot_stride, v_slot_stride,
                       qk_scale, HKV: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, PARTIALS: tl.constexpr):
+                      BLOCK_N: tl.constexpr, PARTIALS: tl.constexpr, SUB: tl.constexpr):
+        """``SUB`` (1 or 2) query-row tiles of ``BLOCK_M`` rows per program: with 2, both tiles' dot products read
+        each key tile once (a wide GQA verify block), each the same ``BLOCK_M``-row dot as alone."""
         bh = tl.program_id(0).to(tl.int64)  # b * HKV + g
         b = bh // HKV
         g = bh % HKV
-        offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # this row tile's folded query rows
         offs_d = tl.arange(0, D)
+        q_base = q_ptr + b * stride_qb + g * stride_qh
+        offs_m = tl.program_id(2) * (SUB * BLOCK_M) + tl.arange(0, BLOCK_M)  # this program's first row tile
         m_ok = offs_m < rows_per_head
-        q = tl.load(q_ptr + b * stride_qb + g * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
-                    mask=m_ok[:, None], other=0.0)
-        t = offs_m // REP
-        qpos = tl.load(pos_ptr + b * width + t, mask=m_ok, other=-1)  # rows beyond W*rep see nothing
+        q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+        qpos = tl.load(pos_ptr + b * width + offs_m // REP, mask=m_ok, other=-1)  # rows beyond W*rep see nothing
+        hi = tl.max(qpos)
+        offs_m1 = offs_m + BLOCK_M  # the second row tile (SUB == 2)
+        m_ok1 = (offs_m1 < rows_per_head) & (SUB == 2)
+        q1 = tl.load(q_base + offs_m1[:, None] * stride_qm + offs_d[None, :], mask=m_ok1[:, None], other=0.0)
+        qpos1 = tl.load(pos_ptr + b * width + offs_m1 // REP, mask=m_ok1, other=-1)
+        hi = tl.maximum(hi, tl.max(qpos1))
         slot = tl.load(rows_ptr + b).to(tl.int64)
         k_base = k_ptr + (slot * k_slot_stride) * (HKV * D) + g * D
         v_base = v_ptr + (slot * v_slot_stride) * (HKV * D) + g * D
-        # this program's key tiles, cut after the last one a row of the tile sees (a tile past a row's position
+        # this program's key tiles, cut after the last one a row of its tiles sees (a tile past a row's position
         # merges as exactly nothing: skipping it changes no bit)
         first = tl.program_id(1) * tiles_per_program
-        last = tl.minimum(tl.minimum(first + tiles_per_program, num_tiles), tl.max(qpos) // BLOCK_N + 1)
+        last = tl.minimum(tl.minimum(first + tiles_per_program, num_tiles), hi // BLOCK_N + 1)
         m_s = tl.full([BLOCK_M], -1.0e30, tl.float32)  # the empty state: merging a partial into it gives the partial
         l_s = tl.zeros([BLOCK_M], tl.float32)
         a_s = tl.zeros([BLOCK_M, D], tl.float32)
+        m_s1 = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_s1 = tl.zeros([BLOCK_M], tl.float32)
+        a_s1 = tl.zeros([BLOCK_M, D], tl.float32)
         for tile in tl.range(first, last):
             offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = offs_n < span
             kt = tl.load(k_base + offs_n[:, None].to(tl.int64) * (HKV * D) + offs_d[None, :], mask=n_ok[:, None],
                          other=0.0)
-            s = tl.dot(q, tl.trans(kt)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-            s = tl.where(offs_n[None, :] <= qpos[:, None], s, float("-inf"))  # (positions < span: keys < span too)
-            # the tile's own partial, from nothing: the same bits whichever program or pass computes it
-            m_t = tl.maximum(tl.max(s, axis=1), -1.0e30)
-            p = tl.exp2(s - m_t[:, None])
-            l_t = tl.sum(p, axis=1)
             vt = tl.load(v_base + offs_n[:, None].to(tl.int64) * (HKV * D) + offs_d[None, :], mask=n_ok[:, None],
                          other=0.0)
-            a_t = tl.dot(p.to(vt.dtype), vt)
-            if PARTIALS:  # [B*HKV, num_tiles, W*rep, (D | 2)]: the real rows only
-                part = bh * num_tiles + tile
-                tl.store(acc_ptr + (part * rows_per_head + offs_m[:, None]) * D + offs_d[None, :], a_t,
-                         mask=m_ok[:, None])
-                tl.store(ml_ptr + (part * rows_per_head + offs_m) * 2, m_t, mask=m_ok)
-                tl.store(ml_ptr + (part * rows_per_head + offs_m) * 2 + 1, l_t, mask=m_ok)
+            # each tile's own partial, from nothing: the same bits whichever program or pass computes it
+            m_t, l_t, a_t = _tile_partial(q, kt, vt, qpos, offs_n, qk_scale)
+            if PARTIALS:
+                _store_partial(acc_ptr, ml_ptr, bh * num_tiles + tile, rows_per_head, offs_m, offs_d, m_ok, m_t,
+                               l_t, a_t, D)
             else:
                 m_s, l_s, a_s = _merge_partial(m_s, l_s, a_s, m_t, l_t, a_t)
+            if SUB == 2:
+                m_t1, l_t1, a_t1 = _tile_partial(q1, kt, vt, qpos1, offs_n, qk_scale)
+                if PARTIALS:
+                    _store_partial(acc_ptr, ml_ptr, bh * num_tiles + tile, rows_per_head, offs_m1, offs_d, m_ok1,
+                                   m_t1, l_t1, a_t1, D)
+                else:
+                    m_s1, l_s1, a_s1 = _merge_partial(m_s1, l_s1, a_s1, m_t1, l_t1, a_t1)
         if not PARTIALS:  # one program held every tile its rows see: the output now
             _store_rows(out_ptr, a_s, l_s, b, g, offs_m, offs_d, m_ok, width, HKV, REP, D)
+            if SUB == 2:
+                _store_rows(out_ptr, a_s1, l_s1, b, g, offs_m1, offs_d, m_ok1, width, HKV, REP, D)
 
     @triton.jit
     def _store_rows(out_ptr, a, l, b, g, offs_m, offs_d, m_ok, width, HKV: tl.constexpr, REP: tl.constexpr,
@@ -216,7 +244,7 @@ def decode_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if b == 0:
         return out
     if num_splits is None:
-        num_splits = default_num_splits(b, hkv, triton.cdiv(m, block_rows(m, d)), span, _num_sms(qg.device), block_n)
+        num_splits = default_num_splits(b, hkv, _row_programs(m, d), span, _num_sms(qg.device), block_n)
     positions, rows = positions.contiguous(), rows.contiguous()
     _compile_variants(qg, k_cache, v_cache, rows, positions, rep, block_n, max_width)
     _launch(qg, k_cache, v_cache, rows, positions, span, num_splits, block_n, out)
@@ -241,6 +269,13 @@ def block_rows(m: int, d: int = 64) -> int:
 _COMPILED: set = set()
 
 
+def _row_programs(m: int, d: int) -> int:
+    """Programs along the query rows of ``m`` folded rows: row tiles of :func:`block_rows`, two to a program when
+    there are several (:func:`_launch`)."""
+    tiles = -(-m // block_rows(m, d))
+    return -(-tiles // (2 if tiles > 1 else 1))
+
+
 def _positions_packed(cache: torch.Tensor) -> bool:
     """A cache layer whose positions are packed ``[Hkv, D]`` blocks (strides ``(k * Hkv * D, Hkv * D, D, 1)``), as
     the engine's static cache is: the kernel addresses it in whole positions."""
@@ -260,9 +295,10 @@ def _compile_variants(qg, k_cache, v_cache, rows, positions, rep: int, block_n: 
     _COMPILED.add(key)
     done = set()
     for w in range(1, max_width + 1):
-        if w * rep > 128 or block_rows(w * rep, d) in done:
+        variant = (block_rows(w * rep, d), _row_programs(w * rep, d) < -(-w * rep // block_rows(w * rep, d)))
+        if w * rep > 128 or variant in done:
             continue
-        done.add(block_rows(w * rep, d))
+        done.add(variant)
         pos = torch.zeros((1, w), dtype=positions.dtype, device=positions.device)  # key 0 only
         q = qg.new_zeros((1, hkv, w * rep, d))
         for splits in (1, 2):
@@ -282,17 +318,18 @@ def _launch(qg, k_cache, v_cache, rows, positions, span: int, num_splits: int, b
     partials = programs > 1 or num_splits > 1
     block_m = block_rows(m, d)
     row_tiles = triton.cdiv(m, block_m)
+    sub = 2 if row_tiles > 1 else 1  # two row tiles share each key tile's loads
     if partials:
         acc = torch.empty((b * hkv, num_tiles, m, d), dtype=torch.float32, device=qg.device)
         ml = torch.empty((b * hkv, num_tiles, m, 2), dtype=torch.float32, device=qg.device)
     else:
         acc = ml = out  # unused
     qk_scale = (1.0 / math.sqrt(d)) * 1.4426950408889634  # log2(e): exp2 in the kernel
-    _split_kernel[(b * hkv, programs, row_tiles)](
+    _split_kernel[(b * hkv, programs, triton.cdiv(row_tiles, sub))](
         qg, k_cache, v_cache, rows, positions, out, acc, ml, span, w, num_tiles, per_program, m, qg.stride(0),
         qg.stride(1), qg.stride(2), k_cache.stride(0) // (hkv * d), v_cache.stride(0) // (hkv * d), qk_scale,
         HKV=hkv, REP=rep, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        PARTIALS=partials, num_warps=8 if d >= 128 else 4, num_stages=2)  # sm_90 ptxas: D=128 at 4 warps spills
+        PARTIALS=partials, SUB=sub, num_warps=8 if d >= 128 else 4, num_stages=2)  # D=128 at 4 warps: ~180 registers
     if partials:
         _merge_kernel[(b * hkv, row_tiles)](acc, ml, positions, out, w, num_tiles, m, HKV=hkv, REP=rep, D=d,
                                             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)

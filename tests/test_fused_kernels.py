@@ -377,6 +377,17 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
         got = rows_at(batch, start, width, span, splits)
         for j in range(width):
             assert torch.equal(got[j], ar[start + j]), (batch, start, width, span, splits, j)
+    # rep 8 at head_dim 16 (numpy rounds its 16- and 32-row tiles alike here): widths 5-8 are 40-64 rows, two row
+    # tiles in one program reading each key tile once
+    hkv, rep, hd = 2, 8, 16
+    kc, vc = torch.randn(6, 256, hkv, hd, generator=g), torch.randn(6, 256, hkv, hd, generator=g)
+    qq = 4 * torch.randn(6, hkv, 8, rep, hd, generator=g)
+    ar = [rows_at(1, j, 1, p0 + j + 1, None)[0] for j in range(8)]
+    for batch, start, width, span, splits in ((1, 0, 8, 256, 1), (6, 0, 8, p0 + 8, 4), (3, 1, 6, 200, None),
+                                              (2, 0, 5, 256, 2)):
+        got = rows_at(batch, start, width, span, splits)
+        for j in range(width):
+            assert torch.equal(got[j], ar[start + j]), ("rep 8", batch, start, width, span, splits, j)
 
     # the fused target forward on a 2-layer random model (Qwen3 layout: qk-norm), prefill then a verify step
     t = build_random_target(dataclasses.replace(SHAPES["tiny"], num_hidden_layers=2), "cpu", torch.float32)
@@ -465,15 +476,18 @@ def test_kernels_compile_for_sm90(tmp_path):
         rep = hq // hkv
         for bm in sorted({da.block_rows(w * rep, d) for w in range(1, 17)}):  # every query-row tile a width needs
             for partials in (False, True):
-                cases.append((da._split_kernel, {"HKV": hkv, "REP": rep, "D": d, "BLOCK_M": bm, "BLOCK_N": 64,
-                                                 "PARTIALS": partials}, 8 if d >= 128 else 4))
+                for sub in (1, 2):  # one row tile a program, or two sharing the key loads
+                    cases.append((da._split_kernel, {"HKV": hkv, "REP": rep, "D": d, "BLOCK_M": bm, "BLOCK_N": 64,
+                                                     "PARTIALS": partials, "SUB": sub}, 8 if d >= 128 else 4))
             cases.append((da._merge_kernel, {"HKV": hkv, "REP": rep, "D": d, "BLOCK_M": bm, "BLOCK_N": 64}, 4))
     fp32_io = {draft_confidence._confidence_kernel}  # float32 logits in, float32 features out
     for kernel, consts, warps in cases:
         ptr = "*fp32" if kernel in fp32_io else "*bf16"
         sig = {n: "constexpr" if n in consts else _arg_type(n, ptr) for n in kernel.arg_names}
-        out = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": warps})
+        # as launched: the JIT's 16-byte pointer alignment, the split kernel's 2 stages
+        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if n.endswith("_ptr")}
+        out = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=aligned), target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": warps, **({"num_stages": 2} if kernel is da._split_kernel else {})})
         assert out.asm.get("cubin"), kernel
         if ptxas.exists():
             ptx = tmp_path / "k.ptx"
