@@ -1073,3 +1073,15 @@ def test_load_drafter_hashes_once_and_follows_the_version_rule(monkeypatch, tiny
     engine.load_drafter(headless, version=1)  # the engine keeps its own head: the loaded set is hashed instead
     assert len(calls) == 1 and engine.drafter_sha256 == tensors_sha256(engine.drafter_tensors())
     assert engine.load_drafter(tensors, version=0, sha256=sha, rollback=True) == sha
+
+
+def test_expand_spans_lists_each_slot_once_per_position_in_span_order():
+    """The drafter-context catch-up's (row, position) pairs from ``(slot, start, stop)`` spans: spans of unequal
+    lengths, slots out of order, a length-1 span - the same pairs, in the same order, as expanding span by span."""
+    from adaflash_ray.engine.runner import _expand_spans
+
+    spans = [(5, 10, 13), (0, 0, 1), (7, 40, 44), (2, 3, 5)]
+    rows, pos = _expand_spans(spans)
+    assert rows.dtype == pos.dtype == np.int64
+    assert rows.tolist() == [5, 5, 5, 0, 7, 7, 7, 7, 2, 2]
+    assert pos.tolist() == [10, 11, 12, 0, 40, 41, 42, 43, 3, 4]

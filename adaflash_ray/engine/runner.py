@@ -137,6 +137,17 @@ def _buckets(limit: int) -> list[int]:
     return out + [limit]
 
 
+def _expand_spans(spans: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """``(slot, start, stop)`` spans (stop > start) as int64 ``(rows, positions)``: slot ``s`` once per position
+    ``start .. stop-1``, span after span (a fixed handful of numpy calls whatever the number of spans)."""
+    sl, st, sp = np.array(spans, dtype=np.int64).T
+    lens = sp - st
+    rows = np.repeat(sl, lens)
+    # each span's positions: a running index minus the span's offset in the output, plus its start
+    pos = np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(st - (np.cumsum(lens) - lens), lens)
+    return rows, pos
+
+
 def _round_up(n: int, choices: list[int]) -> int:
     for c in choices:
         if c >= n:
@@ -753,8 +764,7 @@ class ModelRunner:
         spans = [(s, a, b) for s, a, b in spans if b > a]
         if not spans:
             return
-        rows = np.concatenate([np.full(b - a, s) for s, a, b in spans])
-        pos = np.concatenate([np.arange(a, b) for s, a, b in spans])
+        rows, pos = _expand_spans(spans)
         if self.use_graphs:
             self._catch_up_graphed(rows, pos)
         else:
