@@ -47,14 +47,16 @@ def decode_attention_ref(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return folded_attention(qg, k_cache[rows, :span], v_cache[rows, :span], mask, w)
 
 
-def default_num_splits(batch: int, hkv: int, row_tiles: int, span: int, num_sms: int, block_n: int = 64) -> int:
-    """Programs per (row, KV head, row tiles): 1 (one pass over every key tile, no partials) once ``batch * hkv *
-    row_tiles`` programs fill half the ``num_sms`` multiprocessors (each pipelines its key loads); else one per
-    ``block_n``-key tile of ``span`` (flash-decoding's split, partials merged after). Either way the result is the
-    same bits (see :func:`decode_attention`): this only chooses the faster launch. On an H100 (132 SMs), 8B shape,
-    span 768: one pass 17.9 against split 17.4 µs at 64 programs, 71 against 96 µs at 512; SmolLM2 shape 12.1
-    against 8.5 µs at 24 programs (results/h100_a07d48e_attention_micro.json)."""
-    if 2 * batch * hkv * row_tiles >= num_sms:
+def default_num_splits(batch: int, hkv: int, row_programs: int, span: int, num_sms: int, block_n: int = 64,
+                       rows: int = 1) -> int:
+    """Programs per (row, KV head, row programs): 1 (one pass over every key tile, no partials) once the one-pass
+    launch's ``batch * hkv * row_programs`` programs, weighted by ``1 + rows / 32``, reach half the ``num_sms``
+    multiprocessors; else one per ``block_n``-key tile of ``span`` (flash-decoding's split, partials merged after).
+    The weight: a tile's float32 partial of ``rows`` folded query rows is ``rows / 64`` of its K/V bytes, written and
+    read back, so wide GQA verify blocks leave the split sooner. Either way the result is the same bits (see
+    :func:`decode_attention`): this only chooses the faster launch (the thresholds are fitted to H100 timings of
+    the SmolLM2 and Qwen3-8B shapes; results/NOTES.md)."""
+    if 2 * batch * hkv * row_programs * (1 + rows / 32) >= num_sms:
         return 1
     return max(1, math.ceil(span / block_n))
 
@@ -246,7 +248,7 @@ def decode_attention(qg: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if b == 0:
         return out
     if num_splits is None:
-        num_splits = default_num_splits(b, hkv, _row_programs(m, d), span, _num_sms(qg.device), block_n)
+        num_splits = default_num_splits(b, hkv, _row_programs(m, d), span, _num_sms(qg.device), block_n, m)
     positions, rows = positions.contiguous(), rows.contiguous()
     _compile_variants(qg, k_cache, v_cache, rows, positions, rep, block_n, max_width)
     _launch(qg, k_cache, v_cache, rows, positions, span, num_splits, block_n, out)
