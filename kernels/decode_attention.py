@@ -311,8 +311,9 @@ def _compile_variants(qg, k_cache, v_cache, rows, positions, rep: int, block_n: 
 
 
 def _launch(qg, k_cache, v_cache, rows, positions, span: int, num_splits: int, block_n: int,
-            out: torch.Tensor) -> None:
-    """The kernels of :func:`decode_attention` into ``out`` ``[B, W, Hq*D]``."""
+            out: torch.Tensor, num_stages: int = 2, num_warps: int | None = None) -> None:
+    """The kernels of :func:`decode_attention` into ``out`` ``[B, W, Hq*D]`` (``num_stages`` / ``num_warps``: the
+    split kernel's launch settings; None warps = 8 at head_dim >= 128, else 4)."""
     b, hkv, m, d = qg.shape
     w = positions.shape[1]
     rep = m // w
@@ -333,7 +334,7 @@ def _launch(qg, k_cache, v_cache, rows, positions, span: int, num_splits: int, b
         qg, k_cache, v_cache, rows, positions, out, acc, ml, span, w, num_tiles, per_program, m, qg.stride(0),
         qg.stride(1), qg.stride(2), k_cache.stride(0) // (hkv * d), v_cache.stride(0) // (hkv * d), qk_scale,
         HKV=hkv, REP=rep, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        PARTIALS=partials, SUB=sub, num_warps=8 if d >= 128 else 4, num_stages=2)  # D=128 at 4 warps: ~180 registers
+        PARTIALS=partials, SUB=sub, num_warps=num_warps or (8 if d >= 128 else 4), num_stages=num_stages)
     if partials:
         _merge_kernel[(b * hkv, row_tiles)](acc, ml, positions, out, w, num_tiles, m, HKV=hkv, REP=rep, D=d,
                                             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
