@@ -63,6 +63,7 @@ import json, math, statistics, sys, torch
 from adaflash_ray.kernels.decode_attention import decode_attention
 from adaflash_ray.kernels.reference import fold_queries
 from adaflash_ray.models.layers import folded_attention, gqa_mask
+from adaflash_ray.models.target import graph_replay_ms
 span = 768
 rows_out = []
 for shape, hq, hkv, d in (("qwen3-8b", 32, 8, 128), ("smollm2-135m", 9, 3, 64)):
@@ -81,21 +82,7 @@ for shape, hq, hkv, d in (("qwen3-8b", 32, 8, 128), ("smollm2-135m", 9, 3, 64)):
                              ("split_k_ms", lambda: decode_attention(q, kc, vc, rows, pos, span)),
                              ("one_pass_ms", lambda: decode_attention(q, kc, vc, rows, pos, span, 1)),
                              ("split_ms", lambda: decode_attention(q, kc, vc, rows, pos, span, tiles))):
-                fn()
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for _ in range(20):
-                        fn()
-                times = []
-                for _ in range(5):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    g.replay()
-                    b.record()
-                    torch.cuda.synchronize()
-                    times.append(a.elapsed_time(b) / 20)
-                res[name] = statistics.median(times)
+                res[name] = statistics.median(graph_replay_ms(fn, 5, 20))
             # bytes of K and V the rows see (positions 0..max), over the split-K time: achieved GB/s
             res["kv_gb_per_s"] = 2 * batch * (int(pos.max()) + 1) * hkv * d * 2 / (res["split_k_ms"] * 1e-3) / 1e9
             rows_out.append(res)
