@@ -273,11 +273,18 @@ def block_rows(m: int, d: int = 64) -> int:
 _COMPILED: set = set()
 
 
+def _row_tiling(m: int, d: int) -> tuple[int, int, int]:
+    """``(block_m, row_tiles, sub)`` for ``m`` folded query rows: :func:`block_rows`-row tiles, two to a program
+    (``sub``) when there are several (they share each key tile's loads)."""
+    block_m = block_rows(m, d)
+    tiles = -(-m // block_m)
+    return block_m, tiles, 2 if tiles > 1 else 1
+
+
 def _row_programs(m: int, d: int) -> int:
-    """Programs along the query rows of ``m`` folded rows: row tiles of :func:`block_rows`, two to a program when
-    there are several (:func:`_launch`)."""
-    tiles = -(-m // block_rows(m, d))
-    return -(-tiles // (2 if tiles > 1 else 1))
+    """Programs along the query rows of ``m`` folded rows (:func:`_row_tiling`)."""
+    _, tiles, sub = _row_tiling(m, d)
+    return -(-tiles // sub)
 
 
 def _positions_packed(cache: torch.Tensor) -> bool:
@@ -299,7 +306,7 @@ def _compile_variants(qg, k_cache, v_cache, rows, positions, rep: int, block_n: 
     _COMPILED.add(key)
     done = set()
     for w in range(1, max_width + 1):
-        variant = (block_rows(w * rep, d), _row_programs(w * rep, d) < -(-w * rep // block_rows(w * rep, d)))
+        variant = _row_tiling(w * rep, d)[::2]  # (block_m, sub): one compiled variant each
         if w * rep > 128 or variant in done:
             continue
         done.add(variant)
@@ -321,9 +328,7 @@ def _launch(qg, k_cache, v_cache, rows, positions, span: int, num_splits: int, b
     per_program = triton.cdiv(num_tiles, min(num_splits, num_tiles))
     programs = triton.cdiv(num_tiles, per_program)
     partials = programs > 1 or num_splits > 1
-    block_m = block_rows(m, d)
-    row_tiles = triton.cdiv(m, block_m)
-    sub = 2 if row_tiles > 1 else 1  # two row tiles share each key tile's loads
+    block_m, row_tiles, sub = _row_tiling(m, d)
     if partials:
         acc = torch.empty((b * hkv, num_tiles, m, d), dtype=torch.float32, device=qg.device)
         ml = torch.empty((b * hkv, num_tiles, m, 2), dtype=torch.float32, device=qg.device)
