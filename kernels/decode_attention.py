@@ -317,10 +317,18 @@ def _compile_variants(qg, k_cache, v_cache, rows, positions, rep: int, block_n: 
                     qg.new_empty((1, w, hkv * rep * d)))
 
 
+def launch_settings(partials: bool) -> tuple[int, int]:
+    """The split kernel's ``(num_stages, num_warps)``: 3 stages in the one-pass launch, 2 in the split launch (its
+    programs see few key tiles each), 4 warps in both. The pipeline depth changes no arithmetic; the warp count
+    changes the order of the row max / sum reductions, so both launches take the same one (a row is then the same
+    bits in either)."""
+    return (2 if partials else 3), 4
+
+
 def _launch(qg, k_cache, v_cache, rows, positions, span: int, num_splits: int, block_n: int,
-            out: torch.Tensor, num_stages: int = 2, num_warps: int | None = None) -> None:
+            out: torch.Tensor, num_stages: int | None = None, num_warps: int | None = None) -> None:
     """The kernels of :func:`decode_attention` into ``out`` ``[B, W, Hq*D]`` (``num_stages`` / ``num_warps``: the
-    split kernel's launch settings; None warps = 8 at head_dim >= 128, else 4)."""
+    split kernel's launch settings; None: :func:`launch_settings`)."""
     b, hkv, m, d = qg.shape
     w = positions.shape[1]
     rep = m // w
@@ -339,7 +347,8 @@ def _launch(qg, k_cache, v_cache, rows, positions, span: int, num_splits: int, b
         qg, k_cache, v_cache, rows, positions, out, acc, ml, span, w, num_tiles, per_program, m, qg.stride(0),
         qg.stride(1), qg.stride(2), k_cache.stride(0) // (hkv * d), v_cache.stride(0) // (hkv * d), qk_scale,
         HKV=hkv, REP=rep, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        PARTIALS=partials, SUB=sub, num_warps=num_warps or (8 if d >= 128 else 4), num_stages=num_stages)
+        PARTIALS=partials, SUB=sub, num_warps=num_warps or launch_settings(partials)[1],
+        num_stages=num_stages or launch_settings(partials)[0])
     if partials:
         _merge_kernel[(b * hkv, row_tiles)](acc, ml, positions, out, w, num_tiles, m, HKV=hkv, REP=rep, D=d,
                                             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
