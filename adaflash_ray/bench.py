@@ -16,7 +16,8 @@ drafter trained with it), ``ngram`` (prompt lookup drafts in each request's own 
 (the same plus a per-engine corpus of earlier requests, SuffixDecoding arXiv 2411.04975; seeded with the AR outputs
 of other held-out prompts of the domain and reset before every timed run, so it never holds a timed request's own
 output), ``hybrid`` (per request per step the DFlash block, the suffix continuation or none, by expected tokens per
-measured ms - the cost table plus the realised whole-step ms over it, ``hybrid-table-cost`` by the table alone; the
+measured ms - the cost table plus the realised whole-step ms over it, ``hybrid-table-cost`` by the table alone,
+``hybrid-block-guard`` with the engine's block guard on; the
 ``cost`` policy's head and cost table; ``adaflash-cost`` and ``hybrid`` run with the engine's realised-throughput
 guard, ``adaflash-cost-unguarded`` / ``hybrid-unguarded`` without it), ``hf-generate`` (transformers
 ``AutoModelForCausalLM`` on the same converted checkpoint, greedy
@@ -101,11 +102,14 @@ GUARDED_METHODS = ("adaflash-cost", "hybrid")
 #: ``hybrid`` + this suffix: the planner prices steps by its measured cost tables alone (``HybridPlanner.realised_costs``
 #: off), not by the tables plus the realised whole-step ms over them
 TABLE_COST = "-table-cost"
+#: ``hybrid`` + this suffix: with the engine's block guard on (SpecEngine ``block_guard=True``: proposing planned
+#: steps against non-proposing ones, per batch bucket), against the default without it
+BLOCK_GUARD = "-block-guard"
 
 
 def base_method(method: str) -> str:
-    """``method`` without :data:`UNGUARDED` / :data:`TABLE_COST`."""
-    return method.removesuffix(UNGUARDED).removesuffix(TABLE_COST)
+    """``method`` without :data:`UNGUARDED` / :data:`TABLE_COST` / :data:`BLOCK_GUARD`."""
+    return method.removesuffix(UNGUARDED).removesuffix(TABLE_COST).removesuffix(BLOCK_GUARD)
 
 
 def method_policy(method: str) -> str:
@@ -122,11 +126,11 @@ def method_policy(method: str) -> str:
 
 def known_methods() -> list[str]:
     """``ar``, ``dflash``, ``adaflash-<policy>`` for every registered policy with a trained head, ``ngram``,
-    ``suffix``, ``hybrid``, ``hf-generate``, ``<m>-unguarded`` for the methods with a throughput guard, and
-    ``hybrid-table-cost``."""
+    ``suffix``, ``hybrid``, ``hf-generate``, ``<m>-unguarded`` for the methods with a throughput guard,
+    ``hybrid-table-cost`` and ``hybrid-block-guard``."""
     adaptive = [ADAPTIVE_PREFIX + name for name, spec in LENGTH_POLICIES.items() if spec.head is not None]
     return ["ar", "dflash", ARGMAX_METHOD, *adaptive, *SOURCE_METHODS, HF_METHOD,
-            *[m + UNGUARDED for m in GUARDED_METHODS], "hybrid" + TABLE_COST]
+            *[m + UNGUARDED for m in GUARDED_METHODS], "hybrid" + TABLE_COST, "hybrid" + BLOCK_GUARD]
 
 
 def _spare_prompts(tok, domain: str, main: list[list[int]], n: int, max_prompt_tokens: int, seed: int
@@ -364,6 +368,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                     extra["argmax_drafts"] = True
                 if method.endswith(UNGUARDED):
                     extra["throughput_guard"] = False
+                if method.endswith(BLOCK_GUARD):
+                    extra["block_guard"] = True
                 eng = SpecEngine.from_config(cfg, models=(target, None if method in NO_DRAFTER else drafter,
                                                           heads.get(policy) if method not in NO_DRAFTER else None),
                                              policy=policy, max_batch_size=conc, max_seq_len=max_seq_len,

@@ -712,16 +712,15 @@ def _block_guard_run(guarded: bool, tokens: int, min_rows: int | None) -> tuple[
     prompt = [1, 2, 3, 4, 5]
     drafter, head = make_drafter(target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
     eng = SpecEngine(target, drafter, head, policy="cost", max_batch_size=1, max_seq_len=tokens + 64, calibrate=False,
-                     draft_sources=("dflash", "ngram"), probe_every=4)
-    assert eng.block_guard is not None
+                     draft_sources=("dflash", "ngram"), probe_every=4, block_guard=guarded)
+    assert (eng.block_guard is not None) == guarded
     eng.planner.set_costs([1], np.ones((1, 7)), np.ones((1, eng.runner.max_draft + 1)))
     eng.planner.calibration = SourceCalibration(prior=1.0, decay=1e-9, running_start=False)
     eng.guard.set_buckets([1])
-    eng.block_guard.set_buckets([1])
-    if min_rows is not None:
-        eng.block_guard.min_rows = min_rows
-    if not guarded:
-        eng.block_guard = None
+    if guarded:
+        eng.block_guard.set_buckets([1])
+        if min_rows is not None:
+            eng.block_guard.min_rows = min_rows
     clock, proposes, real = [0.0], [], eng.runner.step
 
     def step(slots, anchors, anchor_pos, draft_lens, spec, propose=True, *a, **k):
@@ -769,7 +768,7 @@ def test_block_guard_leaves_fixed_draft_lens_alone_and_resets(tiny_target):
     batch ends its back-off. Greedy output exact."""
     drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
     eng = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=160, calibrate=False,
-                     draft_sources=("dflash", "ngram"), probe_every=4)
+                     draft_sources=("dflash", "ngram"), probe_every=4, block_guard=True)
     prompts = _prompts(2)
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=20, ignore_eos=True, draft_len=3)) for p in prompts]
     eng.step()  # admission (a new batch: back-offs end) and the first step
@@ -886,7 +885,8 @@ def test_prefill_proposes_no_block_a_forced_ar_step_would_drop(tiny_target):
     prompts = _prompts()
     for hybrid in (False, True):
         engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=200,
-                            calibrate=False, probe_every=4, draft_sources=("dflash", "ngram") if hybrid else None)
+                            calibrate=False, probe_every=4, draft_sources=("dflash", "ngram") if hybrid else None,
+                            block_guard=True)
         guard = engine.block_guard if hybrid else engine.guard
         assert guard is not None
         firsts, _ = _record_prefills_and_catch_ups(engine)
@@ -1120,7 +1120,7 @@ def test_hybrid_engine_with_the_lookup_only_plan_is_unchanged_and_lossless(tiny_
         ticks = [0]
         eng = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=160,
                          calibrate=False, draft_sources=("dflash", "suffix"), lookup_device="device",
-                         lookup_corpus_tokens=1024, clock=lambda: ticks.__setitem__(0, ticks[0] + 1) or 1e-3 * ticks[0])
+                         lookup_corpus_tokens=1024, block_guard=True, clock=lambda: ticks.__setitem__(0, ticks[0] + 1) or 1e-3 * ticks[0])
         nd = eng.runner.max_draft
         eng.planner.set_costs([1, 2, 3], np.full((3, 7), 3.0), 1.0 + 0.01 * np.arange(nd + 1)[None].repeat(3, 0))
         eng.planner.lookup_only_fast = fast

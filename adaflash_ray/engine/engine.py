@@ -183,10 +183,14 @@ class SpecEngine:
             bucket and forces AR steps where the policy is slower; False = off (``self.guard`` None). Without
             ``ar_steps`` (an engine that must always draft: the main job's inference workers) or with another policy
             (lookup-only sources included) there is none. A step with a request's own ``draft_len`` is never forced.
-            The hybrid with the drafter and a lookup source gets a second one (``self.block_guard``) over the
-            planner's own steps: steps that propose the drafter's next block against steps that do not (lookups and
-            any pending block only), so a block whose proposes cost more than its drafts gain is not proposed for a
-            doubling back-off, then for a trial of about 32 rows' worth of steps.
+        block_guard: with the throughput guard, the hybrid with the drafter and a lookup source also gets a second
+            one (``self.block_guard``) over the planner's own steps: steps that propose the drafter's next block
+            against steps that do not (lookups and any pending block only), so a block whose proposes cost more than
+            its drafts gain is not proposed for a doubling back-off, then for a trial of about 32 rows' worth of
+            steps. Off by default: the planner proposes where its lookups have no good match, so its non-proposing
+            steps are the lookup-matched ones, and the comparison reads that selection as "proposing is slower";
+            the planner's own realised-cost pricing (:meth:`~adaflash_ray.engine.hybrid.HybridPlanner.observe_step`)
+            and its acceptance calibration already price a propose as it runs.
         clock: seconds, monotonic (``time.perf_counter``); what the step timings and the guard read (a test's fake
             clock makes them deterministic).
     Raises:
@@ -201,7 +205,8 @@ class SpecEngine:
                  calibrate: bool = True, ar_steps: bool = True, probe_every: int = 8,
                  draft_sources=None, suffix_corpus: SuffixCorpus | None = None, lookup_max_ngram: int = 3,
                  argmax_drafts: bool = False, lookup_device: str = "auto", lookup_corpus_tokens: int = 1 << 16,
-                 throughput_guard: bool = True, compact_slots: bool = True, clock=time.perf_counter):
+                 throughput_guard: bool = True, block_guard: bool = False, compact_slots: bool = True,
+                 clock=time.perf_counter):
         self.target, self.drafter, self.length_head = target, drafter, length_head
         self.compact_slots = compact_slots
         self.draft_sources = (check_draft_sources(draft_sources, drafter is not None) if draft_sources is not None
@@ -290,7 +295,8 @@ class SpecEngine:
         # the cost policy, alone or in the hybrid: a guard on its realised throughput (lookup-only sources have none)
         on = throughput_guard and ar_steps and isinstance(self.policy, CostLength)
         self.guard = ThroughputGuard(_buckets(max_batch_size)) if on else None
-        block_on = on and self.planner is not None and self.planner.use_dflash and self.planner.lookup is not None
+        block_on = block_guard and on and self.planner is not None and self.planner.use_dflash \
+            and self.planner.lookup is not None
         self.block_guard = ThroughputGuard(_buckets(max_batch_size)) if block_on else None
         self._last_planned_propose: bool | None = None  # the block guard's previous planned step (None: none yet)
         self.drafter_version = drafter_version

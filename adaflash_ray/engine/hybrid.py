@@ -57,10 +57,12 @@ hybrid) checks them against what the steps really cost: per batch bucket, moving
 per row per ms of AR / γ = 0 steps and of the planner's other steps (drafts of any source, DFlash probes, catch-ups);
 where the planner's rate falls 2 % below AR's, the engine skips :meth:`HybridPlanner.plan` and takes AR steps (no
 propose, no lookup, no catch-up) for a back-off that doubles while that holds (at most ``PROBE_MAX_FACTOR`` x), then
-plans again - the planner's schedules and calibration are untouched by the forced steps. A second guard of the same
-kind (the engine's ``block_guard``) compares the planner's steps that propose the drafter's next block with its steps
-that do not; where proposing is the slower, :meth:`HybridPlanner.plan` gets ``block_off`` for a doubling back-off:
-no propose (a pending block is still verified), whatever the tables and the net value say.
+plans again - the planner's schedules and calibration are untouched by the forced steps. An optional second guard of
+the same kind (the engine's ``block_guard=True``; off by default: the steps that do not propose are mostly the
+lookup-matched ones, a selection that reads as "proposing is slower") compares the planner's steps that propose the
+drafter's next block with its steps that do not; where proposing is the slower, :meth:`HybridPlanner.plan` gets
+``block_off`` for a doubling back-off: no propose (a pending block is still verified), whatever the tables and the
+net value say.
 """
 from __future__ import annotations
 
