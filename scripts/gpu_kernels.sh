@@ -7,8 +7,9 @@
 #     bash scripts/gpu_main_job.sh a && ADAFLASH_COMMIT=<sha> bash scripts/gpu_kernels.sh
 # It sources that script for its env_setup (PYTHONPATH onto the installed wheels). KERNELS_BUDGET_S (default 420) bounds
 # its own wall time: each step gets at most its own limit and what is left, in this order (most wanted first):
-# gpu tests (130 s; KERNELS_TESTS_K: a pytest -k filter), attention timing (60 s), Qwen3-8B shape bench with SDPA
-# then with the calibrated split-K choice (120 s each), the same for the SmolLM2 shape (50 s each), kernel counts
+# gpu tests (130 s; KERNELS_TESTS_K: a pytest -k filter), attention timing (60 s), Qwen3-8B shape bench with SDPA,
+# with the calibrated split-K choice, and with that plus the fused norm + linear (120 s each), the same for the
+# SmolLM2 shape (50 s each), kernel counts
 # (60 s), drafter kernel counts (90 s), both shapes with the kernels off (50 s, 120 s). A step cut short
 # leaves its rc (124) in steps.txt. Run after call a in a call of its own (the machine keeps /root/stage while
 # warm), KERNELS_BUDGET_S=590 (a call may run 600 s); ADAFLASH_COMMIT goes into summary.json. $OUT/kernels holds
@@ -21,7 +22,8 @@
 #                                     fused off/on, batch 1 and 8
 #   bench_<shape>_<mode>.json/.log   python -m adaflash_ray.bench --shape <shape>; mode off (ADAFLASH_FUSED_KERNELS=off),
 #                                     sdpa (kernels on, ADAFLASH_FUSED_ATTENTION=off), auto (kernels on, the engine's
-#                                     one kernel: split-K iff its calibration measured it faster at each batch bucket)
+#                                     one kernel: split-K iff its calibration measured it faster at each batch bucket),
+#                                     linear (auto + ADAFLASH_FUSED_LINEAR=on: kernels/norm_linear.py)
 #   attention_micro.json              one layer's attention (Qwen3-8B and SmolLM2 shapes, batch 1 / 8 / 64, width 1 / 16):
 #                                     SDPA + mask vs the split-K kernel (its launch; one pass; split + merge), ms per call
 #   summary.json                      AR step / verify ratio / propose ms and share off vs on, kernels per layer
@@ -92,10 +94,12 @@ EOF
 
 bench() {  # bench SHAPE MODE MAX_S ARGS...: MODE off (kernels off) | sdpa (kernels on, SDPA attention) | auto
   local shape=$1 mode=$2 max=$3; shift 3  # (kernels on, split-K attention where the engine's calibration chose it)
-  local kern=auto split=auto
+  local kern=auto split=auto linear=off  # | linear (auto + the add + norm fused into the q/k/v and gate/up GEMMs)
   [ "$mode" = off ] && { kern=off; split=off; }
   [ "$mode" = sdpa ] && split=off
+  [ "$mode" = linear ] && linear=on
   run_step "$max" "bench_${shape}_$mode" env ADAFLASH_FUSED_KERNELS="$kern" ADAFLASH_FUSED_ATTENTION="$split" \
+    ADAFLASH_FUSED_LINEAR="$linear" \
     python3 -m adaflash_ray.bench --shape "$shape" \
     "$@" --out "$K/bench_${shape}_$mode.json" > "$K/bench_${shape}_$mode.log" 2>&1
   grep -E "ar |dflash|floor" "$K/bench_${shape}_$mode.log" | head -8
@@ -104,19 +108,24 @@ Q=(--concurrency 1 8 64 --max-new-tokens 32 --num-iters 10)
 S=(--concurrency 1 8 64 --max-new-tokens 32 --num-iters 10)
 bench qwen3-8b sdpa 120 "${Q[@]}"
 bench qwen3-8b auto 120 "${Q[@]}"
+bench qwen3-8b linear 120 "${Q[@]}"
 bench smollm2-135m sdpa 50 "${S[@]}"
 bench smollm2-135m auto 50 "${S[@]}"
+bench smollm2-135m linear 50 "${S[@]}"
 
 run_step 60 kernel_counts python3 - "$K/kernel_counts.json" <<'EOF'
-import json, sys
+import json, os, sys
 from adaflash_ray.shapes import count_forward_kernels
 rows = []
-for shape, fused, split_k in (("qwen3-8b", True, False), ("qwen3-8b", True, True),
-                              ("smollm2-135m", True, False), ("smollm2-135m", True, True)):
+for shape, fused, split_k, linear in (("qwen3-8b", True, False, "off"), ("qwen3-8b", True, True, "off"),
+                                      ("qwen3-8b", True, True, "on"), ("smollm2-135m", True, False, "off"),
+                                      ("smollm2-135m", True, True, "off"), ("smollm2-135m", True, True, "on")):
+    os.environ["ADAFLASH_FUSED_LINEAR"] = linear  # kernels/norm_linear.py: read at each forward
     for batch, width in ((1, 1), (1, 16), (64, 1)):
         r = count_forward_kernels(shape, fused=fused, split_k=split_k, batch=batch, width=width)
+        r["fused_linear"] = linear == "on"
         rows.append(r)
-        print(f"{shape} fused={fused} split_k={split_k} (active {r['fused_active']}) b{batch} w{width}: "
+        print(f"{shape} fused={fused} split_k={split_k} linear={linear} (active {r['fused_active']}) b{batch} w{width}: "
               f"{r['per_layer']:.1f} kernels per layer, {r['per_forward']} per forward", flush=True)
         json.dump(rows, open(sys.argv[1], "w"), indent=1)
 EOF
@@ -149,7 +158,7 @@ import json, os, sys
 k, commit = sys.argv[1:]
 doc = {"commit": commit, "steps": open(os.path.join(k, "steps.txt")).read().splitlines()}
 for shape in ("qwen3-8b", "smollm2-135m"):
-    for tag in ("off", "sdpa", "auto"):
+    for tag in ("off", "sdpa", "auto", "linear"):
         p = os.path.join(k, f"bench_{shape}_{tag}.json")
         if not os.path.exists(p):
             continue
@@ -167,7 +176,8 @@ if os.path.exists(p):
     doc["attention_micro"] = json.load(open(p))
 p = os.path.join(k, "kernel_counts.json")
 if os.path.exists(p):
-    doc["kernels_per_layer"] = {f"{r['shape']} fused={r['fused']} split_k={r['split_k']} b{r['batch']} w{r['width']}":
+    doc["kernels_per_layer"] = {f"{r['shape']} fused={r['fused']} split_k={r['split_k']} "
+                                f"linear={r.get('fused_linear', False)} b{r['batch']} w{r['width']}":
                                 r["per_layer"]
                                 for r in json.load(open(p))}
 p = os.path.join(k, "propose_kernel_counts.json")

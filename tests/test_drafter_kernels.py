@@ -242,6 +242,11 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     dr.use_fused_kernels("off"); ref3 = _drafter_calls(dr, "cpu", prompt=8)
     same(fused, ref3)
     assert (ref3[0] - ref2[0]).abs().max() > 1e-3
+    # the add + norm fused into the q/k/v and gate/up GEMMs (kernels/norm_linear.py)
+    dr.use_fused_kernels("auto")
+    import os
+    os.environ["ADAFLASH_FUSED_LINEAR"] = "on"
+    same(_drafter_calls(dr, "cpu", prompt=8), ref3)
     print("drafter interpreter ok")
 """)
 

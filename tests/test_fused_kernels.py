@@ -100,6 +100,30 @@ def test_add_rmsnorm_gpu(shape, rows):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+@pytest.mark.parametrize("rows", [1, 16, 40, 1024])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_norm_linear_gpu(shape, rows, swiglu):
+    """Residual add + RMSNorm + the q/k/v (or gate/up + SwiGLU) GEMM in one kernel against the torch reference, bf16:
+    the residual bit for bit, the output to bf16 rounding."""
+    from adaflash_ray.kernels.norm_linear import norm_linear, norm_linear_ref
+
+    _, hidden, inter, hq, hkv, d, _ = shape
+    n = 2 * inter if swiglu else (hq + 2 * hkv) * d
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 1, hidden, device="cuda", generator=g).bfloat16()
+    delta = torch.randn(rows, 1, hidden, device="cuda", generator=g).bfloat16()
+    nw = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=g)).bfloat16()
+    w = (torch.randn(n, hidden, device="cuda", generator=g) / hidden ** 0.5).bfloat16()
+    r, y = norm_linear(x, delta, nw, 1e-6, w, swiglu=swiglu)
+    r0, y0 = norm_linear_ref(x, delta, nw, 1e-6, w, swiglu=swiglu)
+    assert torch.equal(r, r0) and y.shape == y0.shape and y.dtype == torch.bfloat16
+    err = (y.float() - y0.float()).abs().max().item()
+    assert err <= 0.02 * y0.float().abs().max().item(), err
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
 @pytest.mark.parametrize("rows", [1, 16, 1024])
 def test_swiglu_gpu(shape, rows):
     from adaflash_ray.kernels.swiglu import swiglu, swiglu_ref
@@ -237,15 +261,18 @@ def _prefill_then_verify(target, batch, prompt, width, device, seed=0):
 @needs_gpu
 @pytest.mark.parametrize("shape_name", ["smollm2-135m", "qwen3-8b"])
 @pytest.mark.parametrize("batch,width", [(1, 1), (4, 16)])
-def test_target_fused_forward_gpu(shape_name, batch, width):
-    """Two-layer random target of the real shape: fused vs reference forward (prefill + verify over the cache)."""
+def test_target_fused_forward_gpu(shape_name, batch, width, monkeypatch):
+    """Two-layer random target of the real shape: fused vs reference forward (prefill + verify over the cache), with
+    SDPA or split-K attention, and with the add + norm fused into the q/k/v and gate/up GEMMs."""
     target = _small_target(shape_name, 2, "cuda", torch.bfloat16)
     target.fuse_projections()  # what the engine does on CUDA; auto turns the kernels on
     assert target.fused_kernels_active
     runs = []
-    for split_k in (False, True):
+    for split_k, linear in ((False, "off"), (True, "off"), (True, "on")):
         target.fused_attention = split_k
+        monkeypatch.setenv("ADAFLASH_FUSED_LINEAR", linear)
         runs.append(_prefill_then_verify(target, batch, 40, width, "cuda"))
+    monkeypatch.setenv("ADAFLASH_FUSED_LINEAR", "off")
     target.use_fused_kernels("off")
     ref = _prefill_then_verify(target, batch, 40, width, "cuda")
     for fused in runs:
@@ -318,7 +345,7 @@ def test_engine_fused_lossless_gpu(model_type):
 
 # --------------------------------------------------------------------------------------------- CPU
 _INTERPRETER_SCRIPT = textwrap.dedent("""
-    import dataclasses, torch
+    import dataclasses, os, torch
     torch.set_num_threads(1)
     from adaflash_ray.kernels.fused_norm import add_rmsnorm, add_rmsnorm_ref
     from adaflash_ray.kernels.rotary_cache import rotary_qkv_cache, rotary_qkv_cache_ref
@@ -395,9 +422,11 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     ids = torch.randint(0, 512, (3, 6), generator=g); ids2 = torch.randint(0, 512, (3, 4), generator=g)
     pos = torch.arange(6).expand(3, 6); pos2 = 6 + torch.arange(4).expand(3, 4)
     outs = []
-    for mode, split_k in (("off", False), ("auto", False), ("auto", True)):
+    for mode, split_k, linear in (("off", False, "off"), ("auto", False, "off"), ("auto", True, "off"),
+                                  ("auto", True, "on"), ("auto", False, "on")):
         assert t.use_fused_kernels(mode) == (mode == "auto")
         t.fused_attention = split_k
+        os.environ["ADAFLASH_FUSED_LINEAR"] = linear  # the add + norm fused into the q/k/v and gate/up GEMMs
         c = t.new_kv_cache(3, 16)
         o1 = t(ids, pos, cache=c, slot_ids=torch.tensor([2, 0, 1]), capture_layer_ids=[0, 1])
         o2 = t(ids2, pos2, cache=c, rows_are_slots=True, span=10, capture_layer_ids=[0, 1])
@@ -405,6 +434,21 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     for other in outs[1:]:
         for a, b in zip(outs[0], other):
             close(a, b, 1e-5)
+    os.environ.pop("ADAFLASH_FUSED_LINEAR")
+
+    # residual add + RMSNorm + linear in one kernel (with a bias; with the SwiGLU epilogue), float32
+    from adaflash_ray.kernels.norm_linear import norm_linear, norm_linear_ref
+    for shape, kk, nn_, swiglu, bias, has_d in (((3, 5), 96, 80, False, False, True), ((1, 1), 64, 128, True, False, True),
+                                                ((40,), 200, 70, False, True, False), ((2, 9), 48, 64, True, True, True)):
+        x = torch.randn(*shape, kk, generator=g)
+        d = torch.randn(*shape, kk, generator=g) if has_d else None
+        nw = 1 + 0.1 * torch.randn(kk, generator=g)
+        w = torch.randn(nn_, kk, generator=g) / kk ** 0.5
+        b = torch.randn(nn_, generator=g) if bias else None
+        r, y = norm_linear(x, d, nw, 1e-6, w, b, swiglu=swiglu)
+        rr, yr = norm_linear_ref(x, d, nw, 1e-6, w, b, swiglu=swiglu)
+        assert torch.equal(r, rr) and y.shape == yr.shape, (shape, y.shape, yr.shape)
+        close(y, yr, 1e-5)
 
     # the acceptance head's draft confidence: one pass against the float64 definition (the torch reference's own
     # cancellation is ~1e-4 at logits ~30), a vocabulary that is no multiple of the kernel's block, bf16 input, an
@@ -457,7 +501,7 @@ def test_kernels_compile_for_sm90(tmp_path):
     from triton.compiler import ASTSource
 
     from adaflash_ray.kernels import decode_attention as da
-    from adaflash_ray.kernels import draft_confidence, fused_norm, rotary_cache, swiglu
+    from adaflash_ray.kernels import draft_confidence, fused_norm, norm_linear, rotary_cache, swiglu
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     try:  # the ptxas Triton itself runs for sm_90 (3.9 and later: its newer bundled one)
@@ -481,6 +525,12 @@ def test_kernels_compile_for_sm90(tmp_path):
                     cases.append((da._split_kernel, {"HKV": hkv, "REP": rep, "D": d, "BLOCK_M": bm, "BLOCK_N": 64,
                                                      "PARTIALS": partials, "SUB": sub}, da.launch_settings(partials)))
             cases.append((da._merge_kernel, {"HKV": hkv, "REP": rep, "D": d, "BLOCK_M": bm, "BLOCK_N": 64}, 4))
+    for bm in (16, 32, 64):  # norm + linear as launched (norm_linear.norm_linear): every row tile, both epilogues
+        for swiglu_epi in (False, True):
+            cases.append((norm_linear._norm_linear_kernel,
+                          dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), norm_linear.launch_tiles(bm, 4096, swiglu_epi)),
+                               HAS_DELTA=True, HAS_BIAS=False, SWIGLU=swiglu_epi),
+                          (norm_linear.NUM_STAGES, norm_linear.NUM_WARPS)))
     fp32_io = {draft_confidence._confidence_kernel}  # float32 logits in, float32 features out
     for kernel, consts, settings in cases:
         stages, warps = settings if isinstance(settings, tuple) else (None, settings)

@@ -218,7 +218,8 @@ class AttentionProjections(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         return apply_rotary(k if self.k_norm is None else self.k_norm(k), cos, sin), v
 
-    def forward_fused(self, x, cos, sin, mask, k_cache, v_cache, rows, positions, span, slot_ids, split_k=False):
+    def forward_fused(self, x, cos, sin, mask, k_cache, v_cache, rows, positions, span, slot_ids, split_k=False,
+                      qkv=None):
         """Attention over a static cache with Triton kernels (needs :meth:`fuse`): one GEMM for q/k/v, one kernel
         for qk-norm + rotary + the K/V write at ``[rows[b], positions[b, t]]`` + the query fold
         (:func:`adaflash_ray.kernels.rotary_cache.rotary_qkv_cache`), SDPA, o_proj.
@@ -228,11 +229,14 @@ class AttentionProjections(nn.Module):
         attended; slot_ids None = batch row b is slot b (keys read in place as ``cache[:B, :span]``), else ``[B]``
         slots whose keys are gathered (a copy). ``split_k``: attention by
         :func:`adaflash_ray.kernels.decode_attention.decode_attention` (rows are slots, W <= 16, keys ``0..p`` for
-        the query at position p) instead of SDPA with ``mask``. Returns ``[B, W, H]``."""
+        the query at position p) instead of SDPA with ``mask``. ``qkv``: the q/k/v projection of the normed input
+        ``[B, W, (Hq + 2 Hkv) D]`` already computed (e.g. by :func:`adaflash_ray.kernels.norm_linear.norm_linear`;
+        ``x`` is then unused). Returns ``[B, W, H]``."""
         from adaflash_ray.kernels.rotary_cache import rotary_qkv_cache
 
-        b, w, _ = x.shape
-        qkv = F.linear(x, self._qkv_w, self._qkv_b)  # [B, W, (Hq + 2 Hkv) D]
+        if qkv is None:
+            qkv = F.linear(x, self._qkv_w, self._qkv_b)  # [B, W, (Hq + 2 Hkv) D]
+        b, w, _ = qkv.shape
         qn = None if self.q_norm is None else self.q_norm.weight
         kn = None if self.k_norm is None else self.k_norm.weight
         eps = 0.0 if self.q_norm is None else self.q_norm.eps
@@ -245,7 +249,7 @@ class AttentionProjections(nn.Module):
         if slot_ids is None:
             k, v = k_cache[:b, :span], v_cache[:b, :span]
         else:
-            k, v = k_cache[slot_ids, :span].to(x.dtype), v_cache[slot_ids, :span].to(x.dtype)
+            k, v = k_cache[slot_ids, :span].to(qkv.dtype), v_cache[slot_ids, :span].to(qkv.dtype)
         return self.o_proj(folded_attention(qg, k, v, mask, w))
 
 
@@ -273,29 +277,42 @@ def fused_layer_stack(layers, x: torch.Tensor, final_norm: RMSNorm, attend, want
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """A stack of pre-norm :class:`DecoderLayerParams` with the fused kernels: each residual add is fused into the
     next RMSNorm (:func:`adaflash_ray.kernels.fused_norm.add_rmsnorm`; the last into ``final_norm``) and each MLP
-    is :meth:`SwiGLU.forward_fused` (needs :meth:`SwiGLU.fuse` and Triton).
+    is :meth:`SwiGLU.forward_fused` (needs :meth:`SwiGLU.fuse` and Triton). With ``ADAFLASH_FUSED_LINEAR=on``
+    (:func:`adaflash_ray.kernels.norm_linear.enabled`) the add + norm is fused into the GEMM after it instead: the
+    q/k/v projection, and the gate/up projection with the SwiGLU product
+    (:func:`adaflash_ray.kernels.norm_linear.norm_linear`; needs :meth:`AttentionProjections.fuse` too).
 
     Args:
         layers: the decoder layers. x: ``[B, T, H]`` input residual stream.
-        attend: ``(i, layer.self_attn, h [B, T, H]) -> [B, T, H]``, layer i's attention output on its normed input
-            (e.g. :meth:`AttentionProjections.forward_fused` over the layer's cache).
+        attend: ``(i, layer.self_attn, h [B, T, H], qkv=None) -> [B, T, H]``, layer i's attention output on its
+            normed input ``h`` or on its q/k/v projection ``qkv`` (``h`` None then; e.g.
+            :meth:`AttentionProjections.forward_fused` over the layer's cache).
         want, captured: layer i's output (the residual the next norm returns) is stored as ``captured[i]`` for
             each i in ``want``.
     Returns:
         ``(x, final_norm(x))`` ``[B, T, H]`` each, in x's dtype: the last layer's output and its final norm.
     """
+    from adaflash_ray.kernels import norm_linear as nl
     from adaflash_ray.kernels.fused_norm import add_rmsnorm
 
+    linear = nl.enabled()
     delta = None
     for i, layer in enumerate(layers):
-        ln = layer.input_layernorm
-        x, h = add_rmsnorm(x, delta, ln.weight, ln.eps)
+        ln, attn, mlp = layer.input_layernorm, layer.self_attn, layer.mlp
+        if linear:
+            x, qkv = nl.norm_linear(x, delta, ln.weight, ln.eps, attn._qkv_w, attn._qkv_b)
+        else:
+            x, h = add_rmsnorm(x, delta, ln.weight, ln.eps)
         if i - 1 in want:
             captured[i - 1] = x
-        a = attend(i, layer.self_attn, h)
+        a = attend(i, attn, None, qkv=qkv) if linear else attend(i, attn, h)
         ln = layer.post_attention_layernorm
-        x, h = add_rmsnorm(x, a, ln.weight, ln.eps)
-        delta = layer.mlp.forward_fused(h)
+        if linear:
+            x, act = nl.norm_linear(x, a, ln.weight, ln.eps, mlp._gate_up, swiglu=True)
+            delta = mlp.down_proj(act)
+        else:
+            x, h = add_rmsnorm(x, a, ln.weight, ln.eps)
+            delta = mlp.forward_fused(h)
     x, last = add_rmsnorm(x, delta, final_norm.weight, final_norm.eps)
     if len(layers) - 1 in want:
         captured[len(layers) - 1] = x

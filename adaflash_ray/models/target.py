@@ -510,7 +510,7 @@ class TargetModel(nn.Module):
         layer i's output (captured when ``i in want``) is the residual the next norm returns; ``split_k``: the
         split-K attention (rows are slots; ``mask`` unused). Returns ``(x, last_hidden)``."""
 
-        def attend(i, attn, h):
+        def attend(i, attn, h, qkv=None):
             return attn.forward_fused(h, cos, sin, mask, cache.k[i], cache.v[i], rows, positions, span, slot_ids,
-                                      split_k)
+                                      split_k, qkv=qkv)
         return fused_layer_stack(self.model.layers, x, self.model.norm, attend, want, captured)
