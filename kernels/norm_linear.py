@@ -13,7 +13,8 @@ write, attention, o_proj, gate/up + SwiGLU, down - six kernels where the unfused
 
 The GEMV shape of decode (a few rows) is what it is for: every program reads its rows' whole ``K`` (a few KB)
 beside its weight tile. At hundreds of rows the re-read normed input costs more than a separate norm would; the
-caller chooses (``ADAFLASH_FUSED_LINEAR``, :func:`enabled`).
+caller chooses (``ADAFLASH_FUSED_LINEAR``, :func:`mode`). :func:`linear` is the same kernel without the norm: a
+plain linear layer in one launch (o_proj and down_proj with ``ADAFLASH_FUSED_LINEAR=all``).
 
 Numerics: ``r`` rounded to x's dtype (as ``x + delta`` is), the norm in float32 of that rounded ``r``, the normed
 rows rounded to x's dtype, the dot products accumulated in float32 and rounded once (as ``F.linear`` in bf16);
@@ -33,34 +34,37 @@ import torch.nn.functional as F
 
 from adaflash_ray.kernels.triton_support import HAVE_TRITON, tl, triton
 
-__all__ = ["ENV_VAR", "enabled", "norm_linear", "norm_linear_ref"]
+__all__ = ["ENV_VAR", "linear", "mode", "norm_linear", "norm_linear_ref"]
 
-#: ``on`` / ``off`` (default): whether the fused layer stack uses :func:`norm_linear` (read at each forward)
+#: ``off`` (default) / ``on`` / ``all``: whether the fused layer stack uses :func:`norm_linear` for the GEMMs after
+#: a norm (``on``), and :func:`linear` for o_proj and down_proj too (``all``: no cuBLAS GEMM, none of its split-K
+#: workspace memsets and reductions); read at each forward
 ENV_VAR = "ADAFLASH_FUSED_LINEAR"
 
 
-def enabled() -> bool:
-    """Whether ``ADAFLASH_FUSED_LINEAR`` asks for the fused norm + linear kernels (``on`` / ``1`` / ``true``; unset
-    or ``off``: no). Raises ValueError on another value."""
+def mode() -> str:
+    """``"off"``, ``"on"`` or ``"all"`` from ``ADAFLASH_FUSED_LINEAR`` (unset: off; ``1`` / ``true``: on). Raises
+    ValueError on another value."""
     raw = os.environ.get(ENV_VAR, "off").strip().lower()
     if raw in ("on", "1", "true", "yes"):
-        return True
-    if raw in ("off", "0", "false", "no", ""):
-        return False
-    raise ValueError(f"{ENV_VAR}={raw!r}: expected on or off")
+        return "on"
+    if raw in ("off", "0", "false", "no", "", "all"):
+        return raw if raw == "all" else "off"
+    raise ValueError(f"{ENV_VAR}={raw!r}: expected off, on or all")
 
 
 def norm_linear_ref(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                     weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference: ``r = x + delta`` (``x`` when ``delta`` is None), ``h = F.rms_norm(r, [K], norm_weight, eps)``,
-    ``y = F.linear(h, weight, bias)``; with ``swiglu`` ``y = F.silu(g) * u`` for ``g, u = y.chunk(2, -1)``.
+    """Reference: ``r = x + delta`` (``x`` when ``delta`` is None), ``h = F.rms_norm(r, [K], norm_weight, eps)``
+    (``h = r`` when ``norm_weight`` is None), ``y = F.linear(h, weight, bias)``; with ``swiglu``
+    ``y = F.silu(g) * u`` for ``g, u = y.chunk(2, -1)``.
 
     Args: x, delta ``[..., K]``; norm_weight ``[K]``; weight ``[N, K]``; bias ``[N]`` or None.
     Returns ``(r, y)``: ``[..., K]`` and ``[..., N]`` (``[..., N / 2]`` with swiglu), in x's dtype.
     """
     r = x if delta is None else x + delta
-    y = F.linear(F.rms_norm(r, r.shape[-1:], norm_weight, eps), weight, bias)
+    y = F.linear(r if norm_weight is None else F.rms_norm(r, r.shape[-1:], norm_weight, eps), weight, bias)
     if swiglu:
         g, u = y.chunk(2, dim=-1)
         y = F.silu(g) * u
@@ -73,26 +77,29 @@ if HAVE_TRITON:
     def _norm_linear_kernel(x_ptr, d_ptr, nw_ptr, w_ptr, b_ptr, r_ptr, y_ptr, m, n, k, eps,
                             stride_x, stride_d, stride_r, stride_w, stride_y,
                             HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            NORM: tl.constexpr = True):
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask, cmask = rows < m, cols < n
         rows64 = rows.to(tl.int64)
         dt = x_ptr.dtype.element_ty
         write_r = tl.program_id(1) == 0
-        # pass 1: the rows' sum of squares of r = x + delta (rounded to x's dtype), in float32
+        # pass 1: the rows' sum of squares of r = x + delta (rounded to x's dtype), in float32 (NORM False: a plain
+        # linear layer of x, no pass 1)
         ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in tl.range(0, k, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            msk = rmask[:, None] & (ks < k)[None, :]
-            r = tl.load(x_ptr + rows64[:, None] * stride_x + ks[None, :], mask=msk, other=0.0)
-            if HAS_DELTA:
-                dd = tl.load(d_ptr + rows64[:, None] * stride_d + ks[None, :], mask=msk, other=0.0)
-                r = (r.to(tl.float32) + dd.to(tl.float32)).to(dt)
-                if write_r:
-                    tl.store(r_ptr + rows64[:, None] * stride_r + ks[None, :], r, mask=msk)
-            rf = r.to(tl.float32)
-            ss += tl.sum(rf * rf, axis=1)
+        if NORM:
+            for k0 in tl.range(0, k, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                msk = rmask[:, None] & (ks < k)[None, :]
+                r = tl.load(x_ptr + rows64[:, None] * stride_x + ks[None, :], mask=msk, other=0.0)
+                if HAS_DELTA:
+                    dd = tl.load(d_ptr + rows64[:, None] * stride_d + ks[None, :], mask=msk, other=0.0)
+                    r = (r.to(tl.float32) + dd.to(tl.float32)).to(dt)
+                    if write_r:
+                        tl.store(r_ptr + rows64[:, None] * stride_r + ks[None, :], r, mask=msk)
+                rf = r.to(tl.float32)
+                ss += tl.sum(rf * rf, axis=1)
         rstd = tl.rsqrt(ss / k + eps)
         # pass 2: the normed rows (rounded to x's dtype) against the weight tile(s), float32 accumulation
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -106,8 +113,11 @@ if HAVE_TRITON:
             if HAS_DELTA:
                 dd = tl.load(d_ptr + rows64[:, None] * stride_d + ks[None, :], mask=msk, other=0.0)
                 r = (r.to(tl.float32) + dd.to(tl.float32)).to(dt)
-            nw = tl.load(nw_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-            h = (r.to(tl.float32) * rstd[:, None] * nw[None, :]).to(dt)
+            if NORM:
+                nw = tl.load(nw_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+                h = (r.to(tl.float32) * rstd[:, None] * nw[None, :]).to(dt)
+            else:
+                h = r
             wmask = cmask[:, None] & kmask[None, :]
             w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :], mask=wmask, other=0.0)
             acc = tl.dot(h, tl.trans(w), acc)
@@ -131,22 +141,24 @@ if HAVE_TRITON:
 NUM_WARPS, NUM_STAGES = 8, 3
 
 
-def launch_tiles(m: int, k: int, swiglu: bool) -> tuple[int, int, int]:
+def launch_tiles(m: int, k: int, swiglu: bool = False) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K)`` of a launch over ``m`` rows and ``k`` inputs: 16 / 32 / 64 rows, 64 output
     columns (32 gate + 32 up with ``swiglu``), K tiles of 64 (less for a smaller ``k``, at least 16)."""
     return (16 if m <= 16 else (32 if m <= 32 else 64)), (32 if swiglu else 64), min(64, max(16, triton.next_power_of_2(k)))
 
 
-def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
+                weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False,
+                launch: tuple[int, int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused :func:`norm_linear_ref`: one Triton launch over (row tiles, output-column tiles).
 
     Args:
         x, delta: ``[..., K]`` residual stream and the branch output to add (None: norm only); same dtype and shape.
         norm_weight: ``[K]`` RMSNorm weight (math in float32). eps: its variance epsilon.
         weight: ``[N, K]`` (``nn.Linear`` layout, rows contiguous) in x's dtype; with ``swiglu`` the gate rows then
-            the up rows (``N`` even). bias: ``[N]`` or None.
+            the up rows (``N`` even). bias: ``[N]`` or None. norm_weight None: no norm (``y = linear(r)``).
+        launch: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` instead of :func:`launch_tiles` and
+            :data:`NUM_WARPS` / :data:`NUM_STAGES` (scripts/norm_linear_variants.py times the choices).
     Returns:
         ``(r, y)``: the new residual ``[..., K]`` (``x`` itself when delta is None) and ``[..., N]`` (``[..., N/2]``
         with swiglu), in x's dtype. No host synchronisation, allocations only of the outputs (CUDA-graph capturable).
@@ -157,11 +169,12 @@ def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.
         raise RuntimeError("norm_linear needs triton (use norm_linear_ref)")
     k = x.shape[-1]
     n_w = weight.shape[0]
-    if (norm_weight.shape != (k,) or weight.dim() != 2 or weight.shape[1] != k
+    if ((norm_weight is not None and norm_weight.shape != (k,)) or weight.dim() != 2 or weight.shape[1] != k
             or (delta is not None and delta.shape != x.shape) or (bias is not None and bias.shape != (n_w,))
             or weight.dtype != x.dtype or (swiglu and n_w % 2)):
         raise ValueError(f"norm_linear: x {tuple(x.shape)} {x.dtype}, delta "
-                         f"{None if delta is None else tuple(delta.shape)}, norm_weight {tuple(norm_weight.shape)}, "
+                         f"{None if delta is None else tuple(delta.shape)}, norm_weight "
+                         f"{None if norm_weight is None else tuple(norm_weight.shape)}, "
                          f"weight {tuple(weight.shape)} {weight.dtype}, bias "
                          f"{None if bias is None else tuple(bias.shape)}, swiglu {swiglu}")
     n = n_w // 2 if swiglu else n_w
@@ -181,10 +194,16 @@ def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.
         r2 = r.view(-1, k)
     if m == 0:
         return r, y
-    block_m, block_n, block_k = launch_tiles(m, k, swiglu)
+    block_m, block_n, block_k, warps, stages = launch or (*launch_tiles(m, k, swiglu), NUM_WARPS, NUM_STAGES)
     _norm_linear_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-        x2, d2, norm_weight, w, bias if bias is not None else w, r2, y.view(-1, n), m, n, k, float(eps),
-        x2.stride(0), d2.stride(0), r2.stride(0), w.stride(0), n,
-        HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        x2, d2, norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, r2,
+        y.view(-1, n), m, n, k, float(eps), x2.stride(0), d2.stride(0), r2.stride(0), w.stride(0), n,
+        HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=norm_weight is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return r, y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` by the same kernel without the norm (one launch, no split-K workspace):
+    ``x`` ``[..., K]``, ``weight`` ``[N, K]`` in x's dtype -> ``[..., N]``. Raises as :func:`norm_linear`."""
+    return norm_linear(x, None, None, 0.0, weight, bias)[1]

@@ -11,7 +11,7 @@
 # with the calibrated split-K choice, and with that plus the fused norm + linear (120 s each), the same for the
 # SmolLM2 shape (50 s each), kernel counts
 # (60 s), drafter kernel counts (90 s), both shapes with the kernels off (50 s, 120 s). A step cut short
-# leaves its rc (124) in steps.txt. Run after call a in a call of its own (the machine keeps /root/stage while
+# leaves its rc (124) in steps.txt. KERNELS_MODES (default "off sdpa auto linear linear-all") picks the bench modes. Run after call a in a call of its own (the machine keeps /root/stage while
 # warm), KERNELS_BUDGET_S=590 (a call may run 600 s); ADAFLASH_COMMIT goes into summary.json. $OUT/kernels holds
 # more than the 8 files a call brings back: tar it into one file at the end of the call.
 # Writes under $OUT/kernels/:
@@ -23,7 +23,8 @@
 #   bench_<shape>_<mode>.json/.log   python -m adaflash_ray.bench --shape <shape>; mode off (ADAFLASH_FUSED_KERNELS=off),
 #                                     sdpa (kernels on, ADAFLASH_FUSED_ATTENTION=off), auto (kernels on, the engine's
 #                                     one kernel: split-K iff its calibration measured it faster at each batch bucket),
-#                                     linear (auto + ADAFLASH_FUSED_LINEAR=on: kernels/norm_linear.py)
+#                                     linear (auto + ADAFLASH_FUSED_LINEAR=on: kernels/norm_linear.py), linear-all
+#                                     (ADAFLASH_FUSED_LINEAR=all)
 #   attention_micro.json              one layer's attention (Qwen3-8B and SmolLM2 shapes, batch 1 / 8 / 64, width 1 / 16):
 #                                     SDPA + mask vs the split-K kernel (its launch; one pass; split + merge), ms per call
 #   summary.json                      AR step / verify ratio / propose ms and share off vs on, kernels per layer
@@ -94,10 +95,12 @@ EOF
 
 bench() {  # bench SHAPE MODE MAX_S ARGS...: MODE off (kernels off) | sdpa (kernels on, SDPA attention) | auto
   local shape=$1 mode=$2 max=$3; shift 3  # (kernels on, split-K attention where the engine's calibration chose it)
+  [[ " ${KERNELS_MODES:-off sdpa auto linear linear-all} " == *" $mode "* ]] || return 0  # KERNELS_MODES: a subset
   local kern=auto split=auto linear=off  # | linear (auto + the add + norm fused into the q/k/v and gate/up GEMMs)
-  [ "$mode" = off ] && { kern=off; split=off; }
+  [ "$mode" = off ] && { kern=off; split=off; }  # | linear-all (and o_proj / down_proj by the same Triton kernel)
   [ "$mode" = sdpa ] && split=off
   [ "$mode" = linear ] && linear=on
+  [ "$mode" = linear-all ] && linear=all
   run_step "$max" "bench_${shape}_$mode" env ADAFLASH_FUSED_KERNELS="$kern" ADAFLASH_FUSED_ATTENTION="$split" \
     ADAFLASH_FUSED_LINEAR="$linear" \
     python3 -m adaflash_ray.bench --shape "$shape" \
@@ -109,21 +112,24 @@ S=(--concurrency 1 8 64 --max-new-tokens 32 --num-iters 10)
 bench qwen3-8b sdpa 120 "${Q[@]}"
 bench qwen3-8b auto 120 "${Q[@]}"
 bench qwen3-8b linear 120 "${Q[@]}"
+bench qwen3-8b linear-all 120 "${Q[@]}"
 bench smollm2-135m sdpa 50 "${S[@]}"
 bench smollm2-135m auto 50 "${S[@]}"
 bench smollm2-135m linear 50 "${S[@]}"
+bench smollm2-135m linear-all 50 "${S[@]}"
 
 run_step 60 kernel_counts python3 - "$K/kernel_counts.json" <<'EOF'
 import json, os, sys
 from adaflash_ray.shapes import count_forward_kernels
 rows = []
 for shape, fused, split_k, linear in (("qwen3-8b", True, False, "off"), ("qwen3-8b", True, True, "off"),
-                                      ("qwen3-8b", True, True, "on"), ("smollm2-135m", True, False, "off"),
-                                      ("smollm2-135m", True, True, "off"), ("smollm2-135m", True, True, "on")):
+                                      ("qwen3-8b", True, True, "on"), ("qwen3-8b", True, True, "all"),
+                                      ("smollm2-135m", True, False, "off"), ("smollm2-135m", True, True, "off"),
+                                      ("smollm2-135m", True, True, "on"), ("smollm2-135m", True, True, "all")):
     os.environ["ADAFLASH_FUSED_LINEAR"] = linear  # kernels/norm_linear.py: read at each forward
     for batch, width in ((1, 1), (1, 16), (64, 1)):
         r = count_forward_kernels(shape, fused=fused, split_k=split_k, batch=batch, width=width)
-        r["fused_linear"] = linear == "on"
+        r["fused_linear"] = linear
         rows.append(r)
         print(f"{shape} fused={fused} split_k={split_k} linear={linear} (active {r['fused_active']}) b{batch} w{width}: "
               f"{r['per_layer']:.1f} kernels per layer, {r['per_forward']} per forward", flush=True)
@@ -158,7 +164,7 @@ import json, os, sys
 k, commit = sys.argv[1:]
 doc = {"commit": commit, "steps": open(os.path.join(k, "steps.txt")).read().splitlines()}
 for shape in ("qwen3-8b", "smollm2-135m"):
-    for tag in ("off", "sdpa", "auto", "linear"):
+    for tag in ("off", "sdpa", "auto", "linear", "linear-all"):
         p = os.path.join(k, f"bench_{shape}_{tag}.json")
         if not os.path.exists(p):
             continue
@@ -177,7 +183,7 @@ if os.path.exists(p):
 p = os.path.join(k, "kernel_counts.json")
 if os.path.exists(p):
     doc["kernels_per_layer"] = {f"{r['shape']} fused={r['fused']} split_k={r['split_k']} "
-                                f"linear={r.get('fused_linear', False)} b{r['batch']} w{r['width']}":
+                                f"linear={r.get('fused_linear', 'off')} b{r['batch']} w{r['width']}":
                                 r["per_layer"]
                                 for r in json.load(open(p))}
 p = os.path.join(k, "propose_kernel_counts.json")

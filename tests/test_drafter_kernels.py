@@ -245,8 +245,9 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     # the add + norm fused into the q/k/v and gate/up GEMMs (kernels/norm_linear.py)
     dr.use_fused_kernels("auto")
     import os
-    os.environ["ADAFLASH_FUSED_LINEAR"] = "on"
-    same(_drafter_calls(dr, "cpu", prompt=8), ref3)
+    for linear in ("on", "all"):
+        os.environ["ADAFLASH_FUSED_LINEAR"] = linear
+        same(_drafter_calls(dr, "cpu", prompt=8), ref3)
     print("drafter interpreter ok")
 """)
 

@@ -104,7 +104,7 @@ def test_add_rmsnorm_gpu(shape, rows):
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_norm_linear_gpu(shape, rows, swiglu):
     """Residual add + RMSNorm + the q/k/v (or gate/up + SwiGLU) GEMM in one kernel against the torch reference, bf16:
-    the residual bit for bit, the output to bf16 rounding."""
+    the residual bit for bit, the output to bf16 rounding; without the norm, the plain linear layer."""
     from adaflash_ray.kernels.norm_linear import norm_linear, norm_linear_ref
 
     _, hidden, inter, hq, hkv, d, _ = shape
@@ -119,6 +119,11 @@ def test_norm_linear_gpu(shape, rows, swiglu):
     assert torch.equal(r, r0) and y.shape == y0.shape and y.dtype == torch.bfloat16
     err = (y.float() - y0.float()).abs().max().item()
     assert err <= 0.02 * y0.float().abs().max().item(), err
+    if not swiglu:  # the same kernel without the norm: o_proj / down_proj with ADAFLASH_FUSED_LINEAR=all
+        from adaflash_ray.kernels.norm_linear import linear
+
+        y, y0 = linear(x, w), torch.nn.functional.linear(x, w)
+        assert (y.float() - y0.float()).abs().max().item() <= 0.02 * y0.float().abs().max().item()
 
 
 @pytest.mark.gpu
@@ -268,7 +273,7 @@ def test_target_fused_forward_gpu(shape_name, batch, width, monkeypatch):
     target.fuse_projections()  # what the engine does on CUDA; auto turns the kernels on
     assert target.fused_kernels_active
     runs = []
-    for split_k, linear in ((False, "off"), (True, "off"), (True, "on")):
+    for split_k, linear in ((False, "off"), (True, "off"), (True, "on"), (True, "all")):
         target.fused_attention = split_k
         monkeypatch.setenv("ADAFLASH_FUSED_LINEAR", linear)
         runs.append(_prefill_then_verify(target, batch, 40, width, "cuda"))
@@ -423,7 +428,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     pos = torch.arange(6).expand(3, 6); pos2 = 6 + torch.arange(4).expand(3, 4)
     outs = []
     for mode, split_k, linear in (("off", False, "off"), ("auto", False, "off"), ("auto", True, "off"),
-                                  ("auto", True, "on"), ("auto", False, "on")):
+                                  ("auto", True, "on"), ("auto", False, "on"), ("auto", True, "all")):
         assert t.use_fused_kernels(mode) == (mode == "auto")
         t.fused_attention = split_k
         os.environ["ADAFLASH_FUSED_LINEAR"] = linear  # the add + norm fused into the q/k/v and gate/up GEMMs
@@ -437,7 +442,9 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     os.environ.pop("ADAFLASH_FUSED_LINEAR")
 
     # residual add + RMSNorm + linear in one kernel (with a bias; with the SwiGLU epilogue), float32
-    from adaflash_ray.kernels.norm_linear import norm_linear, norm_linear_ref
+    from adaflash_ray.kernels.norm_linear import linear, norm_linear, norm_linear_ref
+    x, w = torch.randn(7, 3, 100, generator=g), torch.randn(90, 100, generator=g)  # no norm: a plain linear layer
+    close(linear(x, w), torch.nn.functional.linear(x, w), 1e-5)
     for shape, kk, nn_, swiglu, bias, has_d in (((3, 5), 96, 80, False, False, True), ((1, 1), 64, 128, True, False, True),
                                                 ((40,), 200, 70, False, True, False), ((2, 9), 48, 64, True, True, True)):
         x = torch.randn(*shape, kk, generator=g)
@@ -531,6 +538,10 @@ def test_kernels_compile_for_sm90(tmp_path):
                           dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), norm_linear.launch_tiles(bm, 4096, swiglu_epi)),
                                HAS_DELTA=True, HAS_BIAS=False, SWIGLU=swiglu_epi),
                           (norm_linear.NUM_STAGES, norm_linear.NUM_WARPS)))
+        cases.append((norm_linear._norm_linear_kernel, dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"),
+                                                                norm_linear.launch_tiles(bm, 4096)),
+                                                            HAS_DELTA=False, HAS_BIAS=False, SWIGLU=False, NORM=False),
+                      (norm_linear.NUM_STAGES, norm_linear.NUM_WARPS)))
     fp32_io = {draft_confidence._confidence_kernel}  # float32 logits in, float32 features out
     for kernel, consts, settings in cases:
         stages, warps = settings if isinstance(settings, tuple) else (None, settings)

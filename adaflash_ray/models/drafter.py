@@ -583,12 +583,13 @@ class DFlashDrafter(nn.Module):
         if not rows_are_slots:
             write_pos = write_pos.clamp(max=span - 1)  # the copies hold positions < span (the kernel checks none)
 
-        def attend(i, attn, h, qkv=None):
+        def attend(i, attn, h, qkv=None, o_linear=False):
             if rows_are_slots:
                 kc, vc = cache.k[i], cache.v[i]  # row b is slot b: read as [:B, :span] in place
             else:
                 kc, vc = cache.k[i][slot_ids, :span], cache.v[i][slot_ids, :span]  # gathered copies
-            return attn.forward_fused(h, cos, sin, mask, kc, vc, rows, write_pos, span, None, qkv=qkv)
+            return attn.forward_fused(h, cos, sin, mask, kc, vc, rows, write_pos, span, None, qkv=qkv,
+                                      o_linear=o_linear)
         return fused_layer_stack(self.layers, x, self.norm, attend)[1]
 
     # ------------------------------------------------------------------ training

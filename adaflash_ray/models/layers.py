@@ -219,7 +219,7 @@ class AttentionProjections(nn.Module):
         return apply_rotary(k if self.k_norm is None else self.k_norm(k), cos, sin), v
 
     def forward_fused(self, x, cos, sin, mask, k_cache, v_cache, rows, positions, span, slot_ids, split_k=False,
-                      qkv=None):
+                      qkv=None, o_linear=False):
         """Attention over a static cache with Triton kernels (needs :meth:`fuse`): one GEMM for q/k/v, one kernel
         for qk-norm + rotary + the K/V write at ``[rows[b], positions[b, t]]`` + the query fold
         (:func:`adaflash_ray.kernels.rotary_cache.rotary_qkv_cache`), SDPA, o_proj.
@@ -231,7 +231,8 @@ class AttentionProjections(nn.Module):
         :func:`adaflash_ray.kernels.decode_attention.decode_attention` (rows are slots, W <= 16, keys ``0..p`` for
         the query at position p) instead of SDPA with ``mask``. ``qkv``: the q/k/v projection of the normed input
         ``[B, W, (Hq + 2 Hkv) D]`` already computed (e.g. by :func:`adaflash_ray.kernels.norm_linear.norm_linear`;
-        ``x`` is then unused). Returns ``[B, W, H]``."""
+        ``x`` is then unused). ``o_linear``: o_proj by :func:`adaflash_ray.kernels.norm_linear.linear` (one Triton
+        launch) instead of ``nn.Linear``. Returns ``[B, W, H]``."""
         from adaflash_ray.kernels.rotary_cache import rotary_qkv_cache
 
         if qkv is None:
@@ -245,12 +246,18 @@ class AttentionProjections(nn.Module):
         if split_k:
             from adaflash_ray.kernels.decode_attention import decode_attention
 
-            return self.o_proj(decode_attention(qg, k_cache, v_cache, rows, positions, span))
-        if slot_ids is None:
-            k, v = k_cache[:b, :span], v_cache[:b, :span]
+            out = decode_attention(qg, k_cache, v_cache, rows, positions, span)
         else:
-            k, v = k_cache[slot_ids, :span].to(qkv.dtype), v_cache[slot_ids, :span].to(qkv.dtype)
-        return self.o_proj(folded_attention(qg, k, v, mask, w))
+            if slot_ids is None:
+                k, v = k_cache[:b, :span], v_cache[:b, :span]
+            else:
+                k, v = k_cache[slot_ids, :span].to(qkv.dtype), v_cache[slot_ids, :span].to(qkv.dtype)
+            out = folded_attention(qg, k, v, mask, w)
+        if o_linear:
+            from adaflash_ray.kernels.norm_linear import linear
+
+            return linear(out, self.o_proj.weight)
+        return self.o_proj(out)
 
 
 class DecoderLayerParams(nn.Module):
@@ -278,15 +285,16 @@ def fused_layer_stack(layers, x: torch.Tensor, final_norm: RMSNorm, attend, want
     """A stack of pre-norm :class:`DecoderLayerParams` with the fused kernels: each residual add is fused into the
     next RMSNorm (:func:`adaflash_ray.kernels.fused_norm.add_rmsnorm`; the last into ``final_norm``) and each MLP
     is :meth:`SwiGLU.forward_fused` (needs :meth:`SwiGLU.fuse` and Triton). With ``ADAFLASH_FUSED_LINEAR=on``
-    (:func:`adaflash_ray.kernels.norm_linear.enabled`) the add + norm is fused into the GEMM after it instead: the
+    (:func:`adaflash_ray.kernels.norm_linear.mode`) the add + norm is fused into the GEMM after it instead: the
     q/k/v projection, and the gate/up projection with the SwiGLU product
-    (:func:`adaflash_ray.kernels.norm_linear.norm_linear`; needs :meth:`AttentionProjections.fuse` too).
+    (:func:`adaflash_ray.kernels.norm_linear.norm_linear`; needs :meth:`AttentionProjections.fuse` too); with
+    ``all`` o_proj and down_proj run by the same kernel without the norm.
 
     Args:
         layers: the decoder layers. x: ``[B, T, H]`` input residual stream.
-        attend: ``(i, layer.self_attn, h [B, T, H], qkv=None) -> [B, T, H]``, layer i's attention output on its
-            normed input ``h`` or on its q/k/v projection ``qkv`` (``h`` None then; e.g.
-            :meth:`AttentionProjections.forward_fused` over the layer's cache).
+        attend: ``(i, layer.self_attn, h [B, T, H], qkv=None, o_linear=False) -> [B, T, H]``, layer i's attention
+            output on its normed input ``h`` or on its q/k/v projection ``qkv`` (``h`` None then), o_proj by the
+            Triton linear with ``o_linear`` (e.g. :meth:`AttentionProjections.forward_fused` over the layer's cache).
         want, captured: layer i's output (the residual the next norm returns) is stored as ``captured[i]`` for
             each i in ``want``.
     Returns:
@@ -295,7 +303,8 @@ def fused_layer_stack(layers, x: torch.Tensor, final_norm: RMSNorm, attend, want
     from adaflash_ray.kernels import norm_linear as nl
     from adaflash_ray.kernels.fused_norm import add_rmsnorm
 
-    linear = nl.enabled()
+    mode = nl.mode()
+    linear, all_linear = mode != "off", mode == "all"
     delta = None
     for i, layer in enumerate(layers):
         ln, attn, mlp = layer.input_layernorm, layer.self_attn, layer.mlp
@@ -305,11 +314,11 @@ def fused_layer_stack(layers, x: torch.Tensor, final_norm: RMSNorm, attend, want
             x, h = add_rmsnorm(x, delta, ln.weight, ln.eps)
         if i - 1 in want:
             captured[i - 1] = x
-        a = attend(i, attn, None, qkv=qkv) if linear else attend(i, attn, h)
+        a = attend(i, attn, None, qkv=qkv, o_linear=all_linear) if linear else attend(i, attn, h)
         ln = layer.post_attention_layernorm
         if linear:
             x, act = nl.norm_linear(x, a, ln.weight, ln.eps, mlp._gate_up, swiglu=True)
-            delta = mlp.down_proj(act)
+            delta = nl.linear(act, mlp.down_proj.weight) if all_linear else mlp.down_proj(act)
         else:
             x, h = add_rmsnorm(x, a, ln.weight, ln.eps)
             delta = mlp.forward_fused(h)

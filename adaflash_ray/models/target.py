@@ -510,7 +510,7 @@ class TargetModel(nn.Module):
         layer i's output (captured when ``i in want``) is the residual the next norm returns; ``split_k``: the
         split-K attention (rows are slots; ``mask`` unused). Returns ``(x, last_hidden)``."""
 
-        def attend(i, attn, h, qkv=None):
+        def attend(i, attn, h, qkv=None, o_linear=False):
             return attn.forward_fused(h, cos, sin, mask, cache.k[i], cache.v[i], rows, positions, span, slot_ids,
-                                      split_k, qkv=qkv)
+                                      split_k, qkv=qkv, o_linear=o_linear)
         return fused_layer_stack(self.model.layers, x, self.model.norm, attend, want, captured)
