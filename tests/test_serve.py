@@ -67,8 +67,13 @@ def test_text_stream_stop_string_inside_a_multi_token_step(tok):
     out += ts.finish()
     assert out == "one two three" and ts.stopped
     assert ts.num_tokens == len(tok.encode("one two three four"))  # tokens after the stop are not counted
+    assert ts.stop_hit == " four" and ts.last_id == ids[ts.num_tokens - 1]
     ts2 = TextStream(tok, stop=["zzz"])  # a suffix that might start a stop string is held back, then released
-    assert "".join(ts2.add(t) for t in tok.encode("abc zz")) + ts2.finish() == "abc zz"
+    assert "".join(ts2.add(t) for t in tok.encode("abc zz")) + ts2.finish() == "abc zz" and ts2.stop_hit is None
+    # include_stop_str_in_output: the stop string stays; of two stops at the same place the longer one
+    ts3 = TextStream(tok, stop=[" fo", " four"], include_stop=True)
+    out = "".join(ts3.add(t) for t in ids) + ts3.finish()
+    assert out == "one two three four" and ts3.stop_hit == " four"
 
 
 def test_parse_request_names_the_field(tok):
@@ -465,10 +470,19 @@ def test_stop_strings_and_token_ids(client, tok):
             got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             reason = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason][0]
             used = chunks[-1].usage.completion_tokens
+            why = [c.choices[0].model_extra["stop_reason"] for c in chunks if c.choices and c.choices[0].finish_reason]
         else:
             got, reason, used = r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens
-        assert got == text[: text.index(stop)] and reason == "stop"
+            why = [r.choices[0].model_extra["stop_reason"]]
+        assert got == text[: text.index(stop)] and reason == "stop" and why == [stop]  # vLLM's stop_reason
         assert used == len(tok.encode(text[: text.index(stop) + len(stop)])) < n  # the completing token counts
+        # vLLM's include_stop_str_in_output: the same stop, its string kept in the text
+        r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0, stop=[stop],
+                                           stream=stream, extra_body={"include_stop_str_in_output": True})
+        got = "".join(c.choices[0].delta.content or "" for c in r if c.choices) if stream else \
+            r.choices[0].message.content
+        assert got == text[: text.index(stop) + len(stop)]
+    assert base.choices[0].model_extra["stop_reason"] is None  # a length stop has none
     ids = tok.encode(text)
     k = len(ids) // 2
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0,
@@ -476,6 +490,7 @@ def test_stop_strings_and_token_ids(client, tok):
     first = ids.index(ids[k])
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == first + 1
     assert r.choices[0].message.content == tok.decode(ids[:first])  # the stop token's text is not returned
+    assert r.choices[0].model_extra["stop_reason"] == ids[k]  # the user's stop token id, as vLLM reports it
 
 
 def test_utf8_streaming_never_splits_characters(server):

@@ -132,6 +132,7 @@ class _Common(_Strict):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the text stays in it
 
 
 class CompletionBody(_Common):
@@ -162,7 +163,7 @@ _NEUTRAL: dict[str, tuple] = {
 # engine does not have, so they are refused rather than dropped with the unknown fields
 _NEUTRAL.update({
     "use_beam_search": (None, False),
-    "length_penalty": (None, 1, 1.0), "include_stop_str_in_output": (None, False),
+    "length_penalty": (None, 1, 1.0),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,),
     "bad_words": (None, []), "logits_processors": (None,), "return_tokens_as_token_ids": (None, False),
@@ -219,6 +220,7 @@ class GenSpec:
     n: int = 1
     ignored: list[str] = field(default_factory=list)  # unknown request fields (dotted paths) that were ignored
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far in every chunk
+    include_stop: bool = False  # include_stop_str_in_output: a stop string that ends the text stays in it
     request_id: str = field(default_factory=lambda: f"{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -373,7 +375,8 @@ def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, m
                    stop_token_ids=stop_ids, stream=body.stream, n=n,
                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
                    continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
-                   record=record_default if body.store is None else body.store, user=body.user, ignored=ignored)
+                   record=record_default if body.store is None else body.store, user=body.user, ignored=ignored,
+                   include_stop=body.include_stop_str_in_output)
 
 
 def _chat_prompt_ids(body: ChatBody, tokenizer) -> list[int]:
@@ -445,10 +448,16 @@ class TextStream:
     Args:
         tokenizer: a Hugging Face tokenizer (``decode(ids, skip_special_tokens=True)``).
         stop: stop strings; hidden_ids: ids whose text is never returned (user stop token ids).
+        include_stop: the stop string that ends the text stays in it (vLLM's ``include_stop_str_in_output``).
+    After the end: :attr:`stop_hit` is the stop string found (None if none), :attr:`last_id` the last token consumed.
     """
 
-    def __init__(self, tokenizer, stop: list[str] = (), hidden_ids: set[int] = frozenset()):
+    def __init__(self, tokenizer, stop: list[str] = (), hidden_ids: set[int] = frozenset(),
+                 include_stop: bool = False):
         self.tok, self.stop, self.hidden = tokenizer, list(stop), set(hidden_ids)
+        self.include_stop = include_stop
+        self.stop_hit: str | None = None
+        self.last_id: int | None = None
         self.ids: list[int] = []
         self.prefix_offset = self.read_offset = 0
         self.text = ""  # decoded so far (complete characters)
@@ -465,6 +474,7 @@ class TextStream:
         if self.stopped:
             return ""
         self.num_tokens += 1
+        self.last_id = token_id
         if token_id in self.hidden:
             return self._release()
         self.ids.append(token_id)
@@ -478,10 +488,11 @@ class TextStream:
     def _release(self, final: bool = False) -> str:
         if self.stop:
             start = max(0, self.emitted - max(len(s) for s in self.stop))
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
             if hits:
-                self.text, self.stopped = self.text[:min(hits)], True
-                final = True
+                at, self.stop_hit = min(hits, key=lambda h: (h[0], -len(h[1])))  # the first; the longest there
+                self.text = self.text[:at + len(self.stop_hit) if self.include_stop else at]
+                self.stopped = final = True
         end = len(self.text)
         if self.stop and not final:  # hold back a suffix that may grow into a stop string
             for k in range(min(max(len(s) for s in self.stop) - 1, end - self.emitted), 0, -1):

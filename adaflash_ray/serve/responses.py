@@ -96,11 +96,14 @@ class ResponseWriter:
 
     async def _events(self, rs) -> AsyncIterator[tuple[str, object, list | None]]:
         """One choice's events: ("text", delta, entries) per engine step with new text or new logprobs, then
-        ("done", (finish_reason, num_tokens, versions), None). ``entries``: ``(token id, logprob, top)`` per
+        ("done", (finish_reason, num_tokens, versions, stop_reason), None) - ``stop_reason`` as vLLM reports it:
+        the stop string or user stop token id that ended the text, None otherwise (EOS, length, abort).
+        ``entries``: ``(token id, logprob, top)`` per
         completion token of the step when logprobs were asked for (tokens past a stop string excluded), else None.
         The request is aborted (KV slot freed) if the consumer stops early or a stop string hits."""
         spec = self.spec
-        ts = TextStream(self.tok, spec.stop, set(spec.stop_token_ids) - set(self.eos_ids))
+        user_ids = set(spec.stop_token_ids) - set(self.eos_ids)
+        ts = TextStream(self.tok, spec.stop, user_ids, include_stop=spec.include_stop)
         finished = False
         try:
             while True:
@@ -120,7 +123,7 @@ class ResponseWriter:
                         self.loop.abort(rs, "stop_string")
                         finished = True
                         yield "text", delta + ts.finish(), entries
-                        yield "done", ("stop", ts.num_tokens, rs.versions), None
+                        yield "done", ("stop", ts.num_tokens, rs.versions, ts.stop_hit), None
                         return
                     if delta or entries:
                         yield "text", delta, entries
@@ -130,7 +133,9 @@ class ResponseWriter:
                     rs.num_tokens = ts.num_tokens
                     if tail:
                         yield "text", tail, None
-                    yield "done", (item[1], ts.num_tokens, rs.versions), None
+                    why = ts.stop_hit if ts.stop_hit is not None else \
+                        ts.last_id if item[1] == "stop" and ts.last_id in user_ids else None
+                    yield "done", (item[1], ts.num_tokens, rs.versions, why), None
                     return
                 else:
                     finished = True
@@ -152,23 +157,25 @@ class ResponseWriter:
             else:
                 done[i] = val
         out, versions = [], []
-        for i, (reason, _, vs) in enumerate(done):
+        for i, (reason, _, vs, why) in enumerate(done):
             versions += [v for v in vs if v not in versions]
             lp = None if self.fmts[i] is None else self.fmts[i].format(entries[i])
             text = "".join(texts[i])
             out.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                        "finish_reason": reason} if self.chat else
-                       {"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
+                        "finish_reason": reason, "stop_reason": why} if self.chat else
+                       {"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "stop_reason": why})
         return {**self.base, "object": self.object, "choices": out, "usage": self.usage(sum(d[1] for d in done)),
                 "adaflash": {"drafter_versions": versions, **self.ext}}
 
     def _chunk(self, index: int, delta: str | None, reason: str | None, logprobs: dict | None = None,
-               first: bool = False, **extra) -> str:
+               first: bool = False, stop_reason: str | int | None = None, **extra) -> str:
         if self.chat:
             d = {} if delta is None else ({"role": "assistant", "content": delta} if first else {"content": delta})
             choice = {"index": index, "delta": d, "logprobs": logprobs, "finish_reason": reason}
         else:
             choice = {"index": index, "text": delta or "", "logprobs": logprobs, "finish_reason": reason}
+        if reason is not None:  # vLLM's stop_reason beside finish_reason in the choice's last chunk
+            choice["stop_reason"] = stop_reason
         body = {**self.base, "object": self.object + ".chunk" if self.chat else self.object, "choices": [choice],
                 **extra}
         if self.spec.continuous_usage:  # vLLM's continuous_usage_stats: the usage so far in every chunk
@@ -191,9 +198,10 @@ class ResponseWriter:
                     if val or lp:
                         yield self._chunk(i, val, None, lp)
                     continue
-                reason, n, versions = val
+                reason, n, versions, why = val
                 num_tokens += n
-                yield self._chunk(i, None, reason, adaflash={"drafter_versions": versions, **self.ext})
+                yield self._chunk(i, None, reason, stop_reason=why,
+                                  adaflash={"drafter_versions": versions, **self.ext})
             if self.spec.include_usage:
                 body = {**self.base, "object": self.object + ".chunk" if self.chat else self.object, "choices": [],
                         "usage": self.usage(num_tokens)}
