@@ -454,6 +454,22 @@ def test_openai_client_plain_and_streaming_agree(client):
     assert scomp == comp.choices[0].text and comp.usage.completion_tokens == 10
 
 
+def test_completions_batch_of_prompts(client, tok):
+    """vLLM's batch on /v1/completions (``prompt`` a list of strings or of id lists): choice ``i * n + j`` is prompt
+    i's j-th, each the same as that prompt alone; usage counts each prompt once."""
+    prompts = ["The capital of France is", "One, two, three,"]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0) for p in prompts]
+    for batch in (prompts, [tok.encode(p, add_special_tokens=False) for p in prompts]):
+        r = client.completions.create(model=MODEL, prompt=batch, max_tokens=6, temperature=0, n=2)
+        assert [c.index for c in r.choices] == [0, 1, 2, 3]
+        assert [c.text for c in r.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+        assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+        assert r.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, stream=True))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in (0, 1)]
+    assert texts == [a.choices[0].text for a in alone]
+
+
 def test_stop_strings_and_token_ids(client, tok):
     msgs = [{"role": "user", "content": "Write a short story about a robot learning to paint."}]
     base = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0)
@@ -548,7 +564,8 @@ def test_error_cases_raw_http(server):
         ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [{"type": "image", "text": "x"}]}]},
          400, "messages.0.content.0.type"),  # the failing part, not "content should be a string"
         ("/v1/chat/completions", {**chat, "model": "gpt-4o"}, 404, "model"),
-        ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),  # one prompt per request
+        ("/v1/completions", {"model": MODEL, "prompt": ["a", ""]}, 400, "prompt.1"),  # a batch: the empty one
+        ("/v1/completions", {"model": MODEL, "prompt": ["a"] * 4, "n": MAX_BATCH + MAX_QUEUED}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": [1, 10 ** 7]}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,

@@ -358,9 +358,14 @@ class AdaFlashServer:
                              record_default=True, max_n=self.loop.max_in_flight)
 
     def _submit(self, spec: GenSpec) -> list:
-        """The request's ``n`` choices as engine requests (all queued or none: 429)."""
-        params = [spec.choice_params(i, self.eos_ids) for i in range(spec.n)]
+        """The request's ``n`` choices (of each prompt of a batch: choice ``i * n + j``) as engine requests (all
+        queued or none: 429)."""
+        params = [spec.choice_params(j, self.eos_ids) for j in range(spec.n)]
+        prompts = spec.all_prompts
         try:
+            if len(prompts) > 1:
+                return self.loop.submit([p for p in prompts for _ in params], params * len(prompts),
+                                        spec.record and self.buffer is not None)
             return self.loop.submit(spec.prompt_ids, params, spec.record and self.buffer is not None)
         except QueueFull as e:
             raise self._retry(429, f"Too many requests in flight on this replica ({e}); retry later.",

@@ -221,12 +221,20 @@ class GenSpec:
     ignored: list[str] = field(default_factory=list)  # unknown request fields (dotted paths) that were ignored
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far in every chunk
     include_stop: bool = False  # include_stop_str_in_output: a stop string that ends the text stays in it
+    # a completion request's batch of prompts (``prompt`` as a list of strings or of id lists; ``prompt_ids`` is the
+    # first): choice ``i * n + j`` is prompt i's j-th, as vLLM numbers them; empty = the one prompt
+    prompts: list[list[int]] = field(default_factory=list)
     request_id: str = field(default_factory=lambda: f"{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def max_tokens(self) -> int:
         return self.sampling.max_new_tokens
+
+    @property
+    def all_prompts(self) -> list[list[int]]:
+        """The request's prompts: the batch of a completion request, else ``[prompt_ids]``."""
+        return self.prompts or [self.prompt_ids]
 
     @property
     def seed(self) -> int | None:
@@ -332,22 +340,26 @@ def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, m
     if bad:
         raise APIError(400, f"'stop_token_ids' must be in [0, {vocab_size}), got {bad[:4]}.", param="stop_token_ids")
 
+    batch: list[list[int]] = []
     if kind == "completion":
         prompt, param = body.prompt, "prompt"
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, f"'prompt' holds {len(prompt)} prompts; send one prompt per request.",
-                               param="prompt", code="unsupported_parameter")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = list(tokenizer.encode(prompt, add_special_tokens=False))
-        else:
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
-                raise APIError(400, f"prompt token ids must be in [0, {vocab_size}), got {bad[:4]}.", param="prompt")
-        if not ids:
-            raise APIError(400, "'prompt' is empty.", param="prompt")
+        batched = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+        for i, p in enumerate(prompt if batched else [prompt]):  # vLLM's batch: a list of strings or of id lists
+            where = f"prompt.{i}" if batched else "prompt"
+            if isinstance(p, str):
+                p_ids = list(tokenizer.encode(p, add_special_tokens=False))
+            else:
+                p_ids = [int(t) for t in p]
+                bad = [t for t in p_ids if not 0 <= t < vocab_size]
+                if bad:
+                    raise APIError(400, f"prompt token ids must be in [0, {vocab_size}), got {bad[:4]}.", param=where)
+            if not p_ids:
+                raise APIError(400, f"'{where}' is empty.", param=where)
+            batch.append(p_ids)
+        if max_n is not None and len(batch) * n > max_n:
+            raise APIError(400, f"{len(batch)} prompts x 'n' {n} = {len(batch) * n} completions; a replica runs at "
+                           f"most {max_n} requests at a time.", param="prompt")
+        ids = max(batch, key=len)  # the context checks below: the longest prompt
         budget = body.max_tokens
         budget_param = "max_tokens"
     else:
@@ -371,7 +383,8 @@ def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, m
                        f"Reduce the {param} or '{budget_param}'.", param=budget_param,
                        code="context_length_exceeded")
     sampling = _sampling_params(kind, body, budget, budget_param, default_temperature)
-    return GenSpec(kind=kind, model=body.model, prompt_ids=ids, sampling=sampling, stop=stop_strings,
+    return GenSpec(kind=kind, model=body.model, prompt_ids=batch[0] if batch else ids, sampling=sampling,
+                   stop=stop_strings, prompts=batch if len(batch) > 1 else [],
                    stop_token_ids=stop_ids, stream=body.stream, n=n,
                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
                    continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),

@@ -90,8 +90,9 @@ class ResponseWriter:
         self.choices = _Choices([self._events(rs) for rs in streams])
 
     def usage(self, num_tokens: int) -> dict:
-        """OpenAI's usage: the prompt counted once, ``num_tokens`` = the completion tokens of all choices."""
-        n = len(self.spec.prompt_ids)
+        """OpenAI's usage: each prompt counted once (whatever ``n``), ``num_tokens`` = the completion tokens of all
+        choices."""
+        n = sum(len(p) for p in self.spec.all_prompts)
         return {"prompt_tokens": n, "completion_tokens": num_tokens, "total_tokens": n + num_tokens}
 
     async def _events(self, rs) -> AsyncIterator[tuple[str, object, list | None]]:
