@@ -8,8 +8,10 @@ rows and of output columns, finds its rows' ``rsqrt(mean(r^2) + eps)`` in a firs
 normed rows, rounded to the input dtype as :func:`~adaflash_ray.kernels.fused_norm.add_rmsnorm` writes them, to
 ``tl.dot`` tile by tile in a second (the rows' ``K`` values are re-read from L2, never written normed). The
 programs of the first column tile also write ``r``. So a layer needs no separate norm kernel, no normed
-activation in memory and, with ``swiglu``, no ``[M, 2I]`` gate/up output: per decode layer q/k/v, rotary + cache
-write, attention, o_proj, gate/up + SwiGLU, down - six kernels where the unfused path has eight or more.
+activation in memory and, with ``swiglu``, no ``[M, 2I]`` gate/up output: per decode layer the launches are q/k/v,
+rotary + cache write, attention, o_proj, gate/up + SwiGLU, down - six with o_proj and down_proj by :func:`linear`
+and a one-pass attention, against the unfused path's two norms and a SwiGLU more (and cuBLAS's split-K workspace
+memsets and reductions where it picks split-K).
 
 The GEMV shape of decode (a few rows) is what it is for: every program reads its rows' whole ``K`` (a few KB)
 beside its weight tile. At hundreds of rows the re-read normed input costs more than a separate norm would; the
