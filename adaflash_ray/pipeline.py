@@ -214,6 +214,7 @@ class Driver:
         self.t_train0, self.train_busy_s, self.train_wall_s = time.time(), 0.0, 0.0
         self.plain: PlainProgress | None = None  # progress lines without a terminal (set by train)
         self.warm_summary: dict | None = None  # the warm start's reports (distill.warm_start), None without one
+        self.startup_s: dict[str, float] = {}  # run(): seconds from the start to the end of each start-up phase
 
     # ------------------------------------------------------------------ setup
     def setup(self, resume: bool) -> None:
@@ -565,7 +566,7 @@ class Driver:
                    "buffer": {k.split("/", 1)[1]: v for k, v in bfinal.items()},
                    **heldout.heldout_summary(self.eval_by_domain, self.eval_full_block_by_domain, self.eval_baselines,
                                              self.train_positions, self.train_busy_s, cfg.placement.num_trainers),
-                   "warm_start": self.warm_summary,
+                   "warm_start": self.warm_summary, "startup_s": self.startup_s,
                    "num_eval_prompts": len(self.inputs.evalp), "wall_s": round(time.time() - t_start, 1)}
         summary = strict_json(summary)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -577,17 +578,28 @@ def run(cfg: RunConfig, run_dir: Path | None = None, resume: bool = False) -> di
     continue the run in ``run_dir``: the trainers load their state saved with the last published version,
     the workers start at that version, and training goes on to ``distill.num_versions``."""
     t_start = time.time()
+    startup: dict[str, float] = {}  # seconds from the start to the end of each start-up phase
+
+    def mark(phase: str) -> None:
+        startup[phase] = round(time.time() - t_start, 1)
     inputs = prepare_inputs(cfg, run_dir)
+    mark("inputs")
     console.print(f"[bold]adaflash_ray[/] run_dir={inputs.run_dir} train_prompts={len(inputs.train)} "
                   f"eval_prompts={len(inputs.evalp)}")
     started, dashboard = init_ray(cfg)
+    mark("ray")
     console.print(f"ray: node {ray.util.get_node_ip_address()} job {ray.get_runtime_context().get_job_id()} "
                   f"dashboard http://{dashboard}" if dashboard else "ray: connected")
     driver = None
     try:
         with ActorGroup(cfg, run_dir=inputs.run_dir) as group:
+            mark("actors")
             driver = Driver(cfg, inputs, group)
             driver.setup(resume)
+            mark("setup")
+            console.print("start-up, seconds from the start: " + ", ".join(f"{k} {v}" for k, v in startup.items()),
+                          markup=False)
+            driver.startup_s = startup
             train_summary = driver.train()
             end = driver.finish_training()
             eval_tau, eval_waste, _ = driver.evaluate_versions()

@@ -401,6 +401,9 @@ def test_warm_start_stage_publishes_version_1_before_on_policy(tmp_path):
     assert warm["ranks"][0]["steps"] >= 1
     assert summary["final_version"] == 2 and summary["workers_loaded_final"] is True
     assert set(summary["eval_tau"]) == {"0", "1", "2"} and summary["versions_rising"] is True
+    st = summary["startup_s"]  # the start-up phases' ends, in order, within the run
+    assert list(st) == ["inputs", "ray", "actors", "setup"] and 0 <= st["inputs"] <= st["ray"] <= st["actors"] \
+        <= st["setup"] <= summary["wall_s"], st
     records = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     warm_steps = [m for m in records if m.get("train/warm_start") == 1.0 and "train/loss" in m]
     assert warm_steps and all(m["train/version"] == 0.0 for m in warm_steps)
