@@ -307,6 +307,24 @@ def test_chat_template_encoding(tokenizer):
     assert prompts[0].messages[0]["content"] in text and text.endswith("<|im_start|>assistant\n")
 
 
+def test_batched_encoding_equals_one_by_one(tokenizer, monkeypatch):
+    """encode_prompts renders and tokenizes in batches (chunks of _ENCODE_CHUNK): the same ids as
+    ``apply_chat_template(tokenize=True)`` one prompt at a time, for chat, multi-turn (system + earlier assistant
+    turns), code and non-ASCII prompts, across a chunk boundary."""
+    from adaflash_ray.prompt_sources import load_python_function_prompts, load_sharegpt_multiturn
+
+    prompts = (load_eval_prompts(["mt-bench", "human-eval"], 6, seed=0) + load_sharegpt(12, seed=3)
+               + load_sharegpt_multiturn(tokenizer, 6, 512, 0) + load_python_function_prompts(4, 0)
+               + [Prompt("t/sys", "t", [{"role": "system", "content": "Réponds en français. 中文"},
+                                        {"role": "user", "content": "Bonjour 😀"}])])
+    monkeypatch.setattr(data, "_ENCODE_CHUNK", 7)
+    encoded = encode_prompts(tokenizer, prompts, max_prompt_tokens=512)
+    one_by_one = [data._as_ids(tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True))
+                  for p in prompts]
+    kept = [ids for ids in one_by_one if len(ids) <= 512]
+    assert len(prompts) > 14 and list(encoded) == kept and encoded.num_dropped == len(prompts) - len(kept)
+
+
 def test_long_prompts_dropped_not_truncated(tokenizer):
     short = Prompt("t/short", "t", [{"role": "user", "content": "Hi"}])
     long = Prompt("t/long", "t", [{"role": "user", "content": "word " * 400}])
