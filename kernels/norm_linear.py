@@ -165,7 +165,8 @@ def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.
         ``(r, y)``: the new residual ``[..., K]`` (``x`` itself when delta is None) and ``[..., N]`` (``[..., N/2]``
         with swiglu), in x's dtype. No host synchronisation, allocations only of the outputs (CUDA-graph capturable).
     Raises:
-        RuntimeError: Triton is not installed. ValueError: mismatched shapes or dtypes, or an odd ``N`` with swiglu.
+        RuntimeError: Triton is not installed. ValueError: mismatched shapes or dtypes, an odd ``N`` with swiglu,
+            or a ``delta`` without ``norm_weight`` (the residual is written in the norm's pass).
     """
     if not HAVE_TRITON:
         raise RuntimeError("norm_linear needs triton (use norm_linear_ref)")
@@ -173,7 +174,7 @@ def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.
     n_w = weight.shape[0]
     if ((norm_weight is not None and norm_weight.shape != (k,)) or weight.dim() != 2 or weight.shape[1] != k
             or (delta is not None and delta.shape != x.shape) or (bias is not None and bias.shape != (n_w,))
-            or weight.dtype != x.dtype or (swiglu and n_w % 2)):
+            or weight.dtype != x.dtype or (swiglu and n_w % 2) or (delta is not None and norm_weight is None)):
         raise ValueError(f"norm_linear: x {tuple(x.shape)} {x.dtype}, delta "
                          f"{None if delta is None else tuple(delta.shape)}, norm_weight "
                          f"{None if norm_weight is None else tuple(norm_weight.shape)}, "

@@ -445,6 +445,11 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     from adaflash_ray.kernels.norm_linear import linear, norm_linear, norm_linear_ref
     x, w = torch.randn(7, 3, 100, generator=g), torch.randn(90, 100, generator=g)  # no norm: a plain linear layer
     close(linear(x, w), torch.nn.functional.linear(x, w), 1e-5)
+    try:  # a residual to add needs the norm's pass, which writes it
+        norm_linear(x, x, None, 0.0, w)
+        raise AssertionError("delta without norm_weight accepted")
+    except ValueError:
+        pass
     for shape, kk, nn_, swiglu, bias, has_d in (((3, 5), 96, 80, False, False, True), ((1, 1), 64, 128, True, False, True),
                                                 ((40,), 200, 70, False, True, False), ((2, 9), 48, 64, True, True, True)):
         x = torch.randn(*shape, kk, generator=g)
