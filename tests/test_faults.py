@@ -55,10 +55,12 @@ def test_trainer_killed_mid_run_resumes(tmp_path):
     from adaflash_ray.config import load_recipe
     from adaflash_ray.pipeline import run
 
-    cfg = load_recipe("recipes/cpu_tiny.yaml", TINY + ["distill.num_versions=2"])
+    # 6 steps between saves (cpu_tiny has 2): the kill, 1.5 s after v1, lands mid-way to v2 whatever the machine's
+    # speed (with 2 steps a fast run had reached v2 within 3 s and the kill found the trainer done)
+    cfg = load_recipe("recipes/cpu_tiny.yaml", TINY + ["distill.num_versions=2", "distill.publish_every=6"])
     run_dir = tmp_path / "run"
     killed: list[int] = []
-    killer = threading.Thread(target=_kill_trainer_after, args=(run_dir, 1, 3.0, killed), daemon=True)
+    killer = threading.Thread(target=_kill_trainer_after, args=(run_dir, 1, 1.5, killed), daemon=True)
     killer.start()
     summary = run(cfg, run_dir)
     killer.join(timeout=5)
