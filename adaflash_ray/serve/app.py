@@ -363,10 +363,8 @@ class AdaFlashServer:
         params = [spec.choice_params(j, self.eos_ids) for j in range(spec.n)]
         prompts = spec.all_prompts
         try:
-            if len(prompts) > 1:
-                return self.loop.submit([p for p in prompts for _ in params], params * len(prompts),
-                                        spec.record and self.buffer is not None)
-            return self.loop.submit(spec.prompt_ids, params, spec.record and self.buffer is not None)
+            return self.loop.submit([p for p in prompts for _ in params], params * len(prompts),
+                                    spec.record and self.buffer is not None)
         except QueueFull as e:
             raise self._retry(429, f"Too many requests in flight on this replica ({e}); retry later.",
                               "queue_full") from None

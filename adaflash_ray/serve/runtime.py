@@ -107,15 +107,13 @@ class EngineLoop:
         return self.service.dead
 
     # ------------------------------------------------------------------ event-loop side
-    def submit(self, prompt_ids: list[int] | list[list[int]], params: list[SamplingParams], record: bool
-               ) -> list[RequestStream]:
-        """Queue one request per entry of ``params`` on the same prompt (the ``n`` choices of one HTTP request) - or,
-        with ``prompt_ids`` a list of prompts as long as ``params``, entry i on prompt i (a batch of prompts) - all or
-        none; returns their streams. Raises QueueFull (nothing queued) when they do not all fit in the in-flight
-        limit, or RuntimeError if the engine died."""
-        per_param = bool(prompt_ids) and isinstance(prompt_ids[0], list)
-        if per_param and len(prompt_ids) != len(params):
-            raise ValueError(f"submit: {len(prompt_ids)} prompts for {len(params)} parameter sets")
+    def submit(self, prompts: list[list[int]], params: list[SamplingParams], record: bool) -> list[RequestStream]:
+        """Queue one request per entry of ``params``, entry i on ``prompts[i]`` (the choices of one HTTP request:
+        its ``n`` per prompt), all or none; returns their streams. Raises QueueFull (nothing queued) when they do not
+        all fit in the in-flight limit, ValueError when the two lists differ in length, or RuntimeError if the engine
+        died."""
+        if len(prompts) != len(params):
+            raise ValueError(f"submit: {len(prompts)} prompts for {len(params)} parameter sets")
         if self.dead is not None:
             raise RuntimeError(f"engine loop failed: {self.dead!r}")
         if self.num_in_flight + len(params) > self.max_in_flight:
@@ -123,9 +121,8 @@ class EngineLoop:
             raise QueueFull(f"{self.num_in_flight} requests in flight, {len(params)} more asked for, "
                             f"limit {self.max_in_flight}")
         streams = []
-        for i, p in enumerate(params):
+        for ids, p in zip(prompts, params):
             rs = RequestStream(record)
-            ids = prompt_ids[i] if per_param else prompt_ids
             try:
                 if self.metrics is not None:
                     rs.handle = self.metrics.timed_submit(lambda p=p, rs=rs, ids=ids: self.service.submit(ids, p, tag=rs))
