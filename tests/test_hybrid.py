@@ -1246,3 +1246,34 @@ def test_hybrid_keeps_proposing_a_block_that_pays_on_the_steps_without_a_lookup_
             for pol in ("block", "lookup", "best", "hybrid")}
     assert wide["lookup"][0] > 1.2 * max(wide["block"][0], wide["best"][0]), wide
     assert wide["hybrid"][0] >= 0.98 * wide["lookup"][0] and wide["hybrid"][1] < 0.15, wide
+
+
+def test_lookup_calibration_scale_folds_in_and_small_records_match():
+    """LookupCalibration keeps its counts divided by a decay scale: with decay 0.9 the scale passes RESCALE_BELOW
+    within ~100 records and is folded into the counts; records of 1-4 rows (row by row) and of more (the histogram)
+    still give the decayed counts of the definition, and the expected acceptance stays a probability table."""
+    from adaflash_ray.engine.hybrid import RESCALE_BELOW, LookupCalibration
+
+    rng = np.random.default_rng(7)
+    cal = LookupCalibration(3, 15, decay=0.9)
+    tried, accepted = np.zeros_like(cal.tried), np.zeros_like(cal.accepted)
+    pos = np.arange(1, 16)
+    folded = False
+    for step in range(300):
+        m = int(rng.integers(1, 9))
+        b = cal.bucket(rng.integers(0, 2, m), rng.integers(1, 4, m), rng.integers(0, 6, m))
+        g = rng.integers(1, 16, m)
+        a = np.minimum(rng.integers(0, 16, m), g)
+        before = cal._scale
+        cal.record(b, g, a)
+        folded |= cal._scale > before
+        tried *= 0.1
+        accepted *= 0.1
+        for bi, gi, ai in zip(b, g, a):
+            tried[bi] += pos <= min(ai + 1, gi)
+            accepted[bi] += pos <= ai
+        np.testing.assert_allclose(cal.tried, tried, rtol=1e-9, atol=1e-300)
+        np.testing.assert_allclose(cal.accepted, accepted, rtol=1e-9, atol=1e-300)
+    assert folded and cal._scale >= RESCALE_BELOW
+    e = cal.expected(np.arange(18), np.full(18, 15))
+    assert np.isfinite(e).all() and (np.diff(e, axis=1) >= 0).all() and (e[:, 1] <= 1).all()

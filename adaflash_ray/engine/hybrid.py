@@ -106,6 +106,12 @@ def check_draft_sources(sources, has_drafter: bool) -> tuple[str, ...]:
     return out
 
 
+#: a record of at most SMALL_RECORD rows (:meth:`SourceCalibration.record_many`, :meth:`LookupCalibration.record`)
+#: goes row by row in host numbers instead of one array pass; below RESCALE_BELOW the lookup calibration's stored
+#: counts take its decay scale in (the scale is 1 again)
+SMALL_RECORD, RESCALE_BELOW = 4, 1e-100
+
+
 class SourceCalibration:
     """Online calibration of acceptance estimates per draft source: ``factor(src)`` = EMA(realised accepted) /
     EMA(estimated accepted) over that source's recent request-steps, starting at the source's prior.
@@ -156,6 +162,10 @@ class SourceCalibration:
         """:meth:`record` of each pair of ``estimated`` / ``realised`` (``[m]`` each) in order, the same averages up to
         float rounding: the running-start records one by one, the rest as one weighted sum
         (``(1 - k)^m`` on the old average, ``k (1 - k)^(m - 1 - i)`` on record i)."""
+        if len(estimated) <= SMALL_RECORD:  # a few pairs (one at batch 1): record() in host floats
+            for e, r in zip(estimated, realised):
+                self.record(source, float(e), float(r))
+            return
         est, real = np.asarray(estimated, dtype=np.float64), np.asarray(realised, dtype=np.float64)
         i, m = 0, len(est)
         if self.running_start:
@@ -214,9 +224,10 @@ class LookupCalibration:
         self.max_ngram, self.max_draft = max_ngram, max_draft
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
         num_buckets = 2 * max_ngram * (len(OCCURRENCE_EDGES) + 1)
-        self._counts = np.zeros((2, num_buckets, max_draft))  # tried and accepted, one array (record: one pass)
-        self.tried = self._counts[0]  # decayed counts: verified proposals reaching position i
-        self.accepted = self._counts[1]  # ... and accepting it
+        # tried and accepted (one array: record in one pass), stored divided by _scale: the decay of every count at
+        # each record is one multiply of _scale, and a record adds 1 / _scale where the counts add 1
+        self._counts = np.zeros((2, num_buckets, max_draft))
+        self._scale = 1.0
         self._cum: np.ndarray | None = None  # expected()'s table of the current counts (None: record() changed them)
         self._cum_rows: dict[int, list[float]] | None = None  # rows of the same as host lists (expected_row)
         self._edges = np.asarray(OCCURRENCE_EDGES)
@@ -254,14 +265,34 @@ class LookupCalibration:
         if rows is None:
             rows = self._cum_rows = {}
         row = rows.get(bucket)
-        if row is None:  # this bucket's row of expected()'s table alone (record() changes the counts every step)
-            row = rows[bucket] = [0.0] + np.cumsum(np.cumprod(self._accept_probs(bucket))).tolist()
+        if row is None:  # this bucket's row of expected()'s table alone (record() changes the counts every step), in
+            # host floats: _accept_probs, its running product and sum over max_draft positions without numpy calls
+            s, w = self._scale, self.prior_weight
+            wp, prod, cum = w * self.prior, 1.0, 0.0
+            row = [0.0]
+            for t, a in zip(self._counts[0, bucket].tolist(), self._counts[1, bucket].tolist()):
+                prod *= (a * s + wp) / (t * s + w)
+                cum += prod
+                row.append(cum)
+            rows[bucket] = row
         return row
+
+    @property
+    def tried(self) -> np.ndarray:
+        """``[num_buckets, max_draft]`` float64 (a copy): per bucket the decayed count of verified proposals that
+        reached draft position i."""
+        return self._counts[0] * self._scale
+
+    @property
+    def accepted(self) -> np.ndarray:
+        """``[num_buckets, max_draft]`` float64 (a copy): ... and that accepted it."""
+        return self._counts[1] * self._scale
 
     def _accept_probs(self, buckets) -> np.ndarray:
         """P(draft i accepted | drafts < i accepted) of ``buckets`` (an index of the tables' rows): the decayed counts
         smoothed by the prior's pseudo-trials."""
-        return (self.accepted[buckets] + self.prior_weight * self.prior) / (self.tried[buckets] + self.prior_weight)
+        s, w = self._scale, self.prior_weight
+        return (self._counts[1, buckets] * s + w * self.prior) / (self._counts[0, buckets] * s + w)
 
     def expected(self, buckets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """``[n, max_draft + 1]`` float: column γ = E[accepted | γ] of each row's proposal (0 at γ = 0; flat past
@@ -283,20 +314,34 @@ class LookupCalibration:
             cum = self._cum = np.concatenate([np.zeros((len(p), 1)), np.cumsum(np.cumprod(p, 1), 1)], 1)  # [nb, D+1]
         return cum
 
-    def record(self, buckets: np.ndarray, draft_lens: np.ndarray, num_accepted: np.ndarray) -> None:
-        """One step's verified device-lookup drafts (``[m]`` each): bucket, γ, accepted a. Positions
-        1..min(a + 1, γ) were tried, 1..a accepted (both cut at ``max_draft``)."""
+    def record(self, buckets, draft_lens, num_accepted) -> None:
+        """One step's verified device-lookup drafts (``[m]`` int arrays or sequences of ints each): bucket, γ,
+        accepted a. Positions 1..min(a + 1, γ) were tried, 1..a accepted (both cut at ``max_draft``); every earlier
+        count decays by ``decay`` first (kept as a scale on the stored counts: one multiply, not an array pass)."""
         self._cum = self._cum_rows = None
         counts = self._counts
-        counts *= 1 - self.decay
+        scale = self._scale * (1 - self.decay)  # every count decays: the stored ones stay, the scale shrinks
+        if scale < RESCALE_BELOW:  # fold the scale into the counts before 1 / scale grows past float range
+            counts *= scale
+            scale = 1.0
+        self._scale = scale
+        inc = 1.0 / scale
         _, nb, d = counts.shape
+        if len(buckets) <= SMALL_RECORD:  # a few rows (one at batch 1): slices of each row's bucket, no histogram
+            for b, g, a in zip(*(x.tolist() if isinstance(x, np.ndarray) else x
+                                 for x in (buckets, draft_lens, num_accepted))):
+                a = min(a, d)
+                counts[0, b, :min(a + 1, g, d)] += inc
+                counts[1, b, :a] += inc
+            return
         b = np.asarray(buckets, dtype=np.int64) * (d + 1)
         a = np.minimum(np.asarray(num_accepted, dtype=np.int64), d)
         reach = np.minimum(np.minimum(a + 1, np.asarray(draft_lens, dtype=np.int64)), d)
         # per bucket, the rows reaching position i (accepting it) = the rows whose reach (a) is >= i: one histogram of
         # reach and a per bucket, summed from the right (one bincount instead of a scatter of [m, D] ones per table)
         hist = np.bincount(np.concatenate([b + reach, b + a + nb * (d + 1)]), minlength=2 * nb * (d + 1))
-        counts += np.cumsum(hist.reshape(2, nb, d + 1)[:, :, ::-1], axis=2)[:, :, -2::-1]
+        tail = np.cumsum(hist.reshape(2, nb, d + 1)[:, :, ::-1], axis=2)[:, :, -2::-1]
+        counts += tail * inc if inc != 1.0 else tail
 
 
 @dataclass
@@ -1016,7 +1061,7 @@ class HybridPlanner:
                 ea[0].append(c.estimated)
                 ea[1].append(a)
         if dev:
-            self.lookup_calibration.record(*np.asarray(dev, dtype=np.int64).T)
+            self.lookup_calibration.record(*zip(*dev))  # (buckets, γ, a) as tuples of host ints
         for source, (est, real) in host.items():
             self.calibration.record_many(source, est, real)
         if block_match is None or block_expected is None or not self.use_dflash:
