@@ -105,11 +105,14 @@ TABLE_COST = "-table-cost"
 #: ``hybrid`` + this suffix: with the engine's block guard on (SpecEngine ``block_guard=True``: proposing planned
 #: steps against non-proposing ones, per batch bucket), against the default without it
 BLOCK_GUARD = "-block-guard"
+#: ``hybrid`` + this suffix: the planner under SpecEngine ``objective="drain"`` (with no request waiting, the requests
+#: that finish before the batch's slowest even without drafts weigh 0 in its choice of width)
+DRAIN = "-drain"
 
 
 def base_method(method: str) -> str:
-    """``method`` without :data:`UNGUARDED` / :data:`TABLE_COST` / :data:`BLOCK_GUARD`."""
-    return method.removesuffix(UNGUARDED).removesuffix(TABLE_COST).removesuffix(BLOCK_GUARD)
+    """``method`` without :data:`UNGUARDED` / :data:`TABLE_COST` / :data:`BLOCK_GUARD` / :data:`DRAIN`."""
+    return method.removesuffix(UNGUARDED).removesuffix(TABLE_COST).removesuffix(BLOCK_GUARD).removesuffix(DRAIN)
 
 
 def method_policy(method: str) -> str:
@@ -127,10 +130,11 @@ def method_policy(method: str) -> str:
 def known_methods() -> list[str]:
     """``ar``, ``dflash``, ``adaflash-<policy>`` for every registered policy with a trained head, ``ngram``,
     ``suffix``, ``hybrid``, ``hf-generate``, ``<m>-unguarded`` for the methods with a throughput guard,
-    ``hybrid-table-cost`` and ``hybrid-block-guard``."""
+    ``hybrid-table-cost``, ``hybrid-block-guard`` and ``hybrid-drain``."""
     adaptive = [ADAPTIVE_PREFIX + name for name, spec in LENGTH_POLICIES.items() if spec.head is not None]
     return ["ar", "dflash", ARGMAX_METHOD, *adaptive, *SOURCE_METHODS, HF_METHOD,
-            *[m + UNGUARDED for m in GUARDED_METHODS], "hybrid" + TABLE_COST, "hybrid" + BLOCK_GUARD]
+            *[m + UNGUARDED for m in GUARDED_METHODS], "hybrid" + TABLE_COST, "hybrid" + BLOCK_GUARD,
+            "hybrid" + DRAIN]
 
 
 def _spare_prompts(tok, domain: str, main: list[list[int]], n: int, max_prompt_tokens: int, seed: int
@@ -370,6 +374,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                     extra["throughput_guard"] = False
                 if method.endswith(BLOCK_GUARD):
                     extra["block_guard"] = True
+                if method.endswith(DRAIN):
+                    extra["objective"] = "drain"
                 eng = SpecEngine.from_config(cfg, models=(target, None if method in NO_DRAFTER else drafter,
                                                           heads.get(policy) if method not in NO_DRAFTER else None),
                                              policy=policy, max_batch_size=conc, max_seq_len=max_seq_len,

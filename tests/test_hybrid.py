@@ -1277,3 +1277,60 @@ def test_lookup_calibration_scale_folds_in_and_small_records_match():
     assert folded and cal._scale >= RESCALE_BELOW
     e = cal.expected(np.arange(18), np.full(18, 15))
     assert np.isfinite(e).all() and (np.diff(e, axis=1) >= 0).all() and (e[:, 1] <= 1).all()
+
+
+@pytest.mark.parametrize("weights,width", [(None, 16), ([1.0, 1.0], 16), ([1.0, 0.0], 16), ([0.0, 1.0], 1)])
+def test_plan_weights_choose_the_width_for_the_weighted_rows(weights, width):
+    """Two rows, device lookups, no drafter: row 0 has a 15-token proposal (E[a | 15] = 2.32 at the prior's 0.7 per
+    position), row 1 none. A width-16 step costs 1.5 ms, an AR step 1.0: (2 + 2.32) / 1.5 beats 2 / 1.0, so the plan
+    verifies width 16 - unless row 0 weighs 0 (the drain objective: it finishes before the batch's slowest), when
+    1 / 1.0 beats 1 / 1.5 and the step is AR. Weights of all 1 are the plain objective."""
+    from adaflash_ray.engine.hybrid import LookupArrays
+
+    p = HybridPlanner(("suffix",), 15, 16, [1, 2, 4, 8, 16], lookup_on_device=True)
+    p.set_costs([2], np.full((1, 15), 1.5), np.array([[1.0] + [1.5] * 15]))
+    dev = LookupArrays(np.array([15, 0]), np.array([3, 0]), np.array([4, 0]), np.array([0, 0]), np.array([True, False]))
+    choices, _ = p.plan(2, [100, 100], [None, None], [None, None], device=dev, weights=weights)
+    got = 1 + max(c.draft_len for c in choices)
+    assert got == width, (weights, [(c.source, c.draft_len) for c in choices])
+    base = 2 if weights is None else sum(weights)
+    e15 = sum(0.7 ** k for k in range(1, 16))
+    expected = max(base / 1.0, (base + (1 if weights is None else weights[0]) * e15) / 1.5)
+    assert abs(p.last_value - expected) < 1e-9, (p.last_value, expected)
+
+
+def test_drain_objective_weighs_early_finishers_zero_and_stays_lossless(tiny_target):
+    """SpecEngine(objective="drain") (throughput guard off: every step planned) on three requests admitted together
+    (nothing waiting) with budgets 100 / 40 / 30:
+    once decoding, the two short ones end long before the longest even one token per step, so the planner gets
+    weights [1, 0, 0] (counted in stats.num_drain_steps) - and the outputs are the target's greedy ones. With a
+    fourth request waiting for a slot, or under the plain objective, no step is weighed. A bad objective is refused."""
+    prompts = _prompts() + [_prompts(seed=9)[1]]
+    budgets = [100, 40, 30, 20]
+    ref = [greedy_reference(tiny_target, p, n) for p, n in zip(prompts, budgets)]
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
+    for objective, n_req in (("drain", 3), ("drain", 4), ("throughput", 3)):
+        eng = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=160, calibrate=False,
+                         draft_sources=("dflash", "suffix"), lookup_device="device", lookup_corpus_tokens=1024,
+                         objective=objective, throughput_guard=False)  # every step planned
+        seen = []
+        real = eng.planner.plan
+        eng.planner.plan = lambda *a, **k: seen.append((len(eng.scheduler.waiting), k.get("weights"))) or real(*a, **k)
+        reqs = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+                for p, n in zip(prompts[:n_req], budgets[:n_req])]
+        while eng.has_unfinished():
+            eng.step()
+        for r, out in zip(reqs, ref):
+            assert r.output_ids == out, objective
+        weighed = [w for _, w in seen if w is not None]
+        assert eng.stats.num_drain_steps == len(weighed)
+        if objective == "throughput":
+            assert not weighed
+            continue
+        assert all(w_ is None for q, w_ in seen if q)  # nothing weighed while a request waits
+        assert any(q for q, _ in seen) == (n_req == 4)
+        assert weighed and all(1.0 in w and 0.0 in w for w in weighed), weighed[:3]
+        if n_req == 3:  # row 0 holds the longest request throughout
+            assert [1.0, 0.0, 0.0] in weighed and all(w[0] == 1.0 for w in weighed)
+    with pytest.raises(ValueError, match="objective"):
+        SpecEngine(tiny_target, drafter, head, policy="cost", draft_sources=("dflash", "suffix"), objective="latency")

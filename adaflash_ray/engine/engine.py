@@ -52,6 +52,10 @@ from adaflash_ray.versions import is_newer
 
 # float dtypes by the values they hold exactly: a tensor converted to a dtype at or above its own keeps its values
 _FLOAT_WIDTH = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+#: SpecEngine ``objective`` values; under "drain" a request whose tokens left end before (1 - DRAIN_MARGIN) of the
+#: batch's horizon weighs 0, and a request's committed-per-step rate starts from DRAIN_PRIOR pseudo-steps of 1 token
+OBJECTIVES = ("throughput", "drain")
+DRAIN_MARGIN, DRAIN_PRIOR = 0.1, 4
 _slot_of = attrgetter("slot")
 log = logging.getLogger(__name__)
 
@@ -191,11 +195,18 @@ class SpecEngine:
             steps are the lookup-matched ones, and the comparison reads that selection as "proposing is slower";
             the planner's own realised-cost pricing (:meth:`~adaflash_ray.engine.hybrid.HybridPlanner.observe_step`)
             and its acceptance calibration already price a propose as it runs.
+        objective: what the draft sources' planner maximises. ``"throughput"``: expected committed tokens per ms of
+            the whole batch step, every request's tokens alike. ``"drain"``: the same while requests wait for a slot;
+            with none waiting, the running batch ends with its slowest request, so a request whose tokens left fit
+            (at one per step, no drafts) in ``1 - DRAIN_MARGIN`` of the slowest one's expected steps (its tokens left
+            over its committed tokens per step so far) weighs 0 in the plan (``HybridPlanner.plan`` ``weights``):
+            widths are chosen for the requests that bound the batch's time; the others still draft at that width.
+            It trades the early finishers' latency for the batch's makespan (offline batches, one wave of requests).
         clock: seconds, monotonic (``time.perf_counter``); what the step timings and the guard read (a test's fake
             clock makes them deterministic).
     Raises:
         ValueError: bad ``draft_sources`` (:func:`~adaflash_ray.engine.hybrid.check_draft_sources`), ``"dflash"``
-            among them without the ``cost`` policy, or an unknown ``lookup_device``.
+            among them without the ``cost`` policy, an unknown ``lookup_device`` or ``objective``.
     """
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, length_head: torch.nn.Module | None,
@@ -206,7 +217,11 @@ class SpecEngine:
                  draft_sources=None, suffix_corpus: SuffixCorpus | None = None, lookup_max_ngram: int = 3,
                  argmax_drafts: bool = False, lookup_device: str = "auto", lookup_corpus_tokens: int = 1 << 16,
                  throughput_guard: bool = True, block_guard: bool = False, compact_slots: bool = True,
-                 clock=time.perf_counter):
+                 objective: str = "throughput", clock=time.perf_counter):
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {list(OBJECTIVES)}, got {objective!r}")
+        self.objective = objective
+        self.num_steps = 0  # decode steps so far (a request's admitted_step is this count when it was admitted)
         self.target, self.drafter, self.length_head = target, drafter, length_head
         self.compact_slots = compact_slots
         self.draft_sources = (check_draft_sources(draft_sources, drafter is not None) if draft_sources is not None
@@ -442,6 +457,7 @@ class SpecEngine:
             return finished
         if self.compact_slots and not self.scheduler.waiting:
             self._compact()
+        self.num_steps += 1
         t0 = self.clock()
         batch = self._schedule(spec)
         res = self._run(batch)
@@ -514,6 +530,7 @@ class SpecEngine:
             gammas = self.policy.on_admit(gammas, running_before, spec, proposed=propose)
         for i, (req, toks, g) in enumerate(zip(admitted, res.committed, gammas)):
             req.next_draft_len = g
+            req.admitted_step = self.num_steps
             if self.planner is not None:
                 req.dflash_expected = expected[i] if expected is not None else None
                 if self.lookup is not None and not self.lookup_on_device:
@@ -621,7 +638,8 @@ class SpecEngine:
             lookup_ms = 1e3 * (time.perf_counter() - t0)
         expected = [r.dflash_expected for r in running]
         choices, propose = planner.plan(batch_size, caps, expected, proposals, fixed,
-                                        lookup_ms=lookup_ms, block_off=block_off)
+                                        lookup_ms=lookup_ms, block_off=block_off,
+                                        weights=self._drain_weights(running, caps))
         host = [c.tokens if c.source not in ("dflash", "none") else None for c in choices]
         return _Batch(running, [c.draft_len for c in choices], True, propose, append=propose, choices=choices,
                       host_drafts=host if host.count(None) != n else None, batch_size=batch_size,
@@ -646,11 +664,31 @@ class SpecEngine:
         arrays = LookupArrays(props[:, nd], props[:, nd + 1], props[:, nd + 2], props[:, nd + 3], valid)
         expected = [r.dflash_expected for r in running] if self._any_block else [None] * n
         choices, propose = planner.plan(batch_size, caps, expected, [None] * n, fixed, device=arrays,
-                                        block_off=block_off)
+                                        block_off=block_off, weights=self._drain_weights(running, caps))
         lens, rows = planner.plan_rows(choices)  # γ per request; rows verifying the device lookup's drafts (or None)
         return _Batch(running, lens, True, propose, append=propose, choices=choices, lookup_rows=rows,
                       lookup=planner.lookup_due() or planner.spec_costs is None, batch_size=batch_size,
                       blocks=expected.count(None) != n, slots=slots)
+
+    def _drain_weights(self, running: list[Request], caps: list[int]) -> list[float] | None:
+        """The planner's per-request weights under ``objective="drain"`` (None: every request 1 - the plain
+        objective, one request, or requests waiting). ``caps``: per request its tokens left - 1 (>= 0). A request's
+        expected steps left = tokens left / its committed tokens per step so far (``DRAIN_PRIOR`` pseudo-steps of
+        one token each smooth a young request's rate; at least 1); the batch's horizon is the largest. A request
+        weighs 0 when its tokens left, decoded one per step, end before ``1 - DRAIN_MARGIN`` of that horizon."""
+        if self.objective != "drain" or len(running) < 2 or self.scheduler.waiting:
+            return None
+        now = self.num_steps
+        left = [c + 1 for c in caps]
+        horizon = max(t * (now - r.admitted_step + DRAIN_PRIOR) / max(len(r.output_ids) + DRAIN_PRIOR,
+                                                                        now - r.admitted_step + DRAIN_PRIOR)
+                      for r, t in zip(running, left))
+        cut = (1.0 - DRAIN_MARGIN) * horizon
+        weights = [1.0 if t >= cut else 0.0 for t in left]
+        if weights.count(0.0):
+            self.stats.num_drain_steps += 1
+            return weights
+        return None
 
     def _block_off(self, batch_size: int, any_own: bool) -> bool:
         """Whether the block guard keeps this planned step from proposing the drafter's next block (never when a

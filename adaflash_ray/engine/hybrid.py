@@ -439,6 +439,9 @@ class HybridPlanner:
         # the moving average of realised - table ms and the steps observed
         self._resid: dict[bool, list[float]] = {True: [], False: []}
         self._resid_n: dict[bool, list[int]] = {True: [], False: []}
+        # the current plan's per-row weights (plan's ``weights`` as [n] float64; None: all 1) and their sum
+        self._w: np.ndarray | None = None
+        self._wsum = 0.0
 
     # ------------------------------------------------------------------ costs
     @property
@@ -585,7 +588,8 @@ class HybridPlanner:
     # ------------------------------------------------------------------ the choice
     def plan(self, batch_size: int, caps: list[int], dflash_expected: list[list[float] | None],
              proposals: list[Proposal | None], fixed: list[int | None] | None = None, lookup_ms: float = 0.0,
-             device: LookupArrays | None = None, block_off: bool = False) -> tuple[list[RowChoice], bool]:
+             device: LookupArrays | None = None, block_off: bool = False,
+             weights: list[float] | None = None) -> tuple[list[RowChoice], bool]:
         """Per request the source and γ of this step, and whether the step proposes the next DFlash block.
 
         Args:
@@ -606,6 +610,10 @@ class HybridPlanner:
             block_off: this step does not propose the next block whatever the schedule says (the engine's block
                 guard: steps that propose have been slower than steps that do not), unless a request fixes its γ; a
                 pending block is still used.
+            weights: per request the weight of its committed tokens in the plan's value (tokens per ms) and in the
+                block's net value, each in [0, 1] (the engine's ``objective="drain"``: 0 for a request that finishes
+                before the batch's slowest even without drafts); None: every request 1 (the plain objective). A row
+                of weight 0 still drafts at the width the others choose (its drafts ride in the same verify).
         Returns:
             (choices, propose): one :class:`RowChoice` per request; ``propose`` True when the drafter's block is to
             be proposed in this step (it was chosen for some request, or its probe is due).
@@ -618,6 +626,11 @@ class HybridPlanner:
         """
         blocks = self.use_dflash and dflash_expected.count(None) != len(dflash_expected)
         prop_len = None
+        if weights is None or len(caps) == 1:
+            self._w = None
+        else:
+            self._w = np.asarray(weights, dtype=np.float64)
+            self._wsum = float(self._w.sum())
         if not blocks:
             if device is None:
                 empty = all(p is None or not len(p) for p in proposals)
@@ -661,7 +674,8 @@ class HybridPlanner:
         v_l = lc.expected_at(buckets, gam)  # [n, nw], >= 0
         probe_d = self.use_dflash and self._idle["dflash"] and self._since["dflash"] >= self._interval["dflash"] \
             and not block_off
-        total = [n + t for t in v_l.sum(0).tolist()]  # expected committed tokens per width (host floats)
+        base = n if self._w is None else self._wsum
+        total = [base + t for t in self._colsum(v_l).tolist()]  # expected committed tokens per width (host floats)
         costs = self.spec_costs is not None
         if costs:
             r = self._row(batch_size)
@@ -713,7 +727,7 @@ class HybridPlanner:
                 self.last_value = max(1.0 / c for c in (self._spec_w if probe_d else self._look_w)[r])
             else:
                 table = self.spec_costs if probe_d else self.lookup_costs
-                self.last_value = float((float(n) / table[r, self._widx]).max())
+                self.last_value = float((float(n if self._w is None else self._wsum) / table[r, self._widx]).max())
         else:
             self.last_value = None
         forced = fixed is not None and fixed.count(None) != len(fixed)
@@ -722,7 +736,8 @@ class HybridPlanner:
             if one:
                 keep_d = self._stand_in_net_one(r, max(min(caps[0], self.max_draft), 0))
             else:
-                keep_d = self._stand_in_net(r, np.maximum(caps, 0), None, [float(n)] * len(self.widths),
+                keep_d = self._stand_in_net(r, np.maximum(caps, 0), None,
+                                            [float(n if self._w is None else self._wsum)] * len(self.widths),
                                             None if probe_d else self.last_value)
         propose = self._end_step(False, keep_d, False, looked, probe_d, forced,
                                  lookup_pays=not (costs and looked and lookup_ms > 0), block_off=block_off)
@@ -761,6 +776,7 @@ class HybridPlanner:
                       device: LookupArrays | None = None, block_off: bool = False) -> tuple[list[RowChoice], bool]:
         """:meth:`plan` by the arrays (every case)."""
         n = len(caps)
+        base = n if self._w is None else self._wsum  # the rows' weighted count: tokens a step commits at γ = 0
         fixed = fixed or [None] * n
         nd = self.max_draft
         cal = self.calibration
@@ -804,7 +820,7 @@ class HybridPlanner:
             out = []
             for allow_d in ((True, False) if any_d else (False,)):
                 best = np.maximum(np.maximum(v_d if allow_d else -1.0, lookup_values), 0.0)  # [n, nw] E[accepted]
-                total = n + best.sum(0)  # expected committed tokens per width
+                total = base + self._colsum(best)  # expected committed tokens per width
                 if costs:
                     # a step that proposes pays the spec table; with block_off a pending block verifies at lookup cost
                     table = self.spec_costs if (allow_d or probe_d) and not block_off else self.lookup_costs
@@ -847,7 +863,7 @@ class HybridPlanner:
         # (and while a plan with it beats plain AR steps: a block that never pays is not kept for its average's sake)
         use_d = self._note_use("dflash", used_d) if any_d else self._use["dflash"]
         d_value = max((v for v, _, allow in plans if allow), default=None)
-        d_pays = d_value is not None and (not costs or d_value > n / self.lookup_costs[r, 0])
+        d_pays = d_value is not None and (not costs or d_value > base / self.lookup_costs[r, 0])
         # ... and while it pays on average: the steps where it wins gain more than the steps where it loses pay for
         # its propose (at batch 1 a lookup match wins most steps, the block the steps without one); a step without a
         # pending block counts too, by the recent blocks' estimate, so an idle block is proposed again once it pays
@@ -857,7 +873,7 @@ class HybridPlanner:
             if costs:
                 net_pays = self._note_net(r, v_d, v_l)
         elif costs:
-            net_pays = self._stand_in_net(r, caps_a, v_l, (n + np.maximum(v_l, 0.0).sum(0)).tolist())
+            net_pays = self._stand_in_net(r, caps_a, v_l, (base + self._colsum(np.maximum(v_l, 0.0))).tolist())
         keep_d = used_d or net_pays or (d_pays and use_d >= IDLE_BELOW)
         return choices, self._end_step(any_d, keep_d, used_l, looked, probe_d, forced, lookup_pays, block_off)
 
@@ -927,6 +943,11 @@ class HybridPlanner:
         self._plan_rows = (choices, [choice.draft_len], [True] if used_l else None)  # plan_rows() without a pass
         return choices, self._end_step(any_d, keep_d, used_l, looked, probe_d, False, True, block_off)
 
+    def _colsum(self, x: np.ndarray) -> np.ndarray:
+        """``x`` ``[n, k]`` summed over the rows, each weighted by the plan's ``weights`` (a plain sum without):
+        ``[k]``."""
+        return x.sum(0) if self._w is None else self._w @ x
+
     @staticmethod
     def _block_table(dflash_expected: list, has_d: np.ndarray, nd: int) -> np.ndarray:
         """``[n, nd + 1]`` float64: column γ = E[accepted | γ] of each row's pending block (E[committed] - 1; 0 at
@@ -977,8 +998,9 @@ class HybridPlanner:
         width's γ. The best plan with the block (proposing, priced at no less than the lookup table: the two tables
         are measured apart) minus the best without it and without the propose. Returns whether the average is > 0."""
         n = v_l.shape[0]
-        total_l = n + np.maximum(v_l, 0.0).sum(0)
-        total_d = n + np.maximum(np.maximum(v_d, v_l), 0.0).sum(0)
+        base = n if self._w is None else self._wsum
+        total_l = base + self._colsum(np.maximum(v_l, 0.0))
+        total_d = base + self._colsum(np.maximum(np.maximum(v_d, v_l), 0.0))
         look = self.lookup_costs[r, self._widx]
         cost_d = np.maximum(self.spec_costs[r, self._widx], look)
         return self._note_net_value(float((total_d / cost_d).max()) - float((total_l / look).max()))
@@ -1000,8 +1022,8 @@ class HybridPlanner:
         if est is None or est[0] is not self._block_est or est[1] != fac:  # made once per estimate and factor
             est = self._block_est_array = (self._block_est, fac, np.maximum(fac * np.asarray(self._block_est), 0.0))
         v_d = est[2][np.minimum(self._widx[None, :], caps_a[:, None])]  # [n, nw], >= 0
-        n, look_w = len(caps_a), self._look_w[r]
-        sums = (v_d if v_l is None else np.maximum(v_d, v_l)).sum(0).tolist()
+        n, look_w = (len(caps_a) if self._w is None else self._wsum), self._look_w[r]
+        sums = self._colsum(v_d if v_l is None else np.maximum(v_d, v_l)).tolist()
         best_d = max((n + t) / max(sc, lk) for t, sc, lk in zip(sums, self._spec_w[r], look_w))
         if best_l is None:
             best_l = max(t / lk for t, lk in zip(total_l, look_w))

@@ -100,6 +100,7 @@ class Request:
     lookup_state: object | None = None
     lookup_synced: int = 0
     dflash_expected: list[float] | None = None
+    admitted_step: int = 0  # the engine's decode-step count when the request was admitted (SpecEngine.num_steps)
     # with params.logprobs set: per output token its log-probability under the target's raw distribution
     # (log_softmax of the verify logits, before any processing - vLLM's default) and the top-k (token id, logprob),
     # best first (an empty list per token for logprobs = 0); both as long as output_ids
