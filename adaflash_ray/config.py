@@ -224,6 +224,10 @@ class EngineConfig(_Section):
     # the cost policy / draft sources with length_head.ar_steps: force AR steps where the policy's realised tokens per
     # ms fall below AR's (adaflash_ray/engine/throughput_guard.py); off = the policy's choices as they are
     throughput_guard: bool = True
+    # what the draft sources' planner maximises (SpecEngine objective): throughput = committed tokens per ms of the
+    # batch step, every request alike; drain = with no request waiting, only the requests that bound the batch's time
+    # (offline batches: one wave of requests ends with its slowest)
+    objective: Literal["throughput", "drain"] = "throughput"
 
 
 class DistillConfig(_Section):

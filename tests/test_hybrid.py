@@ -394,6 +394,13 @@ def test_recipe_draft_sources_reach_the_engine(tiny_target):
     prompt = _prompts()[0]
     assert ar.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].output_ids == \
         greedy_reference(tiny_target, prompt, 12)
+    assert eng.objective == "throughput"  # engine.objective: the recipe's, unless the caller gives one
+    drain = load_recipe("recipes/cpu_tiny.yaml", ["length_head.draft_sources=[dflash,ngram]", "length_head.policy=cost",
+                                                  "engine.objective=drain"])
+    assert SpecEngine.from_config(drain, models=(tiny_target, drafter, head), calibrate=False,
+                                  max_seq_len=128).objective == "drain"
+    with pytest.raises(Exception, match="objective"):
+        load_recipe("recipes/cpu_tiny.yaml", ["engine.objective=latency"])
 
 
 def test_planner_keeps_lookups_through_a_step_without_a_match():

@@ -367,6 +367,7 @@ class SpecEngine:
         target, drafter, head = models
         target.fused_kernels = cfg.engine.fused_kernels  # read when the runner fuses the projections (CUDA only)
         kwargs.setdefault("throughput_guard", cfg.engine.throughput_guard)
+        kwargs.setdefault("objective", cfg.engine.objective)
         if lh.draft_sources is not None and "draft_sources" not in kwargs:
             kwargs["draft_sources"] = [s for s in lh.draft_sources if s != "dflash" or drafter is not None] or None
         return cls(target, drafter, head, policy=policy or lh.policy, rate=lh.rate, min_len=lh.min_len,
