@@ -24,7 +24,7 @@ from test_engine import _assert_context_matches, _chi2_pvalue
 
 from adaflash_ray.drafting.lookup import Proposal, SuffixCorpus
 from adaflash_ray.engine import SamplingParams, SpecEngine, SpecStats
-from adaflash_ray.engine.hybrid import HybridPlanner, SourceCalibration, check_draft_sources
+from adaflash_ray.engine.hybrid import WIDTH_RESID_MIN, HybridPlanner, SourceCalibration, check_draft_sources
 
 
 def _prompts(n=3, vocab=128, seed=3):
@@ -548,11 +548,16 @@ def _observe_step_arrays(pl: HybridPlanner, batch_size: int, width: int, propose
     resid, counts = pl._resid[kind], pl._resid_n[kind]
     n = counts[r] = counts[r] + 1
     w = max(pl.step_cost_decay, 1.0 / n)
-    resid[r] += w * (ms - float((spec if kind else look)[r, col]) - resid[r])
+    over = ms - float((spec if kind else look)[r, col])
+    resid[r] += w * (over - resid[r])
+    rw, rwn = pl._resid_w[kind][r], pl._resid_wn[kind][r]
+    rwn[col] += 1
+    rw[col] += max(pl.step_cost_decay, 1.0 / rwn[col]) * (over - rw[col])
     if (n + pl._resid_n[not kind][r]) % pl.step_cost_every == 0 or n == 1:
         d_spec, d_look = pl._kind_resid(r)
-        for base, eff, d in ((spec, pl.spec_costs, d_spec), (look, pl.lookup_costs, d_look)):
-            eff[r] = np.maximum(base[r] + d, 0.5 * base[r])
+        for k, base, eff, d in ((True, spec, pl.spec_costs, d_spec), (False, look, pl.lookup_costs, d_look)):
+            own = np.asarray(pl._resid_wn[k][r]) >= WIDTH_RESID_MIN
+            eff[r] = np.maximum(base[r] + np.where(own, pl._resid_w[k][r], d), 0.5 * base[r])
         pl._spec_w[r] = pl.spec_costs[r, pl._widx].tolist()
         pl._look_w[r] = pl.lookup_costs[r, pl._widx].tolist()
         pl._look_ar[r] = float(pl.lookup_costs[r, 0])
@@ -583,6 +588,7 @@ def test_observe_step_host_lists_equal_the_arrays():
         assert np.array_equal(fast.spec_costs, ref.spec_costs) and np.array_equal(fast.lookup_costs, ref.lookup_costs)
         assert (fast._spec_w, fast._look_w, fast._look_ar) == (ref._spec_w, ref._look_w, ref._look_ar), step
         assert (fast._resid, fast._resid_n) == (ref._resid, ref._resid_n), step
+        assert (fast._resid_w, fast._resid_wn) == (ref._resid_w, ref._resid_wn), step
     assert not np.array_equal(fast.lookup_costs, fast._base[1])  # the prices moved
 
 
@@ -1341,3 +1347,33 @@ def test_drain_objective_weighs_early_finishers_zero_and_stays_lossless(tiny_tar
             assert [1.0, 0.0, 0.0] in weighed and all(w[0] == 1.0 for w in weighed)
     with pytest.raises(ValueError, match="objective"):
         SpecEngine(tiny_target, drafter, head, policy="cost", draft_sources=("dflash", "suffix"), objective="latency")
+
+
+@pytest.mark.parametrize("per_width", [True, False])
+def test_realised_cost_per_width_corrects_the_tables_slope(per_width):
+    """One row with a 15-token lookup proposal at the prior's 0.7 per position (E[a | 5] = 1.94, E[a | 15] = 2.32).
+    The table prices width 6 at 1.57 ms and width 16 at 1.84, so width 6 wins (2.94 / 1.57 > 3.32 / 1.84); the steps
+    really take 1.68 and 1.80 ms. After WIDTH_RESID_MIN steps at each width, each is priced by its own realised
+    average and width 16 wins (3.32 / 1.80 > 2.94 / 1.68); with fewer steps at each (the kind's average alone: both
+    widths + the same ms) width 6 stays."""
+    from adaflash_ray.engine.hybrid import LookupArrays
+
+    pl = HybridPlanner(("suffix",), 15, 16, [1, 6, 16], lookup_on_device=True)
+    look = np.array([[1.17] + [1.57] * 5 + [1.84] * 10])
+    pl.set_costs([1], look[:, 1:] + 0.3, look)
+    arr = LookupArrays(np.array([15]), np.array([3]), np.array([1]), np.array([0]), np.array([True]))
+
+    def width():
+        choices, _ = pl.plan(1, [100], [None], [None], device=arr)
+        return choices[0].draft_len + 1
+
+    assert width() == 6
+    steps = WIDTH_RESID_MIN if per_width else WIDTH_RESID_MIN - 1
+    for _ in range(steps):
+        pl.observe_step(1, 6, False, 1.68)
+        pl.observe_step(1, 16, False, 1.80)
+    assert (2 * steps) % pl.step_cost_every == 0 or not per_width  # the last step refreshed the row's prices
+    if per_width:
+        assert pl.lookup_costs[0, 5] == pytest.approx(1.68) and pl.lookup_costs[0, 15] == pytest.approx(1.80)
+        assert pl.lookup_costs[0, 8] == pytest.approx(1.84 + pl._resid[False][0])  # unobserved: the kind's average
+    assert width() == (16 if per_width else 6)

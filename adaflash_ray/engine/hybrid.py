@@ -110,6 +110,9 @@ def check_draft_sources(sources, has_drafter: bool) -> tuple[str, ...]:
 #: goes row by row in host numbers instead of one array pass; below RESCALE_BELOW the lookup calibration's stored
 #: counts take its decay scale in (the scale is 1 again)
 SMALL_RECORD, RESCALE_BELOW = 4, 1e-100
+#: HybridPlanner.observe_step: steps of one kind at one width and table row before that width is priced by its own
+#: realised average rather than the kind's
+WIDTH_RESID_MIN = 8
 
 
 class SourceCalibration:
@@ -439,6 +442,11 @@ class HybridPlanner:
         # the moving average of realised - table ms and the steps observed
         self._resid: dict[bool, list[float]] = {True: [], False: []}
         self._resid_n: dict[bool, list[int]] = {True: [], False: []}
+        # ... and per verify width (the tables' column W - 1) of each: a width with at least WIDTH_RESID_MIN steps of
+        # its own is priced by its own average (the tables' slope over the widths can be off too), the others by the
+        # kind's
+        self._resid_w: dict[bool, list[list[float]]] = {True: [], False: []}
+        self._resid_wn: dict[bool, list[list[int]]] = {True: [], False: []}
         # the current plan's per-row weights (plan's ``weights`` as [n] float64; None: all 1) and their sum
         self._w: np.ndarray | None = None
         self._wsum = 0.0
@@ -488,6 +496,9 @@ class HybridPlanner:
         self._look_ar = look[:, 0].tolist()
         self._resid = {True: [0.0] * nb, False: [0.0] * nb}
         self._resid_n = {True: [0] * nb, False: [0] * nb}
+        cols = self.max_draft + 1
+        self._resid_w = {k: [[0.0] * cols for _ in range(nb)] for k in (True, False)}
+        self._resid_wn = {k: [[0] * cols for _ in range(nb)] for k in (True, False)}
 
     def _row(self, batch_size: int) -> int:
         """The cost tables' row of ``batch_size``: the first bucket >= it, else the last."""
@@ -502,10 +513,12 @@ class HybridPlanner:
         recording and commits) at ``batch_size`` rows and verify ``width`` (the shape the device ran; ``proposed``: it
         proposed the drafter's next block, priced by the spec table, else by the lookup table). With
         :attr:`realised_costs`, the moving average of realised - table ms of the row's steps of that kind moves
-        towards it, and every :attr:`step_cost_every` steps of the row (or at the first of a kind) both tables' prices
-        become table + their kind's average (at least half the table; a kind not observed yet borrows the other's:
-        the engine's host work common to both) - so a propose that costs less or more in the engine than the tables
-        measured it apart is priced as it runs. No-op without a cost table."""
+        towards it (and that of the row's steps of that kind at that width), and every :attr:`step_cost_every` steps of
+        the row (or at the first of a kind) both tables' prices become table + the average of their kind - of the
+        width where it has :data:`WIDTH_RESID_MIN` steps of its own (at least half the table; a kind not observed yet
+        borrows the other's: the engine's host work common to both) - so a propose that costs less or more in the
+        engine than the tables measured it apart, or a width whose table price is off, is priced as it runs. No-op
+        without a cost table."""
         if self._base is None or not self._realised_costs:
             return
         r = self._row(batch_size)
@@ -515,17 +528,28 @@ class HybridPlanner:
         resid, counts = self._resid[kind], self._resid_n[kind]
         n = counts[r] = counts[r] + 1
         w = max(self.step_cost_decay, 1.0 / n)
-        resid[r] += w * (ms - (spec if kind else look)[r][col] - resid[r])
+        over = ms - (spec if kind else look)[r][col]
+        resid[r] += w * (over - resid[r])
+        rw, rwn = self._resid_w[kind][r], self._resid_wn[kind][r]
+        m = rwn[col] = rwn[col] + 1
+        rw[col] += max(self.step_cost_decay, 1.0 / m) * (over - rw[col])
         total = n + self._resid_n[not kind][r]
         if total % self.step_cost_every == 0 or n == 1:
             d_spec, d_look = self._kind_resid(r)
             widx = self._widx_list
-            spec_r = [max(b + d_spec, 0.5 * b) for b in spec[r]]  # table + average, at least half the table
-            look_r = [max(b + d_look, 0.5 * b) for b in look[r]]
+            spec_r = self._priced(spec[r], d_spec, True, r)  # table + average, at least half the table
+            look_r = self._priced(look[r], d_look, False, r)
             self.spec_costs[r], self.lookup_costs[r] = spec_r, look_r
             self._spec_w[r] = [spec_r[i] for i in widx]
             self._look_w[r] = [look_r[i] for i in widx]
             self._look_ar[r] = look_r[0]
+
+    def _priced(self, base: list[float], d: float, kind: bool, r: int) -> list[float]:
+        """Row ``r`` of a table (``base``: as measured, by column) priced as observed: each column + its own realised
+        average where ``kind``'s steps at that width number at least :data:`WIDTH_RESID_MIN`, else + ``d`` (the
+        kind's), at least half the table."""
+        rw, rwn = self._resid_w[kind][r], self._resid_wn[kind][r]
+        return [max(b + (rw[i] if rwn[i] >= WIDTH_RESID_MIN else d), 0.5 * b) for i, b in enumerate(base)]
 
     def _kind_resid(self, r: int) -> tuple[float, float]:
         """Row ``r``'s realised - table ms of proposing and of other steps (a kind not observed: the other's; 0
