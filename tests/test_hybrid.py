@@ -1317,22 +1317,29 @@ def test_drain_objective_weighs_early_finishers_zero_and_stays_lossless(tiny_tar
     (nothing waiting) with budgets 100 / 40 / 30:
     once decoding, the two short ones end long before the longest even one token per step, so the planner gets
     weights [1, 0, 0] (counted in stats.num_drain_steps) - and the outputs are the target's greedy ones. With a
-    fourth request waiting for a slot, or under the plain objective, no step is weighed. A bad objective is refused."""
+    fourth request waiting for a slot (queued, or held back by generate's admit_min), or under the plain objective, no
+    step is weighed. A bad objective is refused."""
     prompts = _prompts() + [_prompts(seed=9)[1]]
     budgets = [100, 40, 30, 20]
     ref = [greedy_reference(tiny_target, p, n) for p, n in zip(prompts, budgets)]
     drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
-    for objective, n_req in (("drain", 3), ("drain", 4), ("throughput", 3)):
+    cases = (("drain", 3, False), ("drain", 4, False), ("drain", 4, True), ("throughput", 3, False))
+    for objective, n_req, held in cases:
         eng = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=160, calibrate=False,
                          draft_sources=("dflash", "suffix"), lookup_device="device", lookup_corpus_tokens=1024,
                          objective=objective, throughput_guard=False)  # every step planned
         seen = []
         real = eng.planner.plan
-        eng.planner.plan = lambda *a, **k: seen.append((len(eng.scheduler.waiting), k.get("weights"))) or real(*a, **k)
-        reqs = [eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
-                for p, n in zip(prompts[:n_req], budgets[:n_req])]
-        while eng.has_unfinished():
-            eng.step()
+        eng.planner.plan = lambda *a, **k: seen.append((len(eng.scheduler.waiting) + eng.num_held, k.get("weights"))) \
+            or real(*a, **k)
+        params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in budgets[:n_req]]
+        if held:  # generate() holds the fourth back (admit_min 3: a free slot is not enough): waiting all the same
+            reqs = eng.generate(prompts[:n_req], params, admit_min=3)
+            assert eng.num_held == 0
+        else:
+            reqs = [eng.add_request(p, sp) for p, sp in zip(prompts[:n_req], params)]
+            while eng.has_unfinished():
+                eng.step()
         for r, out in zip(reqs, ref):
             assert r.output_ids == out, objective
         weighed = [w for _, w in seen if w is not None]

@@ -222,6 +222,9 @@ class SpecEngine:
             raise ValueError(f"objective must be one of {list(OBJECTIVES)}, got {objective!r}")
         self.objective = objective
         self.num_steps = 0  # decode steps so far (a request's admitted_step is this count when it was admitted)
+        # requests a caller holds back for later admission (generate's admit_min / stop_admitting): waiting requests
+        # for the drain objective although the scheduler has not seen them
+        self.num_held = 0
         self.target, self.drafter, self.length_head = target, drafter, length_head
         self.compact_slots = compact_slots
         self.draft_sources = (check_draft_sources(draft_sources, drafter is not None) if draft_sources is not None
@@ -673,11 +676,13 @@ class SpecEngine:
 
     def _drain_weights(self, running: list[Request], caps: list[int]) -> list[float] | None:
         """The planner's per-request weights under ``objective="drain"`` (None: every request 1 - the plain
-        objective, one request, or requests waiting). ``caps``: per request its tokens left - 1 (>= 0). A request's
-        expected steps left = tokens left / its committed tokens per step so far (``DRAIN_PRIOR`` pseudo-steps of
-        one token each smooth a young request's rate; at least 1); the batch's horizon is the largest. A request
-        weighs 0 when its tokens left, decoded one per step, end before ``1 - DRAIN_MARGIN`` of that horizon."""
-        if self.objective != "drain" or len(running) < 2 or self.scheduler.waiting:
+        objective, one request, or requests waiting: queued, or held back by :meth:`generate`). ``caps``: per request
+        its tokens left - 1 (>= 0). A request's expected steps left = tokens left / its committed tokens per step so
+        far (``DRAIN_PRIOR`` pseudo-steps of one token each smooth a young request's rate; at least 1); the batch's
+        horizon is the largest. A request weighs 0 when its tokens left, decoded one per step, end before ``1 -
+        DRAIN_MARGIN`` of that horizon (tokens left counts to ``max_new_tokens``: a stop token may end it sooner).
+        The throughput guards still compare whole steps, every row alike."""
+        if self.objective != "drain" or len(running) < 2 or self.scheduler.waiting or self.num_held:
             return None
         now = self.num_steps
         left = [c + 1 for c in caps]
@@ -905,6 +910,7 @@ class SpecEngine:
                     if free >= min(admit_min, len(held)) or not sched.running:
                         for _ in range(min(max(free, 1), len(held))):
                             sched.waiting.append(held.popleft())
+                self.num_held = len(held)  # waiting too, for the drain objective
                 for req in self.step(mode):
                     if on_finish is not None and id(req) in mine:
                         on_finish(req)
@@ -919,6 +925,8 @@ class SpecEngine:
                 except Exception:  # noqa: BLE001 - a step that failed half-way may leave a request inconsistent
                     log.warning("generate: could not abort request %s after a failure", req.request_id)
             raise
+        finally:
+            self.num_held = 0
 
     # ------------------------------------------------------------------ trajectories
     def to_trajectory(self, req: Request) -> Trajectory:
