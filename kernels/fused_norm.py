@@ -50,6 +50,24 @@ if HAVE_TRITON:
         tl.store(y_ptr + row * stride_y + cols, (xf * rstd * w).to(y_ptr.dtype.element_ty), mask=m)
 
 
+def residual_rows(x: torch.Tensor, delta: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The row views a residual add + norm kernel reads and writes: ``(x2, d2, r, r2)`` - ``x`` as ``[M, N]`` rows
+    with unit stride, ``delta`` the same (``x2`` when delta is None), the new residual ``r`` in x's shape (``x``
+    itself when delta is None, else a fresh tensor) and its ``[M, N]`` view. ``delta`` must have x's shape."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if delta is None:
+        return x2, x2, x, x2
+    d2 = delta.reshape(-1, n)
+    if d2.stride(-1) != 1:
+        d2 = d2.contiguous()
+    r = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return x2, d2, r, r.view(-1, n)
+
+
 def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused :func:`add_rmsnorm_ref`: one Triton launch, one program per row.
@@ -72,20 +90,10 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
     if weight.shape != (n,) or (delta is not None and delta.shape != x.shape):
         raise ValueError(f"add_rmsnorm: x {tuple(x.shape)}, delta {None if delta is None else tuple(delta.shape)}, "
                          f"weight {tuple(weight.shape)}")
-    x2 = x.reshape(-1, n)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2, d2, r, r2 = residual_rows(x, delta)
     m = x2.shape[0]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     y2 = y.view(-1, n)
-    if delta is None:
-        d2, r, r2 = x2, x, x2
-    else:
-        d2 = delta.reshape(-1, n)
-        if d2.stride(-1) != 1:
-            d2 = d2.contiguous()
-        r = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        r2 = r.view(-1, n)
     if m == 0:
         return r, y
     block = triton.next_power_of_2(n)

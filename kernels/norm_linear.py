@@ -34,6 +34,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from adaflash_ray.kernels.fused_norm import residual_rows
 from adaflash_ray.kernels.triton_support import HAVE_TRITON, tl, triton
 
 __all__ = ["ENV_VAR", "linear", "mode", "norm_linear", "norm_linear_ref"]
@@ -181,20 +182,10 @@ def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.
                          f"weight {tuple(weight.shape)} {weight.dtype}, bias "
                          f"{None if bias is None else tuple(bias.shape)}, swiglu {swiglu}")
     n = n_w // 2 if swiglu else n_w
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2, d2, r, r2 = residual_rows(x, delta)
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     m = x2.shape[0]
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    if delta is None:
-        d2, r, r2 = x2, x, x2
-    else:
-        d2 = delta.reshape(-1, k)
-        if d2.stride(-1) != 1:
-            d2 = d2.contiguous()
-        r = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        r2 = r.view(-1, k)
     if m == 0:
         return r, y
     block_m, block_n, block_k, warps, stages = launch or (*launch_tiles(m, k, swiglu), NUM_WARPS, NUM_STAGES)
