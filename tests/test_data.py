@@ -434,8 +434,91 @@ def test_python_function_prompts_in_the_human_eval_template():
     assert len(pool) > 1000 and not {p.text for p in pool} & {q.text for q in load_eval_prompts(["human-eval"], 164)}
     assert not any("/test" in p.id or ".test." in p.id or p.id.startswith("python-stdlib/tkinter") for p in pool)
     assert ps.load_python_function_prompts(0) == []
-    with pytest.raises(ValueError, match=f"standard library holds {len(pool)}"):
+    with pytest.raises(ValueError, match=rf"the pool holds {len(pool)} \(standard library {len(pool)}\)"):
         ps.load_python_function_prompts(len(pool) + 1)
+
+
+def _fake_package(root: Path, name: str, doc: str) -> None:
+    """A package ``name`` under ``root`` whose functions test each filter of the Python function pool."""
+    def write(rel: str, text: str) -> None:
+        (root / name / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / name / rel).write_text(text)
+
+    kept = f'''
+def area(width: float, height: float) -> float:
+    """{doc} the area of a width x height rectangle, in the units squared."""
+    return width * height
+
+
+class Shelf:
+    @property
+    def size(self) -> int:
+        """{doc} how many books this shelf holds, counted when it was last filled."""
+        return 3
+
+    @size.setter
+    def size(self, value: int) -> None:
+        """{doc} set how many books this shelf holds, overriding the last count."""
+'''
+    left_out = f'''
+def bare(x):
+    return x
+
+
+def short(x):
+    """Too short."""
+
+
+def _private(x):
+    """{doc} a private helper function whose docstring is long enough to count."""
+
+
+class _Hidden:
+    def shown(self):
+        """{doc} a public method of a private class, which is left out as well."""
+'''
+    write("__init__.py", kept + left_out)
+    write("sub/geometry.py", kept)  # the same texts again: each kept once
+    for rel in ["tests/helpers.py", "test_area.py", "_vendor/other.py", "sub/vendored/copy.py"]:
+        write(rel, f'''def elsewhere(x):\n    """{doc} a public function in a folder or file left out."""\n''')
+
+
+def test_python_function_packages_join_the_pool(tmp_path, monkeypatch):
+    """data.python_function_packages: an installed package's public functions and methods with a long enough
+    docstring join the standard library's pool (ids python-pkg/...), its tests, vendored copies, private names,
+    duplicate texts and eval-prompt texts left out; the list's order does not matter; too many is refused with the
+    pool's count per source; an unknown package is named."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _fake_package(tmp_path, "afr_fake_shapes", "Return")
+    _fake_package(tmp_path, "afr_fake_books", "Give")
+    eval_text = "Complete this Python function:\n```python\ndef area(width: float, height: float) -> float:\n" \
+                '    """Give the area of a width x height rectangle, in the units squared."""\n```'
+    num_stdlib = len(ps._python_function_pool())  # cached before _eval_texts is replaced
+    monkeypatch.setattr(ps, "_eval_texts", lambda: frozenset({eval_text}))  # as if an eval prompt's text
+    pool = ps._python_function_pool(("afr_fake_books", "afr_fake_shapes"))
+    added = {p.id: p.text for p in pool if p.id.startswith("python-pkg/")}
+    assert len(pool) - len(added) == num_stdlib  # no standard-library text is any of these
+    assert list(added) == ["python-pkg/afr_fake_books.__init__.Shelf.size",
+                           "python-pkg/afr_fake_books.__init__.Shelf.size#2",
+                           "python-pkg/afr_fake_shapes.__init__.area",
+                           "python-pkg/afr_fake_shapes.__init__.Shelf.size",
+                           "python-pkg/afr_fake_shapes.__init__.Shelf.size#2"]
+    assert added["python-pkg/afr_fake_shapes.__init__.area"] == eval_text.replace("Give", "Return")
+    assert all(p.source == ps.PYTHON_FUNCTIONS_SOURCE for p in pool)
+    n = len(pool)
+    drawn = ps.load_python_function_prompts(n, 3, ["afr_fake_shapes", "afr_fake_books"])
+    assert sorted(p.id for p in drawn) == sorted(p.id for p in pool)
+    assert [p.id for p in ps.load_python_function_prompts(n, 3, ["afr_fake_books", "afr_fake_shapes"])] == \
+        [p.id for p in drawn]
+    assert [p.id for p in ps.load_python_function_prompts(n, 4, ["afr_fake_books", "afr_fake_shapes"])] != \
+        [p.id for p in drawn]
+    with pytest.raises(ValueError, match=rf"the pool holds {n} \(standard library {num_stdlib}, "
+                                         r"afr_fake_books 2, afr_fake_shapes 3\)"):
+        ps.load_python_function_prompts(n + 1, 0, ["afr_fake_shapes", "afr_fake_books"])
+    with pytest.raises(ValueError, match=r"duplicates"):
+        ps.load_python_function_prompts(1, 0, ["afr_fake_books", "afr_fake_books"])
+    with pytest.raises(ValueError, match=r"package 'afr_fake_shape' .*not installed.*did you mean afr_fake_shapes"):
+        ps.load_python_function_prompts(1, 0, ["afr_fake_shape"])
 
 
 def test_extra_sources_formats_caps_and_errors():

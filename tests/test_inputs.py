@@ -108,7 +108,7 @@ def test_in_domain_training_prompts_stay_out_of_the_held_out_sets(tmp_path, monk
 
 def test_python_function_prompts_join_the_training_set(tmp_path):
     """data.python_function_prompts: that many standard-library function prompts join (and are shuffled into) the
-    training set, none a held-out prompt; more than the standard library holds is a recipe error naming the field."""
+    training set, none a held-out prompt; more than the pool holds, or a package not installed, is a recipe error."""
     from adaflash_ray.inputs import encode_prompts, prepare_inputs
     from adaflash_ray.prompt_sources import load_python_function_prompts
 
@@ -121,3 +121,6 @@ def test_python_function_prompts_join_the_training_set(tmp_path):
     assert {p.id for p in inp.evalp.prompts}.isdisjoint(p.id for p in inp.train.prompts)
     with pytest.raises(RecipeError, match=r"data\.python_function_prompts: asked for 1000000"):
         prepare_inputs(load_recipe(RECIPE, ["data.python_function_prompts=1000000"]), tmp_path / "run2")
+    with pytest.raises(RecipeError, match=r"package 'afr_not_installed' \(data\.python_function_packages\) is not"):
+        prepare_inputs(load_recipe(RECIPE, ["data.python_function_prompts=24",
+                                            "data.python_function_packages=[afr_not_installed]"]), tmp_path / "run3")
