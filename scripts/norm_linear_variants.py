@@ -1,11 +1,13 @@
 """The fused norm + linear kernel (kernels/norm_linear.py) in launch variants against the unfused path, on CUDA.
 
 For each layer GEMM of the Qwen3-8B and SmolLM2-135M shapes (q/k/v after the input norm, gate/up + SwiGLU after the
-post-attention norm, o_proj and down_proj without a norm) and rows 1 / 16 / 64 / 1024: µs per call (20 calls per CUDA
-graph, median of 5 replays) of the unfused path (``add_rmsnorm`` then ``F.linear`` - then ``swiglu`` - or
-``F.linear`` alone), of the kernel's default launch and of each (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) variant,
-with the weights' read at each time as GB/s. Writes JSON lines to the path given (default stdout). Needs only torch
-and triton: no install step.
+post-attention norm, o_proj and down_proj without a norm) and rows 1 / 8 / 16 / 64 / 1024: µs per call (20 calls per
+CUDA graph, median of 5 replays) of the unfused path (``add_rmsnorm`` then ``F.linear`` - then ``swiglu`` - or
+``F.linear`` alone), of the kernel's default launch (the GEMV form up to 16 rows, the tiled form above) and of each
+(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) variant - up to 16 rows the GEMV form's (keys ``gemv_m...``; BLOCK_N
+halved for the gate/up GEMM at one row, the same weight rows a program) and the tiled form's default launch
+(``tiled_us``), above 16 the tiled form's - with the weights' read at each time as GB/s. Writes JSON lines to the
+path given (default stdout). Needs only torch and triton: no install step.
 
     python scripts/norm_linear_variants.py $OUT/norm_linear_variants.jsonl
 """
@@ -26,6 +28,10 @@ from adaflash_ray.models.target import graph_replay_ms
 
 #: (shape, hidden, intermediate, q/k/v width)
 SHAPES = (("qwen3-8b", 4096, 12288, (32 + 2 * 8) * 128), ("smollm2-135m", 576, 1536, (9 + 2 * 3) * 64))
+#: the GEMV form's launches timed up to 16 rows: one-row programs (FMA accumulator; BLOCK_K = 256 x warps, one
+#: 16-byte vector a lane on each weight row) at one row, 16-row ``tl.dot`` tiles at every row count
+GEMV_VARIANTS = ((1, 8, 1024, 4, 1), (1, 4, 1024, 4, 1), (1, 4, 2048, 8, 1), (1, 8, 512, 2, 1),
+                 (16, 16, 128, 4, 3), (16, 32, 128, 4, 3), (16, 16, 256, 8, 3), (16, 32, 64, 4, 4))
 
 
 def timed(fn) -> float:
@@ -42,7 +48,7 @@ def main() -> None:
         for name, k, n, norm, glu in gemms:
             w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
             nw = torch.ones(k, device="cuda").bfloat16()
-            for rows in (1, 16, 64, 1024):
+            for rows in (1, 8, 16, 64, 1024):
                 x = torch.randn(rows, k, device="cuda").bfloat16()
                 d = torch.randn_like(x)
                 if norm:
@@ -54,26 +60,31 @@ def main() -> None:
                     def unfused():
                         return F.linear(x, w)
 
-                def fused(launch=None):
+                def fused(launch=None, gemv=None):
                     return nl.norm_linear(x, d if norm else None, nw if norm else None, 1e-6, w, swiglu=glu,
-                                          launch=launch)[1]
+                                          launch=launch, gemv=gemv)[1]
                 gb = w.numel() * w.element_size() / 1e9
+                small = rows <= nl.GEMV_MAX_ROWS
                 row = {"shape": shape, "gemm": name, "rows": rows, "k": k, "n": n,
                        "unfused_us": timed(unfused), "default_us": timed(fused),
-                       "default_launch": [*nl.launch_tiles(rows, k, glu), nl.NUM_WARPS, nl.NUM_STAGES]}
+                       "default_form": "gemv" if small else "tiled",
+                       "default_launch": list(nl.gemv_launch(rows, k, glu)) if small else
+                       [*nl.launch_tiles(rows, k, glu), nl.NUM_WARPS, nl.NUM_STAGES]}
                 row["default_gb_per_s"] = gb / (row["default_us"] * 1e-6)
                 row["unfused_gb_per_s"] = gb / (row["unfused_us"] * 1e-6)
                 base = fused()
                 best = None
-                for bm, bn, bk, warps, stages in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4, 8),
-                                                                   (3,)):
-                    if bm > max(16, rows):
-                        continue
-                    key = f"m{bm}_n{bn}_k{bk}_w{warps}_s{stages}"
+                if small:
+                    row["tiled_us"] = timed(lambda: fused(gemv=False))
+                    variants = [("gemv_", (bm, bn // 2 if glu and bm == 1 else bn, bk, warps, stages))
+                                for bm, bn, bk, warps, stages in GEMV_VARIANTS if bm == 16 or rows == 1]
+                else:
+                    variants = [("", v) for v in itertools.product((16, 32, 64), (64, 128), (64,), (4, 8), (3,))]
+                for prefix, launch in variants:
+                    key = prefix + "m{}_n{}_k{}_w{}_s{}".format(*launch)
                     try:
-                        launch = (bm, bn, bk, warps, stages)
-                        out = fused(launch)
-                        us = timed(lambda: fused(launch))
+                        out = fused(launch, gemv=bool(prefix))
+                        us = timed(lambda: fused(launch, gemv=bool(prefix)))
                         err = (out.float() - base.float()).abs().max().item()
                         row[key] = {"us": us, "max_diff": err}
                         if best is None or us < best[1]:

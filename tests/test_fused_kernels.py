@@ -100,11 +100,13 @@ def test_add_rmsnorm_gpu(shape, rows):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
-@pytest.mark.parametrize("rows", [1, 16, 40, 1024])
+@pytest.mark.parametrize("rows,gemv", [(1, None), (3, None), (16, None), (1, False), (16, False), (40, None),
+                                       (40, True), (1024, None)])
 @pytest.mark.parametrize("swiglu", [False, True])
-def test_norm_linear_gpu(shape, rows, swiglu):
+def test_norm_linear_gpu(shape, rows, gemv, swiglu):
     """Residual add + RMSNorm + the q/k/v (or gate/up + SwiGLU) GEMM in one kernel against the torch reference, bf16:
-    the residual bit for bit, the output to bf16 rounding; without the norm, the plain linear layer."""
+    the residual bit for bit, the output to bf16 rounding; without the norm, the plain linear layer. Each form at its
+    row counts (the GEMV form up to 16 rows, the tiled form above) and the other form forced at 1 / 16 / 40 rows."""
     from adaflash_ray.kernels.norm_linear import norm_linear, norm_linear_ref
 
     _, hidden, inter, hq, hkv, d, _ = shape
@@ -114,7 +116,7 @@ def test_norm_linear_gpu(shape, rows, swiglu):
     delta = torch.randn(rows, 1, hidden, device="cuda", generator=g).bfloat16()
     nw = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=g)).bfloat16()
     w = (torch.randn(n, hidden, device="cuda", generator=g) / hidden ** 0.5).bfloat16()
-    r, y = norm_linear(x, delta, nw, 1e-6, w, swiglu=swiglu)
+    r, y = norm_linear(x, delta, nw, 1e-6, w, swiglu=swiglu, gemv=gemv)
     r0, y0 = norm_linear_ref(x, delta, nw, 1e-6, w, swiglu=swiglu)
     assert torch.equal(r, r0) and y.shape == y0.shape and y.dtype == torch.bfloat16
     err = (y.float() - y0.float()).abs().max().item()
@@ -122,7 +124,8 @@ def test_norm_linear_gpu(shape, rows, swiglu):
     if not swiglu:  # the same kernel without the norm: o_proj / down_proj with ADAFLASH_FUSED_LINEAR=all
         from adaflash_ray.kernels.norm_linear import linear
 
-        y, y0 = linear(x, w), torch.nn.functional.linear(x, w)
+        y = linear(x, w) if gemv is None else norm_linear(x, None, None, 0.0, w, gemv=gemv)[1]
+        y0 = torch.nn.functional.linear(x, w)
         assert (y.float() - y0.float()).abs().max().item() <= 0.02 * y0.float().abs().max().item()
 
 
@@ -461,6 +464,43 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
         rr, yr = norm_linear_ref(x, d, nw, 1e-6, w, b, swiglu=swiglu)
         assert torch.equal(r, rr) and y.shape == yr.shape, (shape, y.shape, yr.shape)
         close(y, yr, 1e-5)
+    # the GEMV form (up to 16 rows; forced over more, or one row a program over several), float32: 1 / 3 / 16 rows,
+    # with and without delta, bias and the SwiGLU epilogue, K a multiple of 8 (vector loads) or not
+    for rows, kk, nn_, swiglu, bias, has_d, gemv, launch in (
+            (1, 96, 40, False, False, True, None, None), (1, 200, 72, True, True, True, None, None),
+            (1, 64, 24, False, True, False, None, None), (3, 200, 72, False, True, True, None, None),
+            (3, 96, 48, True, False, False, None, None), (16, 96, 80, True, True, True, None, None),
+            (16, 100, 40, False, False, False, None, None), (40, 64, 48, True, False, True, True, None),
+            (3, 64, 40, True, True, True, True, (1, 8, 32, 4, 1)),
+            (5, 100, 24, False, False, True, True, (1, 8, 64, 2, 1))):
+        x = torch.randn(rows, kk, generator=g)
+        d = torch.randn(rows, kk, generator=g) if has_d else None
+        nw = 1 + 0.1 * torch.randn(kk, generator=g)
+        w = torch.randn(nn_, kk, generator=g) / kk ** 0.5
+        b = torch.randn(nn_, generator=g) if bias else None
+        r, y = norm_linear(x, d, nw, 1e-6, w, b, swiglu=swiglu, gemv=gemv, launch=launch)
+        rr, yr = norm_linear_ref(x, d, nw, 1e-6, w, b, swiglu=swiglu)
+        assert torch.equal(r, rr) and y.shape == yr.shape, (rows, kk, y.shape, yr.shape)
+        close(y, yr, 1e-5)
+        if not swiglu:
+            close(norm_linear(x, None, None, 0.0, w, b, gemv=gemv, launch=launch)[1],
+                  torch.nn.functional.linear(x, w, b), 1e-5)
+    # bf16 through the one-row GEMV form (the interpreter rounds float32 -> bf16 toward zero and has no bf16 tl.dot, so
+    # within a few bf16 units, not bit for bit)
+    for rows, swiglu, has_d in ((1, True, True), (3, False, True), (1, False, False)):
+        x = torch.randn(rows, 128, generator=g).bfloat16()
+        d = torch.randn(rows, 128, generator=g).bfloat16() if has_d else None
+        nw = (1 + 0.1 * torch.randn(128, generator=g)).bfloat16()
+        w = (torch.randn(48, 128, generator=g) / 128 ** 0.5).bfloat16()
+        r, y = norm_linear(x, d, nw, 1e-6, w, swiglu=swiglu, launch=(1, 8, 64, 2, 1))
+        rr, yr = norm_linear_ref(x, d, nw, 1e-6, w, swiglu=swiglu)
+        assert r.dtype == y.dtype == torch.bfloat16 and y.shape == yr.shape
+        close(r, rr, 2 ** -7); close(y, yr, 2 ** -4)
+    try:
+        norm_linear(x, d, nw, 1e-6, w, launch=(2, 8, 64, 2, 1))  # the GEMV form takes one-row or 16-row tiles
+        raise AssertionError("a 2-row GEMV tile accepted")
+    except ValueError:
+        pass
 
     # the acceptance head's draft confidence: one pass against the float64 definition (the torch reference's own
     # cancellation is ~1e-4 at logits ~30), a vocabulary that is no multiple of the kernel's block, bf16 input, an
@@ -537,16 +577,17 @@ def test_kernels_compile_for_sm90(tmp_path):
                     cases.append((da._split_kernel, {"HKV": hkv, "REP": rep, "D": d, "BLOCK_M": bm, "BLOCK_N": 64,
                                                      "PARTIALS": partials, "SUB": sub}, da.launch_settings(partials)))
             cases.append((da._merge_kernel, {"HKV": hkv, "REP": rep, "D": d, "BLOCK_M": bm, "BLOCK_N": 64}, 4))
-    for bm in (16, 32, 64):  # norm + linear as launched (norm_linear.norm_linear): every row tile, both epilogues
-        for swiglu_epi in (False, True):
+    # norm + linear as launched (norm_linear.norm_linear) at K = 4096 (vector loads: ALIGNED): the tiled form's every
+    # row tile and the GEMV form's (one row; 2-16 rows), both epilogues and the plain linear layer
+    for epi in (dict(HAS_DELTA=True, SWIGLU=False), dict(HAS_DELTA=True, SWIGLU=True),
+                dict(HAS_DELTA=False, SWIGLU=False, NORM=False)):
+        launches = [(*norm_linear.launch_tiles(bm, 4096, epi["SWIGLU"]), norm_linear.NUM_WARPS, norm_linear.NUM_STAGES,
+                     False) for bm in (16, 32, 64)]
+        launches += [(*norm_linear.gemv_launch(rows, 4096, epi["SWIGLU"]), True) for rows in (1, 16)]
+        for bm, bn, bk, warps, stages, gemv in launches:
             cases.append((norm_linear._norm_linear_kernel,
-                          dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), norm_linear.launch_tiles(bm, 4096, swiglu_epi)),
-                               HAS_DELTA=True, HAS_BIAS=False, SWIGLU=swiglu_epi),
-                          (norm_linear.NUM_STAGES, norm_linear.NUM_WARPS)))
-        cases.append((norm_linear._norm_linear_kernel, dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"),
-                                                                norm_linear.launch_tiles(bm, 4096)),
-                                                            HAS_DELTA=False, HAS_BIAS=False, SWIGLU=False, NORM=False),
-                      (norm_linear.NUM_STAGES, norm_linear.NUM_WARPS)))
+                          dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=False, ALIGNED=True, **epi,
+                               NORM_BLOCK_K=norm_linear.norm_chunk(bm, bk, 4096) if gemv else bk), (stages, warps)))
     fp32_io = {draft_confidence._confidence_kernel}  # float32 logits in, float32 features out
     for kernel, consts, settings in cases:
         stages, warps = settings if isinstance(settings, tuple) else (None, settings)
