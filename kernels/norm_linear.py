@@ -52,23 +52,38 @@ import torch.nn.functional as F
 from adaflash_ray.kernels.fused_norm import residual_rows
 from adaflash_ray.kernels.triton_support import HAVE_TRITON, tl, triton
 
-__all__ = ["ENV_VAR", "GEMV_MAX_ROWS", "gemv_launch", "linear", "mode", "norm_linear", "norm_linear_ref"]
+__all__ = ["ENV_VAR", "GEMV_MAX_ROWS", "MODES", "gemv_launch", "layer_mode", "linear", "mode", "norm_linear",
+           "norm_linear_ref"]
 
-#: ``off`` (default) / ``on`` / ``all``: whether the fused layer stack uses :func:`norm_linear` for the GEMMs after
-#: a norm (``on``), and :func:`linear` for o_proj and down_proj too (``all``: no cuBLAS GEMM, none of its split-K
-#: workspace memsets and reductions); read at each forward
+#: ``off`` (default) / ``on`` / ``all`` / ``decode``: whether the fused layer stack uses :func:`norm_linear` for the
+#: GEMMs after a norm (``on``), and :func:`linear` for o_proj and down_proj too (``all``: no cuBLAS GEMM, none of its
+#: split-K workspace memsets and reductions); ``decode``: ``all`` for a forward of at most :data:`GEMV_MAX_ROWS`
+#: token rows (batch x width: decode and verify steps, the GEMV form), ``off`` for larger ones (prefill, wide
+#: batches); read at each forward
 ENV_VAR = "ADAFLASH_FUSED_LINEAR"
+MODES = ("off", "on", "all", "decode")
 
 
 def mode() -> str:
-    """``"off"``, ``"on"`` or ``"all"`` from ``ADAFLASH_FUSED_LINEAR`` (unset: off; ``1`` / ``true``: on). Raises
-    ValueError on another value."""
+    """``"off"``, ``"on"``, ``"all"`` or ``"decode"`` from ``ADAFLASH_FUSED_LINEAR`` (unset: off; ``1`` / ``true``:
+    on). Raises ValueError on another value."""
     raw = os.environ.get(ENV_VAR, "off").strip().lower()
     if raw in ("on", "1", "true", "yes"):
         return "on"
-    if raw in ("off", "0", "false", "no", "", "all"):
-        return raw if raw == "all" else "off"
-    raise ValueError(f"{ENV_VAR}={raw!r}: expected off, on or all")
+    if raw in ("0", "false", "no", ""):
+        return "off"
+    if raw in MODES:
+        return raw
+    raise ValueError(f"{ENV_VAR}={raw!r}: expected one of {', '.join(MODES)}")
+
+
+def layer_mode(rows: int) -> str:
+    """The mode a forward of ``rows`` token rows runs in: :func:`mode`, with ``decode`` resolved to ``all`` (``rows``
+    <= :data:`GEMV_MAX_ROWS`) or ``off``."""
+    m = mode()
+    if m == "decode":
+        return "all" if rows <= GEMV_MAX_ROWS else "off"
+    return m
 
 
 def norm_linear_ref(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

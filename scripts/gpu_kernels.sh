@@ -11,7 +11,7 @@
 # with the calibrated split-K choice, and with that plus the fused norm + linear (120 s each), the same for the
 # SmolLM2 shape (50 s each), kernel counts
 # (60 s), drafter kernel counts (90 s), both shapes with the kernels off (50 s, 120 s). A step cut short
-# leaves its rc (124) in steps.txt. KERNELS_MODES (default "off sdpa auto linear linear-all") picks the bench modes. Run after call a in a call of its own (the machine keeps /root/stage while
+# leaves its rc (124) in steps.txt. KERNELS_MODES (default "off sdpa auto linear linear-all linear-decode") picks the bench modes. Run after call a in a call of its own (the machine keeps /root/stage while
 # warm), KERNELS_BUDGET_S=590 (a call may run 600 s); ADAFLASH_COMMIT goes into summary.json. $OUT/kernels holds
 # more than the 8 files a call brings back: tar it into one file at the end of the call.
 # Writes under $OUT/kernels/:
@@ -24,7 +24,7 @@
 #                                     sdpa (kernels on, ADAFLASH_FUSED_ATTENTION=off), auto (kernels on, the engine's
 #                                     one kernel: split-K iff its calibration measured it faster at each batch bucket),
 #                                     linear (auto + ADAFLASH_FUSED_LINEAR=on: kernels/norm_linear.py), linear-all
-#                                     (ADAFLASH_FUSED_LINEAR=all)
+#                                     (ADAFLASH_FUSED_LINEAR=all), linear-decode (=decode: all up to 16 token rows)
 #   attention_micro.json              one layer's attention (Qwen3-8B and SmolLM2 shapes, batch 1 / 8 / 64, width 1 / 16):
 #                                     SDPA + mask vs the split-K kernel (its launch; one pass; split + merge), ms per call
 #   summary.json                      AR step / verify ratio / propose ms and share off vs on, kernels per layer
@@ -95,12 +95,13 @@ EOF
 
 bench() {  # bench SHAPE MODE MAX_S ARGS...: MODE off (kernels off) | sdpa (kernels on, SDPA attention) | auto
   local shape=$1 mode=$2 max=$3; shift 3  # (kernels on, split-K attention where the engine's calibration chose it)
-  [[ " ${KERNELS_MODES:-off sdpa auto linear linear-all} " == *" $mode "* ]] || return 0  # KERNELS_MODES: a subset
+  [[ " ${KERNELS_MODES:-off sdpa auto linear linear-all linear-decode} " == *" $mode "* ]] || return 0  # KERNELS_MODES: a subset
   local kern=auto split=auto linear=off  # | linear (auto + the add + norm fused into the q/k/v and gate/up GEMMs)
   [ "$mode" = off ] && { kern=off; split=off; }  # | linear-all (and o_proj / down_proj by the same Triton kernel)
   [ "$mode" = sdpa ] && split=off
   [ "$mode" = linear ] && linear=on
   [ "$mode" = linear-all ] && linear=all
+  [ "$mode" = linear-decode ] && linear=decode  # all for <= 16 token rows (decode / verify), off above
   run_step "$max" "bench_${shape}_$mode" env ADAFLASH_FUSED_KERNELS="$kern" ADAFLASH_FUSED_ATTENTION="$split" \
     ADAFLASH_FUSED_LINEAR="$linear" \
     python3 -m adaflash_ray.bench --shape "$shape" \
@@ -113,10 +114,12 @@ bench qwen3-8b sdpa 120 "${Q[@]}"
 bench qwen3-8b auto 120 "${Q[@]}"
 bench qwen3-8b linear 120 "${Q[@]}"
 bench qwen3-8b linear-all 120 "${Q[@]}"
+bench qwen3-8b linear-decode 120 "${Q[@]}"
 bench smollm2-135m sdpa 50 "${S[@]}"
 bench smollm2-135m auto 50 "${S[@]}"
 bench smollm2-135m linear 50 "${S[@]}"
 bench smollm2-135m linear-all 50 "${S[@]}"
+bench smollm2-135m linear-decode 50 "${S[@]}"
 
 run_step 60 kernel_counts python3 - "$K/kernel_counts.json" <<'EOF'
 import json, os, sys
@@ -125,7 +128,8 @@ rows = []
 for shape, fused, split_k, linear in (("qwen3-8b", True, False, "off"), ("qwen3-8b", True, True, "off"),
                                       ("qwen3-8b", True, True, "on"), ("qwen3-8b", True, True, "all"),
                                       ("smollm2-135m", True, False, "off"), ("smollm2-135m", True, True, "off"),
-                                      ("smollm2-135m", True, True, "on"), ("smollm2-135m", True, True, "all")):
+                                      ("smollm2-135m", True, True, "on"), ("smollm2-135m", True, True, "all"),
+                                      ("smollm2-135m", True, True, "decode")):
     os.environ["ADAFLASH_FUSED_LINEAR"] = linear  # kernels/norm_linear.py: read at each forward
     for batch, width in ((1, 1), (1, 16), (64, 1)):
         r = count_forward_kernels(shape, fused=fused, split_k=split_k, batch=batch, width=width)

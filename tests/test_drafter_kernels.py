@@ -245,7 +245,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     # the add + norm fused into the q/k/v and gate/up GEMMs (kernels/norm_linear.py)
     dr.use_fused_kernels("auto")
     import os
-    for linear in ("on", "all"):
+    for linear in ("on", "all", "decode"):
         os.environ["ADAFLASH_FUSED_LINEAR"] = linear
         same(_drafter_calls(dr, "cpu", prompt=8), ref3)
     print("drafter interpreter ok")

@@ -276,7 +276,7 @@ def test_target_fused_forward_gpu(shape_name, batch, width, monkeypatch):
     target.fuse_projections()  # what the engine does on CUDA; auto turns the kernels on
     assert target.fused_kernels_active
     runs = []
-    for split_k, linear in ((False, "off"), (True, "off"), (True, "on"), (True, "all")):
+    for split_k, linear in ((False, "off"), (True, "off"), (True, "on"), (True, "all"), (True, "decode")):
         target.fused_attention = split_k
         monkeypatch.setenv("ADAFLASH_FUSED_LINEAR", linear)
         runs.append(_prefill_then_verify(target, batch, 40, width, "cuda"))
@@ -431,7 +431,8 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     pos = torch.arange(6).expand(3, 6); pos2 = 6 + torch.arange(4).expand(3, 4)
     outs = []
     for mode, split_k, linear in (("off", False, "off"), ("auto", False, "off"), ("auto", True, "off"),
-                                  ("auto", True, "on"), ("auto", False, "on"), ("auto", True, "all")):
+                                  ("auto", True, "on"), ("auto", False, "on"), ("auto", True, "all"),
+                                  ("auto", True, "decode")):  # decode: the 18-row prefill unfused, the 12-row verify all
         assert t.use_fused_kernels(mode) == (mode == "auto")
         t.fused_attention = split_k
         os.environ["ADAFLASH_FUSED_LINEAR"] = linear  # the add + norm fused into the q/k/v and gate/up GEMMs
@@ -658,3 +659,21 @@ def test_split_k_pays_only_when_faster_at_every_batch_size():
                 "64,16": {"sdpa_ms": [0.10, 0.20], "split_k_ms": [0.09, 0.19]}}  # batch 64: 0.45 ms vs 0.43 ms
     assert not split_k_pays(slow_big)
     assert not split_k_pays({})
+
+
+def test_fused_linear_modes(monkeypatch):
+    """ADAFLASH_FUSED_LINEAR: the spellings each mode takes, a clear error naming the others, and ``decode`` resolved
+    per forward by its token rows (all up to GEMV_MAX_ROWS, off above)."""
+    from adaflash_ray.kernels import norm_linear as nl
+
+    for raw, want in (("", "off"), ("0", "off"), ("off", "off"), ("1", "on"), ("TRUE", "on"), ("all", "all"),
+                      (" Decode ", "decode")):
+        monkeypatch.setenv(nl.ENV_VAR, raw)
+        assert nl.mode() == want, raw
+    monkeypatch.setenv(nl.ENV_VAR, "decode")
+    assert [nl.layer_mode(r) for r in (1, nl.GEMV_MAX_ROWS, nl.GEMV_MAX_ROWS + 1, 4096)] == ["all", "all", "off", "off"]
+    monkeypatch.setenv(nl.ENV_VAR, "on")
+    assert nl.layer_mode(4096) == "on" and nl.layer_mode(1) == "on"
+    monkeypatch.setenv(nl.ENV_VAR, "sometimes")
+    with pytest.raises(ValueError, match="ADAFLASH_FUSED_LINEAR='sometimes'.*decode"):
+        nl.mode()

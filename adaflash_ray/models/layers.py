@@ -288,7 +288,8 @@ def fused_layer_stack(layers, x: torch.Tensor, final_norm: RMSNorm, attend, want
     (:func:`adaflash_ray.kernels.norm_linear.mode`) the add + norm is fused into the GEMM after it instead: the
     q/k/v projection, and the gate/up projection with the SwiGLU product
     (:func:`adaflash_ray.kernels.norm_linear.norm_linear`; needs :meth:`AttentionProjections.fuse` too); with
-    ``all`` o_proj and down_proj run by the same kernel without the norm.
+    ``all`` o_proj and down_proj run by the same kernel without the norm; ``decode`` is ``all`` for a forward of at
+    most 16 token rows (``B * T``) and ``off`` above (:func:`adaflash_ray.kernels.norm_linear.layer_mode`).
 
     Args:
         layers: the decoder layers. x: ``[B, T, H]`` input residual stream.
@@ -303,7 +304,7 @@ def fused_layer_stack(layers, x: torch.Tensor, final_norm: RMSNorm, attend, want
     from adaflash_ray.kernels import norm_linear as nl
     from adaflash_ray.kernels.fused_norm import add_rmsnorm
 
-    mode = nl.mode()
+    mode = nl.layer_mode(x.shape[0] * x.shape[1])
     linear, all_linear = mode != "off", mode == "all"
     delta = None
     for i, layer in enumerate(layers):
