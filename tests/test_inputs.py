@@ -124,3 +124,4 @@ def test_python_function_prompts_join_the_training_set(tmp_path):
     with pytest.raises(RecipeError, match=r"package 'afr_not_installed' \(data\.python_function_packages\) is not"):
         prepare_inputs(load_recipe(RECIPE, ["data.python_function_prompts=24",
                                             "data.python_function_packages=[afr_not_installed]"]), tmp_path / "run3")
+    assert not (tmp_path / "run2").exists() and not (tmp_path / "run3").exists()  # refused before anything is written

@@ -41,7 +41,8 @@ def set_fused_kernels(model: nn.Module, layers, mode: str, device: torch.device,
     (:func:`~adaflash_ray.models.layers.fuse_layers`).
 
     Raises:
-        ValueError: ``mode`` (or the environment variable) not auto/off.
+        ValueError: ``mode`` (or the environment variable) not auto/off; turning the kernels on,
+            ``ADAFLASH_FUSED_LINEAR`` not one of :data:`adaflash_ray.kernels.norm_linear.MODES`.
     """
     from adaflash_ray.kernels.triton_support import env_mode, triton_usable  # imports triton: only here
 
@@ -50,6 +51,10 @@ def set_fused_kernels(model: nn.Module, layers, mode: str, device: torch.device,
     mode = env_mode() or mode
     on = (mode == "auto" and triton_usable(device) and head_dim % 2 == 0
           and len({p.dtype for p in model.parameters()}) == 1)
+    if on:  # ADAFLASH_FUSED_LINEAR is read at each fused forward: a bad value is refused here, at load, not mid-run
+        from adaflash_ray.kernels.norm_linear import mode as linear_mode
+
+        linear_mode()
     model.fused_kernels, model.fused_kernels_active = mode, False
     if on:
         fuse_layers(layers)
