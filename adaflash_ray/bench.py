@@ -302,7 +302,8 @@ class _HFGenerate:
 def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concurrency: list[int],
           domains: list[str], num_prompts: int, max_new_tokens: int, warmup: str,
           engine_kwargs: dict | None = None, log=print, repeats: int = 1, corpus_prompts: int | None = None,
-          temperature: float = 0.0, admit_min: int = 1, precapture: bool = True) -> dict:
+          temperature: float = 0.0, admit_min: int = 1, precapture: bool = True,
+          profile_dir: str | None = None) -> dict:
     """Run every method per (domain, concurrency) on the recipe's target; returns the JSON document.
 
     ``precapture`` (CUDA graphs only): after a cell's warm-up passes every engine captures the step graphs of every
@@ -322,6 +323,10 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
     and fills as the timed requests finish. ``temperature`` > 0: every timed request samples (the engine's lossless
     rejection sampling; ``lossless`` / ``match_rate`` are then None - outputs differ from AR's by chance, the
     distribution is what the engine's tests check); the suffix corpus seeds stay AR greedy outputs.
+
+    ``profile_dir``: after a cell's timed runs, each engine method runs the cell's requests again under
+    :func:`adaflash_ray.step_profile.profile_run` (host phases and device time by step kind and shape, kernels,
+    cProfile), written to ``<profile_dir>/<domain>_c<concurrency>_<method>.json`` (not in the rows).
 
     Raises:
         ValueError / RecipeError / CheckpointError (a ValueError) / MissingDataPackageError: user errors.
@@ -423,6 +428,10 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
             for _ in range(max(repeats, 1)):
                 for method in engine_methods:
                     runs_by[method].append(one_run(method))
+            if profile_dir is not None:
+                for method in engine_methods:
+                    _profile_cell(engine_for(method), method, domain, conc, ps, seeds.get(domain, []), max_new_tokens,
+                                  profile_dir, log)
             for method in methods:
                 base = {"method": method, "concurrency": conc, "domain": domain, "model": name,
                         "temperature": temperature,
@@ -501,6 +510,29 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
             "temperature": temperature,
             "tau_convention": TAU_CONVENTION,
             "domains": {d: DOMAINS.get(d, "+".join(DOMAINS.values())) for d in domains}, "rows": rows}
+
+
+def _profile_cell(eng: SpecEngine, method: str, domain: str, conc: int, prompts, seeds, max_new_tokens: int,
+                  profile_dir: str, log) -> None:
+    """``profile_run`` of one bench cell's engine (the corpus reset to the held-out seeds before each of its runs)."""
+    from adaflash_ray.step_profile import profile_run
+    if base_method(method) in ("suffix", "hybrid"):
+        orig = eng.generate
+
+        def generate(*a, **k):  # each of the profile's three runs starts from the held-out corpus, as a timed run
+            eng.reset_corpus(seeds)
+            return orig(*a, **k)
+        eng.generate = generate
+    try:
+        doc = profile_run(eng, prompts, max_new_tokens, "ar" if method == "ar" else "spec")
+    finally:
+        eng.__dict__.pop("generate", None)
+    Path(profile_dir).mkdir(parents=True, exist_ok=True)
+    path = Path(profile_dir) / f"{domain}_c{conc}_{method}.json"
+    path.write_text(json.dumps({"method": method, "domain": domain, "concurrency": conc, **doc}, indent=1))
+    top = sorted(doc["phases"].items(), key=lambda kv: -kv[1]["count"])[:3]
+    log(f"  profile {domain} c={conc} {method}: " + "; ".join(
+        f"{k} n={v['count']} wall {v['wall']:.3f} device {v['device']:.3f} ms" for k, v in top) + f" -> {path}")
 
 
 # ------------------------------------------------------------------------------------------ shape mode
@@ -670,6 +702,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="held-out prompts per domain whose AR outputs seed the suffix / hybrid corpus (default: as "
                         "many as the cell's prompts, where the source has them)")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON document here")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after each cell's timed runs, profile every engine method over the same requests (host "
+                        "phases and device time by step kind and shape, kernels, cProfile: adaflash_ray.step_profile) "
+                        "into DIR/<domain>_c<concurrency>_<method>.json")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="matplotlib PNG of the results")
     g = p.add_argument_group("shape mode (random weights: timings only, no acceptance)")
     g.add_argument("--shape", default=None, help="qwen3-8b | smollm2-135m | tiny")
@@ -766,7 +802,7 @@ def main(argv: list[str] | None = None) -> int:
                                        **({"lookup_device": ns.lookup_device} if ns.lookup_device != "auto" else {})}
                         or None, log=log,
                         repeats=ns.repeats, corpus_prompts=ns.corpus_prompts, temperature=ns.temperature,
-                        admit_min=ns.admit_min, precapture=not ns.no_precapture)
+                        admit_min=ns.admit_min, precapture=not ns.no_precapture, profile_dir=ns.profile)
     except (RecipeError, ValueError, MissingDataPackageError) as e:  # incl. ShapeError, CheckpointError
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1384,3 +1384,26 @@ def test_realised_cost_per_width_corrects_the_tables_slope(per_width):
         assert pl.lookup_costs[0, 5] == pytest.approx(1.68) and pl.lookup_costs[0, 15] == pytest.approx(1.80)
         assert pl.lookup_costs[0, 8] == pytest.approx(1.84 + pl._resid[False][0])  # unobserved: the kind's average
     assert width() == (16 if per_width else 6)
+
+
+def test_step_profile_accounts_every_decode_step(tiny_target):
+    """adaflash_ray.step_profile (bench --profile): the phase run counts each decode step once under its kind and the
+    shape the device ran, its phases add up to no more than its wall time, the engine's own methods come back; the
+    kernel run sees the forward's ops; the cProfile run reports the same number of steps."""
+    from adaflash_ray.step_profile import PHASES, profile_run
+    engine = SpecEngine(tiny_target, make_drafter(tiny_target, policy="fixed")[0], None, max_batch_size=2,
+                        max_seq_len=160, policy="fixed")  # the same steps in each of the three runs
+    doc = profile_run(engine, _prompts(), 12)
+    phases, kernels = doc["phases"], doc["kernels"]
+    assert sum(p["count"] for p in phases.values()) == kernels["num_steps"] > 0  # greedy: the same steps each run
+    for key, p in phases.items():
+        kind, shape = key.split(" ")
+        rows, width = map(int, shape.split("x"))
+        assert kind in ("ar", "gamma0", "probe", "draft") and 1 <= rows <= 2 and 1 <= width <= 16
+        assert 0 < p["device"] <= p["wall"] and p["launch"] == pytest.approx(p["device"], abs=1e-3)  # CPU: eager
+        assert p["other"] >= -1e-3 and p["wall"] == pytest.approx(sum(p[k] for k in PHASES), abs=1e-3)
+    assert any(k.startswith("draft") for k in phases)
+    assert not {"step", "_admit", "_schedule", "_postprocess"} & set(vars(engine))
+    assert not {"_run", "step"} & set(vars(engine.runner))
+    assert any(name == "aten::linear" and n > 0 for name, n, _ in kernels["top"])
+    assert doc["cprofile"].startswith(f"{kernels['num_steps']} decode steps")

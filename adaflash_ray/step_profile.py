@@ -1,0 +1,160 @@
+"""Where an engine run's decode steps spend their time, by step kind and shape: host phases, device time, kernels.
+
+:func:`profile_run` runs one ``SpecEngine.generate`` three times over the same requests (after the caller's timed
+runs: its graphs are captured):
+
+1. **phases**: per decode step its kind (``ar`` / ``gamma0`` / ``probe`` / ``draft``, :data:`~adaflash_ray.engine.stats.
+   STEP_KINDS`) and the shape the device ran (rows x verify width), its wall time split into ``admit``
+   (``SpecEngine._admit``: admission and prefills), ``schedule``
+   (``SpecEngine._schedule``: policy, planner), ``launch`` (host time inside ``ModelRunner._run``: a CUDA graph's
+   replay call, or the eager forward on CPU), ``runner_rest`` (the rest of ``ModelRunner.step``: inputs, the wait for
+   the device and the one device -> host copy), ``postprocess`` (``SpecEngine._postprocess``) and ``other``; and the
+   **device** time of the forward (CUDA events around ``ModelRunner._run``; on CPU the same host time as ``launch``).
+   A step whose wall time is well above its device time is host-bound: the GPU idles for the difference.
+2. **kernels** (torch.profiler): per decode step the device kernels by name, count and µs (CUDA), or the top-level
+   aten ops (CPU); prefills included.
+3. **cprofile**: the host functions by own time (cProfile over the whole run, prefills included).
+
+Times are means per step in ms (µs for kernels). Instrumentation adds a little host time to every step; compare
+methods under the same instrumentation, not with the bench's timed rows.
+"""
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import time
+from collections import defaultdict
+
+import torch
+
+from adaflash_ray.engine import SamplingParams, SpecEngine, SpecStats
+
+PHASES = ("admit", "schedule", "launch", "runner_rest", "postprocess", "other")
+
+
+def _phase_run(eng: SpecEngine, prompts: list[list[int]], sp: SamplingParams, mode: str) -> dict:
+    """One run with every decode step timed by phase and its forward timed on the device (see the module doc)."""
+    runner = eng.runner
+    cuda = runner.is_cuda
+    cur: dict = {}
+    steps: list[dict] = []
+    orig_step, orig_admit, orig_sched, orig_post = eng.step, eng._admit, eng._schedule, eng._postprocess
+    orig_run, orig_rstep = runner._run, runner.step
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                cur[name] = cur.get(name, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    def run(key):
+        if cuda:
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            ev[0].record()
+        t0 = time.perf_counter()
+        orig_run(key)
+        dt = time.perf_counter() - t0
+        cur["launch"] = cur.get("launch", 0.0) + dt
+        if cuda:
+            ev[1].record()
+            cur.setdefault("events", []).append(ev)
+        else:  # eager on the host: the forward's time is the launch's
+            cur["device"] = cur.get("device", 0.0) + dt
+
+    def step(*a, **k):
+        cur.clear()
+        before = dict(eng.stats.kind_steps)
+        t0 = time.perf_counter()
+        out = orig_step(*a, **k)
+        wall = time.perf_counter() - t0
+        grown = [kind for kind, v in eng.stats.kind_steps.items() if v > before.get(kind, 0)]
+        if grown:  # a decode step ran (not only admission)
+            steps.append({**cur, "shape": runner.step_shape, "wall": wall, "kind": grown[0]})
+        return out
+
+    eng.step, eng._admit = step, timed("admit", orig_admit)
+    eng._schedule, eng._postprocess = timed("schedule", orig_sched), timed("postprocess", orig_post)
+    runner._run, runner.step = run, timed("runner", orig_rstep)
+    eng.stats = SpecStats()
+    try:
+        eng.generate(prompts, sp, mode=mode)
+        if cuda:
+            torch.cuda.synchronize()
+    finally:
+        del eng.step, eng._admit, eng._schedule, eng._postprocess, runner._run, runner.step  # the class's methods again
+    agg: dict[tuple, dict] = defaultdict(lambda: defaultdict(float))
+    for s in steps:
+        device = sum(a.elapsed_time(b) / 1e3 for a, b in s.pop("events", [])) if cuda else s.get("device", 0.0)
+        row = agg[(s["kind"], *s["shape"])]
+        row["count"] += 1
+        row["wall"] += s["wall"]
+        row["device"] += device
+        for p in ("admit", "schedule", "launch", "postprocess"):
+            row[p] += s.get(p, 0.0)
+        row["runner_rest"] += s.get("runner", 0.0) - s.get("launch", 0.0)
+    out = {}
+    for (kind, b, w), row in sorted(agg.items(), key=lambda kv: -kv[1]["count"]):
+        n = row.pop("count")
+        ms = {k: round(1e3 * v / n, 4) for k, v in row.items()}
+        ms["other"] = round(ms["wall"] - sum(ms[p] for p in PHASES[:-1]), 4)
+        out[f"{kind} {b}x{w}"] = {"count": int(n), **ms}
+    return out
+
+
+def _kernel_run(eng: SpecEngine, prompts, sp: SamplingParams, mode: str, top: int) -> dict:
+    """One run under torch.profiler: kernels (CUDA) or top-level aten ops (CPU) per decode step."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = eng.runner.is_cuda
+    eng.stats = SpecStats()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        eng.generate(prompts, sp, mode=mode)
+        if cuda:
+            torch.cuda.synchronize()
+    n = max(eng.stats.num_engine_steps, 1)
+    agg: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if cuda:
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = getattr(e, "device_time_total", None)
+            us = e.cuda_time_total if us is None else us
+        elif e.cpu_parent is not None or not e.name.startswith("aten::"):
+            continue
+        else:
+            us = e.cpu_time_total
+        agg[e.name][0] += 1
+        agg[e.name][1] += us
+    rows = sorted(agg.items(), key=lambda kv: -kv[1][1])
+    return {"num_steps": n, "per_step": round(sum(v[0] for v in agg.values()) / n, 2),
+            "us_per_step": round(sum(v[1] for v in agg.values()) / n, 2),
+            "top": [[name[:120], round(c / n, 3), round(us / n, 2)] for name, (c, us) in rows[:top]]}
+
+
+def _cprofile_run(eng: SpecEngine, prompts, sp: SamplingParams, mode: str, top: int) -> str:
+    """One run under cProfile: the ``top`` host functions by own time, as pstats prints them."""
+    eng.stats = SpecStats()
+    prof = cProfile.Profile()
+    prof.enable()
+    eng.generate(prompts, sp, mode=mode)
+    if eng.runner.is_cuda:
+        torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    buf.write(f"{eng.stats.num_engine_steps} decode steps\n")
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
+def profile_run(eng: SpecEngine, prompts: list[list[int]], max_new_tokens: int, mode: str = "spec",
+                top: int = 30) -> dict:
+    """Phases, kernels and host profile of ``eng`` generating ``prompts`` greedily (``mode``: ``"spec"`` or
+    ``"ar"``), three runs (module doc). Returns ``{"phases": {"<kind> <rows>x<width>": {count, wall, admit,
+    schedule, launch, runner_rest, postprocess, other, device} (ms per step)}, "kernels": {num_steps, per_step, us_per_step,
+    top: [[name, count per step, µs per step]]}, "cprofile": str}``. The engine's stats are reset by each run."""
+    sp = SamplingParams(max_new_tokens=max_new_tokens)
+    return {"phases": _phase_run(eng, prompts, sp, mode), "kernels": _kernel_run(eng, prompts, sp, mode, top),
+            "cprofile": _cprofile_run(eng, prompts, sp, mode, top)}
