@@ -748,6 +748,13 @@ def main(argv: list[str] | None = None) -> int:
     for flag, path in (("--out", ns.out), ("--plot", ns.plot)):
         if path is not None and Path(path).is_dir():
             parser.error(f"{flag} {path}: is a directory; give a file path (missing parent folders are created)")
+    if ns.profile is not None:
+        if ns.shape is not None or ns.weight_sync:
+            parser.error("--profile profiles the model mode's cells: not with --shape or --weight-sync")
+        try:  # made before any cell runs: a bad folder fails now, not after the timed runs
+            Path(ns.profile).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            parser.error(f"--profile {ns.profile}: cannot make the folder ({e.strerror or e})")
     console = Console(stderr=False, width=None if sys.stdout.isatty() else 200)
     log = (lambda msg: print(msg, file=sys.stderr))
     if ns.weight_sync:

@@ -176,7 +176,9 @@ def test_bench_rejects_unknown_method(capsys):
 
 @pytest.mark.parametrize("args,msg", [(["--shape", "tiny", "--device", "nope"], "expected cpu, cuda or cuda:N"),
                                       (["--out", "/tmp"], "is a directory"),
-                                      (["--shape", "tiny", "--context", "100000000"], "positions per request")])
+                                      (["--shape", "tiny", "--context", "100000000"], "positions per request"),
+                                      (["--shape", "tiny", "--profile", "/tmp/p"], "not with --shape"),
+                                      (["--profile", "/dev/null/p"], "cannot make the folder")])
 def test_bad_arguments_fail_up_front(args, msg, capsys):
     """Argument errors exit 2 before anything runs (not a traceback after the benchmark)."""
     from adaflash_ray.bench import main
@@ -276,3 +278,25 @@ def test_lookup_device_option_reaches_the_engines(monkeypatch, flags, want):
     monkeypatch.setattr(bench_mod, "bench", fake_bench)
     assert main(["--methods", "ar", "hybrid", "--concurrency", "1", "--num-prompts", "1", *flags]) == 2
     assert seen["engine_kwargs"] == want
+
+
+@pytest.mark.slow
+def test_profile_writes_one_document_per_cell_and_method(tmp_path, capsys):
+    """``--profile DIR`` (adaflash_ray.step_profile through the bench): one JSON per (domain, concurrency, method) with
+    the decode steps by kind and shape (AR: as many as the kernel run counted), a kernel table and a cProfile; the rows
+    of the bench itself are unchanged (the profile runs come after the timed ones)."""
+    prof = tmp_path / "prof"
+    rc = main(["--recipe", str(ROOT / "recipes" / "cpu_tiny.yaml"), "--methods", "ar", "hybrid", "--concurrency", "1",
+               "--domains", "code", "--num-prompts", "1", "--max-new-tokens", "6", "--profile", str(prof)])
+    assert rc == 0
+    doc = _last_json(capsys)
+    assert [r["method"] for r in doc["rows"]] == ["ar", "hybrid"] and all(r["lossless"] for r in doc["rows"])
+    assert sorted(p.name for p in prof.iterdir()) == ["code_c1_ar.json", "code_c1_hybrid.json"]
+    for method in ("ar", "hybrid"):
+        d = json.loads((prof / f"code_c1_{method}.json").read_text())
+        assert (d["method"], d["domain"], d["concurrency"]) == (method, "code", 1)
+        steps = sum(p["count"] for p in d["phases"].values())
+        # AR takes the same steps in every run; the hybrid's choices follow measured times (its runs may differ)
+        assert steps == d["kernels"]["num_steps"] if method == "ar" else steps > 0 and d["kernels"]["num_steps"] > 0
+        assert all(k.split(" ")[0] == "ar" for k in d["phases"]) == (method == "ar")
+        assert d["kernels"]["top"] and d["cprofile"].startswith(f"{d['kernels']['num_steps']} decode steps")
