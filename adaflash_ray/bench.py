@@ -108,11 +108,16 @@ BLOCK_GUARD = "-block-guard"
 #: ``hybrid`` + this suffix: the planner under SpecEngine ``objective="drain"`` (with no request waiting, the requests
 #: that finish before the batch's slowest even without drafts weigh 0 in its choice of width)
 DRAIN = "-drain"
+#: ``hybrid`` + this suffix: the drafter's block proposed in the step that verifies it (SpecEngine
+#: ``propose_first=True``; needs the lookups on the device: the default on CUDA, ``--lookup-device device`` on CPU)
+PROPOSE_FIRST = "-propose-first"
 
 
 def base_method(method: str) -> str:
-    """``method`` without :data:`UNGUARDED` / :data:`TABLE_COST` / :data:`BLOCK_GUARD` / :data:`DRAIN`."""
-    return method.removesuffix(UNGUARDED).removesuffix(TABLE_COST).removesuffix(BLOCK_GUARD).removesuffix(DRAIN)
+    """``method`` without :data:`UNGUARDED` / :data:`TABLE_COST` / :data:`BLOCK_GUARD` / :data:`DRAIN` /
+    :data:`PROPOSE_FIRST`."""
+    return method.removesuffix(UNGUARDED).removesuffix(TABLE_COST).removesuffix(BLOCK_GUARD).removesuffix(
+        DRAIN).removesuffix(PROPOSE_FIRST)
 
 
 def method_policy(method: str) -> str:
@@ -130,11 +135,11 @@ def method_policy(method: str) -> str:
 def known_methods() -> list[str]:
     """``ar``, ``dflash``, ``adaflash-<policy>`` for every registered policy with a trained head, ``ngram``,
     ``suffix``, ``hybrid``, ``hf-generate``, ``<m>-unguarded`` for the methods with a throughput guard,
-    ``hybrid-table-cost``, ``hybrid-block-guard`` and ``hybrid-drain``."""
+    ``hybrid-table-cost``, ``hybrid-block-guard``, ``hybrid-drain`` and ``hybrid-propose-first``."""
     adaptive = [ADAPTIVE_PREFIX + name for name, spec in LENGTH_POLICIES.items() if spec.head is not None]
     return ["ar", "dflash", ARGMAX_METHOD, *adaptive, *SOURCE_METHODS, HF_METHOD,
             *[m + UNGUARDED for m in GUARDED_METHODS], "hybrid" + TABLE_COST, "hybrid" + BLOCK_GUARD,
-            "hybrid" + DRAIN]
+            "hybrid" + DRAIN, "hybrid" + PROPOSE_FIRST]
 
 
 def _spare_prompts(tok, domain: str, main: list[list[int]], n: int, max_prompt_tokens: int, seed: int
@@ -381,6 +386,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                     extra["block_guard"] = True
                 if method.endswith(DRAIN):
                     extra["objective"] = "drain"
+                if method.endswith(PROPOSE_FIRST):
+                    extra["propose_first"] = True
                 eng = SpecEngine.from_config(cfg, models=(target, None if method in NO_DRAFTER else drafter,
                                                           heads.get(policy) if method not in NO_DRAFTER else None),
                                              policy=policy, max_batch_size=conc, max_seq_len=max_seq_len,

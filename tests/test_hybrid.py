@@ -1407,3 +1407,79 @@ def test_step_profile_accounts_every_decode_step(tiny_target):
     assert not {"_run", "step"} & set(vars(engine.runner))
     assert any(name == "aten::linear" and n > 0 for name, n, _ in kernels["top"])
     assert doc["cprofile"].startswith(f"{kernels['num_steps']} decode steps")
+
+
+def test_propose_first_greedy_lossless_and_proposes_only_for_its_own_verify(tiny_target):
+    """SpecEngine(propose_first=True), DFlash + suffix with device lookups (eager CPU): greedy output == the target's
+    over two passes (the second with the first's outputs in the corpus); a step proposes a block exactly when some row
+    verifies the drafter's block (never one for the next step), the first planned step probes the block at the full
+    γ, and the verified blocks' estimates reach the planner (block_estimate)."""
+    from adaflash_ray.engine.engine import PROPOSE_FIRST_PROBE
+    prompts = _prompts()
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
+    engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=160,
+                        draft_sources=("dflash", "suffix"), lookup_device="device", propose_first=True)
+    assert engine.planner.block_estimate() is None
+    steps = []
+    orig = engine.runner.step
+
+    def step(slots, anchors, anchor_pos, draft_lens, spec, propose=True, host_drafts=None, append=None,
+             lookup_rows=None, lookup=False, block_match=True, propose_first=False):
+        steps.append((propose and spec, propose_first, list(draft_lens), lookup_rows))
+        return orig(slots, anchors, anchor_pos, draft_lens, spec, propose, host_drafts, append, lookup_rows, lookup,
+                    block_match, propose_first)
+    engine.runner.step = step
+    for _ in range(2):
+        reqs = engine.generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))
+        for r in reqs:
+            assert r.output_ids == greedy_reference(tiny_target, r.prompt_ids, 40)
+    spec_steps = steps  # every step is planned (no AR mode); prefills are not runner steps
+    assert not any(p for p, _, _, _ in spec_steps)  # never a block for the next step
+    first = spec_steps[0]
+    assert first[1] and max(first[2]) == 7  # the probe: the block at γ = bs - 1 in every row
+    for _, pf, lens, rows in spec_steps:
+        block_rows = [g > 0 and not (rows is not None and rows[i]) for i, g in enumerate(lens)]
+        assert pf == any(block_rows)
+    assert engine.stats.source_hist["dflash"] > 0 and engine.planner.block_estimate() is not None
+    assert len(engine.planner.block_estimate()) == 7 and PROPOSE_FIRST_PROBE > 1
+
+
+def test_propose_first_needs_the_block_and_device_lookups(tiny_target):
+    """propose_first without 'dflash' among the sources, or with the lookups on the host, is refused."""
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
+    for kw in (dict(draft_sources=("suffix",), lookup_device="device"),
+               dict(draft_sources=("dflash", "suffix"), lookup_device="host"), dict()):
+        with pytest.raises(ValueError, match="propose_first needs 'dflash' and a lookup source"):
+            SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=64,
+                       propose_first=True, **kw)
+
+
+def test_propose_first_sampled_blocks_follow_the_target(monkeypatch):
+    """Temperature 0.8, vocab 12, the propose-first hybrid made to verify its own fresh block on every step
+    (PROPOSE_FIRST_PROBE 0: the block at the full γ in every row, its q from this step's propose at output index 0):
+    the joint law of the first 4 generated tokens equals the target's (χ² on pairs, p > 0.001)."""
+    import adaflash_ray.engine.engine as engine_mod
+    monkeypatch.setattr(engine_mod, "PROPOSE_FIRST_PROBE", 0)
+    vocab, temp, num = 12, 0.8, 2048
+    target = make_tiny_target("qwen3", vocab_size=vocab, seed=2, logit_scale=2.0)
+    drafter, head = make_drafter(target, block_size=4, layers=1, policy="cost", seed=7)
+    prompt = [1, 2, 3, 4, 5]
+    engine = SpecEngine(target, drafter, head, policy="cost", max_batch_size=64, max_seq_len=32, seed=11,
+                        draft_sources=("dflash", "suffix"), lookup_device="device", lookup_corpus_tokens=256,
+                        propose_first=True, throughput_guard=False)
+    reqs = engine.generate([prompt] * num, SamplingParams(max_new_tokens=4, temperature=temp))
+    toks = np.array([r.output_ids for r in reqs])  # [num, 4]
+    s = engine.stats
+    assert s.source_hist["dflash"] > num and 0.05 < s.num_accepted / s.num_drafted < 0.95
+    prefixes = torch.cartesian_prod(*[torch.arange(vocab)] * 3)  # [1728, 3], t1 major
+    ids = torch.cat([torch.tensor(prompt).expand(len(prefixes), -1), prefixes], 1)
+    with torch.no_grad():
+        logits = target(ids, torch.arange(ids.shape[1]).expand_as(ids)).logits[:, -4:]  # [1728, 4, V]
+    cond = torch.softmax(logits.double() / temp, -1).reshape(vocab, vocab, vocab, 4, vocab)
+    p1, p2, p3, p4 = cond[0, 0, 0, 0], cond[:, 0, 0, 1], cond[:, :, 0, 2], cond[:, :, :, 3]
+    joint = p1[:, None, None, None] * p2[:, :, None, None] * p3[:, :, :, None] * p4
+    for name, (cells, law) in {"t1,t2": (toks[:, 0] * vocab + toks[:, 1], joint.sum((2, 3))),
+                               "t2,t3": (toks[:, 1] * vocab + toks[:, 2], joint.sum((0, 3))),
+                               "t3,t4": (toks[:, 2] * vocab + toks[:, 3], joint.sum((0, 1)))}.items():
+        observed = np.bincount(cells, minlength=law.numel()).astype(float)
+        assert _chi2_pvalue(observed, law.flatten().numpy() * num) > 1e-3, name

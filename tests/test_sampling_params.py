@@ -329,3 +329,21 @@ def test_step_flags_off_on_the_common_path(monkeypatch, target):
                                              logprobs=20)  # both requests running
     assert any(not k.sampling.min_tokens for k in keys)  # after 10 tokens
     assert eng.runner.sampling.counts is not None
+
+
+def test_seeded_output_through_the_propose_first_hybrid(target):
+    """The hybrid whose block is proposed in the step that verifies it (SpecEngine propose_first; DFlash + suffix,
+    device lookups): seeded requests come out as the reference loop's samples at their uniforms, greedy ones as the
+    target's greedy output - the block's q and its output indices (base 0 at the step's own anchor) line up with the
+    verify."""
+    prompts = _prompts()
+    sps = [SamplingParams(max_new_tokens=NEW, ignore_eos=True, **kw) for kw in SEEDED[:3]]
+    refs = [reference_generate(target, prompts[i % 3], sp, set(sp.stop_token_ids or ())) for i, sp in enumerate(sps)]
+    drafter, head = make_drafter(target, block_size=8, policy="cost", seed=3)
+    eng = SpecEngine(target, drafter, head, policy="cost", max_seq_len=128, max_batch_size=4,
+                     draft_sources=("dflash", "suffix"), lookup_device="device", propose_first=True)
+    greedy = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    out = eng.generate(prompts + [prompts[1]], [SamplingParams(**vars(sp)) for sp in sps] + [greedy])
+    assert [r.output_ids for r in out[:3]] == refs
+    assert out[3].output_ids == reference_generate(target, prompts[1], greedy, set())
+    assert eng.stats.source_hist["dflash"] > 0

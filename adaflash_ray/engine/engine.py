@@ -56,6 +56,8 @@ _FLOAT_WIDTH = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.flo
 #: batch's horizon weighs 0, and a request's committed-per-step rate starts from DRAIN_PRIOR pseudo-steps of 1 token
 OBJECTIVES = ("throughput", "drain")
 DRAIN_MARGIN, DRAIN_PRIOR = 0.1, 4
+#: under ``propose_first``: planned steps without a verified block before one verifies it at the full γ again
+PROPOSE_FIRST_PROBE = 32
 _slot_of = attrgetter("slot")
 log = logging.getLogger(__name__)
 
@@ -123,6 +125,7 @@ class _Batch(NamedTuple):
     host_drafts: list[list[int] | None] | None = None
     lookup_rows: list[bool] | None = None  # rows verifying the device lookup's proposal
     lookup: bool = False  # the step proposes the next device lookup drafts
+    propose_first: bool = False  # the step proposes its own block before the verify (SpecEngine propose_first)
     batch_size: int = 0  # max(slot) + 1 (the cost table's and the throughput guard's batch size)
     blocks: bool = False  # some row has a pending drafter block (the planner scores it on other sources' steps)
     slots: list[int] | None = None  # the requests' KV slots, host ints (None: read from the requests)
@@ -204,9 +207,17 @@ class SpecEngine:
             It trades the early finishers' latency for the batch's makespan (offline batches, one wave of requests).
         clock: seconds, monotonic (``time.perf_counter``); what the step timings and the guard read (a test's fake
             clock makes them deterministic).
+        propose_first: with ``"dflash"`` among the planner's sources, the drafter's block is proposed at the start of
+            the step that verifies it (``ModelRunner.step(propose_first=True)``), not at the end of the step before:
+            a step pays the propose only when the planner chooses the block for some row, with this step's lookup
+            proposals in view. Before the plan the block has no head estimate of its own: every row takes the recent
+            blocks' mean estimate (the planner's, from the blocks this mode verified, calibrated by their realised
+            acceptance), and the block is tried at the full γ on the first planned step and again after
+            :data:`PROPOSE_FIRST_PROBE` planned steps without it. False: the block proposed one step ahead.
     Raises:
         ValueError: bad ``draft_sources`` (:func:`~adaflash_ray.engine.hybrid.check_draft_sources`), ``"dflash"``
-            among them without the ``cost`` policy, an unknown ``lookup_device`` or ``objective``.
+            among them without the ``cost`` policy, an unknown ``lookup_device`` or ``objective``;
+            ``propose_first`` without ``"dflash"`` and a device lookup source in ``draft_sources``.
     """
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, length_head: torch.nn.Module | None,
@@ -217,7 +228,7 @@ class SpecEngine:
                  draft_sources=None, suffix_corpus: SuffixCorpus | None = None, lookup_max_ngram: int = 3,
                  argmax_drafts: bool = False, lookup_device: str = "auto", lookup_corpus_tokens: int = 1 << 16,
                  throughput_guard: bool = True, block_guard: bool = False, compact_slots: bool = True,
-                 objective: str = "throughput", clock=time.perf_counter):
+                 objective: str = "throughput", clock=time.perf_counter, propose_first: bool = False):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {list(OBJECTIVES)}, got {objective!r}")
         self.objective = objective
@@ -288,6 +299,13 @@ class SpecEngine:
             if self.lookup_on_device:
                 self.runner.lookup.reset_corpus(corpus.sequences())
         self.planner: HybridPlanner | None = None
+        if propose_first and (self.draft_sources is None or "dflash" not in self.draft_sources
+                              or not self.lookup_on_device):
+            raise ValueError(f"propose_first needs 'dflash' and a lookup source among draft_sources, with the lookups "
+                             f"on the device (lookup_device 'device', or 'auto' on CUDA); got draft_sources "
+                             f"{self.draft_sources}, lookups on the device: {self.lookup_on_device}")
+        self.propose_first = bool(propose_first)
+        self._pf_since: int | None = None  # planned steps since the last one that verified a block (None: none yet)
         if self.draft_sources is not None:
             self.planner = HybridPlanner(self.draft_sources, self.runner.max_draft, self.runner.block_size,
                                          self.runner._width_buckets, probe_every=probe_every,
@@ -483,7 +501,8 @@ class SpecEngine:
         captured = self.runner.step_captured
         st.num_captures += bool(captured)
         if batch.choices is not None and not captured and not caught_up[0]:  # a planned step, no one-off work in it
-            self.planner.observe_step(*self.runner.step_shape, batch.propose and self.drafter is not None,
+            self.planner.observe_step(*self.runner.step_shape,
+                                      (batch.propose or batch.propose_first) and self.drafter is not None,
                                       1e3 * seconds)
         if self.guard is not None and not captured:  # a graph capture's time is no step's cost
             n = len(batch.requests)
@@ -666,6 +685,8 @@ class SpecEngine:
         # before this step's result rewrites them, and keeps none)
         props, valid = self._dev_props[slot_rows], self._dev_valid[slot_rows]
         arrays = LookupArrays(props[:, nd], props[:, nd + 1], props[:, nd + 2], props[:, nd + 3], valid)
+        if self.propose_first:
+            return self._plan_first(running, caps, batch_size, arrays, slots, fixed)
         expected = [r.dflash_expected for r in running] if self._any_block else [None] * n
         choices, propose = planner.plan(batch_size, caps, expected, [None] * n, fixed, device=arrays,
                                         block_off=block_off, weights=self._drain_weights(running, caps))
@@ -673,6 +694,28 @@ class SpecEngine:
         return _Batch(running, lens, True, propose, append=propose, choices=choices, lookup_rows=rows,
                       lookup=planner.lookup_due() or planner.spec_costs is None, batch_size=batch_size,
                       blocks=expected.count(None) != n, slots=slots)
+
+    def _plan_first(self, running: list[Request], caps: list[int], batch_size: int, arrays: LookupArrays,
+                    slots: list[int], fixed: list[int | None]) -> _Batch:
+        """:meth:`_plan_device` under ``propose_first``: every row's block is the recent blocks' mean estimate
+        (:meth:`HybridPlanner.block_estimate`), the planner chooses per row between it, the lookup and none, and the
+        step proposes its own block when a row verifies it. The first planned step, and one after
+        :data:`PROPOSE_FIRST_PROBE` planned steps without a block, verifies the block at the full γ in every row (a
+        row's own ``draft_len`` is kept) so that the estimate and its calibration keep learning."""
+        planner, n = self.planner, len(running)
+        est = planner.block_estimate()
+        probe = est is None or (self._pf_since is not None and self._pf_since >= PROPOSE_FIRST_PROBE)
+        if est is None:  # no block seen yet: a flat placeholder, only verified through the probe's fixed γ
+            est = [1.0] * (self.runner.block_size - 1)
+        if probe:
+            fixed = [f if f is not None else self.runner.block_size - 1 for f in fixed]
+        choices, _ = planner.plan(batch_size, caps, [est] * n, [None] * n, fixed, device=arrays,
+                                  weights=self._drain_weights(running, caps))
+        lens, rows = planner.plan_rows(choices)
+        first = any(c.source == "dflash" and g > 0 for c, g in zip(choices, lens))
+        self._pf_since = 0 if first else (self._pf_since or 0) + 1
+        return _Batch(running, lens, True, False, append=first, choices=choices, lookup_rows=rows, lookup=True,
+                      batch_size=batch_size, blocks=False, slots=slots, propose_first=first)
 
     def _drain_weights(self, running: list[Request], caps: list[int]) -> list[float] | None:
         """The planner's per-request weights under ``objective="drain"`` (None: every request 1 - the plain
@@ -727,7 +770,7 @@ class SpecEngine:
         return self.runner.step(slots, [r.output_ids[-1] for r in reqs],
                                 [len(r.prompt_ids) + len(r.output_ids) - 1 for r in reqs], batch.draft_lens, batch.spec,
                                 batch.propose, batch.host_drafts, batch.append, batch.lookup_rows, batch.lookup,
-                                block_match=batch.blocks)
+                                block_match=batch.blocks, propose_first=batch.propose_first)
 
     def _postprocess(self, batch: _Batch, res: StepResult, finished: list[Request]) -> None:
         """Record each request's step (γ, a, drafter version, draft source), commit its tokens, and tell the policy
@@ -774,6 +817,8 @@ class SpecEngine:
         stop = self._stop_union
         maybe_stop = bool(stop) and not stop.isdisjoint(chain.from_iterable(committed))
         slow_all = res.logprobs is not None or not self.fast_commit
+        if batch.propose_first and res.expected is not None:  # the blocks this step proposed and verified
+            planner.note_fresh_blocks(res.expected)
         new_blocks = res.expected if batch.propose else None  # each request's next pending block (planner)
         # the rows' pending blocks are written unless they are None already and stay None
         set_blocks = planner is not None and (new_blocks is not None or self._any_block)

@@ -414,6 +414,9 @@ class HybridPlanner:
         # for every row's block in that step's net value, so the net value is averaged over every step, not only over
         # the steps that proposed (None: no block seen since construction or reset)
         self._block_est: list[float] | None = None
+        # under the engine's propose_first: the same average over the blocks proposed and verified in one step (the
+        # only blocks that mode has; block_estimate() reads it), None before the first
+        self._fresh_est: list[float] | None = None
         # (_block_est, the dflash factor, max(factor * _block_est, 0) as [max_draft + 1] float64): _stand_in_net
         self._block_est_array: tuple | None = None
         self.last_value: float | None = None  # expected tokens per ms of the last plan (None without costs)
@@ -608,6 +611,26 @@ class HybridPlanner:
         self._use = dict(USE_START)
         self._block_net = 0.0
         self._block_est = None
+        self._fresh_est = None
+
+    def note_fresh_blocks(self, expected: list[list[float]]) -> None:
+        """Blocks proposed and verified in one step (the engine's ``propose_first``): ``expected`` per row the block's
+        uncalibrated E[committed | γ], γ = 1..bs-1. Their mean E[accepted | γ] (index γ = 0..max_draft, flat past the
+        block) joins the moving average (:data:`NET_EMA`) that :meth:`block_estimate` reads."""
+        nd = self.max_draft
+        rows = np.asarray(expected, dtype=np.float64)  # [n, bs-1]
+        mean = np.concatenate([[0.0], rows.mean(0) - 1.0])
+        if len(mean) < nd + 1:
+            mean = np.concatenate([mean, np.full(nd + 1 - len(mean), mean[-1])])
+        raw = mean[:nd + 1].tolist()
+        est = self._fresh_est
+        self._fresh_est = raw if est is None else [(1 - NET_EMA) * a + NET_EMA * b for a, b in zip(est, raw)]
+
+    def block_estimate(self) -> list[float] | None:
+        """The recent fresh blocks' uncalibrated E[committed | γ] for γ = 1..bs-1 (:meth:`note_fresh_blocks`), as a
+        pending block's estimate reads (:meth:`plan`'s ``dflash_expected``); None before the first."""
+        est = self._fresh_est
+        return None if est is None else [1.0 + est[g] for g in range(1, self.block_size)]
 
     # ------------------------------------------------------------------ the choice
     def plan(self, batch_size: int, caps: list[int], dflash_expected: list[list[float] | None],

@@ -95,7 +95,8 @@ class StepKey(NamedTuple):
     append: with ``spec``, the drafter context takes the step's positions (False: they are caught up from the feature
     history before the next step that needs them). lookup: at the end of the step the device lookup
     (:class:`~adaflash_ray.engine.device_lookup.DeviceLookup`) proposes every row's next lookup draft from its new
-    context (off: the step's graph has none of it).
+    context (off: the step's graph has none of it). propose_first: the drafter proposes a block for the step's own
+    anchors before the verify, which then checks it (``propose`` is then off: no block for the next step).
     """
 
     batch_size: int
@@ -107,6 +108,7 @@ class StepKey(NamedTuple):
     sampling: SamplingFlags = SamplingFlags()
     append: bool = True
     lookup: bool = False
+    propose_first: bool = False
 
 
 #: E[committed tokens] travel to the host as fixed-point integers in the step's one output buffer (int64)
@@ -433,7 +435,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step (graph body)
     def _step_fn(self, b: int, w: int, span: int, spec: bool, propose: bool = True, host_drafts: bool = False,
-                 sampling: SamplingFlags = SamplingFlags(), append: bool = True, lookup: bool = False) -> None:
+                 sampling: SamplingFlags = SamplingFlags(), append: bool = True, lookup: bool = False,
+                 propose_first: bool = False) -> None:
         """Rows 0..b-1, verify width w, keys 0..span-1. Reads in_ints / in_floats / in_uniforms / drafts; writes out,
         caches, histories, drafts, the output counts. ``spec`` without ``propose``: no block is proposed (an AR step
         of the ``cost`` policy's γ = 0, or a step that verifies only host drafts); with ``append`` the drafter
@@ -441,7 +444,9 @@ class ModelRunner:
         drafts (flag 1) or the device lookup's latest proposal (flag 2; a point-mass q when sampling) instead of the
         drafter's. With a device lookup the committed tokens join the slots' token histories; ``lookup``: then the
         next lookup proposals are made from the new contexts (keys 0..span, ``out``'s lookup columns).
-        ``sampling`` says which processing the rows
+        ``propose_first``: the drafter first proposes a block at each row's anchor (its context holds the positions
+        before it), whose drafts this step verifies (rows flagged for host / lookup drafts keep theirs) and whose
+        E[committed | γ] goes to ``out`` as a proposing step's would. ``sampling`` says which processing the rows
         need; window position j's penalty counts and min_tokens test include the drafts
         d_1..d_j. Seeded rows verify against the target's own sample at their uniforms (drafter-invariant, see
         :mod:`adaflash_ray.engine.sampling`). No host synchronisation (CUDA-graph safe)."""
@@ -456,6 +461,10 @@ class ModelRunner:
         ar = torch.arange(w, device=dev)
         positions = (pos[:, None] + ar).clamp(max=self.max_seq_len - 1)  # [B, W] (clamp: padded columns only)
         g_max = w - 1
+        first_exp = None
+        if propose_first:  # this step's own block: its anchor and drafter context are current (base 0: output index 0)
+            _, first_exp = self._propose(torch.arange(b, device=dev), anchor, pos, span, rs, sample,
+                                         torch.zeros_like(pos), rows_are_slots=True, live=pos > 0)
         d = self.drafts[:b, :g_max]  # [B, Γ]
         point = None
         if host_drafts:
@@ -524,6 +533,8 @@ class ModelRunner:
             self.out[:b, w + 1] = gamma_next
             if expected is not None:
                 self.out[:b, self._exp_col:self._look_col] = (expected * EXPECTED_SCALE).round().long()
+        elif first_exp is not None:
+            self.out[:b, self._exp_col:self._look_col] = (first_exp * EXPECTED_SCALE).round().long()
 
     def _write_logprobs(self, rows, logits: torch.Tensor, tokens: torch.Tensor, k: int) -> None:
         """Log-probabilities under the raw target distribution (log_softmax of the logits before any processing,
@@ -652,7 +663,7 @@ class ModelRunner:
     def step(self, slots: list[int], anchors: list[int], anchor_pos: list[int], draft_lens: list[int], spec: bool,
              propose: bool = True, host_drafts: list[list[int] | None] | None = None,
              append: bool | None = None, lookup_rows: list[bool] | None = None, lookup: bool = False,
-             block_match: bool = True) -> StepResult:
+             block_match: bool = True, propose_first: bool = False) -> StepResult:
         """One decoding step for the running requests in ``slots`` (each prefilled into its slot: the sampling
         settings are the ones :meth:`prefill` recorded).
 
@@ -676,11 +687,17 @@ class ModelRunner:
             block_match: on a step that verifies host / device-lookup drafts with a drafter, decode the pending
                 blocks' match (``StepResult.block_match``); False leaves it None (no row has a current block: the
                 caller has nothing to score; the device computes it either way).
+            propose_first: with ``spec`` and a drafter, propose a block at the anchors first and verify it in this
+                step (rows with host / device-lookup drafts verify those); ``propose`` must then be False. The
+                block's E[committed | γ] comes back as ``StepResult.expected`` (with an ``expected_fn``) and
+                ``next_draft_lens`` are 0.
         Raises:
             ValueError: drafter drafts to verify without a drafter, or host drafts shorter than their γ or longer
                 than ``max_draft``; ``lookup`` / ``lookup_rows`` without a device lookup.
         """
         has_drafter = self.drafter is not None
+        if propose_first and (propose or not spec or not has_drafter):
+            raise ValueError("propose_first needs a speculative step with a drafter and propose=False")
         propose = (propose or not spec) and has_drafter
         append = (spec if append is None else append and spec) and has_drafter
         use_host = host_drafts is not None and any(h is not None for h in host_drafts)
@@ -700,7 +717,7 @@ class ModelRunner:
             elif spec and g and not has_drafter:
                 raise ValueError(f"request {i}: γ {g} without host drafts needs a drafter's pending block")
         self.step_catch_up, self.step_captured = (0, 0.0), False
-        if has_drafter and spec and (propose or append):  # a context left behind by AR steps comes back first
+        if has_drafter and spec and (propose or append or propose_first):  # a context left behind comes back first
             stale = [(s, self.ctx_len[s], p) for s, p in zip(slots, anchor_pos) if self.ctx_len[s] < p]
             if stale:
                 t0 = self.clock()
@@ -713,7 +730,7 @@ class ModelRunner:
             b = _round_up(b, self._batch_buckets)
             w = _round_up(w, self._width_buckets)
         self.step_shape = (b, w)  # the rows and verify width the device runs (buckets on CUDA)
-        span = self._span(max(anchor_pos) + w + (self.block_size if spec and propose else 0))
+        span = self._span(max(anchor_pos) + w + (self.block_size if spec and (propose or propose_first) else 0))
         idx = np.asarray(slots)
         ints, floats = self._ints_host.numpy(), self._floats_host.numpy()
         num_generated = np.asarray(anchor_pos) + 1 - self.sampling.prompt_len[idx]
@@ -739,12 +756,12 @@ class ModelRunner:
         self.in_floats[:b].copy_(self._floats_host[:b], non_blocking=True)
         if flags.seeded:
             self.in_uniforms[:b].copy_(self._uniforms_host[:b], non_blocking=True)
-        if spec and not (propose or append or use_host) and w == 1:  # the cost policy's γ = 0 step: the AR step's
+        if spec and not (propose or append or use_host or propose_first) and w == 1:  # the cost policy's γ = 0 step: the AR step's
             key = StepKey(b, w, span, False, has_drafter, False, flags, False, lookup)  # graph (same work, no capture)
         else:
-            key = StepKey(b, w, span, spec, propose, use_host and spec, flags, append, lookup)
+            key = StepKey(b, w, span, spec, propose, use_host and spec, flags, append, lookup, propose_first)
         self._run(key)
-        with_exp = spec and propose and self.expected_fn is not None
+        with_exp = spec and (propose or propose_first) and self.expected_fn is not None
         with_cf = use_host and spec and has_drafter and w > 1 and block_match
         cols = self._num_out_cols(w, with_exp, flags.logprobs, lookup, with_cf)
         host = self.out[:b, :cols].cpu().numpy()  # the one transfer
