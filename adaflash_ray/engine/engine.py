@@ -699,7 +699,9 @@ class SpecEngine:
                     slots: list[int], fixed: list[int | None]) -> _Batch:
         """:meth:`_plan_device` under ``propose_first``: every row's block is the recent blocks' mean estimate
         (:meth:`HybridPlanner.block_estimate`), the planner chooses per row between it, the lookup and none, and the
-        step proposes its own block when a row verifies it. The first planned step, and one after
+        step proposes its own block when a row verifies it. Every step appends its positions to the drafter context
+        (a block then never waits for a catch-up of the positions the lookup-only steps skipped). The first planned
+        step, and one after
         :data:`PROPOSE_FIRST_PROBE` planned steps without a block, verifies the block at the full γ in every row (a
         row's own ``draft_len`` is kept) so that the estimate and its calibration keep learning."""
         planner, n = self.planner, len(running)
@@ -714,7 +716,7 @@ class SpecEngine:
         lens, rows = planner.plan_rows(choices)
         first = any(c.source == "dflash" and g > 0 for c, g in zip(choices, lens))
         self._pf_since = 0 if first else (self._pf_since or 0) + 1
-        return _Batch(running, lens, True, False, append=first, choices=choices, lookup_rows=rows, lookup=True,
+        return _Batch(running, lens, True, False, append=True, choices=choices, lookup_rows=rows, lookup=True,
                       batch_size=batch_size, blocks=False, slots=slots, propose_first=first)
 
     def _drain_weights(self, running: list[Request], caps: list[int]) -> list[float] | None:
