@@ -1389,7 +1389,7 @@ def test_realised_cost_per_width_corrects_the_tables_slope(per_width):
 def test_step_profile_accounts_every_decode_step(tiny_target):
     """adaflash_ray.step_profile (bench --profile): the phase run counts each decode step once under its kind and the
     shape the device ran, its phases add up to no more than its wall time, the engine's own methods come back; the
-    kernel run sees the forward's ops; the cProfile run reports the same number of steps."""
+    kernel run counts top-level aten ops; the cProfile run reports the same number of steps."""
     from adaflash_ray.step_profile import PHASES, profile_run
     engine = SpecEngine(tiny_target, make_drafter(tiny_target, policy="fixed")[0], None, max_batch_size=2,
                         max_seq_len=160, policy="fixed")  # the same steps in each of the three runs
@@ -1405,7 +1405,8 @@ def test_step_profile_accounts_every_decode_step(tiny_target):
     assert any(k.startswith("draft") for k in phases)
     assert not {"step", "_admit", "_schedule", "_postprocess"} & set(vars(engine))
     assert not {"_run", "step"} & set(vars(engine.runner))
-    assert any(name == "aten::linear" and n > 0 for name, n, _ in kernels["top"])
+    assert kernels["per_step"] > 0 and kernels["us_per_step"] > 0  # aten ops per step (which ones: torch's choice)
+    assert all(name.startswith("aten::") and n > 0 for name, n, _ in kernels["top"])
     assert doc["cprofile"].startswith(f"{kernels['num_steps']} decode steps")
 
 
