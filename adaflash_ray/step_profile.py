@@ -11,7 +11,7 @@ runs: its graphs are captured):
    the device and the one device -> host copy), ``postprocess`` (``SpecEngine._postprocess``) and ``other``; and the
    **device** time of the forward (CUDA events around ``ModelRunner._run``; on CPU the same host time as ``launch``).
    A step whose wall time is well above its device time is host-bound: the GPU idles for the difference.
-2. **kernels** (torch.profiler): per decode step the device kernels by name, count and µs (CUDA), or the top-level
+2. **kernels** (torch.profiler): per decode step the device kernels by name, count and µs (CUDA), or the outermost
    aten ops (CPU); prefills included.
 3. **cprofile**: the host functions by own time (cProfile over the whole run, prefills included).
 
@@ -106,7 +106,7 @@ def _phase_run(eng: SpecEngine, prompts: list[list[int]], sp: SamplingParams, mo
 
 
 def _kernel_run(eng: SpecEngine, prompts, sp: SamplingParams, mode: str, top: int) -> dict:
-    """One run under torch.profiler: kernels (CUDA) or top-level aten ops (CPU) per decode step."""
+    """One run under torch.profiler: kernels (CUDA) or the outermost aten ops (CPU) per decode step."""
     from torch.profiler import ProfilerActivity, profile
     cuda = eng.runner.is_cuda
     eng.stats = SpecStats()
@@ -122,8 +122,9 @@ def _kernel_run(eng: SpecEngine, prompts, sp: SamplingParams, mode: str, top: in
                 continue
             us = getattr(e, "device_time_total", None)
             us = e.cuda_time_total if us is None else us
-        elif e.cpu_parent is not None or not e.name.startswith("aten::"):
-            continue
+        elif not e.name.startswith("aten::") or (e.cpu_parent is not None and
+                                                 e.cpu_parent.name.startswith("aten::")):
+            continue  # the outermost aten ops only (under a record_function range or a compiled region too)
         else:
             us = e.cpu_time_total
         agg[e.name][0] += 1
