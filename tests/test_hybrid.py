@@ -1445,6 +1445,28 @@ def test_propose_first_greedy_lossless_and_proposes_only_for_its_own_verify(tiny
     assert len(engine.planner.block_estimate()) == 7 and PROPOSE_FIRST_PROBE > 1
 
 
+def test_propose_first_prefill_proposes_no_block(tiny_target):
+    """Under propose_first no step verifies a block proposed before it: a prefill (a request fixing its own γ
+    included) proposes none, yet appends the prompts' drafter context; the output stays the target's greedy one."""
+    prompts = _prompts()
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
+    engine = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=160,
+                        draft_sources=("dflash", "suffix"), lookup_device="device", propose_first=True)
+    calls = []
+    orig = engine.runner.prefill
+
+    def prefill(slots, prompts, params, spec, lookup=False, append=True):
+        calls.append((spec, append))
+        return orig(slots, prompts, params, spec, lookup, append)
+    engine.runner.prefill = prefill
+    for sp in (SamplingParams(max_new_tokens=20, ignore_eos=True),
+               SamplingParams(max_new_tokens=20, ignore_eos=True, draft_len=3)):
+        for r in engine.generate(prompts, sp):
+            assert r.output_ids == greedy_reference(tiny_target, r.prompt_ids, 20)
+    assert calls and all(c == (False, True) for c in calls), calls
+    assert engine.stats.source_hist["dflash"] > 0
+
+
 def test_propose_first_needs_the_block_and_device_lookups(tiny_target):
     """propose_first without 'dflash' among the sources, or with the lookups on the host, is refused."""
     drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)

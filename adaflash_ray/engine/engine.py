@@ -536,15 +536,18 @@ class SpecEngine:
         # the new requests' first block only while the step after would use it - the planner's schedule wants the
         # block (in use, or its probe due), the length policy is not in its γ = 0 regime, or a new request fixes its
         # own γ; otherwise their drafter context waits for the first step that proposes (caught up then)
-        # a step the throughput guard forces to AR (or the block guard keeps from proposing) drops the block too
-        propose = spec and self.drafter is not None and (
+        # a step the throughput guard forces to AR (or the block guard keeps from proposing) drops the block too;
+        # under propose_first no step verifies a pending block (each proposes its own): none here, the prompts'
+        # drafter context still appended (every planned step appends)
+        propose = spec and self.drafter is not None and not self.propose_first and (
             any(r.params.draft_len is not None for r in admitted)
             or (not self._next_step_forced() and
                 (self.planner.wants_block() if self.planner is not None
                  else self.policy is None or self.policy.admit_proposes(running_before))))
         dev_lookup = spec and self.lookup_on_device
         res = self.runner.prefill([r.slot for r in admitted], [r.prompt_ids for r in admitted],
-                                  [r.params for r in admitted], propose, lookup=dev_lookup, append=propose or not spec)
+                                  [r.params for r in admitted], propose, lookup=dev_lookup,
+                                  append=propose or not spec or self.propose_first)
         if self.lookup_on_device:
             self._keep_proposals([r.slot for r in admitted], res)
         gammas, expected = res.next_draft_lens, res.expected if propose else None
