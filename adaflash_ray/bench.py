@@ -329,7 +329,9 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
     rejection sampling; ``lossless`` / ``match_rate`` are then None - outputs differ from AR's by chance, the
     distribution is what the engine's tests check); the suffix corpus seeds stay AR greedy outputs.
 
-    ``profile_dir``: after a cell's timed runs, each engine method runs the cell's requests again under
+    ``profile_dir``: after the timed runs of every cell of a concurrency (one engine per method serves all its domains:
+    the instrumented runs must not change what a later cell's timed runs start from, nor the rows' engine state),
+    each engine method runs each cell's requests again under
     :func:`adaflash_ray.step_profile.profile_run` (host phases and device time by step kind and shape, kernels,
     cProfile), written to ``<profile_dir>/<domain>_c<concurrency>_<method>.json`` (not in the rows).
 
@@ -372,6 +374,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
     rows = []
     for conc in concurrency:
         engines: dict[str, SpecEngine] = {}
+        to_profile = []  # (method, domain, prompts, seeds): profiled once every timed run of this concurrency is done
 
         def engine_for(method: str) -> SpecEngine:
             if method not in engines:
@@ -436,9 +439,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                 for method in engine_methods:
                     runs_by[method].append(one_run(method))
             if profile_dir is not None:
-                for method in engine_methods:
-                    _profile_cell(engine_for(method), method, domain, conc, ps, seeds.get(domain, []), max_new_tokens,
-                                  profile_dir, log)
+                to_profile += [(method, domain, ps, seeds.get(domain, [])) for method in engine_methods]
             for method in methods:
                 base = {"method": method, "concurrency": conc, "domain": domain, "model": name,
                         "temperature": temperature,
@@ -505,6 +506,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
             for row in rows:
                 if row["domain"] == domain and row["concurrency"] == conc:
                     row["speedup_vs_ar"] = row["tokens_per_s"] / ar_tps if ar_tps else None
+        for method, domain, ps, domain_seeds in to_profile:
+            _profile_cell(engine_for(method), method, domain, conc, ps, domain_seeds, max_new_tokens, profile_dir, log)
         engines.clear()  # free this concurrency's KV caches and graphs before the next
         eng = reqs = None
         if device.startswith("cuda"):
@@ -710,9 +713,9 @@ def _parser() -> argparse.ArgumentParser:
                         "many as the cell's prompts, where the source has them)")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON document here")
     p.add_argument("--profile", default=None, metavar="DIR",
-                   help="after each cell's timed runs, profile every engine method over the same requests (host "
-                        "phases and device time by step kind and shape, kernels, cProfile: adaflash_ray.step_profile) "
-                        "into DIR/<domain>_c<concurrency>_<method>.json")
+                   help="after the timed runs of each concurrency, profile every engine method over each cell's "
+                        "requests (host phases and device time by step kind and shape, kernels, cProfile: "
+                        "adaflash_ray.step_profile) into DIR/<domain>_c<concurrency>_<method>.json")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="matplotlib PNG of the results")
     g = p.add_argument_group("shape mode (random weights: timings only, no acceptance)")
     g.add_argument("--shape", default=None, help="qwen3-8b | smollm2-135m | tiny")

@@ -281,6 +281,30 @@ def test_lookup_device_option_reaches_the_engines(monkeypatch, flags, want):
 
 
 @pytest.mark.slow
+def test_profile_runs_after_every_timed_run_of_the_concurrency(monkeypatch, capsys, tmp_path):
+    """An engine serves every domain of its concurrency: the profile's instrumented runs of a cell come after the timed
+    runs of all that concurrency's cells (they would feed the next domain's planner and guards), one per cell."""
+    import adaflash_ray.bench as bench_mod
+
+    events = []
+    run_engine = bench_mod._run_engine
+
+    def timed(engine, prompts, *a, **k):
+        events.append("timed")
+        return run_engine(engine, prompts, *a, **k)
+
+    monkeypatch.setattr(bench_mod, "_run_engine", timed)
+    monkeypatch.setattr(bench_mod, "_profile_cell", lambda eng, method, domain, conc, *a: events.append(
+        ("profile", method, domain, conc)))
+    rc = main(["--recipe", str(ROOT / "recipes" / "cpu_tiny.yaml"), "--methods", "ar", "--concurrency", "1", "2",
+               "--domains", "code", "qa", "--num-prompts", "1", "--max-new-tokens", "2", "--warmup", "none",
+               "--profile", str(tmp_path / "prof")])
+    assert rc == 0 and len(_last_json(capsys)["rows"]) == 4
+    assert events == (["timed"] * 2 + [("profile", "ar", d, 1) for d in ("code", "qa")]
+                      + ["timed"] * 2 + [("profile", "ar", d, 2) for d in ("code", "qa")])
+
+
+@pytest.mark.slow
 def test_profile_writes_one_document_per_cell_and_method(tmp_path, capsys):
     """``--profile DIR`` (adaflash_ray.step_profile through the bench): one JSON per (domain, concurrency, method) with
     the decode steps by kind and shape (AR: as many as the kernel run counted), a kernel table and a cProfile; the rows
