@@ -41,6 +41,10 @@ def _phase_run(eng: SpecEngine, prompts: list[list[int]], sp: SamplingParams, mo
     steps: list[dict] = []
     orig_step, orig_admit, orig_sched, orig_post = eng.step, eng._admit, eng._schedule, eng._postprocess
     orig_run, orig_rstep = runner._run, runner.step
+    # the instance attributes replaced below (a caller's own wrappers): set again afterwards, the rest deleted
+    patched = [(eng, "step"), (eng, "_admit"), (eng, "_schedule"), (eng, "_postprocess"), (runner, "_run"),
+               (runner, "step")]
+    own = [(o, n, vars(o)[n]) for o, n in patched if n in vars(o)]
 
     def timed(name, fn):
         def wrapper(*a, **k):
@@ -85,7 +89,10 @@ def _phase_run(eng: SpecEngine, prompts: list[list[int]], sp: SamplingParams, mo
         if cuda:
             torch.cuda.synchronize()
     finally:
-        del eng.step, eng._admit, eng._schedule, eng._postprocess, runner._run, runner.step  # the class's methods again
+        for o, n in patched:  # the class's methods again, or the caller's own attributes
+            delattr(o, n)
+        for o, n, f in own:
+            setattr(o, n, f)
     agg: dict[tuple, dict] = defaultdict(lambda: defaultdict(float))
     for s in steps:
         device = sum(a.elapsed_time(b) / 1e3 for a, b in s.pop("events", [])) if cuda else s.get("device", 0.0)

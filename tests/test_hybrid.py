@@ -1410,6 +1410,30 @@ def test_step_profile_accounts_every_decode_step(tiny_target):
     assert doc["cprofile"].startswith(f"{kernels['num_steps']} decode steps")
 
 
+def test_step_profile_gives_back_the_callers_own_wrappers(tiny_target):
+    """step_profile's phase run wraps the engine's and the runner's step methods: afterwards (a step that raised
+    included) a wrapper the caller had set on the instance is there again, and no other instance attribute is left."""
+    from adaflash_ray.step_profile import _phase_run
+    engine = SpecEngine(tiny_target, make_drafter(tiny_target, policy="fixed")[0], None, max_batch_size=2,
+                        max_seq_len=160, policy="fixed")
+    runner_step = engine.runner.step
+
+    def mine(*a, **k):
+        return runner_step(*a, **k)
+    engine.runner.step = mine
+    doc = _phase_run(engine, _prompts(), SamplingParams(max_new_tokens=6), "spec")
+    assert doc and engine.runner.step is mine and "_run" not in vars(engine.runner)
+    assert not {"step", "_admit", "_schedule", "_postprocess"} & set(vars(engine))
+
+    def broken(*a, **k):
+        raise RuntimeError("step failed")
+    engine._postprocess = broken
+    with pytest.raises(RuntimeError, match="step failed"):
+        _phase_run(engine, _prompts(), SamplingParams(max_new_tokens=6), "spec")
+    assert engine._postprocess is broken and engine.runner.step is mine and "_run" not in vars(engine.runner)
+    assert not {"step", "_admit", "_schedule"} & set(vars(engine))
+
+
 def test_propose_first_greedy_lossless_and_proposes_only_for_its_own_verify(tiny_target):
     """SpecEngine(propose_first=True), DFlash + suffix with device lookups (eager CPU): greedy output == the target's
     over two passes (the second with the first's outputs in the corpus); a step proposes a block exactly when some row
