@@ -1492,13 +1492,17 @@ def test_propose_first_prefill_proposes_no_block(tiny_target):
 
 
 def test_propose_first_needs_the_block_and_device_lookups(tiny_target):
-    """propose_first without 'dflash' among the sources, or with the lookups on the host, is refused."""
+    """propose_first without 'dflash' among the sources, with the lookups on the host, or with the block guard (which
+    compares steps that propose the next block with steps that do not: a propose-first engine has none) is refused."""
     drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
     for kw in (dict(draft_sources=("suffix",), lookup_device="device"),
                dict(draft_sources=("dflash", "suffix"), lookup_device="host"), dict()):
         with pytest.raises(ValueError, match="propose_first needs 'dflash' and a lookup source"):
             SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=64,
                        propose_first=True, **kw)
+    with pytest.raises(ValueError, match="propose_first and block_guard"):
+        SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=64, propose_first=True,
+                   block_guard=True, draft_sources=("dflash", "suffix"), lookup_device="device")
 
 
 def test_propose_first_sampled_blocks_follow_the_target(monkeypatch):

@@ -217,7 +217,8 @@ class SpecEngine:
     Raises:
         ValueError: bad ``draft_sources`` (:func:`~adaflash_ray.engine.hybrid.check_draft_sources`), ``"dflash"``
             among them without the ``cost`` policy, an unknown ``lookup_device`` or ``objective``;
-            ``propose_first`` without ``"dflash"`` and a device lookup source in ``draft_sources``.
+            ``propose_first`` without ``"dflash"`` and a device lookup source in ``draft_sources``, or with
+            ``block_guard``.
     """
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, length_head: torch.nn.Module | None,
@@ -304,6 +305,9 @@ class SpecEngine:
             raise ValueError(f"propose_first needs 'dflash' and a lookup source among draft_sources, with the lookups "
                              f"on the device (lookup_device 'device', or 'auto' on CUDA); got draft_sources "
                              f"{self.draft_sources}, lookups on the device: {self.lookup_on_device}")
+        if propose_first and block_guard:  # its steps never propose a next block: nothing for that guard to compare
+            raise ValueError("propose_first and block_guard do not go together: a propose-first step proposes no "
+                             "block for the next step, which is what the block guard compares")
         self.propose_first = bool(propose_first)
         self._pf_since: int | None = None  # planned steps since the last one that verified a block (None: none yet)
         if self.draft_sources is not None:
