@@ -282,6 +282,27 @@ def test_source_histogram_counts():
     assert dict((s + s).source_hist) == {"ngram": 4, "none": 2, "dflash": 2}
 
 
+def _assert_pairs_follow_the_target(target, prompt: list[int], toks: np.ndarray, temp: float):
+    """``toks`` ``[num, 4]``: the first 4 tokens sampled after ``prompt`` at ``temp`` from a target of a small vocabulary;
+    asserts that each pair of neighbours (t1,t2 / t2,t3 / t3,t4) follows the target's joint law (χ², p > 0.001, every
+    prefix of 3 tokens through the target). Returns (p1 ``[V]``, p2 ``[V, V]``): the laws of t1 and of t2 given t1."""
+    vocab, num = target.config.vocab_size, len(toks)
+    prefixes = torch.cartesian_prod(*[torch.arange(vocab)] * 3)  # [V^3, 3], t1 major
+    ids = torch.cat([torch.tensor(prompt).expand(len(prefixes), -1), prefixes], 1)
+    with torch.no_grad():
+        logits = target(ids, torch.arange(ids.shape[1]).expand_as(ids)).logits[:, -4:]  # [V^3, 4, V]
+    cond = torch.softmax(logits.double() / temp, -1).reshape(vocab, vocab, vocab, 4, vocab)
+    p1, p2, p3, p4 = cond[0, 0, 0, 0], cond[:, 0, 0, 1], cond[:, :, 0, 2], cond[:, :, :, 3]
+    joint = p1[:, None, None, None] * p2[:, :, None, None] * p3[:, :, :, None] * p4
+    checks = {"t1,t2": (toks[:, 0] * vocab + toks[:, 1], joint.sum((2, 3))),
+              "t2,t3": (toks[:, 1] * vocab + toks[:, 2], joint.sum((0, 3))),
+              "t3,t4": (toks[:, 2] * vocab + toks[:, 3], joint.sum((0, 1)))}
+    for name, (cells, law) in checks.items():
+        observed = np.bincount(cells, minlength=law.numel()).astype(float)
+        assert _chi2_pvalue(observed, law.flatten().numpy() * num) > 1e-3, name
+    return p1, p2
+
+
 @pytest.mark.parametrize("where", [pytest.param("host", marks=pytest.mark.long), "device"])  # host: ~30 s, long
 def test_sampled_lookup_drafts_follow_the_target(where):
     """Temperature 0.8, vocab 12, suffix drafts (host or device lookup) from a corpus of the target's own samples (a
@@ -307,19 +328,7 @@ def test_sampled_lookup_drafts_follow_the_target(where):
     toks = np.array([r.output_ids for r in reqs])  # [num, 4]
     s = engine.stats
     assert s.num_drafted > num and 0.1 < s.num_accepted / s.num_drafted < 0.9, (s.num_drafted, s.num_accepted)
-    prefixes = torch.cartesian_prod(*[torch.arange(vocab)] * 3)  # [1728, 3], t1 major
-    ids = torch.cat([torch.tensor(prompt).expand(len(prefixes), -1), prefixes], 1)
-    with torch.no_grad():
-        logits = target(ids, torch.arange(ids.shape[1]).expand_as(ids)).logits[:, -4:]  # [1728, 4, V]
-    cond = torch.softmax(logits.double() / temp, -1).reshape(vocab, vocab, vocab, 4, vocab)
-    p1, p2, p3, p4 = cond[0, 0, 0, 0], cond[:, 0, 0, 1], cond[:, :, 0, 2], cond[:, :, :, 3]
-    joint = p1[:, None, None, None] * p2[:, :, None, None] * p3[:, :, :, None] * p4
-    checks = {"t1,t2": (toks[:, 0] * vocab + toks[:, 1], joint.sum((2, 3))),
-              "t2,t3": (toks[:, 1] * vocab + toks[:, 2], joint.sum((0, 3))),
-              "t3,t4": (toks[:, 2] * vocab + toks[:, 3], joint.sum((0, 1)))}
-    for name, (cells, law) in checks.items():
-        observed = np.bincount(cells, minlength=law.numel()).astype(float)
-        assert _chi2_pvalue(observed, law.flatten().numpy() * num) > 1e-3, name
+    p1, p2 = _assert_pairs_follow_the_target(target, prompt, toks, temp)
     greedy2 = torch.nn.functional.one_hot(p2.argmax(-1), vocab).double()
     wrong = (p1[:, None] * (0.5 * p2 + 0.5 * greedy2)).flatten().numpy() * num
     assert _chi2_pvalue(np.bincount(toks[:, 0] * vocab + toks[:, 1], minlength=vocab ** 2).astype(float), wrong) < 1e-6
@@ -1522,15 +1531,4 @@ def test_propose_first_sampled_blocks_follow_the_target(monkeypatch):
     toks = np.array([r.output_ids for r in reqs])  # [num, 4]
     s = engine.stats
     assert s.source_hist["dflash"] > num and 0.05 < s.num_accepted / s.num_drafted < 0.95
-    prefixes = torch.cartesian_prod(*[torch.arange(vocab)] * 3)  # [1728, 3], t1 major
-    ids = torch.cat([torch.tensor(prompt).expand(len(prefixes), -1), prefixes], 1)
-    with torch.no_grad():
-        logits = target(ids, torch.arange(ids.shape[1]).expand_as(ids)).logits[:, -4:]  # [1728, 4, V]
-    cond = torch.softmax(logits.double() / temp, -1).reshape(vocab, vocab, vocab, 4, vocab)
-    p1, p2, p3, p4 = cond[0, 0, 0, 0], cond[:, 0, 0, 1], cond[:, :, 0, 2], cond[:, :, :, 3]
-    joint = p1[:, None, None, None] * p2[:, :, None, None] * p3[:, :, :, None] * p4
-    for name, (cells, law) in {"t1,t2": (toks[:, 0] * vocab + toks[:, 1], joint.sum((2, 3))),
-                               "t2,t3": (toks[:, 1] * vocab + toks[:, 2], joint.sum((0, 3))),
-                               "t3,t4": (toks[:, 2] * vocab + toks[:, 3], joint.sum((0, 1)))}.items():
-        observed = np.bincount(cells, minlength=law.numel()).astype(float)
-        assert _chi2_pvalue(observed, law.flatten().numpy() * num) > 1e-3, name
+    _assert_pairs_follow_the_target(target, prompt, toks, temp)
