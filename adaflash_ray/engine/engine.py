@@ -708,9 +708,8 @@ class SpecEngine:
         (:meth:`HybridPlanner.block_estimate`), the planner chooses per row between it, the lookup and none, and the
         step proposes its own block when a row verifies it. Every step appends its positions to the drafter context
         (a block then never waits for a catch-up of the positions the lookup-only steps skipped). The first planned
-        step, and one after
-        :data:`PROPOSE_FIRST_PROBE` planned steps without a block, verifies the block at the full γ in every row (a
-        row's own ``draft_len`` is kept) so that the estimate and its calibration keep learning."""
+        step, and one after :data:`PROPOSE_FIRST_PROBE` planned steps without a block, verifies the block at the full
+        γ in every row (a row's own ``draft_len`` is kept) so that the estimate and its calibration keep learning."""
         planner, n = self.planner, len(running)
         est = planner.block_estimate()
         probe = est is None or (self._pf_since is not None and self._pf_since >= PROPOSE_FIRST_PROBE)
