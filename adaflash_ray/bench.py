@@ -109,7 +109,7 @@ BLOCK_GUARD = "-block-guard"
 #: that finish before the batch's slowest even without drafts weigh 0 in its choice of width)
 DRAIN = "-drain"
 #: ``hybrid`` + this suffix: the drafter's block proposed in the step that verifies it (SpecEngine
-#: ``propose_first=True``; needs the lookups on the device: the default on CUDA, ``--lookup-device device`` on CPU)
+#: ``propose_first=True``; its lookups on the device, on CPU too, unless ``--lookup-device host`` asks otherwise)
 PROPOSE_FIRST = "-propose-first"
 
 
@@ -389,8 +389,10 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                     extra["block_guard"] = True
                 if method.endswith(DRAIN):
                     extra["objective"] = "drain"
-                if method.endswith(PROPOSE_FIRST):
-                    extra["propose_first"] = True
+                if base_method(method) == "hybrid":  # the method says which hybrid, never the recipe's knob
+                    extra["propose_first"] = method.endswith(PROPOSE_FIRST)
+                    if extra["propose_first"] and "lookup_device" not in (engine_kwargs or {}):
+                        extra["lookup_device"] = "device"  # its lookups on the device (CPU too)
                 eng = SpecEngine.from_config(cfg, models=(target, None if method in NO_DRAFTER else drafter,
                                                           heads.get(policy) if method not in NO_DRAFTER else None),
                                              policy=policy, max_batch_size=conc, max_seq_len=max_seq_len,

@@ -229,6 +229,10 @@ class EngineConfig(_Section):
     # batch step, every request alike; drain = with no request waiting, only the requests that bound the batch's time
     # (offline batches: one wave of requests ends with its slowest)
     objective: Literal["throughput", "drain"] = "throughput"
+    # the hybrid (length_head.draft_sources with dflash and a lookup) proposes the drafter's block in the step that
+    # verifies it, only where the planner chooses it (SpecEngine propose_first; its lookups then run on the device,
+    # on CPU too); false = the block proposed one step ahead
+    propose_first: bool = False
 
 
 class DistillConfig(_Section):
@@ -593,6 +597,14 @@ class RunConfig(_Section):
         if self.distill.weight_sync == "collective" and self.engine.backend != "torch":
             raise ValueError(f"distill.weight_sync: collective needs engine.backend: torch (the {self.engine.backend} "
                              "engine runs in a process of its own); use weight_sync: object_store")
+        sources = self.length_head.draft_sources or []
+        if self.engine.propose_first and ("dflash" not in sources or len(sources) < 2
+                                          or self.length_head.policy != "cost"):
+            raise ValueError(f"engine.propose_first needs the hybrid: length_head.draft_sources with dflash and a lookup "
+                             f"source (got {self.length_head.draft_sources}) and length_head.policy cost (got "
+                             f"{self.length_head.policy})")
+        if self.engine.propose_first and self.engine.backend != "torch":
+            raise ValueError("engine.propose_first is the built-in engine's (engine.backend torch)")
         max_draft_len = self.drafter.block_size - 1
         if max_draft_len < self.length_head.min_len:
             raise ValueError(

@@ -1532,3 +1532,29 @@ def test_propose_first_sampled_blocks_follow_the_target(monkeypatch):
     s = engine.stats
     assert s.source_hist["dflash"] > num and 0.05 < s.num_accepted / s.num_drafted < 0.95
     _assert_pairs_follow_the_target(target, prompt, toks, temp)
+
+
+def test_recipe_propose_first_reaches_the_hybrid_engines_only(tiny_target):
+    """``engine.propose_first`` in a recipe: the hybrid built by ``from_config`` proposes first with its lookups on the
+    device (on CPU too) and stays lossless; an engine of the same recipe without the hybrid's sources (no drafter: the
+    lookup alone) does not; a caller's own ``propose_first`` wins; the recipe is refused without the hybrid's sources or
+    the cost policy."""
+    from adaflash_ray.config import RecipeError, load_recipe
+
+    cfg = load_recipe("recipes/cpu_tiny.yaml", ["length_head.draft_sources=[dflash,suffix]", "length_head.policy=cost",
+                                                "engine.propose_first=true"])
+    drafter, head = make_drafter(tiny_target, block_size=8, policy="cost")
+    eng = SpecEngine.from_config(cfg, models=(tiny_target, drafter, head), calibrate=False, max_seq_len=128)
+    assert eng.propose_first and eng.lookup_on_device
+    prompt = _prompts()[0]
+    assert eng.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].output_ids == \
+        greedy_reference(tiny_target, prompt, 12)
+    lookup_only = SpecEngine.from_config(cfg, models=(tiny_target, None, None), max_seq_len=128)
+    assert lookup_only.draft_sources == ("suffix",) and not lookup_only.propose_first
+    assert not SpecEngine.from_config(cfg, models=(tiny_target, drafter, head), calibrate=False, max_seq_len=128,
+                                      propose_first=False).propose_first
+    for bad, match in ((["length_head.draft_sources=[suffix]"], "engine.propose_first needs the hybrid"),
+                       (["length_head.draft_sources=[dflash,suffix]", "length_head.policy=direct"], "policy cost"),
+                       ([], "engine.propose_first needs the hybrid")):
+        with pytest.raises((RecipeError, ValueError), match=match):
+            load_recipe("recipes/cpu_tiny.yaml", ["engine.propose_first=true", *bad])

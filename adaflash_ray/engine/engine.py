@@ -379,7 +379,9 @@ class SpecEngine:
             ar_steps, seed, max_batch_size, max_seq_len: override the recipe's values (None = the recipe's).
             **kwargs: the constructor's other keywords (use_cuda_graph, calibrate, drafter_version, draft_sources:
                 default ``cfg.length_head.draft_sources``, without ``dflash`` for an engine built without a drafter;
-                throughput_guard: default ``cfg.engine.throughput_guard``).
+                throughput_guard: default ``cfg.engine.throughput_guard``; propose_first: default
+                ``cfg.engine.propose_first`` where the sources are the hybrid's, which then puts ``"auto"`` lookups on
+                the device).
         Raises:
             ValueError / CheckpointError: as the constructor and the model builders.
         """
@@ -395,6 +397,11 @@ class SpecEngine:
         kwargs.setdefault("objective", cfg.engine.objective)
         if lh.draft_sources is not None and "draft_sources" not in kwargs:
             kwargs["draft_sources"] = [s for s in lh.draft_sources if s != "dflash" or drafter is not None] or None
+        srcs = kwargs.get("draft_sources") or ()
+        if cfg.engine.propose_first and "propose_first" not in kwargs and "dflash" in srcs and len(srcs) > 1:
+            kwargs["propose_first"] = True  # the recipe's, for an engine that runs the hybrid
+            if kwargs.get("lookup_device", "auto") == "auto":
+                kwargs["lookup_device"] = "device"  # its lookups on the device, on CPU too
         return cls(target, drafter, head, policy=policy or lh.policy, rate=lh.rate, min_len=lh.min_len,
                    ar_steps=lh.ar_steps if ar_steps is None else ar_steps, probe_every=lh.probe_every,
                    max_batch_size=max_batch_size or cfg.engine.max_batch_size,
