@@ -112,8 +112,11 @@ def _phase_run(eng: SpecEngine, prompts: list[list[int]], sp: SamplingParams, mo
     return out
 
 
-def _kernel_run(eng: SpecEngine, prompts, sp: SamplingParams, mode: str, top: int) -> dict:
-    """One run under torch.profiler: kernels (CUDA) or the outermost aten ops (CPU) per decode step."""
+def kernel_run(eng: SpecEngine, prompts, sp: SamplingParams, mode: str, top: int) -> dict:
+    """One greedy ``generate`` of ``prompts`` (``mode`` ``"spec"`` / ``"ar"``) under torch.profiler: the device kernels
+    (CUDA: what the captured graphs replay) or the outermost aten ops (CPU) per decode step, prefills included.
+    Returns ``{num_steps, per_step (count), us_per_step, top: [[name, count per step, µs per step]] (the ``top``
+    largest by time)}``; the engine's stats are reset first."""
     from torch.profiler import ProfilerActivity, profile
     cuda = eng.runner.is_cuda
     eng.stats = SpecStats()
@@ -164,5 +167,5 @@ def profile_run(eng: SpecEngine, prompts: list[list[int]], max_new_tokens: int, 
     schedule, launch, runner_rest, postprocess, other, device} (ms per step)}, "kernels": {num_steps, per_step, us_per_step,
     top: [[name, count per step, µs per step]]}, "cprofile": str}``. The engine's stats are reset by each run."""
     sp = SamplingParams(max_new_tokens=max_new_tokens)
-    return {"phases": _phase_run(eng, prompts, sp, mode), "kernels": _kernel_run(eng, prompts, sp, mode, top),
+    return {"phases": _phase_run(eng, prompts, sp, mode), "kernels": kernel_run(eng, prompts, sp, mode, top),
             "cprofile": _cprofile_run(eng, prompts, sp, mode, top)}

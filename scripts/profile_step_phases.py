@@ -53,6 +53,7 @@ from adaflash_ray.engine import SamplingParams, SpecEngine, SpecStats
 from adaflash_ray.engine.length_policy import length_policy
 from adaflash_ray.engine.runner import _buckets
 from adaflash_ray.shapes import build_random_drafter, build_random_target, shape_config
+from adaflash_ray.step_profile import kernel_run
 
 METHODS = ("ar", "gamma0", "cost", "dflash", "ngram", "suffix", "suffix-device", "hybrid-host", "hybrid-device")
 DEFAULT_METHODS = ("ar", "gamma0", "dflash", "ngram", "suffix")
@@ -226,36 +227,14 @@ def profile(method: str, target, drafter, head, batch: int, ns) -> dict:
 
 
 def _kernel_table(method: str, batch: int, eng: SpecEngine, prompts, sp, mode: str, top: int = 30) -> None:
-    """One more run of the same requests under torch.profiler: per decode step, the device kernels (CUDA: the
-    kernels the captured graphs replay; CPU: the top-level aten ops) by count and microseconds, the largest first."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as tprofile
-    cuda = eng.runner.is_cuda
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    eng.stats = SpecStats()
-    with tprofile(activities=acts) as p:
-        eng.generate(prompts, sp, mode=mode)
-        if cuda:
-            torch.cuda.synchronize()
-    n = max(eng.stats.num_engine_steps, 1)
-    agg: dict[str, list[float]] = {}
-    for e in p.events():
-        if cuda:
-            if e.device_type != torch.autograd.DeviceType.CUDA:
-                continue
-            us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-        else:
-            if e.cpu_parent is not None or not e.name.startswith("aten::"):
-                continue
-            us = e.cpu_time_total
-        a = agg.setdefault(e.name, [0, 0.0])
-        a[0] += 1
-        a[1] += us
-    total_n, total_us = sum(v[0] for v in agg.values()) / n, sum(v[1] for v in agg.values()) / n
-    print(f"--- kernels {method} b={batch}: {total_n:.1f} per step, {total_us:.1f} us per step "
-          f"({n} steps, prefills included) ---")
-    for name, (c, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]:
-        print(f"    {c / n:7.2f} x  {us / n:8.2f} us  {name[:110]}")
+    """One more run of the same requests under torch.profiler (:func:`adaflash_ray.step_profile.kernel_run`): per
+    decode step, the device kernels (CUDA: the kernels the captured graphs replay; CPU: the outermost aten ops) by
+    count and microseconds, the largest first."""
+    k = kernel_run(eng, prompts, sp, mode, top)
+    print(f"--- kernels {method} b={batch}: {k['per_step']:.1f} per step, {k['us_per_step']:.1f} us per step "
+          f"({k['num_steps']} steps, prefills included) ---")
+    for name, count, us in k["top"]:
+        print(f"    {count:7.2f} x  {us:8.2f} us  {name[:110]}")
 
 
 def _print_row(r: dict) -> None:
