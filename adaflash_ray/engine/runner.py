@@ -461,9 +461,10 @@ class ModelRunner:
         ar = torch.arange(w, device=dev)
         positions = (pos[:, None] + ar).clamp(max=self.max_seq_len - 1)  # [B, W] (clamp: padded columns only)
         g_max = w - 1
+        rows = torch.arange(b, device=dev)[:, None]
         first_exp = None
         if propose_first:  # this step's own block: its anchor and drafter context are current (base 0: output index 0)
-            _, first_exp = self._propose(torch.arange(b, device=dev), anchor, pos, span, rs, sample,
+            _, first_exp = self._propose(rows[:, 0], anchor, pos, span, rs, sample,
                                          torch.zeros_like(pos), rows_are_slots=True, live=pos > 0)
         d = self.drafts[:b, :g_max]  # [B, Γ]
         point = None
@@ -502,7 +503,6 @@ class ModelRunner:
             self.out[:b, self._cf_col] = same.long().cumprod(1).sum(1)
         if penalties:  # the committed tokens join the output counts (read by the next block's q and the next step)
             rs.counts.scatter_add_(1, committed, (ar[None] <= accepted[:, None]).to(rs.counts.dtype))
-        rows = torch.arange(b, device=dev)[:, None]
         if self.lookup is not None:
             self.lookup.write_committed(b, pos, committed, accepted)
             if lookup:  # the new context ends at the correction / bonus token, position pos + accepted + 1
