@@ -1033,6 +1033,60 @@ def test_one_row_plan_equals_the_array_plan():
     assert seen == {"dflash", "suffix", "none", ("propose", True), ("propose", False)}
 
 
+def test_many_row_plan_equals_the_array_plan():
+    """The plan of 2..HOST_PLAN_MAX_ROWS requests in host floats (HybridPlanner._plan_many) gives the array path's
+    choices, propose flag, value, planned rows and schedule state, and the same block estimate and net value, on a
+    random sequence of steps: rows with and without a pending block (shorter blocks too), lookup proposals of every
+    bucket and length (stale ones too), caps of 0 and past max_draft, block_off, probes due, realised step prices
+    moving the tables, calibration records in between; a fixed γ and weights take the arrays."""
+    from adaflash_ray.engine.hybrid import HOST_PLAN_MAX_ROWS, LookupArrays
+
+    rng = np.random.default_rng(8)
+    bs = [1, 2, 4, 8, 16]
+    spec = 1.2 + 0.03 * np.arange(1, 16)[None] + 0.01 * np.arange(5)[:, None]
+    look = 1.0 + 0.02 * np.arange(16)[None] + 0.01 * np.arange(5)[:, None]
+    fast, ref = (HybridPlanner(("dflash", "suffix"), 15, 16, [1, 2, 3, 4, 6, 8, 12, 16], lookup_on_device=True,
+                               probe_every=3) for _ in range(2))
+    ref.scalar_many_rows = False
+    for p in (fast, ref):
+        p.set_costs(bs, spec, look)
+    calls, real = [0], fast._plan_many
+    fast._plan_many = lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or real(*a, **k)
+    seen = set()
+    for step in range(500):
+        n = int(rng.integers(2, HOST_PLAN_MAX_ROWS + 1))
+        caps = rng.integers(0, 22, n).tolist()
+        dexp = [None if rng.random() < 0.3 else
+                list(1 + np.cumsum(np.cumprod(rng.uniform(0.2, 0.95, int(rng.choice([15, 15, 15, 6]))))))
+                for _ in range(n)]
+        if all(e is None for e in dexp):
+            dexp[0] = list(1 + np.cumsum(np.cumprod(np.full(15, 0.7))))
+        arr = LookupArrays(rng.integers(0, 16, n), rng.integers(0, 5, n), rng.integers(0, 9, n), rng.integers(0, 2, n),
+                           rng.random(n) < 0.8)
+        fixed = [3 if rng.random() < 0.02 else None for _ in range(n)]
+        weights = rng.uniform(0, 1, n).round().tolist() if rng.random() < 0.05 else None
+        block_off = bool(rng.random() < 0.1)
+        args = (min(16, n), caps, dexp, [None] * n, fixed)
+        c1, p1 = fast.plan(*args, device=arr, block_off=block_off, weights=weights)
+        c2, p2 = ref.plan(*args, device=arr, block_off=block_off, weights=weights)
+        assert p1 == p2 and [vars(c) for c in c1] == [vars(c) for c in c2], step
+        assert fast.plan_rows(c1) == ref.plan_rows(c2), step
+        assert fast.last_value == pytest.approx(ref.last_value, rel=1e-12), step
+        for key in ("_since", "_interval", "_idle", "_use"):
+            assert getattr(fast, key) == getattr(ref, key), (step, key)
+        assert fast._block_net == pytest.approx(ref._block_net, rel=1e-12, abs=1e-12), step
+        assert fast._block_est == pytest.approx(ref._block_est, rel=1e-12), step
+        seen |= {c.source for c in c1} | {("propose", p1)}
+        acc = [int(rng.integers(0, c.draft_len + 1)) for c in c1]
+        match = [(int(rng.integers(0, 6)), int(rng.integers(1, 6))) for _ in range(n)]
+        ms = float(rng.uniform(0.5, 3.0))
+        for p in (fast, ref):
+            p.record(c1, acc, match, dexp, [True] * n)
+            p.observe_step(min(16, n), 1 + max(c.draft_len for c in c1), p1, ms)
+    assert calls[0] > 350, calls  # the host-float path ran (fixed rows and weights took the arrays)
+    assert seen == {"dflash", "suffix", "none", ("propose", True), ("propose", False)}
+
+
 def test_stand_in_net_equals_the_net_value_of_the_blocks_it_stands_for():
     """HybridPlanner._stand_in_net (the block estimate clamped and scaled once per estimate and factor, the per-width
     quotients in host floats, the lookup plan's totals and best value reused) moves the block's net value exactly as
@@ -1128,6 +1182,55 @@ def test_lookup_only_plan_equals_the_array_plan(with_costs):
         assert {"suffix", "none"} <= seen and ("propose", False) in seen
         if "dflash" in sources:
             assert ("propose", True) in seen
+
+
+def test_planner_records_run_while_the_next_step_is_launched(tiny_target):
+    """The hybrid engine's planner records (HybridPlanner.record_later) run in the next step's overlap - after its
+    launch, before its result is read - or at a flush point (no request left, generate's return, a drafter
+    reload); none is lost or run twice, the outputs stay the target's greedy ones, and the calibration
+    they build is the one immediate records build."""
+    prompts, budgets = _prompts(), [100, 70, 90]
+    ref_out = [greedy_reference(tiny_target, p, n) for p, n in zip(prompts, budgets)]
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
+    eng = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=160, calibrate=False,
+                     draft_sources=("dflash", "suffix"), lookup_device="device", lookup_corpus_tokens=1024)
+    nd = eng.runner.max_draft
+    eng.planner.set_costs([1, 2, 3], np.full((3, 7), 1.0), 1.0 + 0.01 * np.arange(nd + 1)[None].repeat(3, 0))
+    eng.reset_corpus([p + [(t + 1) % 128 if i % 5 == 4 else t for i, t in enumerate(o)]
+                      for p, o in zip(prompts, ref_out)])
+    state, ran, made, bound = {"in_step": False}, [], [0], []
+    real_run, real_result, real_later = eng.runner._run, eng.runner._result, eng.planner.record_later
+
+    def run(key):
+        real_run(key)
+        state["in_step"] = True
+
+    def result(*a, **k):
+        state["in_step"] = False
+        return real_result(*a, **k)
+
+    def later(*a, **k):  # each deferred record, wrapped: where it runs, and the arguments it was bound to
+        work = real_later(*a, **k)
+        if work is None:
+            return None
+        made[0] += 1
+        bound.append(a)
+        return lambda: ran.append(state["in_step"]) or work()
+    eng.runner._run, eng.runner._result, eng.planner.record_later = run, result, later
+    reqs = eng.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in budgets])
+    assert [r.output_ids for r in reqs] == ref_out
+    assert eng._planner_record is None and made[0] == len(ran) > 20  # each one ran once, none left pending
+    assert ran.count(True) >= len(ran) - 1  # inside the next step (the last one may wait for generate's return)
+    eng._planner_record = lambda: ran.append("flushed")
+    assert eng.step() == [] and ran[-1] == "flushed" and eng._planner_record is None  # no request left: flushed
+    assert {c.source for a in bound for c in a[0]} >= {"suffix"}
+    # the same records, made at once on a fresh planner of the same costs, build the same lookup calibration
+    fresh = HybridPlanner(("dflash", "suffix"), nd, 8, eng.planner.widths, lookup_on_device=True)
+    fresh.lookup_calibration = type(eng.planner.lookup_calibration)(eng.planner.lookup_calibration.max_ngram, nd)
+    for a in bound:
+        fresh._record_rows(*a, *[None] * (5 - len(a))) if len(a) < 5 else fresh._record_rows(*a)
+    np.testing.assert_allclose(fresh.lookup_calibration.tried, eng.planner.lookup_calibration.tried)
+    np.testing.assert_allclose(fresh.lookup_calibration.accepted, eng.planner.lookup_calibration.accepted)
 
 
 def test_hybrid_engine_with_the_lookup_only_plan_is_unchanged_and_lossless(tiny_target):
@@ -1458,10 +1561,10 @@ def test_propose_first_greedy_lossless_and_proposes_only_for_its_own_verify(tiny
     orig = engine.runner.step
 
     def step(slots, anchors, anchor_pos, draft_lens, spec, propose=True, host_drafts=None, append=None,
-             lookup_rows=None, lookup=False, block_match=True, propose_first=False):
+             lookup_rows=None, lookup=False, block_match=True, propose_first=False, overlap=None):
         steps.append((propose and spec, propose_first, list(draft_lens), lookup_rows))
         return orig(slots, anchors, anchor_pos, draft_lens, spec, propose, host_drafts, append, lookup_rows, lookup,
-                    block_match, propose_first)
+                    block_match, propose_first, overlap)
     engine.runner.step = step
     for _ in range(2):
         reqs = engine.generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))

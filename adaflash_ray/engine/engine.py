@@ -290,6 +290,9 @@ class SpecEngine:
         # γ = 0 step records in O(1) instead of four appends per row; False: every step writes its records at once
         self.lazy_ar_records = True
         self._ar_run: tuple[list[Request], int, int] | None = None
+        # the last planned step's planner record (HybridPlanner.record_later), run while the device computes the next
+        # step (ModelRunner.step's overlap) or at the next flush point (_flush_planner_record)
+        self._planner_record = None
         self.runner.argmax_drafts = bool(argmax_drafts)
         self.lookup = None  # the lookup source's proposer (PromptLookup / SuffixLookup), or None
         if lookup == "ngram":
@@ -487,6 +490,7 @@ class SpecEngine:
         finished: list[Request] = []
         self._admit(spec, finished)
         if not self.scheduler.running:
+            self._flush_planner_record()  # no step to overlap it with: the planner is up to date between batches
             return finished
         if self.compact_slots and not self.scheduler.waiting:
             self._compact()
@@ -785,7 +789,14 @@ class SpecEngine:
         return self.runner.step(slots, [r.output_ids[-1] for r in reqs],
                                 [len(r.prompt_ids) + len(r.output_ids) - 1 for r in reqs], batch.draft_lens, batch.spec,
                                 batch.propose, batch.host_drafts, batch.append, batch.lookup_rows, batch.lookup,
-                                block_match=batch.blocks, propose_first=batch.propose_first)
+                                block_match=batch.blocks, propose_first=batch.propose_first,
+                                overlap=self._flush_planner_record if self._planner_record is not None else None)
+
+    def _flush_planner_record(self) -> None:
+        """Run the last planned step's deferred planner record, if any (:meth:`HybridPlanner.record_later`)."""
+        work, self._planner_record = self._planner_record, None
+        if work is not None:
+            work()
 
     def _postprocess(self, batch: _Batch, res: StepResult, finished: list[Request]) -> None:
         """Record each request's step (γ, a, drafter version, draft source), commit its tokens, and tell the policy
@@ -801,9 +812,11 @@ class SpecEngine:
             if batch.choices is not None:
                 # the pending blocks, scored where other drafts were verified (none pending: nothing to score)
                 cf = res.block_match is not None and batch.blocks
-                planner.record(batch.choices, acc, res.block_match,
-                               [r.dflash_expected for r in reqs] if cf else None,
-                               [r.params.temperature == 0 for r in reqs] if cf else None)
+                # done while the device runs the next step (runner.step's overlap): this step's host time stays short
+                self._flush_planner_record()  # one not run yet (none: the step's overlap ran it)
+                self._planner_record = planner.record_later(batch.choices, acc, res.block_match,
+                                                            [r.dflash_expected for r in reqs] if cf else None,
+                                                            [r.params.temperature == 0 for r in reqs] if cf else None)
         elif self.policy is not None:
             self.policy.after_step(batch.spec, batch.propose, res.next_draft_lens)
         version = self.drafter_version
@@ -958,6 +971,7 @@ class SpecEngine:
                 while first_unfinished < len(reqs) and reqs[first_unfinished].status == Status.FINISHED:
                     first_unfinished += 1
                 if first_unfinished == len(reqs):
+                    self._flush_planner_record()  # the planner's calibration complete when generate returns
                     return reqs
                 if held and stop_admitting is not None and stop_admitting():
                     for req in held:
@@ -1069,6 +1083,7 @@ class SpecEngine:
             self.runner.rebuild_context(req.slot, req.num_tokens - 1)
         self.policy.on_drafter_reload()
         if self.planner is not None:
+            self._flush_planner_record()  # the last step's outcome, recorded before the reset as without deferral
             self.planner.reset()
         if self.guard is not None:
             self.guard.on_drafter_reload()

@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -89,6 +89,8 @@ NET_EMA = 0.05
 #: the moving averages after a reset: the lookups survive several steps without a match (a context often has none for a
 #: step or two); the drafter's block, whose every propose costs a drafter forward, three steps without being chosen
 USE_START = {"dflash": 0.5, "lookup": 1.0}
+#: the most requests :meth:`HybridPlanner._plan_many` plans in host floats (above it the arrays cost less per row)
+HOST_PLAN_MAX_ROWS = 12
 
 
 def check_draft_sources(sources, has_drafter: bool) -> tuple[str, ...]:
@@ -425,6 +427,9 @@ class HybridPlanner:
         self.scalar_one_row = True
         # device lookups and no pending drafter block: the lookup-only plan (:meth:`_plan_lookup`); False: the arrays
         self.lookup_only_fast = True
+        # 2..HOST_PLAN_MAX_ROWS requests, device lookups, a pending block, costs set: plan in host floats
+        # (:meth:`_plan_many`); False: the arrays
+        self.scalar_many_rows = True
         # the last lookup-only plan's (choices, lookup rows [n] bool, buckets [n], γ [n]): its record without the rows
         self._lookup_plan: tuple | None = None
         # the last plan with no draft in any row (its choices): its record is empty
@@ -697,6 +702,10 @@ class HybridPlanner:
             return self._plan_one(batch_size, caps[0], dflash_expected[0], device, block_off)
         if not blocks and device is not None and self.lookup_only_fast:
             return self._plan_lookup(batch_size, caps, device, fixed, block_off, prop_len, looked)
+        if (blocks and device is not None and self.spec_costs is not None and self.scalar_many_rows
+                and self._w is None and 1 < len(caps) <= HOST_PLAN_MAX_ROWS
+                and (fixed is None or fixed.count(None) == len(fixed))):
+            return self._plan_many(batch_size, caps, dflash_expected, device, block_off)
         return self._plan_general(batch_size, caps, dflash_expected, proposals, fixed, lookup_ms, device, block_off)
 
     def _plan_lookup(self, batch_size: int, caps: list[int], device: LookupArrays, fixed: list[int | None] | None,
@@ -990,6 +999,99 @@ class HybridPlanner:
         self._plan_rows = (choices, [choice.draft_len], [True] if used_l else None)  # plan_rows() without a pass
         return choices, self._end_step(any_d, keep_d, used_l, looked, probe_d, False, True, block_off)
 
+    def _plan_many(self, batch_size: int, caps: list[int], dflash_expected: list[list[float] | None],
+                   device: LookupArrays, block_off: bool) -> tuple[list[RowChoice], bool]:
+        """:meth:`_plan_general` of a step of 2..:data:`HOST_PLAN_MAX_ROWS` requests with the device lookup, a cost
+        table, a pending drafter block in some row, no fixed γ and no weights, in host floats: per row its γ, lookup
+        and block values at each width (:meth:`_plan_one`'s lists), the widths' totals summed over the rows in the
+        arrays' order, so the same floats, choices and state updates (``tests/test_hybrid.py`` checks the two
+        against each other). At a few rows numpy's per-call cost is most of the arrays' plan."""
+        nd, widx, top = self.max_draft, self._widx_list, self.block_size - 1
+        n = len(caps)
+        r = self._row(batch_size)
+        lc = self.lookup_calibration
+        bucket_ids = lc.bucket(device.source, device.match_len, device.num_occurrences)
+        buckets = bucket_ids.tolist()
+        valid, lengths = device.valid.tolist(), device.length.tolist()
+        fac = self.calibration.factor("dflash")
+        spec_w, look_w = self._spec_w[r], self._look_w[r]
+        probe_d = self._idle["dflash"] and self._since["dflash"] >= self._interval["dflash"] and not block_off
+        rows = []  # per row: (γ by width, lookup E[accepted] by width, calibrated block's (None: no block), the
+        # lookup's cumulative row, the block's raw row by γ (None), proposal length)
+        sum_l = sum_d = None  # Σ over rows of max(v_l, 0) and of max(v_d, v_l, 0), per width (the arrays' order)
+        raw_sum, num_d = None, 0  # the pending blocks' raw rows summed (their mean: the blocks' estimate)
+        looks = lc._table()[bucket_ids].tolist()  # [n, nd + 1] each row's expected_row, in one read
+        for i in range(n):
+            cap = caps[i]
+            cap = 0 if cap < 0 else nd if cap > nd else cap
+            plen = lengths[i] if valid[i] else 0
+            if plen > nd:
+                plen = nd
+            look = looks[i]
+            gam = [w if w < cap else cap for w in widx]
+            v_l = [look[g if g < plen else plen] for g in gam]
+            m_l = [v if v > 0.0 else 0.0 for v in v_l]
+            e = dflash_expected[i]
+            if e is not None:
+                k = len(e) if len(e) < nd else nd
+                raw = [0.0] + [x - 1.0 for x in e[:k]] + [e[k - 1] - 1.0 if k else 0.0] * (nd - k)
+                v_d = [fac * raw[g] for g in gam]
+                m_d = [(vd if vd > ml else ml) for vd, ml in zip(v_d, m_l)]
+                raw_sum = raw if raw_sum is None else [a + b for a, b in zip(raw_sum, raw)]
+                num_d += 1
+            else:
+                raw = v_d = None
+                m_d = m_l
+            if sum_l is None:  # the arrays' column sums start from the first row
+                sum_l, sum_d = m_l, m_d
+            else:
+                sum_l = [a + b for a, b in zip(sum_l, m_l)]
+                sum_d = [a + b for a, b in zip(sum_d, m_d)]
+            rows.append((gam, v_l, v_d, look, raw, plen))
+        total_d = [n + s for s in sum_d]  # expected committed tokens per width, the block allowed / not
+        total_l = [n + s for s in sum_l]
+        plans = []
+        for allow_d, total in ((True, total_d), (False, total_l)):
+            costs = spec_w if (allow_d or probe_d) and not block_off else look_w
+            values = [t / c for t, c in zip(total, costs)]
+            best_v = max(values)
+            plans.append((best_v, values.index(best_v), allow_d))  # the first width of the best value
+        value, j, allow_d = max(plans, key=lambda t: t[0])
+        self.last_value = value
+        src, none = self.lookup, RowChoice("none", 0)
+        choices, lens, look_rows = [], [], []
+        used_d = used_l = False
+        for (gam, v_l, v_d, look, raw, plen), b in zip(rows, buckets):
+            g_w, vlj = gam[j], v_l[j]
+            g_l = g_w if g_w < plen else plen
+            vdj = v_d[j] if v_d is not None else -1.0
+            if allow_d and vdj > 0 and vdj >= vlj and g_w > 0:
+                g = g_w if g_w < top else top
+                choices.append(RowChoice("dflash", g, None, raw[g]))
+                used_d = True
+                lens.append(g)
+                look_rows.append(False)
+            elif vlj > 0 and g_l > 0:
+                choices.append(RowChoice(src, g_l, None, look[g_l], b))
+                used_l = True
+                lens.append(g_l)
+                look_rows.append(True)
+            else:
+                choices.append(none)
+                lens.append(0)
+                look_rows.append(False)
+        use_d = self._note_use("dflash", used_d)
+        d_pays = plans[0][0] > n / self._look_ar[r]
+        self._note_block([x / num_d for x in raw_sum])
+        # the block's net value (_note_net): the best plan with it, priced at no less than the lookup table, minus the
+        # best without it and without the propose
+        best_d = max(t / (sc if sc >= lk else lk) for t, sc, lk in zip(total_d, spec_w, look_w))
+        best_l = max(t / lk for t, lk in zip(total_l, look_w))
+        net_pays = self._note_net_value(best_d - best_l)
+        keep_d = used_d or net_pays or (d_pays and use_d >= IDLE_BELOW)
+        self._plan_rows = (choices, lens, look_rows if used_l else None)  # plan_rows() without a pass
+        return choices, self._end_step(True, keep_d, used_l, any(valid), probe_d, False, True, block_off)
+
     def _colsum(self, x: np.ndarray) -> np.ndarray:
         """``x`` ``[n, k]`` summed over the rows, each weighted by the plan's ``weights`` (a plain sum without):
         ``[k]``."""
@@ -1108,15 +1210,34 @@ class HybridPlanner:
         calibrates the block: had the block been verified at γ = cut, it would have accepted ``min(match, cut)``
         drafts, against the head's E[accepted | γ = cut]. So the block's estimate keeps learning on the steps where
         the lookups win, and a block the head under-rates is not left unused for want of records."""
+        work = self.record_later(choices, num_accepted, block_match, block_expected, greedy)
+        if work is not None:
+            work()
+
+    def record_later(self, choices: list[RowChoice], num_accepted: list[int],
+                     block_match: list[tuple[int, int]] | None = None,
+                     block_expected: list[list[float] | None] | None = None,
+                     greedy: list[bool] | None = None) -> Callable[[], None] | None:
+        """:meth:`record` of the same arguments, its work left to the returned callable (None: nothing to record):
+        what the record needs of the plan that made ``choices`` is bound now, so later plans may come before the call
+        (the engine calls it while the device runs the next step: its next plan reads the calibration one step
+        old). The arguments are kept, not copied: the caller leaves them unchanged."""
         if choices is self._nothing_plan and (block_expected is None or
                                               block_expected.count(None) == len(block_expected)):
-            return  # no row drafted, no pending block to score
+            return None  # no row drafted, no pending block to score
         last = self._lookup_plan
         if last is not None and last[0] is choices:  # a lookup-only plan: its rows are device lookups or none
             _, rows, buckets, gammas = last
-            if rows is not None:  # some row drafted
-                self.lookup_calibration.record(buckets[rows], gammas[rows], np.asarray(num_accepted, np.int64)[rows])
-            return  # no pending block: nothing else to calibrate
+            if rows is None:  # no row drafted; no pending block: nothing else to calibrate
+                return None
+            return lambda: self.lookup_calibration.record(buckets[rows], gammas[rows],
+                                                          np.asarray(num_accepted, np.int64)[rows])
+        return lambda: self._record_rows(choices, num_accepted, block_match, block_expected, greedy)
+
+    def _record_rows(self, choices: list[RowChoice], num_accepted: list[int],
+                     block_match: list[tuple[int, int]] | None, block_expected: list[list[float] | None] | None,
+                     greedy: list[bool] | None) -> None:
+        """:meth:`record` of a plan other than the lookup-only and draft-less fast ones: row by row."""
         dev = []
         host: dict[str, tuple[list[float], list[int]]] = {}
         for c, a in zip(choices, num_accepted):

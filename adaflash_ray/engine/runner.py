@@ -45,7 +45,7 @@ import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -663,7 +663,8 @@ class ModelRunner:
     def step(self, slots: list[int], anchors: list[int], anchor_pos: list[int], draft_lens: list[int], spec: bool,
              propose: bool = True, host_drafts: list[list[int] | None] | None = None,
              append: bool | None = None, lookup_rows: list[bool] | None = None, lookup: bool = False,
-             block_match: bool = True, propose_first: bool = False) -> StepResult:
+             block_match: bool = True, propose_first: bool = False,
+             overlap: Callable[[], None] | None = None) -> StepResult:
         """One decoding step for the running requests in ``slots`` (each prefilled into its slot: the sampling
         settings are the ones :meth:`prefill` recorded).
 
@@ -691,6 +692,8 @@ class ModelRunner:
                 step (rows with host / device-lookup drafts verify those); ``propose`` must then be False. The
                 block's E[committed | γ] comes back as ``StepResult.expected`` (with an ``expected_fn``) and
                 ``next_draft_lens`` are 0.
+            overlap: host work to run once the step is launched, before its result is read (on CUDA the device
+                computes the step meanwhile; on CPU the forward has run already): e.g. the previous step's records.
         Raises:
             ValueError: drafter drafts to verify without a drafter, or host drafts shorter than their γ or longer
                 than ``max_draft``; ``lookup`` / ``lookup_rows`` without a device lookup.
@@ -761,6 +764,8 @@ class ModelRunner:
         else:
             key = StepKey(b, w, span, spec, propose, use_host and spec, flags, append, lookup, propose_first)
         self._run(key)
+        if overlap is not None:
+            overlap()
         with_exp = spec and (propose or propose_first) and self.expected_fn is not None
         with_cf = use_host and spec and has_drafter and w > 1 and block_match
         cols = self._num_out_cols(w, with_exp, flags.logprobs, lookup, with_cf)
