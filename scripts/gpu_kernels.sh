@@ -11,7 +11,8 @@
 # with the calibrated split-K choice, and with that plus the fused norm + linear (120 s each), the same for the
 # SmolLM2 shape (50 s each), kernel counts
 # (60 s), drafter kernel counts (90 s), both shapes with the kernels off (50 s, 120 s). A step cut short
-# leaves its rc (124) in steps.txt. KERNELS_MODES (default "off sdpa auto linear linear-all linear-decode") picks the bench modes. Run after call a in a call of its own (the machine keeps /root/stage while
+# leaves its rc (124) in steps.txt. KERNELS_MODES (default "off sdpa auto linear linear-all linear-decode") picks the bench modes;
+# KERNELS_SKIP names steps to leave out (e.g. "tests attention_micro"). Run after call a in a call of its own (the machine keeps /root/stage while
 # warm), KERNELS_BUDGET_S=590 (a call may run 600 s); ADAFLASH_COMMIT goes into summary.json. $OUT/kernels holds
 # more than the 8 files a call brings back: tar it into one file at the end of the call.
 # Writes under $OUT/kernels/:
@@ -42,6 +43,7 @@ DEADLINE=$(( $(date +%s) + ${KERNELS_BUDGET_S:-420} ))
 left() { local l=$(( DEADLINE - $(date +%s) )); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 run_step() {  # run_step MAX_S NAME CMD...: at most MAX_S seconds (less if the budget is short); logs its status
   local max=$1 name=$2; shift 2
+  if [[ " ${KERNELS_SKIP:-} " == *" $name "* ]]; then echo "$name: skipped (KERNELS_SKIP)" | tee -a "$K/steps.txt"; return 0; fi
   local t=$(left "$max")
   if [ "$t" -lt 10 ]; then echo "$name: skipped (budget spent)" | tee -a "$K/steps.txt"; return 0; fi
   local t0=$(date +%s)
