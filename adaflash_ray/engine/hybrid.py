@@ -427,8 +427,8 @@ class HybridPlanner:
         self.scalar_one_row = True
         # device lookups and no pending drafter block: the lookup-only plan (:meth:`_plan_lookup`); False: the arrays
         self.lookup_only_fast = True
-        # 2..HOST_PLAN_MAX_ROWS requests, device lookups, a pending block, costs set: plan in host floats
-        # (:meth:`_plan_many`); False: the arrays
+        # 2..HOST_PLAN_MAX_ROWS requests, device lookups, a pending block, costs set, two widths or more: plan in host
+        # floats (:meth:`_plan_many`); False: the arrays
         self.scalar_many_rows = True
         # the last lookup-only plan's (choices, lookup rows [n] bool, buckets [n], γ [n]): its record without the rows
         self._lookup_plan: tuple | None = None
@@ -674,7 +674,9 @@ class HybridPlanner:
         takes :meth:`_plan_nothing`, the same answer and state updates without the arrays; one request with the
         device lookup and a cost table takes :meth:`_plan_one` (host floats); a step with the device lookup and no
         pending block (the drafter's block idle, or no drafter) takes :meth:`_plan_lookup`, the lookup-only plan
-        without the drafter's arrays. Each gives :meth:`_plan_general`'s answer and state updates.
+        without the drafter's arrays; 2..:data:`HOST_PLAN_MAX_ROWS` requests with the device lookup, a cost table and
+        a pending block take :meth:`_plan_many` (host floats) unless a row fixes its γ, ``weights`` are given or the
+        planner has one verify width. Each gives :meth:`_plan_general`'s answer and state updates.
         """
         blocks = self.use_dflash and dflash_expected.count(None) != len(dflash_expected)
         prop_len = None
@@ -703,7 +705,7 @@ class HybridPlanner:
         if not blocks and device is not None and self.lookup_only_fast:
             return self._plan_lookup(batch_size, caps, device, fixed, block_off, prop_len, looked)
         if (blocks and device is not None and self.spec_costs is not None and self.scalar_many_rows
-                and self._w is None and 1 < len(caps) <= HOST_PLAN_MAX_ROWS
+                and self._w is None and 1 < len(caps) <= HOST_PLAN_MAX_ROWS and len(self.widths) > 1
                 and (fixed is None or fixed.count(None) == len(fixed))):
             return self._plan_many(batch_size, caps, dflash_expected, device, block_off)
         return self._plan_general(batch_size, caps, dflash_expected, proposals, fixed, lookup_ms, device, block_off)
@@ -1002,10 +1004,12 @@ class HybridPlanner:
     def _plan_many(self, batch_size: int, caps: list[int], dflash_expected: list[list[float] | None],
                    device: LookupArrays, block_off: bool) -> tuple[list[RowChoice], bool]:
         """:meth:`_plan_general` of a step of 2..:data:`HOST_PLAN_MAX_ROWS` requests with the device lookup, a cost
-        table, a pending drafter block in some row, no fixed γ and no weights, in host floats: per row its γ, lookup
-        and block values at each width (:meth:`_plan_one`'s lists), the widths' totals summed over the rows in the
-        arrays' order, so the same floats, choices and state updates (``tests/test_hybrid.py`` checks the two
-        against each other). At a few rows numpy's per-call cost is most of the arrays' plan."""
+        table, a pending drafter block in some row, no fixed γ, no weights and two verify widths or more, in host
+        floats: per row its γ, lookup and block values at each width (:meth:`_plan_one`'s lists), the widths' totals
+        summed over the rows in the arrays' order, so the same floats, choices and state updates
+        (``tests/test_hybrid.py`` checks the two against each other). At a few rows numpy's per-call cost is most of
+        the arrays' plan. (numpy sums the rows of ``[n, k]`` one after another for k >= 2; a single column it sums
+        pairwise from 8 rows on, so a planner of one width takes the arrays.)"""
         nd, widx, top = self.max_draft, self._widx_list, self.block_size - 1
         n = len(caps)
         r = self._row(batch_size)
