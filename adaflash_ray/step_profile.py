@@ -7,9 +7,10 @@ runs: its graphs are captured):
    STEP_KINDS`) and the shape the device ran (rows x verify width), its wall time split into ``admit``
    (``SpecEngine._admit``: admission and prefills), ``schedule``
    (``SpecEngine._schedule``: policy, planner), ``launch`` (host time inside ``ModelRunner._run``: a CUDA graph's
-   replay call, or the eager forward on CPU), ``runner_rest`` (the rest of ``ModelRunner.step``: inputs, the wait for
-   the device and the one device -> host copy), ``postprocess`` (``SpecEngine._postprocess``) and ``other``; and the
-   **device** time of the forward (CUDA events around ``ModelRunner._run``; on CPU the same host time as ``launch``).
+   replay call, or the eager forward on CPU), ``runner_rest`` (the rest of ``ModelRunner.step``: inputs, the previous
+   step's planner record run in its overlap, the wait for the device and the one device -> host copy),
+   ``postprocess`` (``SpecEngine._postprocess``) and ``other``; and the **device** time of the forward (CUDA events
+   around ``ModelRunner._run``; on CPU the same host time as ``launch``).
    A step whose wall time is well above its device time is host-bound: the GPU idles for the difference.
 2. **kernels** (torch.profiler): per decode step the device kernels by name, count and µs (CUDA), or the outermost
    aten ops (CPU); prefills included.
