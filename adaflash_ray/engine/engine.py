@@ -35,7 +35,7 @@ import torch
 from filelock import FileLock
 
 from adaflash_ray.drafting.lookup import MAX_DRAFT, PromptLookup, SuffixCorpus, SuffixLookup
-from adaflash_ray.engine.hybrid import HybridPlanner, LookupArrays, RowChoice, check_draft_sources
+from adaflash_ray.engine.hybrid import LOOKUP_SOURCES, HybridPlanner, LookupArrays, RowChoice, check_draft_sources
 from adaflash_ray.engine.length_policy import CostLength, length_policy
 from adaflash_ray.models.length_head import AcceptanceHead, draft_confidence, expected_committed
 from adaflash_ray.engine.request import Request, SamplingParams, Status
@@ -58,6 +58,8 @@ OBJECTIVES = ("throughput", "drain")
 DRAIN_MARGIN, DRAIN_PRIOR = 0.1, 4
 #: under ``propose_first``: planned steps without a verified block before one verifies it at the full γ again
 PROPOSE_FIRST_PROBE = 32
+#: under ``request_calibration``: pseudo-tokens, estimated and accepted alike, in each request's lookup factor
+REQUEST_CAL_PRIOR = 1.0
 _slot_of = attrgetter("slot")
 log = logging.getLogger(__name__)
 
@@ -214,11 +216,18 @@ class SpecEngine:
             blocks' mean estimate (the planner's, from the blocks this mode verified, calibrated by their realised
             acceptance), and the block is tried at the full γ on the first planned step and again after
             :data:`PROPOSE_FIRST_PROBE` planned steps without it. False: the block proposed one step ahead.
+        request_calibration: with a lookup among the planner's sources, each request's lookup proposals are valued
+            by the replica's calibration (per match length and occurrences) times the request's own record: (its
+            lookup drafts' accepted tokens + :data:`REQUEST_CAL_PRIOR`) / (their estimated accepted tokens +
+            :data:`REQUEST_CAL_PRIOR`) (``HybridPlanner.plan`` ``lookup_factors``): a request whose text the corpus
+            and its own context predict worse or better than the average is drafted for accordingly (SuffixDecoding,
+            arXiv 2411.04975, adapts its speculation per request too). False: every request by the shared
+            calibration alone.
     Raises:
         ValueError: bad ``draft_sources`` (:func:`~adaflash_ray.engine.hybrid.check_draft_sources`), ``"dflash"``
             among them without the ``cost`` policy, an unknown ``lookup_device`` or ``objective``;
             ``propose_first`` without ``"dflash"`` and a device lookup source in ``draft_sources``, or with
-            ``block_guard``.
+            ``block_guard``; ``request_calibration`` without a lookup source in ``draft_sources``.
     """
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, length_head: torch.nn.Module | None,
@@ -229,7 +238,8 @@ class SpecEngine:
                  draft_sources=None, suffix_corpus: SuffixCorpus | None = None, lookup_max_ngram: int = 3,
                  argmax_drafts: bool = False, lookup_device: str = "auto", lookup_corpus_tokens: int = 1 << 16,
                  throughput_guard: bool = True, block_guard: bool = False, compact_slots: bool = True,
-                 objective: str = "throughput", clock=time.perf_counter, propose_first: bool = False):
+                 objective: str = "throughput", clock=time.perf_counter, propose_first: bool = False,
+                 request_calibration: bool = False):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {list(OBJECTIVES)}, got {objective!r}")
         self.objective = objective
@@ -312,6 +322,10 @@ class SpecEngine:
             raise ValueError("propose_first and block_guard do not go together: a propose-first step proposes no "
                              "block for the next step, which is what the block guard compares")
         self.propose_first = bool(propose_first)
+        if request_calibration and (self.draft_sources is None or self.lookup is None):
+            raise ValueError(f"request_calibration needs a lookup source ('ngram' or 'suffix') among draft_sources, "
+                             f"got {self.draft_sources}")
+        self.request_calibration = bool(request_calibration)
         self._pf_since: int | None = None  # planned steps since the last one that verified a block (None: none yet)
         if self.draft_sources is not None:
             self.planner = HybridPlanner(self.draft_sources, self.runner.max_draft, self.runner.block_size,
@@ -680,7 +694,8 @@ class SpecEngine:
         expected = [r.dflash_expected for r in running]
         choices, propose = planner.plan(batch_size, caps, expected, proposals, fixed,
                                         lookup_ms=lookup_ms, block_off=block_off,
-                                        weights=self._drain_weights(running, caps))
+                                        weights=self._drain_weights(running, caps),
+                                        lookup_factors=self._lookup_factors(running))
         host = [c.tokens if c.source not in ("dflash", "none") else None for c in choices]
         return _Batch(running, [c.draft_len for c in choices], True, propose, append=propose, choices=choices,
                       host_drafts=host if host.count(None) != n else None, batch_size=batch_size,
@@ -707,7 +722,8 @@ class SpecEngine:
             return self._plan_first(running, caps, batch_size, arrays, slots, fixed)
         expected = [r.dflash_expected for r in running] if self._any_block else [None] * n
         choices, propose = planner.plan(batch_size, caps, expected, [None] * n, fixed, device=arrays,
-                                        block_off=block_off, weights=self._drain_weights(running, caps))
+                                        block_off=block_off, weights=self._drain_weights(running, caps),
+                                        lookup_factors=self._lookup_factors(running))
         lens, rows = planner.plan_rows(choices)  # γ per request; rows verifying the device lookup's drafts (or None)
         return _Batch(running, lens, True, propose, append=propose, choices=choices, lookup_rows=rows,
                       lookup=planner.lookup_due() or planner.spec_costs is None, batch_size=batch_size,
@@ -729,12 +745,35 @@ class SpecEngine:
         if probe:
             fixed = [f if f is not None else self.runner.block_size - 1 for f in fixed]
         choices, _ = planner.plan(batch_size, caps, [est] * n, [None] * n, fixed, device=arrays,
-                                  weights=self._drain_weights(running, caps))
+                                  weights=self._drain_weights(running, caps),
+                                  lookup_factors=self._lookup_factors(running))
         lens, rows = planner.plan_rows(choices)
         first = any(c.source == "dflash" and g > 0 for c, g in zip(choices, lens))
         self._pf_since = 0 if first else (self._pf_since or 0) + 1
         return _Batch(running, lens, True, False, append=True, choices=choices, lookup_rows=rows, lookup=True,
                       batch_size=batch_size, blocks=False, slots=slots, propose_first=first)
+
+    def _lookup_factors(self, running: list[Request]) -> list[float] | None:
+        """Under ``request_calibration``: per request (accepted + :data:`REQUEST_CAL_PRIOR`) / (estimated +
+        :data:`REQUEST_CAL_PRIOR`) of its lookup drafts so far (the planner's ``lookup_factors``); None without it
+        or while no running request has drafted from a lookup (every factor 1)."""
+        if not self.request_calibration or not any(r.lookup_estimated for r in running):
+            return None
+        c = REQUEST_CAL_PRIOR
+        return [(r.lookup_accepted + c) / (r.lookup_estimated + c) for r in running]
+
+    def _request_records(self, work, reqs: list[Request], choices: list, acc: list[int]):
+        """``work`` (a deferred planner record, or None) followed by the step's per-request lookup records
+        (``request_calibration``): each row that verified a lookup's drafts adds their estimate and accepted count
+        to its request's."""
+        def run():
+            if work is not None:
+                work()
+            for req, c, a in zip(reqs, choices, acc):
+                if c.draft_len > 0 and c.source in LOOKUP_SOURCES:
+                    req.lookup_estimated += c.estimated
+                    req.lookup_accepted += a
+        return run
 
     def _drain_weights(self, running: list[Request], caps: list[int]) -> list[float] | None:
         """The planner's per-request weights under ``objective="drain"`` (None: every request 1 - the plain
@@ -814,9 +853,12 @@ class SpecEngine:
                 cf = res.block_match is not None and batch.blocks
                 # done while the device runs the next step (runner.step's overlap): this step's host time stays short
                 self._flush_planner_record()  # one not run yet (none: the step's overlap ran it)
-                self._planner_record = planner.record_later(batch.choices, acc, res.block_match,
-                                                            [r.dflash_expected for r in reqs] if cf else None,
-                                                            [r.params.temperature == 0 for r in reqs] if cf else None)
+                work = planner.record_later(batch.choices, acc, res.block_match,
+                                            [r.dflash_expected for r in reqs] if cf else None,
+                                            [r.params.temperature == 0 for r in reqs] if cf else None)
+                if self.request_calibration:
+                    work = self._request_records(work, reqs, batch.choices, acc)
+                self._planner_record = work
         elif self.policy is not None:
             self.policy.after_step(batch.spec, batch.propose, res.next_draft_lens)
         version = self.drafter_version

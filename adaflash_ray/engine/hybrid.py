@@ -458,6 +458,7 @@ class HybridPlanner:
         # the current plan's per-row weights (plan's ``weights`` as [n] float64; None: all 1) and their sum
         self._w: np.ndarray | None = None
         self._wsum = 0.0
+        self._lf: list[float] | None = None  # the current plan's lookup_factors
 
     # ------------------------------------------------------------------ costs
     @property
@@ -641,7 +642,8 @@ class HybridPlanner:
     def plan(self, batch_size: int, caps: list[int], dflash_expected: list[list[float] | None],
              proposals: list[Proposal | None], fixed: list[int | None] | None = None, lookup_ms: float = 0.0,
              device: LookupArrays | None = None, block_off: bool = False,
-             weights: list[float] | None = None) -> tuple[list[RowChoice], bool]:
+             weights: list[float] | None = None,
+             lookup_factors: list[float] | None = None) -> tuple[list[RowChoice], bool]:
         """Per request the source and γ of this step, and whether the step proposes the next DFlash block.
 
         Args:
@@ -666,6 +668,9 @@ class HybridPlanner:
                 block's net value, each in [0, 1] (the engine's ``objective="drain"``: 0 for a request that finishes
                 before the batch's slowest even without drafts); None: every request 1 (the plain objective). A row
                 of weight 0 still drafts at the width the others choose (its drafts ride in the same verify).
+            lookup_factors: per request a factor (> 0) on its lookup proposal's E[accepted | γ] (the engine's
+                ``request_calibration``: the request's own realised / estimated acceptance of its earlier lookup
+                drafts, smoothed); None: 1 for every request. The recorded estimates stay unscaled.
         Returns:
             (choices, propose): one :class:`RowChoice` per request; ``propose`` True when the drafter's block is to
             be proposed in this step (it was chosen for some request, or its probe is due).
@@ -680,6 +685,7 @@ class HybridPlanner:
         """
         blocks = self.use_dflash and dflash_expected.count(None) != len(dflash_expected)
         prop_len = None
+        self._lf = lookup_factors
         if weights is None or len(caps) == 1:
             self._w = None
         else:
@@ -729,7 +735,9 @@ class HybridPlanner:
         # caps cut at 0: min(W - 1, cap) and min(cap, prop_len) need no cut at max_draft (W - 1, prop_len <= it)
         caps_a = np.maximum(caps, 0)
         gam = np.minimum(self._widx[None, :], np.minimum(caps_a, prop_len)[:, None])  # [n, nw] γ of each row
-        v_l = lc.expected_at(buckets, gam)  # [n, nw], >= 0
+        v_raw = v_l = lc.expected_at(buckets, gam)  # [n, nw], >= 0 (v_raw: the recorded estimates)
+        if self._lf is not None:
+            v_l = v_raw * np.asarray(self._lf, dtype=np.float64)[:, None]
         probe_d = self.use_dflash and self._idle["dflash"] and self._since["dflash"] >= self._interval["dflash"] \
             and not block_off
         base = n if self._w is None else self._wsum
@@ -748,6 +756,8 @@ class HybridPlanner:
             g_l, v_lj = gam[:, j], v_l[:, j]
             is_l = (v_lj > 0) & (g_l > 0)
             any_l = bool(is_l.any())
+            if v_raw is not v_l:
+                v_lj = v_raw[:, j]
         else:  # the AR width: γ = 0 in every row, no row drafts
             g_l = is_l = None
             any_l = False
@@ -864,6 +874,8 @@ class HybridPlanner:
             look = raw_l * (cal.factor(self.lookup) if self.lookup else 0.0)
             prop_len = np.array([len(p) if p is not None else 0 for p in proposals], dtype=np.int64)
             looked = any(p is not None for p in proposals)
+        if self._lf is not None:  # each request's own factor (the recorded estimates stay raw_l's)
+            look = look * np.asarray(self._lf, dtype=np.float64)[:, None]
         widths = self._widths
         gam = np.minimum(self._widx[None, :], caps_a[:, None])  # [n, nw]
         rows = np.arange(n)[:, None]
@@ -950,6 +962,9 @@ class HybridPlanner:
         look = lc.expected_row(bucket)  # [D + 1] cumulative, by γ
         gam = [min(w, cap) for w in widx]
         v_l = [look[min(g, plen)] for g in gam]
+        if self._lf is not None:
+            f = self._lf[0]
+            v_l = [f * v for v in v_l]
         if any_d:
             k = min(len(e), nd)
             raw_d = [0.0] + [e[min(g, k) - 1] - 1.0 if k else 0.0 for g in range(1, nd + 1)]  # by γ, flat past k
@@ -1025,6 +1040,7 @@ class HybridPlanner:
         sum_l = sum_d = None  # Σ over rows of max(v_l, 0) and of max(v_d, v_l, 0), per width (the arrays' order)
         raw_sum, num_d = None, 0  # the pending blocks' raw rows summed (their mean: the blocks' estimate)
         looks = lc._table()[bucket_ids].tolist()  # [n, nd + 1] each row's expected_row, in one read
+        lf = self._lf
         for i in range(n):
             cap = caps[i]
             cap = 0 if cap < 0 else nd if cap > nd else cap
@@ -1033,7 +1049,8 @@ class HybridPlanner:
                 plen = nd
             look = looks[i]
             gam = [w if w < cap else cap for w in widx]
-            v_l = [look[g if g < plen else plen] for g in gam]
+            v_l = [look[g if g < plen else plen] for g in gam] if lf is None else \
+                [lf[i] * look[g if g < plen else plen] for g in gam]
             m_l = [v if v > 0.0 else 0.0 for v in v_l]
             e = dflash_expected[i]
             if e is not None:
