@@ -58,7 +58,7 @@ OBJECTIVES = ("throughput", "drain")
 DRAIN_MARGIN, DRAIN_PRIOR = 0.1, 4
 #: under ``propose_first``: planned steps without a verified block before one verifies it at the full γ again
 PROPOSE_FIRST_PROBE = 32
-#: under ``request_calibration``: pseudo-tokens, estimated and accepted alike, in each request's lookup factor
+#: under ``request_calibration``: pseudo-tokens, estimated and accepted alike, in each request's factors
 REQUEST_CAL_PRIOR = 1.0
 _slot_of = attrgetter("slot")
 log = logging.getLogger(__name__)
@@ -219,10 +219,10 @@ class SpecEngine:
         request_calibration: with a lookup among the planner's sources, each request's lookup proposals are valued
             by the replica's calibration (per match length and occurrences) times the request's own record: (its
             lookup drafts' accepted tokens + :data:`REQUEST_CAL_PRIOR`) / (their estimated accepted tokens +
-            :data:`REQUEST_CAL_PRIOR`) (``HybridPlanner.plan`` ``lookup_factors``): a request whose text the corpus
-            and its own context predict worse or better than the average is drafted for accordingly (SuffixDecoding,
-            arXiv 2411.04975, adapts its speculation per request too). False: every request by the shared
-            calibration alone.
+            :data:`REQUEST_CAL_PRIOR`) (``HybridPlanner.plan`` ``lookup_factors``), and its pending drafter block
+            likewise by its own record of the block's drafts (``block_factors``): a request whose text the sources
+            predict worse or better than the average is drafted for accordingly (SuffixDecoding, arXiv 2411.04975,
+            adapts its speculation per request too). False: every request by the shared calibration alone.
     Raises:
         ValueError: bad ``draft_sources`` (:func:`~adaflash_ray.engine.hybrid.check_draft_sources`), ``"dflash"``
             among them without the ``cost`` policy, an unknown ``lookup_device`` or ``objective``;
@@ -695,7 +695,7 @@ class SpecEngine:
         choices, propose = planner.plan(batch_size, caps, expected, proposals, fixed,
                                         lookup_ms=lookup_ms, block_off=block_off,
                                         weights=self._drain_weights(running, caps),
-                                        lookup_factors=self._lookup_factors(running))
+                                        **self._request_factors(running))
         host = [c.tokens if c.source not in ("dflash", "none") else None for c in choices]
         return _Batch(running, [c.draft_len for c in choices], True, propose, append=propose, choices=choices,
                       host_drafts=host if host.count(None) != n else None, batch_size=batch_size,
@@ -723,7 +723,7 @@ class SpecEngine:
         expected = [r.dflash_expected for r in running] if self._any_block else [None] * n
         choices, propose = planner.plan(batch_size, caps, expected, [None] * n, fixed, device=arrays,
                                         block_off=block_off, weights=self._drain_weights(running, caps),
-                                        lookup_factors=self._lookup_factors(running))
+                                        **self._request_factors(running))
         lens, rows = planner.plan_rows(choices)  # γ per request; rows verifying the device lookup's drafts (or None)
         return _Batch(running, lens, True, propose, append=propose, choices=choices, lookup_rows=rows,
                       lookup=planner.lookup_due() or planner.spec_costs is None, batch_size=batch_size,
@@ -746,33 +746,41 @@ class SpecEngine:
             fixed = [f if f is not None else self.runner.block_size - 1 for f in fixed]
         choices, _ = planner.plan(batch_size, caps, [est] * n, [None] * n, fixed, device=arrays,
                                   weights=self._drain_weights(running, caps),
-                                  lookup_factors=self._lookup_factors(running))
+                                  **self._request_factors(running))
         lens, rows = planner.plan_rows(choices)
         first = any(c.source == "dflash" and g > 0 for c, g in zip(choices, lens))
         self._pf_since = 0 if first else (self._pf_since or 0) + 1
         return _Batch(running, lens, True, False, append=True, choices=choices, lookup_rows=rows, lookup=True,
                       batch_size=batch_size, blocks=False, slots=slots, propose_first=first)
 
-    def _lookup_factors(self, running: list[Request]) -> list[float] | None:
-        """Under ``request_calibration``: per request (accepted + :data:`REQUEST_CAL_PRIOR`) / (estimated +
-        :data:`REQUEST_CAL_PRIOR`) of its lookup drafts so far (the planner's ``lookup_factors``); None without it
-        or while no running request has drafted from a lookup (every factor 1)."""
-        if not self.request_calibration or not any(r.lookup_estimated for r in running):
-            return None
+    def _request_factors(self, running: list[Request]) -> dict:
+        """Under ``request_calibration``: the planner's ``lookup_factors`` and ``block_factors``, per request
+        (accepted + :data:`REQUEST_CAL_PRIOR`) / (estimated + :data:`REQUEST_CAL_PRIOR`) of its lookup drafts and
+        of its drafter blocks' drafts so far; each None while no running request has such drafts (every factor 1).
+        Empty without it."""
+        if not self.request_calibration:
+            return {}
         c = REQUEST_CAL_PRIOR
-        return [(r.lookup_accepted + c) / (r.lookup_estimated + c) for r in running]
+        return {"lookup_factors": [(r.lookup_accepted + c) / (r.lookup_estimated + c) for r in running]
+                if any(r.lookup_estimated for r in running) else None,
+                "block_factors": [(r.block_accepted + c) / (r.block_estimated + c) for r in running]
+                if any(r.block_estimated for r in running) else None}
 
     def _request_records(self, work, reqs: list[Request], choices: list, acc: list[int]):
         """``work`` (a deferred planner record, or None) followed by the step's per-request lookup records
-        (``request_calibration``): each row that verified a lookup's drafts adds their estimate and accepted count
-        to its request's."""
+        (``request_calibration``): each row that verified a lookup's drafts or its drafter block's adds their
+        estimate and accepted count to its request's record of that source."""
         def run():
             if work is not None:
                 work()
             for req, c, a in zip(reqs, choices, acc):
-                if c.draft_len > 0 and c.source in LOOKUP_SOURCES:
-                    req.lookup_estimated += c.estimated
-                    req.lookup_accepted += a
+                if c.draft_len > 0:
+                    if c.source in LOOKUP_SOURCES:
+                        req.lookup_estimated += c.estimated
+                        req.lookup_accepted += a
+                    elif c.source == "dflash":
+                        req.block_estimated += c.estimated
+                        req.block_accepted += a
         return run
 
     def _drain_weights(self, running: list[Request], caps: list[int]) -> list[float] | None:

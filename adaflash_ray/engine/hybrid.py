@@ -459,6 +459,7 @@ class HybridPlanner:
         self._w: np.ndarray | None = None
         self._wsum = 0.0
         self._lf: list[float] | None = None  # the current plan's lookup_factors
+        self._bf: list[float] | None = None  # ... and block_factors
 
     # ------------------------------------------------------------------ costs
     @property
@@ -642,8 +643,8 @@ class HybridPlanner:
     def plan(self, batch_size: int, caps: list[int], dflash_expected: list[list[float] | None],
              proposals: list[Proposal | None], fixed: list[int | None] | None = None, lookup_ms: float = 0.0,
              device: LookupArrays | None = None, block_off: bool = False,
-             weights: list[float] | None = None,
-             lookup_factors: list[float] | None = None) -> tuple[list[RowChoice], bool]:
+             weights: list[float] | None = None, lookup_factors: list[float] | None = None,
+             block_factors: list[float] | None = None) -> tuple[list[RowChoice], bool]:
         """Per request the source and γ of this step, and whether the step proposes the next DFlash block.
 
         Args:
@@ -671,6 +672,9 @@ class HybridPlanner:
             lookup_factors: per request a factor (> 0) on its lookup proposal's E[accepted | γ] (the engine's
                 ``request_calibration``: the request's own realised / estimated acceptance of its earlier lookup
                 drafts, smoothed); None: 1 for every request. The recorded estimates stay unscaled.
+            block_factors: the same for each request's pending drafter block (its own record of the block's drafts),
+                on top of the drafter's shared calibration factor; None: 1 for every request. A step without a
+                pending block (the recent blocks' estimate standing in) takes none.
         Returns:
             (choices, propose): one :class:`RowChoice` per request; ``propose`` True when the drafter's block is to
             be proposed in this step (it was chosen for some request, or its probe is due).
@@ -685,7 +689,7 @@ class HybridPlanner:
         """
         blocks = self.use_dflash and dflash_expected.count(None) != len(dflash_expected)
         prop_len = None
-        self._lf = lookup_factors
+        self._lf, self._bf = lookup_factors, block_factors
         if weights is None or len(caps) == 1:
             self._w = None
         else:
@@ -864,6 +868,8 @@ class HybridPlanner:
         if any_d:
             dfl_raw = dfl.copy()
             dfl[has_d] *= cal.factor("dflash")
+            if self._bf is not None:  # each request's own factor on its block (the recorded estimates: dfl_raw's)
+                dfl[has_d] *= np.asarray(self._bf, dtype=np.float64)[has_d, None]
         caps_a = np.maximum(np.minimum(np.asarray(caps, dtype=np.int64), nd), 0)
         if device is not None:  # vectorised: no per-request Proposal
             buckets = self.lookup_calibration.bucket(device.source, device.match_len, device.num_occurrences)
@@ -970,6 +976,9 @@ class HybridPlanner:
             raw_d = [0.0] + [e[min(g, k) - 1] - 1.0 if k else 0.0 for g in range(1, nd + 1)]  # by γ, flat past k
             fac = self.calibration.factor("dflash")
             v_d = [fac * raw_d[g] for g in gam]
+            if self._bf is not None:
+                b = self._bf[0]
+                v_d = [v * b for v in v_d]
         probe_d = self.use_dflash and self._idle["dflash"] and self._since["dflash"] >= self._interval["dflash"] \
             and not block_off
         spec_w, look_w = self._spec_w[r], self._look_w[r]
@@ -1040,7 +1049,7 @@ class HybridPlanner:
         sum_l = sum_d = None  # Σ over rows of max(v_l, 0) and of max(v_d, v_l, 0), per width (the arrays' order)
         raw_sum, num_d = None, 0  # the pending blocks' raw rows summed (their mean: the blocks' estimate)
         looks = lc._table()[bucket_ids].tolist()  # [n, nd + 1] each row's expected_row, in one read
-        lf = self._lf
+        lf, bf = self._lf, self._bf
         for i in range(n):
             cap = caps[i]
             cap = 0 if cap < 0 else nd if cap > nd else cap
@@ -1056,7 +1065,7 @@ class HybridPlanner:
             if e is not None:
                 k = len(e) if len(e) < nd else nd
                 raw = [0.0] + [x - 1.0 for x in e[:k]] + [e[k - 1] - 1.0 if k else 0.0] * (nd - k)
-                v_d = [fac * raw[g] for g in gam]
+                v_d = [fac * raw[g] for g in gam] if bf is None else [fac * raw[g] * bf[i] for g in gam]
                 m_d = [(vd if vd > ml else ml) for vd, ml in zip(v_d, m_l)]
                 raw_sum = raw if raw_sum is None else [a + b for a, b in zip(raw_sum, raw)]
                 num_d += 1

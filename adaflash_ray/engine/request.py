@@ -100,10 +100,12 @@ class Request:
     lookup_state: object | None = None
     lookup_synced: int = 0
     dflash_expected: list[float] | None = None
-    # its lookup drafts so far (SpecEngine request_calibration): Σ of their estimated accepted tokens (the planner's
-    # uncalibrated E[accepted | γ]) and Σ of the tokens they had accepted
+    # its lookup drafts and its drafter blocks' drafts so far (SpecEngine request_calibration): Σ of their estimated
+    # accepted tokens (the planner's uncalibrated E[accepted | γ]) and Σ of the tokens they had accepted
     lookup_estimated: float = 0.0
     lookup_accepted: int = 0
+    block_estimated: float = 0.0
+    block_accepted: int = 0
     admitted_step: int = 0  # the engine's decode-step count when the request was admitted (SpecEngine.num_steps)
     # with params.logprobs set: per output token its log-probability under the target's raw distribution
     # (log_softmax of the verify logits, before any processing - vLLM's default) and the top-k (token id, logprob),
