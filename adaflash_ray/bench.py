@@ -111,16 +111,16 @@ DRAIN = "-drain"
 #: ``hybrid`` + this suffix: the drafter's block proposed in the step that verifies it (SpecEngine
 #: ``propose_first=True``; its lookups on the device, on CPU too, unless ``--lookup-device host`` asks otherwise)
 PROPOSE_FIRST = "-propose-first"
-#: ``hybrid`` + this suffix: each request's lookup proposals valued by its own record too (SpecEngine
-#: ``request_calibration=True``)
+#: ``hybrid`` (or ``hybrid-drain``) + this suffix: each request's lookup proposals and pending block valued by its own
+#: record too (SpecEngine ``request_calibration=True``)
 REQUEST_CAL = "-request-cal"
 
 
 def base_method(method: str) -> str:
     """``method`` without :data:`UNGUARDED` / :data:`TABLE_COST` / :data:`BLOCK_GUARD` / :data:`DRAIN` /
     :data:`PROPOSE_FIRST` / :data:`REQUEST_CAL`."""
-    return method.removesuffix(UNGUARDED).removesuffix(TABLE_COST).removesuffix(BLOCK_GUARD).removesuffix(
-        DRAIN).removesuffix(PROPOSE_FIRST).removesuffix(REQUEST_CAL)
+    return method.removesuffix(REQUEST_CAL).removesuffix(UNGUARDED).removesuffix(TABLE_COST).removesuffix(
+        BLOCK_GUARD).removesuffix(DRAIN).removesuffix(PROPOSE_FIRST)
 
 
 def method_policy(method: str) -> str:
@@ -138,12 +138,12 @@ def method_policy(method: str) -> str:
 def known_methods() -> list[str]:
     """``ar``, ``dflash``, ``adaflash-<policy>`` for every registered policy with a trained head, ``ngram``,
     ``suffix``, ``hybrid``, ``hf-generate``, ``<m>-unguarded`` for the methods with a throughput guard,
-    ``hybrid-table-cost``, ``hybrid-block-guard``, ``hybrid-drain``, ``hybrid-propose-first`` and
-    ``hybrid-request-cal``."""
+    ``hybrid-table-cost``, ``hybrid-block-guard``, ``hybrid-drain``, ``hybrid-propose-first``,
+    ``hybrid-request-cal`` and ``hybrid-drain-request-cal``."""
     adaptive = [ADAPTIVE_PREFIX + name for name, spec in LENGTH_POLICIES.items() if spec.head is not None]
     return ["ar", "dflash", ARGMAX_METHOD, *adaptive, *SOURCE_METHODS, HF_METHOD,
             *[m + UNGUARDED for m in GUARDED_METHODS], "hybrid" + TABLE_COST, "hybrid" + BLOCK_GUARD,
-            "hybrid" + DRAIN, "hybrid" + PROPOSE_FIRST, "hybrid" + REQUEST_CAL]
+            "hybrid" + DRAIN, "hybrid" + PROPOSE_FIRST, "hybrid" + REQUEST_CAL, "hybrid" + DRAIN + REQUEST_CAL]
 
 
 def _spare_prompts(tok, domain: str, main: list[list[int]], n: int, max_prompt_tokens: int, seed: int
@@ -391,7 +391,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                     extra["throughput_guard"] = False
                 if method.endswith(BLOCK_GUARD):
                     extra["block_guard"] = True
-                if method.endswith(DRAIN):
+                if method.removesuffix(REQUEST_CAL).endswith(DRAIN):
                     extra["objective"] = "drain"
                 if method.endswith(REQUEST_CAL):
                     extra["request_calibration"] = True
