@@ -728,7 +728,8 @@ class HybridPlanner:
         block's net value by the recent blocks' estimate (:meth:`_stand_in_net`); the same choices, value and state
         updates (``tests/test_hybrid.py`` checks them against each other). ``v_l[i, k]`` = E[accepted] of row i's
         proposal at width k's γ, capped by its cap and its proposal's length: ``[n, len(widths)]`` float, read
-        straight from :class:`LookupCalibration`'s table. ``prop_len``: the proposals' lengths where valid, cut at
+        straight from :class:`LookupCalibration`'s table (times the row's ``lookup_factors`` where given; the
+        choices' estimates stay the table's). ``prop_len``: the proposals' lengths where valid, cut at
         max_draft (``[n]`` int), ``looked``: whether any proposal is current (:meth:`plan` has both at batch > 1;
         None: computed here)."""
         nd, n = self.max_draft, len(caps)
