@@ -114,13 +114,16 @@ PROPOSE_FIRST = "-propose-first"
 #: ``hybrid`` (or ``hybrid-drain``) + this suffix: each request's lookup proposals and pending block valued by its own
 #: record too (SpecEngine ``request_calibration=True``)
 REQUEST_CAL = "-request-cal"
+#: a method of :data:`GUARDED_METHODS` + this suffix: with SpecEngine ``makespan_guard=True`` (with no request
+#: waiting, AR steps where they end the running batch sooner than drafting, by each request's own record)
+MAKESPAN = "-makespan"
 
 
 def base_method(method: str) -> str:
     """``method`` without :data:`UNGUARDED` / :data:`TABLE_COST` / :data:`BLOCK_GUARD` / :data:`DRAIN` /
-    :data:`PROPOSE_FIRST` / :data:`REQUEST_CAL`."""
-    return method.removesuffix(REQUEST_CAL).removesuffix(UNGUARDED).removesuffix(TABLE_COST).removesuffix(
-        BLOCK_GUARD).removesuffix(DRAIN).removesuffix(PROPOSE_FIRST)
+    :data:`PROPOSE_FIRST` / :data:`REQUEST_CAL` / :data:`MAKESPAN`."""
+    return method.removesuffix(MAKESPAN).removesuffix(REQUEST_CAL).removesuffix(UNGUARDED).removesuffix(
+        TABLE_COST).removesuffix(BLOCK_GUARD).removesuffix(DRAIN).removesuffix(PROPOSE_FIRST)
 
 
 def method_policy(method: str) -> str:
@@ -139,11 +142,13 @@ def known_methods() -> list[str]:
     """``ar``, ``dflash``, ``adaflash-<policy>`` for every registered policy with a trained head, ``ngram``,
     ``suffix``, ``hybrid``, ``hf-generate``, ``<m>-unguarded`` for the methods with a throughput guard,
     ``hybrid-table-cost``, ``hybrid-block-guard``, ``hybrid-drain``, ``hybrid-propose-first``,
-    ``hybrid-request-cal`` and ``hybrid-drain-request-cal``."""
+    ``hybrid-request-cal``, ``hybrid-drain-request-cal`` and ``<m>-makespan`` for the methods with a throughput
+    guard."""
     adaptive = [ADAPTIVE_PREFIX + name for name, spec in LENGTH_POLICIES.items() if spec.head is not None]
     return ["ar", "dflash", ARGMAX_METHOD, *adaptive, *SOURCE_METHODS, HF_METHOD,
             *[m + UNGUARDED for m in GUARDED_METHODS], "hybrid" + TABLE_COST, "hybrid" + BLOCK_GUARD,
-            "hybrid" + DRAIN, "hybrid" + PROPOSE_FIRST, "hybrid" + REQUEST_CAL, "hybrid" + DRAIN + REQUEST_CAL]
+            "hybrid" + DRAIN, "hybrid" + PROPOSE_FIRST, "hybrid" + REQUEST_CAL, "hybrid" + DRAIN + REQUEST_CAL,
+            *[m + MAKESPAN for m in GUARDED_METHODS]]
 
 
 def _spare_prompts(tok, domain: str, main: list[list[int]], n: int, max_prompt_tokens: int, seed: int
@@ -395,6 +400,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                     extra["objective"] = "drain"
                 if method.endswith(REQUEST_CAL):
                     extra["request_calibration"] = True
+                if method.endswith(MAKESPAN):
+                    extra["makespan_guard"] = True
                 if base_method(method) == "hybrid":  # the method says which hybrid, never the recipe's knob
                     extra["propose_first"] = method.endswith(PROPOSE_FIRST)
                     if extra["propose_first"] and "lookup_device" not in (engine_kwargs or {}):

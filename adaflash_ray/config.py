@@ -229,6 +229,10 @@ class EngineConfig(_Section):
     # batch step, every request alike; drain = with no request waiting, only the requests that bound the batch's time
     # (offline batches: one wave of requests ends with its slowest)
     objective: Literal["throughput", "drain"] = "throughput"
+    # with no request waiting, AR steps where they end the running batch sooner than drafting would, by each request's
+    # own committed tokens per drafting step and the throughput guard's step ms (SpecEngine makespan_guard); engines
+    # without the throughput guard (no cost policy) ignore it
+    makespan_guard: bool = False
     # the hybrid (length_head.draft_sources with dflash and a lookup) proposes the drafter's block in the step that
     # verifies it, only where the planner chooses it (SpecEngine propose_first; its lookups then run on the device,
     # on CPU too); false = the block proposed one step ahead

@@ -192,10 +192,11 @@ def test_bad_arguments_fail_up_front(args, msg, capsys):
 def test_model_mode_draft_source_methods(capsys):
     """ngram / suffix / hybrid rows on the real SmolLM2 (CPU float32), on the pooled domain: lossless against AR, a
     source histogram per row that counts every request-step, the suffix corpus seeded from other held-out prompts,
-    the median of 2 repeats; the block guard only in ``hybrid-block-guard``; ``hybrid-drain``, ``hybrid-request-cal``
-    and ``hybrid-drain-request-cal`` lossless too, drain steps counted in the step timing (none in ``hybrid``)."""
+    the median of 2 repeats; the block guard only in ``hybrid-block-guard``; ``hybrid-drain``, ``hybrid-request-cal``,
+    ``hybrid-drain-request-cal`` and ``hybrid-makespan`` lossless too, drain and makespan steps counted in the step
+    timing (none in ``hybrid``)."""
     rc = main(["--methods", "ar", "ngram", "suffix", "hybrid", "hybrid-block-guard", "hybrid-drain",
-               "hybrid-request-cal", "hybrid-drain-request-cal",
+               "hybrid-request-cal", "hybrid-drain-request-cal", "hybrid-makespan",
                "--concurrency", "2", "--num-prompts", "2",
                "--max-new-tokens", "8", "--domains", POOLED, "--repeats", "2", "--corpus-prompts", "2"])
     assert rc == 0
@@ -203,11 +204,12 @@ def test_model_mode_draft_source_methods(capsys):
     assert doc["domains"] == {POOLED: "+".join(DOMAINS.values())} and {r["domain"] for r in doc["rows"]} == {POOLED}
     rows = {r["method"]: r for r in doc["rows"]}
     assert set(rows) == {"ar", "ngram", "suffix", "hybrid", "hybrid-block-guard", "hybrid-drain", "hybrid-request-cal",
-                         "hybrid-drain-request-cal"}
+                         "hybrid-drain-request-cal", "hybrid-makespan"}
     assert rows["hybrid"]["step_timing"]["num_drain_steps"] == 0
+    assert rows["hybrid"]["step_timing"]["num_makespan_steps"] == 0
     assert rows["hybrid"]["block_guard"] is None and rows["hybrid-block-guard"]["block_guard"] is not None
     for m in ("ngram", "suffix", "hybrid", "hybrid-block-guard", "hybrid-drain", "hybrid-request-cal",
-              "hybrid-drain-request-cal"):
+              "hybrid-drain-request-cal", "hybrid-makespan"):
         r = rows[m]
         assert r["lossless"] is True and r["match_rate"] == 1.0, m
         assert r["repeats"] == 2 and len(r["repeat_tokens_per_s"]) == 2

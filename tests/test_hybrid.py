@@ -410,6 +410,15 @@ def test_recipe_draft_sources_reach_the_engine(tiny_target):
                                   max_seq_len=128).objective == "drain"
     with pytest.raises(Exception, match="objective"):
         load_recipe("recipes/cpu_tiny.yaml", ["engine.objective=latency"])
+    # engine.makespan_guard: on for the engines with the throughput guard, off (not an error) for the others
+    ms = load_recipe("recipes/cpu_tiny.yaml", ["length_head.draft_sources=[dflash,ngram]", "length_head.policy=cost",
+                                               "engine.makespan_guard=true"])
+    assert not eng.makespan_guard
+    assert SpecEngine.from_config(ms, models=(tiny_target, drafter, head), calibrate=False,
+                                  max_seq_len=128).makespan_guard
+    assert not SpecEngine.from_config(ms, models=(tiny_target, None, None), max_seq_len=128).makespan_guard
+    assert not SpecEngine.from_config(ms, models=(tiny_target, drafter, head), calibrate=False, max_seq_len=128,
+                                      throughput_guard=False).makespan_guard
 
 
 def test_planner_keeps_lookups_through_a_step_without_a_match():

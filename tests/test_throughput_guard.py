@@ -306,3 +306,62 @@ def test_would_force_looks_ahead_without_changing_the_guard():
         # a policy step slower than AR on bucket 4 (back-offs), as fast on bucket 1
         g.record(b, not now, 2 if (now or b == 1) else 3, 1.0 if (now or b == 1) else 3.0)
     assert 0 < forced < 600 and g.state()["4"]["num_backoffs"] > 0
+
+
+def test_makespan_guard_rule(tiny_target):
+    """``makespan_guard``: a verdict for AR where the most tokens left x the AR step ms is below 0.95 x the most
+    (tokens left / own committed per drafting step) x the drafting step ms (the guard's averages at the bucket); the
+    verdict forces 16 AR steps, then 8 policy steps, then the next verdict (32 while it repeats); none before the guard
+    has both kinds' samples, nor while a request waits or is held back; ValueError without the throughput guard."""
+    from adaflash_ray.engine.engine import MAKESPAN_BACKOFF, MAKESPAN_TRIAL
+
+    with pytest.raises(ValueError, match="makespan_guard needs the throughput guard"):
+        _engine(tiny_target, throughput_guard=False, makespan_guard=True)
+    eng = _engine(tiny_target, makespan_guard=True)
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=100, ignore_eos=True)) for p in _prompts()]
+    eng._admit(True, [])
+    running = list(eng.scheduler.running)
+    assert len(running) == 3 and not eng.scheduler.waiting
+    # a wave's first MAKESPAN_TRIAL steps are the policy's; then no verdict without the guard's samples
+    assert [eng._makespan_prefers_ar(running, 3) for _ in range(MAKESPAN_TRIAL + 1)] == [False] * (MAKESPAN_TRIAL + 1)
+    assert eng.guard.step_costs(3) is None
+    for _ in range(3):  # AR: 1 token per row in 1 ms; drafting: 3 tokens per row in 2 ms
+        eng.guard.record(3, False, 3, 1.0, 3)
+        eng.guard.record(3, True, 9, 2.0, 3)
+    assert eng.guard.step_costs(3) == pytest.approx((1.0, 2.0, 3.0))
+    for r in reqs:  # every request commits 3 per drafting step: drafting's horizon is 2/3 of AR's
+        r.spec_steps, r.spec_tokens = 20, 60
+    assert not eng._makespan_prefers_ar(running, 3)
+    eng.num_held = 1  # held back by generate: the batch does not end with these (checked before anything else)
+    reqs[1].spec_tokens = 24
+    assert not eng._makespan_prefers_ar(running, 3)
+    eng.num_held = 0
+    # one request at 1.2 per drafting step: its (steps + 4) / (tokens + 4 x 3) = 24 / 36 -> 4/3 x tokens left ms
+    left = [r.params.max_new_tokens - len(r.output_ids) for r in running]
+    assert max(left) * 1.0 < 0.95 * left[1] * 24 / 36 * 2.0
+    got = [eng._makespan_prefers_ar(running, 3) for _ in range(MAKESPAN_BACKOFF + MAKESPAN_TRIAL + 2)]
+    assert got == [True] * MAKESPAN_BACKOFF + [False] * MAKESPAN_TRIAL + [True, True]  # the back-off, a trial, again
+    assert eng._ms_forced_left == 2 * MAKESPAN_BACKOFF - 2 and eng._ms_factor == 4
+    eng._ms_forced_left, eng._ms_trial = 0, MAKESPAN_TRIAL
+    reqs[1].spec_tokens = 60  # the request caught up: drafting's horizon again, the factor back to 1
+    assert not eng._makespan_prefers_ar(running, 3) and eng._ms_factor == 1
+    reqs[1].spec_tokens = 24
+    eng.add_request(_prompts()[0], SamplingParams(max_new_tokens=4))  # queued: no free slot
+    assert eng.scheduler.waiting and not eng._makespan_prefers_ar(running, 3)
+
+
+def test_makespan_guard_forces_ar_steps_and_stays_lossless(tiny_target):
+    """A random drafter commits about one token per drafting step at 3x AR's step ms: once the throughput guard has
+    its samples the makespan guard takes AR steps (counted in ``num_makespan_steps``, reported by ``timing()``),
+    and the greedy outputs are AR's."""
+    prompts = _prompts()
+    eng = _engine(tiny_target, makespan_guard=True)
+    eng.clock = eng.runner.clock = FakeClock(eng, ar_ms=1.0, draft_ms=3.0)
+    eng.runner.length_policy.set_costs([1, 2, 3], torch.ones(3, 7), torch.full((3,), 100.0))
+    reqs = eng.generate(prompts, SamplingParams(max_new_tokens=60, ignore_eos=True))
+    st = eng.stats
+    assert st.num_makespan_steps > 0 and st.timing()["num_makespan_steps"] == st.num_makespan_steps
+    assert st.kind_steps["gamma0"] >= st.num_makespan_steps
+    assert all(r.spec_steps > 0 and r.spec_tokens >= r.spec_steps for r in reqs)
+    for r, p in zip(reqs, prompts):
+        assert r.output_ids == greedy_reference(tiny_target, p, 60)

@@ -36,7 +36,7 @@ from filelock import FileLock
 
 from adaflash_ray.drafting.lookup import MAX_DRAFT, PromptLookup, SuffixCorpus, SuffixLookup
 from adaflash_ray.engine.hybrid import LOOKUP_SOURCES, HybridPlanner, LookupArrays, RowChoice, check_draft_sources
-from adaflash_ray.engine.length_policy import CostLength, length_policy
+from adaflash_ray.engine.length_policy import PROBE_MAX_FACTOR, CostLength, length_policy
 from adaflash_ray.models.length_head import AcceptanceHead, draft_confidence, expected_committed
 from adaflash_ray.engine.request import Request, SamplingParams, Status
 from adaflash_ray.engine.device_lookup import NUM_META
@@ -56,6 +56,10 @@ _FLOAT_WIDTH = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.flo
 #: batch's horizon weighs 0, and a request's committed-per-step rate starts from DRAIN_PRIOR pseudo-steps of 1 token
 OBJECTIVES = ("throughput", "drain")
 DRAIN_MARGIN, DRAIN_PRIOR = 0.1, 4
+#: SpecEngine ``makespan_guard``: AR is preferred when its horizon is below (1 - MAKESPAN_MARGIN) x drafting's; a
+#: verdict for AR forces MAKESPAN_BACKOFF AR steps (doubling while the verdict holds, at most PROBE_MAX_FACTOR x), then
+#: MAKESPAN_TRIAL steps are the policy's again (fresh records) before the next verdict
+MAKESPAN_MARGIN, MAKESPAN_BACKOFF, MAKESPAN_TRIAL = 0.05, 16, 8
 #: under ``propose_first``: planned steps without a verified block before one verifies it at the full γ again
 PROPOSE_FIRST_PROBE = 32
 #: under ``request_calibration``: pseudo-tokens, estimated and accepted alike, in each request's factors
@@ -223,11 +227,25 @@ class SpecEngine:
             likewise by its own record of the block's drafts (``block_factors``): a request whose text the sources
             predict worse or better than the average is drafted for accordingly (SuffixDecoding, arXiv 2411.04975,
             adapts its speculation per request too). False: every request by the shared calibration alone.
+        makespan_guard: with the throughput guard, and with no request waiting (queued or held back by
+            :meth:`generate`): the running batch ends with its last request, so per step the batch's horizon is
+            compared both ways - AR: the most tokens any request has left (to ``max_new_tokens``) x the bucket's AR
+            step ms; drafting: the most of each request's tokens left / its own committed tokens per drafting step
+            (its record in steps that drafted or probed, with :data:`DRAIN_PRIOR` pseudo-steps at the bucket's mean)
+            x the bucket's drafting step ms (the guard's moving averages, :meth:`ThroughputGuard.step_costs`). Where
+            AR's is below ``1 - MAKESPAN_MARGIN`` of drafting's, the next :data:`MAKESPAN_BACKOFF` steps are AR
+            steps (twice as many after each verdict that repeats, at most ``PROBE_MAX_FACTOR`` x; one that does not
+            resets it), then :data:`MAKESPAN_TRIAL` steps are the policy's (the requests' records stay current)
+            before the next verdict; a wave's first verdict also waits for :data:`MAKESPAN_TRIAL` policy steps. A
+            request the drafts serve worse than AR no longer holds a whole wave at drafting's step cost.
+            Batch-level (the rows of one step share its width); one request: the throughput guard's comparison.
+            False: off.
     Raises:
         ValueError: bad ``draft_sources`` (:func:`~adaflash_ray.engine.hybrid.check_draft_sources`), ``"dflash"``
             among them without the ``cost`` policy, an unknown ``lookup_device`` or ``objective``;
             ``propose_first`` without ``"dflash"`` and a device lookup source in ``draft_sources``, or with
-            ``block_guard``; ``request_calibration`` without a lookup source in ``draft_sources``.
+            ``block_guard``; ``request_calibration`` without a lookup source in ``draft_sources``;
+            ``makespan_guard`` without the throughput guard.
     """
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, length_head: torch.nn.Module | None,
@@ -239,7 +257,7 @@ class SpecEngine:
                  argmax_drafts: bool = False, lookup_device: str = "auto", lookup_corpus_tokens: int = 1 << 16,
                  throughput_guard: bool = True, block_guard: bool = False, compact_slots: bool = True,
                  objective: str = "throughput", clock=time.perf_counter, propose_first: bool = False,
-                 request_calibration: bool = False):
+                 request_calibration: bool = False, makespan_guard: bool = False):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {list(OBJECTIVES)}, got {objective!r}")
         self.objective = objective
@@ -355,6 +373,12 @@ class SpecEngine:
         block_on = block_guard and on and self.planner is not None and self.planner.use_dflash \
             and self.planner.lookup is not None
         self.block_guard = ThroughputGuard(_buckets(max_batch_size)) if block_on else None
+        if makespan_guard and self.guard is None:
+            raise ValueError("makespan_guard needs the throughput guard (the cost policy, alone or in the hybrid, with "
+                             "throughput_guard and ar_steps on): its step costs come from that guard")
+        self.makespan_guard = bool(makespan_guard)
+        # its back-off: AR steps still forced, the next back-off's factor, policy steps since the last verdict for AR
+        self._ms_forced_left, self._ms_factor, self._ms_trial = 0, 1, 0
         self._last_planned_propose: bool | None = None  # the block guard's previous planned step (None: none yet)
         self.drafter_version = drafter_version
         self.drafter_sha256 = tensors_sha256(self.drafter_tensors()) if drafter is not None else None
@@ -398,7 +422,8 @@ class SpecEngine:
                 default ``cfg.length_head.draft_sources``, without ``dflash`` for an engine built without a drafter;
                 throughput_guard: default ``cfg.engine.throughput_guard``; propose_first: default
                 ``cfg.engine.propose_first`` where the sources are the hybrid's, which then puts ``"auto"`` lookups on
-                the device).
+                the device; makespan_guard: default ``cfg.engine.makespan_guard`` for an engine with the throughput
+                guard, else off).
         Raises:
             ValueError / CheckpointError: as the constructor and the model builders.
         """
@@ -415,6 +440,10 @@ class SpecEngine:
         if lh.draft_sources is not None and "draft_sources" not in kwargs:
             kwargs["draft_sources"] = [s for s in lh.draft_sources if s != "dflash" or drafter is not None] or None
         srcs = kwargs.get("draft_sources") or ()
+        guarded = kwargs["throughput_guard"] and (lh.ar_steps if ar_steps is None else ar_steps) and \
+            (policy or lh.policy) == "cost" and drafter is not None  # the engines that get the throughput guard
+        if cfg.engine.makespan_guard and guarded:
+            kwargs.setdefault("makespan_guard", True)  # the recipe's, for an engine with the throughput guard
         if cfg.engine.propose_first and "propose_first" not in kwargs and "dflash" in srcs and len(srcs) > 1:
             kwargs["propose_first"] = True  # the recipe's, for an engine that runs the hybrid
             if kwargs.get("lookup_device", "auto") == "auto":
@@ -533,6 +562,10 @@ class SpecEngine:
             self.planner.observe_step(*self.runner.step_shape,
                                       (batch.propose or batch.propose_first) and self.drafter is not None,
                                       1e3 * seconds)
+        if self.makespan_guard and kind in ("probe", "draft"):  # each request's own record in drafting mode
+            for r, a in zip(batch.requests, res.num_accepted):
+                r.spec_steps += 1
+                r.spec_tokens += a + 1
         if self.guard is not None and not captured:  # a graph capture's time is no step's cost
             n = len(batch.requests)
             self.guard.record(batch.batch_size, kind in ("probe", "draft"), n + sum(res.num_accepted), 1e3 * seconds, n)
@@ -559,6 +592,7 @@ class SpecEngine:
         t0 = self.clock()
         if self.guard is not None and not running_before:
             self.guard.new_batch()
+            self._ms_forced_left, self._ms_factor, self._ms_trial = 0, 1, 0  # a new wave: its own verdicts
             if self.block_guard is not None:
                 self.block_guard.new_batch()
                 self._last_planned_propose = None
@@ -635,6 +669,9 @@ class SpecEngine:
         and whether the step proposes the next block (the policy's probe schedule)."""
         _, running, slots, _, batch_size, fixed, any_own = self._running_state()
         n = len(running)
+        if spec and self.makespan_guard and not any_own and self._makespan_prefers_ar(running, batch_size):
+            self.stats.num_makespan_steps += 1
+            return _Batch(running, [0] * n, True, False, append=False, batch_size=batch_size, slots=slots)
         if spec and self.guard is not None and not any_own and \
                 self.guard.force_ar(batch_size):  # the policy is slower than AR here: AR steps for a while
             self.stats.num_guard_steps += 1
@@ -782,6 +819,37 @@ class SpecEngine:
                         req.block_estimated += c.estimated
                         req.block_accepted += a
         return run
+
+    def _makespan_prefers_ar(self, running: list[Request], batch_size: int) -> bool:
+        """Under ``makespan_guard``: whether this step at ``batch_size`` is an AR step (the constructor's
+        ``makespan_guard``: a back-off's forced step, or a verdict for AR that starts one). False while requests wait
+        (queued or held back), in a trial, or before the throughput guard has ``min_samples`` steps of each kind at
+        this bucket."""
+        if self.scheduler.waiting or self.num_held:
+            return False
+        if self._ms_forced_left > 0:
+            self._ms_forced_left -= 1
+            return True
+        if self._ms_trial < MAKESPAN_TRIAL:
+            self._ms_trial += 1
+            return False
+        costs = self.guard.step_costs(batch_size)
+        if costs is None:
+            return False
+        ar_ms, spec_ms, spec_tokens = costs
+        prior = DRAIN_PRIOR * max(spec_tokens, 1.0)  # DRAIN_PRIOR pseudo-steps at the bucket's mean tokens per row
+        ar_steps = spec_steps = 0.0
+        for r in running:
+            left = r.params.max_new_tokens - len(r.output_ids)
+            ar_steps = max(ar_steps, left)
+            spec_steps = max(spec_steps, left * (r.spec_steps + DRAIN_PRIOR) / (r.spec_tokens + prior))
+        if ar_steps * ar_ms < (1.0 - MAKESPAN_MARGIN) * spec_steps * spec_ms:
+            self._ms_forced_left = MAKESPAN_BACKOFF * self._ms_factor - 1  # this step is the back-off's first
+            self._ms_factor = min(2 * self._ms_factor, PROBE_MAX_FACTOR)
+            self._ms_trial = 0
+            return True
+        self._ms_factor = 1
+        return False
 
     def _drain_weights(self, running: list[Request], caps: list[int]) -> list[float] | None:
         """The planner's per-request weights under ``objective="drain"`` (None: every request 1 - the plain

@@ -106,6 +106,10 @@ class Request:
     lookup_accepted: int = 0
     block_estimated: float = 0.0
     block_accepted: int = 0
+    # its steps in drafting mode (SpecEngine makespan_guard: steps that drafted or probed, whatever its own γ) and the
+    # tokens it committed in them
+    spec_steps: int = 0
+    spec_tokens: int = 0
     admitted_step: int = 0  # the engine's decode-step count when the request was admitted (SpecEngine.num_steps)
     # with params.logprobs set: per output token its log-probability under the target's raw distribution
     # (log_softmax of the verify logits, before any processing - vLLM's default) and the top-k (token id, logprob),

@@ -74,6 +74,7 @@ class SpecStats:
     catch_up_seconds: float = 0.0  # their host time (inside the steps' times)
     num_guard_steps: int = 0  # AR steps the throughput guard forced (counted as gamma0 too)
     num_drain_steps: int = 0  # planned steps where SpecEngine objective="drain" weighed some request 0
+    num_makespan_steps: int = 0  # AR steps SpecEngine makespan_guard forced (the batch's last request ends sooner)
     num_captures: int = 0  # steps that captured a CUDA graph (their own or a catch-up's; a capture's time is in them)
     # (kind, rows, verify width) of each step as the device ran it (batch and width buckets on CUDA) -> steps, seconds
     shape_steps: Counter = field(default_factory=Counter)
@@ -223,7 +224,8 @@ class SpecStats:
         """JSON-ready wall-time split: ``steps`` (:attr:`step_ms_by_kind`), ``prefill`` and ``catch_up``
         (``{"count", "total_ms", "mean_ms"}``, catch-up with ``num_positions``), ``compaction`` (the same, with
         ``num_moves``: requests moved to lower slots between steps), ``num_captures`` (steps that captured a CUDA graph),
-        ``num_guard_steps``, ``num_drain_steps``, ``steps_by_shape`` (:meth:`step_ms_by_shape`)."""
+        ``num_guard_steps``, ``num_drain_steps``, ``num_makespan_steps``, ``steps_by_shape``
+        (:meth:`step_ms_by_shape`)."""
         return {"steps": self.step_ms_by_kind, "steps_by_shape": self.step_ms_by_shape(),
                 "prefill": _time_row(self.num_prefills, self.prefill_seconds),
                 "catch_up": {**_time_row(self.num_catch_ups, self.catch_up_seconds),
@@ -231,7 +233,7 @@ class SpecStats:
                 "compaction": {**_time_row(self.num_compactions, self.compaction_seconds),
                                "num_moves": self.num_slot_moves},
                 "num_captures": self.num_captures, "num_guard_steps": self.num_guard_steps,
-                "num_drain_steps": self.num_drain_steps}
+                "num_drain_steps": self.num_drain_steps, "num_makespan_steps": self.num_makespan_steps}
 
     def source_accept_len(self, source: str) -> float:
         """Per-draft acceptance length 1 + Σa / #steps of one draft source (its steps only); NaN if it never ran."""

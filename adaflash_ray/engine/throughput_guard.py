@@ -175,6 +175,15 @@ class ThroughputGuard:
         else:
             bk.factor = 1
 
+    def step_costs(self, batch_size: int) -> tuple[float, float, float] | None:
+        """``(AR ms, policy ms, policy tokens per row)`` of ``batch_size``'s bucket - the moving averages of an AR
+        step's and a policy step's wall ms and of a policy step's committed tokens per row - once each kind has
+        ``min_samples`` samples there; else None."""
+        bk = self._bucket(batch_size)
+        if bk.ar.num_samples < self.min_samples or bk.policy.num_samples < self.min_samples:
+            return None
+        return bk.ar.ms, bk.policy.ms, bk.policy.tokens
+
     def new_batch(self) -> None:
         """A new batch: back-offs end (factor 1); the averages stay (they measure this engine's steps)."""
         for bk in self.buckets:
