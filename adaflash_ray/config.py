@@ -233,6 +233,9 @@ class EngineConfig(_Section):
     # own committed tokens per drafting step and the throughput guard's step ms (SpecEngine makespan_guard); engines
     # without the throughput guard (no cost policy) ignore it
     makespan_guard: bool = False
+    # prefills pad their prompts to length buckets and replay one CUDA graph of the target's forward per (prompts,
+    # padded length) instead of launching every kernel from the host (SpecEngine prefill_buckets; CPU: padding only)
+    prefill_buckets: bool = False
     # the hybrid (length_head.draft_sources with dflash and a lookup) proposes the drafter's block in the step that
     # verifies it, only where the planner chooses it (SpecEngine propose_first; its lookups then run on the device,
     # on CPU too); false = the block proposed one step ahead

@@ -238,6 +238,33 @@ def test_random_drafter_lossless_with_slot_reuse(tiny_target):
             assert r.output_ids == out[: r.params.max_new_tokens]
 
 
+def test_prefill_buckets_pad_prompts_without_changing_outputs(tiny_target):
+    """``prefill_buckets``: a prefill runs the next of PREFILL_LEN_BUCKETS positions (capped at max_seq_len, never
+    below the prompt); on CPU that is padding only, and the outputs (AR and a random drafter's, with slot reuse and
+    the device lookup's token history) are the greedy reference's, as without it."""
+    from adaflash_ray.engine.runner import PREFILL_LEN_BUCKETS
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in [3, 33, 64, 65, 150]]
+    ref = [greedy_reference(tiny_target, p, 24) for p in prompts]
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=3)
+    for buckets in (False, True):
+        eng = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=200,
+                         calibrate=False, draft_sources=("dflash", "suffix"), lookup_device="device",
+                         prefill_buckets=buckets)
+        lens = [eng.runner._prefill_len(n) for n in (3, 32, 33, 64, 65, 150, 195)]
+        assert lens == ([32, 32, 64, 64, 96, 192, 200] if buckets else [3, 32, 33, 64, 65, 150, 195])
+        shapes, fwd = [], eng.runner._prefill_forward
+        eng.runner._prefill_forward = lambda ids, *a: shapes.append(tuple(ids.shape)) or fwd(ids, *a)
+        reqs = eng.generate(prompts, SamplingParams(max_new_tokens=24))
+        assert [r.output_ids for r in reqs] == ref, buckets
+        assert sorted(shapes) == sorted((1, n) for n in ([32, 64, 64, 96, 192] if buckets else [3, 33, 64, 65, 150]))
+        ar = SpecEngine(tiny_target, None, None, max_batch_size=2, max_seq_len=200, prefill_buckets=buckets)
+        assert [r.output_ids for r in ar.generate(prompts, SamplingParams(max_new_tokens=24), mode="ar")] == ref
+        assert eng.stats.num_prefill_captures == 0 and not eng.runner._prefill_graphs  # CPU: no graphs
+    assert PREFILL_LEN_BUCKETS[0] == 32 and list(PREFILL_LEN_BUCKETS) == sorted(PREFILL_LEN_BUCKETS)
+
+
 @pytest.mark.parametrize("sources", [None, ("dflash", "suffix")])
 def test_compaction_packs_slots_and_keeps_every_output(tiny_target, sources):
     """Six requests of unequal budgets through six slots, none waiting: as they finish the rest are packed into the

@@ -1,6 +1,7 @@
 """CUDA-only tests of the engine's graph path (marker ``gpu``; skipped without a CUDA device).
 
-- the CUDA-graph step equals the eager step bit for bit (same kernels, bf16, real SmolLM2);
+- the CUDA-graph step equals the eager step bit for bit (same kernels, bf16, real SmolLM2); so do graphed prefills
+  (``prefill_buckets``) and eager ones of the same padded shapes;
 - lossless in bf16: greedy speculative output vs the same engine's AR output; every divergence must sit
   at a near tie of the target (top-2 logit gap <= ``NEAR_TIE`` at the first differing position, measured
   by a cache-free bf16 forward over the AR sequence) - batched bf16 matmuls may flip exact-looking ties;
@@ -53,6 +54,23 @@ def test_graph_equals_eager(gpu_target, prompts):
         if graphs:
             assert len(eng.runner.graphs) > 0  # the graph path really ran
     assert runs[0] == runs[1]
+
+
+def test_prefill_graphs_equal_eager_prefills(gpu_target, prompts):
+    """``prefill_buckets`` with CUDA graphs (4 slots, 16 requests: prefills of several sizes, each shape captured
+    after its first eager prefill, replayed after) against the same padded prefills without graphs: identical tokens,
+    γ and accepted counts; graphs captured and counted."""
+    drafter, head = make_drafter(gpu_target, block_size=16, layers=1, policy="direct", seed=1)
+    runs = []
+    for graphs in (False, True):
+        eng = SpecEngine(gpu_target, drafter, head, max_batch_size=4, max_seq_len=512, use_cuda_graph=graphs,
+                         prefill_buckets=True)
+        for _ in range(2):  # the second pass replays the shapes the first one captured
+            out, reqs = _gen(eng, prompts)
+            runs.append((graphs, out, [r.draft_lens for r in reqs], [r.num_accepted for r in reqs]))
+        if graphs:
+            assert eng.runner._prefill_graphs and eng.stats.num_prefill_captures == len(eng.runner._prefill_graphs)
+    assert runs[0][1:] == runs[1][1:] == runs[2][1:] == runs[3][1:]
 
 
 def test_bf16_lossless_near_ties(gpu_target, prompts):

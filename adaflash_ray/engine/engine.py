@@ -240,6 +240,8 @@ class SpecEngine:
             request the drafts serve worse than AR no longer holds a whole wave at drafting's step cost.
             Batch-level (the rows of one step share its width); one request: the throughput guard's comparison.
             False: off.
+        prefill_buckets: prefills pad their prompts to length buckets and, on CUDA with graphs, replay one captured
+            graph of the target's forward per (prompts, padded length) (``ModelRunner`` ``prefill_buckets``).
     Raises:
         ValueError: bad ``draft_sources`` (:func:`~adaflash_ray.engine.hybrid.check_draft_sources`), ``"dflash"``
             among them without the ``cost`` policy, an unknown ``lookup_device`` or ``objective``;
@@ -257,7 +259,7 @@ class SpecEngine:
                  argmax_drafts: bool = False, lookup_device: str = "auto", lookup_corpus_tokens: int = 1 << 16,
                  throughput_guard: bool = True, block_guard: bool = False, compact_slots: bool = True,
                  objective: str = "throughput", clock=time.perf_counter, propose_first: bool = False,
-                 request_calibration: bool = False, makespan_guard: bool = False):
+                 request_calibration: bool = False, makespan_guard: bool = False, prefill_buckets: bool = False):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {list(OBJECTIVES)}, got {objective!r}")
         self.objective = objective
@@ -298,7 +300,8 @@ class SpecEngine:
                                   layer_ids=self.layer_ids, record=record and record_features,  # hid_hist
                                   use_cuda_graph=use_cuda_graph, seed=seed,
                                   max_draft=MAX_DRAFT if lookup is not None else None,
-                                  device_lookup=dev_lookup if self.lookup_on_device else None)
+                                  device_lookup=dev_lookup if self.lookup_on_device else None,
+                                  prefill_buckets=prefill_buckets)
         # the device lookup's latest proposal per slot (packed runner rows) and whether it is current
         self._dev_props = np.zeros((max_batch_size, self.runner.max_draft + NUM_META), np.int64)
         self._dev_valid = np.zeros(max_batch_size, dtype=bool)
@@ -423,7 +426,7 @@ class SpecEngine:
                 throughput_guard: default ``cfg.engine.throughput_guard``; propose_first: default
                 ``cfg.engine.propose_first`` where the sources are the hybrid's, which then puts ``"auto"`` lookups on
                 the device; makespan_guard: default ``cfg.engine.makespan_guard`` for an engine with the throughput
-                guard, else off).
+                guard, else off; prefill_buckets: default ``cfg.engine.prefill_buckets``).
         Raises:
             ValueError / CheckpointError: as the constructor and the model builders.
         """
@@ -437,6 +440,7 @@ class SpecEngine:
         target.fused_kernels = cfg.engine.fused_kernels  # read when the runner fuses the projections (CUDA only)
         kwargs.setdefault("throughput_guard", cfg.engine.throughput_guard)
         kwargs.setdefault("objective", cfg.engine.objective)
+        kwargs.setdefault("prefill_buckets", cfg.engine.prefill_buckets)
         if lh.draft_sources is not None and "draft_sources" not in kwargs:
             kwargs["draft_sources"] = [s for s in lh.draft_sources if s != "dflash" or drafter is not None] or None
         srcs = kwargs.get("draft_sources") or ()
@@ -627,6 +631,7 @@ class SpecEngine:
             self._commit(req, toks, finished, res, i)
         self._note_running()
         self.stats.num_prefills += 1
+        self.stats.num_prefill_captures += self.runner.prefill_captured
         self.stats.prefill_seconds += self.clock() - t0
 
     def _note_running(self) -> None:

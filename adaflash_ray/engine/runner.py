@@ -150,6 +150,15 @@ def _expand_spans(spans: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.nda
     return rows, pos
 
 
+#: positions a bucketed prefill pads its prompts to (``ModelRunner(prefill_buckets=True)``): 32 x 2^k and the 1.5x
+#: steps between them; a prompt longer than the last (or than ``max_seq_len``) pads to ``max_seq_len``
+PREFILL_LEN_BUCKETS = (32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+#: captured prefill graphs a runner keeps at most, and the most positions (prompts x padded length) one holds: a
+#: shape beyond either prefills eagerly (a long prefill keeps the device busy while the host launches: no gain, and a
+#: graph's static outputs stay allocated)
+MAX_PREFILL_GRAPHS, MAX_PREFILL_GRAPH_TOKENS = 32, 2048
+
+
 def _round_up(n: int, choices: list[int]) -> int:
     for c in choices:
         if c >= n:
@@ -171,12 +180,21 @@ class ModelRunner:
         device_lookup: None, or the keywords of a :class:`~adaflash_ray.engine.device_lookup.DeviceLookup`
             (max_ngram, min_ngram, max_occurrences, corpus_tokens): the runner then keeps every slot's tokens on the
             device (written at prefill and in every step), and steps with ``lookup`` propose lookup drafts there.
+        prefill_buckets: a prefill pads its prompts to the next of :data:`PREFILL_LEN_BUCKETS` positions (right
+            padding, as between prompts of one batch: pad entries lie beyond each prompt and are overwritten later)
+            and, with CUDA graphs, runs the target's forward as one captured graph per (prompts, padded length) -
+            captured after that shape's first, eager prefill, at most :data:`MAX_PREFILL_GRAPHS` of them of at most
+            :data:`MAX_PREFILL_GRAPH_TOKENS` positions each (others: eager) - one replay instead of a host launch
+            per kernel, for the prefills of a few prompts whose device work is shorter than their launches. False:
+            each batch padded to its longest prompt, eager.
     """
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, length_policy, *, num_slots: int,
                  max_seq_len: int, layer_ids: list[int], record: bool = False, use_cuda_graph: bool | None = None,
-                 seed: int = 0, max_draft: int | None = None, device_lookup: dict | None = None):
+                 seed: int = 0, max_draft: int | None = None, device_lookup: dict | None = None,
+                 prefill_buckets: bool = False):
         self.target, self.drafter, self.length_policy = target, drafter, length_policy
+        self.prefill_buckets = bool(prefill_buckets)
         self.layer_ids = list(layer_ids)
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         w = target.lm_head.weight
@@ -278,6 +296,10 @@ class ModelRunner:
         # a drafter-context append has run (its kernels initialised): catch-up graphs may then be captured unrun
         self._appended = False
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # prefill_buckets with graphs: per (prompts, padded length) the graph of the target's prefill forward, its
+        # static token ids [n, L] and slot ids [n], and its static output (TargetOutput)
+        self._prefill_graphs: dict[tuple[int, int], tuple] = {}
+        self.prefill_captured = False  # the last prefill captured its graph (a one-off cost, not the prefill's)
 
     @property
     def wants_anchor_hidden(self) -> bool:
@@ -290,6 +312,7 @@ class ModelRunner:
         for them: the old pool goes with its last graph, and capturing into it again would fail."""
         self.graphs.clear()
         self._catch_up_graphs.clear()
+        self._prefill_graphs.clear()
         if self.use_graphs:
             self._pool = torch.cuda.graph_pool_handle()
 
@@ -333,7 +356,7 @@ class ModelRunner:
         if spec and not append:
             raise ValueError("a prefill that proposes the first block needs the drafter context (append=True)")
         dev = self.device
-        n, plen = len(prompts), max(map(len, prompts))
+        n, plen = len(prompts), self._prefill_len(max(map(len, prompts)))
         ids = torch.zeros(n, plen, dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p)
@@ -347,8 +370,7 @@ class ModelRunner:
         rs = self.sampling.rows(flags, *(torch.from_numpy(a).to(dev) for a in (floats, top_k, min_left, seeded, unif)),
                                 slot_t)
         positions = torch.arange(plen, device=dev).expand(n, plen)
-        out = self.target(ids, positions, cache=self.kv, slot_ids=slot_t, capture_layer_ids=self.layer_ids,
-                          span=plen, compute_logits=False)
+        out = self._prefill_forward(ids, positions, slot_t)
         last = out.last_hidden[torch.arange(n, device=dev), lens - 1]  # [N, H]
         logits = self.target.lm_head(last)[:, None]  # [N, 1, V]
         if flags.sample:
@@ -387,6 +409,41 @@ class ModelRunner:
             self._write_logprobs(slot_t, logits, first[:, None], flags.logprobs)
         host = self.out[slot_t, :self._num_out_cols(1, expected is not None, flags.logprobs, lookup)].cpu().numpy()
         return self._result(slots, host, 1, propose, expected is not None, flags.logprobs, lookup)  # one transfer
+
+    def _prefill_len(self, longest: int) -> int:
+        """The positions a prefill whose longest prompt has ``longest`` tokens runs: ``longest``, or with
+        ``prefill_buckets`` the next of :data:`PREFILL_LEN_BUCKETS` (``max_seq_len`` where that is beyond it)."""
+        if not self.prefill_buckets:
+            return longest
+        b = next((x for x in PREFILL_LEN_BUCKETS if x >= longest), self.max_seq_len)
+        return max(min(b, self.max_seq_len), longest)
+
+    def _prefill_forward(self, ids: torch.Tensor, positions: torch.Tensor, slot_t: torch.Tensor):
+        """The target's prefill forward of ``ids`` ``[n, L]`` (device) at ``positions`` into the slots ``slot_t``
+        ``[n]``: eager, or (``prefill_buckets`` with CUDA graphs) the replay of the (n, L) graph, captured after
+        that shape's first eager forward. Returns the :class:`TargetOutput` (a graph's static one: read it before
+        the next prefill of that shape)."""
+        n, span = ids.shape
+        kw = dict(cache=self.kv, capture_layer_ids=self.layer_ids, span=span, compute_logits=False)
+        self.prefill_captured = False
+        if not (self.prefill_buckets and self.use_graphs and self._warm):
+            return self.target(ids, positions, slot_ids=slot_t, **kw)
+        entry = self._prefill_graphs.get((n, span))
+        if entry is not None:
+            graph, ids_buf, slot_buf, out = entry
+            ids_buf.copy_(ids)
+            slot_buf.copy_(slot_t)
+            graph.replay()
+            return out
+        out = self.target(ids, positions, slot_ids=slot_t, **kw)  # this prefill's result (its kernels initialised)
+        if len(self._prefill_graphs) < MAX_PREFILL_GRAPHS and n * span <= MAX_PREFILL_GRAPH_TOKENS:
+            ids_buf, slot_buf, pos_buf = ids.clone(), slot_t.clone(), positions.clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):  # recorded, not run: the KV holds the eager forward's
+                static = self.target(ids_buf, pos_buf, slot_ids=slot_buf, **kw)
+            self._prefill_graphs[(n, span)] = (graph, ids_buf, slot_buf, static)
+            self.prefill_captured = True
+        return out
 
     def _check_lookup(self, lookup: bool) -> bool:
         if lookup and self.lookup is None:
