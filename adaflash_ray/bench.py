@@ -400,8 +400,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                     extra["objective"] = "drain"
                 if method.endswith(REQUEST_CAL):
                     extra["request_calibration"] = True
-                if method.endswith(MAKESPAN):
-                    extra["makespan_guard"] = True
+                if base_method(method) in GUARDED_METHODS and not method.endswith(UNGUARDED):
+                    extra["makespan_guard"] = method.endswith(MAKESPAN)  # the method says, never the recipe
                 if base_method(method) == "hybrid":  # the method says which hybrid, never the recipe's knob
                     extra["propose_first"] = method.endswith(PROPOSE_FIRST)
                     if extra["propose_first"] and "lookup_device" not in (engine_kwargs or {}):

@@ -254,6 +254,9 @@ def test_prefill_buckets_pad_prompts_without_changing_outputs(tiny_target):
                          prefill_buckets=buckets)
         lens = [eng.runner._prefill_len(n) for n in (3, 32, 33, 64, 65, 150, 195)]
         assert lens == ([32, 32, 64, 64, 96, 192, 200] if buckets else [3, 32, 33, 64, 65, 150, 195])
+        eng.runner.max_seq_len = 20000  # beyond the last bucket: the next multiple of PREFILL_LEN_STEP
+        assert eng.runner._prefill_len(8200) == (10240 if buckets else 8200)
+        eng.runner.max_seq_len = 200
         shapes, fwd = [], eng.runner._prefill_forward
         eng.runner._prefill_forward = lambda ids, *a: shapes.append(tuple(ids.shape)) or fwd(ids, *a)
         reqs = eng.generate(prompts, SamplingParams(max_new_tokens=24))

@@ -58,8 +58,9 @@ def test_graph_equals_eager(gpu_target, prompts):
 
 def test_prefill_graphs_equal_eager_prefills(gpu_target, prompts):
     """``prefill_buckets`` with CUDA graphs (4 slots, 16 requests: prefills of several sizes, each shape captured
-    after its first eager prefill, replayed after) against the same padded prefills without graphs: identical tokens,
-    γ and accepted counts; graphs captured and counted."""
+    after its first eager prefill, replayed after; junk tensors of the inputs' sizes allocated between passes)
+    against the same padded prefills without graphs: identical tokens, γ and accepted counts; graphs captured,
+    counted and replayed."""
     drafter, head = make_drafter(gpu_target, block_size=16, layers=1, policy="direct", seed=1)
     runs = []
     for graphs in (False, True):
@@ -68,8 +69,14 @@ def test_prefill_graphs_equal_eager_prefills(gpu_target, prompts):
         for _ in range(2):  # the second pass replays the shapes the first one captured
             out, reqs = _gen(eng, prompts)
             runs.append((graphs, out, [r.draft_lens for r in reqs], [r.num_accepted for r in reqs]))
+            # fresh allocations of every captured input's size, filled with junk: a graph that lost an input buffer
+            # to the allocator would read them on its next replay
+            junk = [torch.full((n, length), 200, dtype=torch.long, device="cuda")
+                    for n, length in eng.runner._prefill_graphs for _ in range(3)]
+        del junk
         if graphs:
             assert eng.runner._prefill_graphs and eng.stats.num_prefill_captures == len(eng.runner._prefill_graphs)
+            assert eng.runner.prefill_replays > 0
     assert runs[0][1:] == runs[1][1:] == runs[2][1:] == runs[3][1:]
 
 

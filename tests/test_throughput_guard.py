@@ -342,12 +342,32 @@ def test_makespan_guard_rule(tiny_target):
     got = [eng._makespan_prefers_ar(running, 3) for _ in range(MAKESPAN_BACKOFF + MAKESPAN_TRIAL + 2)]
     assert got == [True] * MAKESPAN_BACKOFF + [False] * MAKESPAN_TRIAL + [True, True]  # the back-off, a trial, again
     assert eng._ms_forced_left == 2 * MAKESPAN_BACKOFF - 2 and eng._ms_factor == 4
+    assert eng._next_step_forced()  # an admission's look-ahead sees the back-off: no first block to drop
+    eng.load_drafter(eng.drafter_tensors(), version=1)  # new weights: no verdict and no record of the old ones
+    assert (eng._ms_forced_left, eng._ms_factor, eng._ms_trial) == (0, 1, 0) and not eng._next_step_forced()
+    assert all(r.spec_steps == r.spec_tokens == 0 for r in reqs)
+    for r in reqs:
+        r.spec_steps, r.spec_tokens = 20, 60
+    reqs[1].spec_tokens = 24
+    for _ in range(3):  # the reload forgot the drafting steps' averages (the AR ones stay)
+        eng.guard.record(3, True, 9, 2.0, 3)
+    eng._ms_forced_left, eng._ms_factor = 5, 4
     eng._ms_forced_left, eng._ms_trial = 0, MAKESPAN_TRIAL
     reqs[1].spec_tokens = 60  # the request caught up: drafting's horizon again, the factor back to 1
     assert not eng._makespan_prefers_ar(running, 3) and eng._ms_factor == 1
     reqs[1].spec_tokens = 24
     eng.add_request(_prompts()[0], SamplingParams(max_new_tokens=4))  # queued: no free slot
     assert eng.scheduler.waiting and not eng._makespan_prefers_ar(running, 3)
+    eng._ms_forced_left, eng._ms_factor = 7, 4
+    eng.scheduler.running[0].params.max_new_tokens = len(eng.scheduler.running[0].output_ids)  # ends: a slot frees
+    admitted = 0
+    while eng.scheduler.waiting:  # it finishes; a later step admits the queued request into the running wave
+        assert eng._ms_forced_left == 7  # no verdict and no forced step while a request waits
+        eng.step()
+        admitted += 1
+    assert admitted <= 2 and len(eng.scheduler.running) == 3
+    # the admission cleared the back-off (the step's own check then began a trial)
+    assert (eng._ms_forced_left, eng._ms_factor, eng._ms_trial) == (0, 1, 1)
 
 
 def test_makespan_guard_forces_ar_steps_and_stays_lossless(tiny_target):

@@ -235,9 +235,10 @@ class SpecEngine:
             x the bucket's drafting step ms (the guard's moving averages, :meth:`ThroughputGuard.step_costs`). Where
             AR's is below ``1 - MAKESPAN_MARGIN`` of drafting's, the next :data:`MAKESPAN_BACKOFF` steps are AR
             steps (twice as many after each verdict that repeats, at most ``PROBE_MAX_FACTOR`` x; one that does not
-            resets it), then :data:`MAKESPAN_TRIAL` steps are the policy's (the requests' records stay current)
-            before the next verdict; a wave's first verdict also waits for :data:`MAKESPAN_TRIAL` policy steps. A
-            request the drafts serve worse than AR no longer holds a whole wave at drafting's step cost.
+            resets it), then :data:`MAKESPAN_TRIAL` steps are left to the policy and the throughput guard (so the
+            requests' records can follow) before the next verdict; so is the first verdict after an admission or a
+            drafter reload (which also clears the requests' records). A request the drafts serve worse than AR no
+            longer holds a whole wave at drafting's step cost.
             Batch-level (the rows of one step share its width); one request: the throughput guard's comparison.
             False: off.
         prefill_buckets: prefills pad their prompts to length buckets and, on CUDA with graphs, replay one captured
@@ -594,9 +595,10 @@ class SpecEngine:
         if not admitted:
             return
         t0 = self.clock()
+        # requests joining (a new wave, or the running one): the makespan guard's verdicts did not count them
+        self._ms_forced_left, self._ms_factor, self._ms_trial = 0, 1, 0
         if self.guard is not None and not running_before:
             self.guard.new_batch()
-            self._ms_forced_left, self._ms_factor, self._ms_trial = 0, 1, 0  # a new wave: its own verdicts
             if self.block_guard is not None:
                 self.block_guard.new_batch()
                 self._last_planned_propose = None
@@ -661,11 +663,14 @@ class SpecEngine:
         st.compaction_seconds += self.clock() - t0
 
     def _next_step_forced(self) -> bool:
-        """Whether the next step (at the running batch's size) will be an AR step the throughput guard forces, or a
-        planned step the block guard keeps from proposing (their :meth:`ThroughputGuard.would_force`: no change)."""
+        """Whether the next step (at the running batch's size) will be an AR step the throughput guard forces (or the
+        makespan guard's back-off), or a planned step the block guard keeps from proposing (their
+        :meth:`ThroughputGuard.would_force`: no change)."""
         guards = [g for g in (self.guard, self.block_guard) if g is not None]
         if not guards or not self.scheduler.running:
             return False
+        if self.makespan_guard and self._ms_forced_left > 0 and not (self.scheduler.waiting or self.num_held):
+            return True  # the makespan guard's back-off goes on
         batch_size = max(r.slot for r in self.scheduler.running) + 1
         return any(g.would_force(batch_size) for g in guards)
 
@@ -1210,6 +1215,10 @@ class SpecEngine:
             self.planner.reset()
         if self.guard is not None:
             self.guard.on_drafter_reload()
+        # the makespan guard's verdicts and the requests' drafting records measured the old drafter
+        self._ms_forced_left, self._ms_factor, self._ms_trial = 0, 1, 0
+        for r in self.scheduler.running:
+            r.spec_steps = r.spec_tokens = 0
         if self.block_guard is not None:
             self.block_guard.on_drafter_reload()
             self._last_planned_propose = None  # the next step's pending block is the old drafter's

@@ -151,11 +151,13 @@ def _expand_spans(spans: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.nda
 
 
 #: positions a bucketed prefill pads its prompts to (``ModelRunner(prefill_buckets=True)``): 32 x 2^k and the 1.5x
-#: steps between them; a prompt longer than the last (or than ``max_seq_len``) pads to ``max_seq_len``
+#: steps between them; beyond the last, the next multiple of PREFILL_LEN_STEP; never beyond ``max_seq_len``
 PREFILL_LEN_BUCKETS = (32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+PREFILL_LEN_STEP = 2048
 #: captured prefill graphs a runner keeps at most, and the most positions (prompts x padded length) one holds: a
-#: shape beyond either prefills eagerly (a long prefill keeps the device busy while the host launches: no gain, and a
-#: graph's static outputs stay allocated)
+#: shape beyond either prefills eagerly (a long prefill keeps the device busy while the host launches: no gain). Each
+#: graph keeps its static output allocated: its features and final hidden state, (len(layer_ids) + 1) x hidden size
+#: values a position - at most MAX_PREFILL_GRAPHS x MAX_PREFILL_GRAPH_TOKENS positions of them in all
 MAX_PREFILL_GRAPHS, MAX_PREFILL_GRAPH_TOKENS = 32, 2048
 
 
@@ -183,7 +185,8 @@ class ModelRunner:
         prefill_buckets: a prefill pads its prompts to the next of :data:`PREFILL_LEN_BUCKETS` positions (right
             padding, as between prompts of one batch: pad entries lie beyond each prompt and are overwritten later)
             and, with CUDA graphs, runs the target's forward as one captured graph per (prompts, padded length) -
-            captured after that shape's first, eager prefill, at most :data:`MAX_PREFILL_GRAPHS` of them of at most
+            captured after that shape's first eager prefill once the runner's first decode step has run (before it
+            every prefill is eager), at most :data:`MAX_PREFILL_GRAPHS` of them of at most
             :data:`MAX_PREFILL_GRAPH_TOKENS` positions each (others: eager) - one replay instead of a host launch
             per kernel, for the prefills of a few prompts whose device work is shorter than their launches. False:
             each batch padded to its longest prompt, eager.
@@ -297,9 +300,10 @@ class ModelRunner:
         self._appended = False
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # prefill_buckets with graphs: per (prompts, padded length) the graph of the target's prefill forward, its
-        # static token ids [n, L] and slot ids [n], and its static output (TargetOutput)
+        # static token ids [n, L], slot ids [n] and positions [n, L], and its static output (TargetOutput)
         self._prefill_graphs: dict[tuple[int, int], tuple] = {}
-        self.prefill_captured = False  # the last prefill captured its graph (a one-off cost, not the prefill's)
+        self.prefill_captured = False  # the last prefill captured its graph (a one-off cost inside that prefill's time)
+        self.prefill_replays = 0  # prefills that replayed a captured graph
 
     @property
     def wants_anchor_hidden(self) -> bool:
@@ -348,7 +352,7 @@ class ModelRunner:
         context of the prompts to the first step that proposes or appends (:meth:`catch_up_context`, from the feature
         history written here): a request whose first steps draft from lookups or none pays no drafter work. On CUDA all
         prompts go in one right-padded batch (pad entries lie beyond each prompt and are overwritten later); on CPU
-        one prompt at a time (no padding waste).
+        one prompt at a time (no padding waste, unless ``prefill_buckets`` pads it to its length bucket).
         """
         if not self.is_cuda and len(prompts) > 1:
             return _concat([self.prefill([s], [p], [sp], spec, lookup, append)
@@ -412,17 +416,18 @@ class ModelRunner:
 
     def _prefill_len(self, longest: int) -> int:
         """The positions a prefill whose longest prompt has ``longest`` tokens runs: ``longest``, or with
-        ``prefill_buckets`` the next of :data:`PREFILL_LEN_BUCKETS` (``max_seq_len`` where that is beyond it)."""
+        ``prefill_buckets`` the next of :data:`PREFILL_LEN_BUCKETS` (beyond the last: the next multiple of
+        :data:`PREFILL_LEN_STEP`), at most ``max_seq_len`` (and never below ``longest``)."""
         if not self.prefill_buckets:
             return longest
-        b = next((x for x in PREFILL_LEN_BUCKETS if x >= longest), self.max_seq_len)
+        b = next((x for x in PREFILL_LEN_BUCKETS if x >= longest), -(-longest // PREFILL_LEN_STEP) * PREFILL_LEN_STEP)
         return max(min(b, self.max_seq_len), longest)
 
     def _prefill_forward(self, ids: torch.Tensor, positions: torch.Tensor, slot_t: torch.Tensor):
         """The target's prefill forward of ``ids`` ``[n, L]`` (device) at ``positions`` into the slots ``slot_t``
         ``[n]``: eager, or (``prefill_buckets`` with CUDA graphs) the replay of the (n, L) graph, captured after
-        that shape's first eager forward. Returns the :class:`TargetOutput` (a graph's static one: read it before
-        the next prefill of that shape)."""
+        that shape's first eager forward. Returns the :class:`TargetOutput` (a graph's static one, in the memory pool
+        the step graphs share: read it before any other graph replays)."""
         n, span = ids.shape
         kw = dict(cache=self.kv, capture_layer_ids=self.layer_ids, span=span, compute_logits=False)
         self.prefill_captured = False
@@ -430,10 +435,11 @@ class ModelRunner:
             return self.target(ids, positions, slot_ids=slot_t, **kw)
         entry = self._prefill_graphs.get((n, span))
         if entry is not None:
-            graph, ids_buf, slot_buf, out = entry
+            graph, ids_buf, slot_buf, _, out = entry  # the positions buffer is kept only for the graph to read
             ids_buf.copy_(ids)
             slot_buf.copy_(slot_t)
             graph.replay()
+            self.prefill_replays += 1
             return out
         out = self.target(ids, positions, slot_ids=slot_t, **kw)  # this prefill's result (its kernels initialised)
         if len(self._prefill_graphs) < MAX_PREFILL_GRAPHS and n * span <= MAX_PREFILL_GRAPH_TOKENS:
@@ -441,7 +447,8 @@ class ModelRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):  # recorded, not run: the KV holds the eager forward's
                 static = self.target(ids_buf, pos_buf, slot_ids=slot_buf, **kw)
-            self._prefill_graphs[(n, span)] = (graph, ids_buf, slot_buf, static)
+            # every input buffer stays referenced here: the graph reads their addresses, not the tensors
+            self._prefill_graphs[(n, span)] = (graph, ids_buf, slot_buf, pos_buf, static)
             self.prefill_captured = True
         return out
 
