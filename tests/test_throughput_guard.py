@@ -309,7 +309,7 @@ def test_would_force_looks_ahead_without_changing_the_guard():
 
 
 def test_makespan_guard_rule(tiny_target):
-    """``makespan_guard``: a verdict for AR where the most tokens left x the AR step ms is below 0.95 x the most
+    """``makespan_guard``: a verdict for AR where the most tokens left x the AR step ms is below 0.8 x the most
     (tokens left / own committed per drafting step) x the drafting step ms (the guard's averages at the bucket); the
     verdict forces 16 AR steps, then 8 policy steps, then the next verdict (32 while it repeats); none before the guard
     has both kinds' samples, nor while a request waits or is held back; ValueError without the throughput guard."""
@@ -336,9 +336,14 @@ def test_makespan_guard_rule(tiny_target):
     reqs[1].spec_tokens = 24
     assert not eng._makespan_prefers_ar(running, 3)
     eng.num_held = 0
-    # one request at 1.2 per drafting step: its (steps + 4) / (tokens + 4 x 3) = 24 / 36 -> 4/3 x tokens left ms
+    # one request at 1.5 per drafting step: (steps + 4) / (tokens + 4 x 3) = 24 / 42 -> 8/7 x tokens left ms, above
+    # AR's 1 x but within the margin (1 < 0.8 x 8/7 fails): no verdict for AR
+    reqs[1].spec_tokens = 30
+    assert not eng._makespan_prefers_ar(running, 3) and eng._ms_forced_left == 0
+    # at 1.2 per drafting step: 24 / 36 -> 4/3 x tokens left ms: AR's is below 0.8 x that
+    reqs[1].spec_tokens = 24
     left = [r.params.max_new_tokens - len(r.output_ids) for r in running]
-    assert max(left) * 1.0 < 0.95 * left[1] * 24 / 36 * 2.0
+    assert max(left) * 1.0 < 0.8 * left[1] * 24 / 36 * 2.0 < max(left) * 1.1
     got = [eng._makespan_prefers_ar(running, 3) for _ in range(MAKESPAN_BACKOFF + MAKESPAN_TRIAL + 2)]
     assert got == [True] * MAKESPAN_BACKOFF + [False] * MAKESPAN_TRIAL + [True, True]  # the back-off, a trial, again
     assert eng._ms_forced_left == 2 * MAKESPAN_BACKOFF - 2 and eng._ms_factor == 4

@@ -56,10 +56,11 @@ _FLOAT_WIDTH = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.flo
 #: batch's horizon weighs 0, and a request's committed-per-step rate starts from DRAIN_PRIOR pseudo-steps of 1 token
 OBJECTIVES = ("throughput", "drain")
 DRAIN_MARGIN, DRAIN_PRIOR = 0.1, 4
-#: SpecEngine ``makespan_guard``: AR is preferred when its horizon is below (1 - MAKESPAN_MARGIN) x drafting's; a
+#: SpecEngine ``makespan_guard``: AR is preferred when its horizon is below (1 - MAKESPAN_MARGIN) x drafting's (a wide
+#: margin: a request's early record, a few steps, undersells the drafts it will get, and AR steps do not update it); a
 #: verdict for AR forces MAKESPAN_BACKOFF AR steps (doubling while the verdict holds, at most PROBE_MAX_FACTOR x), then
 #: MAKESPAN_TRIAL steps are the policy's again (fresh records) before the next verdict
-MAKESPAN_MARGIN, MAKESPAN_BACKOFF, MAKESPAN_TRIAL = 0.05, 16, 8
+MAKESPAN_MARGIN, MAKESPAN_BACKOFF, MAKESPAN_TRIAL = 0.2, 16, 8
 #: under ``propose_first``: planned steps without a verified block before one verifies it at the full γ again
 PROPOSE_FIRST_PROBE = 32
 #: under ``request_calibration``: pseudo-tokens, estimated and accepted alike, in each request's factors
