@@ -310,6 +310,19 @@ def test_profile_runs_after_every_timed_run_of_the_concurrency(monkeypatch, caps
 
 
 @pytest.mark.slow
+def test_lookup_methods_get_room_for_their_longest_draft(capsys):
+    """A recipe whose block is shorter than a lookup's longest draft (cpu_tiny: 4 against 15): the bench sizes its
+    engines' ``max_seq_len`` for the longer headroom (a QA prompt of 43 tokens + 6 new tokens + 16 needs 65 > 64);
+    with ``--prefill-buckets`` (prefills padded) the rows are lossless."""
+    rc = main(["--recipe", str(ROOT / "recipes" / "cpu_tiny.yaml"), "--methods", "ar", "hybrid-makespan",
+               "--concurrency", "2", "--domains", "qa", "--num-prompts", "2", "--max-new-tokens", "6",
+               "--prefill-buckets"])
+    assert rc == 0
+    rows = _last_json(capsys)["rows"]
+    assert [r["method"] for r in rows] == ["ar", "hybrid-makespan"] and all(r["lossless"] for r in rows)
+
+
+@pytest.mark.slow
 def test_profile_writes_one_document_per_cell_and_method(tmp_path, capsys):
     """``--profile DIR`` (adaflash_ray.step_profile through the bench): one JSON per (domain, concurrency, method) with
     the decode steps by kind and shape (AR: as many as the kernel run counted), a kernel table and a cProfile; the rows
