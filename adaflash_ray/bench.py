@@ -635,13 +635,15 @@ def _kind_cell(entry: dict | None) -> str:
 
 def step_kind_table(rows: list[dict]) -> Table:
     """Where each engine row's decode time went: per step kind (``ar`` / ``gamma0`` / ``probe`` / ``draft``) count x
-    mean ms, the context catch-ups (count, positions, host ms: inside probe / draft steps), the prefills, and the
-    throughput guard's forced AR steps and back-offs (:meth:`SpecStats.timing`)."""
+    mean ms, the context catch-ups (count, positions, host ms: inside probe / draft steps), the prefills and their
+    share of the timed run's wall, the slowest request's decode steps (a wave ends with it), and the throughput
+    guard's forced AR steps and back-offs (:meth:`SpecStats.timing`)."""
     from adaflash_ray.engine.stats import STEP_KINDS
 
     t = Table(title="engine step kinds: count x mean wall ms (a step ends in its device -> host transfer); catch-ups "
                     "run inside probe / draft steps (host ms); guard = forced AR steps / back-offs")
-    for col in ("domain", "conc", "method", *STEP_KINDS, "catch-up n / pos / ms", "prefill", "guard"):
+    for col in ("domain", "conc", "method", *STEP_KINDS, "catch-up n / pos / ms", "prefill", "of wall",
+                "slowest req steps", "guard"):
         t.add_column(col, no_wrap=True)
     for r in rows:
         tm = r["step_timing"]
@@ -650,7 +652,9 @@ def step_kind_table(rows: list[dict]) -> Table:
             f"{tm['num_guard_steps']} / {sum(b['num_backoffs'] for b in r['guard'].values())}"
         t.add_row(r["domain"], str(r["concurrency"]), r["method"], *[_kind_cell(tm["steps"].get(k)) for k in STEP_KINDS],
                   f"{cu['count']} / {cu['num_positions']} / {cu['total_ms']:.1f}" if cu["count"] else "-",
-                  _kind_cell(tm["prefill"]), guard)
+                  _kind_cell(tm["prefill"]),
+                  f"{tm['prefill']['total_ms'] / (1e3 * r['seconds']):.0%}" if r.get("seconds") else "-",
+                  str(r.get("max_request_steps", "-")), guard)
     return t
 
 
