@@ -725,6 +725,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-buckets", action="store_true",
                    help="prefills padded to length buckets, each (prompts, length) one CUDA graph replay "
                         "(SpecEngine prefill_buckets; the recipe's engine.prefill_buckets otherwise)")
+    p.add_argument("--defer-first-block", action="store_true",
+                   help="prefills never propose the first block (SpecEngine defer_first_block; the recipe's "
+                        "engine.defer_first_block otherwise)")
     p.add_argument("--no-precapture", action="store_true",
                    help="CUDA: do not capture every step shape after the warm-up passes (the timed runs then capture "
                         "the graphs of shapes the warm-up did not meet, as a server that captures lazily)")
@@ -843,7 +846,8 @@ def main(argv: list[str] | None = None) -> int:
                         warmup=ns.warmup or ("repeat" if on_cuda else "short"),
                         engine_kwargs={**({"use_cuda_graph": False} if ns.eager else {}),
                                        **({"lookup_device": ns.lookup_device} if ns.lookup_device != "auto" else {}),
-                                       **({"prefill_buckets": True} if ns.prefill_buckets else {})}
+                                       **({"prefill_buckets": True} if ns.prefill_buckets else {}),
+                                       **({"defer_first_block": True} if ns.defer_first_block else {})}
                         or None, log=log,
                         repeats=ns.repeats, corpus_prompts=ns.corpus_prompts, temperature=ns.temperature,
                         admit_min=ns.admit_min, precapture=not ns.no_precapture, profile_dir=ns.profile)

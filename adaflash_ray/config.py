@@ -236,6 +236,9 @@ class EngineConfig(_Section):
     # prefills pad their prompts to length buckets and replay one CUDA graph of the target's forward per (prompts,
     # padded length) instead of launching every kernel from the host (SpecEngine prefill_buckets; CPU: padding only)
     prefill_buckets: bool = False
+    # a prefill never proposes the first block: the first step that proposes appends the prompts' drafter context
+    # (graphed catch-up) and the new requests' first step verifies no block (SpecEngine defer_first_block)
+    defer_first_block: bool = False
     # the hybrid (length_head.draft_sources with dflash and a lookup) proposes the drafter's block in the step that
     # verifies it, only where the planner chooses it (SpecEngine propose_first; its lookups then run on the device,
     # on CPU too); false = the block proposed one step ahead

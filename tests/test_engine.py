@@ -268,6 +268,45 @@ def test_prefill_buckets_pad_prompts_without_changing_outputs(tiny_target):
     assert PREFILL_LEN_BUCKETS[0] == 32 and list(PREFILL_LEN_BUCKETS) == sorted(PREFILL_LEN_BUCKETS)
 
 
+@pytest.mark.parametrize("policy,sources", [("fixed", None), ("cost", ("dflash", "suffix"))])
+def test_defer_first_block_prefills_without_propose(tiny_target, policy, sources):
+    """``defer_first_block``: every prefill runs without a propose and without the drafter-context append (a request
+    that fixes its own γ excepted), each request's first step verifies no drafter block, the first proposing step
+    catches the prompts' context up, and the outputs stay the greedy reference's (slot reuse: 5 requests, 2 slots)."""
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in [5, 40, 17, 3, 60]]
+    ref = [greedy_reference(tiny_target, p, 20) for p in prompts]
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy=policy, seed=2)
+    eng = SpecEngine(tiny_target, drafter, head, policy=policy, max_batch_size=2, max_seq_len=160, calibrate=False,
+                     draft_sources=sources, defer_first_block=True)
+    calls, real = [], eng.runner.prefill
+
+    def spy(slots, ps, params, spec, lookup=False, append=True):  # the engine's calls (on CPU each recurses per prompt)
+        if not spy.depth:
+            calls.append((len(ps), spec, append))
+        spy.depth += 1
+        try:
+            return real(slots, ps, params, spec, lookup, append)
+        finally:
+            spy.depth -= 1
+    spy.depth = 0
+    eng.runner.prefill = spy
+    reqs = eng.generate(prompts, SamplingParams(max_new_tokens=20))
+    assert [r.output_ids for r in reqs] == ref
+    assert calls and all(not spec and not append for _, spec, append in calls) and sum(n for n, *_ in calls) == 5
+    assert all(r.step_sources[0] != "dflash" for r in reqs)  # no block pending at a request's first step
+    assert eng.stats.num_catch_ups > 0
+    if policy == "fixed":
+        assert all(r.draft_lens[0] == 0 and max(r.draft_lens) > 0 for r in reqs)
+        own = SpecEngine(tiny_target, drafter, head, policy=policy, max_batch_size=2, max_seq_len=160,
+                         defer_first_block=True)
+        calls.clear()
+        real = own.runner.prefill
+        own.runner.prefill = spy
+        r = own.generate([prompts[0]], SamplingParams(max_new_tokens=20, draft_len=3))[0]
+        assert calls == [(1, True, True)] and r.output_ids == ref[0] and r.draft_lens[0] == 3  # own γ: proposed
+
+
 @pytest.mark.parametrize("sources", [None, ("dflash", "suffix")])
 def test_compaction_packs_slots_and_keeps_every_output(tiny_target, sources):
     """Six requests of unequal budgets through six slots, none waiting: as they finish the rest are packed into the

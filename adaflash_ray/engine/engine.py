@@ -244,6 +244,11 @@ class SpecEngine:
             False: off.
         prefill_buckets: prefills pad their prompts to length buckets and, on CUDA with graphs, replay one captured
             graph of the target's forward per (prompts, padded length) (``ModelRunner`` ``prefill_buckets``).
+        defer_first_block: a prefill never proposes the new requests' first block (unless one fixes its own γ): their
+            drafter context is appended by the first step that proposes (its catch-up, a CUDA graph per padded size)
+            and their first step verifies no block - one step without the drafter's drafts per request, for an eager
+            propose and context append less in every prefill. False: the block proposed at admission whenever the
+            next step would use it.
     Raises:
         ValueError: bad ``draft_sources`` (:func:`~adaflash_ray.engine.hybrid.check_draft_sources`), ``"dflash"``
             among them without the ``cost`` policy, an unknown ``lookup_device`` or ``objective``;
@@ -261,7 +266,8 @@ class SpecEngine:
                  argmax_drafts: bool = False, lookup_device: str = "auto", lookup_corpus_tokens: int = 1 << 16,
                  throughput_guard: bool = True, block_guard: bool = False, compact_slots: bool = True,
                  objective: str = "throughput", clock=time.perf_counter, propose_first: bool = False,
-                 request_calibration: bool = False, makespan_guard: bool = False, prefill_buckets: bool = False):
+                 request_calibration: bool = False, makespan_guard: bool = False, prefill_buckets: bool = False,
+                 defer_first_block: bool = False):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {list(OBJECTIVES)}, got {objective!r}")
         self.objective = objective
@@ -382,6 +388,7 @@ class SpecEngine:
             raise ValueError("makespan_guard needs the throughput guard (the cost policy, alone or in the hybrid, with "
                              "throughput_guard and ar_steps on): its step costs come from that guard")
         self.makespan_guard = bool(makespan_guard)
+        self.defer_first_block = bool(defer_first_block)
         # its back-off: AR steps still forced, the next back-off's factor, policy steps since the last verdict for AR
         self._ms_forced_left, self._ms_factor, self._ms_trial = 0, 1, 0
         self._last_planned_propose: bool | None = None  # the block guard's previous planned step (None: none yet)
@@ -428,7 +435,7 @@ class SpecEngine:
                 throughput_guard: default ``cfg.engine.throughput_guard``; propose_first: default
                 ``cfg.engine.propose_first`` where the sources are the hybrid's, which then puts ``"auto"`` lookups on
                 the device; makespan_guard: default ``cfg.engine.makespan_guard`` for an engine with the throughput
-                guard, else off; prefill_buckets: default ``cfg.engine.prefill_buckets``).
+                guard, else off; prefill_buckets, defer_first_block: default ``cfg.engine``'s).
         Raises:
             ValueError / CheckpointError: as the constructor and the model builders.
         """
@@ -443,6 +450,7 @@ class SpecEngine:
         kwargs.setdefault("throughput_guard", cfg.engine.throughput_guard)
         kwargs.setdefault("objective", cfg.engine.objective)
         kwargs.setdefault("prefill_buckets", cfg.engine.prefill_buckets)
+        kwargs.setdefault("defer_first_block", cfg.engine.defer_first_block)
         if lh.draft_sources is not None and "draft_sources" not in kwargs:
             kwargs["draft_sources"] = [s for s in lh.draft_sources if s != "dflash" or drafter is not None] or None
         srcs = kwargs.get("draft_sources") or ()
@@ -611,7 +619,7 @@ class SpecEngine:
         # drafter context still appended (every planned step appends)
         propose = spec and self.drafter is not None and not self.propose_first and (
             any(r.params.draft_len is not None for r in admitted)
-            or (not self._next_step_forced() and
+            or (not self.defer_first_block and not self._next_step_forced() and
                 (self.planner.wants_block() if self.planner is not None
                  else self.policy is None or self.policy.admit_proposes(running_before))))
         dev_lookup = spec and self.lookup_on_device
