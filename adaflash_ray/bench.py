@@ -70,9 +70,9 @@ from rich.table import Table
 from adaflash_ray.config import RecipeError, RunConfig, add_recipe_args, config_from_args
 from adaflash_ray.data import (MissingDataPackageError, encode_prompts, ensure_target, load_eval_prompts,
                                load_tokenizer)
-from adaflash_ray.drafting.lookup import MAX_DRAFT
 from adaflash_ray.engine import SamplingParams, SpecEngine
 from adaflash_ray.engine import SpecStats
+from adaflash_ray.engine.engine import request_headroom
 from adaflash_ray.engine.length_policy import LENGTH_POLICIES, FixedLength
 from adaflash_ray.models.factory import build_drafter, load_target
 from adaflash_ray.shapes import bench_shape
@@ -365,9 +365,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
         if drafter is None:
             drafter = d
     block_size = drafter.block_size
-    # each request's headroom past its tokens (SpecEngine.add_request): the block, or a lookup's longest draft + 1
-    headroom = max(block_size, MAX_DRAFT + 1 if any(base_method(m) in ("ngram", "suffix", "hybrid") for m in methods)
-                   else 1)
+    headroom = request_headroom(block_size, any(base_method(m) in ("ngram", "suffix", "hybrid") for m in methods))
     longest = max(len(p) for ps in prompts.values() for p in ps)
     max_seq_len = -(-(longest + max_new_tokens + headroom) // 64) * 64
     eos = list(target.config.eos_token_ids)

@@ -61,6 +61,14 @@ DRAIN_MARGIN, DRAIN_PRIOR = 0.1, 4
 #: verdict for AR forces MAKESPAN_BACKOFF AR steps (doubling while the verdict holds, at most PROBE_MAX_FACTOR x), then
 #: MAKESPAN_TRIAL steps are the policy's again (fresh records) before the next verdict
 MAKESPAN_MARGIN, MAKESPAN_BACKOFF, MAKESPAN_TRIAL = 0.2, 16, 8
+
+
+def request_headroom(block_size: int | None, lookup: bool) -> int:
+    """Positions a request needs past its prompt + ``max_new_tokens`` (a step writes a whole verify window): the
+    drafter's block (``block_size``; None without a drafter), or with a lookup source its longest draft + 1."""
+    return max(block_size or 1, MAX_DRAFT + 1 if lookup else 1)
+
+
 #: under ``propose_first``: planned steps without a verified block before one verifies it at the full γ again
 PROPOSE_FIRST_PROBE = 32
 #: under ``request_calibration``: pseudo-tokens, estimated and accepted alike, in each request's factors
@@ -487,8 +495,8 @@ class SpecEngine:
             limit = "an engine without a drafter takes none" if self.drafter is None else \
                 f"at most block_size - 1 = {self.drafter.block_size - 1}"
             raise ValueError(f"draft_len {params.draft_len}: {limit}")
-        headroom = max(self.drafter.block_size if self.drafter is not None else 1,
-                       self.runner.max_draft + 1 if self.lookup is not None else 1)
+        headroom = request_headroom(self.drafter.block_size if self.drafter is not None else None,
+                                    self.lookup is not None)
         need = len(prompt_ids) + params.max_new_tokens + headroom
         if need > self.max_seq_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) + "
