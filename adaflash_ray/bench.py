@@ -490,6 +490,9 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                            **request_spread(reqs, method != "ar")}
                     # the engine's one decode / verify attention kernel (ModelRunner.split_k: split-K or SDPA)
                     row["attention"] = "split_k" if engine_for(method).runner.split_k else "sdpa"
+                    # the prefill settings the engine ran with (the recipe's, unset = on CUDA, or the bench's flags)
+                    row["prefill_buckets"] = engine_for(method).runner.prefill_buckets
+                    row["defer_first_block"] = engine_for(method).defer_first_block
                     if method in precaptured:  # graphs captured after this cell's warm-up, before its timed runs
                         row["precaptured"] = precaptured[method]
                     # the measured step costs the policy / planner chose by, beside step_timing's realised ones
@@ -720,12 +723,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lookup-device", default="auto", choices=("auto", "host", "device"),
                    help="where the suffix / hybrid lookups run (SpecEngine lookup_device; auto: the device on CUDA, "
                         "the host on CPU)")
-    p.add_argument("--prefill-buckets", action="store_true",
+    p.add_argument("--prefill-buckets", action=argparse.BooleanOptionalAction, default=None,
                    help="prefills padded to length buckets, each (prompts, length) one CUDA graph replay "
-                        "(SpecEngine prefill_buckets; the recipe's engine.prefill_buckets otherwise)")
-    p.add_argument("--defer-first-block", action="store_true",
-                   help="prefills never propose the first block (SpecEngine defer_first_block; the recipe's "
-                        "engine.defer_first_block otherwise)")
+                        "(SpecEngine prefill_buckets; default: the recipe's engine.prefill_buckets, unset = on CUDA)")
+    p.add_argument("--defer-first-block", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefills never propose the first block (SpecEngine defer_first_block; default: the "
+                        "recipe's engine.defer_first_block, unset = on CUDA)")
     p.add_argument("--no-precapture", action="store_true",
                    help="CUDA: do not capture every step shape after the warm-up passes (the timed runs then capture "
                         "the graphs of shapes the warm-up did not meet, as a server that captures lazily)")
@@ -844,8 +847,10 @@ def main(argv: list[str] | None = None) -> int:
                         warmup=ns.warmup or ("repeat" if on_cuda else "short"),
                         engine_kwargs={**({"use_cuda_graph": False} if ns.eager else {}),
                                        **({"lookup_device": ns.lookup_device} if ns.lookup_device != "auto" else {}),
-                                       **({"prefill_buckets": True} if ns.prefill_buckets else {}),
-                                       **({"defer_first_block": True} if ns.defer_first_block else {})}
+                                       **({"prefill_buckets": ns.prefill_buckets}
+                                          if ns.prefill_buckets is not None else {}),
+                                       **({"defer_first_block": ns.defer_first_block}
+                                          if ns.defer_first_block is not None else {})}
                         or None, log=log,
                         repeats=ns.repeats, corpus_prompts=ns.corpus_prompts, temperature=ns.temperature,
                         admit_min=ns.admit_min, precapture=not ns.no_precapture, profile_dir=ns.profile)

@@ -234,11 +234,13 @@ class EngineConfig(_Section):
     # without the throughput guard (no cost policy) ignore it
     makespan_guard: bool = False
     # prefills pad their prompts to length buckets and replay one CUDA graph of the target's forward per (prompts,
-    # padded length) instead of launching every kernel from the host (SpecEngine prefill_buckets; CPU: padding only)
-    prefill_buckets: bool = False
+    # padded length) instead of launching every kernel from the host (SpecEngine prefill_buckets; CPU: padding only).
+    # None = on where model.device is cuda (the CPU path pads nothing)
+    prefill_buckets: bool | None = None
     # a prefill never proposes the first block: the first step that proposes appends the prompts' drafter context
-    # (graphed catch-up) and the new requests' first step verifies no block (SpecEngine defer_first_block)
-    defer_first_block: bool = False
+    # (graphed catch-up) and the new requests' first step verifies no block (SpecEngine defer_first_block).
+    # None = on where model.device is cuda (on CPU the propose in the prefill stays)
+    defer_first_block: bool | None = None
     # the hybrid (length_head.draft_sources with dflash and a lookup) proposes the drafter's block in the step that
     # verifies it, only where the planner chooses it (SpecEngine propose_first; its lookups then run on the device,
     # on CPU too); false = the block proposed one step ahead

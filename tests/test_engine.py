@@ -238,6 +238,28 @@ def test_random_drafter_lossless_with_slot_reuse(tiny_target):
             assert r.output_ids == out[: r.params.max_new_tokens]
 
 
+def test_recipe_prefill_settings_default_to_cuda_only(tiny_target):
+    """``engine.prefill_buckets`` / ``engine.defer_first_block`` unset: on for a CUDA recipe, off for a CPU one (the
+    CPU engine unchanged); a value the recipe sets wins, and an engine built from a CPU recipe has both off."""
+    from adaflash_ray.config import load_recipe
+    from adaflash_ray.engine.engine import prefill_settings
+
+    cpu = load_recipe("recipes/cpu_tiny.yaml")
+    assert cpu.engine.prefill_buckets is None and cpu.engine.defer_first_block is None
+    assert prefill_settings(cpu) == {"prefill_buckets": False, "defer_first_block": False}
+    gpu = load_recipe("recipes/smollm2_135m_gpu.yaml")
+    assert gpu.model.device == "cuda"
+    assert prefill_settings(gpu) == {"prefill_buckets": True, "defer_first_block": True}
+    off = load_recipe("recipes/smollm2_135m_gpu.yaml", ["engine.prefill_buckets=false"])
+    assert prefill_settings(off) == {"prefill_buckets": False, "defer_first_block": True}
+    on = load_recipe("recipes/cpu_tiny.yaml", ["engine.defer_first_block=true"])
+    assert prefill_settings(on) == {"prefill_buckets": False, "defer_first_block": True}
+    eng = SpecEngine.from_config(cpu, models=(tiny_target, None, None), max_seq_len=128)
+    assert not eng.runner.prefill_buckets and not eng.defer_first_block
+    eng = SpecEngine.from_config(on, models=(tiny_target, None, None), max_seq_len=128)
+    assert eng.defer_first_block
+
+
 def test_prefill_buckets_pad_prompts_without_changing_outputs(tiny_target):
     """``prefill_buckets``: a prefill runs the next of PREFILL_LEN_BUCKETS positions (capped at max_seq_len, never
     below the prompt); on CPU that is padding only, and the outputs (AR and a random drafter's, with slot reuse and

@@ -390,3 +390,56 @@ def test_makespan_guard_forces_ar_steps_and_stays_lossless(tiny_target):
     assert all(r.spec_steps > 0 and r.spec_tokens >= r.spec_steps for r in reqs)
     for r, p in zip(reqs, prompts):
         assert r.output_ids == greedy_reference(tiny_target, p, 60)
+
+
+def test_makespan_guard_decisive_verdict_and_history_prior(tiny_target):
+    """A verdict for AR with AR's horizon below MAKESPAN_DECISIVE x drafting's is taken again right after its
+    back-off (no trial); with MAKESPAN_HISTORY_MIN finished requests' own records, a new wave's first verdict comes at
+    once and prices the requests without a record at the history's 1 / (n + 1) quantile; a drafter reload forgets the
+    history. A finished request enters the history only after MAKESPAN_HISTORY_MIN_STEPS drafting steps."""
+    from adaflash_ray.engine.engine import (MAKESPAN_BACKOFF, MAKESPAN_DECISIVE, MAKESPAN_HISTORY_MIN,
+                                            MAKESPAN_HISTORY_MIN_STEPS, MAKESPAN_TRIAL)
+
+    eng = _engine(tiny_target, makespan_guard=True)
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=100, ignore_eos=True)) for p in _prompts()]
+    eng._admit(True, [])
+    running = list(eng.scheduler.running)
+    assert eng._ms_trial == 0  # no history: the wave starts with a trial
+    for _ in range(3):  # AR: 1 token per row in 1 ms; drafting: 3 tokens per row in 2 ms
+        eng.guard.record(3, False, 3, 1.0, 3)
+        eng.guard.record(3, True, 9, 2.0, 3)
+    eng._ms_trial = MAKESPAN_TRIAL
+    for r in reqs:
+        r.spec_steps, r.spec_tokens = 20, 60
+    reqs[1].spec_tokens = 20  # 1 token per drafting step: (20 + 4) / (20 + 12) -> 1.5 x tokens left at 2 ms
+    left = [r.params.max_new_tokens - len(r.output_ids) for r in running]
+    assert max(left) * 1.0 < MAKESPAN_DECISIVE * left[1] * 24 / 32 * 2.0  # decisive
+    got = [eng._makespan_prefers_ar(running, 3) for _ in range(MAKESPAN_BACKOFF + 2 * MAKESPAN_BACKOFF + 1)]
+    assert got == [True] * (3 * MAKESPAN_BACKOFF + 1)  # the back-off, then at once the next (twice as long), ...
+    assert eng._ms_factor == 8
+    # the history: requests that drafted fewer than MAKESPAN_HISTORY_MIN_STEPS steps are left out
+    fin = eng.scheduler.running[0]
+    fin.spec_steps, fin.spec_tokens = MAKESPAN_HISTORY_MIN_STEPS - 1, 7
+    fin.params.max_new_tokens = len(fin.output_ids)
+    eng.step("ar")  # an AR step: no drafting record added
+    assert fin not in eng.scheduler.running and len(eng._ms_history) == 0
+    while eng.has_unfinished():  # the rest of the wave at AR: its two requests' own records join the history
+        eng.step("ar")
+    assert sorted(eng._ms_history) == [1.0, 3.0]
+    eng._ms_history.clear()
+    eng._ms_history.extend([3.0] * (MAKESPAN_HISTORY_MIN - 1) + [1.0])  # one slow request in 16
+    assert eng._ms_history_quantile(3) == 3.0  # the slowest of 3 such requests: most likely at 3
+    assert eng._ms_history_quantile(15) == pytest.approx(1.0 + 2.0 * 0.9375)  # of 15: the 1/16 quantile, 2.875
+    assert 1.0 < eng._ms_history_quantile(15) < eng._ms_history_quantile(3) <= 3.0
+    wave = [eng.add_request(p, SamplingParams(max_new_tokens=100, ignore_eos=True)) for p in _prompts()]
+    eng._admit(True, [])
+    running = list(eng.scheduler.running)
+    assert all(r.spec_steps == 0 for r in wave) and eng._ms_trial == MAKESPAN_TRIAL  # no trial: a verdict at once
+    # unknown requests at the quantile (3 per drafting step at 2 ms) against AR's 1 per 1 ms: drafting's horizon
+    # 2/3 of AR's - no verdict for AR
+    assert not eng._makespan_prefers_ar(running, 3)
+    eng._ms_history.extend([1.0] * 8)  # 9 slow requests in 24: the slowest of 3 at 1 per drafting step (2 ms)
+    assert eng._makespan_prefers_ar(running, 3)
+    eng._ms_forced_left = 0
+    eng.load_drafter(eng.drafter_tensors(), version=1)
+    assert len(eng._ms_history) == 0 and eng._ms_trial == 0

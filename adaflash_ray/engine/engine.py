@@ -22,6 +22,7 @@ not fed to the guard: its time is a one-off, not what the step costs.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import tempfile
@@ -61,6 +62,13 @@ DRAIN_MARGIN, DRAIN_PRIOR = 0.1, 4
 #: verdict for AR forces MAKESPAN_BACKOFF AR steps (doubling while the verdict holds, at most PROBE_MAX_FACTOR x), then
 #: MAKESPAN_TRIAL steps are the policy's again (fresh records) before the next verdict
 MAKESPAN_MARGIN, MAKESPAN_BACKOFF, MAKESPAN_TRIAL = 0.2, 16, 8
+#: a verdict for AR whose AR horizon is below MAKESPAN_DECISIVE x drafting's skips the trial after its back-off (the
+#: requests' records cannot close that gap in a few steps: the verdict is taken again at once); the guard keeps the own
+#: committed tokens per drafting step of the last MAKESPAN_HISTORY finished requests that drafted at least
+#: MAKESPAN_HISTORY_MIN_STEPS steps, and with at least MAKESPAN_HISTORY_MIN of them a request without a record of its
+#: own is priced at their 1 / (n + 1) quantile (n: the running requests without one - the expected slowest of n draws),
+#: so the first verdict of a wave needs no trial either
+MAKESPAN_DECISIVE, MAKESPAN_HISTORY, MAKESPAN_HISTORY_MIN, MAKESPAN_HISTORY_MIN_STEPS = 0.7, 256, 16, 8
 
 
 def request_headroom(block_size: int | None, lookup: bool) -> int:
@@ -75,6 +83,15 @@ PROPOSE_FIRST_PROBE = 32
 REQUEST_CAL_PRIOR = 1.0
 _slot_of = attrgetter("slot")
 log = logging.getLogger(__name__)
+
+
+def prefill_settings(cfg) -> dict[str, bool]:
+    """The recipe's ``engine.prefill_buckets`` and ``engine.defer_first_block`` for :meth:`SpecEngine.from_config`:
+    a value the recipe sets, else (None) on where ``cfg.model.device`` is CUDA and off on CPU (where the prefill's
+    forward is not host-bound and padding only adds work)."""
+    on_cuda = cfg.model.device.startswith("cuda")
+    return {key: on_cuda if getattr(cfg.engine, key) is None else bool(getattr(cfg.engine, key))
+            for key in ("prefill_buckets", "defer_first_block")}
 
 
 def device_lock_path(device: torch.device | str) -> str:
@@ -245,9 +262,14 @@ class SpecEngine:
             AR's is below ``1 - MAKESPAN_MARGIN`` of drafting's, the next :data:`MAKESPAN_BACKOFF` steps are AR
             steps (twice as many after each verdict that repeats, at most ``PROBE_MAX_FACTOR`` x; one that does not
             resets it), then :data:`MAKESPAN_TRIAL` steps are left to the policy and the throughput guard (so the
-            requests' records can follow) before the next verdict; so is the first verdict after an admission or a
-            drafter reload (which also clears the requests' records). A request the drafts serve worse than AR no
-            longer holds a whole wave at drafting's step cost.
+            requests' records can follow) before the next verdict - unless AR's horizon was below
+            :data:`MAKESPAN_DECISIVE` of drafting's (the verdict is taken again at once). So is the first verdict after
+            an admission or a drafter reload (which also clears the requests' records and the history below), unless
+            the guard holds the own record of at least :data:`MAKESPAN_HISTORY_MIN` finished requests (the last
+            :data:`MAKESPAN_HISTORY` that drafted at least :data:`MAKESPAN_HISTORY_MIN_STEPS` steps): then a request
+            without a record of its own counts at their 1 / (n + 1) quantile, n the running requests without one
+            (the expected slowest of n such requests), and the first verdict comes at once. A request the drafts
+            serve worse than AR no longer holds a whole wave at drafting's step cost.
             Batch-level (the rows of one step share its width); one request: the throughput guard's comparison.
             False: off.
         prefill_buckets: prefills pad their prompts to length buckets and, on CUDA with graphs, replay one captured
@@ -397,8 +419,12 @@ class SpecEngine:
                              "throughput_guard and ar_steps on): its step costs come from that guard")
         self.makespan_guard = bool(makespan_guard)
         self.defer_first_block = bool(defer_first_block)
-        # its back-off: AR steps still forced, the next back-off's factor, policy steps since the last verdict for AR
+        # its back-off: AR steps still forced, the next back-off's factor, policy steps since the last verdict for AR;
+        # the finished requests' own committed tokens per drafting step (the prior of a request without a record)
         self._ms_forced_left, self._ms_factor, self._ms_trial = 0, 1, 0
+        self._ms_history: collections.deque[float] = collections.deque(maxlen=MAKESPAN_HISTORY)
+        self._ms_quantile_key: tuple | None = None  # (n, the history's length, last and first values) of the cache
+        self._ms_quantile = 0.0
         self._last_planned_propose: bool | None = None  # the block guard's previous planned step (None: none yet)
         self.drafter_version = drafter_version
         self.drafter_sha256 = tensors_sha256(self.drafter_tensors()) if drafter is not None else None
@@ -443,7 +469,8 @@ class SpecEngine:
                 throughput_guard: default ``cfg.engine.throughput_guard``; propose_first: default
                 ``cfg.engine.propose_first`` where the sources are the hybrid's, which then puts ``"auto"`` lookups on
                 the device; makespan_guard: default ``cfg.engine.makespan_guard`` for an engine with the throughput
-                guard, else off; prefill_buckets, defer_first_block: default ``cfg.engine``'s).
+                guard, else off; prefill_buckets, defer_first_block: default ``cfg.engine``'s, where None = on when
+                ``cfg.model.device`` is CUDA).
         Raises:
             ValueError / CheckpointError: as the constructor and the model builders.
         """
@@ -457,8 +484,8 @@ class SpecEngine:
         target.fused_kernels = cfg.engine.fused_kernels  # read when the runner fuses the projections (CUDA only)
         kwargs.setdefault("throughput_guard", cfg.engine.throughput_guard)
         kwargs.setdefault("objective", cfg.engine.objective)
-        kwargs.setdefault("prefill_buckets", cfg.engine.prefill_buckets)
-        kwargs.setdefault("defer_first_block", cfg.engine.defer_first_block)
+        for key, value in prefill_settings(cfg).items():
+            kwargs.setdefault(key, value)
         if lh.draft_sources is not None and "draft_sources" not in kwargs:
             kwargs["draft_sources"] = [s for s in lh.draft_sources if s != "dflash" or drafter is not None] or None
         srcs = kwargs.get("draft_sources") or ()
@@ -584,10 +611,13 @@ class SpecEngine:
             self.planner.observe_step(*self.runner.step_shape,
                                       (batch.propose or batch.propose_first) and self.drafter is not None,
                                       1e3 * seconds)
-        if self.makespan_guard and kind in ("probe", "draft"):  # each request's own record in drafting mode
-            for r, a in zip(batch.requests, res.num_accepted):
-                r.spec_steps += 1
-                r.spec_tokens += a + 1
+        if self.makespan_guard:
+            if kind in ("probe", "draft"):  # each request's own record in drafting mode
+                for r, a in zip(batch.requests, res.num_accepted):
+                    r.spec_steps += 1
+                    r.spec_tokens += a + 1
+            self._ms_history.extend(r.spec_tokens / r.spec_steps for r in finished
+                                    if r.spec_steps >= MAKESPAN_HISTORY_MIN_STEPS)
         if self.guard is not None and not captured:  # a graph capture's time is no step's cost
             n = len(batch.requests)
             self.guard.record(batch.batch_size, kind in ("probe", "draft"), n + sum(res.num_accepted), 1e3 * seconds, n)
@@ -612,8 +642,10 @@ class SpecEngine:
         if not admitted:
             return
         t0 = self.clock()
-        # requests joining (a new wave, or the running one): the makespan guard's verdicts did not count them
-        self._ms_forced_left, self._ms_factor, self._ms_trial = 0, 1, 0
+        # requests joining (a new wave, or the running one): the makespan guard's verdicts did not count them; with the
+        # finished requests' record as the new ones' prior, the first verdict needs no trial
+        self._ms_forced_left, self._ms_factor = 0, 1
+        self._ms_trial = MAKESPAN_TRIAL if len(self._ms_history) >= MAKESPAN_HISTORY_MIN else 0
         if self.guard is not None and not running_before:
             self.guard.new_batch()
             if self.block_guard is not None:
@@ -866,17 +898,37 @@ class SpecEngine:
         ar_ms, spec_ms, spec_tokens = costs
         prior = DRAIN_PRIOR * max(spec_tokens, 1.0)  # DRAIN_PRIOR pseudo-steps at the bucket's mean tokens per row
         ar_steps = spec_steps = 0.0
+        unknown_left = 0  # the most tokens left among the requests without a drafting record
+        num_unknown = 0
+        use_history = len(self._ms_history) >= MAKESPAN_HISTORY_MIN
         for r in running:
             left = r.params.max_new_tokens - len(r.output_ids)
             ar_steps = max(ar_steps, left)
-            spec_steps = max(spec_steps, left * (r.spec_steps + DRAIN_PRIOR) / (r.spec_tokens + prior))
-        if ar_steps * ar_ms < (1.0 - MAKESPAN_MARGIN) * spec_steps * spec_ms:
+            if use_history and r.spec_steps == 0:
+                unknown_left, num_unknown = max(unknown_left, left), num_unknown + 1
+            else:
+                spec_steps = max(spec_steps, left * (r.spec_steps + DRAIN_PRIOR) / (r.spec_tokens + prior))
+        if num_unknown:  # the slowest of n unknown requests: the history's 1 / (n + 1) quantile, at least 1 token
+            spec_steps = max(spec_steps, unknown_left / max(self._ms_history_quantile(num_unknown), 1.0))
+        ar_h, spec_h = ar_steps * ar_ms, spec_steps * spec_ms
+        if ar_h < (1.0 - MAKESPAN_MARGIN) * spec_h:
             self._ms_forced_left = MAKESPAN_BACKOFF * self._ms_factor - 1  # this step is the back-off's first
             self._ms_factor = min(2 * self._ms_factor, PROBE_MAX_FACTOR)
-            self._ms_trial = 0
+            # a decisive verdict is taken again right after its back-off; a close one after a trial
+            self._ms_trial = MAKESPAN_TRIAL if ar_h < MAKESPAN_DECISIVE * spec_h else 0
             return True
         self._ms_factor = 1
         return False
+
+    def _ms_history_quantile(self, n: int) -> float:
+        """The 1 / (n + 1) quantile of the finished requests' own committed tokens per drafting step (the makespan
+        guard's history; not empty): the expected slowest of ``n`` requests drawn like them. Cached until the
+        history changes."""
+        key = (n, len(self._ms_history), self._ms_history[-1], self._ms_history[0])
+        if self._ms_quantile_key != key:
+            self._ms_quantile_key = key
+            self._ms_quantile = float(np.quantile(np.fromiter(self._ms_history, float), 1.0 / (n + 1)))
+        return self._ms_quantile
 
     def _drain_weights(self, running: list[Request], caps: list[int]) -> list[float] | None:
         """The planner's per-request weights under ``objective="drain"`` (None: every request 1 - the plain
@@ -1234,6 +1286,7 @@ class SpecEngine:
             self.guard.on_drafter_reload()
         # the makespan guard's verdicts and the requests' drafting records measured the old drafter
         self._ms_forced_left, self._ms_factor, self._ms_trial = 0, 1, 0
+        self._ms_history.clear()
         for r in self.scheduler.running:
             r.spec_steps = r.spec_tokens = 0
         if self.block_guard is not None:
