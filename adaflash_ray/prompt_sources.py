@@ -185,6 +185,9 @@ _PACKAGE_SKIP = frozenset({"test", "tests", "_vendor", "vendor", "vendored", "_v
 _DOC_CHARS = (60, 1500)  # a docstring that says something, and no module's worth of it
 _FUNCTION_CHARS = 2000  # signature + docstring
 _MAX_FILE_BYTES = 1 << 20  # larger files are generated tables or bindings, and slow to parse
+#: a source with fewer files is parsed in this process: forking workers would cost about what they save
+_PARALLEL_MIN_FILES = 64
+_MAX_WORKERS = 32  # parsing processes at most, however many CPUs
 
 
 def _function_prompts(path: Path, id_prefix: str) -> list[Prompt]:
@@ -218,6 +221,28 @@ def _function_prompts(path: Path, id_prefix: str) -> list[Prompt]:
             out.append(Prompt(f"{id_prefix}.{qualname}", PYTHON_FUNCTIONS_SOURCE,
                               _user(f"Complete this Python function:\n```python\n{src}```")))
     return out
+
+
+def _files_function_prompts(files: Sequence[tuple[Path, str]]) -> list[list[Prompt]]:
+    """:func:`_function_prompts` of each ``(path, id prefix)`` of ``files``: one list per file, in ``files``' order.
+    With at least ``_PARALLEL_MIN_FILES`` files and more than one CPU (``os.cpu_count()``), parsed by that many
+    processes (``_MAX_WORKERS`` at most, the platform's default start method), a few chunks of consecutive files
+    per process; else, or if the processes cannot be started or one dies, in this process - the same lists either
+    way."""
+    import os
+
+    workers = min(os.cpu_count() or 1, _MAX_WORKERS, len(files))
+    if workers > 1 and len(files) >= _PARALLEL_MIN_FILES:
+        from concurrent.futures import ProcessPoolExecutor
+        from concurrent.futures.process import BrokenProcessPool
+
+        paths, prefixes = zip(*files)
+        try:
+            with ProcessPoolExecutor(workers) as pool:  # map keeps the order of its inputs
+                return list(pool.map(_function_prompts, paths, prefixes, chunksize=-(-len(files) // (4 * workers))))
+        except (OSError, BrokenProcessPool):  # no processes to be had here (limits, no /dev/shm): parse serially
+            pass
+    return [_function_prompts(path, id_prefix) for path, id_prefix in files]
 
 
 def _source_files(root: Path, skip: frozenset[str]) -> list[tuple[Path, tuple[str, ...]]]:
@@ -270,7 +295,8 @@ def _source_function_prompts(package: str | None) -> tuple[Prompt, ...]:
     None) or of one installed package, files in sorted order, duplicate texts kept; ids unique in the source:
     ``#2``, ``#3``, ... appended to a later prompt of an id already taken (a property's setter, a redefinition, a
     module of one namespace portion shadowed by another's, ``a.py``'s ``class f`` beside ``a/f.py``). Cached per
-    source: installed files do not change while a process runs.
+    source: installed files do not change while a process runs. Many files are parsed by several processes
+    (:func:`_files_function_prompts`).
 
     Raises:
         ValueError: a package that :func:`_package_files` cannot locate.
@@ -283,8 +309,8 @@ def _source_function_prompts(package: str | None) -> tuple[Prompt, ...]:
     else:
         files = _package_files(package)
     out, taken = [], collections.Counter()
-    for path, id_prefix in files:
-        for prompt in _function_prompts(path, id_prefix):
+    for prompts in _files_function_prompts(files):
+        for prompt in prompts:
             taken[prompt.id] += 1
             out.append(prompt if taken[prompt.id] == 1 else
                        Prompt(f"{prompt.id}#{taken[prompt.id]}", prompt.source, prompt.messages))

