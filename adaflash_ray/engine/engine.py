@@ -423,7 +423,8 @@ class SpecEngine:
         # the finished requests' own committed tokens per drafting step (the prior of a request without a record)
         self._ms_forced_left, self._ms_factor, self._ms_trial = 0, 1, 0
         self._ms_history: collections.deque[float] = collections.deque(maxlen=MAKESPAN_HISTORY)
-        self._ms_quantile_key: tuple | None = None  # (n, the history's length, last and first values) of the cache
+        self._ms_history_added = 0  # values ever added to the history (with its length: the quantile cache's key)
+        self._ms_quantile_key: tuple | None = None  # (n, values added, the history's length) of the cached quantile
         self._ms_quantile = 0.0
         self._last_planned_propose: bool | None = None  # the block guard's previous planned step (None: none yet)
         self.drafter_version = drafter_version
@@ -616,8 +617,10 @@ class SpecEngine:
                 for r, a in zip(batch.requests, res.num_accepted):
                     r.spec_steps += 1
                     r.spec_tokens += a + 1
-            self._ms_history.extend(r.spec_tokens / r.spec_steps for r in finished
-                                    if r.spec_steps >= MAKESPAN_HISTORY_MIN_STEPS)
+            done = [r.spec_tokens / r.spec_steps for r in finished if r.spec_steps >= MAKESPAN_HISTORY_MIN_STEPS]
+            if done:
+                self._ms_history.extend(done)
+                self._ms_history_added += len(done)
         if self.guard is not None and not captured:  # a graph capture's time is no step's cost
             n = len(batch.requests)
             self.guard.record(batch.batch_size, kind in ("probe", "draft"), n + sum(res.num_accepted), 1e3 * seconds, n)
@@ -923,8 +926,8 @@ class SpecEngine:
     def _ms_history_quantile(self, n: int) -> float:
         """The 1 / (n + 1) quantile of the finished requests' own committed tokens per drafting step (the makespan
         guard's history; not empty): the expected slowest of ``n`` requests drawn like them. Cached until the
-        history changes."""
-        key = (n, len(self._ms_history), self._ms_history[-1], self._ms_history[0])
+        history changes (a value added, or the history cleared)."""
+        key = (n, self._ms_history_added, len(self._ms_history))
         if self._ms_quantile_key != key:
             self._ms_quantile_key = key
             self._ms_quantile = float(np.quantile(np.fromiter(self._ms_history, float), 1.0 / (n + 1)))
