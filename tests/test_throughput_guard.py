@@ -443,3 +443,18 @@ def test_makespan_guard_decisive_verdict_and_history_prior(tiny_target):
     eng._ms_forced_left = 0
     eng.load_drafter(eng.drafter_tensors(), version=1)
     assert len(eng._ms_history) == 0 and eng._ms_trial == 0
+
+
+def test_makespan_history_leaves_out_requests_with_their_own_draft_len(tiny_target):
+    """The history prices requests drafted by the length policy: a finished request that fixed its own γ
+    (``SamplingParams.draft_len``; its committed tokens per step are that γ's, and the guard never judges a batch
+    with one) does not join it; the policy's requests of the same batch do."""
+    eng = _engine(tiny_target, makespan_guard=True)
+    prompts = _prompts()
+    params = [SamplingParams(max_new_tokens=40, ignore_eos=True, draft_len=1 if i else None)
+              for i in range(len(prompts))]
+    reqs = eng.generate(prompts, params)
+    assert all(r.spec_steps >= 8 for r in reqs[1:])  # drafting steps enough to count
+    assert len(eng._ms_history) == (reqs[0].spec_steps >= 8)
+    if eng._ms_history:
+        assert eng._ms_history[0] == reqs[0].spec_tokens / reqs[0].spec_steps

@@ -65,9 +65,9 @@ MAKESPAN_MARGIN, MAKESPAN_BACKOFF, MAKESPAN_TRIAL = 0.2, 16, 8
 #: a verdict for AR whose AR horizon is below MAKESPAN_DECISIVE x drafting's skips the trial after its back-off (the
 #: requests' records cannot close that gap in a few steps: the verdict is taken again at once); the guard keeps the own
 #: committed tokens per drafting step of the last MAKESPAN_HISTORY finished requests that drafted at least
-#: MAKESPAN_HISTORY_MIN_STEPS steps, and with at least MAKESPAN_HISTORY_MIN of them a request without a record of its
-#: own is priced at their 1 / (n + 1) quantile (n: the running requests without one - the expected slowest of n draws),
-#: so the first verdict of a wave needs no trial either
+#: MAKESPAN_HISTORY_MIN_STEPS steps at the policy's γ (none fixing its own draft_len), and with at least
+#: MAKESPAN_HISTORY_MIN of them a request without a record of its own is priced at their 1 / (n + 1) quantile (n: the
+#: running requests without one - the expected slowest of n draws), so the first verdict of a wave needs no trial either
 MAKESPAN_DECISIVE, MAKESPAN_HISTORY, MAKESPAN_HISTORY_MIN, MAKESPAN_HISTORY_MIN_STEPS = 0.7, 256, 16, 8
 
 
@@ -266,7 +266,8 @@ class SpecEngine:
             :data:`MAKESPAN_DECISIVE` of drafting's (the verdict is taken again at once). So is the first verdict after
             an admission or a drafter reload (which also clears the requests' records and the history below), unless
             the guard holds the own record of at least :data:`MAKESPAN_HISTORY_MIN` finished requests (the last
-            :data:`MAKESPAN_HISTORY` that drafted at least :data:`MAKESPAN_HISTORY_MIN_STEPS` steps): then a request
+            :data:`MAKESPAN_HISTORY` that drafted at least :data:`MAKESPAN_HISTORY_MIN_STEPS` steps, none with a
+            ``draft_len`` of its own): then a request
             without a record of its own counts at their 1 / (n + 1) quantile, n the running requests without one
             (the expected slowest of n such requests), and the first verdict comes at once. A request the drafts
             serve worse than AR no longer holds a whole wave at drafting's step cost.
@@ -617,7 +618,9 @@ class SpecEngine:
                 for r, a in zip(batch.requests, res.num_accepted):
                     r.spec_steps += 1
                     r.spec_tokens += a + 1
-            done = [r.spec_tokens / r.spec_steps for r in finished if r.spec_steps >= MAKESPAN_HISTORY_MIN_STEPS]
+            # the policy's requests only: one that fixed its own γ committed that γ's tokens per step
+            done = [r.spec_tokens / r.spec_steps for r in finished
+                    if r.spec_steps >= MAKESPAN_HISTORY_MIN_STEPS and r.params.draft_len is None]
             if done:
                 self._ms_history.extend(done)
                 self._ms_history_added += len(done)
