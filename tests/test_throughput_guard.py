@@ -458,3 +458,23 @@ def test_makespan_history_leaves_out_requests_with_their_own_draft_len(tiny_targ
     assert len(eng._ms_history) == (reqs[0].spec_steps >= 8)
     if eng._ms_history:
         assert eng._ms_history[0] == reqs[0].spec_tokens / reqs[0].spec_steps
+
+
+def test_makespan_verdict_on_the_history_prior_alone_leaves_a_trial(tiny_target):
+    """A verdict for AR that only the history's prior makes decisive (the requests have no drafting record of their
+    own) is followed by a trial after its back-off, as a close one: else no request of the wave ever drafts, none of
+    them joins the history, and every later wave repeats the verdict on the same, never refreshed, history."""
+    from adaflash_ray.engine.engine import MAKESPAN_HISTORY_MIN
+
+    prompts = _prompts()
+    eng = _engine(tiny_target, makespan_guard=True)
+    eng.clock = eng.runner.clock = FakeClock(eng, ar_ms=1.0, draft_ms=3.0)
+    eng.runner.length_policy.set_costs([1, 2, 3], torch.ones(3, 7), torch.full((3,), 100.0))
+    eng.generate(prompts, SamplingParams(max_new_tokens=60, ignore_eos=True))  # the throughput guard's samples
+    assert eng.guard.step_costs(3) is not None
+    eng._ms_history.clear()
+    eng._ms_history.extend([1.0] * MAKESPAN_HISTORY_MIN)  # a prior of 1 token per drafting step at 3x AR's ms
+    eng._ms_history_added += MAKESPAN_HISTORY_MIN
+    reqs = eng.generate(prompts, SamplingParams(max_new_tokens=60, ignore_eos=True))
+    assert eng.stats.num_makespan_steps > 0
+    assert any(r.spec_steps > 0 for r in reqs)  # the trial after the first back-off: the requests' own records

@@ -63,7 +63,8 @@ DRAIN_MARGIN, DRAIN_PRIOR = 0.1, 4
 #: MAKESPAN_TRIAL steps are the policy's again (fresh records) before the next verdict
 MAKESPAN_MARGIN, MAKESPAN_BACKOFF, MAKESPAN_TRIAL = 0.2, 16, 8
 #: a verdict for AR whose AR horizon is below MAKESPAN_DECISIVE x drafting's skips the trial after its back-off (the
-#: requests' records cannot close that gap in a few steps: the verdict is taken again at once); the guard keeps the own
+#: requests' records cannot close that gap in a few steps: the verdict is taken again at once) - drafting's horizon by
+#: the requests with a record of their own, not by the history's prior for those without one; the guard keeps the own
 #: committed tokens per drafting step of the last MAKESPAN_HISTORY finished requests that drafted at least
 #: MAKESPAN_HISTORY_MIN_STEPS steps at the policy's γ (none fixing its own draft_len), and with at least
 #: MAKESPAN_HISTORY_MIN of them a request without a record of its own is priced at their 1 / (n + 1) quantile (n: the
@@ -263,14 +264,14 @@ class SpecEngine:
             steps (twice as many after each verdict that repeats, at most ``PROBE_MAX_FACTOR`` x; one that does not
             resets it), then :data:`MAKESPAN_TRIAL` steps are left to the policy and the throughput guard (so the
             requests' records can follow) before the next verdict - unless AR's horizon was below
-            :data:`MAKESPAN_DECISIVE` of drafting's (the verdict is taken again at once). So is the first verdict after
-            an admission or a drafter reload (which also clears the requests' records and the history below), unless
-            the guard holds the own record of at least :data:`MAKESPAN_HISTORY_MIN` finished requests (the last
-            :data:`MAKESPAN_HISTORY` that drafted at least :data:`MAKESPAN_HISTORY_MIN_STEPS` steps, none with a
-            ``draft_len`` of its own): then a request
-            without a record of its own counts at their 1 / (n + 1) quantile, n the running requests without one
-            (the expected slowest of n such requests), and the first verdict comes at once. A request the drafts
-            serve worse than AR no longer holds a whole wave at drafting's step cost.
+            :data:`MAKESPAN_DECISIVE` of drafting's by the requests' own records (the verdict is taken again at
+            once). So is the first verdict after an admission or a drafter reload (which also clears the requests'
+            records and the history below), unless the guard holds the own record of at least
+            :data:`MAKESPAN_HISTORY_MIN` finished requests (the last :data:`MAKESPAN_HISTORY` that drafted at least
+            :data:`MAKESPAN_HISTORY_MIN_STEPS` steps, none with a ``draft_len`` of its own): then a request without a
+            record of its own counts at their 1 / (n + 1) quantile, n the running requests without one (the expected
+            slowest of n such requests), and the first verdict comes at once. A request the drafts serve worse than
+            AR no longer holds a whole wave at drafting's step cost.
             Batch-level (the rows of one step share its width); one request: the throughput guard's comparison.
             False: off.
         prefill_buckets: prefills pad their prompts to length buckets and, on CUDA with graphs, replay one captured
@@ -914,14 +915,17 @@ class SpecEngine:
                 unknown_left, num_unknown = max(unknown_left, left), num_unknown + 1
             else:
                 spec_steps = max(spec_steps, left * (r.spec_steps + DRAIN_PRIOR) / (r.spec_tokens + prior))
+        known_h = spec_steps * spec_ms  # drafting's horizon by the requests' own records (and the bucket's prior)
         if num_unknown:  # the slowest of n unknown requests: the history's 1 / (n + 1) quantile, at least 1 token
             spec_steps = max(spec_steps, unknown_left / max(self._ms_history_quantile(num_unknown), 1.0))
         ar_h, spec_h = ar_steps * ar_ms, spec_steps * spec_ms
         if ar_h < (1.0 - MAKESPAN_MARGIN) * spec_h:
             self._ms_forced_left = MAKESPAN_BACKOFF * self._ms_factor - 1  # this step is the back-off's first
             self._ms_factor = min(2 * self._ms_factor, PROBE_MAX_FACTOR)
-            # a decisive verdict is taken again right after its back-off; a close one after a trial
-            self._ms_trial = MAKESPAN_TRIAL if ar_h < MAKESPAN_DECISIVE * spec_h else 0
+            # a decisive verdict is taken again right after its back-off; a close one after a trial, and so is one
+            # only the history's prior makes decisive (the trial gives the requests without a record their own: else
+            # none of them would ever draft, nor join the history)
+            self._ms_trial = MAKESPAN_TRIAL if ar_h < MAKESPAN_DECISIVE * known_h else 0
             return True
         self._ms_factor = 1
         return False
