@@ -274,8 +274,8 @@ class DistillConfig(_Section):
     grad_clip: float = Field(1.0, ge=0)  # 0 = off
     warmup_steps: int = Field(0, ge=0)
     # cosine decay of every lr from its peak (after warmup) to lr_min_ratio x peak at step lr_decay_steps,
-    # flat after; 0 = constant lr after warmup
-    lr_decay_steps: int = Field(0, ge=0)
+    # flat after; 0 = constant lr after warmup. The default: the default recipe's whole run (5 versions x 90 steps)
+    lr_decay_steps: int = Field(450, ge=0)
     lr_min_ratio: float = Field(0.1, ge=0, le=1)
     batch_size: int = Field(2, ge=1)  # trajectories per optimizer step
     zero_stage: int = Field(0, ge=0, le=3)

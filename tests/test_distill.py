@@ -427,7 +427,8 @@ def dist_env():
 def _cfgs(policy="direct", **distill):
     drafter = DrafterConfig(num_hidden_layers=1, block_size=4, num_target_layers=2, target_layer_ids=[1, 2])
     head = LengthHeadConfig(policy=policy, hidden_size=16)
-    base = dict(num_anchors=8, lr=3e-3, head_lr=2e-3, batch_size=3, loss_chunk_size=16, grad_clip=1.0)
+    base = dict(num_anchors=8, lr=3e-3, head_lr=2e-3, batch_size=3, loss_chunk_size=16, grad_clip=1.0,
+                lr_decay_steps=0)  # a constant lr unless a test asks for the decay
     base.update(distill)
     return drafter, head, DistillConfig(**base)
 

@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     longest = max(len(x) for ps in prompts.values() for x in ps)
-    eng = SpecEngine.from_config(cfg, models=(target, drafter, None), policy="fixed",
+    # the prefill proposes the first block (as the walk's first anchor does), whatever the recipe's CUDA default
+    eng = SpecEngine.from_config(cfg, models=(target, drafter, None), policy="fixed", defer_first_block=False,
                                  max_batch_size=max(len(ps) for ps in prompts.values()),
                                  max_seq_len=-(-(longest + ns.max_new_tokens + drafter.block_size) // 64) * 64)
     out = {}
