@@ -21,6 +21,8 @@
 # A drafter brought home earlier (carry [".gpu_drafter"], a call of its own: 25 MB):
 #                                    bash scripts/gpu_main_job.sh drafter  # -> /root/dr/vN, no main job needed
 # Call e (no carry):                 bash scripts/gpu_main_job.sh e   # bench the final drafter
+#                                    (BENCH_METHODS="ar dflash suffix hybrid ..." BENCH_CONC="1 8 64" BENCH_REPEATS=2
+#                                    BENCH_TIMEOUT=150: other methods, concurrencies, repeats, per-call timeout)
 #                                    (WEIGHT_SYNC=1: also time the Qwen3-8B-shape weight broadcast)
 # The main job runs in its own process session: it outlives call c (600 s at most), and call d waits for it.
 # Results land in $OUT: main_job_files.tar.gz (run_summary.json: summary + device + commit, metrics.jsonl,
@@ -238,14 +240,17 @@ EOF
     echo "bench drafter $ck (policy $pol)"
     [ "$pol" = fixed ] && { echo "the run's length policy is fixed: bench methods ar and dflash only" >&2; }
     m=(ar dflash); [ "$pol" != fixed ] && m+=("adaflash-$pol")
-    timeout 170 python3 -m adaflash_ray.bench --recipe "$RUN_DIR/config.yaml" --drafter "$ck" \
-      --methods "${m[@]}" --concurrency 1 --domains code chat --num-prompts 8 \
-      --max-new-tokens 256 --out "$OUT/bench_c1.json" --plot "$OUT/bench_c1.png" > "$OUT/bench_c1.log" 2>&1
-    tail -12 "$OUT/bench_c1.log"
-    timeout 140 python3 -m adaflash_ray.bench --recipe "$RUN_DIR/config.yaml" --drafter "$ck" \
-      --methods "${m[@]}" --concurrency 64 --domains code chat --num-prompts 64 \
-      --max-new-tokens 256 --out "$OUT/bench_c64.json" --plot "$OUT/bench_c64.png" > "$OUT/bench_c64.log" 2>&1
-    tail -8 "$OUT/bench_c64.log"
+    # BENCH_METHODS / BENCH_CONC / BENCH_REPEATS replace the methods, the concurrencies (each its own call of
+    # BENCH_TIMEOUT s: 8 prompts per domain at 1, 16 at 8, as many as the concurrency above) and the timed repeats
+    read -r -a m <<< "${BENCH_METHODS:-${m[*]}}"
+    for c in ${BENCH_CONC:-1 64}; do
+      n=$c; [ "$c" = 1 ] && n=8; [ "$c" = 8 ] && n=16
+      timeout "${BENCH_TIMEOUT:-170}" python3 -m adaflash_ray.bench --recipe "$RUN_DIR/config.yaml" --drafter "$ck" \
+        --methods "${m[@]}" --concurrency "$c" --domains code chat --num-prompts "$n" --repeats "${BENCH_REPEATS:-1}" \
+        --max-new-tokens 256 --out "$OUT/bench_c$c.json" --plot "$OUT/bench_c$c.png" > "$OUT/bench_c$c.log" 2>&1
+      echo "bench c$c: rc $?"
+      tail -12 "$OUT/bench_c$c.log"
+    done
     if [ -n "${WEIGHT_SYNC:-}" ]; then
       timeout 150 python3 -m adaflash_ray.bench --weight-sync --shape qwen3-8b --sync-layers 1 2 3 4 5 \
         --num-iters 3 --out "$OUT/weight_sync_qwen3-8b.json" > "$OUT/weight_sync.log" 2>&1
