@@ -219,6 +219,10 @@ EOF
     ;;
   d)
     env_setup
+    # no job here: the machine is not the one call c started it on (given back between the calls, e.g. a break of
+    # more than 30 s, or replaced by the pool); waiting would spend the call on nothing
+    [ -f "$JOB/commit" ] || { echo "no main job on this machine ($JOB/commit missing): it was lost with call c's" \
+      "machine; start again from call a" >&2; exit 3; }
     wait_job "${WAIT_S:-560}"
     [ -f "$JOB/rc" ] || { echo "the main job is still running" >&2; exit 1; }
     cp "$JOB/main_job.log" "$OUT/"
