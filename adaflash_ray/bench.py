@@ -47,8 +47,8 @@ Output: a table, then one JSON document as the last stdout line (also written to
 ``draft_waste``, ``gamma_hist``, ``lossless``, ...; engine rows also ``step_timing``: wall ms per step kind ``ar`` /
 ``gamma0`` / ``probe`` / ``draft``, prefills and context catch-ups (:meth:`SpecStats.timing`), printed as a second
 table, ``guard``: the throughput guard's per-bucket realised rates and back-offs, or None, ``block_guard``: the same
-for the hybrid's block guard (steps that propose the drafter's next block against planned steps that do not), and the
-spread over
+for the hybrid's block guard (steps that propose the drafter's next block against planned steps that do not),
+``source_guard``: the same for the hybrid's source guard (planned steps against block-only ones), and the spread over
 requests (:func:`request_spread`: the slowest request's decode steps, which set a run's length when every request
 is admitted at once, and the per-request τ's minimum, 10th percentile and median). On CPU read ratios, not absolute
 times (docs/design/PERFORMANCE.md); ``engine.num_threads`` sets the CPU threads. Exit 2 on a user error.
@@ -118,13 +118,16 @@ REQUEST_CAL = "-request-cal"
 #: a method of :data:`GUARDED_METHODS` + this suffix: with SpecEngine ``makespan_guard=True`` (with no request
 #: waiting, AR steps where they end the running batch sooner than drafting, by each request's own record)
 MAKESPAN = "-makespan"
+#: ``hybrid`` (or any of its variants above) + this suffix: with SpecEngine ``source_guard=False`` (no block-only
+#: steps where the plan is slower than the drafter's block alone), against the default with it
+NO_SOURCE_GUARD = "-no-source-guard"
 
 
 def base_method(method: str) -> str:
     """``method`` without :data:`UNGUARDED` / :data:`TABLE_COST` / :data:`BLOCK_GUARD` / :data:`DRAIN` /
-    :data:`PROPOSE_FIRST` / :data:`REQUEST_CAL` / :data:`MAKESPAN`."""
-    return method.removesuffix(MAKESPAN).removesuffix(REQUEST_CAL).removesuffix(UNGUARDED).removesuffix(
-        TABLE_COST).removesuffix(BLOCK_GUARD).removesuffix(DRAIN).removesuffix(PROPOSE_FIRST)
+    :data:`PROPOSE_FIRST` / :data:`REQUEST_CAL` / :data:`MAKESPAN` / :data:`NO_SOURCE_GUARD`."""
+    return method.removesuffix(NO_SOURCE_GUARD).removesuffix(MAKESPAN).removesuffix(REQUEST_CAL).removesuffix(
+        UNGUARDED).removesuffix(TABLE_COST).removesuffix(BLOCK_GUARD).removesuffix(DRAIN).removesuffix(PROPOSE_FIRST)
 
 
 def method_policy(method: str) -> str:
@@ -143,13 +146,14 @@ def known_methods() -> list[str]:
     """``ar``, ``dflash``, ``adaflash-<policy>`` for every registered policy with a trained head, ``ngram``,
     ``suffix``, ``hybrid``, ``hf-generate``, ``<m>-unguarded`` for the methods with a throughput guard,
     ``hybrid-table-cost``, ``hybrid-block-guard``, ``hybrid-drain``, ``hybrid-propose-first``,
-    ``hybrid-request-cal``, ``hybrid-drain-request-cal`` and ``<m>-makespan`` for the methods with a throughput
-    guard."""
+    ``hybrid-request-cal``, ``hybrid-drain-request-cal``, ``<m>-makespan`` for the methods with a throughput
+    guard, and ``<m>-no-source-guard`` for ``hybrid`` and ``hybrid-makespan``."""
     adaptive = [ADAPTIVE_PREFIX + name for name, spec in LENGTH_POLICIES.items() if spec.head is not None]
     return ["ar", "dflash", ARGMAX_METHOD, *adaptive, *SOURCE_METHODS, HF_METHOD,
             *[m + UNGUARDED for m in GUARDED_METHODS], "hybrid" + TABLE_COST, "hybrid" + BLOCK_GUARD,
             "hybrid" + DRAIN, "hybrid" + PROPOSE_FIRST, "hybrid" + REQUEST_CAL, "hybrid" + DRAIN + REQUEST_CAL,
-            *[m + MAKESPAN for m in GUARDED_METHODS]]
+            *[m + MAKESPAN for m in GUARDED_METHODS], "hybrid" + NO_SOURCE_GUARD,
+            "hybrid" + MAKESPAN + NO_SOURCE_GUARD]
 
 
 def _spare_prompts(tok, domain: str, main: list[list[int]], n: int, max_prompt_tokens: int, seed: int
@@ -390,29 +394,32 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
         def engine_for(method: str) -> SpecEngine:
             if method not in engines:
                 policy = method_policy(method)
+                v = method.removesuffix(NO_SOURCE_GUARD)  # the variant's other suffixes
                 # the method's own sources, never the recipe's
                 extra = {"draft_sources": SOURCE_METHODS.get(base_method(method))}
                 if method == ARGMAX_METHOD:
                     extra["argmax_drafts"] = True
-                if method.endswith(UNGUARDED):
+                if v.endswith(UNGUARDED):
                     extra["throughput_guard"] = False
-                if method.endswith(BLOCK_GUARD):
+                if v.endswith(BLOCK_GUARD):
                     extra["block_guard"] = True
-                if method.removesuffix(REQUEST_CAL).endswith(DRAIN):
+                if base_method(method) == "hybrid":  # the method says, never the recipe
+                    extra["source_guard"] = not method.endswith(NO_SOURCE_GUARD)
+                if v.removesuffix(REQUEST_CAL).endswith(DRAIN):
                     extra["objective"] = "drain"
-                if method.endswith(REQUEST_CAL):
+                if v.endswith(REQUEST_CAL):
                     extra["request_calibration"] = True
-                if base_method(method) in GUARDED_METHODS and not method.endswith(UNGUARDED):
-                    extra["makespan_guard"] = method.endswith(MAKESPAN)  # the method says, never the recipe
+                if base_method(method) in GUARDED_METHODS and not v.endswith(UNGUARDED):
+                    extra["makespan_guard"] = v.endswith(MAKESPAN)  # the method says, never the recipe
                 if base_method(method) == "hybrid":  # the method says which hybrid, never the recipe's knob
-                    extra["propose_first"] = method.endswith(PROPOSE_FIRST)
+                    extra["propose_first"] = v.endswith(PROPOSE_FIRST)
                     if extra["propose_first"] and "lookup_device" not in (engine_kwargs or {}):
                         extra["lookup_device"] = "device"  # its lookups on the device (CPU too)
                 eng = SpecEngine.from_config(cfg, models=(target, None if method in NO_DRAFTER else drafter,
                                                           heads.get(policy) if method not in NO_DRAFTER else None),
                                              policy=policy, max_batch_size=conc, max_seq_len=max_seq_len,
                                              **extra, **(engine_kwargs or {}))
-                if method.endswith(TABLE_COST):
+                if v.endswith(TABLE_COST):
                     eng.planner.realised_costs = False
                 if warmup == "short":  # allocator and first-call costs: untimed
                     eng.generate(prompts[domains[0]][:conc], SamplingParams(max_new_tokens=2),
@@ -441,7 +448,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                                          temperature, admit_min)
                 guard = eng.guard.state() if eng.guard is not None else None
                 block = eng.block_guard.state() if eng.block_guard is not None else None
-                return sum(len(r.output_ids) for r in reqs) / secs, reqs, secs, eng.stats, (guard, block)
+                source = eng.source_guard.state() if eng.source_guard is not None else None
+                return sum(len(r.output_ids) for r in reqs) / secs, reqs, secs, eng.stats, (guard, block, source)
 
             for method in engine_methods:
                 if warmup == "repeat":  # the same run untimed first, again while a pass captured CUDA graphs (an
@@ -475,7 +483,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                     with_corpus = base_method(method) in ("suffix", "hybrid")
                     runs = runs_by[method]
                     order = sorted(range(len(runs)), key=lambda i: runs[i][0])
-                    _, reqs, secs, st, (guard, block) = runs[order[len(runs) // 2]]  # the median repeat (upper if even)
+                    # the median repeat (upper if even)
+                    _, reqs, secs, st, (guard, block, source) = runs[order[len(runs) // 2]]
                     outs = [r.output_ids for r in reqs]
                     toks = sum(len(o) for o in outs)
                     row = {**base, "ms_per_step": 1000 * st.decode_seconds / max(st.num_engine_steps, 1),
@@ -486,7 +495,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                            "source_accept_len": {k: st.source_accept_len(k) for k in sorted(st.source_hist)
                                                  if k != "none"},
                            # wall ms per step kind (ar / gamma0 / probe / draft), prefill, catch-ups (SpecStats)
-                           "step_timing": st.timing(), "guard": guard, "block_guard": block,
+                           "step_timing": st.timing(), "guard": guard, "block_guard": block, "source_guard": source,
                            **request_spread(reqs, method != "ar")}
                     # the engine's one decode / verify attention kernel (ModelRunner.split_k: split-K or SDPA)
                     row["attention"] = "split_k" if engine_for(method).runner.split_k else "sdpa"

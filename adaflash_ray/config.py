@@ -233,6 +233,10 @@ class EngineConfig(_Section):
     # own committed tokens per drafting step and the throughput guard's step ms (SpecEngine makespan_guard); engines
     # without the throughput guard (no cost policy) ignore it
     makespan_guard: bool = False
+    # the hybrid (the drafter and a lookup source, the throughput guard on): block-only steps - every row its drafter
+    # block at the full γ, no lookup, no plan - where the planned steps' realised tokens per ms fall below theirs
+    # (SpecEngine source_guard); other engines ignore it
+    source_guard: bool = True
     # prefills pad their prompts to length buckets and replay one CUDA graph of the target's forward per (prompts,
     # padded length) instead of launching every kernel from the host (SpecEngine prefill_buckets; CPU: padding only).
     # None = on where model.device is cuda (the CPU path pads nothing)

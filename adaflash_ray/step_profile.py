@@ -7,8 +7,10 @@ runs: its graphs are captured):
    STEP_KINDS`) and the shape the device ran (rows x verify width), its wall time split into ``admit``
    (``SpecEngine._admit``: admission and prefills), ``schedule``
    (``SpecEngine._schedule``: policy, planner), ``launch`` (host time inside ``ModelRunner._run``: a CUDA graph's
-   replay call, or the eager forward on CPU), ``runner_rest`` (the rest of ``ModelRunner.step``: inputs, the previous
-   step's planner record run in its overlap, the wait for the device and the one device -> host copy),
+   replay call, or the eager forward on CPU; on CUDA after ``pre_launch_wait``: a ``torch.cuda.synchronize()`` just
+   before the call, the time the device still had work queued before the step's graph - none if the host's earlier
+   work all completed, so a slow ``launch`` then is the call itself), ``runner_rest`` (the rest of
+   ``ModelRunner.step``: inputs, the previous step's planner record run in its overlap, the wait for the device and the one device -> host copy),
    ``postprocess`` (``SpecEngine._postprocess``) and ``other``; and the **device** time of the forward (CUDA events
    around ``ModelRunner._run``; on CPU the same host time as ``launch``).
    A step whose wall time is well above its device time is host-bound: the GPU idles for the difference.
@@ -31,7 +33,7 @@ import torch
 
 from adaflash_ray.engine import SamplingParams, SpecEngine, SpecStats
 
-PHASES = ("admit", "schedule", "launch", "runner_rest", "postprocess", "other")
+PHASES = ("admit", "schedule", "pre_launch_wait", "launch", "runner_rest", "postprocess", "other")
 
 
 def _phase_run(eng: SpecEngine, prompts: list[list[int]], sp: SamplingParams, mode: str) -> dict:
@@ -58,6 +60,9 @@ def _phase_run(eng: SpecEngine, prompts: list[list[int]], sp: SamplingParams, mo
 
     def run(key):
         if cuda:
+            t = time.perf_counter()
+            torch.cuda.synchronize()  # work still queued before the step's graph (instrumentation: it waits here)
+            cur["pre_launch_wait"] = cur.get("pre_launch_wait", 0.0) + time.perf_counter() - t
             ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             ev[0].record()
         t0 = time.perf_counter()
@@ -101,9 +106,9 @@ def _phase_run(eng: SpecEngine, prompts: list[list[int]], sp: SamplingParams, mo
         row["count"] += 1
         row["wall"] += s["wall"]
         row["device"] += device
-        for p in ("admit", "schedule", "launch", "postprocess"):
+        for p in ("admit", "schedule", "pre_launch_wait", "launch", "postprocess"):
             row[p] += s.get(p, 0.0)
-        row["runner_rest"] += s.get("runner", 0.0) - s.get("launch", 0.0)
+        row["runner_rest"] += s.get("runner", 0.0) - s.get("launch", 0.0) - s.get("pre_launch_wait", 0.0)
     out = {}
     for (kind, b, w), row in sorted(agg.items(), key=lambda kv: -kv[1]["count"]):
         n = row.pop("count")
@@ -165,8 +170,8 @@ def profile_run(eng: SpecEngine, prompts: list[list[int]], max_new_tokens: int, 
                 top: int = 30) -> dict:
     """Phases, kernels and host profile of ``eng`` generating ``prompts`` greedily (``mode``: ``"spec"`` or
     ``"ar"``), three runs (module doc). Returns ``{"phases": {"<kind> <rows>x<width>": {count, wall, admit,
-    schedule, launch, runner_rest, postprocess, other, device} (ms per step)}, "kernels": {num_steps, per_step, us_per_step,
-    top: [[name, count per step, µs per step]]}, "cprofile": str}``. The engine's stats are reset by each run."""
+    schedule, pre_launch_wait, launch, runner_rest, postprocess, other, device} (ms per step)}, "kernels":
+    {num_steps, per_step, us_per_step, top: [[name, count per step, µs per step]]}, "cprofile": str}``. The engine's stats are reset by each run."""
     sp = SamplingParams(max_new_tokens=max_new_tokens)
     return {"phases": _phase_run(eng, prompts, sp, mode), "kernels": kernel_run(eng, prompts, sp, mode, top),
             "cprofile": _cprofile_run(eng, prompts, sp, mode, top)}

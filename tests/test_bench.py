@@ -193,10 +193,11 @@ def test_model_mode_draft_source_methods(capsys):
     """ngram / suffix / hybrid rows on the real SmolLM2 (CPU float32), on the pooled domain: lossless against AR, a
     source histogram per row that counts every request-step, the suffix corpus seeded from other held-out prompts,
     the median of 2 repeats; the block guard only in ``hybrid-block-guard``; ``hybrid-drain``, ``hybrid-request-cal``,
-    ``hybrid-drain-request-cal`` and ``hybrid-makespan`` lossless too, drain and makespan steps counted in the step
-    timing (none in ``hybrid``)."""
+    ``hybrid-drain-request-cal``, ``hybrid-makespan`` and ``hybrid-no-source-guard`` lossless too, drain and makespan
+    steps counted in the step timing (none in ``hybrid``); the source guard's state in every hybrid row but
+    ``hybrid-no-source-guard``'s."""
     rc = main(["--methods", "ar", "ngram", "suffix", "hybrid", "hybrid-block-guard", "hybrid-drain",
-               "hybrid-request-cal", "hybrid-drain-request-cal", "hybrid-makespan",
+               "hybrid-request-cal", "hybrid-drain-request-cal", "hybrid-makespan", "hybrid-no-source-guard",
                "--concurrency", "2", "--num-prompts", "2",
                "--max-new-tokens", "8", "--domains", POOLED, "--repeats", "2", "--corpus-prompts", "2"])
     assert rc == 0
@@ -204,12 +205,16 @@ def test_model_mode_draft_source_methods(capsys):
     assert doc["domains"] == {POOLED: "+".join(DOMAINS.values())} and {r["domain"] for r in doc["rows"]} == {POOLED}
     rows = {r["method"]: r for r in doc["rows"]}
     assert set(rows) == {"ar", "ngram", "suffix", "hybrid", "hybrid-block-guard", "hybrid-drain", "hybrid-request-cal",
-                         "hybrid-drain-request-cal", "hybrid-makespan"}
+                         "hybrid-drain-request-cal", "hybrid-makespan", "hybrid-no-source-guard"}
     assert rows["hybrid"]["step_timing"]["num_drain_steps"] == 0
     assert rows["hybrid"]["step_timing"]["num_makespan_steps"] == 0
     assert rows["hybrid"]["block_guard"] is None and rows["hybrid-block-guard"]["block_guard"] is not None
+    assert rows["hybrid-no-source-guard"]["source_guard"] is None
+    assert all(rows[m]["source_guard"] is not None for m in rows
+               if m.startswith("hybrid") and m != "hybrid-no-source-guard")
+    assert rows["suffix"]["source_guard"] is None
     for m in ("ngram", "suffix", "hybrid", "hybrid-block-guard", "hybrid-drain", "hybrid-request-cal",
-              "hybrid-drain-request-cal", "hybrid-makespan"):
+              "hybrid-drain-request-cal", "hybrid-makespan", "hybrid-no-source-guard"):
         r = rows[m]
         assert r["lossless"] is True and r["match_rate"] == 1.0, m
         assert r["repeats"] == 2 and len(r["repeat_tokens_per_s"]) == 2

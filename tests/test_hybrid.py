@@ -734,18 +734,24 @@ def test_planner_keeps_a_block_that_pays_on_average():
     assert proposes.count(True) < 15 and p._block_net <= 0, (proposes, p._block_net)
 
 
+def _cyclic_hybrid(tokens: int, **engine_kw):
+    """(target, prompt, engine): a vocab-16 cyclic target (ngram lookups match), a random drafter whose head is
+    trusted, and the dflash + ngram hybrid at batch 1 whose tables price every step at 1 ms."""
+    target = make_tiny_target("llama", vocab_size=16, seed=1, logit_scale=3.0)
+    drafter, head = make_drafter(target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
+    eng = SpecEngine(target, drafter, head, policy="cost", max_batch_size=1, max_seq_len=tokens + 64, calibrate=False,
+                     draft_sources=("dflash", "ngram"), probe_every=4, **engine_kw)
+    eng.planner.set_costs([1], np.ones((1, 7)), np.ones((1, eng.runner.max_draft + 1)))
+    return target, [1, 2, 3, 4, 5], eng
+
+
 def _block_guard_run(guarded: bool, tokens: int, min_rows: int | None) -> tuple[float, float]:
     """One batch-1 request on a vocab-16 cyclic target (ngram matches) through the hybrid whose tables price the
     drafter's propose at nothing and whose random head is trusted as it is, while each step that proposes really takes
     3 ms against 1 ms for any other step. Returns (share of steps that proposed, fake seconds); asserts the output is
     the target's greedy."""
-    target = make_tiny_target("llama", vocab_size=16, seed=1, logit_scale=3.0)
-    prompt = [1, 2, 3, 4, 5]
-    drafter, head = make_drafter(target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
-    eng = SpecEngine(target, drafter, head, policy="cost", max_batch_size=1, max_seq_len=tokens + 64, calibrate=False,
-                     draft_sources=("dflash", "ngram"), probe_every=4, block_guard=guarded)
+    target, prompt, eng = _cyclic_hybrid(tokens, block_guard=guarded, source_guard=False)  # the block guard alone
     assert (eng.block_guard is not None) == guarded
-    eng.planner.set_costs([1], np.ones((1, 7)), np.ones((1, eng.runner.max_draft + 1)))
     eng.planner.calibration = SourceCalibration(prior=1.0, decay=1e-9, running_start=False)
     eng.guard.set_buckets([1])
     if guarded:
@@ -814,6 +820,116 @@ def test_block_guard_leaves_fixed_draft_lens_alone_and_resets(tiny_target):
     eng.load_drafter(eng.drafter_tensors(), version=1)
     assert all(bk.policy.num_samples == 0 and bk.forced_left == 0 for bk in eng.block_guard.buckets)
     assert eng._last_planned_propose is None
+
+
+def _source_guard_run(guarded: bool, planned_ms: float, tokens: int = 300) -> tuple[float, float, int]:
+    """One batch-1 request on a vocab-16 cyclic target (ngram matches) through the hybrid, on a fake clock: a planned
+    step takes ``planned_ms``, a block-only step (every row its drafter block, no plan) 1 ms, an AR step 4 ms (so the
+    throughput guard keeps out of the comparison). Returns (share of planned steps, fake ms, block-only steps forced);
+    asserts the output is the target's greedy."""
+    target, prompt, eng = _cyclic_hybrid(tokens, source_guard=guarded)
+    assert (eng.source_guard is not None) == guarded
+    for g in (eng.guard, eng.source_guard):
+        if g is not None:
+            g.set_buckets([1])
+    clock, planned, real = [0.0], [], eng._run
+
+    def run(batch):
+        plan = batch.choices is not None
+        clock[0] += 1e-3 * (planned_ms if plan else 1.0 if batch.propose else 4.0)
+        planned.append(plan)
+        return real(batch)
+
+    eng._run = run
+    eng.clock = eng.runner.clock = lambda: clock[0]
+    req = eng.generate([prompt], SamplingParams(max_new_tokens=tokens, ignore_eos=True))[0]
+    assert req.output_ids == greedy_reference(target, prompt, tokens), (guarded, planned_ms)
+    return sum(planned) / len(planned), 1e3 * clock[0], eng.stats.num_source_guard_steps
+
+
+def test_source_guard_takes_the_block_alone_where_the_plan_is_slower():
+    """The source guard (planned steps against block-only ones, per batch bucket): where a planned step costs 5x a
+    block-only one it forces block-only steps and the run takes less time (0.82x here); where both cost the same the
+    planner keeps most steps (its ngram drafts commit more) and the guard's reference runs cost little (1.06x).
+    Greedy output exact in all four runs (:func:`_source_guard_run`)."""
+    share_off, t_off, forced_off = _source_guard_run(False, 5.0)
+    share_on, t_on, forced_on = _source_guard_run(True, 5.0)
+    assert forced_off == 0 and forced_on > 30 and share_on < 0.8 * share_off and t_on < 0.9 * t_off, \
+        (share_on, share_off, t_on, t_off, forced_on)
+    share_off, t_off, _ = _source_guard_run(False, 1.0)
+    share_on, t_on, forced_on = _source_guard_run(True, 1.0)
+    assert share_on > 0.75 and t_on < 1.12 * t_off, (share_on, share_off, t_on, t_off, forced_on)
+
+
+@pytest.mark.parametrize("lookup_device", ["host", "device"])
+def test_source_guard_block_only_steps_verify_the_block_and_reset(tiny_target, lookup_device):
+    """While the source guard forces block-only steps every step verifies the drafter's block at the full γ (capped by
+    the tokens left) with no lookup draft (host lookups or the device's, whose stale proposals are dropped), and a
+    request that fixes its own γ is never forced. A new batch keeps the back-off, a drafter reload ends it. Greedy
+    output exact."""
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
+    eng = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=160, calibrate=False,
+                     draft_sources=("dflash", "ngram"), probe_every=4, lookup_device=lookup_device)
+    assert eng.source_guard is not None and eng.block_guard is None
+    eng.guard = None  # no forced AR steps: every step is the source guard's or the planner's
+    prompts = _prompts(2)
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=20, ignore_eos=True)) for p in prompts]
+    eng.step()  # admission and the first (planned) step
+    for bk in eng.source_guard.buckets:
+        bk.forced_left = 10**6
+    forced = eng.stats.num_source_guard_steps
+    while eng.has_unfinished():
+        eng.step()
+    assert [r.output_ids for r in reqs] == [greedy_reference(tiny_target, p, 20) for p in prompts]
+    assert eng.stats.num_source_guard_steps - forced == len(reqs[0].draft_lens) - 1  # every step after the first
+    for r in reqs:
+        assert set(r.step_sources[1:]) <= {"dflash", "none"}
+        # the full γ from the second forced step on (the first verifies what the planned step left: maybe none),
+        # capped by the tokens left - 1 (the prefill committed the first token)
+        left = [20 - 1 - sum(a + 1 for a in r.num_accepted[:i]) - 1 for i in range(len(r.draft_lens))]
+        assert all(g == min(7, max(c, 0)) for g, c in zip(r.draft_lens[2:], left[2:])), (r.draft_lens, left)
+    own = [eng.add_request(p, SamplingParams(max_new_tokens=12, ignore_eos=True, draft_len=2)) for p in prompts]
+    eng.step()  # a new batch: the back-off goes on
+    assert all(bk.forced_left > 10**5 for bk in eng.source_guard.buckets)
+    for bk in eng.source_guard.buckets:
+        bk.forced_left = 10**6
+    while eng.has_unfinished():
+        eng.step()
+    assert all(set(r.draft_lens[:8]) == {2} for r in own)  # a request's own γ: planned, never forced
+    assert all(bk.forced_left == 10**6 for bk in eng.source_guard.buckets)
+    eng.source_guard.buckets[0].policy.add(2.0, 1.0, 0.5)
+    eng.load_drafter(eng.drafter_tensors(), version=1)
+    assert all(bk.policy.num_samples == 0 and bk.forced_left == 0 for bk in eng.source_guard.buckets)
+    assert eng._last_regime is None
+
+
+def test_source_guard_only_in_the_hybrid_and_off_by_recipe(tiny_target):
+    """The source guard comes with the hybrid of the drafter and a lookup source (the throughput guard on), not with
+    the cost policy alone, a lookup-only engine, ``propose_first`` or ``source_guard=False``; the recipe's
+    ``engine.source_guard: false`` reaches ``from_config``."""
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
+    kw = dict(policy="cost", max_batch_size=2, max_seq_len=128, calibrate=False)
+    assert SpecEngine(tiny_target, drafter, head, draft_sources=("dflash", "suffix"), **kw).source_guard is not None
+    assert SpecEngine(tiny_target, drafter, head, **kw).source_guard is None
+    assert SpecEngine(tiny_target, drafter, head, draft_sources=("dflash", "ngram"), source_guard=False,
+                      **kw).source_guard is None
+    assert SpecEngine(tiny_target, drafter, head, draft_sources=("dflash", "ngram"), throughput_guard=False,
+                      **kw).source_guard is None
+    assert SpecEngine(tiny_target, drafter, head, draft_sources=("dflash", "ngram"), propose_first=True,
+                      lookup_device="device", **kw).source_guard is None
+    assert SpecEngine(tiny_target, None, None, policy="fixed", max_batch_size=2, max_seq_len=128,
+                      draft_sources=("ngram",)).source_guard is None
+    from adaflash_ray.config import load_recipe
+
+    cfg = load_recipe("recipes/cpu_tiny.yaml", ["length_head.policy=cost", "length_head.draft_sources=[dflash,ngram]"])
+    on = SpecEngine.from_config(cfg, models=(tiny_target, drafter, head), calibrate=False, max_batch_size=2,
+                                max_seq_len=128)
+    cfg_off = load_recipe("recipes/cpu_tiny.yaml", ["length_head.policy=cost",
+                                                    "length_head.draft_sources=[dflash,ngram]",
+                                                    "engine.source_guard=false"])
+    off = SpecEngine.from_config(cfg_off, models=(tiny_target, drafter, head), calibrate=False, max_batch_size=2,
+                                 max_seq_len=128)
+    assert on.source_guard is not None and off.source_guard is None
 
 
 def _record_prefills_and_catch_ups(engine) -> tuple[list, list]:

@@ -231,6 +231,19 @@ class SpecEngine:
             steps are the lookup-matched ones, and the comparison reads that selection as "proposing is slower";
             the planner's own realised-cost pricing (:meth:`~adaflash_ray.engine.hybrid.HybridPlanner.observe_step`)
             and its acceptance calibration already price a propose as it runs.
+        source_guard: with the throughput guard, the hybrid with the drafter and a lookup source (not under
+            ``propose_first``) also gets a guard over its regime (``self.source_guard``): planned steps (the
+            planner's per-request sources, the lookups, the plan's host work) against block-only steps - every row
+            verifies its pending drafter block at the full γ = block_size - 1 and the step proposes the next, with
+            no lookup and no plan, as the ``fixed`` policy's DFlash engine steps. Per batch bucket, where the planned
+            steps' realised committed tokens per row per ms fall below (1 - margin) x the block-only steps', it forces
+            block-only steps for a doubling back-off, then lets the planner run a trial again; a block-only reference
+            run (a few steps in a row) is forced once the planned steps have a record and again every
+            ``ar_refresh_steps`` of the bucket's steps. So the hybrid is not slower than its drafter's block alone
+            where the plan's host time and lookups do not pay for themselves. Only steps of the same regime as the
+            step before count (a regime's first step verifies what the other left pending). A new batch keeps the
+            back-off (one request after another at one row would otherwise rerun the trial each time); a drafter
+            reload ends it and forgets the planned steps' record. False = off.
         objective: what the draft sources' planner maximises. ``"throughput"``: expected committed tokens per ms of
             the whole batch step, every request's tokens alike. ``"drain"``: the same while requests wait for a slot;
             with none waiting, the running batch ends with its slowest request, so a request whose tokens left fit
@@ -299,6 +312,7 @@ class SpecEngine:
                  throughput_guard: bool = True, block_guard: bool = False, compact_slots: bool = True,
                  objective: str = "throughput", clock=time.perf_counter, propose_first: bool = False,
                  request_calibration: bool = False, makespan_guard: bool = False, prefill_buckets: bool = False,
+                 source_guard: bool = True,
                  defer_first_block: bool = False):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {list(OBJECTIVES)}, got {objective!r}")
@@ -416,6 +430,10 @@ class SpecEngine:
         block_on = block_guard and on and self.planner is not None and self.planner.use_dflash \
             and self.planner.lookup is not None
         self.block_guard = ThroughputGuard(_buckets(max_batch_size)) if block_on else None
+        source_on = source_guard and on and self.planner is not None and self.planner.use_dflash \
+            and self.planner.lookup is not None and not self.propose_first
+        self.source_guard = ThroughputGuard(_buckets(max_batch_size)) if source_on else None
+        self._last_regime: bool | None = None  # the source guard's previous drafting step: True planned, False not
         if makespan_guard and self.guard is None:
             raise ValueError("makespan_guard needs the throughput guard (the cost policy, alone or in the hybrid, with "
                              "throughput_guard and ar_steps on): its step costs come from that guard")
@@ -472,8 +490,8 @@ class SpecEngine:
                 throughput_guard: default ``cfg.engine.throughput_guard``; propose_first: default
                 ``cfg.engine.propose_first`` where the sources are the hybrid's, which then puts ``"auto"`` lookups on
                 the device; makespan_guard: default ``cfg.engine.makespan_guard`` for an engine with the throughput
-                guard, else off; prefill_buckets, defer_first_block: default ``cfg.engine``'s, where None = on when
-                ``cfg.model.device`` is CUDA).
+                guard, else off; source_guard: default ``cfg.engine.source_guard``; prefill_buckets,
+                defer_first_block: default ``cfg.engine``'s, where None = on when ``cfg.model.device`` is CUDA).
         Raises:
             ValueError / CheckpointError: as the constructor and the model builders.
         """
@@ -486,6 +504,7 @@ class SpecEngine:
         target, drafter, head = models
         target.fused_kernels = cfg.engine.fused_kernels  # read when the runner fuses the projections (CUDA only)
         kwargs.setdefault("throughput_guard", cfg.engine.throughput_guard)
+        kwargs.setdefault("source_guard", cfg.engine.source_guard)
         kwargs.setdefault("objective", cfg.engine.objective)
         for key, value in prefill_settings(cfg).items():
             kwargs.setdefault(key, value)
@@ -628,6 +647,12 @@ class SpecEngine:
         if self.guard is not None and not captured:  # a graph capture's time is no step's cost
             n = len(batch.requests)
             self.guard.record(batch.batch_size, kind in ("probe", "draft"), n + sum(res.num_accepted), 1e3 * seconds, n)
+        if self.source_guard is not None:  # drafting steps, planned against block-only ones
+            regime = None if kind not in ("probe", "draft") else batch.choices is not None
+            if regime is not None and regime == self._last_regime and not captured:
+                n = len(batch.requests)
+                self.source_guard.record(batch.batch_size, regime, n + sum(res.num_accepted), 1e3 * seconds, n)
+            self._last_regime = regime
         if self.block_guard is not None:  # planned steps, with or without a propose (a forced AR step proposes none)
             propose = batch.propose and batch.choices is not None
             # a step's tokens come from the block the step before proposed: the first step after a switch carries
@@ -635,7 +660,8 @@ class SpecEngine:
             if batch.choices is not None and not captured and propose == self._last_planned_propose:
                 n = len(batch.requests)
                 self.block_guard.record(batch.batch_size, propose, n + sum(res.num_accepted), 1e3 * seconds, n)
-            self._last_planned_propose = propose
+            # a block-only step (the source guard's) leaves its block for the next: no planned step's regime
+            self._last_planned_propose = None if batch.choices is None and batch.propose else propose
         return finished
 
     def _admit(self, spec: bool, finished: list[Request]) -> None:
@@ -653,6 +679,11 @@ class SpecEngine:
         # finished requests' record as the new ones' prior, the first verdict needs no trial
         self._ms_forced_left, self._ms_factor = 0, 1
         self._ms_trial = MAKESPAN_TRIAL if len(self._ms_history) >= MAKESPAN_HISTORY_MIN else 0
+        if self.source_guard is not None and not running_before:
+            # its back-off goes on (unlike the AR guard's: a new batch of the same traffic changes what AR costs
+            # against drafting, not what the plan's host work costs against the block alone); only the regime chain
+            # restarts
+            self._last_regime = None
         if self.guard is not None and not running_before:
             self.guard.new_batch()
             if self.block_guard is not None:
@@ -743,6 +774,9 @@ class SpecEngine:
             self.stats.num_guard_steps += 1
             return _Batch(running, [0] * n, True, False, append=False, batch_size=batch_size, slots=slots)
         if spec and self.planner is not None:
+            if self.source_guard is not None and not any_own and self.source_guard.force_ar(batch_size):
+                self.stats.num_source_guard_steps += 1  # the plan is slower than the block alone here: a while without
+                return self._block_only(running, batch_size, slots)
             return self._plan(running, batch_size, self._block_off(batch_size, any_own), slots=slots, fixed=fixed)
         pending = [r.next_draft_len for r in running]
         if spec and (any_own or any(pending)):  # γ capped by the tokens left - 1 (r.remaining - 1), at least 0
@@ -756,6 +790,15 @@ class SpecEngine:
         # a step that does not propose is an AR step (the cost policy's γ = 0): its drafter context append is
         # deferred and caught up from the feature history when the next step proposes
         return _Batch(running, gammas, spec, propose, append=propose, batch_size=batch_size, slots=slots)
+
+    def _block_only(self, running: list[Request], batch_size: int, slots: list[int]) -> _Batch:
+        """A step the source guard forces: each row verifies its pending drafter block (none: γ = 0) at the full
+        γ = block_size - 1, capped by its tokens left - 1, and the step proposes the next block; no lookup, no plan
+        (the device lookup's proposals of these rows go stale: the step's result marks them so)."""
+        g = self.drafter.block_size - 1
+        lens = [max(min(g, r.params.max_new_tokens - len(r.output_ids) - 1), 0) if r.dflash_expected is not None
+                else 0 for r in running]
+        return _Batch(running, lens, True, True, append=True, batch_size=batch_size, slots=slots)
 
     def _running_state(self) -> _Running:
         """The running batch's requests, slots and fixed γ, read again only after the scheduler's batch changed
@@ -1302,6 +1345,9 @@ class SpecEngine:
         if self.block_guard is not None:
             self.block_guard.on_drafter_reload()
             self._last_planned_propose = None  # the next step's pending block is the old drafter's
+        if self.source_guard is not None:
+            self.source_guard.on_drafter_reload()
+            self._last_regime = None
         return self.drafter_sha256
 
     # ------------------------------------------------------------------ timing (benchmarks)
@@ -1413,7 +1459,7 @@ class SpecEngine:
             torch.cuda.empty_cache()
         self.cost_table = {"batch_sizes": list(batch_sizes), "costs_ms": rows, "ar_costs_ms": ar_rows,
                            "context_len": ctx}
-        for guard in (self.guard, self.block_guard):  # the guards' buckets are the table's batch sizes
+        for guard in (self.guard, self.block_guard, self.source_guard):  # the guards' buckets: the table's batch sizes
             if guard is not None:
                 guard.set_buckets(list(batch_sizes))
         if self.planner is not None:

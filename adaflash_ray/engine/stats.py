@@ -73,6 +73,7 @@ class SpecStats:
     catch_up_positions: int = 0  # positions they appended, all slots together
     catch_up_seconds: float = 0.0  # their host time (inside the steps' times)
     num_guard_steps: int = 0  # AR steps the throughput guard forced (counted as gamma0 too)
+    num_source_guard_steps: int = 0  # block-only steps the source guard forced (SpecEngine source_guard)
     num_drain_steps: int = 0  # planned steps where SpecEngine objective="drain" weighed some request 0
     num_makespan_steps: int = 0  # AR steps SpecEngine makespan_guard forced (the batch's last request ends sooner)
     num_captures: int = 0  # steps that captured a CUDA graph (their own or a catch-up's; a capture's time is in them)
@@ -226,7 +227,7 @@ class SpecStats:
         (``{"count", "total_ms", "mean_ms"}``, catch-up with ``num_positions``), ``compaction`` (the same, with
         ``num_moves``: requests moved to lower slots between steps), ``num_captures`` (steps that captured a CUDA graph),
         ``num_prefill_captures`` (prefills that did),
-        ``num_guard_steps``, ``num_drain_steps``, ``num_makespan_steps``, ``steps_by_shape``
+        ``num_guard_steps``, ``num_source_guard_steps``, ``num_drain_steps``, ``num_makespan_steps``, ``steps_by_shape``
         (:meth:`step_ms_by_shape`)."""
         return {"steps": self.step_ms_by_kind, "steps_by_shape": self.step_ms_by_shape(),
                 "prefill": _time_row(self.num_prefills, self.prefill_seconds),
@@ -235,7 +236,7 @@ class SpecStats:
                 "compaction": {**_time_row(self.num_compactions, self.compaction_seconds),
                                "num_moves": self.num_slot_moves},
                 "num_captures": self.num_captures, "num_prefill_captures": self.num_prefill_captures,
-                "num_guard_steps": self.num_guard_steps,
+                "num_guard_steps": self.num_guard_steps, "num_source_guard_steps": self.num_source_guard_steps,
                 "num_drain_steps": self.num_drain_steps, "num_makespan_steps": self.num_makespan_steps}
 
     def source_accept_len(self, source: str) -> float:
