@@ -865,8 +865,8 @@ def test_source_guard_takes_the_block_alone_where_the_plan_is_slower():
 def test_source_guard_block_only_steps_verify_the_block_and_reset(tiny_target, lookup_device):
     """While the source guard forces block-only steps every step verifies the drafter's block at the full γ (capped by
     the tokens left) with no lookup draft (host lookups or the device's, whose stale proposals are dropped), and a
-    request that fixes its own γ is never forced. A new batch keeps the back-off, a drafter reload ends it. Greedy
-    output exact."""
+    request that fixes its own γ is never forced. A new batch keeps the back-off, a drafter reload ends it and forgets
+    both regimes' records. Greedy output exact."""
     drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
     eng = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=160, calibrate=False,
                      draft_sources=("dflash", "ngram"), probe_every=4, lookup_device=lookup_device)
@@ -898,9 +898,35 @@ def test_source_guard_block_only_steps_verify_the_block_and_reset(tiny_target, l
     assert all(set(r.draft_lens[:8]) == {2} for r in own)  # a request's own γ: planned, never forced
     assert all(bk.forced_left == 10**6 for bk in eng.source_guard.buckets)
     eng.source_guard.buckets[0].policy.add(2.0, 1.0, 0.5)
+    eng.source_guard.buckets[0].ar.add(3.0, 1.0, 0.5)
     eng.load_drafter(eng.drafter_tensors(), version=1)
-    assert all(bk.policy.num_samples == 0 and bk.forced_left == 0 for bk in eng.source_guard.buckets)
+    # both regimes' records go: the block-only steps' measured the old drafter as much as the planned steps'
+    assert all(bk.policy.num_samples == bk.ar.num_samples == 0 and bk.forced_left == 0
+               for bk in eng.source_guard.buckets)
     assert eng._last_regime is None
+
+
+@pytest.mark.parametrize("block_guard", [False, True])
+def test_source_guard_back_off_has_the_prefill_propose_the_first_block(tiny_target, monkeypatch, block_guard):
+    """A request admitted while the source guard's back-off goes on (a new batch keeps it) gets its first block at the
+    prefill, whatever the planner's schedule (its block idle) or the block guard (whose planned step the block-only
+    step replaces) say: its first block-only step verifies that block at the full γ instead of committing one token.
+    Where the throughput guard forces the next step to AR the prefill still proposes nothing. Greedy output exact."""
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
+    eng = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=1, max_seq_len=96, calibrate=False,
+                     draft_sources=("dflash", "ngram"), block_guard=block_guard)
+    monkeypatch.setattr(eng.planner, "wants_block", lambda: False)  # lookups won: the block idle in the schedule
+    guards = [eng.source_guard] + ([eng.block_guard] if block_guard else [])
+    prompt = _prompts(1)[0]
+    for bk in (bk for g in guards for bk in g.buckets):
+        bk.forced_left = 10**6
+    prefills, _ = _record_prefills_and_catch_ups(eng)
+    req = eng.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
+    assert req.output_ids == greedy_reference(tiny_target, prompt, 12)
+    assert req.draft_lens[:2] == [7, 7] and req.step_sources[:2] == ["dflash"] * 2, (req.draft_lens, req.step_sources)
+    monkeypatch.setattr(eng.guard, "would_force", lambda batch_size: True)  # the next step is an AR step
+    eng.generate([prompt], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert [p[1] for p in prefills] == [True, False]
 
 
 def test_source_guard_only_in_the_hybrid_and_off_by_recipe(tiny_target):

@@ -243,7 +243,8 @@ class SpecEngine:
             where the plan's host time and lookups do not pay for themselves. Only steps of the same regime as the
             step before count (a regime's first step verifies what the other left pending). A new batch keeps the
             back-off (one request after another at one row would otherwise rerun the trial each time); a drafter
-            reload ends it and forgets the planned steps' record. False = off.
+            reload ends it and forgets both regimes' records (the block-only steps' measured the old drafter too).
+            False = off.
         objective: what the draft sources' planner maximises. ``"throughput"``: expected committed tokens per ms of
             the whole batch step, every request's tokens alike. ``"drain"``: the same while requests wait for a slot;
             with none waiting, the running batch ends with its slowest request, so a request whose tokens left fit
@@ -692,13 +693,14 @@ class SpecEngine:
         # the new requests' first block only while the step after would use it - the planner's schedule wants the
         # block (in use, or its probe due), the length policy is not in its γ = 0 regime, or a new request fixes its
         # own γ; otherwise their drafter context waits for the first step that proposes (caught up then)
-        # a step the throughput guard forces to AR (or the block guard keeps from proposing) drops the block too;
+        # a step the throughput guard forces to AR (or the block guard keeps from proposing) drops the block too; a
+        # block-only step the source guard forces verifies it whatever the planner's schedule says;
         # under propose_first no step verifies a pending block (each proposes its own): none here, the prompts'
         # drafter context still appended (every planned step appends)
         propose = spec and self.drafter is not None and not self.propose_first and (
             any(r.params.draft_len is not None for r in admitted)
             or (not self.defer_first_block and not self._next_step_forced() and
-                (self.planner.wants_block() if self.planner is not None
+                (self._next_step_block_only() or self.planner.wants_block() if self.planner is not None
                  else self.policy is None or self.policy.admit_proposes(running_before))))
         dev_lookup = spec and self.lookup_on_device
         res = self.runner.prefill([r.slot for r in admitted], [r.prompt_ids for r in admitted],
@@ -751,15 +753,28 @@ class SpecEngine:
 
     def _next_step_forced(self) -> bool:
         """Whether the next step (at the running batch's size) will be an AR step the throughput guard forces (or the
-        makespan guard's back-off), or a planned step the block guard keeps from proposing (their
+        makespan guard's back-off), or a planned step the block guard keeps from proposing - unless the source guard
+        forces a block-only step (:meth:`_next_step_block_only`) in its place (their
         :meth:`ThroughputGuard.would_force`: no change)."""
-        guards = [g for g in (self.guard, self.block_guard) if g is not None]
-        if not guards or not self.scheduler.running:
+        if self.guard is None or not self.scheduler.running:  # the block and source guards come with it
             return False
         if self.makespan_guard and self._ms_forced_left > 0 and not (self.scheduler.waiting or self.num_held):
             return True  # the makespan guard's back-off goes on
         batch_size = max(r.slot for r in self.scheduler.running) + 1
-        return any(g.would_force(batch_size) for g in guards)
+        if self.guard.would_force(batch_size):
+            return True
+        return self.block_guard is not None and self.block_guard.would_force(batch_size) and \
+            not self._next_step_block_only(batch_size)
+
+    def _next_step_block_only(self, batch_size: int | None = None) -> bool:
+        """Whether the source guard will force the next step (at ``batch_size``; None: the running batch's) to a
+        block-only step, which verifies every row's pending block (:meth:`ThroughputGuard.would_force`: no change;
+        :meth:`_next_step_forced`'s AR step comes first)."""
+        if self.source_guard is None or not self.scheduler.running:
+            return False
+        if batch_size is None:
+            batch_size = max(r.slot for r in self.scheduler.running) + 1
+        return self.source_guard.would_force(batch_size)
 
     def _schedule(self, spec: bool) -> _Batch:
         """The running requests' γ for this step - the policy's (or the request's own), capped by the tokens left -
@@ -1345,8 +1360,8 @@ class SpecEngine:
         if self.block_guard is not None:
             self.block_guard.on_drafter_reload()
             self._last_planned_propose = None  # the next step's pending block is the old drafter's
-        if self.source_guard is not None:
-            self.source_guard.on_drafter_reload()
+        if self.source_guard is not None:  # its block-only steps' record measured the old drafter too
+            self.source_guard.on_drafter_reload(reference=True)
             self._last_regime = None
         return self.drafter_sha256
 

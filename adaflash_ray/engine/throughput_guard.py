@@ -189,11 +189,14 @@ class ThroughputGuard:
         for bk in self.buckets:
             bk.forced_left, bk.factor, bk.trial, bk.trial_rows = 0, 1, 0, 0
 
-    def on_drafter_reload(self) -> None:
-        """New drafter weights: the back-offs end and the policy's averages start over (the AR ones stay)."""
+    def on_drafter_reload(self, reference: bool = False) -> None:
+        """New drafter weights: the back-offs end and the policy's averages start over (the AR ones stay, unless
+        ``reference``: a reference that measured the drafter too, as the source guard's block-only steps)."""
         self.new_batch()
         for bk in self.buckets:
             bk.policy = _Rate()
+            if reference:
+                bk.ar, bk.since_ar = _Rate(), 0
 
     def state(self) -> dict[str, dict]:
         """Per bucket (its batch size, as a string): ``ar_tokens_per_ms``, ``policy_tokens_per_ms`` (committed tokens
