@@ -11,6 +11,8 @@ Run: python -m pytest -q tests/test_throughput_guard.py   (CPU, tiny random targ
 """
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from conftest import greedy_reference, make_drafter
@@ -400,7 +402,8 @@ def test_makespan_guard_decisive_verdict_and_history_prior(tiny_target):
     from adaflash_ray.engine.engine import (MAKESPAN_BACKOFF, MAKESPAN_DECISIVE, MAKESPAN_HISTORY_MIN,
                                             MAKESPAN_HISTORY_MIN_STEPS, MAKESPAN_TRIAL)
 
-    eng = _engine(tiny_target, makespan_guard=True)
+    ticks = itertools.count()  # a fake clock: the real AR steps below record 1 ms each, whatever the machine's load
+    eng = _engine(tiny_target, makespan_guard=True, clock=lambda: 1e-3 * next(ticks))
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=100, ignore_eos=True)) for p in _prompts()]
     eng._admit(True, [])
     running = list(eng.scheduler.running)
