@@ -48,7 +48,8 @@ Output: a table, then one JSON document as the last stdout line (also written to
 ``gamma0`` / ``probe`` / ``draft``, prefills and context catch-ups (:meth:`SpecStats.timing`), printed as a second
 table, ``guard``: the throughput guard's per-bucket realised rates and back-offs, or None, ``block_guard``: the same
 for the hybrid's block guard (steps that propose the drafter's next block against planned steps that do not),
-``source_guard``: the same for the hybrid's source guard (planned steps against block-only ones), and the spread over
+``source_guard``: the same for the hybrid's source guard (its ``policy_*`` keys the planned steps, its ``ar_*`` keys
+the block-only ones), and the spread over
 requests (:func:`request_spread`: the slowest request's decode steps, which set a run's length when every request
 is admitted at once, and the per-request τ's minimum, 10th percentile and median). On CPU read ratios, not absolute
 times (docs/design/PERFORMANCE.md); ``engine.num_threads`` sets the CPU threads. Exit 2 on a user error.
