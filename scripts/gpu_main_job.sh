@@ -25,6 +25,8 @@
 #                                    (BENCH_METHODS="ar dflash suffix hybrid ..." BENCH_CONC="1 8 64" BENCH_REPEATS=2
 #                                    BENCH_TIMEOUT=150: other methods, concurrencies, repeats, per-call timeout)
 #                                    (WEIGHT_SYNC=1: also time the Qwen3-8B-shape weight broadcast)
+#                                    (BENCH_DRAFTER=/root/dr/vN: a drafter of the `drafter` call, no main job on this
+#                                    machine: the GPU recipe, the model from the GGUF parts - carry [".gpu_stage3"])
 # The main job runs in its own process session: it outlives call c (600 s at most), and call d waits for it.
 # Results land in $OUT: main_job_files.tar.gz (run_summary.json: summary + device + commit, metrics.jsonl,
 # tau_vs_version.png, config.yaml, the log), the serving drafter as drafter_vN.tar.part*,
@@ -251,11 +253,18 @@ EOF
     ;;
   e)
     env_setup
-    export ADAFLASH_COMMIT="$(cat "$JOB/commit" 2>/dev/null || echo unknown)"  # the device copy's git HEAD lags
-    v=$(python3 -c "import json; print(json.load(open('$RUN_DIR/summary.json'))['serving_version'])") || exit 1
-    ck="$RUN_DIR/checkpoints/v$v"
-    # the run's own resolved recipe (its --set overrides included) and its length policy's method
-    pol=$(python3 -c "from adaflash_ray.config import load_recipe; print(load_recipe('$RUN_DIR/config.yaml').length_head.policy)") || exit 1
+    if [ -n "${BENCH_DRAFTER:-}" ]; then  # a drafter of an earlier run (`drafter` call: /root/dr/vN), no main job here:
+      # the GPU recipe, the model converted from the GGUF parts first (this call then carries .gpu_stage3)
+      export ADAFLASH_COMMIT="${ADAFLASH_COMMIT:-unknown}"
+      prepare_model || exit 1
+      ck="$BENCH_DRAFTER" recipe=recipes/smollm2_135m_gpu.yaml
+    else
+      export ADAFLASH_COMMIT="$(cat "$JOB/commit" 2>/dev/null || echo unknown)"  # the device copy's git HEAD lags
+      v=$(python3 -c "import json; print(json.load(open('$RUN_DIR/summary.json'))['serving_version'])") || exit 1
+      ck="$RUN_DIR/checkpoints/v$v" recipe="$RUN_DIR/config.yaml"  # the run's own resolved recipe (its --set too)
+    fi
+    # the recipe's length policy's method
+    pol=$(python3 -c "from adaflash_ray.config import load_recipe; print(load_recipe('$recipe').length_head.policy)") || exit 1
     echo "bench drafter $ck (policy $pol)"
     [ "$pol" = fixed ] && { echo "the run's length policy is fixed: bench methods ar and dflash only" >&2; }
     m=(ar dflash); [ "$pol" != fixed ] && m+=("adaflash-$pol")
@@ -264,7 +273,7 @@ EOF
     read -r -a m <<< "${BENCH_METHODS:-${m[*]}}"
     for c in ${BENCH_CONC:-1 64}; do
       n=$c; [ "$c" = 1 ] && n=8; [ "$c" = 8 ] && n=16
-      timeout "${BENCH_TIMEOUT:-170}" python3 -m adaflash_ray.bench --recipe "$RUN_DIR/config.yaml" --drafter "$ck" \
+      timeout "${BENCH_TIMEOUT:-170}" python3 -m adaflash_ray.bench --recipe "$recipe" --drafter "$ck" \
         --methods "${m[@]}" --concurrency "$c" --domains code chat --num-prompts "$n" --repeats "${BENCH_REPEATS:-1}" \
         --max-new-tokens 256 --out "$OUT/bench_c$c.json" --plot "$OUT/bench_c$c.png" > "$OUT/bench_c$c.log" 2>&1
       echo "bench c$c: rc $?"
