@@ -404,15 +404,14 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                     extra["throughput_guard"] = False
                 if v.endswith(BLOCK_GUARD):
                     extra["block_guard"] = True
-                if base_method(method) == "hybrid":  # the method says, never the recipe
-                    extra["source_guard"] = not method.endswith(NO_SOURCE_GUARD)
                 if v.removesuffix(REQUEST_CAL).endswith(DRAIN):
                     extra["objective"] = "drain"
                 if v.endswith(REQUEST_CAL):
                     extra["request_calibration"] = True
                 if base_method(method) in GUARDED_METHODS and not v.endswith(UNGUARDED):
                     extra["makespan_guard"] = v.endswith(MAKESPAN)  # the method says, never the recipe
-                if base_method(method) == "hybrid":  # the method says which hybrid, never the recipe's knob
+                if base_method(method) == "hybrid":  # the method says which hybrid, never the recipe's knobs
+                    extra["source_guard"] = not method.endswith(NO_SOURCE_GUARD)
                     extra["propose_first"] = v.endswith(PROPOSE_FIRST)
                     if extra["propose_first"] and "lookup_device" not in (engine_kwargs or {}):
                         extra["lookup_device"] = "device"  # its lookups on the device (CPU too)

@@ -10,7 +10,8 @@ runs: its graphs are captured):
    replay call, or the eager forward on CPU; on CUDA after ``pre_launch_wait``: a ``torch.cuda.synchronize()`` just
    before the call, the time the device still had work queued before the step's graph - none if the host's earlier
    work all completed, so a slow ``launch`` then is the call itself), ``runner_rest`` (the rest of
-   ``ModelRunner.step``: inputs, the previous step's planner record run in its overlap, the wait for the device and the one device -> host copy),
+   ``ModelRunner.step``: inputs, the previous step's planner record run in its overlap, the wait for the device and
+   the one device -> host copy),
    ``postprocess`` (``SpecEngine._postprocess``) and ``other``; and the **device** time of the forward (CUDA events
    around ``ModelRunner._run``; on CPU the same host time as ``launch``).
    A step whose wall time is well above its device time is host-bound: the GPU idles for the difference.
@@ -171,7 +172,8 @@ def profile_run(eng: SpecEngine, prompts: list[list[int]], max_new_tokens: int, 
     """Phases, kernels and host profile of ``eng`` generating ``prompts`` greedily (``mode``: ``"spec"`` or
     ``"ar"``), three runs (module doc). Returns ``{"phases": {"<kind> <rows>x<width>": {count, wall, admit,
     schedule, pre_launch_wait, launch, runner_rest, postprocess, other, device} (ms per step)}, "kernels":
-    {num_steps, per_step, us_per_step, top: [[name, count per step, µs per step]]}, "cprofile": str}``. The engine's stats are reset by each run."""
+    {num_steps, per_step, us_per_step, top: [[name, count per step, µs per step]]}, "cprofile": str}``. The
+    engine's stats are reset by each run."""
     sp = SamplingParams(max_new_tokens=max_new_tokens)
     return {"phases": _phase_run(eng, prompts, sp, mode), "kernels": kernel_run(eng, prompts, sp, mode, top),
             "cprofile": _cprofile_run(eng, prompts, sp, mode, top)}

@@ -645,22 +645,24 @@ class SpecEngine:
             if done:
                 self._ms_history.extend(done)
                 self._ms_history_added += len(done)
+        if self.guard is None and self.source_guard is None and self.block_guard is None:
+            return finished
+        # what each guard records: (batch size, which of its two kinds of step, committed tokens, ms, rows)
+        n, ms = len(batch.requests), 1e3 * seconds
+        tokens = n + sum(res.num_accepted)
         if self.guard is not None and not captured:  # a graph capture's time is no step's cost
-            n = len(batch.requests)
-            self.guard.record(batch.batch_size, kind in ("probe", "draft"), n + sum(res.num_accepted), 1e3 * seconds, n)
+            self.guard.record(batch.batch_size, kind in ("probe", "draft"), tokens, ms, n)
         if self.source_guard is not None:  # drafting steps, planned against block-only ones
             regime = None if kind not in ("probe", "draft") else batch.choices is not None
             if regime is not None and regime == self._last_regime and not captured:
-                n = len(batch.requests)
-                self.source_guard.record(batch.batch_size, regime, n + sum(res.num_accepted), 1e3 * seconds, n)
+                self.source_guard.record(batch.batch_size, regime, tokens, ms, n)
             self._last_regime = regime
         if self.block_guard is not None:  # planned steps, with or without a propose (a forced AR step proposes none)
             propose = batch.propose and batch.choices is not None
             # a step's tokens come from the block the step before proposed: the first step after a switch carries
             # the other regime's block (or lacks one), so only planned steps that kept the previous step's choice count
             if batch.choices is not None and not captured and propose == self._last_planned_propose:
-                n = len(batch.requests)
-                self.block_guard.record(batch.batch_size, propose, n + sum(res.num_accepted), 1e3 * seconds, n)
+                self.block_guard.record(batch.batch_size, propose, tokens, ms, n)
             # a block-only step (the source guard's) leaves its block for the next: no planned step's regime
             self._last_planned_propose = None if batch.choices is None and batch.propose else propose
         return finished
