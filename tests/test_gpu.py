@@ -530,6 +530,9 @@ def test_precaptured_graphs_serve_without_capture_and_equal_ar_tiny():
     assert got["graphs"] == len(set(grid) - seen) > 0 and got["stopped"] is None and got["grid"] == len(grid)
     sizes = {64 << i for i in range(5)}  # 64 .. 1024 = 4 slots x 256: the drafter-context catch-up graphs, unrun
     assert got["catch_up_graphs"] == len(sizes - cu_seen) and sizes <= set(eng.runner._catch_up_graphs)
+    # every graph captured so far was uploaded at capture (step, prefill and catch-up graphs): the PyTorch build
+    # links the CUDA runtime dynamically, so graph_upload finds cudaGraphUpload
+    assert got["uploaded"] == eng.runner.num_uploaded >= len(eng.runner.graphs) + len(eng.runner._catch_up_graphs)
     again = eng.precapture_graphs()
     assert set(grid) <= set(eng.runner.graphs) and again["graphs"] == 0 and again["catch_up_graphs"] == 0
     before = set(eng.runner.graphs)

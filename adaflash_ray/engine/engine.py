@@ -1391,7 +1391,8 @@ class SpecEngine:
         steps (e.g. after a warm-up run); a no-op without CUDA graphs; stops after ``max_seconds`` or at a failed
         capture (:meth:`ModelRunner.precapture`). Returns
         ``{"graphs": step graphs captured now, "grid": the shapes it covers, "catch_up_graphs": catch-up graphs
-        captured now, "seconds": wall time, "stopped": why it stopped early or None}``."""
+        captured now, "seconds": wall time, "stopped": why it stopped early or None, "uploaded": graphs of the runner
+        uploaded at capture so far (:attr:`ModelRunner.num_uploaded`: 0 where uploads are not available)}``."""
         t0 = time.perf_counter()
         grid = self.runner.graph_grid()
         n, why = self.runner.precapture(grid, max_seconds)
@@ -1400,7 +1401,7 @@ class SpecEngine:
             left = None if max_seconds is None else max(0.0, max_seconds - (time.perf_counter() - t0))
             n_cu, why = self.runner.precapture_catch_up(max_seconds=left)
         return {"graphs": n, "grid": len(grid), "catch_up_graphs": n_cu, "seconds": round(time.perf_counter() - t0, 3),
-                "stopped": why}
+                "stopped": why, "uploaded": self.runner.num_uploaded}
 
     @torch.no_grad()
     def calibrate_costs(self, batch_sizes: list[int] | None = None, context_len: int | None = None,

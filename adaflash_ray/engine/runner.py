@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from adaflash_ray.engine.device_lookup import DeviceLookup
+from adaflash_ray.engine.graph_upload import upload_graph
 from adaflash_ray.engine.request import SamplingParams
 from adaflash_ray.engine.sampling import (MAX_TOP_LOGPROBS, NEUTRAL_FLOATS, RowSampling, SamplingFlags,
                                          SlotSampling, adjust_logits, choose_tokens, match_prefix, processed_probs,
@@ -293,6 +294,7 @@ class ModelRunner:
                     target.attention_choices[key] = (report, split_k_pays(report))
                 self.attention_calibration, self.split_k = target.attention_choices[key]
         self.graphs: dict[StepKey, torch.cuda.CUDAGraph] = {}
+        self.num_uploaded = 0  # graphs uploaded at capture (step, prefill and catch-up graphs; 0 where none can be)
         # catch-up graphs per padded size: (rows buffer, positions buffer, pinned host staging [2, size], graph)
         self._catch_up_graphs: dict[int, tuple] = {}
         self._warm = False
@@ -447,6 +449,7 @@ class ModelRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):  # recorded, not run: the KV holds the eager forward's
                 static = self.target(ids_buf, pos_buf, slot_ids=slot_buf, **kw)
+            self._uploaded(graph)
             # every input buffer stays referenced here: the graph reads their addresses, not the tensors
             self._prefill_graphs[(n, span)] = (graph, ids_buf, slot_buf, pos_buf, static)
             self.prefill_captured = True
@@ -672,8 +675,14 @@ class ModelRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 self._step_fn(*key)
+            self._uploaded(graph)
             self.graphs[key] = graph
         graph.replay()
+
+    def _uploaded(self, graph: torch.cuda.CUDAGraph) -> None:
+        """Upload a graph just captured (:func:`~adaflash_ray.engine.graph_upload.upload_graph`: its first replay then
+        costs what the later ones do), counted in :attr:`num_uploaded`."""
+        self.num_uploaded += upload_graph(graph)
 
     def graph_grid(self, keys=None) -> list[StepKey]:
         """The step keys an adaptive engine may meet next: every kind of step among ``keys`` (default: the captured
@@ -718,6 +727,7 @@ class ModelRunner:
             except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # the key stays lazy, as do the ones after it
                 torch.cuda.synchronize()
                 return n, f"capture of {key} failed: {type(e).__name__}: {str(e)[:200]}"
+            self._uploaded(graph)
             self.graphs[key] = graph
             n += 1
         return n, None
@@ -933,6 +943,7 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             self._append_from_history(rows_buf, pos_buf)
+        self._uploaded(graph)
         return graph
 
     # ------------------------------------------------------------------ slots
