@@ -234,8 +234,12 @@ class DeviceLookup:
     def write_committed(self, b: int, pos: torch.Tensor, committed: torch.Tensor, accepted: torch.Tensor) -> None:
         """Step: row r (slot r, r < b) commits ``committed[r, :accepted[r] + 1]`` at positions ``pos[r] + 1 ..``
         (the anchor sits at ``pos[r]``); entries past ``accepted`` leave the history as it is. ``pos`` /
-        ``accepted`` ``[B]``, ``committed`` ``[B, W]`` int64. Graph-safe."""
+        ``accepted`` ``[B]``, ``committed`` ``[B, W]`` int64. Graph-safe. At ``W = 1`` (an AR or γ = 0 step:
+        ``accepted`` is 0) one scatter of the single token, without the masked gather of wider steps."""
         w = committed.shape[1]
+        if w == 1:
+            self.history[:b].scatter_(1, (pos[:, None] + 1).clamp(max=self.history.shape[1] - 1), committed)
+            return
         ar = torch.arange(w, device=pos.device)
         tgt = (pos[:, None] + 1 + ar).clamp(max=self.history.shape[1] - 1)  # [B, W]
         hist = self.history[:b]
