@@ -864,7 +864,8 @@ def test_source_guard_takes_the_block_alone_where_the_plan_is_slower():
 @pytest.mark.parametrize("lookup_device", ["host", "device"])
 def test_source_guard_block_only_steps_verify_the_block_and_reset(tiny_target, lookup_device):
     """While the source guard forces block-only steps every step verifies the drafter's block at the full γ (capped by
-    the tokens left) with no lookup draft (host lookups or the device's, whose stale proposals are dropped), and a
+    the tokens left) with no lookup draft (host lookups or the device's, whose stale proposals are dropped; the first
+    planned step proposed a block, so every row has one), and a
     request that fixes its own γ is never forced. A new batch keeps the back-off, a drafter reload ends it and forgets
     both regimes' records. Greedy output exact."""
     drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
@@ -927,6 +928,85 @@ def test_source_guard_back_off_has_the_prefill_propose_the_first_block(tiny_targ
     monkeypatch.setattr(eng.guard, "would_force", lambda batch_size: True)  # the next step is an AR step
     eng.generate([prompt], SamplingParams(max_new_tokens=2, ignore_eos=True))
     assert [p[1] for p in prefills] == [True, False]
+
+
+@pytest.mark.parametrize("lookup_device", ["host", "device"])
+def test_source_guard_first_block_only_step_verifies_the_lookup_where_no_block_is_pending(lookup_device):
+    """Planned steps that leave the drafter's block idle (the block guard's ``block_off``, always on here) and a
+    block-only step forced after every two of them: the block-only step's rows have no pending block, so each verifies
+    its lookup proposal - the device lookup's current one (at its length) or the host lookup's - capped by its tokens
+    left - 1 and the block's γ, instead of γ = 0 at a propose step's price; the rows with a pending block verify it at the full γ, and
+    the step still proposes the next block. On a vocab-16 cyclic target (ngram matches) such steps commit several
+    tokens per row. Greedy output exact; sampled runs complete (the lookup rows verified as a point-mass q)."""
+    target = make_tiny_target("llama", vocab_size=16, seed=1, logit_scale=3.0)
+    drafter, head = make_drafter(target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
+    eng = SpecEngine(target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=160, calibrate=False,
+                     draft_sources=("dflash", "ngram"), probe_every=4, lookup_device=lookup_device)
+    eng.planner.set_costs([1, 2], np.ones((2, 7)), np.ones((2, eng.runner.max_draft + 1)))
+    eng.guard = None  # no forced AR steps: every step is the source guard's or the planner's
+    eng._block_off = lambda batch_size, any_own: True  # the planned steps never propose the block
+    nd, forced, real = eng.runner.max_draft, [], eng._block_only
+
+    def block_only(running, batch_size, slots):
+        # before the step: per row (pending block, the lookup proposal's length where it has a current one, cap)
+        caps = [r.params.max_new_tokens - len(r.output_ids) - 1 for r in running]
+        if lookup_device == "device":
+            props = [int(eng._dev_props[s, nd]) if eng._dev_valid[s] else 0 for s in slots]
+        else:  # the host lookup's proposal now (syncing a request's index changes none of its proposals)
+            props = [len(eng._lookup(r, min(nd, c)).tokens) if c > 0 else 0 for r, c in zip(running, caps)]
+        before = [(r.dflash_expected is not None, k, c) for r, k, c in zip(running, props, caps)]
+        batch = real(running, batch_size, slots)
+        forced.append((before, batch))
+        return batch
+
+    accepted, run = [], eng._run
+
+    def run_step(batch):  # the block-only steps' accepted drafts per row
+        res = run(batch)
+        if batch.choices is None and batch.propose:
+            accepted.append(res.num_accepted)
+        return res
+
+    eng._block_only, eng._run = block_only, run_step
+    prompts = [[1, 2, 3, 4, 5], [3, 4, 5, 6]]
+
+    def drive(params: SamplingParams) -> list:  # a block-only step forced after every two planned steps
+        reqs = [eng.add_request(p, params) for p in prompts]
+        num_steps = 0
+        while eng.has_unfinished():
+            num_steps += 1
+            if num_steps % 3 == 0:
+                for bk in eng.source_guard.buckets:
+                    bk.forced_left = max(bk.forced_left, 1)
+            eng.step()
+        return reqs
+
+    reqs = drive(SamplingParams(max_new_tokens=40, ignore_eos=True))
+    assert [r.output_ids for r in reqs] == [greedy_reference(target, p, 40) for p in prompts]
+    assert len(forced) >= 8 and len(accepted) == len(forced)
+    num_lookup_rows = 0
+    for before, batch in forced:
+        assert batch.propose and batch.choices is None
+        rows = batch.lookup_rows if lookup_device == "device" else batch.host_drafts
+        for i, ((pending, k, c), g) in enumerate(zip(before, batch.draft_lens)):
+            if pending:  # its block at the full γ, capped
+                assert g == min(7, max(c, 0)) and not (rows and rows[i]), (before, batch.draft_lens)
+            elif k > 0 and c > 0:  # no block, a lookup proposal: it, at its length capped - not γ = 0
+                assert g == min(k, 7, c) > 0 and rows[i], (before, batch.draft_lens)
+                num_lookup_rows += 1
+            else:
+                assert g == 0, (before, batch.draft_lens)
+    assert num_lookup_rows >= 8 and any(p for before, _ in forced for p, _, _ in before)  # both kinds of row
+    # the block-only steps' lookup rows commit more than one token each on average (a cyclic target: the ngram
+    # drafts hold)
+    committed = [a + 1 for (_, batch), acc in zip(forced, accepted)
+                 for a, k in zip(acc, (batch.lookup_rows if lookup_device == "device" else batch.host_drafts) or ())
+                 if k]
+    assert len(committed) == num_lookup_rows and sum(committed) > 2 * len(committed), committed
+    forced.clear()
+    sampled = drive(SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=1.0, seed=7))
+    assert all(len(r.output_ids) == 30 for r in sampled)
+    assert any(rows for _, b in forced for rows in (b.lookup_rows, b.host_drafts) if rows)
 
 
 def test_source_guard_only_in_the_hybrid_and_off_by_recipe(tiny_target):

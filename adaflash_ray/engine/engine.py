@@ -235,7 +235,8 @@ class SpecEngine:
             ``propose_first``) also gets a guard over its regime (``self.source_guard``): planned steps (the
             planner's per-request sources, the lookups, the plan's host work) against block-only steps - every row
             verifies its pending drafter block at the full γ = block_size - 1 and the step proposes the next, with
-            no lookup and no plan, as the ``fixed`` policy's DFlash engine steps. Per batch bucket, where the planned
+            no plan and no lookup proposed, as the ``fixed`` policy's DFlash engine steps (a row without a pending
+            block verifies the lookup proposal it has: :meth:`_block_only`). Per batch bucket, where the planned
             steps' realised committed tokens per row per ms fall below (1 - margin) x the block-only steps', it forces
             block-only steps for a doubling back-off, then lets the planner run a trial again; a block-only reference
             run (a few steps in a row) is forced once the planned steps have a record and again every
@@ -809,13 +810,35 @@ class SpecEngine:
         return _Batch(running, gammas, spec, propose, append=propose, batch_size=batch_size, slots=slots)
 
     def _block_only(self, running: list[Request], batch_size: int, slots: list[int]) -> _Batch:
-        """A step the source guard forces: each row verifies its pending drafter block (none: γ = 0) at the full
-        γ = block_size - 1, capped by its tokens left - 1, and the step proposes the next block; no lookup, no plan
-        (the device lookup's proposals of these rows go stale: the step's result marks them so)."""
-        g = self.drafter.block_size - 1
-        lens = [max(min(g, r.params.max_new_tokens - len(r.output_ids) - 1), 0) if r.dflash_expected is not None
-                else 0 for r in running]
-        return _Batch(running, lens, True, True, append=True, batch_size=batch_size, slots=slots)
+        """A step the source guard forces: each row verifies its pending drafter block at the full γ = block_size - 1,
+        capped by its tokens left - 1, and the step proposes the next block; no plan, and the step proposes no lookup
+        drafts (the device lookup's proposals of these rows go stale: the step's result marks them so). A row without
+        a pending block (the planned steps before left the block idle, or its prefill proposed none) verifies its
+        lookup proposal instead where it has one - the device lookup's current proposal (``_dev_valid``) or the host
+        lookup's, at its length capped likewise (so the step keeps the block's verify width), as a point-mass q
+        (lossless as in a planned step) - else γ = 0: the first step of a block-only stretch then commits what the
+        lookup drafts give, not one token per row at a propose step's price."""
+        g, n = self.drafter.block_size - 1, len(running)
+        # per request the largest γ its budget and the block leave: min(block_size - 1, max(r.remaining - 1, 0))
+        caps = [min(g, c) if (c := r.params.max_new_tokens - len(r.output_ids) - 1) > 0 else 0 for r in running]
+        lens = [c if r.dflash_expected is not None else 0 for r, c in zip(running, caps)]
+        idle = [i for i, r in enumerate(running) if r.dflash_expected is None and caps[i]]  # rows without a block
+        rows = host = None
+        if idle and self.lookup_on_device:  # the proposals the step before made, still on the device
+            idx = [slots[i] for i in idle]
+            length = np.where(self._dev_valid[idx], self._dev_props[idx, self.runner.max_draft], 0).tolist()
+            rows = [False] * n
+            for i, k in zip(idle, length):
+                if k > 0:
+                    lens[i], rows[i] = min(k, caps[i]), True
+        elif idle:  # the host lookup, for these rows only
+            host = [None] * n
+            for i in idle:
+                if toks := self._lookup(running[i], caps[i]).tokens:
+                    lens[i], host[i] = len(toks), toks
+        return _Batch(running, lens, True, True, append=True, batch_size=batch_size, slots=slots,
+                      host_drafts=host if host is not None and host.count(None) != n else None,
+                      lookup_rows=rows if rows is not None and any(rows) else None)
 
     def _running_state(self) -> _Running:
         """The running batch's requests, slots and fixed γ, read again only after the scheduler's batch changed
@@ -843,7 +866,7 @@ class SpecEngine:
             slots = list(map(_slot_of, running))
         if fixed is None:
             fixed = [r.params.draft_len for r in running]
-        # per request the largest γ its budget leaves: max(r.remaining - 1, 0)
+        # per request the largest γ its budget and the block leave: min(block_size - 1, max(r.remaining - 1, 0))
         caps = [c if (c := r.params.max_new_tokens - len(r.output_ids) - 1) > 0 else 0 for r in running]
         n = len(running)
         proposals = [None] * n
@@ -1102,8 +1125,10 @@ class SpecEngine:
                     lazy = True
             elif batch.choices is not None:
                 sources = [c.source if g else "none" for c, g in zip(batch.choices, lens)]
-            else:
-                sources = ["dflash" if g else "none" for g in lens]
+            else:  # the block; in a block-only step a row without one may verify its lookup proposal (_block_only)
+                look = batch.lookup_rows or batch.host_drafts
+                sources = ["dflash" if g else "none" for g in lens] if look is None else \
+                    [(planner.lookup if k else "dflash") if g else "none" for g, k in zip(lens, look)]
             if not lazy and self._ar_run is not None:
                 self.flush_records()
             self.stats.record_steps(lens, acc, sources)
