@@ -866,7 +866,7 @@ class SpecEngine:
             slots = list(map(_slot_of, running))
         if fixed is None:
             fixed = [r.params.draft_len for r in running]
-        # per request the largest γ its budget and the block leave: min(block_size - 1, max(r.remaining - 1, 0))
+        # per request the largest γ its budget leaves: max(r.remaining - 1, 0)
         caps = [c if (c := r.params.max_new_tokens - len(r.output_ids) - 1) > 0 else 0 for r in running]
         n = len(running)
         proposals = [None] * n
