@@ -24,6 +24,37 @@ def test_cudart_paths_picks_each_runtime_library_once():
     assert cudart_paths("7f00ad000000-7f00ad001000 rw-p 00000000 00:00 0\n") == []
 
 
+
+def test_cudart_paths_keeps_spaces_drops_deleted_and_puts_torchs_major_first():
+    """A path with spaces is the line's sixth field to its end; a deleted library's mapping is left out; with two
+    runtimes mapped, the one of PyTorch's CUDA major version comes first (the handles are that runtime's)."""
+    maps = (
+        "7f00ab000000-7f00ab100000 r-xp 00000000 08:01 456 /home/a b/venv/nvidia/lib/libcudart.so.12\n"
+        "7f00ac000000-7f00ac100000 r-xp 00000000 08:01 457 /opt/old/lib/libcudart.so.11.0 (deleted)\n"
+        "7f00ad000000-7f00ad100000 r-xp 00000000 08:01 458 /opt/cupy/lib/libcudart.so.11.0\n"
+    )
+    spaced, other = "/home/a b/venv/nvidia/lib/libcudart.so.12", "/opt/cupy/lib/libcudart.so.11.0"
+    assert cudart_paths(maps) == [spaced, other]
+    assert cudart_paths(maps, "11.8") == [other, spaced] and cudart_paths(maps, "12.8") == [spaced, other]
+    # a major version's prefix is not another's: 1 is not 12
+    assert cudart_paths(maps, "1.0") == cudart_paths(maps)
+
+
+def test_upload_of_a_graph_without_an_executable_returns_false(monkeypatch):
+    """A graph captured with keep_graph=True has no executable graph until instantiated (PyTorch raises on
+    raw_cuda_graph_exec): the upload returns False instead of failing the capture that succeeded."""
+    class KeptGraph:
+        def raw_cuda_graph_exec(self):
+            raise RuntimeError("You cannot access raw cudaGraphExec_t instance until instantiate() has been called")
+
+    def fake_upload(exec_ptr, stream):
+        raise AssertionError("nothing to upload")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(graph_upload, "_upload_fn", lambda: fake_upload)
+    monkeypatch.setattr(graph_upload, "_refused", False)
+    assert upload_graph(KeptGraph()) is False and graph_upload._refused is False
+
 def test_upload_is_a_no_op_without_cuda(monkeypatch):
     if torch.cuda.is_available():
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -2031,3 +2031,62 @@ def test_recipe_propose_first_reaches_the_hybrid_engines_only(tiny_target):
                        ([], "engine.propose_first needs the hybrid")):
         with pytest.raises((RecipeError, ValueError), match=match):
             load_recipe("recipes/cpu_tiny.yaml", ["engine.propose_first=true", *bad])
+
+
+
+@pytest.mark.parametrize("lookup_device", ["host", "device"])
+def test_random_block_only_steps_keep_greedy_output(lookup_device):
+    """Block-only steps forced at random among planned steps that leave the block idle at random (so block-only rows
+    without a pending block verify their lookup proposal), over random batches: ngram and suffix lookups, budgets of
+    1-3 tokens and longer, stop tokens, requests with their own γ, admissions mid-run, aborts, drafter reloads, and
+    slots kept apart (no compaction: rows are not slots 0..n-1). Greedy output equals the target's (an aborted
+    request's is a prefix of it) and each request's per-step records agree (γ 0 exactly where the source is none)."""
+    target = make_tiny_target("llama", vocab_size=16, seed=1, logit_scale=3.0)
+    drafter, head = make_drafter(target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
+    num_lookup_rows = 0
+    for seed in range(10):
+        rng = np.random.default_rng(seed)
+        eng = SpecEngine(target, drafter, head, policy="cost", max_batch_size=4, max_seq_len=96, calibrate=False,
+                         draft_sources=("dflash", ("ngram", "suffix")[seed % 2]), probe_every=4,
+                         lookup_device=lookup_device, compact_slots=seed % 3 != 0, defer_first_block=seed % 4 == 1)
+        eng.planner.set_costs([1, 2, 4], np.ones((3, 7)), np.ones((3, eng.runner.max_draft + 1)))
+        eng.source_guard.force_ar = eng.source_guard.would_force = lambda batch_size: rng.random() < 0.35
+        eng._block_off = lambda batch_size, any_own: rng.random() < 0.9
+        real = eng._block_only
+
+        def block_only(running, batch_size, slots):
+            nonlocal num_lookup_rows
+            batch = real(running, batch_size, slots)
+            num_lookup_rows += sum(map(bool, batch.lookup_rows or batch.host_drafts or ()))
+            return batch
+
+        eng._block_only = block_only
+        reqs, aborted = [], set()
+
+        def add():
+            prompt = rng.integers(0, 16, int(rng.integers(2, 7))).tolist()
+            n = int(rng.choice([1, 2, 3, int(rng.integers(4, 30))]))
+            stop = [int(rng.integers(16))] if rng.random() < 0.3 else []
+            own = [None] * 30 + [2]  # a request's own γ keeps the guard off its steps: rare
+            params = SamplingParams(max_new_tokens=n, ignore_eos=True, stop_token_ids=stop or None,
+                                    draft_len=own[int(rng.integers(len(own)))])
+            reqs.append((eng.add_request(prompt, params), greedy_reference(target, prompt, n, set(stop))))
+
+        for _ in range(int(rng.integers(2, 5))):
+            add()
+        while eng.has_unfinished():
+            if rng.random() < 0.1 and len(reqs) < 10:
+                add()
+            if rng.random() < 0.03 and eng.scheduler.running:
+                req = eng.scheduler.running[int(rng.integers(len(eng.scheduler.running)))]
+                eng.abort(req)
+                aborted.add(id(req))
+            if rng.random() < 0.03:
+                eng.load_drafter(eng.drafter_tensors(), version=eng.drafter_version + 1)
+            eng.step()
+        for req, ref in reqs:
+            out = req.output_ids
+            assert out == (ref[:len(out)] if id(req) in aborted else ref), (seed, req.params, out, ref)
+            assert len(req.draft_lens) == len(req.num_accepted) == len(req.step_sources)
+            assert all((g == 0) == (s == "none") for g, s in zip(req.draft_lens, req.step_sources))
+    assert num_lookup_rows >= 4, num_lookup_rows

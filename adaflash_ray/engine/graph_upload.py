@@ -26,15 +26,25 @@ import torch
 __all__ = ["cudart_paths", "upload_graph"]
 
 
-def cudart_paths(maps_text: str) -> list[str]:
+def cudart_paths(maps_text: str, cuda_version: str | None = None) -> list[str]:
     """The CUDA runtime libraries (``libcudart.so*``) mapped in a process, from the text of its ``/proc/<pid>/maps``:
-    absolute paths, sorted, each once."""
+    absolute paths (spaces kept: the path is the line's sixth field to its end), each once; a mapping whose file was
+    deleted (`` (deleted)``: the path no longer names the mapped library) is left out. Sorted, those of the CUDA major
+    version ``cuda_version`` names (e.g. ``torch.version.cuda``, ``"12.8"``: ``libcudart.so.12*``) first."""
     out = set()
     for line in maps_text.splitlines():
-        parts = line.split()
-        if len(parts) >= 6 and parts[-1].startswith("/") and "/libcudart.so" in parts[-1]:
-            out.add(parts[-1])
-    return sorted(out)
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6 or not parts[5].startswith("/") or parts[5].endswith(" (deleted)"):
+            continue
+        path = parts[5].rstrip()
+        if os.path.basename(path).startswith("libcudart.so"):
+            out.add(path)
+    major = f"libcudart.so.{cuda_version.split('.')[0]}" if cuda_version else None
+
+    def own_version_first(path: str) -> tuple[bool, str]:
+        name = os.path.basename(path)
+        return not (major is not None and (name == major or name.startswith(major + "."))), path
+    return sorted(out, key=own_version_first)
 
 
 @functools.lru_cache(maxsize=1)
@@ -44,7 +54,7 @@ def _upload_fn():
         return None
     try:
         with open("/proc/self/maps") as f:
-            paths = cudart_paths(f.read())
+            paths = cudart_paths(f.read(), torch.version.cuda)
     except OSError:
         return None
     for path in paths:
@@ -71,7 +81,11 @@ def upload_graph(graph: torch.cuda.CUDAGraph) -> bool:
     fn = _upload_fn() if on and torch.cuda.is_available() and not _refused else None
     if fn is None:
         return False
-    err = fn(ctypes.c_void_p(graph.raw_cuda_graph_exec()), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+    try:  # a graph not instantiated (captured with keep_graph=True) has no executable graph yet: nothing to upload
+        exec_ptr = graph.raw_cuda_graph_exec()
+    except RuntimeError:
+        return False
+    err = fn(ctypes.c_void_p(exec_ptr), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
     if err != 0:
         _refused = True
         warnings.warn(f"cudaGraphUpload returned CUDA error {err}: graphs upload at their first launch from now on",
