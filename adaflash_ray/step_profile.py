@@ -4,7 +4,8 @@
 runs: its graphs are captured):
 
 1. **phases**: per decode step its kind (``ar`` / ``gamma0`` / ``probe`` / ``draft``, :data:`~adaflash_ray.engine.stats.
-   STEP_KINDS`) and the shape the device ran (rows x verify width), its wall time split into ``admit``
+   STEP_KINDS`; a hybrid's drafting steps under its source guard also say ``:planned`` or ``:block-only``) and the
+   shape the device ran (rows x verify width), its wall time split into ``admit``
    (``SpecEngine._admit``: admission and prefills), ``schedule``
    (``SpecEngine._schedule``: policy, planner), ``launch`` (host time inside ``ModelRunner._run``: a CUDA graph's
    replay call, or the eager forward on CPU; on CUDA after ``pre_launch_wait``: a ``torch.cuda.synchronize()`` just
@@ -84,7 +85,11 @@ def _phase_run(eng: SpecEngine, prompts: list[list[int]], sp: SamplingParams, mo
         wall = time.perf_counter() - t0
         grown = [kind for kind, v in eng.stats.kind_steps.items() if v > before.get(kind, 0)]
         if grown:  # a decode step ran (not only admission)
-            steps.append({**cur, "shape": runner.step_shape, "wall": wall, "kind": grown[0]})
+            kind = grown[0]
+            if kind in ("probe", "draft") and getattr(eng, "source_guard", None) is not None:
+                # the source guard's regime of this drafting step (SpecEngine sets it as the step ends)
+                kind += ":planned" if eng._last_regime else ":block-only"
+            steps.append({**cur, "shape": runner.step_shape, "wall": wall, "kind": kind})
         return out
 
     eng.step, eng._admit = step, timed("admit", orig_admit)

@@ -1881,7 +1881,7 @@ def test_step_profile_accounts_every_decode_step(tiny_target):
     for key, p in phases.items():
         kind, shape = key.split(" ")
         rows, width = map(int, shape.split("x"))
-        assert kind in ("ar", "gamma0", "probe", "draft") and 1 <= rows <= 2 and 1 <= width <= 16
+        assert kind in ("ar", "gamma0", "probe", "draft") and 1 <= rows <= 2 and 1 <= width <= 16  # no regime label
         assert 0 < p["device"] <= p["wall"] and p["launch"] == pytest.approx(p["device"], abs=1e-3)  # CPU: eager
         assert p["other"] >= -1e-3 and p["wall"] == pytest.approx(sum(p[k] for k in PHASES), abs=1e-3)
     assert any(k.startswith("draft") for k in phases)
@@ -1914,6 +1914,34 @@ def test_step_profile_gives_back_the_callers_own_wrappers(tiny_target):
         _phase_run(engine, _prompts(), SamplingParams(max_new_tokens=6), "spec")
     assert engine._postprocess is broken and engine.runner.step is mine and "_run" not in vars(engine.runner)
     assert not {"step", "_admit", "_schedule"} & set(vars(engine))
+
+
+def test_step_profile_labels_the_source_guards_regimes():
+    """step_profile's phase run splits a hybrid's drafting steps under its source guard into ``:planned`` and
+    ``:block-only`` (the guard forced here on every third step, the AR guard kept out): every drafting step is counted
+    once under its own regime, and the label agrees with what the engine's step ran (a plan or not)."""
+    from adaflash_ray.step_profile import _phase_run
+    target, prompt, eng = _cyclic_hybrid(60)
+    eng.guard.force_ar = eng.guard.would_force = lambda b: False
+    n = [0]
+
+    def force(b):
+        n[0] += 1
+        return n[0] % 3 == 0
+    eng.source_guard.force_ar = force
+    eng.source_guard.would_force = lambda b: (n[0] + 1) % 3 == 0
+    planned, real = [], eng._run
+
+    def run(batch):
+        if batch.spec and (any(batch.draft_lens) or batch.propose):
+            planned.append(batch.choices is not None)
+        return real(batch)
+    eng._run = run
+    doc = _phase_run(eng, [prompt], SamplingParams(max_new_tokens=40), "spec")
+    counts = {label: sum(p["count"] for k, p in doc.items() if k.split(" ")[0].endswith(label))
+              for label in (":planned", ":block-only")}
+    assert counts[":planned"] == planned.count(True) > 0 and counts[":block-only"] == planned.count(False) > 0
+    assert all(k.split(" ")[0].split(":")[0] in ("ar", "gamma0", "probe", "draft") for k in doc)
 
 
 def test_propose_first_greedy_lossless_and_proposes_only_for_its_own_verify(tiny_target):
