@@ -274,13 +274,18 @@ EOF
     # BENCH_METHODS / BENCH_CONC / BENCH_REPEATS replace the methods, the concurrencies (each its own call of
     # BENCH_TIMEOUT s: 8 prompts per domain at 1, 16 at 8, as many as the concurrency above) and the timed repeats
     read -r -a m <<< "${BENCH_METHODS:-${m[*]}}"
+    # BENCH_DOMAINS (default "code chat"; "all" = the four domains' held-out prompts pooled, for 128 / 256),
+    # BENCH_TEMPERATURE (default 0) and BENCH_TAG (a suffix of the output names) name other cells
+    read -r -a dom <<< "${BENCH_DOMAINS:-code chat}"
     for c in ${BENCH_CONC:-1 64}; do
       n=$c; [ "$c" = 1 ] && n=8; [ "$c" = 8 ] && n=16
+      o="$OUT/bench_c$c${BENCH_TAG:-}"
       timeout "${BENCH_TIMEOUT:-170}" python3 -m adaflash_ray.bench --recipe "$recipe" --drafter "$ck" \
-        --methods "${m[@]}" --concurrency "$c" --domains code chat --num-prompts "$n" --repeats "${BENCH_REPEATS:-1}" \
-        --max-new-tokens 256 --out "$OUT/bench_c$c.json" --plot "$OUT/bench_c$c.png" > "$OUT/bench_c$c.log" 2>&1
-      echo "bench c$c: rc $?"
-      tail -12 "$OUT/bench_c$c.log"
+        --methods "${m[@]}" --concurrency "$c" --domains "${dom[@]}" --num-prompts "$n" \
+        --repeats "${BENCH_REPEATS:-1}" --temperature "${BENCH_TEMPERATURE:-0}" --max-new-tokens 256 \
+        --out "$o.json" --plot "$o.png" > "$o.log" 2>&1
+      echo "bench c$c${BENCH_TAG:-}: rc $?"
+      tail -12 "$o.log"
     done
     if [ -n "${WEIGHT_SYNC:-}" ]; then
       timeout 150 python3 -m adaflash_ray.bench --weight-sync --shape qwen3-8b --sync-layers 1 2 3 4 5 \
