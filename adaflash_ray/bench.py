@@ -75,6 +75,7 @@ from adaflash_ray.engine import SamplingParams, SpecEngine
 from adaflash_ray.engine import SpecStats
 from adaflash_ray.engine.engine import request_headroom
 from adaflash_ray.engine.length_policy import LENGTH_POLICIES, FixedLength
+from adaflash_ray.engine.sim_clock import SimClock, load_cost_table
 from adaflash_ray.models.factory import build_drafter, load_target
 from adaflash_ray.shapes import bench_shape
 
@@ -258,11 +259,11 @@ def _run_engine(engine: SpecEngine, prompts, max_new: int, mode: str, device: st
     seconds)."""
     engine.stats = SpecStats()
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = engine.clock()  # time.perf_counter, or a SimClock's simulated seconds (``--sim-costs``)
     reqs = engine.generate(prompts, SamplingParams(max_new_tokens=max_new, temperature=temperature), mode=mode,
                            admit_min=admit_min)
     _sync(device)
-    return reqs, time.perf_counter() - t0
+    return reqs, engine.clock() - t0
 
 
 def request_spread(reqs, spec: bool) -> dict:
@@ -323,7 +324,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
           domains: list[str], num_prompts: int, max_new_tokens: int, warmup: str,
           engine_kwargs: dict | None = None, log=print, repeats: int = 1, corpus_prompts: int | None = None,
           temperature: float = 0.0, admit_min: int = 1, precapture: bool = True,
-          profile_dir: str | None = None) -> dict:
+          profile_dir: str | None = None, sim_costs: str | None = None, sim_host_scale: float = 1.0) -> dict:
     """Run every method per (domain, concurrency) on the recipe's target; returns the JSON document.
 
     ``precapture`` (CUDA graphs only): after a cell's warm-up passes every engine captures the step graphs of every
@@ -349,6 +350,13 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
     each engine method runs each cell's requests again under
     :func:`adaflash_ray.step_profile.profile_run` (host phases and device time by step kind and shape, kernels,
     cProfile), written to ``<profile_dir>/<domain>_c<concurrency>_<method>.json`` (not in the rows).
+
+    ``sim_costs``: a GPU bench JSON (or a file of one cost table): every engine runs on a
+    :class:`~adaflash_ray.engine.sim_clock.SimClock` of that run's cost table at the same concurrency (no calibration
+    here; the ``cost`` policy and the planner get that table), its host work between device calls counted at
+    ``sim_host_scale`` x its real time - tokens/s and step ms are then simulated GPU figures over this machine's real
+    decoding (acceptance exact, prices modelled: a tool to compare policies, not a timing). The document's
+    ``sim_clock`` says so.
 
     Raises:
         ValueError / RecipeError / CheckpointError (a ValueError) / MissingDataPackageError: user errors.
@@ -388,8 +396,10 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
         max_seq_len = -(-(longest + max_new_tokens + headroom) // 64) * 64
     seeds: dict[str, list[list[int]]] = {}  # domain -> prompt + AR output of each spare prompt
     rows = []
+    sims: dict[str, dict] = {}  # concurrency -> the SimClock settings used (sim_costs)
     for conc in concurrency:
         engines: dict[str, SpecEngine] = {}
+        table = load_cost_table(sim_costs, conc) if sim_costs else None
         to_profile = []  # (method, domain, prompts, seeds): profiled once every timed run of this concurrency is done
 
         def engine_for(method: str) -> SpecEngine:
@@ -415,10 +425,14 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                     extra["propose_first"] = v.endswith(PROPOSE_FIRST)
                     if extra["propose_first"] and "lookup_device" not in (engine_kwargs or {}):
                         extra["lookup_device"] = "device"  # its lookups on the device (CPU too)
+                if table is not None:
+                    extra["calibrate"] = False  # the GPU's table, set by the SimClock
                 eng = SpecEngine.from_config(cfg, models=(target, None if method in NO_DRAFTER else drafter,
                                                           heads.get(policy) if method not in NO_DRAFTER else None),
                                              policy=policy, max_batch_size=conc, max_seq_len=max_seq_len,
                                              **extra, **(engine_kwargs or {}))
+                if table is not None:
+                    sims[str(conc)] = SimClock(table, host_scale=sim_host_scale).install(eng).describe()
                 if v.endswith(TABLE_COST):
                     eng.planner.realised_costs = False
                 if warmup == "short":  # allocator and first-call costs: untimed
@@ -546,7 +560,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
             "threads": cfg.engine.num_threads, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens,
             "max_seq_len": max_seq_len, "warmup": warmup, "admit_min": admit_min, "precapture": precapture,
             "engine_kwargs": engine_kwargs or {},
-            "temperature": temperature,
+            "temperature": temperature, **({"sim_clock": sims} if sim_costs else {}),
             "tau_convention": TAU_CONVENTION,
             "domains": {d: DOMAINS.get(d, "+".join(DOMAINS.values())) for d in domains}, "rows": rows}
 
@@ -756,6 +770,13 @@ def _parser() -> argparse.ArgumentParser:
                         "requests (host phases and device time by step kind and shape, kernels, cProfile: "
                         "adaflash_ray.step_profile) into DIR/<domain>_c<concurrency>_<method>.json")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="matplotlib PNG of the results")
+    p.add_argument("--sim-costs", default=None, metavar="BENCH.json",
+                   help="simulated GPU clock: price every step by the cost table of this GPU bench JSON at the same "
+                        "concurrency (adaflash_ray.engine.sim_clock), decoding for real here - compares policies at "
+                        "GPU prices; defaults the engine options to the CUDA ones (device lookups, deferred first "
+                        "block, prefill buckets)")
+    p.add_argument("--sim-host-scale", type=float, default=1.0,
+                   help="with --sim-costs: factor on this machine's host time between device calls (0 = free)")
     g = p.add_argument_group("shape mode (random weights: timings only, no acceptance)")
     g.add_argument("--shape", default=None, help="qwen3-8b | smollm2-135m | tiny")
     g.add_argument("--device", default=None, help="shape mode device (default cuda if available, else cpu)")
@@ -855,6 +876,8 @@ def main(argv: list[str] | None = None) -> int:
                         max_new_tokens=ns.max_new_tokens,
                         warmup=ns.warmup or ("repeat" if on_cuda else "short"),
                         engine_kwargs={**({"use_cuda_graph": False} if ns.eager else {}),
+                                       **({"lookup_device": "device", "prefill_buckets": True,
+                                           "defer_first_block": True} if ns.sim_costs else {}),  # CUDA's defaults
                                        **({"lookup_device": ns.lookup_device} if ns.lookup_device != "auto" else {}),
                                        **({"prefill_buckets": ns.prefill_buckets}
                                           if ns.prefill_buckets is not None else {}),
@@ -862,7 +885,8 @@ def main(argv: list[str] | None = None) -> int:
                                           if ns.defer_first_block is not None else {})}
                         or None, log=log,
                         repeats=ns.repeats, corpus_prompts=ns.corpus_prompts, temperature=ns.temperature,
-                        admit_min=ns.admit_min, precapture=not ns.no_precapture, profile_dir=ns.profile)
+                        admit_min=ns.admit_min, precapture=not ns.no_precapture, profile_dir=ns.profile,
+                        sim_costs=ns.sim_costs, sim_host_scale=ns.sim_host_scale)
     except (RecipeError, ValueError, MissingDataPackageError) as e:  # incl. ShapeError, CheckpointError
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1490,21 +1490,53 @@ class SpecEngine:
                 pol.batch_sizes, pol.costs, pol.ar_costs = before
                 runner.reset_graphs()  # the timing steps' graphs read the provisional tensors
                 raise
-        rows = monotone_costs(torch.tensor(rows)).tolist()
-        # the timing steps' graphs read the provisional table: they go, and come back with this one
-        pol.set_costs(list(batch_sizes), torch.tensor(rows), torch.tensor(ar_rows))
-        if self.planner is not None:  # lookup-only steps: the lookup table; without a lookup source, AR and spec only
-            lookup_rows = monotone_costs(torch.tensor(lookup_rows)).tolist() if lookup_rows else \
-                [[a] + r + [r[-1]] * (runner.max_draft + 1 - bs) for a, r in zip(ar_rows, rows)]
-            self.planner.set_costs(list(batch_sizes), rows, lookup_rows)
-        runner.reset_graphs()
+        table = {"batch_sizes": list(batch_sizes), "costs_ms": rows, "ar_costs_ms": ar_rows, "context_len": ctx}
+        if lookup_rows:
+            table["lookup_costs_ms"] = lookup_rows
+        # the timing steps' graphs read the provisional table: set_cost_table drops them
+        table = self.set_cost_table(table)
         if runner.is_cuda:  # the timing graphs' memory: back to the device for the engines beside this one
             torch.cuda.empty_cache()
-        self.cost_table = {"batch_sizes": list(batch_sizes), "costs_ms": rows, "ar_costs_ms": ar_rows,
-                           "context_len": ctx}
+        return table
+
+    def set_cost_table(self, table: dict) -> dict:
+        """Hand a step cost table to the ``cost`` policy, the planner and the guards, as :meth:`calibrate_costs` does
+        with the one it measures - e.g. a table measured on another machine (``adaflash_ray.engine.sim_clock``).
+
+        ``table``: ``{"batch_sizes": [nb] strictly increasing ints in [1, max_batch_size], "costs_ms": [nb][bs-1]
+        (a step verifying γ = 1..bs-1 drafts that proposes the next block), "ar_costs_ms": [nb] (an AR step),
+        "context_len": int, optional "lookup_costs_ms": [nb][max_draft + 1] (a step of width 1..max_draft + 1
+        without a propose; the planner's lookup table)}``, milliseconds. Each row of ``costs_ms`` and
+        ``lookup_costs_ms`` goes through :func:`monotone_costs`; without ``lookup_costs_ms`` the planner's lookup
+        table is the AR cost then the spec row (flat past the block). The captured step graphs are dropped (they
+        read the old table). Returns the table as set (also ``self.cost_table``).
+        Raises:
+            ValueError: the policy is not ``cost``, a batch size is outside [1, max_batch_size], or a shape or a cost
+                is wrong (the policy's and the planner's ``set_costs``)."""
+        if not isinstance(self.policy, CostLength):
+            raise ValueError(f"set_cost_table needs the cost policy, not {getattr(self.policy, 'name', None)!r}")
+        runner, bs = self.runner, self.drafter.block_size
+        try:
+            batch_sizes = [int(b) for b in table["batch_sizes"]]
+            rows = monotone_costs(torch.tensor(table["costs_ms"])).tolist()
+            ar_rows = [float(a) for a in table["ar_costs_ms"]]
+            lookup_rows = table.get("lookup_costs_ms")
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"a cost table needs batch_sizes, costs_ms and ar_costs_ms: {e!r}") from e
+        if not batch_sizes or min(batch_sizes) < 1 or max(batch_sizes) > runner.num_slots:
+            raise ValueError(f"cost table batch sizes {batch_sizes} must lie in [1, {runner.num_slots}] "
+                             f"(max_batch_size)")
+        self.policy.set_costs(batch_sizes, torch.tensor(rows), torch.tensor(ar_rows))
+        if self.planner is not None:  # lookup-only steps: the lookup table; without a lookup source, AR and spec only
+            lookup_rows = monotone_costs(torch.tensor(lookup_rows)).tolist() if lookup_rows \
+                else [[a] + r + [r[-1]] * (runner.max_draft + 1 - bs) for a, r in zip(ar_rows, rows)]
+            self.planner.set_costs(batch_sizes, rows, lookup_rows)
+        runner.reset_graphs()
+        self.cost_table = {"batch_sizes": batch_sizes, "costs_ms": rows, "ar_costs_ms": ar_rows,
+                           "context_len": table.get("context_len")}
         for guard in (self.guard, self.block_guard, self.source_guard):  # the guards' buckets: the table's batch sizes
             if guard is not None:
-                guard.set_buckets(list(batch_sizes))
+                guard.set_buckets(batch_sizes)
         if self.planner is not None:
             self.cost_table["lookup_costs_ms"] = lookup_rows
         return self.cost_table
