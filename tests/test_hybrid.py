@@ -2118,3 +2118,46 @@ def test_random_block_only_steps_keep_greedy_output(lookup_device):
             assert len(req.draft_lens) == len(req.num_accepted) == len(req.step_sources)
             assert all((g == 0) == (s == "none") for g, s in zip(req.draft_lens, req.step_sources))
     assert num_lookup_rows >= 4, num_lookup_rows
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_block_only_stretch_skips_the_acceptance_head_until_its_last_step(tiny_target, skip, monkeypatch):
+    """While the source guard forces block-only steps and the next step will be forced too, a step proposes its block
+    without the acceptance head (the next step verifies it at the full γ whatever the head says); the stretch's last
+    step computes it again, so the planned step after it has the blocks' own estimates. The output is the target's
+    greedy either way; ``ADAFLASH_BLOCK_ONLY_HEAD=1`` (``skip_block_only_estimates`` False) computes the head on every
+    block-only step."""
+    if not skip:
+        monkeypatch.setenv("ADAFLASH_BLOCK_ONLY_HEAD", "1")
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
+    eng = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=200, calibrate=False,
+                     draft_sources=("dflash", "ngram"), probe_every=4)
+    eng.guard = None  # no forced AR steps: every step is the source guard's or the planner's
+    assert eng.skip_block_only_estimates == skip
+    calls, real = [], eng.runner.expected_fn
+
+    def counted(hidden, logits):
+        calls.append(eng.stats.num_engine_steps)
+        return real(hidden, logits)
+
+    eng.runner.expected_fn = counted
+    prompts = _prompts(2)
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in prompts]
+    eng.step()  # admission and the first (planned) step
+    stretch = 6
+    for bk in eng.source_guard.buckets:
+        bk.forced_left = stretch
+    calls.clear()
+    first = eng.stats.num_engine_steps
+    for _ in range(stretch + 1):  # the stretch, then one planned step
+        eng.step()
+    forced = [s - first for s in calls]
+    assert eng.stats.num_source_guard_steps >= stretch
+    if skip:  # only the stretch's last block-only step (index stretch - 1) and the planned step after it
+        assert forced == [stretch - 1, stretch], forced
+        assert all(r.dflash_expected is not None for r in reqs)
+    else:
+        assert forced == list(range(stretch + 1)), forced
+    while eng.has_unfinished():
+        eng.step()
+    assert [r.output_ids for r in reqs] == [greedy_reference(tiny_target, p, 40) for p in prompts]

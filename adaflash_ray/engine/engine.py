@@ -162,6 +162,10 @@ class _Batch(NamedTuple):
     batch_size: int = 0  # max(slot) + 1 (the cost table's and the throughput guard's batch size)
     blocks: bool = False  # some row has a pending drafter block (the planner scores it on other sources' steps)
     slots: list[int] | None = None  # the requests' KV slots, host ints (None: read from the requests)
+    # with propose: the step computes its new blocks' E[committed | γ] (False: a block-only step whose next step is
+    # block-only too - it verifies them at the full γ - skips the acceptance head; the rows' pending blocks then carry
+    # the planner's recent estimate, SpecEngine._pending_estimate)
+    expected: bool = True
 
 
 def _confidence_kernel_ok(target) -> bool:
@@ -436,6 +440,10 @@ class SpecEngine:
             and self.planner.lookup is not None and not self.propose_first
         self.source_guard = ThroughputGuard(_buckets(max_batch_size)) if source_on else None
         self._last_regime: bool | None = None  # the source guard's previous drafting step: True planned, False not
+        # a block-only step whose next step is forced block-only too skips the acceptance head (its blocks are
+        # verified at the full γ whatever it says): such a stretch then costs what the drafter alone does
+        # (ADAFLASH_BLOCK_ONLY_HEAD=1: the head on every block-only step, for an A/B on the GPU)
+        self.skip_block_only_estimates = os.environ.get("ADAFLASH_BLOCK_ONLY_HEAD", "0") != "1"
         if makespan_guard and self.guard is None:
             raise ValueError("makespan_guard needs the throughput guard (the cost policy, alone or in the hybrid, with "
                              "throughput_guard and ar_steps on): its step costs come from that guard")
@@ -836,9 +844,23 @@ class SpecEngine:
             for i in idle:
                 if toks := self._lookup(running[i], caps[i]).tokens:
                     lens[i], host[i] = len(toks), toks
+        # the next step forced too (same bucket): it verifies these blocks at the full γ, so no estimate is needed
+        expected = not (self.skip_block_only_estimates and self.source_guard.would_force(batch_size))
         return _Batch(running, lens, True, True, append=True, batch_size=batch_size, slots=slots,
                       host_drafts=host if host is not None and host.count(None) != n else None,
-                      lookup_rows=rows if rows is not None and any(rows) else None)
+                      lookup_rows=rows if rows is not None and any(rows) else None, expected=expected)
+
+    def _pending_estimate(self) -> list[float]:
+        """E[committed | γ] for γ = 1..bs-1 that a block proposed without the acceptance head carries (a block-only
+        step's, :meth:`_block_only`): the planner's moving average of its recent blocks' estimates
+        (``HybridPlanner._block_est``), or 1.0 for every γ (nothing accepted) before it has one. Only read if the
+        forced stretch ends sooner than foreseen (a batch-size bucket change, a new batch, a reload) and a planned
+        step meets the block."""
+        bs = self.drafter.block_size
+        est = self.planner._block_est
+        if est is None:
+            return [1.0] * (bs - 1)
+        return [1.0 + est[min(g, len(est) - 1)] for g in range(1, bs)]
 
     def _running_state(self) -> _Running:
         """The running batch's requests, slots and fixed γ, read again only after the scheduler's batch changed
@@ -1077,7 +1099,8 @@ class SpecEngine:
                                 [len(r.prompt_ids) + len(r.output_ids) - 1 for r in reqs], batch.draft_lens, batch.spec,
                                 batch.propose, batch.host_drafts, batch.append, batch.lookup_rows, batch.lookup,
                                 block_match=batch.blocks, propose_first=batch.propose_first,
-                                overlap=self._flush_planner_record if self._planner_record is not None else None)
+                                overlap=self._flush_planner_record if self._planner_record is not None else None,
+                                **({} if batch.expected else {"expected": False}))
 
     def _flush_planner_record(self) -> None:
         """Run the last planned step's deferred planner record, if any (:meth:`HybridPlanner.record_later`)."""
@@ -1140,11 +1163,13 @@ class SpecEngine:
         if batch.propose_first and res.expected is not None:  # the blocks this step proposed and verified
             planner.note_fresh_blocks(res.expected)
         new_blocks = res.expected if batch.propose else None  # each request's next pending block (planner)
+        if planner is not None and batch.propose and not batch.expected:  # proposed without the head's estimates
+            new_blocks = [self._pending_estimate()] * n
         # the rows' pending blocks are written unless they are None already and stay None
         set_blocks = planner is not None and (new_blocks is not None or self._any_block)
         if set_blocks and new_blocks is None:
             new_blocks = [None] * n
-        self._any_block = set_blocks and res.expected is not None and batch.propose
+        self._any_block = set_blocks and batch.propose and (res.expected is not None or not batch.expected)
         steps = sources if spec else lens  # any [n] list: zip's column for the per-step records
         generated = 0
         record = spec and not lazy

@@ -97,7 +97,9 @@ class StepKey(NamedTuple):
     history before the next step that needs them). lookup: at the end of the step the device lookup
     (:class:`~adaflash_ray.engine.device_lookup.DeviceLookup`) proposes every row's next lookup draft from its new
     context (off: the step's graph has none of it). propose_first: the drafter proposes a block for the step's own
-    anchors before the verify, which then checks it (``propose`` is then off: no block for the next step).
+    anchors before the verify, which then checks it (``propose`` is then off: no block for the next step). expected:
+    with a ``propose`` and an ``expected_fn`` (the planner's acceptance head), the step computes its block's
+    E[committed | γ] (False: the block alone, as a step whose next step verifies it at a fixed γ needs no estimate).
     """
 
     batch_size: int
@@ -110,6 +112,7 @@ class StepKey(NamedTuple):
     append: bool = True
     lookup: bool = False
     propose_first: bool = False
+    expected: bool = True
 
 
 #: E[committed tokens] travel to the host as fixed-point integers in the step's one output buffer (int64)
@@ -462,11 +465,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ propose
     def _propose(self, slot_ids, anchors, anchor_pos, span, rs: RowSampling, sample: bool, base, rows_are_slots,
-                 live=None, anchor_hidden=None):
+                 live=None, anchor_hidden=None, expected: bool = True):
         """Drafter forward on ``[anchor, MASK...]`` -> pending drafts (+ their probabilities q when sampling)
         stored per slot; returns (γ ``[B]`` from the length policy (``live`` [B] bool: the rows that are real
         requests, None = all), None) or, with an ``expected_fn``, (zeros ``[B]`` - the planner picks each row's γ;
-        no policy forward - , E[committed | γ] ``[B, bs-1]`` float). A policy with
+        no policy forward - , E[committed | γ] ``[B, bs-1]`` float; without ``expected``: None, no head forward).
+        A policy with
         ``needs_anchor_hidden`` also gets ``anchor_hidden`` ``[B, H]``: the target's final-normed hidden state whose
         logits gave each anchor token.
 
@@ -494,7 +498,8 @@ class ModelRunner:
         else:
             self.drafts[slot_ids, :nb] = drafts
         if self.expected_fn is not None:  # the planner's estimate; it chooses γ per row (no policy forward)
-            return torch.zeros(b, dtype=torch.long, device=anchors.device), self.expected_fn(hidden, draft_logits)
+            return (torch.zeros(b, dtype=torch.long, device=anchors.device),
+                    self.expected_fn(hidden, draft_logits) if expected else None)
         expected = None
         if self.wants_anchor_hidden:
             return self.length_policy(hidden, draft_logits, live, anchor_hidden=anchor_hidden).to(torch.long), expected
@@ -503,7 +508,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step (graph body)
     def _step_fn(self, b: int, w: int, span: int, spec: bool, propose: bool = True, host_drafts: bool = False,
                  sampling: SamplingFlags = SamplingFlags(), append: bool = True, lookup: bool = False,
-                 propose_first: bool = False) -> None:
+                 propose_first: bool = False, expected: bool = True) -> None:
         """Rows 0..b-1, verify width w, keys 0..span-1. Reads in_ints / in_floats / in_uniforms / drafts; writes out,
         caches, histories, drafts, the output counts. ``spec`` without ``propose``: no block is proposed (an AR step
         of the ``cost`` policy's γ = 0, or a step that verifies only host drafts); with ``append`` the drafter
@@ -513,7 +518,8 @@ class ModelRunner:
         next lookup proposals are made from the new contexts (keys 0..span, ``out``'s lookup columns).
         ``propose_first``: the drafter first proposes a block at each row's anchor (its context holds the positions
         before it), whose drafts this step verifies (rows flagged for host / lookup drafts keep theirs) and whose
-        E[committed | γ] goes to ``out`` as a proposing step's would. ``sampling`` says which processing the rows
+        E[committed | γ] goes to ``out`` as a proposing step's would; ``expected`` False: a proposing step skips its
+        block's E[committed | γ] (the acceptance head). ``sampling`` says which processing the rows
         need; window position j's penalty counts and min_tokens test include the drafts
         d_1..d_j. Seeded rows verify against the target's own sample at their uniforms (drafter-invariant, see
         :mod:`adaflash_ray.engine.sampling`). No host synchronisation (CUDA-graph safe)."""
@@ -595,11 +601,12 @@ class ModelRunner:
         if spec and propose:
             # rows of idle slots and of the padded bucket carry position 0 (a real request's anchor is >= 1)
             anchor_hidden = out.last_hidden[rows[:, 0], accepted] if self.wants_anchor_hidden else None  # [B, H]
-            gamma_next, expected = self._propose(rows[:, 0], nxt, pos + accepted + 1, span, rs, sample, accepted + 1,
-                                                 rows_are_slots=True, live=pos > 0, anchor_hidden=anchor_hidden)
+            gamma_next, exp = self._propose(rows[:, 0], nxt, pos + accepted + 1, span, rs, sample, accepted + 1,
+                                            rows_are_slots=True, live=pos > 0, anchor_hidden=anchor_hidden,
+                                            expected=expected)
             self.out[:b, w + 1] = gamma_next
-            if expected is not None:
-                self.out[:b, self._exp_col:self._look_col] = (expected * EXPECTED_SCALE).round().long()
+            if exp is not None:
+                self.out[:b, self._exp_col:self._look_col] = (exp * EXPECTED_SCALE).round().long()
         elif first_exp is not None:
             self.out[:b, self._exp_col:self._look_col] = (first_exp * EXPECTED_SCALE).round().long()
 
@@ -738,7 +745,7 @@ class ModelRunner:
              propose: bool = True, host_drafts: list[list[int] | None] | None = None,
              append: bool | None = None, lookup_rows: list[bool] | None = None, lookup: bool = False,
              block_match: bool = True, propose_first: bool = False,
-             overlap: Callable[[], None] | None = None) -> StepResult:
+             overlap: Callable[[], None] | None = None, expected: bool = True) -> StepResult:
         """One decoding step for the running requests in ``slots`` (each prefilled into its slot: the sampling
         settings are the ones :meth:`prefill` recorded).
 
@@ -768,6 +775,9 @@ class ModelRunner:
                 ``next_draft_lens`` are 0.
             overlap: host work to run once the step is launched, before its result is read (on CUDA the device
                 computes the step meanwhile; on CPU the forward has run already): e.g. the previous step's records.
+            expected: with ``propose`` and an ``expected_fn``, compute the new blocks' E[committed | γ]
+                (``StepResult.expected``); False skips the acceptance head (``expected`` is then None) - for a step
+                whose next step verifies the block at a γ fixed beforehand.
         Raises:
             ValueError: drafter drafts to verify without a drafter, or host drafts shorter than their γ or longer
                 than ``max_draft``; ``lookup`` / ``lookup_rows`` without a device lookup.
@@ -836,11 +846,12 @@ class ModelRunner:
         if spec and not (propose or append or use_host or propose_first) and w == 1:  # the cost policy's γ = 0 step: the AR step's
             key = StepKey(b, w, span, False, has_drafter, False, flags, False, lookup)  # graph (same work, no capture)
         else:
-            key = StepKey(b, w, span, spec, propose, use_host and spec, flags, append, lookup, propose_first)
+            key = StepKey(b, w, span, spec, propose, use_host and spec, flags, append, lookup, propose_first,
+                          expected or not (spec and propose) or self.expected_fn is None)
         self._run(key)
         if overlap is not None:
             overlap()
-        with_exp = spec and (propose or propose_first) and self.expected_fn is not None
+        with_exp = spec and (propose_first or propose and expected) and self.expected_fn is not None
         with_cf = use_host and spec and has_drafter and w > 1 and block_match
         cols = self._num_out_cols(w, with_exp, flags.logprobs, lookup, with_cf)
         host = self.out[:b, :cols].cpu().numpy()  # the one transfer

@@ -70,6 +70,7 @@ class _Bucket:
     trial: int = 0  # policy steps since the last back-off (the condition is re-checked after min_samples of them ...)
     trial_rows: int = 0  # ... holding min_rows live rows between them
     since_ar: int = 0  # this bucket's steps since its last AR sample
+    ref_rows: int = 0  # live rows of the AR samples since the current reference run began (reference_rows)
     num_backoffs: int = 0
     num_forced: int = 0  # forced steps taken (back-offs and AR samples)
 
@@ -90,18 +91,24 @@ class ThroughputGuard:
         ar_refresh_steps: a bucket's AR samples older than this many of its steps are refreshed (0 = never).
         min_rows: live rows the policy steps of a comparison hold between them (module docstring; 0 = ``min_samples``
             steps whatever their rows).
+        reference_rows: the same for the reference (AR) side: a reference run goes on until its recorded steps hold
+            this many live rows (and ``min_samples`` steps), and each weighs ``min(decay, rows / reference_rows)`` in
+            the AR averages - for a reference whose steps vary like the policy's (the source guard's block-only
+            steps); 0 = ``min_samples`` steps, each at ``decay`` (plain AR steps commit one token a row).
     Raises:
         ValueError: empty / unsorted ``batch_sizes``, ``margin`` outside [0, 1), ``decay`` outside (0, 1], a count
             < 1 or ``min_rows`` < 0.
     """
 
     def __init__(self, batch_sizes: list[int], *, margin: float = 0.02, min_samples: int = 3, backoff_steps: int = 16,
-                 decay: float = 0.125, ar_refresh_steps: int = 256, min_rows: int = 32):
+                 decay: float = 0.125, ar_refresh_steps: int = 256, min_rows: int = 32, reference_rows: int = 0):
         if not 0 <= margin < 1 or not 0 < decay <= 1 or min(min_samples, backoff_steps) < 1 or ar_refresh_steps < 0 \
-                or min_rows < 0:
+                or min_rows < 0 or reference_rows < 0:
             raise ValueError(f"bad guard settings: margin {margin}, decay {decay}, min_samples {min_samples}, "
-                             f"backoff_steps {backoff_steps}, ar_refresh_steps {ar_refresh_steps}, min_rows {min_rows}")
+                             f"backoff_steps {backoff_steps}, ar_refresh_steps {ar_refresh_steps}, min_rows {min_rows}, "
+                             f"reference_rows {reference_rows}")
         self.margin, self.min_samples, self.backoff_steps = margin, min_samples, backoff_steps
+        self.reference_rows = reference_rows
         self.decay, self.ar_refresh_steps, self.min_rows = decay, ar_refresh_steps, min_rows
         self.set_buckets(batch_sizes)
 
@@ -122,12 +129,13 @@ class ThroughputGuard:
         return bk
 
     def _reference_due(self, bk: _Bucket) -> int:
-        """AR steps an AR reference run of ``bk`` needs now (0: none): its AR samples are too few, or too old, once
-        its policy has ``min_samples`` of its own."""
+        """AR steps an AR reference run of ``bk`` needs now (0: none): its AR samples are too few (or hold fewer than
+        ``reference_rows`` rows since the run began: one more step at a time), or too old, once its policy has
+        ``min_samples`` of its own."""
         if bk.policy.num_samples < self.min_samples:
             return 0
-        if bk.ar.num_samples < self.min_samples:
-            return self.min_samples - bk.ar.num_samples
+        if bk.ar.num_samples < self.min_samples or bk.ref_rows < self.reference_rows:
+            return max(self.min_samples - bk.ar.num_samples, 1)
         if self.ar_refresh_steps and bk.since_ar >= self.ar_refresh_steps:
             return self.min_samples
         return 0
@@ -142,7 +150,11 @@ class ThroughputGuard:
         """Whether the next step at ``batch_size`` must be an AR step; counts it as taken when so."""
         bk = self._bucket(batch_size)
         if bk.forced_left == 0:  # the AR reference, in a row
-            bk.forced_left = self._reference_due(bk)
+            due = self._reference_due(bk)
+            if due and self.reference_rows and bk.ar.num_samples >= self.min_samples \
+                    and bk.ref_rows >= self.reference_rows:  # a refresh: its rows are counted again
+                bk.ref_rows = 0
+            bk.forced_left = due
         if bk.forced_left > 0:
             bk.forced_left -= 1
             bk.num_forced += 1
@@ -157,7 +169,8 @@ class ThroughputGuard:
         rows = max(num_rows, 1)
         tokens = tokens / rows
         if not policy_step:
-            bk.ar.add(tokens, ms, self.decay)
+            bk.ar.add(tokens, ms, min(self.decay, rows / self.reference_rows) if self.reference_rows else self.decay)
+            bk.ref_rows += rows
             bk.since_ar = 0
             return
         bk.policy.add(tokens, ms, min(self.decay, rows / self.min_rows) if self.min_rows else self.decay)
@@ -196,7 +209,7 @@ class ThroughputGuard:
         for bk in self.buckets:
             bk.policy = _Rate()
             if reference:
-                bk.ar, bk.since_ar = _Rate(), 0
+                bk.ar, bk.since_ar, bk.ref_rows = _Rate(), 0, 0
 
     def state(self) -> dict[str, dict]:
         """Per bucket (its batch size, as a string): ``ar_tokens_per_ms``, ``policy_tokens_per_ms`` (committed tokens
