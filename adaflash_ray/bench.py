@@ -825,6 +825,16 @@ def main(argv: list[str] | None = None) -> int:
             Path(ns.profile).mkdir(parents=True, exist_ok=True)
         except OSError as e:
             parser.error(f"--profile {ns.profile}: cannot make the folder ({e.strerror or e})")
+    if ns.sim_costs is not None:
+        if ns.shape is not None or ns.weight_sync or HF_METHOD in (ns.methods or []):
+            parser.error(f"--sim-costs prices the model mode's engine steps: not with --shape, --weight-sync or "
+                         f"the {HF_METHOD} method")
+        if ns.sim_host_scale < 0:
+            parser.error(f"--sim-host-scale must be >= 0, got {ns.sim_host_scale}")
+        try:  # a bad file fails now, before the model loads; each concurrency's table is checked at its cell
+            load_cost_table(ns.sim_costs)
+        except ValueError as e:
+            parser.error(f"--sim-costs: {e}")
     console = Console(stderr=False, width=None if sys.stdout.isatty() else 200)
     log = (lambda msg: print(msg, file=sys.stderr))
     if ns.weight_sync:

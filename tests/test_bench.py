@@ -347,3 +347,36 @@ def test_profile_writes_one_document_per_cell_and_method(tmp_path, capsys):
         assert steps == d["kernels"]["num_steps"] if method == "ar" else steps > 0 and d["kernels"]["num_steps"] > 0
         assert all(k.split(" ")[0] == "ar" for k in d["phases"]) == (method == "ar")
         assert d["kernels"]["top"] and d["cprofile"].startswith(f"{d['kernels']['num_steps']} decode steps")
+
+
+@pytest.mark.slow
+def test_model_mode_on_a_sim_clock(tmp_path, capsys):
+    """``--sim-costs``: every step priced by the file's table at the cell's concurrency; with host time off an AR
+    step is exactly the table's AR price and a run's seconds are its steps' and prefills' prices. Bad uses are refused
+    before the model loads, naming the flag."""
+    bs = 16  # the default recipe's block size (the table's spec row: γ = 1..bs-1)
+    table = {"batch_sizes": [1], "costs_ms": [[3.0 + 0.1 * g for g in range(1, bs)]], "ar_costs_ms": [2.0],
+             "context_len": 64}
+    path = tmp_path / "gpu_bench.json"
+    path.write_text(json.dumps({"rows": [{"method": "hybrid", "domain": "chat", "concurrency": 1,
+                                          "cost_table": table}]}))
+    rc = main(["--methods", "ar", "dflash", "--concurrency", "1", "--num-prompts", "1", "--max-new-tokens", "6",
+               "--domains", "chat", "--sim-costs", str(path), "--sim-host-scale", "0"])
+    assert rc == 0
+    doc = _last_json(capsys)
+    assert doc["sim_clock"]["1"]["source"].startswith(str(path)) and doc["sim_clock"]["1"]["host_scale"] == 0
+    ar, dflash = doc["rows"]
+    assert ar["ms_per_step"] == pytest.approx(2.0) and ar["num_engine_steps"] == 5
+    assert ar["lossless"] and dflash["lossless"]
+    for r in (ar, dflash):  # the prefill's price (2.0 + 0.42 ms a prompt) and each step's
+        prefill = r["step_timing"]["prefill"]["total_ms"]
+        assert prefill == pytest.approx(2.42)
+        assert r["seconds"] * 1e3 == pytest.approx(prefill + r["ms_per_step"] * r["num_engine_steps"])
+    steps = [s for s in dflash["step_timing"]["steps_by_shape"].values()]
+    assert all(3.1 - 1e-9 <= v["mean_ms"] <= 4.5 for kind in steps for v in kind.values()), dflash["step_timing"]["steps_by_shape"]
+    for argv, what in ((["--sim-costs", str(tmp_path / "none.json")], "not a readable JSON"),
+                       (["--sim-costs", str(path), "--shape", "tiny"], "--shape"),
+                       (["--sim-costs", str(path), "--sim-host-scale", "-1"], "--sim-host-scale")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and what in capsys.readouterr().err, argv
