@@ -33,10 +33,10 @@ import json
 import time
 from pathlib import Path
 
-#: prefill price (ms): a fixed part and a part per prompt (a line through the H100 bench's prefills of 1, ~8 and 64
-#: prompts of SmolLM2-135M at a61d186: 2.7, 4.0 and 29 ms)
+#: prefill price (ms): a fixed part and a part per prompt, of the order of SmolLM2-135M's (bf16, CUDA graphs) on an
+#: H100; a GPU bench row's ``step_timing.prefill`` gives the real figures to pass instead
 PREFILL_MS = (2.0, 0.42)
-#: a drafter-context catch-up (one captured graph on the GPU: ~0.1 ms a call in the same benches)
+#: a drafter-context catch-up (ms; one captured graph on the GPU, whatever its positions)
 CATCH_UP_MS = 0.1
 
 
