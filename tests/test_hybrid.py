@@ -2161,3 +2161,38 @@ def test_block_only_stretch_skips_the_acceptance_head_until_its_last_step(tiny_t
     while eng.has_unfinished():
         eng.step()
     assert [r.output_ids for r in reqs] == [greedy_reference(tiny_target, p, 40) for p in prompts]
+
+
+@pytest.mark.parametrize("lookup_device", ["host", "device"])
+def test_block_only_reference_run_computes_the_head_on_its_last_step(tiny_target, lookup_device):
+    """The source guard's reference run (block-only steps until its bucket has ``min_samples`` of them recorded) is
+    not set by ``forced_left`` alone: its last step is the one whose own record completes it. That step computes the
+    acceptance head, so no planned step meets a block proposed without it (the placeholder estimate,
+    ``SpecEngine._pending_estimate``) - the stretch does not end sooner than foreseen here. Greedy output exact."""
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
+    eng = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=200, calibrate=False,
+                     draft_sources=("dflash", "ngram"), probe_every=4, lookup_device=lookup_device)
+    eng.guard = None  # no forced AR steps
+    eng.source_guard.margin = 0.999  # no back-off by the wall clock: the forced steps are the reference runs'
+    assert eng.skip_block_only_estimates
+
+    class Placeholder(list):
+        pass
+
+    pending = eng._pending_estimate
+    eng._pending_estimate = lambda: Placeholder(pending())
+    met, plan = [], eng.planner.plan
+
+    def planned(batch_size, caps, dflash_expected, *args, **kwargs):
+        met.append(sum(isinstance(e, Placeholder) for e in dflash_expected))
+        return plan(batch_size, caps, dflash_expected, *args, **kwargs)
+
+    eng.planner.plan = planned
+    prompts = _prompts(2)
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=60, ignore_eos=True)) for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats.num_source_guard_steps >= 3  # a reference run took place
+    assert any(bk.ar.num_samples >= 3 for bk in eng.source_guard.buckets)
+    assert len(met) > 3 and not any(met), met
+    assert [r.output_ids for r in reqs] == [greedy_reference(tiny_target, p, 60) for p in prompts]

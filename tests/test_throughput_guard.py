@@ -310,6 +310,35 @@ def test_would_force_looks_ahead_without_changing_the_guard():
     assert 0 < forced < 600 and g.state()["4"]["num_backoffs"] > 0
 
 
+
+@pytest.mark.parametrize("reference_rows", [0, 5])
+def test_would_force_after_sees_the_forced_steps_own_record(reference_rows):
+    """``would_force_after`` (asked by a forced step before its own record) answers what ``would_force`` answers once
+    that step is recorded (``num_rows`` rows) or, with None, left unrecorded - the answer at the last step of a
+    reference run included, where ``would_force`` asked before the record still sees the run's sample missing. Over a
+    random sequence of records at two buckets (seeded); it changes nothing."""
+    import random
+
+    rng = random.Random(11)
+    g = ThroughputGuard([1, 4], min_samples=3, backoff_steps=2, ar_refresh_steps=9, min_rows=0,
+                        reference_rows=reference_rows)
+    ends = 0
+    for _ in range(800):
+        b = rng.choice([1, 4])
+        now = g.force_ar(b)
+        if not now:
+            g.record(b, True, 2 if b == 1 else 3, 1.0 if b == 1 else 3.0, rng.randint(1, 3))
+            continue
+        rows = rng.choice([None, 1, 2, 3])
+        before = g.would_force(b)
+        after = g.would_force_after(b, rows)
+        assert g.would_force_after(b, rows) == after and g.would_force(b) == before
+        if rows is not None:
+            g.record(b, False, rows, 1.0, rows)
+        assert g.would_force(b) == after, (rows, before, after)
+        ends += before and not after
+    assert ends > 0  # reference runs whose last step the look ahead before the record got wrong
+
 def test_makespan_guard_rule(tiny_target):
     """``makespan_guard``: a verdict for AR where the most tokens left x the AR step ms is below 0.8 x the most
     (tokens left / own committed per drafting step) x the drafting step ms (the guard's averages at the bucket); the

@@ -844,8 +844,12 @@ class SpecEngine:
             for i in idle:
                 if toks := self._lookup(running[i], caps[i]).tokens:
                     lens[i], host[i] = len(toks), toks
-        # the next step forced too (same bucket): it verifies these blocks at the full γ, so no estimate is needed
-        expected = not (self.skip_block_only_estimates and self.source_guard.would_force(batch_size))
+        # the next step forced too (same bucket): it verifies these blocks at the full γ, so no estimate is needed.
+        # This step's own AR sample comes first (step() records a block-only step after another one): the one that
+        # completes a reference run ends the stretch, so its step needs the head (a step that captures a graph is not
+        # recorded: then the head is computed where the stretch goes on - a wasted head, never a missing estimate)
+        recorded = n if self._last_regime is False else None
+        expected = not (self.skip_block_only_estimates and self.source_guard.would_force_after(batch_size, recorded))
         return _Batch(running, lens, True, True, append=True, batch_size=batch_size, slots=slots,
                       host_drafts=host if host is not None and host.count(None) != n else None,
                       lookup_rows=rows if rows is not None and any(rows) else None, expected=expected)

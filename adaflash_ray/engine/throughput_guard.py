@@ -146,6 +146,19 @@ class ThroughputGuard:
         bk = self._bucket(batch_size)
         return bk.forced_left > 0 or self._reference_due(bk) > 0
 
+    def would_force_after(self, batch_size: int, num_rows: int | None) -> bool:
+        """:meth:`would_force` as it will answer once the step :meth:`force_ar` has just forced at ``batch_size`` is
+        recorded (:meth:`record` as an AR step of ``num_rows`` live rows; None: that step will not be recorded): a
+        reference run's last step is the one whose own sample completes the run (``min_samples`` AR samples,
+        ``reference_rows`` rows), which :meth:`would_force`, asked before that record, does not see. Changes
+        nothing."""
+        bk = self._bucket(batch_size)
+        if bk.forced_left > 0 or num_rows is None:
+            return bk.forced_left > 0 or self._reference_due(bk) > 0
+        if bk.policy.num_samples < self.min_samples:  # the record sets since_ar to 0: no refresh is due after it
+            return False
+        return bk.ar.num_samples + 1 < self.min_samples or bk.ref_rows + max(num_rows, 1) < self.reference_rows
+
     def force_ar(self, batch_size: int) -> bool:
         """Whether the next step at ``batch_size`` must be an AR step; counts it as taken when so."""
         bk = self._bucket(batch_size)
