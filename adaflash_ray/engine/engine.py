@@ -849,7 +849,9 @@ class SpecEngine:
         # completes a reference run ends the stretch, so its step needs the head (a step that captures a graph is not
         # recorded: then the head is computed where the stretch goes on - a wasted head, never a missing estimate)
         recorded = n if self._last_regime is False else None
-        expected = not (self.skip_block_only_estimates and self.source_guard.would_force_after(batch_size, recorded))
+        # (and only once the planner has a recent estimate to stand in for the skipped ones)
+        expected = not (self.skip_block_only_estimates and self.planner._block_est is not None
+                        and self.source_guard.would_force_after(batch_size, recorded))
         return _Batch(running, lens, True, True, append=True, batch_size=batch_size, slots=slots,
                       host_drafts=host if host is not None and host.count(None) != n else None,
                       lookup_rows=rows if rows is not None and any(rows) else None, expected=expected)
@@ -857,7 +859,8 @@ class SpecEngine:
     def _pending_estimate(self) -> list[float]:
         """E[committed | γ] for γ = 1..bs-1 that a block proposed without the acceptance head carries (a block-only
         step's, :meth:`_block_only`): the planner's moving average of its recent blocks' estimates
-        (``HybridPlanner._block_est``), or 1.0 for every γ (nothing accepted) before it has one. Only read if the
+        (``HybridPlanner._block_est``; :meth:`_block_only` skips no head before there is one - the 1.0 for every γ,
+        nothing accepted, is a fallback only). Only read if the
         forced stretch ends sooner than foreseen (a batch-size bucket change, a new batch, a reload) and a planned
         step meets the block."""
         bs = self.drafter.block_size
