@@ -516,24 +516,25 @@ def test_reference_rows_make_the_reference_run_hold_that_many_rows():
     """``reference_rows``: a reference run goes on, one forced step at a time, until its recorded AR-side steps hold
     that many live rows (one row a step here: 8 steps, not ``min_samples``' 3); a refresh counts them again; each AR
     sample then weighs rows / reference_rows. Without it (0) the run is ``min_samples`` steps, as before."""
+    def reference_run(g: ThroughputGuard) -> int:  # forced steps until the guard lets the policy run, each recorded
+        n = 0
+        while g.force_ar(1):
+            n += 1
+            g.record(1, False, 1, 1.0)
+        return n
+
     for ref, expect in ((8, 8), (0, 3)):
         g = ThroughputGuard([1], min_samples=3, min_rows=0, reference_rows=ref, ar_refresh_steps=20)
         for _ in range(3):  # the policy's samples first: then the reference is due
             assert not g.force_ar(1)
             g.record(1, True, 4, 2.0)
-        forced = 0
-        while g.force_ar(1):
-            forced += 1
-            g.record(1, False, 1, 1.0)
+        forced = reference_run(g)
         assert forced == expect, (ref, forced)
         bk = g.buckets[0]
         assert bk.ar.num_samples == expect and bk.ref_rows == expect
         for _ in range(20):  # a refresh after ar_refresh_steps policy steps: as long a run again
             g.record(1, True, 4, 2.0)
-        refreshed = 0
-        while g.force_ar(1):
-            refreshed += 1
-            g.record(1, False, 1, 1.0)
+        refreshed = reference_run(g)
         assert refreshed == expect, (ref, refreshed)
     with pytest.raises(ValueError, match="reference_rows"):
         ThroughputGuard([1], reference_rows=-1)
