@@ -470,9 +470,8 @@ class ModelRunner:
         stored per slot; returns (γ ``[B]`` from the length policy (``live`` [B] bool: the rows that are real
         requests, None = all), None) or, with an ``expected_fn``, (zeros ``[B]`` - the planner picks each row's γ;
         no policy forward - , E[committed | γ] ``[B, bs-1]`` float; without ``expected``: None, no head forward).
-        A policy with
-        ``needs_anchor_hidden`` also gets ``anchor_hidden`` ``[B, H]``: the target's final-normed hidden state whose
-        logits gave each anchor token.
+        A policy with ``needs_anchor_hidden`` also gets ``anchor_hidden`` ``[B, H]``: the target's final-normed hidden
+        state whose logits gave each anchor token.
 
         The block's logits get the rows' processing ``rs`` (:class:`~adaflash_ray.engine.sampling.RowSampling`) with
         the committed output's penalty counts (its positions are drawn in parallel, so a position does not see the
