@@ -860,9 +860,8 @@ class SpecEngine:
         """E[committed | γ] for γ = 1..bs-1 that a block proposed without the acceptance head carries (a block-only
         step's, :meth:`_block_only`): the planner's moving average of its recent blocks' estimates
         (``HybridPlanner._block_est``; :meth:`_block_only` skips no head before there is one - the 1.0 for every γ,
-        nothing accepted, is a fallback only). Only read if the
-        forced stretch ends sooner than foreseen (a batch-size bucket change, a new batch, a reload) and a planned
-        step meets the block."""
+        nothing accepted, is a fallback only). Only read if the forced stretch ends sooner than foreseen (a
+        batch-size bucket change, a new batch, a reload) and a planned step meets the block."""
         bs = self.drafter.block_size
         est = self.planner._block_est
         if est is None:
