@@ -162,7 +162,7 @@ class SimClock:
         sim_catch_up = priced("catch_up", catch_up, lambda spans, *a, **k: self.catch_up_ms if spans else 0.0)
         runner.step, runner.prefill, runner.catch_up_context = sim_step, sim_prefill, sim_catch_up
         engine.clock = runner.clock = self.now
-        if engine.cost_table is not None or _has_cost_policy(engine):
+        if _has_cost_policy(engine):  # (an engine with a cost table has the cost policy)
             engine.set_cost_table({k: v for k, v in self.table.items() if k != "source"})
         return self
 

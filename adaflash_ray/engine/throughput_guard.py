@@ -153,8 +153,8 @@ class ThroughputGuard:
         ``reference_rows`` rows), which :meth:`would_force`, asked before that record, does not see. Changes
         nothing."""
         bk = self._bucket(batch_size)
-        if bk.forced_left > 0 or num_rows is None:
-            return bk.forced_left > 0 or self._reference_due(bk) > 0
+        if num_rows is None or bk.forced_left > 0:
+            return self.would_force(batch_size)
         if bk.policy.num_samples < self.min_samples:  # the record sets since_ar to 0: no refresh is due after it
             return False
         return bk.ar.num_samples + 1 < self.min_samples or bk.ref_rows + max(num_rows, 1) < self.reference_rows
