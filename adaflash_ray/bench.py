@@ -9,8 +9,9 @@ real shape (the verify-cost table a cost-aware length policy needs).
         --out results/smollm2_h200.json --plot results/smollm2_h200.png        # GPU: concurrency 1 8 32 64
     python -m adaflash_ray.bench --shape qwen3-8b --out results/qwen3_8b_shape.json   # random weights
 
-Real-model mode. Methods: ``ar``, ``dflash`` (fixed γ = block_size-1), ``dflash-argmax`` (the same with the
-drafter's argmax block, a point-mass q, at ``--temperature`` > 0), ``adaflash-direct`` (the ``direct``
+Real-model mode. Methods: ``ar``, ``dflash`` (fixed γ = block_size-1), ``dflash-argmax`` / ``dflash-sampled`` (the same
+with the drafter's argmax block, a point-mass q, / with its block sampled position by position from q, at
+``--temperature`` > 0; the others follow the recipe's ``engine.argmax_drafts``, argmax by default), ``adaflash-direct`` (the ``direct``
 length head), ``adaflash-cost`` (the ``cost`` policy: acceptance head + this engine's measured step costs; needs a
 drafter trained with it), ``ngram`` (prompt lookup drafts in each request's own context, no drafter), ``suffix``
 (the same plus a per-engine corpus of earlier requests, SuffixDecoding arXiv 2411.04975; seeded with the AR outputs
@@ -97,6 +98,9 @@ NO_DRAFTER = ("ar", "ngram", "suffix")
 #: against ``dflash``'s block sampled position by position from the drafter's q (z-lab/dflash PR #169: independent
 #: per-position samples can wreck whole blocks); at temperature 0 the two are the same
 ARGMAX_METHOD = "dflash-argmax"
+#: the same with the block sampled position by position from q (``argmax_drafts`` off) - the recipe's
+#: ``engine.argmax_drafts`` (on by default) decides which of the two ``dflash`` and the adaptive methods run
+SAMPLED_METHOD = "dflash-sampled"
 #: a method name + this suffix: the same engine with its realised-throughput guard off (SpecEngine
 #: ``throughput_guard=False``; adaflash_ray/engine/throughput_guard.py), for the methods that have one (the ``cost``
 #: policy: ``adaflash-cost``, ``hybrid``)
@@ -139,19 +143,19 @@ def method_policy(method: str) -> str:
     method = base_method(method)
     if method == "hybrid":
         return "cost"
-    if method == ARGMAX_METHOD:
+    if method in (ARGMAX_METHOD, SAMPLED_METHOD):
         return FixedLength.name
     return method.removeprefix(ADAPTIVE_PREFIX) if method.startswith(ADAPTIVE_PREFIX) else FixedLength.name
 
 
 def known_methods() -> list[str]:
-    """``ar``, ``dflash``, ``adaflash-<policy>`` for every registered policy with a trained head, ``ngram``,
+    """``ar``, ``dflash``, ``dflash-argmax``, ``dflash-sampled``, ``adaflash-<policy>`` for every registered policy with a trained head, ``ngram``,
     ``suffix``, ``hybrid``, ``hf-generate``, ``<m>-unguarded`` for the methods with a throughput guard,
     ``hybrid-table-cost``, ``hybrid-block-guard``, ``hybrid-drain``, ``hybrid-propose-first``,
     ``hybrid-request-cal``, ``hybrid-drain-request-cal``, ``<m>-makespan`` for the methods with a throughput
     guard, and ``<m>-no-source-guard`` for ``hybrid`` and ``hybrid-makespan``."""
     adaptive = [ADAPTIVE_PREFIX + name for name, spec in LENGTH_POLICIES.items() if spec.head is not None]
-    return ["ar", "dflash", ARGMAX_METHOD, *adaptive, *SOURCE_METHODS, HF_METHOD,
+    return ["ar", "dflash", ARGMAX_METHOD, SAMPLED_METHOD, *adaptive, *SOURCE_METHODS, HF_METHOD,
             *[m + UNGUARDED for m in GUARDED_METHODS], "hybrid" + TABLE_COST, "hybrid" + BLOCK_GUARD,
             "hybrid" + DRAIN, "hybrid" + PROPOSE_FIRST, "hybrid" + REQUEST_CAL, "hybrid" + DRAIN + REQUEST_CAL,
             *[m + MAKESPAN for m in GUARDED_METHODS], "hybrid" + NO_SOURCE_GUARD,
@@ -408,8 +412,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                 v = method.removesuffix(NO_SOURCE_GUARD)  # the variant's other suffixes
                 # the method's own sources, never the recipe's
                 extra = {"draft_sources": SOURCE_METHODS.get(base_method(method))}
-                if method == ARGMAX_METHOD:
-                    extra["argmax_drafts"] = True
+                if method in (ARGMAX_METHOD, SAMPLED_METHOD):
+                    extra["argmax_drafts"] = method == ARGMAX_METHOD
                 if v.endswith(UNGUARDED):
                     extra["throughput_guard"] = False
                 if v.endswith(BLOCK_GUARD):

@@ -249,6 +249,10 @@ class EngineConfig(_Section):
     # verifies it, only where the planner chooses it (SpecEngine propose_first; its lookups then run on the device,
     # on CPU too); false = the block proposed one step ahead
     propose_first: bool = False
+    # at temperature > 0 the drafter's block is its argmax, verified as a point-mass q (lossless:
+    # docs/design/ALGORITHMS.md §4.2; z-lab/dflash PR #169: position-wise samples of q wreck whole blocks); false = one
+    # sample per block position from q (the bench's `dflash-sampled` measures the two against each other)
+    argmax_drafts: bool = True
 
 
 class DistillConfig(_Section):

@@ -255,15 +255,29 @@ def test_model_mode_admit_min_batches_the_refills(capsys):
 
 def test_model_mode_sampled_with_argmax_drafts(capsys):
     """--temperature 0.8: every method samples (rows say so, no token-for-token match against AR is claimed);
-    dflash-argmax drafts the drafter's argmax block at the fixed γ; bad temperatures are user errors (exit 2)."""
-    rc = main(["--concurrency", "1", "--num-prompts", "1", "--max-new-tokens", "6", "--domains", "chat",
-               "--methods", "ar", "dflash", "dflash-argmax", "--temperature", "0.8"])
+    dflash-argmax drafts the drafter's argmax block at the fixed γ, dflash-sampled samples it from q, dflash follows
+    the recipe (argmax by default); bad temperatures are user errors (exit 2)."""
+    import adaflash_ray.bench as bench_mod
+
+    built = {}
+    real = bench_mod.SpecEngine.from_config
+
+    def from_config(cfg, **kw):  # the engines the bench builds, by the argmax_drafts each one ran with
+        eng = real(cfg, **kw)
+        built.setdefault(eng.runner.argmax_drafts, 0)
+        built[eng.runner.argmax_drafts] += 1
+        return eng
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench_mod.SpecEngine, "from_config", from_config)
+        rc = main(["--concurrency", "1", "--num-prompts", "1", "--max-new-tokens", "6", "--domains", "chat",
+                   "--methods", "ar", "dflash", "dflash-argmax", "dflash-sampled", "--temperature", "0.8"])
     assert rc == 0
+    assert built == {True: 3, False: 1}  # ar, dflash and dflash-argmax argmax (the recipe's default), one sampled
     doc = _last_json(capsys)
     assert doc["temperature"] == 0.8
     rows = {r["method"]: r for r in doc["rows"]}
-    assert set(rows) == {"ar", "dflash", "dflash-argmax"}
-    for m in ("dflash", "dflash-argmax"):
+    assert set(rows) == {"ar", "dflash", "dflash-argmax", "dflash-sampled"}
+    for m in ("dflash", "dflash-argmax", "dflash-sampled"):
         r = rows[m]
         assert r["temperature"] == 0.8 and r["lossless"] is None and 1 <= r["num_tokens"] <= 6
         assert 1.0 <= r["tau"] <= doc["block_size"] and r["speedup_vs_ar"] > 0

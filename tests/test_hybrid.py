@@ -385,6 +385,21 @@ def test_argmax_drafter_blocks_follow_the_target():
         assert _chi2_pvalue(observed, law.flatten().numpy() * num) > 1e-3
 
 
+def test_recipe_argmax_drafts_reach_the_engine(tiny_target):
+    """``engine.argmax_drafts`` (on by default) reaches the engines ``from_config`` builds; ``false`` in a recipe or
+    an explicit keyword samples the block from q instead."""
+    from adaflash_ray.config import load_recipe
+
+    drafter, _ = make_drafter(tiny_target, block_size=4, policy="fixed")
+    models = (tiny_target, drafter, None)
+    on = load_recipe("recipes/cpu_tiny.yaml", ["length_head.policy=fixed"])
+    off = load_recipe("recipes/cpu_tiny.yaml", ["length_head.policy=fixed", "engine.argmax_drafts=false"])
+    assert on.engine.argmax_drafts is True and off.engine.argmax_drafts is False
+    assert SpecEngine.from_config(on, models=models, max_seq_len=64).runner.argmax_drafts is True
+    assert SpecEngine.from_config(off, models=models, max_seq_len=64).runner.argmax_drafts is False
+    assert SpecEngine.from_config(on, models=models, max_seq_len=64, argmax_drafts=False).runner.argmax_drafts is False
+
+
 def test_recipe_draft_sources_reach_the_engine(tiny_target):
     """``length_head.draft_sources`` in a recipe builds the engine's sources through ``from_config`` (the drafter's
     block dropped for an engine without a drafter); an explicit ``draft_sources=None`` keeps the block only."""

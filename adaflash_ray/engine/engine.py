@@ -215,7 +215,8 @@ class SpecEngine:
         suffix_corpus: the ``suffix`` source's corpus of earlier requests (None = a new empty one); finished
             requests are added to it. lookup_max_ngram: the longest suffix n-gram the lookups match (tokens).
         argmax_drafts: at temperature > 0 the drafter's block is its argmax, verified as a point-mass q (lossless:
-            docs/design/ALGORITHMS.md §4.2), instead of one independent sample per block position from q.
+            docs/design/ALGORITHMS.md §4.2), instead of one independent sample per block position from q
+            (:meth:`from_config`: the recipe's ``engine.argmax_drafts``, on unless the recipe says otherwise).
         lookup_device: where the lookup sources run: ``"host"`` (per request per step, in Python:
             :mod:`adaflash_ray.drafting.lookup`), ``"device"`` (at the end of each step on the runner's device:
             :mod:`adaflash_ray.engine.device_lookup`; its corpus is a ring of ``lookup_corpus_tokens`` tokens, which
@@ -500,7 +501,8 @@ class SpecEngine:
                 throughput_guard: default ``cfg.engine.throughput_guard``; propose_first: default
                 ``cfg.engine.propose_first`` where the sources are the hybrid's, which then puts ``"auto"`` lookups on
                 the device; makespan_guard: default ``cfg.engine.makespan_guard`` for an engine with the throughput
-                guard, else off; source_guard: default ``cfg.engine.source_guard``; prefill_buckets,
+                guard, else off; source_guard: default ``cfg.engine.source_guard``; argmax_drafts: default
+                ``cfg.engine.argmax_drafts``; prefill_buckets,
                 defer_first_block: default ``cfg.engine``'s, where None = on when ``cfg.model.device`` is CUDA).
         Raises:
             ValueError / CheckpointError: as the constructor and the model builders.
@@ -516,6 +518,7 @@ class SpecEngine:
         kwargs.setdefault("throughput_guard", cfg.engine.throughput_guard)
         kwargs.setdefault("source_guard", cfg.engine.source_guard)
         kwargs.setdefault("objective", cfg.engine.objective)
+        kwargs.setdefault("argmax_drafts", cfg.engine.argmax_drafts)
         for key, value in prefill_settings(cfg).items():
             kwargs.setdefault(key, value)
         if lh.draft_sources is not None and "draft_sources" not in kwargs:
