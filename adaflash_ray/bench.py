@@ -127,12 +127,16 @@ MAKESPAN = "-makespan"
 #: ``hybrid`` (or any of its variants above) + this suffix: with SpecEngine ``source_guard=False`` (no block-only
 #: steps where the plan is slower than the drafter's block alone), against the default with it
 NO_SOURCE_GUARD = "-no-source-guard"
+#: ``hybrid`` + this suffix: the source guard's block-only reference runs hold :data:`LONG_REFERENCE_ROWS` live rows
+#: (SpecEngine ``source_guard_reference_rows``), against the default's runs of a few steps
+LONG_REFERENCE = "-long-reference"
+LONG_REFERENCE_ROWS = 32
 
 
 def base_method(method: str) -> str:
     """``method`` without :data:`UNGUARDED` / :data:`TABLE_COST` / :data:`BLOCK_GUARD` / :data:`DRAIN` /
-    :data:`PROPOSE_FIRST` / :data:`REQUEST_CAL` / :data:`MAKESPAN` / :data:`NO_SOURCE_GUARD`."""
-    return method.removesuffix(NO_SOURCE_GUARD).removesuffix(MAKESPAN).removesuffix(REQUEST_CAL).removesuffix(
+    :data:`PROPOSE_FIRST` / :data:`REQUEST_CAL` / :data:`MAKESPAN` / :data:`NO_SOURCE_GUARD` / :data:`LONG_REFERENCE`."""
+    return method.removesuffix(LONG_REFERENCE).removesuffix(NO_SOURCE_GUARD).removesuffix(MAKESPAN).removesuffix(REQUEST_CAL).removesuffix(
         UNGUARDED).removesuffix(TABLE_COST).removesuffix(BLOCK_GUARD).removesuffix(DRAIN).removesuffix(PROPOSE_FIRST)
 
 
@@ -149,17 +153,17 @@ def method_policy(method: str) -> str:
 
 
 def known_methods() -> list[str]:
-    """``ar``, ``dflash``, ``dflash-argmax``, ``dflash-sampled``, ``adaflash-<policy>`` for every registered policy with a trained head, ``ngram``,
-    ``suffix``, ``hybrid``, ``hf-generate``, ``<m>-unguarded`` for the methods with a throughput guard,
-    ``hybrid-table-cost``, ``hybrid-block-guard``, ``hybrid-drain``, ``hybrid-propose-first``,
+    """``ar``, ``dflash``, ``dflash-argmax``, ``dflash-sampled``, ``adaflash-<policy>`` for every registered policy
+    with a trained head, ``ngram``, ``suffix``, ``hybrid``, ``hf-generate``, ``<m>-unguarded`` for the methods with a
+    throughput guard, ``hybrid-table-cost``, ``hybrid-block-guard``, ``hybrid-drain``, ``hybrid-propose-first``,
     ``hybrid-request-cal``, ``hybrid-drain-request-cal``, ``<m>-makespan`` for the methods with a throughput
-    guard, and ``<m>-no-source-guard`` for ``hybrid`` and ``hybrid-makespan``."""
+    guard, and ``<m>-no-source-guard`` and ``<m>-long-reference`` for ``hybrid`` and ``hybrid-makespan``."""
     adaptive = [ADAPTIVE_PREFIX + name for name, spec in LENGTH_POLICIES.items() if spec.head is not None]
     return ["ar", "dflash", ARGMAX_METHOD, SAMPLED_METHOD, *adaptive, *SOURCE_METHODS, HF_METHOD,
             *[m + UNGUARDED for m in GUARDED_METHODS], "hybrid" + TABLE_COST, "hybrid" + BLOCK_GUARD,
             "hybrid" + DRAIN, "hybrid" + PROPOSE_FIRST, "hybrid" + REQUEST_CAL, "hybrid" + DRAIN + REQUEST_CAL,
             *[m + MAKESPAN for m in GUARDED_METHODS], "hybrid" + NO_SOURCE_GUARD,
-            "hybrid" + MAKESPAN + NO_SOURCE_GUARD]
+            "hybrid" + MAKESPAN + NO_SOURCE_GUARD, "hybrid" + LONG_REFERENCE, "hybrid" + MAKESPAN + LONG_REFERENCE]
 
 
 def _spare_prompts(tok, domain: str, main: list[list[int]], n: int, max_prompt_tokens: int, seed: int
@@ -409,7 +413,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
         def engine_for(method: str) -> SpecEngine:
             if method not in engines:
                 policy = method_policy(method)
-                v = method.removesuffix(NO_SOURCE_GUARD)  # the variant's other suffixes
+                v = method.removesuffix(LONG_REFERENCE).removesuffix(NO_SOURCE_GUARD)  # the variant's other suffixes
                 # the method's own sources, never the recipe's
                 extra = {"draft_sources": SOURCE_METHODS.get(base_method(method))}
                 if method in (ARGMAX_METHOD, SAMPLED_METHOD):
@@ -426,6 +430,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                     extra["makespan_guard"] = v.endswith(MAKESPAN)  # the method says, never the recipe
                 if base_method(method) == "hybrid":  # the method says which hybrid, never the recipe's knobs
                     extra["source_guard"] = not method.endswith(NO_SOURCE_GUARD)
+                    extra["source_guard_reference_rows"] = LONG_REFERENCE_ROWS if method.endswith(LONG_REFERENCE) else 0
                     extra["propose_first"] = v.endswith(PROPOSE_FIRST)
                     if extra["propose_first"] and "lookup_device" not in (engine_kwargs or {}):
                         extra["lookup_device"] = "device"  # its lookups on the device (CPU too)

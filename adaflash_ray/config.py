@@ -237,6 +237,10 @@ class EngineConfig(_Section):
     # block at the full γ, no lookup, no plan - where the planned steps' realised tokens per ms fall below theirs
     # (SpecEngine source_guard); other engines ignore it
     source_guard: bool = True
+    # the live rows the source guard's block-only reference runs hold (one forced step at a time; at one row a
+    # block-only step commits 1 to 16 tokens, so a few steps are a noisy reference); a run ends earlier where the block
+    # alone is far slower than the planned steps (SpecEngine source_guard_reference_rows); 0 = runs of 3 steps
+    source_guard_reference_rows: int = Field(0, ge=0)
     # prefills pad their prompts to length buckets and replay one CUDA graph of the target's forward per (prompts,
     # padded length) instead of launching every kernel from the host (SpecEngine prefill_buckets; CPU: padding only).
     # None = on where model.device is cuda (the CPU path pads nothing)

@@ -285,6 +285,34 @@ def test_model_mode_sampled_with_argmax_drafts(capsys):
     assert main(["--methods", "ar", HF_METHOD, "--temperature", "0.5", "--num-prompts", "1", "--concurrency", "1"]) == 2
 
 
+def test_long_reference_variant_sets_the_source_guards_reference_rows(capsys, tmp_path):
+    """``hybrid-long-reference``: the hybrid whose source guard's reference runs hold LONG_REFERENCE_ROWS rows; plain
+    ``hybrid`` keeps the default runs (0), whatever the recipe says (a simulated clock: no calibration)."""
+    import adaflash_ray.bench as bench_mod
+
+    table = tmp_path / "table.json"
+    # a cost table for the default CPU recipe (block_size 4: γ 1..3; lookups of width 1..16)
+    table.write_text(json.dumps({"batch_sizes": [1], "costs_ms": [[1.5] * 3], "ar_costs_ms": [1.0],
+                                 "lookup_costs_ms": [[1.0] + [1.2] * 15], "context_len": 128}))
+
+    seen = {}
+    real = bench_mod.SpecEngine.from_config
+
+    def from_config(cfg, **kw):
+        eng = real(cfg, **kw)
+        if eng.source_guard is not None:
+            seen[kw["source_guard_reference_rows"]] = eng.source_guard.reference_rows
+        return eng
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench_mod.SpecEngine, "from_config", from_config)
+        rc = main(["--concurrency", "1", "--num-prompts", "1", "--max-new-tokens", "4", "--domains", "chat",
+                   "--methods", "ar", "hybrid", "hybrid-long-reference", "--sim-costs", str(table)])
+    assert rc == 0
+    assert seen == {0: 0, bench_mod.LONG_REFERENCE_ROWS: bench_mod.LONG_REFERENCE_ROWS}
+    rows = {r["method"]: r for r in _last_json(capsys)["rows"]}
+    assert rows["hybrid-long-reference"]["lossless"] is True
+
+
 @pytest.mark.parametrize("flags, want", [([], None), (["--lookup-device", "host"], {"lookup_device": "host"}),
                                          (["--eager", "--lookup-device", "device"],
                                           {"use_cuda_graph": False, "lookup_device": "device"})])

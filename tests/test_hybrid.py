@@ -400,6 +400,24 @@ def test_recipe_argmax_drafts_reach_the_engine(tiny_target):
     assert SpecEngine.from_config(on, models=models, max_seq_len=64, argmax_drafts=False).runner.argmax_drafts is False
 
 
+def test_recipe_source_guard_reference_rows_reach_the_guard(tiny_target):
+    """``engine.source_guard_reference_rows`` (0 by default: reference runs of ``min_samples`` steps) becomes the
+    source guard's ``reference_rows``, with the early stop of :data:`SOURCE_GUARD_REFERENCE_STOP` beside it."""
+    from adaflash_ray.config import load_recipe
+    from adaflash_ray.engine.engine import SOURCE_GUARD_REFERENCE_STOP
+
+    drafter, head = make_drafter(tiny_target, block_size=8, policy="cost")
+    sets = ["length_head.draft_sources=[dflash,ngram]", "length_head.policy=cost"]
+    for extra, rows, stop in (([], 0, 0.0), (["engine.source_guard_reference_rows=16"], 16,
+                                             SOURCE_GUARD_REFERENCE_STOP)):
+        cfg = load_recipe("recipes/cpu_tiny.yaml", sets + extra)
+        eng = SpecEngine.from_config(cfg, models=(tiny_target, drafter, head), calibrate=False, max_seq_len=128)
+        assert eng.source_guard is not None
+        assert (eng.source_guard.reference_rows, eng.source_guard.reference_stop) == (rows, stop)
+    with pytest.raises(Exception, match="source_guard_reference_rows"):
+        load_recipe("recipes/cpu_tiny.yaml", ["engine.source_guard_reference_rows=-1"])
+
+
 def test_recipe_draft_sources_reach_the_engine(tiny_target):
     """``length_head.draft_sources`` in a recipe builds the engine's sources through ``from_config`` (the drafter's
     block dropped for an engine without a drafter); an explicit ``draft_sources=None`` keeps the block only."""

@@ -82,6 +82,9 @@ def request_headroom(block_size: int | None, lookup: bool) -> int:
 PROPOSE_FIRST_PROBE = 32
 #: under ``request_calibration``: pseudo-tokens, estimated and accepted alike, in each request's factors
 REQUEST_CAL_PRIOR = 1.0
+#: the source guard's reference run ends before its ``source_guard_reference_rows`` where the block alone runs at less
+#: than this fraction of the planned steps' rate (a random or untrained drafter: no long runs of it)
+SOURCE_GUARD_REFERENCE_STOP = 0.7
 _slot_of = attrgetter("slot")
 log = logging.getLogger(__name__)
 
@@ -244,8 +247,12 @@ class SpecEngine:
             block verifies the lookup proposal it has: :meth:`_block_only`). Per batch bucket, where the planned
             steps' realised committed tokens per row per ms fall below (1 - margin) x the block-only steps', it forces
             block-only steps for a doubling back-off, then lets the planner run a trial again; a block-only reference
-            run (a few steps in a row) is forced once the planned steps have a record and again every
-            ``ar_refresh_steps`` of the bucket's steps. So the hybrid is not slower than its drafter's block alone
+            run is forced once the planned steps have a record and again every ``ar_refresh_steps`` of the
+            bucket's steps: one forced step at a time until its steps hold ``source_guard_reference_rows`` live rows
+            (at one row a block-only step commits 1 to 16 tokens: a few steps are a noisy reference), or earlier where
+            after ``min_samples`` steps the block alone runs at less than :data:`SOURCE_GUARD_REFERENCE_STOP` x the
+            planned steps' rate (:class:`~adaflash_ray.engine.throughput_guard.ThroughputGuard` ``reference_rows``,
+            ``reference_stop``; 0 rows = a run of ``min_samples`` steps). So the hybrid is not slower than its drafter's block alone
             where the plan's host time and lookups do not pay for themselves. Only steps of the same regime as the
             step before count (a regime's first step verifies what the other left pending). A new batch keeps the
             back-off (one request after another at one row would otherwise rerun the trial each time); a drafter
@@ -319,7 +326,7 @@ class SpecEngine:
                  throughput_guard: bool = True, block_guard: bool = False, compact_slots: bool = True,
                  objective: str = "throughput", clock=time.perf_counter, propose_first: bool = False,
                  request_calibration: bool = False, makespan_guard: bool = False, prefill_buckets: bool = False,
-                 source_guard: bool = True,
+                 source_guard: bool = True, source_guard_reference_rows: int = 0,
                  defer_first_block: bool = False):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {list(OBJECTIVES)}, got {objective!r}")
@@ -439,7 +446,9 @@ class SpecEngine:
         self.block_guard = ThroughputGuard(_buckets(max_batch_size)) if block_on else None
         source_on = source_guard and on and self.planner is not None and self.planner.use_dflash \
             and self.planner.lookup is not None and not self.propose_first
-        self.source_guard = ThroughputGuard(_buckets(max_batch_size)) if source_on else None
+        self.source_guard = ThroughputGuard(
+            _buckets(max_batch_size), reference_rows=source_guard_reference_rows,
+            reference_stop=SOURCE_GUARD_REFERENCE_STOP if source_guard_reference_rows else 0.0) if source_on else None
         self._last_regime: bool | None = None  # the source guard's previous drafting step: True planned, False not
         # a block-only step whose next step is forced block-only too skips the acceptance head (its blocks are
         # verified at the full γ whatever it says): such a stretch then costs what the drafter alone does
@@ -501,7 +510,7 @@ class SpecEngine:
                 throughput_guard: default ``cfg.engine.throughput_guard``; propose_first: default
                 ``cfg.engine.propose_first`` where the sources are the hybrid's, which then puts ``"auto"`` lookups on
                 the device; makespan_guard: default ``cfg.engine.makespan_guard`` for an engine with the throughput
-                guard, else off; source_guard: default ``cfg.engine.source_guard``; argmax_drafts: default
+                guard, else off; source_guard, source_guard_reference_rows: default ``cfg.engine``'s; argmax_drafts: default
                 ``cfg.engine.argmax_drafts``; prefill_buckets,
                 defer_first_block: default ``cfg.engine``'s, where None = on when ``cfg.model.device`` is CUDA).
         Raises:
@@ -517,6 +526,7 @@ class SpecEngine:
         target.fused_kernels = cfg.engine.fused_kernels  # read when the runner fuses the projections (CUDA only)
         kwargs.setdefault("throughput_guard", cfg.engine.throughput_guard)
         kwargs.setdefault("source_guard", cfg.engine.source_guard)
+        kwargs.setdefault("source_guard_reference_rows", cfg.engine.source_guard_reference_rows)
         kwargs.setdefault("objective", cfg.engine.objective)
         kwargs.setdefault("argmax_drafts", cfg.engine.argmax_drafts)
         for key, value in prefill_settings(cfg).items():

@@ -95,20 +95,24 @@ class ThroughputGuard:
             this many live rows (and ``min_samples`` steps), and each weighs ``min(decay, rows / reference_rows)`` in
             the AR averages - for a reference whose steps vary like the policy's (the source guard's block-only
             steps); 0 = ``min_samples`` steps, each at ``decay`` (plain AR steps commit one token a row).
+        reference_stop: with ``reference_rows``, a reference run also ends once it has ``min_samples`` steps and
+            its rate has fallen below ``reference_stop x`` the policy's (a sequential test: a reference far slower
+            than the policy is not worth its full run; 0 = never early).
     Raises:
         ValueError: empty / unsorted ``batch_sizes``, ``margin`` outside [0, 1), ``decay`` outside (0, 1], a count
             < 1 or ``min_rows`` < 0.
     """
 
     def __init__(self, batch_sizes: list[int], *, margin: float = 0.02, min_samples: int = 3, backoff_steps: int = 16,
-                 decay: float = 0.125, ar_refresh_steps: int = 256, min_rows: int = 32, reference_rows: int = 0):
+                 decay: float = 0.125, ar_refresh_steps: int = 256, min_rows: int = 32, reference_rows: int = 0,
+                 reference_stop: float = 0.0):
         if not 0 <= margin < 1 or not 0 < decay <= 1 or min(min_samples, backoff_steps) < 1 or ar_refresh_steps < 0 \
-                or min_rows < 0 or reference_rows < 0:
+                or min_rows < 0 or reference_rows < 0 or not 0 <= reference_stop < 1:
             raise ValueError(f"bad guard settings: margin {margin}, decay {decay}, min_samples {min_samples}, "
                              f"backoff_steps {backoff_steps}, ar_refresh_steps {ar_refresh_steps}, min_rows {min_rows}, "
-                             f"reference_rows {reference_rows}")
+                             f"reference_rows {reference_rows}, reference_stop {reference_stop}")
         self.margin, self.min_samples, self.backoff_steps = margin, min_samples, backoff_steps
-        self.reference_rows = reference_rows
+        self.reference_rows, self.reference_stop = reference_rows, reference_stop
         self.decay, self.ar_refresh_steps, self.min_rows = decay, ar_refresh_steps, min_rows
         self.set_buckets(batch_sizes)
 
@@ -134,11 +138,20 @@ class ThroughputGuard:
         ``min_samples`` of its own."""
         if bk.policy.num_samples < self.min_samples:
             return 0
-        if bk.ar.num_samples < self.min_samples or bk.ref_rows < self.reference_rows:
+        if bk.ar.num_samples < self.min_samples or (bk.ref_rows < self.reference_rows
+                                                    and not self._reference_decided(bk)):
             return max(self.min_samples - bk.ar.num_samples, 1)
         if self.ar_refresh_steps and bk.since_ar >= self.ar_refresh_steps:
             return self.min_samples
         return 0
+
+    def _reference_decided(self, bk: _Bucket) -> bool:
+        """Whether ``bk``'s reference, with ``min_samples`` samples, is already below ``reference_stop x`` its policy's
+        rate (``reference_stop``: the run ends before ``reference_rows``)."""
+        if not self.reference_stop or bk.ar.num_samples < self.min_samples:
+            return False
+        ar, policy = bk.ar.per_ms, bk.policy.per_ms
+        return ar is not None and policy is not None and ar < self.reference_stop * policy
 
     def would_force(self, batch_size: int) -> bool:
         """Whether :meth:`force_ar` would force the next step at ``batch_size`` now - a look ahead that changes
@@ -150,8 +163,9 @@ class ThroughputGuard:
         """:meth:`would_force` as it will answer once the step :meth:`force_ar` has just forced at ``batch_size`` is
         recorded (:meth:`record` as an AR step of ``num_rows`` live rows; None: that step will not be recorded): a
         reference run's last step is the one whose own sample completes the run (``min_samples`` AR samples,
-        ``reference_rows`` rows), which :meth:`would_force`, asked before that record, does not see. Changes
-        nothing."""
+        ``reference_rows`` rows), which :meth:`would_force`, asked before that record, does not see. A run that
+        ``reference_stop`` ends early after that record is still answered True (the record's tokens are not known
+        yet). Changes nothing."""
         bk = self._bucket(batch_size)
         if num_rows is None or bk.forced_left > 0:
             return self.would_force(batch_size)
@@ -165,8 +179,8 @@ class ThroughputGuard:
         if bk.forced_left == 0:  # the AR reference, in a row
             due = self._reference_due(bk)
             if due and self.reference_rows and bk.ar.num_samples >= self.min_samples \
-                    and bk.ref_rows >= self.reference_rows:  # a refresh: its rows are counted again
-                bk.ref_rows = 0
+                    and (bk.ref_rows >= self.reference_rows or self._reference_decided(bk)):
+                bk.ref_rows = 0  # a refresh (the last run ended): its rows are counted again
             bk.forced_left = due
         if bk.forced_left > 0:
             bk.forced_left -= 1
