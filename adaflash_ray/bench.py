@@ -95,8 +95,8 @@ ADAPTIVE_PREFIX = "adaflash-"  # + a registered length policy with a head (LENGT
 SOURCE_METHODS = {"ngram": ("ngram",), "suffix": ("suffix",), "hybrid": ("dflash", "suffix")}
 NO_DRAFTER = ("ar", "ngram", "suffix")
 #: fixed γ = block_size-1 with the drafter's argmax block verified as a point-mass q at temperature > 0 (lossless),
-#: against ``dflash``'s block sampled position by position from the drafter's q (z-lab/dflash PR #169: independent
-#: per-position samples can wreck whole blocks); at temperature 0 the two are the same
+#: whatever the recipe's ``engine.argmax_drafts`` says (z-lab/dflash PR #169: independent per-position samples can
+#: wreck whole blocks); at temperature 0 every method drafts the argmax
 ARGMAX_METHOD = "dflash-argmax"
 #: the same with the block sampled position by position from q (``argmax_drafts`` off) - the recipe's
 #: ``engine.argmax_drafts`` (on by default) decides which of the two ``dflash`` and the adaptive methods run

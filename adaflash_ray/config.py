@@ -255,7 +255,8 @@ class EngineConfig(_Section):
     propose_first: bool = False
     # at temperature > 0 the drafter's block is its argmax, verified as a point-mass q (lossless:
     # docs/design/ALGORITHMS.md §4.2; z-lab/dflash PR #169: position-wise samples of q wreck whole blocks); false = one
-    # sample per block position from q (the bench's `dflash-sampled` measures the two against each other)
+    # sample per block position from q (the bench's `dflash-sampled` measures the two against each other); the
+    # built-in engine's (engine.backend torch): SGLang drafts as it does
     argmax_drafts: bool = True
 
 

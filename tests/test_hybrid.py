@@ -400,6 +400,18 @@ def test_recipe_argmax_drafts_reach_the_engine(tiny_target):
     assert SpecEngine.from_config(on, models=models, max_seq_len=64, argmax_drafts=False).runner.argmax_drafts is False
 
 
+@pytest.mark.parametrize("argmax", [True, False])
+def test_argmax_drafts_allocate_no_q_buffer(tiny_target, argmax):
+    """With ``argmax_drafts`` a sampled request's blocks are point masses: the runner never allocates the drafter's
+    ``[slots, max_draft, V]`` float32 q buffer (sampled drafts do, at their first sampled step)."""
+    drafter, _ = make_drafter(tiny_target, block_size=4, policy="fixed")
+    eng = SpecEngine(tiny_target, drafter, None, policy="fixed", max_batch_size=2, max_seq_len=64, seed=3,
+                     argmax_drafts=argmax)
+    reqs = eng.generate(_prompts(2), SamplingParams(max_new_tokens=8, temperature=0.8, ignore_eos=True))
+    assert all(len(r.output_ids) == 8 for r in reqs) and eng.stats.num_drafted > 0
+    assert (eng.runner.draft_probs is None) == argmax
+
+
 def test_recipe_source_guard_reference_rows_reach_the_guard(tiny_target):
     """``engine.source_guard_reference_rows`` (0 by default: reference runs of ``min_samples`` steps) becomes the
     source guard's ``reference_rows``, with the early stop of :data:`SOURCE_GUARD_REFERENCE_STOP` beside it."""

@@ -544,7 +544,8 @@ def test_reference_rows_make_the_reference_run_hold_that_many_rows():
 def test_reference_stop_ends_a_reference_far_slower_than_the_policy(ref_tokens, expect):
     """``reference_stop``: a reference run of ``reference_rows`` ends after ``min_samples`` steps once its rate is
     below ``reference_stop x`` the policy's (1 token per ms against the policy's 2: 3 steps, not 8), and a refresh
-    after such a run starts a run of its own; a reference as fast as the policy (2 per ms) runs its full rows."""
+    after such a run starts a run of its own, judged by its own samples; a reference as fast as the policy (2 per ms)
+    runs its full rows."""
     g = ThroughputGuard([1], min_samples=3, min_rows=0, reference_rows=8, reference_stop=0.7, ar_refresh_steps=20)
     for _ in range(3):
         assert not g.force_ar(1)
@@ -558,6 +559,11 @@ def test_reference_stop_ends_a_reference_far_slower_than_the_policy(ref_tokens, 
         assert g.buckets[0].ref_rows == expect
         for _ in range(20):
             g.record(1, True, 4, 2.0)
+    n = 0  # the block as fast as the policy now: the refresh judges its own samples, not the slow runs' average
+    while g.force_ar(1):
+        n += 1
+        g.record(1, False, 2, 1.0)
+    assert n == 8, n
     for bad in (-0.1, 1.0):
         with pytest.raises(ValueError, match="reference_stop"):
             ThroughputGuard([1], reference_stop=bad)

@@ -334,7 +334,9 @@ class ModelRunner:
         return min(-(-need // quantum) * quantum, self.max_seq_len)
 
     def _ensure_sampling(self) -> None:
-        if self.draft_probs is None and self.drafter is not None:
+        """The drafter's q buffer at the first sampled step (none with ``argmax_drafts``: every block is a point
+        mass, never sampled from q)."""
+        if self.draft_probs is None and self.drafter is not None and not self.argmax_drafts:
             v = self.target.config.vocab_size
             # max_draft columns (>= bs-1): a step whose lookup rows are wider than the block reads zeros past it
             self.draft_probs = torch.zeros(self.num_slots, self.max_draft, v, dtype=torch.float32,

@@ -71,6 +71,9 @@ class _Bucket:
     trial_rows: int = 0  # ... holding min_rows live rows between them
     since_ar: int = 0  # this bucket's steps since its last AR sample
     ref_rows: int = 0  # live rows of the AR samples since the current reference run began (reference_rows)
+    run_tokens: float = 0.0  # the current reference run's own samples (reference_stop): tokens per row, ms, steps
+    run_ms: float = 0.0
+    run_steps: int = 0
     num_backoffs: int = 0
     num_forced: int = 0  # forced steps taken (back-offs and AR samples)
 
@@ -146,12 +149,18 @@ class ThroughputGuard:
         return 0
 
     def _reference_decided(self, bk: _Bucket) -> bool:
-        """Whether ``bk``'s reference, with ``min_samples`` samples, is already below ``reference_stop x`` its policy's
-        rate (``reference_stop``: the run ends before ``reference_rows``)."""
-        if not self.reference_stop or bk.ar.num_samples < self.min_samples:
+        """Whether ``bk``'s current reference run, with ``min_samples`` samples of its own, is already below
+        ``reference_stop x`` its policy's rate (``reference_stop``: the run ends before ``reference_rows``). The run's
+        own samples, not the reference's moving average: a refresh judges the block as it runs now."""
+        if not self.reference_stop or bk.run_steps < self.min_samples or bk.run_ms <= 0:
             return False
-        ar, policy = bk.ar.per_ms, bk.policy.per_ms
-        return ar is not None and policy is not None and ar < self.reference_stop * policy
+        policy = bk.policy.per_ms
+        return policy is not None and bk.run_tokens / bk.run_ms < self.reference_stop * policy
+
+    @staticmethod
+    def _new_run(bk: _Bucket) -> None:
+        """A reference run begins: its rows and its own samples count from zero."""
+        bk.ref_rows, bk.run_tokens, bk.run_ms, bk.run_steps = 0, 0.0, 0.0, 0
 
     def would_force(self, batch_size: int) -> bool:
         """Whether :meth:`force_ar` would force the next step at ``batch_size`` now - a look ahead that changes
@@ -180,7 +189,7 @@ class ThroughputGuard:
             due = self._reference_due(bk)
             if due and self.reference_rows and bk.ar.num_samples >= self.min_samples \
                     and (bk.ref_rows >= self.reference_rows or self._reference_decided(bk)):
-                bk.ref_rows = 0  # a refresh (the last run ended): its rows are counted again
+                self._new_run(bk)  # a refresh (the last run ended): its rows are counted again
             bk.forced_left = due
         if bk.forced_left > 0:
             bk.forced_left -= 1
@@ -198,6 +207,7 @@ class ThroughputGuard:
         if not policy_step:
             bk.ar.add(tokens, ms, min(self.decay, rows / self.reference_rows) if self.reference_rows else self.decay)
             bk.ref_rows += rows
+            bk.run_tokens, bk.run_ms, bk.run_steps = bk.run_tokens + tokens, bk.run_ms + ms, bk.run_steps + 1
             bk.since_ar = 0
             return
         bk.policy.add(tokens, ms, min(self.decay, rows / self.min_rows) if self.min_rows else self.decay)
@@ -236,7 +246,8 @@ class ThroughputGuard:
         for bk in self.buckets:
             bk.policy = _Rate()
             if reference:
-                bk.ar, bk.since_ar, bk.ref_rows = _Rate(), 0, 0
+                bk.ar, bk.since_ar = _Rate(), 0
+                self._new_run(bk)
 
     def state(self) -> dict[str, dict]:
         """Per bucket (its batch size, as a string): ``ar_tokens_per_ms``, ``policy_tokens_per_ms`` (committed tokens
