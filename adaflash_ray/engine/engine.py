@@ -240,24 +240,23 @@ class SpecEngine:
             the planner's own realised-cost pricing (:meth:`~adaflash_ray.engine.hybrid.HybridPlanner.observe_step`)
             and its acceptance calibration already price a propose as it runs.
         source_guard: with the throughput guard, the hybrid with the drafter and a lookup source (not under
-            ``propose_first``) also gets a guard over its regime (``self.source_guard``): planned steps (the
-            planner's per-request sources, the lookups, the plan's host work) against block-only steps - every row
-            verifies its pending drafter block at the full γ = block_size - 1 and the step proposes the next, with
-            no plan and no lookup proposed, as the ``fixed`` policy's DFlash engine steps (a row without a pending
-            block verifies the lookup proposal it has: :meth:`_block_only`). Per batch bucket, where the planned
-            steps' realised committed tokens per row per ms fall below (1 - margin) x the block-only steps', it forces
-            block-only steps for a doubling back-off, then lets the planner run a trial again; a block-only reference
-            run is forced once the planned steps have a record and again every ``ar_refresh_steps`` of the
-            bucket's steps: one forced step at a time until its steps hold ``source_guard_reference_rows`` live rows
-            (at one row a block-only step commits 1 to 16 tokens: a few steps are a noisy reference), or earlier where
-            after ``min_samples`` steps the block alone runs at less than :data:`SOURCE_GUARD_REFERENCE_STOP` x the
-            planned steps' rate (:class:`~adaflash_ray.engine.throughput_guard.ThroughputGuard` ``reference_rows``,
-            ``reference_stop``; 0 rows = a run of ``min_samples`` steps). So the hybrid is not slower than its drafter's block alone
-            where the plan's host time and lookups do not pay for themselves. Only steps of the same regime as the
-            step before count (a regime's first step verifies what the other left pending). A new batch keeps the
-            back-off (one request after another at one row would otherwise rerun the trial each time); a drafter
-            reload ends it and forgets both regimes' records (the block-only steps' measured the old drafter too).
-            False = off.
+            ``propose_first``) also gets a guard over its regime (``self.source_guard``): planned steps (the planner's
+            per-request sources, the lookups, the plan's host work) against block-only steps - every row verifies its
+            pending drafter block at the full γ = block_size - 1 and the step proposes the next, with no plan and no
+            lookup proposed, as the ``fixed`` policy's DFlash engine steps (a row without a pending block verifies the
+            lookup proposal it has: :meth:`_block_only`). Per batch bucket, where the planned steps' realised committed
+            tokens per row per ms fall below (1 - margin) x the block-only steps', it forces block-only steps for a
+            doubling back-off, then lets the planner run a trial again; a block-only reference run is forced once the
+            planned steps have a record and again every ``ar_refresh_steps`` of the bucket's steps: one forced step at a
+            time until its steps hold ``source_guard_reference_rows`` live rows (at one row a block-only step commits 1
+            to 16 tokens: a few steps are a noisy reference), or earlier where after ``min_samples`` steps the block
+            alone runs at less than :data:`SOURCE_GUARD_REFERENCE_STOP` x the planned steps' rate
+            (:class:`~adaflash_ray.engine.throughput_guard.ThroughputGuard` ``reference_rows``, ``reference_stop``; 0
+            rows = a run of ``min_samples`` steps). So the hybrid is not slower than its drafter's block alone where the
+            plan's host time and lookups do not pay for themselves. Only steps of the same regime as the step before
+            count (a regime's first step verifies what the other left pending). A new batch keeps the back-off (one
+            request after another at one row would otherwise rerun the trial each time); a drafter reload ends it and
+            forgets both regimes' records (the block-only steps' measured the old drafter too). False = off.
         objective: what the draft sources' planner maximises. ``"throughput"``: expected committed tokens per ms of
             the whole batch step, every request's tokens alike. ``"drain"``: the same while requests wait for a slot;
             with none waiting, the running batch ends with its slowest request, so a request whose tokens left fit
@@ -510,8 +509,8 @@ class SpecEngine:
                 throughput_guard: default ``cfg.engine.throughput_guard``; propose_first: default
                 ``cfg.engine.propose_first`` where the sources are the hybrid's, which then puts ``"auto"`` lookups on
                 the device; makespan_guard: default ``cfg.engine.makespan_guard`` for an engine with the throughput
-                guard, else off; source_guard, source_guard_reference_rows: default ``cfg.engine``'s; argmax_drafts: default
-                ``cfg.engine.argmax_drafts``; prefill_buckets,
+                guard, else off; source_guard, source_guard_reference_rows, argmax_drafts: default ``cfg.engine``'s;
+                prefill_buckets,
                 defer_first_block: default ``cfg.engine``'s, where None = on when ``cfg.model.device`` is CUDA).
         Raises:
             ValueError / CheckpointError: as the constructor and the model builders.

@@ -1,17 +1,17 @@
 """SimClock: run the engine's real decoding against another machine's step costs.
 
 The drafting policies (the ``cost`` policy, :class:`~adaflash_ray.engine.hybrid.HybridPlanner`, the guards of
-:mod:`adaflash_ray.engine.throughput_guard`) decide from acceptance - what the target and the drafter really do on
-the text - and from step costs. On a machine without the GPU they are meant for, the acceptance is the same (the same
-weights in the same dtype, greedy verification: run the target in the GPU's dtype, ``--set model.dtype=bfloat16``,
-as a drafter trained on bf16 target features accepts fewer drafts over float32 ones) but every step cost is wrong by
-two orders of magnitude, and in the wrong proportions (a CPU's verify grows with its width, a GPU's hardly does). A :class:`SimClock` keeps the real decoding and replaces
-the clock: every device call of the engine's :class:`~adaflash_ray.engine.runner.ModelRunner` advances it by what
-that call costs in a step cost table measured on the GPU (the ``cost_table`` a GPU bench row or
-:meth:`SpecEngine.calibrate_costs` reports), and the engine's own host work between the device calls (planning,
-records, commits; on a GPU it does not overlap the step) advances it by its real elapsed time, times ``host_scale``.
-The engine reads that clock for its step timings, its guards and the planner's realised costs, so policies can be
-compared on a CPU at GPU prices: tokens per simulated second.
+:mod:`adaflash_ray.engine.throughput_guard`) decide from acceptance - what the target and the drafter really do on the
+text - and from step costs. On a machine without the GPU they are meant for, the acceptance is the same (the same
+weights in the same dtype, greedy verification: run the target in the GPU's dtype, ``--set model.dtype=bfloat16``, as a
+drafter trained on bf16 target features accepts fewer drafts over float32 ones) but every step cost is wrong by two
+orders of magnitude, and in the wrong proportions (a CPU's verify grows with its width, a GPU's hardly does). A
+:class:`SimClock` keeps the real decoding and replaces the clock: every device call of the engine's
+:class:`~adaflash_ray.engine.runner.ModelRunner` advances it by what that call costs in a step cost table measured on
+the GPU (the ``cost_table`` a GPU bench row or :meth:`SpecEngine.calibrate_costs` reports), and the engine's own host
+work between the device calls (planning, records, commits; on a GPU it does not overlap the step) advances it by its
+real elapsed time, times ``host_scale``. The engine reads that clock for its step timings, its guards and the planner's
+realised costs, so policies can be compared on a CPU at GPU prices: tokens per simulated second.
 
 The model of one device call (milliseconds):
 

@@ -102,8 +102,8 @@ class ThroughputGuard:
             its rate has fallen below ``reference_stop x`` the policy's (a sequential test: a reference far slower
             than the policy is not worth its full run; 0 = never early).
     Raises:
-        ValueError: empty / unsorted ``batch_sizes``, ``margin`` outside [0, 1), ``decay`` outside (0, 1], a count
-            < 1 or ``min_rows`` < 0.
+        ValueError: empty / unsorted ``batch_sizes``, ``margin`` or ``reference_stop`` outside [0, 1), ``decay``
+            outside (0, 1], a count < 1, ``min_rows`` or ``reference_rows`` < 0.
     """
 
     def __init__(self, batch_sizes: list[int], *, margin: float = 0.02, min_samples: int = 3, backoff_steps: int = 16,
