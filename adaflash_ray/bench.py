@@ -11,7 +11,7 @@ real shape (the verify-cost table a cost-aware length policy needs).
 
 Real-model mode. Methods: ``ar``, ``dflash`` (fixed γ = block_size-1), ``dflash-argmax`` / ``dflash-sampled`` (the same
 with the drafter's argmax block, a point-mass q, / with its block sampled position by position from q, at
-``--temperature`` > 0; the others follow the recipe's ``engine.argmax_drafts``, argmax by default), ``adaflash-direct``
+``--temperature`` > 0; the others follow the recipe's ``engine.argmax_drafts``, sampled by default), ``adaflash-direct``
 (the ``direct`` length head), ``adaflash-cost`` (the ``cost`` policy: acceptance head + this engine's measured step
 costs; needs a drafter trained with it), ``ngram`` (prompt lookup drafts in each request's own context, no drafter),
 ``suffix`` (the same plus a per-engine corpus of earlier requests, SuffixDecoding arXiv 2411.04975; seeded with the AR
@@ -97,7 +97,7 @@ NO_DRAFTER = ("ar", "ngram", "suffix")
 #: wreck whole blocks); at temperature 0 every method drafts the argmax
 ARGMAX_METHOD = "dflash-argmax"
 #: the same with the block sampled position by position from q (``argmax_drafts`` off) - the recipe's
-#: ``engine.argmax_drafts`` (on by default) decides which of the two ``dflash`` and the adaptive methods run
+#: ``engine.argmax_drafts`` (off by default) decides which of the two ``dflash`` and the adaptive methods run
 SAMPLED_METHOD = "dflash-sampled"
 #: a method name + this suffix: the same engine with its realised-throughput guard off (SpecEngine
 #: ``throughput_guard=False``; adaflash_ray/engine/throughput_guard.py), for the methods that have one (the ``cost``

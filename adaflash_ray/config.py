@@ -253,11 +253,12 @@ class EngineConfig(_Section):
     # verifies it, only where the planner chooses it (SpecEngine propose_first; its lookups then run on the device,
     # on CPU too); false = the block proposed one step ahead
     propose_first: bool = False
-    # at temperature > 0 the drafter's block is its argmax, verified as a point-mass q (lossless:
-    # docs/design/ALGORITHMS.md §4.2; z-lab/dflash PR #169: position-wise samples of q wreck whole blocks); false = one
-    # sample per block position from q (the bench's `dflash-sampled` measures the two against each other); the
-    # built-in engine's (engine.backend torch): SGLang drafts as it does
-    argmax_drafts: bool = True
+    # true: at temperature > 0 the drafter's block is its argmax, verified as a point-mass q (lossless:
+    # docs/design/ALGORITHMS.md §4.2; z-lab/dflash PR #169 reports position-wise samples of q wrecking whole blocks);
+    # false: one sample per block position from q, accepted with min(1, p / q). Which pays depends on how close q is
+    # to the target's p (a point mass is accepted with p(argmax q), a sample of q with sum min(p, q)): the bench's
+    # `dflash-argmax` / `dflash-sampled` measure the two; the built-in engine's (engine.backend torch)
+    argmax_drafts: bool = False
 
 
 class DistillConfig(_Section):

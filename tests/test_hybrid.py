@@ -386,14 +386,14 @@ def test_argmax_drafter_blocks_follow_the_target():
 
 
 def test_recipe_argmax_drafts_reach_the_engine(tiny_target):
-    """``engine.argmax_drafts`` (on by default) reaches the engines ``from_config`` builds; ``false`` in a recipe or
-    an explicit keyword samples the block from q instead."""
+    """``engine.argmax_drafts`` (off by default) reaches the engines ``from_config`` builds; ``true`` in a recipe
+    drafts the block's argmax, an explicit keyword overrides the recipe."""
     from adaflash_ray.config import load_recipe
 
     drafter, _ = make_drafter(tiny_target, block_size=4, policy="fixed")
     models = (tiny_target, drafter, None)
-    on = load_recipe("recipes/cpu_tiny.yaml", ["length_head.policy=fixed"])
-    off = load_recipe("recipes/cpu_tiny.yaml", ["length_head.policy=fixed", "engine.argmax_drafts=false"])
+    off = load_recipe("recipes/cpu_tiny.yaml", ["length_head.policy=fixed"])
+    on = load_recipe("recipes/cpu_tiny.yaml", ["length_head.policy=fixed", "engine.argmax_drafts=true"])
     assert on.engine.argmax_drafts is True and off.engine.argmax_drafts is False
     assert SpecEngine.from_config(on, models=models, max_seq_len=64).runner.argmax_drafts is True
     assert SpecEngine.from_config(off, models=models, max_seq_len=64).runner.argmax_drafts is False

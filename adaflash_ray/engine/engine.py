@@ -219,7 +219,7 @@ class SpecEngine:
             requests are added to it. lookup_max_ngram: the longest suffix n-gram the lookups match (tokens).
         argmax_drafts: at temperature > 0 the drafter's block is its argmax, verified as a point-mass q (lossless:
             docs/design/ALGORITHMS.md §4.2), instead of one independent sample per block position from q
-            (:meth:`from_config`: the recipe's ``engine.argmax_drafts``, on unless the recipe says otherwise).
+            (:meth:`from_config`: the recipe's ``engine.argmax_drafts``, off unless the recipe says otherwise).
         lookup_device: where the lookup sources run: ``"host"`` (per request per step, in Python:
             :mod:`adaflash_ray.drafting.lookup`), ``"device"`` (at the end of each step on the runner's device:
             :mod:`adaflash_ray.engine.device_lookup`; its corpus is a ring of ``lookup_corpus_tokens`` tokens, which
