@@ -122,6 +122,9 @@ REQUEST_CAL = "-request-cal"
 #: a method of :data:`GUARDED_METHODS` + this suffix: with SpecEngine ``makespan_guard=True`` (with no request
 #: waiting, AR steps where they end the running batch sooner than drafting, by each request's own record)
 MAKESPAN = "-makespan"
+#: ``<m>-makespan`` + this suffix: with SpecEngine ``makespan_lock=True`` (a decisive verdict for AR ends the running
+#: requests' drafting: their steps are then the AR engine's own, no history kept)
+LOCK = "-lock"
 #: ``hybrid`` (or any of its variants above) + this suffix: with SpecEngine ``source_guard=False`` (no block-only
 #: steps where the plan is slower than the drafter's block alone), against the default with it
 NO_SOURCE_GUARD = "-no-source-guard"
@@ -133,10 +136,10 @@ LONG_REFERENCE_ROWS = 32
 
 def base_method(method: str) -> str:
     """``method`` without :data:`UNGUARDED` / :data:`TABLE_COST` / :data:`BLOCK_GUARD` / :data:`DRAIN` /
-    :data:`PROPOSE_FIRST` / :data:`REQUEST_CAL` / :data:`MAKESPAN` / :data:`NO_SOURCE_GUARD` /
+    :data:`PROPOSE_FIRST` / :data:`REQUEST_CAL` / :data:`MAKESPAN` / :data:`LOCK` / :data:`NO_SOURCE_GUARD` /
     :data:`LONG_REFERENCE`."""
-    for suffix in (LONG_REFERENCE, NO_SOURCE_GUARD, MAKESPAN, REQUEST_CAL, UNGUARDED, TABLE_COST, BLOCK_GUARD, DRAIN,
-                   PROPOSE_FIRST):
+    for suffix in (LONG_REFERENCE, NO_SOURCE_GUARD, LOCK, MAKESPAN, REQUEST_CAL, UNGUARDED, TABLE_COST, BLOCK_GUARD,
+                   DRAIN, PROPOSE_FIRST):
         method = method.removesuffix(suffix)
     return method
 
@@ -157,13 +160,15 @@ def known_methods() -> list[str]:
     """``ar``, ``dflash``, ``dflash-argmax``, ``dflash-sampled``, ``adaflash-<policy>`` for every registered policy
     with a trained head, ``ngram``, ``suffix``, ``hybrid``, ``hf-generate``, ``<m>-unguarded`` for the methods with a
     throughput guard, ``hybrid-table-cost``, ``hybrid-block-guard``, ``hybrid-drain``, ``hybrid-propose-first``,
-    ``hybrid-request-cal``, ``hybrid-drain-request-cal``, ``<m>-makespan`` for the methods with a throughput
-    guard, and ``<m>-no-source-guard`` and ``<m>-long-reference`` for ``hybrid`` and ``hybrid-makespan``."""
+    ``hybrid-request-cal``, ``hybrid-drain-request-cal``, ``<m>-makespan`` and ``<m>-makespan-lock`` for the methods
+    with a throughput guard, and ``<m>-no-source-guard`` and ``<m>-long-reference`` for ``hybrid`` and
+    ``hybrid-makespan``."""
     adaptive = [ADAPTIVE_PREFIX + name for name, spec in LENGTH_POLICIES.items() if spec.head is not None]
     return ["ar", "dflash", ARGMAX_METHOD, SAMPLED_METHOD, *adaptive, *SOURCE_METHODS, HF_METHOD,
             *[m + UNGUARDED for m in GUARDED_METHODS], "hybrid" + TABLE_COST, "hybrid" + BLOCK_GUARD,
             "hybrid" + DRAIN, "hybrid" + PROPOSE_FIRST, "hybrid" + REQUEST_CAL, "hybrid" + DRAIN + REQUEST_CAL,
-            *[m + MAKESPAN for m in GUARDED_METHODS], "hybrid" + NO_SOURCE_GUARD,
+            *[m + MAKESPAN for m in GUARDED_METHODS], *[m + MAKESPAN + LOCK for m in GUARDED_METHODS],
+            "hybrid" + NO_SOURCE_GUARD,
             "hybrid" + MAKESPAN + NO_SOURCE_GUARD, "hybrid" + LONG_REFERENCE, "hybrid" + MAKESPAN + LONG_REFERENCE]
 
 
@@ -427,8 +432,11 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                     extra["objective"] = "drain"
                 if v.endswith(REQUEST_CAL):
                     extra["request_calibration"] = True
+                lock = v.endswith(MAKESPAN + LOCK)
+                v = v.removesuffix(LOCK)
                 if base_method(method) in GUARDED_METHODS and not v.endswith(UNGUARDED):
                     extra["makespan_guard"] = v.endswith(MAKESPAN)  # the method says, never the recipe
+                    extra["makespan_lock"] = lock
                 if base_method(method) == "hybrid":  # the method says which hybrid, never the recipe's knobs
                     extra["source_guard"] = not method.endswith(NO_SOURCE_GUARD)
                     extra["source_guard_reference_rows"] = LONG_REFERENCE_ROWS if method.endswith(LONG_REFERENCE) else 0

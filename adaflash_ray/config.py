@@ -233,6 +233,9 @@ class EngineConfig(_Section):
     # own committed tokens per drafting step and the throughput guard's step ms (SpecEngine makespan_guard); engines
     # without the throughput guard (no cost policy) ignore it
     makespan_guard: bool = False
+    # with makespan_guard: a verdict for AR decisive by the requests' own records ends their drafting - the rest of
+    # them runs as the AR engine's own steps, no feature or lookup history kept (SpecEngine makespan_lock)
+    makespan_lock: bool = False
     # the hybrid (the drafter and a lookup source, the throughput guard on): block-only steps - every row its drafter
     # block at the full γ, no lookup, no plan - where the planned steps' realised tokens per ms fall below theirs
     # (SpecEngine source_guard); other engines ignore it

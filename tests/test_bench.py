@@ -285,32 +285,61 @@ def test_model_mode_sampled_with_argmax_drafts(capsys):
     assert main(["--methods", "ar", HF_METHOD, "--temperature", "0.5", "--num-prompts", "1", "--concurrency", "1"]) == 2
 
 
+def _sim_bench(tmp_path, note, methods: list[str], extra: list[str] = ()) -> int:
+    """The bench on one chat prompt of 4 tokens at concurrency 1 under a simulated clock (a cost table for the default
+    CPU recipe - block_size 4: γ 1..3; lookups of width 1..16 - so no calibration), ``note(kwargs, engine)`` called
+    with every engine it builds; its exit status."""
+    import adaflash_ray.bench as bench_mod
+
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"batch_sizes": [1], "costs_ms": [[1.5] * 3], "ar_costs_ms": [1.0],
+                                 "lookup_costs_ms": [[1.0] + [1.2] * 15], "context_len": 128}))
+    real = bench_mod.SpecEngine.from_config
+
+    def from_config(cfg, **kw):
+        eng = real(cfg, **kw)
+        note(kw, eng)
+        return eng
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench_mod.SpecEngine, "from_config", from_config)
+        return main(["--concurrency", "1", "--num-prompts", "1", "--max-new-tokens", "4", "--domains", "chat",
+                     "--methods", *methods, "--sim-costs", str(table), *extra])
+
+
 def test_long_reference_variant_sets_the_source_guards_reference_rows(capsys, tmp_path):
     """``hybrid-long-reference``: the hybrid whose source guard's reference runs hold LONG_REFERENCE_ROWS rows; plain
     ``hybrid`` keeps the default runs (0), whatever the recipe says (a simulated clock: no calibration)."""
     import adaflash_ray.bench as bench_mod
 
-    table = tmp_path / "table.json"
-    # a cost table for the default CPU recipe (block_size 4: γ 1..3; lookups of width 1..16)
-    table.write_text(json.dumps({"batch_sizes": [1], "costs_ms": [[1.5] * 3], "ar_costs_ms": [1.0],
-                                 "lookup_costs_ms": [[1.0] + [1.2] * 15], "context_len": 128}))
-
     seen = {}
-    real = bench_mod.SpecEngine.from_config
 
-    def from_config(cfg, **kw):
-        eng = real(cfg, **kw)
+    def note(kw, eng):
         if eng.source_guard is not None:
             seen[kw["source_guard_reference_rows"]] = eng.source_guard.reference_rows
-        return eng
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(bench_mod.SpecEngine, "from_config", from_config)
-        rc = main(["--concurrency", "1", "--num-prompts", "1", "--max-new-tokens", "4", "--domains", "chat",
-                   "--methods", "ar", "hybrid", "hybrid-long-reference", "--sim-costs", str(table)])
-    assert rc == 0
+    assert _sim_bench(tmp_path, note, ["ar", "hybrid", "hybrid-long-reference"]) == 0
     assert seen == {0: 0, bench_mod.LONG_REFERENCE_ROWS: bench_mod.LONG_REFERENCE_ROWS}
     rows = {r["method"]: r for r in _last_json(capsys)["rows"]}
     assert rows["hybrid-long-reference"]["lossless"] is True
+
+
+def test_makespan_lock_variants_set_the_lock(capsys, tmp_path):
+    """``<m>-makespan-lock``: the makespan guard with SpecEngine ``makespan_lock`` (``-makespan`` without it, plain
+    ``hybrid`` neither, whatever the recipe says); listed among the known methods, its base method the guarded one."""
+    import adaflash_ray.bench as bench_mod
+
+    assert {"hybrid-makespan-lock", "adaflash-cost-makespan-lock"} <= set(bench_mod.known_methods())
+    assert bench_mod.base_method("hybrid-makespan-lock") == "hybrid"
+    assert bench_mod.base_method("adaflash-cost-makespan-lock") == "adaflash-cost"
+    seen = {}
+
+    def note(kw, eng):
+        if eng.planner is not None:
+            seen[(eng.makespan_guard, eng.makespan_lock)] = seen.get((eng.makespan_guard, eng.makespan_lock), 0) + 1
+    methods = ["ar", "hybrid", "hybrid-makespan", "hybrid-makespan-lock"]
+    assert _sim_bench(tmp_path, note, methods, ["--set", "engine.makespan_lock=true"]) == 0
+    assert seen == {(False, False): 1, (True, False): 1, (True, True): 1}
+    rows = {r["method"]: r for r in _last_json(capsys)["rows"]}
+    assert rows["hybrid-makespan-lock"]["lossless"] is True
 
 
 @pytest.mark.parametrize("flags, want", [([], None), (["--lookup-device", "host"], {"lookup_device": "host"}),

@@ -18,6 +18,7 @@ import torch
 from conftest import greedy_reference, make_drafter
 
 from adaflash_ray.engine import SamplingParams, SpecEngine, SpecStats
+from adaflash_ray.engine.runner import StepKey
 from adaflash_ray.engine.stats import STEP_KINDS
 from adaflash_ray.engine.throughput_guard import ThroughputGuard
 
@@ -567,3 +568,62 @@ def test_reference_stop_ends_a_reference_far_slower_than_the_policy(ref_tokens, 
     for bad in (-0.1, 1.0):
         with pytest.raises(ValueError, match="reference_stop"):
             ThroughputGuard([1], reference_stop=bad)
+
+
+def test_makespan_lock_ends_drafting_with_plain_ar_steps(tiny_target):
+    """``makespan_lock``: the random drafter's decisive verdicts for AR lock the running requests; from then on every
+    step is the runner's plain AR step (counted in ``num_plain_steps``; ``gamma0`` steps of the makespan guard) that
+    writes neither the feature history nor the device lookup's token history, and the greedy outputs are AR's. The
+    lock needs the makespan guard, and an engine recording features cannot have it."""
+    with pytest.raises(ValueError, match="makespan_lock needs makespan_guard"):
+        _engine(tiny_target, makespan_lock=True)
+    with pytest.raises(ValueError, match="record_features"):
+        _engine(tiny_target, makespan_guard=True, makespan_lock=True, record=True)
+    prompts = _prompts()
+    eng = _engine(tiny_target, makespan_guard=True, makespan_lock=True, draft_sources=("dflash", "suffix"),
+                  lookup_device="device")
+    eng.clock = eng.runner.clock = FakeClock(eng, ar_ms=1.0, draft_ms=3.0)
+    eng.runner.length_policy.set_costs([1, 2, 3], torch.ones(3, 7), torch.full((3,), 100.0))
+    plain_calls = []
+    real_step_fn = eng.runner._step_fn
+
+    def step_fn(*key):
+        plain_calls.append(StepKey(*key).plain)
+        return real_step_fn(*key)
+    eng.runner._step_fn = step_fn
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=90, ignore_eos=True)) for p in prompts]
+    while not all(r.ar_locked for r in reqs):
+        assert eng.has_unfinished()
+        eng.step()
+    assert not any(plain_calls)  # nothing plain before the lock
+    feat, hist = eng.runner.feat_hist.clone(), eng.runner.lookup.history.clone()
+    before = eng.stats.copy()
+    eng.step()
+    delta = eng.stats - before
+    assert plain_calls[-1] and delta.num_plain_steps == delta.num_makespan_steps == delta.kind_steps["gamma0"] == 1
+    assert torch.equal(eng.runner.feat_hist, feat) and torch.equal(eng.runner.lookup.history, hist)
+    while eng.has_unfinished():
+        eng.step()
+    st = eng.stats
+    assert st.num_plain_steps > 1 and st.timing()["num_plain_steps"] == st.num_plain_steps
+    assert st.num_plain_steps == sum(plain_calls)
+    for r, p in zip(reqs, prompts):
+        assert r.output_ids == greedy_reference(tiny_target, p, 90)
+
+
+def test_plain_step_is_an_ar_step(tiny_target):
+    """``ModelRunner.step(plain=True)`` refuses a speculative step or lookups (ValueError); the recipe's
+    ``engine.makespan_lock`` reaches the engines that have the makespan guard, never one recording features."""
+    from adaflash_ray.config import load_recipe
+
+    eng = _engine(tiny_target)
+    with pytest.raises(ValueError, match="plain step is an AR step"):
+        eng.runner.step([0], [1], [3], [0], True, plain=True)
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
+    cfg = load_recipe("recipes/cpu_tiny.yaml", ["length_head.policy=cost", "engine.makespan_guard=true",
+                                                "engine.makespan_lock=true"])
+    kw = dict(models=(tiny_target, drafter, head), max_seq_len=128)
+    built = SpecEngine.from_config(cfg, **kw)
+    assert built.makespan_guard and built.makespan_lock
+    assert not SpecEngine.from_config(cfg, **kw, record=True).makespan_lock
+    assert not SpecEngine.from_config(cfg, **kw, makespan_guard=False).makespan_lock

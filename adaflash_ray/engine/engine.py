@@ -164,6 +164,7 @@ class _Batch(NamedTuple):
     propose_first: bool = False  # the step proposes its own block before the verify (SpecEngine propose_first)
     batch_size: int = 0  # max(slot) + 1 (the cost table's and the throughput guard's batch size)
     blocks: bool = False  # some row has a pending drafter block (the planner scores it on other sources' steps)
+    plain: bool = False  # every row locked out of drafting (makespan_lock): the runner's plain AR step
     slots: list[int] | None = None  # the requests' KV slots, host ints (None: read from the requests)
     # with propose: the step computes its new blocks' E[committed | γ] (False: a block-only step whose next step is
     # block-only too - it verifies them at the full γ - skips the acceptance head; the rows' pending blocks then carry
@@ -298,6 +299,14 @@ class SpecEngine:
             record of its own counts at their 1 / (n + 1) quantile, n the running requests without one (the expected
             slowest of n such requests), and the first verdict comes at once. A request the drafts serve worse than
             AR no longer holds a whole wave at drafting's step cost.
+        makespan_lock: with ``makespan_guard``, a verdict for AR decisive by the requests' own records (the one that
+            skips the trial) ends drafting for every running request: while all running requests are locked so, each
+            step is the AR engine's own (:meth:`ModelRunner.step` ``plain``: no target features captured, no feature
+            or device-lookup history written, no planner) - the γ = 0 step at AR's price, for a wave that will not
+            draft again. A request admitted later is not locked; a step holding both runs as usual (the locked
+            rows' histories then lack the plain steps' positions, which costs their drafts acceptance, never
+            correctness). Not with ``record`` and ``record_features`` (their trajectories' features come from that
+            history).
             Batch-level (the rows of one step share its width); one request: the throughput guard's comparison.
             False: off.
         prefill_buckets: prefills pad their prompts to length buckets and, on CUDA with graphs, replay one captured
@@ -312,7 +321,8 @@ class SpecEngine:
             among them without the ``cost`` policy, an unknown ``lookup_device`` or ``objective``;
             ``propose_first`` without ``"dflash"`` and a device lookup source in ``draft_sources``, or with
             ``block_guard``; ``request_calibration`` without a lookup source in ``draft_sources``;
-            ``makespan_guard`` without the throughput guard.
+            ``makespan_guard`` without the throughput guard; ``makespan_lock`` without ``makespan_guard`` or with
+            ``record`` and ``record_features``.
     """
 
     def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, length_head: torch.nn.Module | None,
@@ -324,7 +334,8 @@ class SpecEngine:
                  argmax_drafts: bool = False, lookup_device: str = "auto", lookup_corpus_tokens: int = 1 << 16,
                  throughput_guard: bool = True, block_guard: bool = False, compact_slots: bool = True,
                  objective: str = "throughput", clock=time.perf_counter, propose_first: bool = False,
-                 request_calibration: bool = False, makespan_guard: bool = False, prefill_buckets: bool = False,
+                 request_calibration: bool = False, makespan_guard: bool = False, makespan_lock: bool = False,
+                 prefill_buckets: bool = False,
                  source_guard: bool = True, source_guard_reference_rows: int = 0,
                  defer_first_block: bool = False):
         if objective not in OBJECTIVES:
@@ -457,6 +468,11 @@ class SpecEngine:
             raise ValueError("makespan_guard needs the throughput guard (the cost policy, alone or in the hybrid, with "
                              "throughput_guard and ar_steps on): its step costs come from that guard")
         self.makespan_guard = bool(makespan_guard)
+        if makespan_lock and not makespan_guard:
+            raise ValueError("makespan_lock needs makespan_guard: the lock follows its verdicts")
+        if makespan_lock and record and record_features:
+            raise ValueError("makespan_lock keeps no feature history in its AR steps: not with record_features")
+        self.makespan_lock = bool(makespan_lock)
         self.defer_first_block = bool(defer_first_block)
         # its back-off: AR steps still forced, the next back-off's factor, policy steps since the last verdict for AR;
         # the finished requests' own committed tokens per drafting step (the prior of a request without a record)
@@ -509,7 +525,8 @@ class SpecEngine:
                 throughput_guard: default ``cfg.engine.throughput_guard``; propose_first: default
                 ``cfg.engine.propose_first`` where the sources are the hybrid's, which then puts ``"auto"`` lookups on
                 the device; makespan_guard: default ``cfg.engine.makespan_guard`` for an engine with the throughput
-                guard, else off; source_guard, source_guard_reference_rows, argmax_drafts: default ``cfg.engine``'s;
+                guard, else off (and with it makespan_lock: ``cfg.engine.makespan_lock`` unless the engine records
+                features); source_guard, source_guard_reference_rows, argmax_drafts: default ``cfg.engine``'s;
                 prefill_buckets,
                 defer_first_block: default ``cfg.engine``'s, where None = on when ``cfg.model.device`` is CUDA).
         Raises:
@@ -537,6 +554,8 @@ class SpecEngine:
             (policy or lh.policy) == "cost" and drafter is not None  # the engines that get the throughput guard
         if cfg.engine.makespan_guard and guarded:
             kwargs.setdefault("makespan_guard", True)  # the recipe's, for an engine with the throughput guard
+        if kwargs.get("makespan_guard") and cfg.engine.makespan_lock and not (record and record_features):
+            kwargs.setdefault("makespan_lock", True)
         if cfg.engine.propose_first and "propose_first" not in kwargs and "dflash" in srcs and len(srcs) > 1:
             kwargs["propose_first"] = True  # the recipe's, for an engine that runs the hybrid
             if kwargs.get("lookup_device", "auto") == "auto":
@@ -804,6 +823,11 @@ class SpecEngine:
         and whether the step proposes the next block (the policy's probe schedule)."""
         _, running, slots, _, batch_size, fixed, any_own = self._running_state()
         n = len(running)
+        if spec and self.makespan_lock and all(r.ar_locked for r in running):
+            st = self.stats  # drafting ended for every running request: the AR engine's own step
+            st.num_makespan_steps += 1
+            st.num_plain_steps += 1
+            return _Batch(running, [0] * n, True, False, append=False, batch_size=batch_size, slots=slots, plain=True)
         if spec and self.makespan_guard and not any_own and self._makespan_prefers_ar(running, batch_size):
             self.stats.num_makespan_steps += 1
             return _Batch(running, [0] * n, True, False, append=False, batch_size=batch_size, slots=slots)
@@ -1048,7 +1072,11 @@ class SpecEngine:
             # a decisive verdict is taken again right after its back-off; a close one after a trial, and so is one
             # only the history's prior makes decisive (the trial gives the requests without a record their own: else
             # none of them would ever draft, nor join the history)
-            self._ms_trial = MAKESPAN_TRIAL if ar_h < MAKESPAN_DECISIVE * known_h else 0
+            decisive = ar_h < MAKESPAN_DECISIVE * known_h
+            self._ms_trial = MAKESPAN_TRIAL if decisive else 0
+            if decisive and self.makespan_lock:  # their drafting ends: the next steps are plain AR steps
+                for r in running:
+                    r.ar_locked = True
             return True
         self._ms_factor = 1
         return False
@@ -1114,11 +1142,13 @@ class SpecEngine:
         # a running request has committed its prefill's token: its last token is its output's last; its anchor
         # position is num_tokens - 1
         return self.runner.step(slots, [r.output_ids[-1] for r in reqs],
-                                [len(r.prompt_ids) + len(r.output_ids) - 1 for r in reqs], batch.draft_lens, batch.spec,
+                                [len(r.prompt_ids) + len(r.output_ids) - 1 for r in reqs], batch.draft_lens,
+                                batch.spec and not batch.plain,
                                 batch.propose, batch.host_drafts, batch.append, batch.lookup_rows, batch.lookup,
                                 block_match=batch.blocks, propose_first=batch.propose_first,
                                 overlap=self._flush_planner_record if self._planner_record is not None else None,
-                                **({} if batch.expected else {"expected": False}))
+                                **({} if batch.expected else {"expected": False}),
+                                **({"plain": True} if batch.plain else {}))
 
     def _flush_planner_record(self) -> None:
         """Run the last planned step's deferred planner record, if any (:meth:`HybridPlanner.record_later`)."""

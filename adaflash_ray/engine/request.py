@@ -110,6 +110,8 @@ class Request:
     # tokens it committed in them
     spec_steps: int = 0
     spec_tokens: int = 0
+    # SpecEngine makespan_lock: drafting ended for this request; its steps are the AR engine's own (no history kept)
+    ar_locked: bool = False
     admitted_step: int = 0  # the engine's decode-step count when the request was admitted (SpecEngine.num_steps)
     # with params.logprobs set: per output token its log-probability under the target's raw distribution
     # (log_softmax of the verify logits, before any processing - vLLM's default) and the top-k (token id, logprob),

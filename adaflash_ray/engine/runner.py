@@ -100,6 +100,8 @@ class StepKey(NamedTuple):
     anchors before the verify, which then checks it (``propose`` is then off: no block for the next step). expected:
     with a ``propose`` and an ``expected_fn`` (the planner's acceptance head), the step computes its block's
     E[committed | γ] (False: the block alone, as a step whose next step verifies it at a fixed γ needs no estimate).
+    plain: an AR step (``spec`` off) that keeps no history - no target features captured, no feature / hidden
+    history or device lookup history written: the AR engine's step exactly (:meth:`ModelRunner.step` ``plain``).
     """
 
     batch_size: int
@@ -113,6 +115,7 @@ class StepKey(NamedTuple):
     lookup: bool = False
     propose_first: bool = False
     expected: bool = True
+    plain: bool = False
 
 
 #: E[committed tokens] travel to the host as fixed-point integers in the step's one output buffer (int64)
@@ -509,7 +512,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step (graph body)
     def _step_fn(self, b: int, w: int, span: int, spec: bool, propose: bool = True, host_drafts: bool = False,
                  sampling: SamplingFlags = SamplingFlags(), append: bool = True, lookup: bool = False,
-                 propose_first: bool = False, expected: bool = True) -> None:
+                 propose_first: bool = False, expected: bool = True, plain: bool = False) -> None:
         """Rows 0..b-1, verify width w, keys 0..span-1. Reads in_ints / in_floats / in_uniforms / drafts; writes out,
         caches, histories, drafts, the output counts. ``spec`` without ``propose``: no block is proposed (an AR step
         of the ``cost`` policy's γ = 0, or a step that verifies only host drafts); with ``append`` the drafter
@@ -520,10 +523,11 @@ class ModelRunner:
         ``propose_first``: the drafter first proposes a block at each row's anchor (its context holds the positions
         before it), whose drafts this step verifies (rows flagged for host / lookup drafts keep theirs) and whose
         E[committed | γ] goes to ``out`` as a proposing step's would; ``expected`` False: a proposing step skips its
-        block's E[committed | γ] (the acceptance head). ``sampling`` says which processing the rows
-        need; window position j's penalty counts and min_tokens test include the drafts
-        d_1..d_j. Seeded rows verify against the target's own sample at their uniforms (drafter-invariant, see
-        :mod:`adaflash_ray.engine.sampling`). No host synchronisation (CUDA-graph safe)."""
+        block's E[committed | γ] (the acceptance head). ``plain`` (``spec`` off): no features captured and no history
+        written (feature, hidden, device lookup). ``sampling`` says which processing the rows need; window position
+        j's penalty counts and min_tokens test include the drafts d_1..d_j. Seeded rows verify against the target's
+        own sample at their uniforms (drafter-invariant, see :mod:`adaflash_ray.engine.sampling`). No host
+        synchronisation (CUDA-graph safe)."""
         dev = self.device
         ints = self.in_ints[:b]
         anchor, pos, gamma = ints[:, 0], ints[:, 1], ints[:, 2]
@@ -551,8 +555,8 @@ class ModelRunner:
         if self.argmax_drafts:  # every row's drafts are deterministic: the drafter's argmax or the host's
             point = torch.ones_like(pos, dtype=torch.bool)
         inp = torch.cat([anchor[:, None], d], 1)  # [B, W]
-        out = self.target(inp, positions, cache=self.kv, capture_layer_ids=self.layer_ids, span=span,
-                          rows_are_slots=True, logits_dtype=None, split_k=self.split_k)
+        out = self.target(inp, positions, cache=self.kv, capture_layer_ids=None if plain else self.layer_ids,
+                          span=span, rows_are_slots=True, logits_dtype=None, split_k=self.split_k)
         extra = window_counts(d, w, out.logits.shape[-1]) if penalties else None
         logits = adjust_logits(out.logits, rs, ar[None], extra)  # [B, W, V]
         live = ar[None, :g_max] < gamma[:, None]  # [B, Γ]
@@ -577,7 +581,7 @@ class ModelRunner:
             self.out[:b, self._cf_col] = same.long().cumprod(1).sum(1)
         if penalties:  # the committed tokens join the output counts (read by the next block's q and the next step)
             rs.counts.scatter_add_(1, committed, (ar[None] <= accepted[:, None]).to(rs.counts.dtype))
-        if self.lookup is not None:
+        if self.lookup is not None and not plain:
             self.lookup.write_committed(b, pos, committed, accepted)
             if lookup:  # the new context ends at the correction / bonus token, position pos + accepted + 1
                 h = min(span + 1, self.max_seq_len)
@@ -586,10 +590,10 @@ class ModelRunner:
         # the histories of rows 0..b-1 (= slots): one scatter along the position axis per history (an advanced-index
         # put would first build the broadcast index tensors)
         at = positions[:, :, None]  # [B, W, 1]
-        if self.feat_hist is not None:
+        if self.feat_hist is not None and not plain:
             f = out.features
             self.feat_hist[:b].scatter_(1, at.expand(-1, -1, f.shape[-1]), f.to(self.feat_hist.dtype))
-        if self.hid_hist is not None:
+        if self.hid_hist is not None and not plain:
             hd = out.last_hidden
             self.hid_hist[:b].scatter_(1, at.expand(-1, -1, hd.shape[-1]), hd.to(self.hid_hist.dtype))
         self.out[:b, :w] = committed
@@ -746,7 +750,7 @@ class ModelRunner:
              propose: bool = True, host_drafts: list[list[int] | None] | None = None,
              append: bool | None = None, lookup_rows: list[bool] | None = None, lookup: bool = False,
              block_match: bool = True, propose_first: bool = False,
-             overlap: Callable[[], None] | None = None, expected: bool = True) -> StepResult:
+             overlap: Callable[[], None] | None = None, expected: bool = True, plain: bool = False) -> StepResult:
         """One decoding step for the running requests in ``slots`` (each prefilled into its slot: the sampling
         settings are the ones :meth:`prefill` recorded).
 
@@ -779,10 +783,19 @@ class ModelRunner:
             expected: with ``propose`` and an ``expected_fn``, compute the new blocks' E[committed | γ]
                 (``StepResult.expected``); False skips the acceptance head (``expected`` is then None) - for a step
                 whose next step verifies the block at a γ fixed beforehand.
+            plain: an AR step (``spec`` off) that keeps no history for the drafter or the device lookup: no target
+                features captured, nothing written to the feature / hidden history or the lookup's token history -
+                the AR engine's step. The slots' histories then lack these positions: a later step that drafts for
+                them (a catch-up of the drafter context, a lookup proposal) reads what was there before, which
+                costs acceptance, never correctness (verification does not trust the drafts); for requests that
+                will not draft again (SpecEngine ``makespan_lock``).
         Raises:
             ValueError: drafter drafts to verify without a drafter, or host drafts shorter than their γ or longer
-                than ``max_draft``; ``lookup`` / ``lookup_rows`` without a device lookup.
+                than ``max_draft``; ``lookup`` / ``lookup_rows`` without a device lookup; ``plain`` with ``spec``,
+                host drafts or ``lookup``.
         """
+        if plain and (spec or lookup or host_drafts is not None or lookup_rows is not None):
+            raise ValueError("a plain step is an AR step: spec, host drafts and lookups are off")
         has_drafter = self.drafter is not None
         if propose_first and (propose or not spec or not has_drafter):
             raise ValueError("propose_first needs a speculative step with a drafter and propose=False")
@@ -844,8 +857,11 @@ class ModelRunner:
         self.in_floats[:b].copy_(self._floats_host[:b], non_blocking=True)
         if flags.seeded:
             self.in_uniforms[:b].copy_(self._uniforms_host[:b], non_blocking=True)
-        if spec and not (propose or append or use_host or propose_first) and w == 1:  # the cost policy's γ = 0 step: the AR step's
-            key = StepKey(b, w, span, False, has_drafter, False, flags, False, lookup)  # graph (same work, no capture)
+        if plain:  # the AR engine's own step: no capture, no history
+            key = StepKey(b, w, span, False, False, False, flags, False, False, plain=True)
+        elif spec and not (propose or append or use_host or propose_first) and w == 1:
+            # the cost policy's γ = 0 step: the AR step's graph (same work, no graph capture of its own)
+            key = StepKey(b, w, span, False, has_drafter, False, flags, False, lookup)
         else:
             key = StepKey(b, w, span, spec, propose, use_host and spec, flags, append, lookup, propose_first,
                           expected or not (spec and propose) or self.expected_fn is None)

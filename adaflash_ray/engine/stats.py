@@ -76,6 +76,7 @@ class SpecStats:
     num_source_guard_steps: int = 0  # block-only steps the source guard forced (SpecEngine source_guard)
     num_drain_steps: int = 0  # planned steps where SpecEngine objective="drain" weighed some request 0
     num_makespan_steps: int = 0  # AR steps SpecEngine makespan_guard forced (the batch's last request ends sooner)
+    num_plain_steps: int = 0  # of those, steps of requests makespan_lock locked: the AR engine's own step, no history
     num_captures: int = 0  # steps that captured a CUDA graph (their own or a catch-up's; a capture's time is in them)
     num_prefill_captures: int = 0  # prefills that captured their forward's graph (ModelRunner prefill_buckets)
     # (kind, rows, verify width) of each step as the device ran it (batch and width buckets on CUDA) -> steps, seconds
@@ -227,8 +228,8 @@ class SpecStats:
         (``{"count", "total_ms", "mean_ms"}``, catch-up with ``num_positions``), ``compaction`` (the same, with
         ``num_moves``: requests moved to lower slots between steps), ``num_captures`` (steps that captured a CUDA graph),
         ``num_prefill_captures`` (prefills that did),
-        ``num_guard_steps``, ``num_source_guard_steps``, ``num_drain_steps``, ``num_makespan_steps``, ``steps_by_shape``
-        (:meth:`step_ms_by_shape`)."""
+        ``num_guard_steps``, ``num_source_guard_steps``, ``num_drain_steps``, ``num_makespan_steps``,
+        ``num_plain_steps``, ``steps_by_shape`` (:meth:`step_ms_by_shape`)."""
         return {"steps": self.step_ms_by_kind, "steps_by_shape": self.step_ms_by_shape(),
                 "prefill": _time_row(self.num_prefills, self.prefill_seconds),
                 "catch_up": {**_time_row(self.num_catch_ups, self.catch_up_seconds),
@@ -237,7 +238,8 @@ class SpecStats:
                                "num_moves": self.num_slot_moves},
                 "num_captures": self.num_captures, "num_prefill_captures": self.num_prefill_captures,
                 "num_guard_steps": self.num_guard_steps, "num_source_guard_steps": self.num_source_guard_steps,
-                "num_drain_steps": self.num_drain_steps, "num_makespan_steps": self.num_makespan_steps}
+                "num_drain_steps": self.num_drain_steps, "num_makespan_steps": self.num_makespan_steps,
+                "num_plain_steps": self.num_plain_steps}
 
     def source_accept_len(self, source: str) -> float:
         """Per-draft acceptance length 1 + Σa / #steps of one draft source (its steps only); NaN if it never ran."""
