@@ -627,3 +627,42 @@ def test_plain_step_is_an_ar_step(tiny_target):
     assert built.makespan_guard and built.makespan_lock
     assert not SpecEngine.from_config(cfg, **kw, record=True).makespan_lock
     assert not SpecEngine.from_config(cfg, **kw, makespan_guard=False).makespan_lock
+
+
+def test_makespan_horizon_follows_the_shrinking_wave(tiny_target):
+    """The makespan guard's horizons: the batch shrinks as requests finish, so each stretch of the wave is priced at
+    its running count's step ms (``_wave_ms``: steps [3, 1, 1] at k ms for k requests: 2 x 1 + 0 x 2 + 1 x 3 = 5).
+    Where one slow request would keep drafting alone, a cheap one-row drafting step (the throughput guard's samples at
+    bucket 1, or without them the hybrid's cost tables scaling the full batch's step) turns a verdict for AR (the whole
+    wave priced at the full batch's drafting step) into one for drafting."""
+    from adaflash_ray.engine.engine import MAKESPAN_TRIAL, _wave_ms
+
+    assert _wave_ms([1.0, 3.0, 1.0], lambda k: float(k)) == 5.0 and _wave_ms([], lambda k: 1.0) == 0.0
+    ticks = itertools.count()
+
+    def wave(one_row_drafting_ms: float | None, one_row_table: float | None = None) -> bool:
+        kw = {} if one_row_table is None else {"draft_sources": ("dflash", "suffix")}
+        eng = _engine(tiny_target, makespan_guard=True, clock=lambda: 1e-3 * next(ticks), **kw)
+        assert eng.guard.batch_sizes[0] == 1
+        if one_row_table is not None:  # the hybrid's tables: at full width 1 row costs one_row_table x 3 rows
+            pl = eng.planner
+            spec = [[ms] * (pl.block_size - 1) for ms in (one_row_table * 2.0, 1.5, 2.0)]
+            pl.set_costs([1, 2, 3], spec, [[1.0] * (pl.max_draft + 1)] * 3)
+        reqs = [eng.add_request(p, SamplingParams(max_new_tokens=100, ignore_eos=True)) for p in _prompts()]
+        eng._admit(True, [])
+        running = list(eng.scheduler.running)
+        eng._ms_trial = MAKESPAN_TRIAL
+        for _ in range(3):  # bucket 3: AR 1 token per row in 1 ms; drafting 3 tokens per row in 2 ms
+            eng.guard.record(3, False, 3, 1.0, 3)
+            eng.guard.record(3, True, 9, 2.0, 3)
+            if one_row_drafting_ms is not None:  # bucket 1: AR 1 ms, drafting one_row_drafting_ms
+                eng.guard.record(1, False, 1, 1.0, 1)
+                eng.guard.record(1, True, 3, one_row_drafting_ms, 1)
+        for r in reqs:  # two requests at 3 tokens per drafting step, one at 1.2: it drafts on alone for a while
+            r.spec_steps, r.spec_tokens = 20, 60
+        reqs[1].spec_tokens = 24
+        return eng._makespan_prefers_ar(running, 3)
+    assert wave(None)  # its tail priced at the full batch's 2 ms: AR's 99 ms < 0.8 x 132
+    assert not wave(1.1)  # the tail at 1.1 ms a step: 99 ms against 0.8 x (33 x 1.1 + 66) - drafting
+    assert not wave(None, one_row_table=0.55)  # no samples at bucket 1: the planner's table scales 2 ms to 1.1
+    assert wave(None, one_row_table=1.0)

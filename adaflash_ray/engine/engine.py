@@ -22,6 +22,7 @@ not fed to the guard: its time is a one-off, not what the step costs.
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import os
@@ -70,6 +71,19 @@ MAKESPAN_MARGIN, MAKESPAN_BACKOFF, MAKESPAN_TRIAL = 0.2, 16, 8
 #: MAKESPAN_HISTORY_MIN of them a request without a record of its own is priced at their 1 / (n + 1) quantile (n: the
 #: running requests without one - the expected slowest of n draws), so the first verdict of a wave needs no trial either
 MAKESPAN_DECISIVE, MAKESPAN_HISTORY, MAKESPAN_HISTORY_MIN, MAKESPAN_HISTORY_MIN_STEPS = 0.7, 256, 16, 8
+
+
+def _wave_ms(steps: list[float], ms_at) -> float:
+    """The wall ms of a wave of requests that need ``steps`` more steps each (any order; empty: 0) when a step of k
+    running requests costs ``ms_at(k)`` ms: the batch shrinks as they finish, so with s sorted in descending order
+    (s_n+1 = 0) it is the sum over k = 1..n of (s_k - s_k+1) x ms_at(k)."""
+    s = sorted(steps, reverse=True)
+    total = 0.0
+    for k in range(1, len(s) + 1):
+        span = s[k - 1] - (s[k] if k < len(s) else 0.0)
+        if span > 0:
+            total += span * ms_at(k)
+    return total
 
 
 def request_headroom(block_size: int | None, lookup: bool) -> int:
@@ -283,10 +297,12 @@ class SpecEngine:
             adapts its speculation per request too). False: every request by the shared calibration alone.
         makespan_guard: with the throughput guard, and with no request waiting (queued or held back by
             :meth:`generate`): the running batch ends with its last request, so per step the batch's horizon is
-            compared both ways - AR: the most tokens any request has left (to ``max_new_tokens``) x the bucket's AR
-            step ms; drafting: the most of each request's tokens left / its own committed tokens per drafting step
-            (its record in steps that drafted or probed, with :data:`DRAIN_PRIOR` pseudo-steps at the bucket's mean)
-            x the bucket's drafting step ms (the guard's moving averages, :meth:`ThroughputGuard.step_costs`). Where
+            compared both ways - AR: each request's tokens left (to ``max_new_tokens``) as its steps left; drafting:
+            each request's tokens left / its own committed tokens per drafting step (its record in steps that
+            drafted or probed, with :data:`DRAIN_PRIOR` pseudo-steps at the bucket's mean). A horizon prices the
+            stretch while k requests still run at a step of k requests (the batch shrinks as they finish:
+            :func:`_wave_ms`): the guard's moving averages at k's bucket (:meth:`ThroughputGuard.step_costs`), else
+            the running bucket's scaled by the planner's measured cost tables (:meth:`_rows_ms`). Where
             AR's is below ``1 - MAKESPAN_MARGIN`` of drafting's, the next :data:`MAKESPAN_BACKOFF` steps are AR
             steps (twice as many after each verdict that repeats, at most ``PROBE_MAX_FACTOR`` x; one that does not
             resets it), then :data:`MAKESPAN_TRIAL` steps are left to the policy and the throughput guard (so the
@@ -1051,21 +1067,25 @@ class SpecEngine:
             return False
         ar_ms, spec_ms, spec_tokens = costs
         prior = DRAIN_PRIOR * max(spec_tokens, 1.0)  # DRAIN_PRIOR pseudo-steps at the bucket's mean tokens per row
-        ar_steps = spec_steps = 0.0
-        unknown_left = 0  # the most tokens left among the requests without a drafting record
-        num_unknown = 0
+        ar_steps, spec_steps = [], []  # per request: its steps left decoding AR / drafting (by its own record)
+        unknown_left = []  # the tokens left of the requests without a drafting record
         use_history = len(self._ms_history) >= MAKESPAN_HISTORY_MIN
         for r in running:
             left = r.params.max_new_tokens - len(r.output_ids)
-            ar_steps = max(ar_steps, left)
+            ar_steps.append(left)
             if use_history and r.spec_steps == 0:
-                unknown_left, num_unknown = max(unknown_left, left), num_unknown + 1
+                unknown_left.append(left)
             else:
-                spec_steps = max(spec_steps, left * (r.spec_steps + DRAIN_PRIOR) / (r.spec_tokens + prior))
-        known_h = spec_steps * spec_ms  # drafting's horizon by the requests' own records (and the bucket's prior)
-        if num_unknown:  # the slowest of n unknown requests: the history's 1 / (n + 1) quantile, at least 1 token
-            spec_steps = max(spec_steps, unknown_left / max(self._ms_history_quantile(num_unknown), 1.0))
-        ar_h, spec_h = ar_steps * ar_ms, spec_steps * spec_ms
+                spec_steps.append(left * (r.spec_steps + DRAIN_PRIOR) / (r.spec_tokens + prior))
+        ar_at, spec_at = self._rows_ms(batch_size, len(running), ar_ms, spec_ms)
+        # drafting's horizon by the requests' own records (and the bucket's prior)
+        known_h = _wave_ms(spec_steps, spec_at)
+        if unknown_left:  # the slowest of n unknown requests at the history's 1 / (n + 1) quantile, the others at
+            unknown_left.sort(reverse=True)  # its median; at least 1 token per step
+            slow = max(self._ms_history_quantile(len(unknown_left)), 1.0)
+            typical = max(self._ms_history_quantile(1), 1.0)
+            spec_steps += [unknown_left[0] / slow] + [x / typical for x in unknown_left[1:]]
+        ar_h, spec_h = _wave_ms(ar_steps, ar_at), _wave_ms(spec_steps, spec_at)
         if ar_h < (1.0 - MAKESPAN_MARGIN) * spec_h:
             self._ms_forced_left = MAKESPAN_BACKOFF * self._ms_factor - 1  # this step is the back-off's first
             self._ms_factor = min(2 * self._ms_factor, PROBE_MAX_FACTOR)
@@ -1080,6 +1100,38 @@ class SpecEngine:
             return True
         self._ms_factor = 1
         return False
+
+    def _rows_ms(self, batch_size: int, rows_now: int, ar_ms: float, spec_ms: float):
+        """``(ar_at, spec_at)``: functions of a running-request count k -> the wall ms of an AR / a drafting step of
+        k requests, for the makespan guard's horizons: the throughput guard's moving averages at k's bucket where it
+        has them (:meth:`ThroughputGuard.step_costs`), else ``ar_ms`` / ``spec_ms`` (``batch_size``'s averages)
+        scaled by the planner's measured cost tables (AR: width 1; drafting: the block's full width) from
+        ``rows_now`` requests to k, else those two unscaled. Each distinct bucket is looked up once."""
+        guard, planner = self.guard, self.planner
+        tables = planner is not None and planner.spec_costs is not None and bool(planner.batch_sizes)
+        full = (self.drafter.block_size - 1) if self.drafter is not None else 0
+        bounds = guard.batch_sizes
+        now = min(bisect.bisect_left(bounds, batch_size), len(bounds) - 1)
+        cache: dict[tuple[int, bool], float] = {}
+
+        def table_row(k: int) -> int:
+            return min(bisect.bisect_left(planner.batch_sizes, k), len(planner.batch_sizes) - 1)
+
+        def at(k: int, drafting: bool) -> float:
+            i = min(bisect.bisect_left(bounds, k), len(bounds) - 1)
+            ms = cache.get((i, drafting))
+            if ms is None:
+                costs = guard.step_costs(k) if i != now else None
+                if costs is not None:
+                    ms = costs[1] if drafting else costs[0]
+                else:
+                    ms = spec_ms if drafting else ar_ms
+                    if tables and i != now:
+                        t = planner.spec_costs[:, full] if drafting else planner.lookup_costs[:, 0]
+                        ms *= float(t[table_row(k)]) / float(t[table_row(rows_now)])
+                cache[(i, drafting)] = ms
+            return ms
+        return (lambda k: at(k, False)), (lambda k: at(k, True))
 
     def _ms_history_quantile(self, n: int) -> float:
         """The 1 / (n + 1) quantile of the finished requests' own committed tokens per drafting step (the makespan
