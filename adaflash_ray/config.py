@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 __all__ = [
     "BufferConfig",
@@ -68,9 +68,48 @@ class RecipeError(ValueError):
     """A recipe or an override is malformed or fails validation; the message names the file and field."""
 
 
+def _members(annotation: Any) -> tuple:
+    """The types of a field annotation: its members for a union (``int | None`` -> ``(int, NoneType)``)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return typing.get_args(annotation)
+    return (annotation,)
+
+
+def _not_a_number(annotation: Any, value: Any) -> str | None:
+    """Why ``value`` is refused for a numeric field of type ``annotation`` (None: not refused). A bool is never a
+    number (YAML's ``true`` is not 1), nor is text where only an integer fits (``"4"``); an int stays valid where a
+    float is expected, and a float field still takes text, as PyYAML (YAML 1.1) reads ``1e-4``. A list's items are
+    checked against its item type."""
+    members = _members(annotation)
+    if isinstance(value, list):
+        items = [typing.get_args(m)[0] for m in members if typing.get_origin(m) is list and typing.get_args(m)]
+        for i, item in enumerate(value):
+            why = next((w for w in (_not_a_number(t, item) for t in items) if w), None)
+            if why:
+                return f"item {i}: {why}"
+        return None
+    if bool in members or str in members or not {int, float} & set(members):
+        return None
+    if isinstance(value, bool):
+        return f"expected {'an integer' if float not in members else 'a number'}, got the boolean {value}"
+    if isinstance(value, str) and float not in members:
+        return f"expected an integer, got the text {value!r}"
+    return None
+
+
 class _Section(BaseModel):
     # unknown keys fail with their dotted path; inf / nan never pass as a learning rate, temperature or timeout
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """Refuse a bool for an int or float field and text for an int field (pydantic's lax mode would read
+        ``true`` as 1 and ``"4"`` as 4); ValueError naming what was given, the field path added by pydantic."""
+        why = _not_a_number(cls.model_fields[info.field_name].annotation, value)
+        if why:
+            raise ValueError(why)
+        return value
 
 
 class ModelConfig(_Section):

@@ -261,7 +261,33 @@ def test_non_finite_and_non_text_inputs_are_refused(tmp_path):
         load_recipe(binary)
 
 
-def test_too_many_default_target_layers_is_refused():
+def test_a_bool_or_quoted_integer_is_not_a_number(tmp_path):
+    """pydantic's lax mode would read YAML's ``true`` as 1 and ``"4"`` as 4: a bool for an int / float field (or an
+    item of a list of ints) and text for an int field are refused naming the field, in a recipe and in ``--set``;
+    an int where a float is expected, and a float written as YAML 1.1 reads ``1e-4`` (text), still load."""
+    cases = [("engine:\n  max_batch_size: true\n", "engine.max_batch_size: expected an integer, got the boolean True"),
+             ('engine:\n  max_batch_size: "4"\n', "engine.max_batch_size: expected an integer, got the text '4'"),
+             ("distill:\n  lr: false\n", "distill.lr: expected a number, got the boolean False"),
+             ("seed: true\n", "seed: expected an integer, got the boolean True"),
+             ("drafter:\n  target_layer_ids: [1, true, 3, 4, 5]\n",
+              "drafter.target_layer_ids: item 1: expected an integer, got the boolean True")]
+    for i, (text, msg) in enumerate(cases):
+        path = _write(tmp_path, text, f"r{i}.yaml")
+        with pytest.raises(RecipeError) as e:
+            load_recipe(path)
+        assert f"{path}: {msg}" in str(e.value), str(e.value)
+    for item, field in (("engine.max_batch_size=true", "engine.max_batch_size"),
+                        ("engine.max_batch_size='4'", "engine.max_batch_size"),
+                        ("placement.cpus_per_trainer=true", "placement.cpus_per_trainer")):
+        with pytest.raises(RecipeError, match=rf"{field}: expected an? (integer|number), got the"):
+            load_recipe("recipes/cpu_tiny.yaml", [item])
+    cfg = load_recipe(_write(tmp_path, "distill:\n  lr: 1e-4\n  alpha: 1\nengine:\n  temperature: 1\n", "ok.yaml"))
+    assert cfg.distill.lr == pytest.approx(1e-4) and cfg.distill.alpha == 1.0 and cfg.engine.temperature == 1.0
+    assert load_recipe("recipes/cpu_tiny.yaml", ["engine.max_batch_size=2"]).engine.max_batch_size == 2
+    assert load_recipe("recipes/cpu_tiny.yaml", ["logging.progress=true"]).logging.progress is True
+
+
+
     from adaflash_ray.config import DrafterConfig
 
     assert DrafterConfig(num_target_layers=5).resolve_target_layer_ids(30) == [1, 8, 14, 20, 27]

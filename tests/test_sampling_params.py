@@ -310,6 +310,25 @@ def test_bad_values_raise_naming_the_field(target, field, value):
         eng.add_request([1, 2, 3], SamplingParams(max_new_tokens=64, **{field: value}))
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                                   "presence_penalty"])
+def test_non_finite_floats_are_refused(field, value):
+    """Every comparison with NaN is False, so a range check alone lets NaN through: each float field refuses NaN and
+    ±inf first, naming the field."""
+    with pytest.raises(ValueError, match=rf"^{field} must be a finite number, got {value}$"):
+        SamplingParams(**{field: value}).validate()
+
+
+def test_repetition_penalty_range():
+    """repetition_penalty stays where float32 logits x or / it cannot overflow: [0.01, 100]."""
+    for value in (0.01, 0.5, 1.0, 100.0):
+        SamplingParams(repetition_penalty=value).validate()
+    for value in (0.0, 0.009, 100.5, 1e308, 1e-308, -1.0):
+        with pytest.raises(ValueError, match=r"^repetition_penalty must be in \[0\.01, 100\.0\]"):
+            SamplingParams(repetition_penalty=value).validate()
+
+
 def test_step_flags_off_on_the_common_path(monkeypatch, target):
     """Plain greedy / temperature-only batches run StepKeys with every new flag off and allocate no penalty or stop
     state; a batch with the parameters turns exactly their flags on, and min_tokens' flag goes off once the request

@@ -111,6 +111,62 @@ def test_parse_request_names_the_field(tok):
     assert spec.prompt_ids == list(want) and tok.decode(want).endswith("<|im_start|>assistant\n")
 
 
+def test_text_with_a_lone_surrogate_is_a_400_naming_the_field(tok):
+    """A JSON ``"\\ud800"`` escape decodes to a lone UTF-16 surrogate, which no tokenizer encodes: every text field
+    of the request refuses it with a 400 naming the field (an element of a batch or of ``stop`` by its index), and the
+    error body itself still encodes as UTF-8; a valid astral character (an escaped surrogate pair) is text."""
+    kw = dict(tokenizer=tok, model_ids={MODEL}, context_limit=64, default_max_tokens=16, default_temperature=0.0,
+              vocab_size=49152, record_default=True)
+    comp, chat = {"model": MODEL, "prompt": "hi"}, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    cases = [("completion", {**comp, "prompt": "\ud800", "max_tokens": 2}, "prompt"),
+             ("completion", {**comp, "prompt": ["ok", "\ud800"]}, "prompt.1"),
+             ("completion", {**comp, "stop": "\udfff"}, "stop"),
+             ("completion", {**comp, "stop": ["x", "a\ud800"]}, "stop.1"),
+             ("completion", {**comp, "user": "\ud800"}, "user"),
+             ("chat", {**chat, "messages": [{"role": "user", "content": "a\ud800b"}]}, "messages.0.content"),
+             ("chat", {**chat, "messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
+              "messages.0.content.0.text"),
+             ("chat", {**chat, "messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}, "messages.0.name")]
+    for kind, body, param in cases:
+        with pytest.raises(APIError) as e:
+            parse_request(kind, json.loads(json.dumps(body)), **kw)  # through JSON: "\ud800" escapes, as sent
+        assert (e.value.status, e.value.param, e.value.code) == (400, param, "invalid_value"), (body, e.value.message)
+        assert f"'{param}'" in e.value.message and "lone surrogate" in e.value.message
+        json.dumps(e.value.body(), ensure_ascii=False).encode("utf-8")  # the response renders (no surrogate left)
+    with pytest.raises(APIError) as e:  # a refused parameter quoting the text: escaped in the body
+        parse_request("completion", {**comp, "suffix": "\ud800"}, **kw)
+    assert e.value.param == "suffix" and "\\ud800" in e.value.body()["error"]["message"]
+    spec = parse_request("completion", json.loads('{"model": "%s", "prompt": "\\ud83d\\ude00 ok"}' % MODEL), **kw)
+    assert spec.prompt_ids == tok.encode("\U0001F600 ok", add_special_tokens=False)
+
+
+def test_too_deeply_nested_body_is_invalid_json():
+    """A body nesting arrays deeper than json.loads recurses (RecursionError) is a 400 invalid_json, as a body that
+    is not JSON at all; a body within the limit decodes."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from adaflash_ray.serve.app import AdaFlashServer
+
+    server = SimpleNamespace(cfg=SimpleNamespace(serve=SimpleNamespace(max_body_bytes=1 << 20)))
+
+    class _Request:
+        headers = {"content-type": "application/json"}
+
+        def __init__(self, data: bytes):
+            self.data = data
+
+        async def stream(self):
+            yield self.data
+
+    body = AdaFlashServer.func_or_class._body
+    for data in (b"[" * 100_000 + b"]" * 100_000, b'{"a": ' * 50_000 + b"1" + b"}" * 50_000, b"{not json"):
+        with pytest.raises(APIError) as e:
+            asyncio.run(body(server, _Request(data)))
+        assert (e.value.status, e.value.code) == (400, "invalid_json"), e.value.message
+    assert asyncio.run(body(server, _Request(b'{"prompt": [[[1]]]}'))) == {"prompt": [[[1]]]}
+
+
 def test_unknown_fields_are_ignored_known_unsupported_refused(tok, caplog):
     """Fields this endpoint does not know, at any depth, are ignored with a logged warning (vLLM's behaviour), so
     a vLLM client's extensions at their defaults pass; known parameters it cannot honour are still a 400 naming
@@ -570,6 +626,14 @@ def test_error_cases_raw_http(server):
         ("/v1/completions", {"model": MODEL}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
          "stream_options"),
+        # a lone UTF-16 surrogate (json.dumps sends the "\ud800" escape) is not text
+        ("/v1/completions", {"model": MODEL, "prompt": "\ud800", "max_tokens": 2}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": ["ok", "\ud800"], "max_tokens": 2}, 400, "prompt.1"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "a\ud800b"}]}, 400,
+         "messages.0.content"),
+        ("/v1/chat/completions", {**chat, "stop": "\ud800"}, 400, "stop"),
+        ("/v1/chat/completions", {**chat, "repetition_penalty": float("nan")}, 400, "repetition_penalty"),
+        ("/v1/chat/completions", {**chat, "repetition_penalty": 1e308}, 400, "repetition_penalty"),
     ]
     for path, body, status, param in cases:
         got, err = post(path, body)
@@ -589,6 +653,8 @@ def test_error_cases_raw_http(server):
     assert got == 400 and err["code"] == "context_length_exceeded" and str(limit) in err["message"]
     got, err = post("/v1/completions", b"{not json")
     assert got == 400 and err["code"] == "invalid_json"
+    got, err = post("/v1/completions", b"[" * 2000 + b"]" * 2000)  # deeper than json.loads recurses, < 4096 bytes
+    assert got == 400 and err["code"] == "invalid_json" and "nested too deeply" in err["message"], err
     for ctype in ("text/plain", "application/x-www-form-urlencoded"):  # JSON sent as another media type
         got, err = post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1},
                         {**HDR, "Content-Type": ctype})

@@ -100,6 +100,28 @@ def test_sampling_field_errors_name_the_field(tok):
         assert (e.value.status, e.value.param) == (400, param), extra
 
 
+
+def test_non_finite_sampling_values_are_a_400_naming_the_field(tok):
+    """NaN and ±Infinity (json.loads accepts them) never reach the engine: a 400 naming the field saying it must be
+    a finite number (not a range message such as "less than or equal to 2" for a NaN temperature); a finite but
+    absurd repetition_penalty is outside SamplingParams.validate's range."""
+    for field in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+        for value in ("NaN", "Infinity", "-Infinity"):
+            body = json.loads(json.dumps(CHAT)[:-1] + f', "{field}": {value}}}')
+            with pytest.raises(APIError) as e:
+                parse_request("chat", body, **_kw(tok))
+            assert (e.value.status, e.value.param) == (400, field), (field, value, e.value.message)
+            assert e.value.message.startswith(f"Invalid value for '{field}': Input should be a finite number"), \
+                e.value.message
+    for value in (1e308, 1e-308, 0.001, 101):
+        with pytest.raises(APIError) as e:
+            parse_request("chat", {**CHAT, "repetition_penalty": value}, **_kw(tok))
+        assert e.value.param == "repetition_penalty" and "must be in [0.01, 100.0]" in e.value.message
+    for value in (0.01, 100, 1.3):
+        assert parse_request("chat", {**CHAT, "repetition_penalty": value},
+                             **_kw(tok)).sampling.repetition_penalty == value
+
+
 # Qwen3's thinking switch (Qwen/Qwen3-8B tokenizer_config.json chat_template, generation-prompt part), plus a
 # variable that makes the template raise
 _TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -3,11 +3,16 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 _ids = itertools.count()
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+#: the repetition penalty's bounds (vLLM sets none): it divides or multiplies float32 logits, and a penalty near 0 or a
+#: huge one overflows them to ±inf (0 x inf = NaN); the range leaves room for any useful penalty (commonly 1 - 1.5)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass
@@ -35,10 +40,19 @@ class SamplingParams:
     draft_len: int | None = None
 
     def validate(self) -> None:
+        """Check every field's range.
+
+        Raises:
+            ValueError: the message starts with the field's name (``"temperature must be a finite number, got
+                nan"``); NaN and ±inf are refused for every float field.
+        """
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.draft_len is not None and self.draft_len < 1:
             raise ValueError(f"draft_len must be >= 1 (or None: the length policy's γ), got {self.draft_len}")
+        for name in _FLOAT_FIELDS:  # before the ranges: every comparison with NaN is False
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -47,8 +61,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (off) or >= 1, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:
+            raise ValueError(f"repetition_penalty must be in [{lo}, {hi}], got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")

@@ -319,6 +319,12 @@ class AdaFlashServer:
                            type="authentication_error", code="invalid_api_key")
 
     async def _body(self, request: Request) -> object:
+        """The request's decoded JSON body.
+
+        Raises:
+            APIError: 415 for a media type other than JSON, 413 for a body over ``serve.max_body_bytes``, 400
+                ``invalid_json`` for a body that is not JSON or nests arrays / objects too deeply to decode.
+        """
         ctype = request.headers.get("content-type")
         media = None if ctype is None else ctype.partition(";")[0].strip().lower()
         if media is not None and media != "application/json" and not media.endswith("+json"):
@@ -340,6 +346,9 @@ class AdaFlashServer:
             return json.loads(data)
         except ValueError as e:
             raise APIError(400, f"The request body is not valid JSON: {e}.", code="invalid_json") from None
+        except RecursionError:  # json.loads recurses once per nesting level: "[[[[..." thousands deep
+            raise APIError(400, "The request body cannot be read: its JSON arrays / objects are nested too deeply.",
+                           code="invalid_json") from None
 
     def _retry(self, status: int, message: str, code: str) -> APIError:
         return APIError(status, message, type="rate_limit_error" if status == 429 else "service_unavailable",

@@ -29,9 +29,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import PurePath
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from adaflash_ray.engine.request import SamplingParams
 
@@ -83,15 +83,34 @@ class APIError(Exception):
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
-    """``{"error": {"message", "type", "param", "code"}}`` (the OpenAI error shape)."""
+    """``{"error": {"message", "type", "param", "code"}}`` (the OpenAI error shape). A lone UTF-16 surrogate in
+    ``message`` or ``param`` (quoted from a request) is written as its ``\\udXXX`` escape: the response must
+    encode as UTF-8."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    param = None if param is None else param.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 # ------------------------------------------------------------------------------------------ request models
+def _utf8(text: str) -> str:
+    """``text`` if it encodes as UTF-8. Raises ValueError at a lone UTF-16 surrogate (JSON's ``"\\ud800"``
+    decodes to one), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text must be valid Unicode: lone surrogate {text[e.start]!r} at index {e.start}") from None
+    return text
+
+
+#: a string field of a request: valid Unicode (encodable as UTF-8), else a 400 naming the field
+_Utf8Str = Annotated[str, AfterValidator(_utf8)]
+
+
 class _Strict(BaseModel):
     # strict: JSON types as the OpenAI schema states them - "max_tokens": "5" or true is a 400, not a 5 or a 1.
+    # allow_inf_nan=False: NaN / Infinity (which json.loads accepts) are a 400 "should be a finite number".
     # extra="allow": unknown fields are kept aside (model_extra), reported by _unknown_fields, and ignored
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -101,28 +120,28 @@ class StreamOptions(_Strict):
 
 class _TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: _Utf8Str
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[_TextPart]
-    name: str | None = None
+    content: _Utf8Str | list[_TextPart]
+    name: _Utf8Str | None = None
     tool_calls: list | None = None  # refused when non-empty (no tool use)
 
 
 class _Common(_Strict):
-    model: str
+    model: _Utf8Str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    stop: str | list[str | int] | None = None
+    stop: _Utf8Str | list[_Utf8Str | int] | None = None
     stop_token_ids: list[int] | None = None  # vLLM's extension: token ids that end the completion
     seed: int | None = Field(None, ge=-2 ** 63, le=2 ** 63 - 1)  # int64, as vLLM's protocol bounds it
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1)
-    user: str | None = None
+    user: _Utf8Str | None = None
     store: bool | None = None  # False = do not use this request for distillation (OpenAI's `store`)
     # sampling: OpenAI's penalties and vLLM's extensions; their ranges are SamplingParams.validate's
     frequency_penalty: float | None = None
@@ -136,7 +155,7 @@ class _Common(_Strict):
 
 
 class CompletionBody(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: _Utf8Str | list[int] | list[_Utf8Str] | list[list[int]]
     logprobs: int | None = None  # the top-k alternatives per token (0: the chosen token's only)
 
 
@@ -256,9 +275,11 @@ class GenSpec:
 
 
 def _first_error(err: ValidationError) -> APIError:
-    # the most specific error: for a union such as ``content: str | list[part]`` given a list, the failing
-    # part's field (messages.0.content.0.txt), not "should be a valid string"
-    e = max(err.errors(), key=lambda x: len(x["loc"]))
+    # the most specific error: one a validator raised on the value itself (a lone surrogate in prompt.1, not
+    # "prompt.0 should be a valid integer" of the list[int] member), else the deepest: for a union such as
+    # ``content: str | list[part]`` given a list, the failing part's field (messages.0.content.0.txt), not "should
+    # be a valid string"
+    e = max(err.errors(), key=lambda x: (x["type"] == "value_error", len(x["loc"])))
     # drop pydantic's union-member tags ("str", "list[int]", "function-after[...]"), keep field names
     # ("stream" starts with "str" and is a field)
     loc = [str(x) for x in e["loc"] if str(x) not in ("str", "int", "float", "bool", "none")
@@ -268,7 +289,8 @@ def _first_error(err: ValidationError) -> APIError:
         return APIError(400, f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
     got = e.get("input")
     got_s = repr(got)[:80] if not isinstance(got, (dict, list)) else type(got).__name__
-    return APIError(400, f"Invalid value for '{param}': {e['msg']} (got {got_s}).", param=param, code="invalid_value")
+    msg = e["msg"].removeprefix("Value error, ")
+    return APIError(400, f"Invalid value for '{param}': {msg} (got {got_s}).", param=param, code="invalid_value")
 
 
 def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, model_ids: set[str],
@@ -292,8 +314,8 @@ def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, m
 
     Raises:
         APIError: 400 naming the field (known but unsupported at a non-neutral value, out of range - the ranges
-            of :meth:`SamplingParams.validate` -, a prompt over the context limit: code
-            ``context_length_exceeded``), 404 for an unknown model.
+            of :meth:`SamplingParams.validate` -, NaN or ±inf for a number, text with a lone UTF-16 surrogate,
+            a prompt over the context limit: code ``context_length_exceeded``), 404 for an unknown model.
     """
     if not isinstance(raw, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
