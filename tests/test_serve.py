@@ -645,6 +645,15 @@ def test_error_cases_raw_http(server):
     assert r.status_code == 200, r.text
     assert r.json()["adaflash"]["ignored_fields"] == ["frobnicate", "messages.0.x_msg"]
     assert r.headers["x-adaflash-ignored-fields"] == "frobnicate,messages.0.x_msg"
+    # a name a header cannot carry (latin-1 only): escaped there, still a 200; a name UTF-8 cannot encode (a lone
+    # surrogate, which JSON allows): a 400 about the body
+    r = requests.post(u + "/v1/chat/completions", json={**chat, "max_tokens": 2, "\u4e2d": 1},
+                      headers=HDR, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["adaflash"]["ignored_fields"] == ["\u4e2d"]
+    assert r.headers["x-adaflash-ignored-fields"] == "\\u4e2d"
+    got, err = post("/v1/chat/completions", {**chat, "\ud800x": 2})
+    assert got == 400 and err["param"] is None and err["message"].startswith("Invalid request body"), err
     from adaflash_ray.config import load_recipe
 
     c = load_recipe("recipes/cpu_tiny.yaml")

@@ -384,7 +384,8 @@ class AdaFlashServer:
                                 eos_ids=self.eos_ids)
         headers = {VERSION_HEADER: str(self.engine.drafter_version)}
         if spec.ignored:  # unknown request fields, ignored with a logged warning (vLLM's behaviour)
-            headers[IGNORED_HEADER] = ",".join(spec.ignored)
+            # a header carries latin-1 only: other characters of a field name as their backslash escapes
+            headers[IGNORED_HEADER] = ",".join(spec.ignored).encode("ascii", "backslashreplace").decode("ascii")
         if not spec.stream:
             body = await writer.body()
             versions = body["adaflash"]["drafter_versions"]

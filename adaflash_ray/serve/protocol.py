@@ -290,6 +290,8 @@ def _first_error(err: ValidationError) -> APIError:
     got = e.get("input")
     got_s = repr(got)[:80] if not isinstance(got, (dict, list)) else type(got).__name__
     msg = e["msg"].removeprefix("Value error, ")
+    if param is None:  # no field to name: the body itself (e.g. a field name with a lone UTF-16 surrogate)
+        return APIError(400, f"Invalid request body: {msg} (got {got_s}).", param=None, code="invalid_value")
     return APIError(400, f"Invalid value for '{param}': {msg} (got {got_s}).", param=param, code="invalid_value")
 
 
