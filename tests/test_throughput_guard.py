@@ -602,13 +602,42 @@ def test_makespan_lock_ends_drafting_with_plain_ar_steps(tiny_target):
     delta = eng.stats - before
     assert plain_calls[-1] and delta.num_plain_steps == delta.num_makespan_steps == delta.kind_steps["gamma0"] == 1
     assert torch.equal(eng.runner.feat_hist, feat) and torch.equal(eng.runner.lookup.history, hist)
+    eng.step()
+    late = eng.add_request(prompts[0], SamplingParams(max_new_tokens=5, ignore_eos=True))  # queued: no free slot
+    eng.step()
+    assert eng.scheduler.waiting and not plain_calls[-1]  # a request waits: the wave's steps run as usual
     while eng.has_unfinished():
         eng.step()
     st = eng.stats
     assert st.num_plain_steps > 1 and st.timing()["num_plain_steps"] == st.num_plain_steps
     assert st.num_plain_steps == sum(plain_calls)
-    for r, p in zip(reqs, prompts):
-        assert r.output_ids == greedy_reference(tiny_target, p, 90)
+    for r, p, n in zip(reqs + [late], prompts + [prompts[0]], [90] * 3 + [5]):
+        assert r.output_ids == greedy_reference(tiny_target, p, n)
+
+
+def test_makespan_lock_needs_each_requests_record_and_ends_at_a_reload(tiny_target):
+    """A decisive verdict for AR locks the running requests only where each has a drafting record of its own (one
+    priced at the bucket's prior keeps the wave unlocked); a drafter reload clears the locks."""
+    from adaflash_ray.engine.engine import MAKESPAN_TRIAL
+
+    eng = _engine(tiny_target, makespan_guard=True, makespan_lock=True)
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=100, ignore_eos=True)) for p in _prompts()]
+    eng._admit(True, [])
+    running = list(eng.scheduler.running)
+    eng._ms_trial = MAKESPAN_TRIAL
+    for _ in range(3):  # AR: 1 token per row in 1 ms; drafting: 3 tokens per row in 2 ms
+        eng.guard.record(3, False, 3, 1.0, 3)
+        eng.guard.record(3, True, 9, 2.0, 3)
+    for r in reqs:  # 1 token per drafting step: drafting's horizon ~1.5x AR's, decisive
+        r.spec_steps, r.spec_tokens = 20, 20
+    reqs[0].spec_steps = reqs[0].spec_tokens = 0  # no record of its own
+    assert eng._makespan_prefers_ar(running, 3) and eng._ms_trial == MAKESPAN_TRIAL  # decisive, not locked
+    assert not any(r.ar_locked for r in reqs)
+    reqs[0].spec_steps, reqs[0].spec_tokens = 20, 20
+    eng._ms_forced_left = 0
+    assert eng._makespan_prefers_ar(running, 3) and all(r.ar_locked for r in reqs)
+    eng.load_drafter(eng.drafter_tensors(), version=1)
+    assert not any(r.ar_locked for r in reqs)
 
 
 def test_plain_step_is_an_ar_step(tiny_target):
@@ -637,7 +666,9 @@ def test_makespan_horizon_follows_the_shrinking_wave(tiny_target):
     wave priced at the full batch's drafting step) into one for drafting."""
     from adaflash_ray.engine.engine import MAKESPAN_TRIAL, _wave_ms
 
-    assert _wave_ms([1.0, 3.0, 1.0], lambda k: float(k)) == 5.0 and _wave_ms([], lambda k: 1.0) == 0.0
+    assert _wave_ms([1.0, 3.0, 1.0], [(1, 2, 1.0), (2, 3, 2.0), (3, 4, 3.0)]) == 5.0
+    assert _wave_ms([1.0, 3.0, 1.0], [(1, 3, 1.0), (3, 9, 3.0)]) == 5.0  # runs past the wave's count are cut
+    assert _wave_ms([], [(1, 2, 1.0)]) == 0.0
     ticks = itertools.count()
 
     def wave(one_row_drafting_ms: float | None, one_row_table: float | None = None) -> bool:

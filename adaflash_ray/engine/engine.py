@@ -73,16 +73,19 @@ MAKESPAN_MARGIN, MAKESPAN_BACKOFF, MAKESPAN_TRIAL = 0.2, 16, 8
 MAKESPAN_DECISIVE, MAKESPAN_HISTORY, MAKESPAN_HISTORY_MIN, MAKESPAN_HISTORY_MIN_STEPS = 0.7, 256, 16, 8
 
 
-def _wave_ms(steps: list[float], ms_at) -> float:
+def _wave_ms(steps: list[float], runs: list[tuple[int, int, float]]) -> float:
     """The wall ms of a wave of requests that need ``steps`` more steps each (any order; empty: 0) when a step of k
-    running requests costs ``ms_at(k)`` ms: the batch shrinks as they finish, so with s sorted in descending order
-    (s_n+1 = 0) it is the sum over k = 1..n of (s_k - s_k+1) x ms_at(k)."""
+    running requests costs ``ms`` for k in ``[lo, hi)`` of one of ``runs`` (``(lo, hi, ms)``, covering 1..len(steps)):
+    the batch shrinks as they finish, so with s sorted in descending order (s_n+1 = 0) it is the sum over k = 1..n of
+    (s_k - s_k+1) x ms(k) - per run, (s_lo - s_hi) x ms."""
     s = sorted(steps, reverse=True)
+    n = len(s)
+    s.append(0.0)
     total = 0.0
-    for k in range(1, len(s) + 1):
-        span = s[k - 1] - (s[k] if k < len(s) else 0.0)
-        if span > 0:
-            total += span * ms_at(k)
+    for lo, hi, ms in runs:
+        if lo > n:
+            break
+        total += (s[lo - 1] - s[min(hi, n + 1) - 1]) * ms
     return total
 
 
@@ -316,13 +319,14 @@ class SpecEngine:
             slowest of n such requests), and the first verdict comes at once. A request the drafts serve worse than
             AR no longer holds a whole wave at drafting's step cost.
         makespan_lock: with ``makespan_guard``, a verdict for AR decisive by the requests' own records (the one that
-            skips the trial) ends drafting for every running request: while all running requests are locked so, each
-            step is the AR engine's own (:meth:`ModelRunner.step` ``plain``: no target features captured, no feature
-            or device-lookup history written, no planner) - the γ = 0 step at AR's price, for a wave that will not
-            draft again. A request admitted later is not locked; a step holding both runs as usual (the locked
-            rows' histories then lack the plain steps' positions, which costs their drafts acceptance, never
-            correctness). Not with ``record`` and ``record_features`` (their trajectories' features come from that
-            history).
+            skips the trial), where every running request has a drafting record of its own (a step that drafted or
+            probed), ends drafting for them: while all running requests are locked so and none waits, each step is the
+            AR engine's own (:meth:`ModelRunner.step` ``plain``: no target features captured, no feature or
+            device-lookup history written, no planner) - the γ = 0 step at AR's price, for a wave that will not draft
+            again. A request admitted later is not locked, and a drafter reload clears the locks; a step holding
+            locked and other requests, or taken while one waits, runs as usual (the locked rows' histories then lack
+            the plain steps' positions, which costs their drafts acceptance, never correctness). Not with ``record``
+            and ``record_features`` (their trajectories' features come from that history).
             Batch-level (the rows of one step share its width); one request: the throughput guard's comparison.
             False: off.
         prefill_buckets: prefills pad their prompts to length buckets and, on CUDA with graphs, replay one captured
@@ -495,8 +499,9 @@ class SpecEngine:
         self._ms_forced_left, self._ms_factor, self._ms_trial = 0, 1, 0
         self._ms_history: collections.deque[float] = collections.deque(maxlen=MAKESPAN_HISTORY)
         self._ms_history_added = 0  # values ever added to the history (with its length: the quantile cache's key)
-        self._ms_quantile_key: tuple | None = None  # (n, values added, the history's length) of the cached quantile
-        self._ms_quantile = 0.0
+        self._ms_quantile_key: tuple | None = None  # (values added, the history's length) of the cached quantiles
+        self._ms_quantiles: dict[int, float] = {}  # n -> the history's 1 / (n + 1) quantile
+        self._ms_rows: dict[tuple, tuple[list[int], list[int]]] = {}  # _rows_ms's bucket and table row per count
         self._last_planned_propose: bool | None = None  # the block guard's previous planned step (None: none yet)
         self.drafter_version = drafter_version
         self.drafter_sha256 = tensors_sha256(self.drafter_tensors()) if drafter is not None else None
@@ -839,7 +844,8 @@ class SpecEngine:
         and whether the step proposes the next block (the policy's probe schedule)."""
         _, running, slots, _, batch_size, fixed, any_own = self._running_state()
         n = len(running)
-        if spec and self.makespan_lock and all(r.ar_locked for r in running):
+        if spec and self.makespan_lock and not (self.scheduler.waiting or self.num_held) and \
+                all(r.ar_locked for r in running):
             st = self.stats  # drafting ended for every running request: the AR engine's own step
             st.num_makespan_steps += 1
             st.num_plain_steps += 1
@@ -1077,15 +1083,15 @@ class SpecEngine:
                 unknown_left.append(left)
             else:
                 spec_steps.append(left * (r.spec_steps + DRAIN_PRIOR) / (r.spec_tokens + prior))
-        ar_at, spec_at = self._rows_ms(batch_size, len(running), ar_ms, spec_ms)
+        ar_runs, spec_runs = self._rows_ms(batch_size, len(running), ar_ms, spec_ms)
         # drafting's horizon by the requests' own records (and the bucket's prior)
-        known_h = _wave_ms(spec_steps, spec_at)
+        known_h = _wave_ms(spec_steps, spec_runs)
         if unknown_left:  # the slowest of n unknown requests at the history's 1 / (n + 1) quantile, the others at
             unknown_left.sort(reverse=True)  # its median; at least 1 token per step
             slow = max(self._ms_history_quantile(len(unknown_left)), 1.0)
             typical = max(self._ms_history_quantile(1), 1.0)
             spec_steps += [unknown_left[0] / slow] + [x / typical for x in unknown_left[1:]]
-        ar_h, spec_h = _wave_ms(ar_steps, ar_at), _wave_ms(spec_steps, spec_at)
+        ar_h, spec_h = _wave_ms(ar_steps, ar_runs), _wave_ms(spec_steps, spec_runs)
         if ar_h < (1.0 - MAKESPAN_MARGIN) * spec_h:
             self._ms_forced_left = MAKESPAN_BACKOFF * self._ms_factor - 1  # this step is the back-off's first
             self._ms_factor = min(2 * self._ms_factor, PROBE_MAX_FACTOR)
@@ -1094,54 +1100,65 @@ class SpecEngine:
             # none of them would ever draft, nor join the history)
             decisive = ar_h < MAKESPAN_DECISIVE * known_h
             self._ms_trial = MAKESPAN_TRIAL if decisive else 0
-            if decisive and self.makespan_lock:  # their drafting ends: the next steps are plain AR steps
-                for r in running:
+            if decisive and self.makespan_lock and all(r.spec_steps for r in running):
+                for r in running:  # their drafting ends (each by a record of its own): the next steps are plain
                     r.ar_locked = True
             return True
         self._ms_factor = 1
         return False
 
     def _rows_ms(self, batch_size: int, rows_now: int, ar_ms: float, spec_ms: float):
-        """``(ar_at, spec_at)``: functions of a running-request count k -> the wall ms of an AR / a drafting step of
-        k requests, for the makespan guard's horizons: the throughput guard's moving averages at k's bucket where it
-        has them (:meth:`ThroughputGuard.step_costs`), else ``ar_ms`` / ``spec_ms`` (``batch_size``'s averages)
-        scaled by the planner's measured cost tables (AR: width 1; drafting: the block's full width) from
-        ``rows_now`` requests to k, else those two unscaled. Each distinct bucket is looked up once."""
+        """``(ar_runs, spec_runs)``: the wall ms of an AR / a drafting step of k running requests as :func:`_wave_ms`
+        runs ``(lo, hi, ms)`` over k = 1..``rows_now``, for the makespan guard's horizons: ``ar_ms`` / ``spec_ms``
+        (the running ``batch_size``'s averages) in the running bucket; else the throughput guard's moving averages at
+        k's bucket where it has them (:meth:`ThroughputGuard.step_costs`), else ``ar_ms`` / ``spec_ms`` scaled by the
+        planner's measured cost tables (AR: width 1; drafting: the block's full width) from ``rows_now`` to k, else
+        unscaled. The runs (counts of one guard bucket and one table row) are cached per (buckets, table batch
+        sizes, ``rows_now``, the running bucket); each is priced once per call."""
         guard, planner = self.guard, self.planner
         tables = planner is not None and planner.spec_costs is not None and bool(planner.batch_sizes)
-        full = (self.drafter.block_size - 1) if self.drafter is not None else 0
-        bounds = guard.batch_sizes
+        bounds, sizes = guard.batch_sizes, (planner.batch_sizes if tables else [])
         now = min(bisect.bisect_left(bounds, batch_size), len(bounds) - 1)
-        cache: dict[tuple[int, bool], float] = {}
-
-        def table_row(k: int) -> int:
-            return min(bisect.bisect_left(planner.batch_sizes, k), len(planner.batch_sizes) - 1)
-
-        def at(k: int, drafting: bool) -> float:
-            i = min(bisect.bisect_left(bounds, k), len(bounds) - 1)
-            ms = cache.get((i, drafting))
-            if ms is None:
-                costs = guard.step_costs(k) if i != now else None
-                if costs is not None:
-                    ms = costs[1] if drafting else costs[0]
+        key = (tuple(bounds), tuple(sizes), rows_now, now)
+        runs = self._ms_rows.get(key)
+        if runs is None:  # (lo, hi, guard bucket or None for the running one, table row): k in [lo, hi)
+            runs = []
+            for k in range(1, rows_now + 1):
+                i = min(bisect.bisect_left(bounds, k), len(bounds) - 1)
+                tag = (None if i == now or k == rows_now else i,
+                       min(bisect.bisect_left(sizes, k), len(sizes) - 1) if tables else 0)
+                if runs and runs[-1][2:] == tag:
+                    runs[-1] = (runs[-1][0], k + 1, *tag)
                 else:
-                    ms = spec_ms if drafting else ar_ms
-                    if tables and i != now:
-                        t = planner.spec_costs[:, full] if drafting else planner.lookup_costs[:, 0]
-                        ms *= float(t[table_row(k)]) / float(t[table_row(rows_now)])
-                cache[(i, drafting)] = ms
-            return ms
-        return (lambda k: at(k, False)), (lambda k: at(k, True))
+                    runs.append((k, k + 1, *tag))
+            self._ms_rows[key] = runs
+        full = (self.drafter.block_size - 1) if self.drafter is not None else 0
+        row_now = min(bisect.bisect_left(sizes, rows_now), len(sizes) - 1) if tables else 0
+        ar_runs, spec_runs = [], []
+        for lo, hi, i, row in runs:
+            a, d = ar_ms, spec_ms
+            if i is not None:
+                costs = guard.step_costs(bounds[i])
+                if costs is not None:
+                    a, d = costs[0], costs[1]
+                elif tables:
+                    a *= float(planner.lookup_costs[row, 0]) / float(planner.lookup_costs[row_now, 0])
+                    d *= float(planner.spec_costs[row, full]) / float(planner.spec_costs[row_now, full])
+            ar_runs.append((lo, hi, a))
+            spec_runs.append((lo, hi, d))
+        return ar_runs, spec_runs
 
     def _ms_history_quantile(self, n: int) -> float:
         """The 1 / (n + 1) quantile of the finished requests' own committed tokens per drafting step (the makespan
         guard's history; not empty): the expected slowest of ``n`` requests drawn like them. Cached until the
         history changes (a value added, or the history cleared)."""
-        key = (n, self._ms_history_added, len(self._ms_history))
+        key = (self._ms_history_added, len(self._ms_history))
         if self._ms_quantile_key != key:
-            self._ms_quantile_key = key
-            self._ms_quantile = float(np.quantile(np.fromiter(self._ms_history, float), 1.0 / (n + 1)))
-        return self._ms_quantile
+            self._ms_quantile_key, self._ms_quantiles = key, {}
+        q = self._ms_quantiles.get(n)
+        if q is None:
+            q = self._ms_quantiles[n] = float(np.quantile(np.fromiter(self._ms_history, float), 1.0 / (n + 1)))
+        return q
 
     def _drain_weights(self, running: list[Request], caps: list[int]) -> list[float] | None:
         """The planner's per-request weights under ``objective="drain"`` (None: every request 1 - the plain
@@ -1509,6 +1526,7 @@ class SpecEngine:
         self._ms_history.clear()
         for r in self.scheduler.running:
             r.spec_steps = r.spec_tokens = 0
+            r.ar_locked = False  # the lock was the old drafter's verdict (their histories now lack its plain steps)
         if self.block_guard is not None:
             self.block_guard.on_drafter_reload()
             self._last_planned_propose = None  # the next step's pending block is the old drafter's
