@@ -318,6 +318,8 @@ class SpecEngine:
             record of its own counts at their 1 / (n + 1) quantile, n the running requests without one (the expected
             slowest of n such requests), and the first verdict comes at once. A request the drafts serve worse than
             AR no longer holds a whole wave at drafting's step cost.
+            Batch-level (the rows of one step share its width); one request: the throughput guard's comparison.
+            False: off.
         makespan_lock: with ``makespan_guard``, a verdict for AR decisive by the requests' own records (the one that
             skips the trial), where every running request has a drafting record of its own (a step that drafted or
             probed), ends drafting for them: while all running requests are locked so and none waits, each step is the
@@ -327,8 +329,6 @@ class SpecEngine:
             locked and other requests, or taken while one waits, runs as usual (the locked rows' histories then lack
             the plain steps' positions, which costs their drafts acceptance, never correctness). Not with ``record``
             and ``record_features`` (their trajectories' features come from that history).
-            Batch-level (the rows of one step share its width); one request: the throughput guard's comparison.
-            False: off.
         prefill_buckets: prefills pad their prompts to length buckets and, on CUDA with graphs, replay one captured
             graph of the target's forward per (prompts, padded length) (``ModelRunner`` ``prefill_buckets``).
         defer_first_block: a prefill never proposes the new requests' first block (unless one fixes its own γ): their
@@ -501,7 +501,7 @@ class SpecEngine:
         self._ms_history_added = 0  # values ever added to the history (with its length: the quantile cache's key)
         self._ms_quantile_key: tuple | None = None  # (values added, the history's length) of the cached quantiles
         self._ms_quantiles: dict[int, float] = {}  # n -> the history's 1 / (n + 1) quantile
-        self._ms_rows: dict[tuple, tuple[list[int], list[int]]] = {}  # _rows_ms's bucket and table row per count
+        self._ms_rows: dict[tuple, list[tuple]] = {}  # _rows_ms's runs of counts (bucket, table row) per key
         self._last_planned_propose: bool | None = None  # the block guard's previous planned step (None: none yet)
         self.drafter_version = drafter_version
         self.drafter_sha256 = tensors_sha256(self.drafter_tensors()) if drafter is not None else None

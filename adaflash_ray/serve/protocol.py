@@ -84,8 +84,8 @@ class APIError(Exception):
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
     """``{"error": {"message", "type", "param", "code"}}`` (the OpenAI error shape). A lone UTF-16 surrogate in
-    ``message`` or ``param`` (quoted from a request) is written as its ``\\udXXX`` escape: the response must
-    encode as UTF-8."""
+    ``message`` or ``param`` (quoted from a request) is written as its backslash escape (``\\ud800`` for U+D800):
+    the response must encode as UTF-8."""
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     param = None if param is None else param.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
