@@ -610,6 +610,9 @@ def test_makespan_lock_ends_drafting_with_plain_ar_steps(tiny_target):
         eng.step()
     st = eng.stats
     assert st.num_plain_steps > 1 and st.timing()["num_plain_steps"] == st.num_plain_steps
+    plain = st.timing()["plain"]  # their time, part of the gamma0 kind's (the fake clock: 1 ms an AR step)
+    assert plain["count"] == st.num_plain_steps and 0 < plain["total_ms"] <= st.step_ms_by_kind["gamma0"]["total_ms"]
+    assert st.timing()["num_first_replays"] == 0  # no CUDA graphs on CPU
     assert st.num_plain_steps == sum(plain_calls)
     for r, p, n in zip(reqs + [late], prompts + [prompts[0]], [90] * 3 + [5]):
         assert r.output_ids == greedy_reference(tiny_target, p, n)

@@ -691,6 +691,9 @@ class SpecEngine:
             st.catch_up_seconds += caught_up[1]
         captured = self.runner.step_captured
         st.num_captures += bool(captured)
+        st.num_first_replays += self.runner.step_first_replay and not captured
+        if batch.plain:
+            st.plain_seconds += seconds
         if batch.choices is not None and not captured and not caught_up[0]:  # a planned step, no one-off work in it
             self.planner.observe_step(*self.runner.step_shape,
                                       (batch.propose or batch.propose_first) and self.drafter is not None,

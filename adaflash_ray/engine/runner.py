@@ -271,6 +271,10 @@ class ModelRunner:
         self.step_catch_up: tuple[int, float] = (0, 0.0)
         # the last step captured its CUDA graph (or ran the very first step eagerly): a one-off cost, not the step's
         self.step_captured = False
+        # the last step replayed a step graph for the first time (captured before it, e.g. by precapture, and never
+        # replayed since): a diagnostic for steps slower than their shape's others (False without CUDA graphs)
+        self.step_first_replay = False
+        self._replayed: set[StepKey] = set()  # the step graphs replayed at least once
         self.step_shape: tuple[int, int] = (0, 0)  # the last step's (rows, verify width) as the device ran it
         pin = self.is_cuda
         self._ints_host = torch.zeros(num_slots, 7 + nd, dtype=torch.long, pin_memory=pin)
@@ -323,6 +327,7 @@ class ModelRunner:
         """Drop every captured step graph (each is captured again on its next use) and start a fresh memory pool
         for them: the old pool goes with its last graph, and capturing into it again would fail."""
         self.graphs.clear()
+        self._replayed.clear()
         self._catch_up_graphs.clear()
         self._prefill_graphs.clear()
         if self.use_graphs:
@@ -689,6 +694,9 @@ class ModelRunner:
                 self._step_fn(*key)
             self._uploaded(graph)
             self.graphs[key] = graph
+        if key not in self._replayed:
+            self._replayed.add(key)
+            self.step_first_replay = True
         graph.replay()
 
     def _uploaded(self, graph: torch.cuda.CUDAGraph) -> None:
@@ -817,7 +825,7 @@ class ModelRunner:
                     raise ValueError(f"host drafts of request {i}: {len(h)} tokens for γ {g} (max {self.max_draft})")
             elif spec and g and not has_drafter:
                 raise ValueError(f"request {i}: γ {g} without host drafts needs a drafter's pending block")
-        self.step_catch_up, self.step_captured = (0, 0.0), False
+        self.step_catch_up, self.step_captured, self.step_first_replay = (0, 0.0), False, False
         if has_drafter and spec and (propose or append or propose_first):  # a context left behind comes back first
             stale = [(s, self.ctx_len[s], p) for s, p in zip(slots, anchor_pos) if self.ctx_len[s] < p]
             if stale:

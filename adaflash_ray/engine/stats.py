@@ -77,6 +77,8 @@ class SpecStats:
     num_drain_steps: int = 0  # planned steps where SpecEngine objective="drain" weighed some request 0
     num_makespan_steps: int = 0  # AR steps SpecEngine makespan_guard forced (the batch's last request ends sooner)
     num_plain_steps: int = 0  # of those, steps of requests makespan_lock locked: the AR engine's own step, no history
+    plain_seconds: float = 0.0  # their wall time (inside the gamma0 kind's)
+    num_first_replays: int = 0  # steps that replayed a step graph for the first time (not capturing it themselves)
     num_captures: int = 0  # steps that captured a CUDA graph (their own or a catch-up's; a capture's time is in them)
     num_prefill_captures: int = 0  # prefills that captured their forward's graph (ModelRunner prefill_buckets)
     # (kind, rows, verify width) of each step as the device ran it (batch and width buckets on CUDA) -> steps, seconds
@@ -229,7 +231,9 @@ class SpecStats:
         ``num_moves``: requests moved to lower slots between steps), ``num_captures`` (steps that captured a CUDA graph),
         ``num_prefill_captures`` (prefills that did),
         ``num_guard_steps``, ``num_source_guard_steps``, ``num_drain_steps``, ``num_makespan_steps``,
-        ``num_plain_steps``, ``steps_by_shape`` (:meth:`step_ms_by_shape`)."""
+        ``num_plain_steps``, ``plain`` (``{"count", "total_ms", "mean_ms"}`` of those plain steps, part of ``gamma0``),
+        ``num_first_replays`` (steps that replayed a CUDA graph for the first time: ModelRunner ``step_first_replay``),
+        ``steps_by_shape`` (:meth:`step_ms_by_shape`)."""
         return {"steps": self.step_ms_by_kind, "steps_by_shape": self.step_ms_by_shape(),
                 "prefill": _time_row(self.num_prefills, self.prefill_seconds),
                 "catch_up": {**_time_row(self.num_catch_ups, self.catch_up_seconds),
@@ -239,7 +243,8 @@ class SpecStats:
                 "num_captures": self.num_captures, "num_prefill_captures": self.num_prefill_captures,
                 "num_guard_steps": self.num_guard_steps, "num_source_guard_steps": self.num_source_guard_steps,
                 "num_drain_steps": self.num_drain_steps, "num_makespan_steps": self.num_makespan_steps,
-                "num_plain_steps": self.num_plain_steps}
+                "num_plain_steps": self.num_plain_steps, "plain": _time_row(self.num_plain_steps, self.plain_seconds),
+                "num_first_replays": self.num_first_replays}
 
     def source_accept_len(self, source: str) -> float:
         """Per-draft acceptance length 1 + Σa / #steps of one draft source (its steps only); NaN if it never ran."""
