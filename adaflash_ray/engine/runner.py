@@ -271,8 +271,9 @@ class ModelRunner:
         self.step_catch_up: tuple[int, float] = (0, 0.0)
         # the last step captured its CUDA graph (or ran the very first step eagerly): a one-off cost, not the step's
         self.step_captured = False
-        # the last step replayed a step graph for the first time (captured before it, e.g. by precapture, and never
-        # replayed since): a diagnostic for steps slower than their shape's others (False without CUDA graphs)
+        # the last step replayed its step graph for the first time (a graph it captured itself too: SpecEngine counts
+        # only steps that captured nothing, i.e. precaptured graphs' first replays); a diagnostic for steps slower
+        # than their shape's others (False without CUDA graphs)
         self.step_first_replay = False
         self._replayed: set[StepKey] = set()  # the step graphs replayed at least once
         self.step_shape: tuple[int, int] = (0, 0)  # the last step's (rows, verify width) as the device ran it

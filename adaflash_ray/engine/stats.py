@@ -78,7 +78,7 @@ class SpecStats:
     num_makespan_steps: int = 0  # AR steps SpecEngine makespan_guard forced (the batch's last request ends sooner)
     num_plain_steps: int = 0  # of those, steps of requests makespan_lock locked: the AR engine's own step, no history
     plain_seconds: float = 0.0  # their wall time (inside the gamma0 kind's)
-    num_first_replays: int = 0  # steps that replayed a step graph for the first time (not capturing it themselves)
+    num_first_replays: int = 0  # steps that replayed a step graph for the first time and captured no graph
     num_captures: int = 0  # steps that captured a CUDA graph (their own or a catch-up's; a capture's time is in them)
     num_prefill_captures: int = 0  # prefills that captured their forward's graph (ModelRunner prefill_buckets)
     # (kind, rows, verify width) of each step as the device ran it (batch and width buckets on CUDA) -> steps, seconds
