@@ -10,7 +10,8 @@
 # folders inside the checkout are replaced at every call). The machine is given back ~30 s after a call ends:
 # make the calls back to back, and start again from `a` if one is lost.
 #
-# Here (CPU machine), once:          bash scripts/gpu_main_job.sh stage   -> .gpu_stage .gpu_stage2 .gpu_stage2b .gpu_stage3
+# Here (CPU machine), once:          bash scripts/gpu_main_job.sh stage   -> .gpu_stage, .gpu_stage2, .gpu_stage2b,
+#                                    .gpu_stage3
 #   after a recipe's data section changed: bash scripts/gpu_main_job.sh stage-data  (the data and GGUF parts
 #   again, no network: scripts/gpu_stage_data.py; STAGE_OUT=<dir> stages under <dir> instead of the checkout)
 # Call a (carry [".gpu_stage"]):     bash scripts/gpu_main_job.sh a       # install; check Ray + DeepSpeed + CUDA
