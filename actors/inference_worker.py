@@ -19,6 +19,7 @@ from ray.util import metrics as ray_metrics
 from adaflash_ray.actors.spec_metrics import SpecMetrics
 from adaflash_ray.config import RunConfig
 from adaflash_ray.engine import EngineService, SamplingParams, SpecEngine, SpecStats, StepEvent
+from adaflash_ray.engine.gc_pauses import freeze_gc_heap
 from adaflash_ray.models import CheckpointError, DrafterModelConfig
 from adaflash_ray.versions import is_newer
 
@@ -78,6 +79,8 @@ class InferenceWorker:
                 tensors = ray.get(ray.get(registry.get.remote(version=meta["version"]))[0])
                 self.engine.load_drafter(tensors, meta["version"], meta["sha256"])
                 self._metrics.set_drafter_version(meta["version"])
+        if cfg.engine.gc_freeze and self.backend is None:  # built: the collector skips this heap from now on
+            freeze_gc_heap()
         # SGLang schedules its own requests: there the service's thread only applies the drafter swaps
         self.service = EngineService(self.engine, name=f"worker {worker_index}")
         if self.backend is None:

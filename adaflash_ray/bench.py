@@ -73,6 +73,7 @@ from adaflash_ray.data import (MissingDataPackageError, encode_prompts, ensure_t
 from adaflash_ray.engine import SamplingParams, SpecEngine
 from adaflash_ray.engine import SpecStats
 from adaflash_ray.engine.engine import request_headroom
+from adaflash_ray.engine.gc_pauses import freeze_gc_heap
 from adaflash_ray.engine.length_policy import LENGTH_POLICIES, FixedLength
 from adaflash_ray.engine.sim_clock import SimClock, load_cost_table
 from adaflash_ray.models.factory import build_drafter, load_target
@@ -338,7 +339,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
           domains: list[str], num_prompts: int, max_new_tokens: int, warmup: str,
           engine_kwargs: dict | None = None, log=print, repeats: int = 1, corpus_prompts: int | None = None,
           temperature: float = 0.0, admit_min: int = 1, precapture: bool = True,
-          profile_dir: str | None = None, sim_costs: str | None = None, sim_host_scale: float = 1.0) -> dict:
+          profile_dir: str | None = None, sim_costs: str | None = None, sim_host_scale: float = 1.0,
+          gc_freeze: bool = True) -> dict:
     """Run every method per (domain, concurrency) on the recipe's target; returns the JSON document.
 
     ``precapture`` (CUDA graphs only): after a cell's warm-up passes every engine captures the step graphs of every
@@ -346,6 +348,11 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
     bucket and span; at most :data:`PRECAPTURE_S` seconds per engine and cell), so the timed runs do not pay the
     captures an adaptive method's moving shapes trigger; the row reports them (``precaptured``), and its
     ``step_timing.num_captures`` the captures left in the timed runs (catch-up graphs, kinds of step never run).
+
+    ``gc_freeze``: before a cell's timed runs (after its warm-up and precapture) the process's heap is frozen
+    (:func:`~adaflash_ray.engine.gc_pauses.freeze_gc_heap`: Python's collector then skips everything alive, the models
+    and every engine's graphs included), as a server freezes its heap after warm-up; each row's
+    ``step_timing.gc`` counts the collections inside its decode steps either way.
 
     ``admit_min``: a timed run's waiting requests are admitted only when at least that many KV slots are free (or
     none is running): fewer, larger prefills when requests refill a batch (:meth:`SpecEngine.generate`).
@@ -492,6 +499,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                 if precapture and warmup != "none":
                     precaptured[method] = engine_for(method).precapture_graphs(PRECAPTURE_S)
                 runs_by[method] = []
+            if gc_freeze:  # after the warm-up: the collector's oldest generation stays out of the timed steps
+                freeze_gc_heap()
             for _ in range(max(repeats, 1)):
                 for method in engine_methods:
                     runs_by[method].append(one_run(method))
@@ -577,6 +586,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
             "drafter": drafter_path or "untrained (recipe init)", "block_size": block_size, "dtype": dtype,
             "threads": cfg.engine.num_threads, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens,
             "max_seq_len": max_seq_len, "warmup": warmup, "admit_min": admit_min, "precapture": precapture,
+            "gc_freeze": gc_freeze,
             "engine_kwargs": engine_kwargs or {},
             "temperature": temperature, **({"sim_clock": sims} if sim_costs else {}),
             "tau_convention": TAU_CONVENTION,
@@ -773,6 +783,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-precapture", action="store_true",
                    help="CUDA: do not capture every step shape after the warm-up passes (the timed runs then capture "
                         "the graphs of shapes the warm-up did not meet, as a server that captures lazily)")
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="do not freeze Python's garbage-collector heap before each cell's timed runs (the A/B of "
+                        "engine.gc_pauses.freeze_gc_heap: a collection of the oldest generation then traverses the "
+                        "models and every engine's graphs inside some step)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per engine cell; the row is the median one")
     p.add_argument("--admit-min", type=int, default=1,
                    help="admit waiting requests only when at least this many KV slots are free (fewer, larger "
@@ -914,6 +928,7 @@ def main(argv: list[str] | None = None) -> int:
                         or None, log=log,
                         repeats=ns.repeats, corpus_prompts=ns.corpus_prompts, temperature=ns.temperature,
                         admit_min=ns.admit_min, precapture=not ns.no_precapture, profile_dir=ns.profile,
+                        gc_freeze=not ns.no_gc_freeze,
                         sim_costs=ns.sim_costs, sim_host_scale=ns.sim_host_scale)
     except (RecipeError, ValueError, MissingDataPackageError) as e:  # incl. ShapeError, CheckpointError
         print(f"error: {e}", file=sys.stderr)

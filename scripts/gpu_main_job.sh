@@ -296,7 +296,8 @@ EOF
     # BENCH_TIMEOUT s: 8 prompts per domain at 1, 16 at 8, as many as the concurrency above) and the timed repeats
     read -r -a m <<< "${BENCH_METHODS:-${m[*]}}"
     # BENCH_DOMAINS (default "code chat"; "all" = the four domains' held-out prompts pooled, for 128 / 256),
-    # BENCH_TEMPERATURE (default 0) and BENCH_TAG (a suffix of the output names) name other cells
+    # BENCH_TEMPERATURE (default 0) and BENCH_TAG (a suffix of the output names) name other cells; BENCH_EXTRA: more
+    # bench arguments, word-split (e.g. "--no-gc-freeze --profile $OUT/profile")
     read -r -a dom <<< "${BENCH_DOMAINS:-code chat}"
     for c in ${BENCH_CONC:-1 64}; do
       n=$c; [ "$c" = 1 ] && n=8; [ "$c" = 8 ] && n=16
@@ -304,7 +305,7 @@ EOF
       timeout "${BENCH_TIMEOUT:-170}" python3 -m adaflash_ray.bench --recipe "$recipe" --drafter "$ck" \
         --methods "${m[@]}" --concurrency "$c" --domains "${dom[@]}" --num-prompts "$n" \
         --repeats "${BENCH_REPEATS:-1}" --temperature "${BENCH_TEMPERATURE:-0}" --max-new-tokens 256 \
-        --out "$o.json" --plot "$o.png" > "$o.log" 2>&1
+        ${BENCH_EXTRA:-} --out "$o.json" --plot "$o.png" > "$o.log" 2>&1
       echo "bench c$c${BENCH_TAG:-}: rc $?"
       tail -12 "$o.log"
     done

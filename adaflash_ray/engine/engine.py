@@ -42,6 +42,7 @@ from adaflash_ray.engine.length_policy import PROBE_MAX_FACTOR, CostLength, leng
 from adaflash_ray.models.length_head import AcceptanceHead, draft_confidence, expected_committed
 from adaflash_ray.engine.request import Request, SamplingParams, Status
 from adaflash_ray.engine.device_lookup import NUM_META
+from adaflash_ray.engine.gc_pauses import install as _install_gc_pauses
 from adaflash_ray.engine.runner import ModelRunner, StepResult, _buckets
 from adaflash_ray.engine.scheduler import Scheduler
 from adaflash_ray.engine.stats import SpecStats
@@ -51,6 +52,9 @@ from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
 from adaflash_ray.models.target import TargetModel
 from adaflash_ray.trajectory import Trajectory
 from adaflash_ray.versions import is_newer
+
+#: the collector's pauses, process-wide (read around each decode step: SpecStats.gc_seconds)
+_GC_PAUSES = _install_gc_pauses()
 
 # float dtypes by the values they hold exactly: a tensor converted to a dtype at or above its own keeps its values
 _FLOAT_WIDTH = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
@@ -671,6 +675,7 @@ class SpecEngine:
         if self.compact_slots and not self.scheduler.waiting:
             self._compact()
         self.num_steps += 1
+        gc0 = _GC_PAUSES.snapshot()
         t0 = self.clock()
         batch = self._schedule(spec)
         res = self._run(batch)
@@ -678,6 +683,11 @@ class SpecEngine:
         self._postprocess(batch, res, finished)
         seconds = self.clock() - t0
         st = self.stats
+        gc1 = _GC_PAUSES.snapshot()
+        if gc1[0] != gc0[0]:  # Python's collector paused inside this step (its pauses are in ``seconds``)
+            st.num_gc += gc1[0] - gc0[0]
+            st.num_gc_full += gc1[1] - gc0[1]
+            st.gc_seconds += gc1[2] - gc0[2]
         if not batch.spec:
             kind = "ar"
         elif any(batch.draft_lens):

@@ -79,6 +79,10 @@ class SpecStats:
     num_plain_steps: int = 0  # of those, steps of requests makespan_lock locked: the AR engine's own step, no history
     plain_seconds: float = 0.0  # their wall time (inside the gamma0 kind's)
     num_first_replays: int = 0  # steps that replayed a step graph for the first time and captured no graph
+    # Python's garbage collections inside decode steps (gc_pauses.PAUSES; their time is in the steps' times):
+    num_gc: int = 0
+    num_gc_full: int = 0  # of the oldest generation (2): those traverse every object not frozen
+    gc_seconds: float = 0.0
     num_captures: int = 0  # steps that captured a CUDA graph (their own or a catch-up's; a capture's time is in them)
     num_prefill_captures: int = 0  # prefills that captured their forward's graph (ModelRunner prefill_buckets)
     # (kind, rows, verify width) of each step as the device ran it (batch and width buckets on CUDA) -> steps, seconds
@@ -233,7 +237,9 @@ class SpecStats:
         ``num_guard_steps``, ``num_source_guard_steps``, ``num_drain_steps``, ``num_makespan_steps``,
         ``num_plain_steps``, ``plain`` (``{"count", "total_ms", "mean_ms"}`` of those plain steps, part of ``gamma0``),
         ``num_first_replays`` (steps that replayed a CUDA graph for the first time: ModelRunner ``step_first_replay``),
-        ``steps_by_shape`` (:meth:`step_ms_by_shape`)."""
+        ``gc`` (``{"count", "total_ms", "mean_ms"}`` of Python's garbage collections inside decode steps, their pauses
+        part of the steps' times, with ``num_full``: those of the oldest generation), ``steps_by_shape``
+        (:meth:`step_ms_by_shape`)."""
         return {"steps": self.step_ms_by_kind, "steps_by_shape": self.step_ms_by_shape(),
                 "prefill": _time_row(self.num_prefills, self.prefill_seconds),
                 "catch_up": {**_time_row(self.num_catch_ups, self.catch_up_seconds),
@@ -244,7 +250,8 @@ class SpecStats:
                 "num_guard_steps": self.num_guard_steps, "num_source_guard_steps": self.num_source_guard_steps,
                 "num_drain_steps": self.num_drain_steps, "num_makespan_steps": self.num_makespan_steps,
                 "num_plain_steps": self.num_plain_steps, "plain": _time_row(self.num_plain_steps, self.plain_seconds),
-                "num_first_replays": self.num_first_replays}
+                "num_first_replays": self.num_first_replays,
+                "gc": {**_time_row(self.num_gc, self.gc_seconds), "num_full": self.num_gc_full}}
 
     def source_accept_len(self, source: str) -> float:
         """Per-draft acceptance length 1 + Σa / #steps of one draft source (its steps only); NaN if it never ran."""

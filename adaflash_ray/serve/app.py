@@ -249,6 +249,9 @@ class AdaFlashServer:
             tensors = await (await self.registry.get.remote(version=meta["version"]))[0]
             self.engine.load_drafter(tensors, meta["version"], meta["sha256"], DrafterModelConfig(**meta["config"]))
         loop = asyncio.get_running_loop()
+        if c.engine.gc_freeze:  # built and loaded: the collector skips this heap from now on (engine/gc_pauses.py)
+            from adaflash_ray.engine.gc_pauses import freeze_gc_heap
+            freeze_gc_heap()
         # the vLLM-shaped counters / histograms, shared with the main job's inference workers
         self.spec_metrics = SpecMetrics(block_size, "serve", self.replica)
         self.spec_metrics.set_drafter_version(self.engine.drafter_version)
