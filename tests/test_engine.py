@@ -789,8 +789,9 @@ def test_stop_tokens(monkeypatch):
     assert a.features is None  # record=False: no trajectory features kept
 
 
+# wall times, and Python's garbage collections inside the steps (whenever the collector runs): not the runs' own
 _STAT_TIMES = ("decode_seconds", "prefill_seconds", "catch_up_seconds", "compaction_seconds", "kind_seconds",
-               "shape_seconds")
+               "shape_seconds", "gc_seconds", "num_gc", "num_gc_full")
 
 
 @pytest.mark.parametrize("policy, sources, where, mode", [

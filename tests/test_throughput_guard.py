@@ -493,24 +493,39 @@ def test_makespan_history_leaves_out_requests_with_their_own_draft_len(tiny_targ
         assert eng._ms_history[0] == reqs[0].spec_tokens / reqs[0].spec_steps
 
 
-def test_makespan_verdict_on_the_history_prior_alone_leaves_a_trial(tiny_target):
-    """A verdict for AR that only the history's prior makes decisive (the requests have no drafting record of their
-    own) is followed by a trial after its back-off, as a close one: else no request of the wave ever drafts, none of
-    them joins the history, and every later wave repeats the verdict on the same, never refreshed, history."""
-    from adaflash_ray.engine.engine import MAKESPAN_HISTORY_MIN
+@pytest.mark.parametrize("lock", [False, True])
+def test_makespan_verdict_on_the_history_alone_skips_the_trial_for_a_few_waves(tiny_target, lock):
+    """Where no running request has a drafting record yet, a verdict for AR that the history makes decisive decides
+    the wave alone - no trial after its back-off, no request of the wave drafts (under ``makespan_lock`` the wave is
+    locked at its first step: every later step plain) - in MAKESPAN_HISTORY_WAVES waves in a row; the next wave drafts
+    its trial (the requests' own records), so a history that locked waves never add to is refreshed. Outputs are
+    AR's throughout."""
+    from adaflash_ray.engine.engine import MAKESPAN_HISTORY_MIN, MAKESPAN_HISTORY_WAVES
 
     prompts = _prompts()
-    eng = _engine(tiny_target, makespan_guard=True)
+    eng = _engine(tiny_target, makespan_guard=True, makespan_lock=lock)
     eng.clock = eng.runner.clock = FakeClock(eng, ar_ms=1.0, draft_ms=3.0)
     eng.runner.length_policy.set_costs([1, 2, 3], torch.ones(3, 7), torch.full((3,), 100.0))
-    eng.generate(prompts, SamplingParams(max_new_tokens=60, ignore_eos=True))  # the throughput guard's samples
+    sp = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    eng.generate(prompts, sp)  # the throughput guard's samples
     assert eng.guard.step_costs(3) is not None
     eng._ms_history.clear()
     eng._ms_history.extend([1.0] * MAKESPAN_HISTORY_MIN)  # a prior of 1 token per drafting step at 3x AR's ms
     eng._ms_history_added += MAKESPAN_HISTORY_MIN
-    reqs = eng.generate(prompts, SamplingParams(max_new_tokens=60, ignore_eos=True))
-    assert eng.stats.num_makespan_steps > 0
-    assert any(r.spec_steps > 0 for r in reqs)  # the trial after the first back-off: the requests' own records
+    eng._ms_history_waves = 0
+    refs = [greedy_reference(tiny_target, p, 60) for p in prompts]
+    for wave in range(MAKESPAN_HISTORY_WAVES):
+        before = eng.stats.copy()
+        reqs = eng.generate(prompts, sp)
+        st = eng.stats - before
+        assert all(r.spec_steps == 0 for r in reqs), wave  # nobody drafted: the history decided
+        assert st.num_makespan_steps == st.num_engine_steps and st.num_drafting_steps == 0, wave
+        assert st.num_plain_steps == (st.num_engine_steps - 1 if lock else 0), wave  # locked at the first step
+        assert [r.output_ids for r in reqs] == refs
+    assert eng._ms_history_waves == MAKESPAN_HISTORY_WAVES
+    reqs = eng.generate(prompts, sp)
+    assert any(r.spec_steps > 0 for r in reqs)  # this wave's trial: the requests' own records again
+    assert [r.output_ids for r in reqs] == refs
 
 
 def test_reference_rows_make_the_reference_run_hold_that_many_rows():

@@ -182,6 +182,9 @@ class DeviceLookup:
                        if corpus_tokens else None)  # [C]
         self.corpus_head = torch.zeros(1, dtype=torch.long, device=device)
         self._head = 0  # host copy of corpus_head
+        # add_sequence's host staging ring (allocated at the first add) and the tokens staged since the last wait
+        self._staging: torch.Tensor | None = None
+        self._staged = 0
         self.num_corpus_written = 0  # tokens (separators included) ever written to the ring
         from adaflash_ray.kernels.triton_support import env_mode, triton_usable
 
@@ -282,18 +285,35 @@ class DeviceLookup:
 
     # ------------------------------------------------------------------ corpus (host side)
     def add_sequence(self, tokens: Sequence[int]) -> None:
-        """Append a finished request's tokens + :data:`SEPARATOR` to the corpus ring (one host -> device copy),
-        overwriting the oldest; a sequence longer than the ring keeps its last ``corpus_tokens - 1`` tokens.
-        Raises ValueError without a corpus."""
+        """Append a finished request's tokens + :data:`SEPARATOR` to the corpus ring, overwriting the oldest; a
+        sequence longer than the ring keeps its last ``corpus_tokens - 1`` tokens. The tokens go through a host
+        staging ring laid out as the device ring (pinned on CUDA): one or two slice copies, asynchronous on CUDA - no
+        index tensor, no wait for the device (a finishing request's host work stays short). Before the staging ring
+        would overwrite tokens whose copy may still be in flight (``corpus_tokens`` written since the last wait), the
+        stream is synchronised once. Raises ValueError without a corpus."""
         if self.corpus is None:
             raise ValueError("this DeviceLookup has no corpus (corpus_tokens=0)")
         c = self.corpus_tokens
-        seq = np.asarray(list(tokens)[-(c - 1):] + [SEPARATOR], dtype=np.int64)
-        idx = (self._head + np.arange(len(seq))) % c
-        self.corpus[torch.from_numpy(idx).to(self.corpus.device)] = torch.from_numpy(seq).to(self.corpus.device)
-        self._head = int((self._head + len(seq)) % c)
+        seq = list(tokens)[-(c - 1):] + [SEPARATOR]
+        n = len(seq)
+        cuda = self.corpus.is_cuda
+        if self._staging is None:
+            self._staging = torch.empty(c, dtype=torch.long, pin_memory=cuda)
+        if cuda and self._staged + n > c:
+            torch.cuda.current_stream(self.corpus.device).synchronize()
+            self._staged = 0
+        h = self._head
+        first = min(n, c - h)
+        stage = self._staging.numpy()
+        stage[h:h + first] = seq[:first]
+        self.corpus[h:h + first].copy_(self._staging[h:h + first], non_blocking=cuda)
+        if first < n:  # the ring wraps: the rest from its start
+            stage[:n - first] = seq[first:]
+            self.corpus[:n - first].copy_(self._staging[:n - first], non_blocking=cuda)
+        self._head = (h + n) % c
         self.corpus_head.fill_(self._head)
-        self.num_corpus_written += len(seq)
+        self._staged += n
+        self.num_corpus_written += n
 
     def reset_corpus(self, sequences: Sequence[Sequence[int]] = ()) -> None:
         """Empty the ring (every cell :data:`SEPARATOR`), then :meth:`add_sequence` each of ``sequences``."""

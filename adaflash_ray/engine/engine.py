@@ -75,6 +75,10 @@ MAKESPAN_MARGIN, MAKESPAN_BACKOFF, MAKESPAN_TRIAL = 0.2, 16, 8
 #: MAKESPAN_HISTORY_MIN of them a request without a record of its own is priced at their 1 / (n + 1) quantile (n: the
 #: running requests without one - the expected slowest of n draws), so the first verdict of a wave needs no trial either
 MAKESPAN_DECISIVE, MAKESPAN_HISTORY, MAKESPAN_HISTORY_MIN, MAKESPAN_HISTORY_MIN_STEPS = 0.7, 256, 16, 8
+#: a verdict for AR over a wave none of whose requests has a record yet is decisive by the history alone (no trial,
+#: and under makespan_lock the wave is locked at once) in at most MAKESPAN_HISTORY_WAVES waves in a row: the next one
+#: drafts its trial, so the history - which a locked wave never adds to - follows the traffic
+MAKESPAN_HISTORY_WAVES = 4
 
 
 def _wave_ms(steps: list[float], runs: list[tuple[int, int, float]]) -> float:
@@ -320,16 +324,20 @@ class SpecEngine:
             :data:`MAKESPAN_HISTORY_MIN` finished requests (the last :data:`MAKESPAN_HISTORY` that drafted at least
             :data:`MAKESPAN_HISTORY_MIN_STEPS` steps, none with a ``draft_len`` of its own): then a request without a
             record of its own counts at their 1 / (n + 1) quantile, n the running requests without one (the expected
-            slowest of n such requests), and the first verdict comes at once. A request the drafts serve worse than
-            AR no longer holds a whole wave at drafting's step cost.
+            slowest of n such requests), and the first verdict comes at once; where no running request has a record
+            yet, a verdict for AR is decisive by that history alone (no trial after its back-off) in at most
+            :data:`MAKESPAN_HISTORY_WAVES` waves in a row - the next such wave drafts its trial, so the history
+            follows the traffic. A request the drafts serve worse than AR no longer holds a whole wave at drafting's
+            step cost.
             Batch-level (the rows of one step share its width); one request: the throughput guard's comparison.
             False: off.
         makespan_lock: with ``makespan_guard``, a verdict for AR decisive by the requests' own records (the one that
             skips the trial), where every running request has a drafting record of its own (a step that drafted or
-            probed), ends drafting for them: while all running requests are locked so and none waits, each step is the
-            AR engine's own (:meth:`ModelRunner.step` ``plain``: no target features captured, no feature or
-            device-lookup history written, no planner) - the γ = 0 step at AR's price, for a wave that will not draft
-            again. A request admitted later is not locked, and a drafter reload clears the locks; a step holding
+            probed), or decisive by the history alone (none has a record yet: above), ends drafting for them: while
+            all running requests are locked so and none waits, each step is the AR engine's own
+            (:meth:`ModelRunner.step` ``plain``: no target features captured, no feature or device-lookup history
+            written, no planner) - the γ = 0 step at AR's price, for a wave that will not draft again. A request
+            admitted later is not locked, and a drafter reload clears the locks; a step holding
             locked and other requests, or taken while one waits, runs as usual (the locked rows' histories then lack
             the plain steps' positions, which costs their drafts acceptance, never correctness). Not with ``record``
             and ``record_features`` (their trajectories' features come from that history).
@@ -504,6 +512,8 @@ class SpecEngine:
         self._ms_history: collections.deque[float] = collections.deque(maxlen=MAKESPAN_HISTORY)
         self._ms_history_added = 0  # values ever added to the history (with its length: the quantile cache's key)
         self._ms_quantile_key: tuple | None = None  # (values added, the history's length) of the cached quantiles
+        # waves in a row the history alone decided (MAKESPAN_HISTORY_WAVES), and whether the running wave counted
+        self._ms_history_waves, self._ms_wave_counted = 0, False
         self._ms_quantiles: dict[int, float] = {}  # n -> the history's 1 / (n + 1) quantile
         self._ms_rows: dict[tuple, list[tuple]] = {}  # _rows_ms's runs of counts (bucket, table row) per key
         self._last_planned_propose: bool | None = None  # the block guard's previous planned step (None: none yet)
@@ -719,6 +729,7 @@ class SpecEngine:
             if done:
                 self._ms_history.extend(done)
                 self._ms_history_added += len(done)
+                self._ms_history_waves = 0  # the history follows the traffic again
         if self.guard is None and self.source_guard is None and self.block_guard is None:
             return finished
         # what each guard records: (batch size, which of its two kinds of step, committed tokens, ms, rows)
@@ -756,6 +767,7 @@ class SpecEngine:
         # finished requests' record as the new ones' prior, the first verdict needs no trial
         self._ms_forced_left, self._ms_factor = 0, 1
         self._ms_trial = MAKESPAN_TRIAL if len(self._ms_history) >= MAKESPAN_HISTORY_MIN else 0
+        self._ms_wave_counted = False
         if self.source_guard is not None and not running_before:
             # its back-off goes on (unlike the AR guard's: a new batch of the same traffic changes what AR costs
             # against drafting, not what the plan's host work costs against the block alone); only the regime chain
@@ -1110,11 +1122,17 @@ class SpecEngine:
             self._ms_factor = min(2 * self._ms_factor, PROBE_MAX_FACTOR)
             # a decisive verdict is taken again right after its back-off; a close one after a trial, and so is one
             # only the history's prior makes decisive (the trial gives the requests without a record their own: else
-            # none of them would ever draft, nor join the history)
-            decisive = ar_h < MAKESPAN_DECISIVE * known_h
+            # none of them would ever draft, nor join the history) - unless no running request has a record yet and
+            # the history decided fewer than MAKESPAN_HISTORY_WAVES waves in a row: then the history alone decides
+            by_history = len(unknown_left) == len(running) and (
+                self._ms_wave_counted or self._ms_history_waves < MAKESPAN_HISTORY_WAVES)
+            decisive = ar_h < MAKESPAN_DECISIVE * (spec_h if by_history else known_h)
             self._ms_trial = MAKESPAN_TRIAL if decisive else 0
-            if decisive and self.makespan_lock and all(r.spec_steps for r in running):
-                for r in running:  # their drafting ends (each by a record of its own): the next steps are plain
+            if decisive and by_history and not self._ms_wave_counted:
+                self._ms_history_waves += 1
+                self._ms_wave_counted = True
+            if decisive and self.makespan_lock and (by_history or all(r.spec_steps for r in running)):
+                for r in running:  # their drafting ends (by a record of their own, or the history's): plain steps next
                     r.ar_locked = True
             return True
         self._ms_factor = 1
@@ -1537,6 +1555,7 @@ class SpecEngine:
         # the makespan guard's verdicts and the requests' drafting records measured the old drafter
         self._ms_forced_left, self._ms_factor, self._ms_trial = 0, 1, 0
         self._ms_history.clear()
+        self._ms_history_waves = 0
         for r in self.scheduler.running:
             r.spec_steps = r.spec_tokens = 0
             r.ar_locked = False  # the lock was the old drafter's verdict (their histories now lack its plain steps)
