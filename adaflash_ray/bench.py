@@ -56,6 +56,7 @@ times (docs/design/PERFORMANCE.md); ``engine.num_threads`` sets the CPU threads.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -349,10 +350,11 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
     captures an adaptive method's moving shapes trigger; the row reports them (``precaptured``), and its
     ``step_timing.num_captures`` the captures left in the timed runs (catch-up graphs, kinds of step never run).
 
-    ``gc_freeze``: before a cell's timed runs (after its warm-up and precapture) the process's heap is frozen
+    ``gc_freeze``: for a cell's timed runs (after its warm-up and precapture) the process's heap is frozen
     (:func:`~adaflash_ray.engine.gc_pauses.freeze_gc_heap`: Python's collector then skips everything alive, the models
-    and every engine's graphs included), as a server freezes its heap after warm-up; each row's
-    ``step_timing.gc`` counts the collections inside its decode steps either way.
+    and every engine's graphs included), as a server freezes its heap after warm-up, and unfrozen after them (engines
+    a later cell drops stay collectable); each row's ``step_timing.gc`` counts the collections inside its decode steps
+    either way.
 
     ``admit_min``: a timed run's waiting requests are admitted only when at least that many KV slots are free (or
     none is running): fewer, larger prefills when requests refill a batch (:meth:`SpecEngine.generate`).
@@ -501,9 +503,13 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                 runs_by[method] = []
             if gc_freeze:  # after the warm-up: the collector's oldest generation stays out of the timed steps
                 freeze_gc_heap()
-            for _ in range(max(repeats, 1)):
-                for method in engine_methods:
-                    runs_by[method].append(one_run(method))
+            try:
+                for _ in range(max(repeats, 1)):
+                    for method in engine_methods:
+                        runs_by[method].append(one_run(method))
+            finally:  # the next cell's engines (or the caller) find a plain heap: nothing of this cell stays frozen
+                if gc_freeze:
+                    gc.unfreeze()
             if profile_dir is not None:
                 to_profile += [(method, domain, ps, seeds.get(domain, [])) for method in engine_methods]
             for method in methods:
@@ -784,9 +790,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="CUDA: do not capture every step shape after the warm-up passes (the timed runs then capture "
                         "the graphs of shapes the warm-up did not meet, as a server that captures lazily)")
     p.add_argument("--no-gc-freeze", action="store_true",
-                   help="do not freeze Python's garbage-collector heap before each cell's timed runs (the A/B of "
+                   help="do not freeze Python's garbage-collector heap for each cell's timed runs (the A/B of "
                         "engine.gc_pauses.freeze_gc_heap: a collection of the oldest generation then traverses the "
-                        "models and every engine's graphs inside some step)")
+                        "models and every engine's graphs inside some step); the recipe's engine.gc_freeze: false "
+                        "does the same")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per engine cell; the row is the median one")
     p.add_argument("--admit-min", type=int, default=1,
                    help="admit waiting requests only when at least this many KV slots are free (fewer, larger "
@@ -928,7 +935,7 @@ def main(argv: list[str] | None = None) -> int:
                         or None, log=log,
                         repeats=ns.repeats, corpus_prompts=ns.corpus_prompts, temperature=ns.temperature,
                         admit_min=ns.admit_min, precapture=not ns.no_precapture, profile_dir=ns.profile,
-                        gc_freeze=not ns.no_gc_freeze,
+                        gc_freeze=not ns.no_gc_freeze and cfg.engine.gc_freeze,
                         sim_costs=ns.sim_costs, sim_host_scale=ns.sim_host_scale)
     except (RecipeError, ValueError, MissingDataPackageError) as e:  # incl. ShapeError, CheckpointError
         print(f"error: {e}", file=sys.stderr)

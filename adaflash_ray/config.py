@@ -276,8 +276,9 @@ class EngineConfig(_Section):
     # them runs as the AR engine's own steps, no feature or lookup history kept (SpecEngine makespan_lock)
     makespan_lock: bool = False
     # once the engine is built (an inference worker, a Serve replica), Python's garbage collector skips the objects alive
-    # then (gc.freeze: the models, the graphs, the client libraries), so its collections of the oldest generation inside
-    # decode steps traverse only what serving allocated since (adaflash_ray/engine/gc_pauses.py); off = a plain heap
+    # then (gc.freeze: the models, the drafter, the client libraries), so its collections of the oldest generation
+    # inside decode steps traverse only what serving allocated since (adaflash_ray/engine/gc_pauses.py; the bench
+    # freezes around each cell's timed runs unless this is off or --no-gc-freeze); off = a plain heap
     gc_freeze: bool = True
     # the hybrid (the drafter and a lookup source, the throughput guard on): block-only steps - every row its drafter
     # block at the full γ, no lookup, no plan - where the planned steps' realised tokens per ms fall below theirs

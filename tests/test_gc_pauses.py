@@ -37,7 +37,9 @@ def test_freeze_moves_the_live_heap_to_the_permanent_generation(unfrozen):
     keep = [[i] for i in range(1000)]  # 1,001 live containers at least
     out = gc_pauses.freeze_gc_heap()
     assert out["frozen"] == gc.get_freeze_count() >= len(keep) and out["seconds"] >= 0
-    assert all(gc.is_tracked(x) for x in keep)
+    assert not any(o is keep[0] for o in gc.get_objects())  # the permanent generation is left out of every one
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0 and any(o is keep[0] for o in gc.get_objects())
 
 
 def test_a_collection_inside_a_step_is_in_that_steps_stats(tiny_target):

@@ -76,8 +76,9 @@ MAKESPAN_MARGIN, MAKESPAN_BACKOFF, MAKESPAN_TRIAL = 0.2, 16, 8
 #: running requests without one - the expected slowest of n draws), so the first verdict of a wave needs no trial either
 MAKESPAN_DECISIVE, MAKESPAN_HISTORY, MAKESPAN_HISTORY_MIN, MAKESPAN_HISTORY_MIN_STEPS = 0.7, 256, 16, 8
 #: a verdict for AR over a wave none of whose requests has a record yet is decisive by the history alone (no trial,
-#: and under makespan_lock the wave is locked at once) in at most MAKESPAN_HISTORY_WAVES waves in a row: the next one
-#: drafts its trial, so the history - which a locked wave never adds to - follows the traffic
+#: and under makespan_lock the wave is locked at once) in at most MAKESPAN_HISTORY_WAVES waves since the history last
+#: grew (a wave: the requests of one admission): the next one drafts its trial, so the history - which a locked wave
+#: never adds to - follows the traffic
 MAKESPAN_HISTORY_WAVES = 4
 
 
@@ -326,8 +327,8 @@ class SpecEngine:
             record of its own counts at their 1 / (n + 1) quantile, n the running requests without one (the expected
             slowest of n such requests), and the first verdict comes at once; where no running request has a record
             yet, a verdict for AR is decisive by that history alone (no trial after its back-off) in at most
-            :data:`MAKESPAN_HISTORY_WAVES` waves in a row - the next such wave drafts its trial, so the history
-            follows the traffic. A request the drafts serve worse than AR no longer holds a whole wave at drafting's
+            :data:`MAKESPAN_HISTORY_WAVES` waves (admissions) since the history last grew - the next such wave drafts
+            its trial, so the history follows the traffic. A request the drafts serve worse than AR no longer holds a whole wave at drafting's
             step cost.
             Batch-level (the rows of one step share its width); one request: the throughput guard's comparison.
             False: off.
@@ -512,7 +513,7 @@ class SpecEngine:
         self._ms_history: collections.deque[float] = collections.deque(maxlen=MAKESPAN_HISTORY)
         self._ms_history_added = 0  # values ever added to the history (with its length: the quantile cache's key)
         self._ms_quantile_key: tuple | None = None  # (values added, the history's length) of the cached quantiles
-        # waves in a row the history alone decided (MAKESPAN_HISTORY_WAVES), and whether the running wave counted
+        # waves the history alone decided since it last grew (MAKESPAN_HISTORY_WAVES), and whether this wave counted
         self._ms_history_waves, self._ms_wave_counted = 0, False
         self._ms_quantiles: dict[int, float] = {}  # n -> the history's 1 / (n + 1) quantile
         self._ms_rows: dict[tuple, list[tuple]] = {}  # _rows_ms's runs of counts (bucket, table row) per key

@@ -10,10 +10,15 @@ and it lands on whichever step happened to allocate the object that crossed the 
   can be told apart from the pauses inside it (``SpecStats.gc_seconds`` / ``num_gc`` / ``num_gc_full``).
 - :func:`freeze_gc_heap` collects once and moves every surviving object to the permanent generation
   (``gc.freeze``), so later collections traverse only what was allocated since - the requests, their lists and
-  the step results - not the startup heap. Call it once the engine is built and warmed up (its graphs captured):
-  vLLM's engine core freezes its heap after its CUDA graph capture and warm-up (``freeze_gc_heap``) and SGLang
-  offers a ``freeze_gc`` call after warm-up requests, for the same pauses. Frozen objects are still freed by
-  reference counting; only reference cycles among them are never collected.
+  the step results - not the startup heap. The inference workers and Serve replicas call it once their engine is
+  built and its drafter loaded (graphs captured lazily later are not frozen), the bench after each cell's warm-up
+  and precapture (``gc.unfreeze`` after the cell); vLLM's engine core freezes its heap after its CUDA graph capture
+  and warm-up (``freeze_gc_heap``) and SGLang offers a ``freeze_gc`` call after warm-up requests, for the same
+  pauses. Frozen objects are still freed by reference counting; only reference cycles among them are never
+  collected (until ``gc.unfreeze``).
+
+A collection counted while an engine steps may have run in another thread (the counter is process-wide); it then
+lengthens the step only where that thread held the interpreter while the engine thread needed it.
 """
 from __future__ import annotations
 
