@@ -328,8 +328,8 @@ class SpecEngine:
             slowest of n such requests), and the first verdict comes at once; where no running request has a record
             yet, a verdict for AR is decisive by that history alone (no trial after its back-off) in at most
             :data:`MAKESPAN_HISTORY_WAVES` waves (admissions) since the history last grew - the next such wave drafts
-            its trial, so the history follows the traffic. A request the drafts serve worse than AR no longer holds a whole wave at drafting's
-            step cost.
+            its trial, so the history follows the traffic. A request the drafts serve worse than AR no longer holds a
+            whole wave at drafting's step cost.
             Batch-level (the rows of one step share its width); one request: the throughput guard's comparison.
             False: off.
         makespan_lock: with ``makespan_guard``, a verdict for AR decisive by the requests' own records (the one that
@@ -1124,7 +1124,7 @@ class SpecEngine:
             # a decisive verdict is taken again right after its back-off; a close one after a trial, and so is one
             # only the history's prior makes decisive (the trial gives the requests without a record their own: else
             # none of them would ever draft, nor join the history) - unless no running request has a record yet and
-            # the history decided fewer than MAKESPAN_HISTORY_WAVES waves in a row: then the history alone decides
+            # the history decided fewer than MAKESPAN_HISTORY_WAVES waves since it last grew: then it alone decides
             by_history = len(unknown_left) == len(running) and (
                 self._ms_wave_counted or self._ms_history_waves < MAKESPAN_HISTORY_WAVES)
             decisive = ar_h < MAKESPAN_DECISIVE * (spec_h if by_history else known_h)
