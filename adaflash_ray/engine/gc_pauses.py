@@ -3,8 +3,8 @@
 CPython's collector stops the interpreter while it runs; a collection of the oldest generation traverses every
 container object the process holds - with a model, its engines' CUDA graphs, the held-out prompts and the Ray
 client loaded, hundreds of thousands of them - so one such pause can take tens of milliseconds or more, the time of
-many decode steps,
-and it lands on whichever step happened to allocate the object that crossed the threshold. Two things follow:
+many decode steps, and it lands on whichever step happened to allocate the object that crossed the threshold. Two
+things follow:
 
 - :data:`PAUSES` (installed with :func:`install`, once per process) times every collection through
   ``gc.callbacks``; :class:`~adaflash_ray.engine.engine.SpecEngine` reads it around each step, so a step's wall time
