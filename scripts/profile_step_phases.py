@@ -23,6 +23,8 @@ Methods (``--methods``):
   hybrid-host, hybrid-device
                  ``draft_sources=("dflash", "suffix")`` with the lookups on the host / on the device, the cost and
                  lookup tables set so that neither pays: the planner's γ = 0 steps
+  lock           ``cost`` with the makespan guard and its lock, the finished requests' history one token per
+                 drafting step: the wave is locked at its first step, every later step the plain AR step
 
 Per (method, batch) it prints the step's mean ms and per-phase ms with τ and the steps that proposed, the engine's
 own split by step kind (SpecStats.timing: count x mean wall ms of ar / gamma0 / probe / draft steps, the catch-ups
@@ -50,12 +52,14 @@ import torch
 
 from adaflash_ray.config import LengthHeadConfig
 from adaflash_ray.engine import SamplingParams, SpecEngine, SpecStats
+from adaflash_ray.engine.engine import MAKESPAN_HISTORY_MIN
 from adaflash_ray.engine.length_policy import length_policy
 from adaflash_ray.engine.runner import _buckets
 from adaflash_ray.shapes import build_random_drafter, build_random_target, shape_config
 from adaflash_ray.step_profile import kernel_run
 
-METHODS = ("ar", "gamma0", "cost", "dflash", "ngram", "suffix", "suffix-device", "hybrid-host", "hybrid-device")
+METHODS = ("ar", "gamma0", "cost", "dflash", "ngram", "suffix", "suffix-device", "hybrid-host", "hybrid-device",
+           "lock")
 DEFAULT_METHODS = ("ar", "gamma0", "dflash", "ngram", "suffix")
 TIMED = ("admit", "schedule", "runner_pre", "launch", "wait_post", "postprocess")  # wrapped calls
 PHASES = (*TIMED, "rest", "host")
@@ -73,14 +77,18 @@ def _engine(method: str, target, drafter, head, batch: int, seq: int) -> SpecEng
         return SpecEngine(target, drafter, None, policy="fixed", **kw)
     sources = ("dflash", "suffix") if method.startswith("hybrid") else None
     where = "device" if method == "hybrid-device" else "host"
+    lock = method == "lock"
     eng = SpecEngine(target, drafter, head, policy="cost", ar_steps=True, throughput_guard=method != "gamma0",
-                     draft_sources=sources, lookup_device=where, **kw)
+                     draft_sources=sources, lookup_device=where, makespan_guard=lock, makespan_lock=lock, **kw)
     bs, nb = _buckets(batch), drafter.block_size - 1
     eng.policy.set_costs(bs, torch.full((len(bs), nb), 1e4), torch.ones(len(bs)))  # drafting never pays
     if eng.planner is not None:  # nor do lookups: width 1 (the AR step) costs 1 ms, every wider step 1e4
         eng.planner.set_costs(bs, [[1e4] * nb] * len(bs), [[1.0] + [1e4] * eng.runner.max_draft] * len(bs))
     if eng.guard is not None:
         eng.guard.set_buckets(bs)
+    if lock:  # a history of one token per drafting step (as the makespan tests seed it): AR's verdict from step 1
+        eng._ms_history.extend([1.0] * MAKESPAN_HISTORY_MIN)
+        eng._ms_history_added += MAKESPAN_HISTORY_MIN
     return eng
 
 
