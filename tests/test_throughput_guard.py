@@ -635,7 +635,8 @@ def test_makespan_lock_ends_drafting_with_plain_ar_steps(tiny_target):
 
 def test_makespan_lock_needs_each_requests_record_and_ends_at_a_reload(tiny_target):
     """A decisive verdict for AR locks the running requests only where each has a drafting record of its own (one
-    priced at the bucket's prior keeps the wave unlocked); a drafter reload clears the locks."""
+    priced at the bucket's prior keeps the wave unlocked); a drafter reload clears the locks (and the engine's memory
+    of a wholly locked batch)."""
     from adaflash_ray.engine.engine import MAKESPAN_TRIAL
 
     eng = _engine(tiny_target, makespan_guard=True, makespan_lock=True)
@@ -654,8 +655,10 @@ def test_makespan_lock_needs_each_requests_record_and_ends_at_a_reload(tiny_targ
     reqs[0].spec_steps, reqs[0].spec_tokens = 20, 20
     eng._ms_forced_left = 0
     assert eng._makespan_prefers_ar(running, 3) and all(r.ar_locked for r in reqs)
+    assert eng._all_locked(running)  # remembered for this batch version
     eng.load_drafter(eng.drafter_tensors(), version=1)
     assert not any(r.ar_locked for r in reqs)
+    assert not eng._all_locked(running)  # the same batch version: the reload forgot it too
 
 
 def test_plain_step_is_an_ar_step(tiny_target):

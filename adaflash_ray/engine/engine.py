@@ -515,6 +515,9 @@ class SpecEngine:
         self._ms_quantile_key: tuple | None = None  # (values added, the history's length) of the cached quantiles
         # waves the history alone decided since it last grew (MAKESPAN_HISTORY_WAVES), and whether this wave counted
         self._ms_history_waves, self._ms_wave_counted = 0, False
+        # the scheduler's batch version whose running requests were all locked (makespan_lock; None: none): the
+        # plain steps' check is then one comparison, not a look at every row
+        self._locked_version: int | None = None
         self._ms_quantiles: dict[int, float] = {}  # n -> the history's 1 / (n + 1) quantile
         self._ms_rows: dict[tuple, list[tuple]] = {}  # _rows_ms's runs of counts (bucket, table row) per key
         self._last_planned_propose: bool | None = None  # the block guard's previous planned step (None: none yet)
@@ -735,7 +738,7 @@ class SpecEngine:
             return finished
         # what each guard records: (batch size, which of its two kinds of step, committed tokens, ms, rows)
         n, ms = len(batch.requests), 1e3 * seconds
-        tokens = n + sum(res.num_accepted)
+        tokens = n if batch.plain else n + sum(res.num_accepted)
         if self.guard is not None and not captured:  # a graph capture's time is no step's cost
             self.guard.record(batch.batch_size, kind in ("probe", "draft"), tokens, ms, n)
         if self.source_guard is not None:  # drafting steps, planned against block-only ones
@@ -871,7 +874,7 @@ class SpecEngine:
         _, running, slots, _, batch_size, fixed, any_own = self._running_state()
         n = len(running)
         if spec and self.makespan_lock and not (self.scheduler.waiting or self.num_held) and \
-                all(r.ar_locked for r in running):
+                self._all_locked(running):
             st = self.stats  # drafting ended for every running request: the AR engine's own step
             st.num_makespan_steps += 1
             st.num_plain_steps += 1
@@ -900,6 +903,17 @@ class SpecEngine:
         # a step that does not propose is an AR step (the cost policy's γ = 0): its drafter context append is
         # deferred and caught up from the feature history when the next step proposes
         return _Batch(running, gammas, spec, propose, append=propose, batch_size=batch_size, slots=slots)
+
+    def _all_locked(self, running: list[Request]) -> bool:
+        """Whether every running request is locked out of drafting (``makespan_lock``), remembered per scheduler batch
+        version (a lock is only ever set for a whole running batch, and cleared at a drafter reload)."""
+        version = self.scheduler.version
+        if self._locked_version == version:
+            return True
+        if all(r.ar_locked for r in running):
+            self._locked_version = version
+            return True
+        return False
 
     def _block_only(self, running: list[Request], batch_size: int, slots: list[int]) -> _Batch:
         """A step the source guard forces: each row verifies its pending drafter block at the full γ = block_size - 1,
@@ -1286,7 +1300,7 @@ class SpecEngine:
         sources = None
         lazy = False  # this γ = 0 step's records join the pending run (flush_records) instead of each row's lists
         if spec:
-            if not any(lens):  # every row γ = 0 (an AR step of the policy or the planner)
+            if batch.plain or not any(lens):  # every row γ = 0 (an AR step of the policy or the planner)
                 sources = ["none"] * n
                 run = self._ar_run
                 if self.lazy_ar_records:
@@ -1303,7 +1317,10 @@ class SpecEngine:
                     [(planner.lookup if k else "dflash") if g else "none" for g, k in zip(lens, look)]
             if not lazy and self._ar_run is not None:
                 self.flush_records()
-            self.stats.record_steps(lens, acc, sources)
+            if batch.plain:  # every row γ = 0 by construction
+                self.stats.record_ar_steps(n)
+            else:
+                self.stats.record_steps(lens, acc, sources)
         # rows whose tokens may end the request (its budget: tokens left <= tokens committed now; a stop token) or
         # that carry logprobs commit through _commit; the rest append their tokens here
         stop = self._stop_union
@@ -1560,6 +1577,7 @@ class SpecEngine:
         for r in self.scheduler.running:
             r.spec_steps = r.spec_tokens = 0
             r.ar_locked = False  # the lock was the old drafter's verdict (their histories now lack its plain steps)
+        self._locked_version = None
         if self.block_guard is not None:
             self.block_guard.on_drafter_reload()
             self._last_planned_propose = None  # the next step's pending block is the old drafter's

@@ -122,6 +122,14 @@ class SpecStats:
             self.source_drafted[source] += draft_len
             self.source_accepted[source] += num_accepted
 
+    def record_ar_steps(self, n: int, sources: bool = True) -> None:
+        """:meth:`record_steps` of one engine step whose ``n`` rows all verified nothing (γ = 0; with ``sources``,
+        source "none"), without the per-row lists."""
+        self.num_verify_steps += n
+        self.draft_len_hist[0] += n
+        if sources:
+            self.source_hist["none"] += n
+
     def record_steps(self, draft_lens: list[int], num_accepted: list[int], sources: list[str] | None = None) -> None:
         """:meth:`record_step` for each request of one engine step (``draft_lens`` / ``num_accepted`` /
         ``sources``: ``[n]`` host ints / strings); above 4 rows counted per step rather than per request: the same
@@ -132,10 +140,7 @@ class SpecStats:
             draft_lens = list(draft_lens)
         n = len(draft_lens)
         if not any(draft_lens):
-            self.num_verify_steps += n
-            self.draft_len_hist[0] += n
-            if sources is not None:
-                self.source_hist["none"] += n
+            self.record_ar_steps(n, sources is not None)
             return
         if not isinstance(num_accepted, list):
             num_accepted = list(num_accepted)
