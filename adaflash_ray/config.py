@@ -337,7 +337,7 @@ class DistillConfig(_Section):
     # cosine decay of every lr from its peak (after warmup) to lr_min_ratio x peak at step lr_decay_steps,
     # flat after; 0 = constant lr after warmup. The default: the default recipe's whole run (5 versions x 90 steps)
     lr_decay_steps: int = Field(450, ge=0)
-    lr_min_ratio: float = Field(0.3, ge=0, le=1)
+    lr_min_ratio: float = Field(0.1, ge=0, le=1)
     batch_size: int = Field(2, ge=1)  # trajectories per optimizer step
     zero_stage: int = Field(0, ge=0, le=3)
     publish_every: int = Field(90, ge=1)  # optimizer steps per drafter version
