@@ -24,7 +24,9 @@ Methods (``--methods``):
                  ``draft_sources=("dflash", "suffix")`` with the lookups on the host / on the device, the cost and
                  lookup tables set so that neither pays: the planner's γ = 0 steps
   lock           ``cost`` with the makespan guard and its lock, the finished requests' history one token per
-                 drafting step: the wave is locked at its first step, every later step the plain AR step
+                 drafting step: each timed run's wave is locked at its first step, every later step the plain AR
+                 step (once the warm-up run gave the throughput guard its samples of both kinds of step: enough
+                 ``--new-tokens``; the default's do)
 
 Per (method, batch) it prints the step's mean ms and per-phase ms with τ and the steps that proposed, the engine's
 own split by step kind (SpecStats.timing: count x mean wall ms of ar / gamma0 / probe / draft steps, the catch-ups
@@ -216,6 +218,8 @@ def profile(method: str, target, drafter, head, batch: int, ns) -> dict:
     rows = []
     for _ in range(ns.repeats):
         eng.stats = SpecStats()
+        if method == "lock":  # the history alone decides a few waves only (MAKESPAN_HISTORY_WAVES): every run one
+            eng._ms_history_waves = 0
         if eng.runner.is_cuda:
             torch.cuda.synchronize()
         if prof is not None:

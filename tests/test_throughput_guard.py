@@ -616,6 +616,7 @@ def test_makespan_lock_ends_drafting_with_plain_ar_steps(tiny_target):
     eng.step()
     delta = eng.stats - before
     assert plain_calls[-1] and delta.num_plain_steps == delta.num_makespan_steps == delta.kind_steps["gamma0"] == 1
+    assert delta.num_verify_steps == delta.draft_len_hist[0] == delta.source_hist["none"] == len(reqs)  # γ = 0 rows
     assert torch.equal(eng.runner.feat_hist, feat) and torch.equal(eng.runner.lookup.history, hist)
     eng.step()
     late = eng.add_request(prompts[0], SamplingParams(max_new_tokens=5, ignore_eos=True))  # queued: no free slot
@@ -631,6 +632,22 @@ def test_makespan_lock_ends_drafting_with_plain_ar_steps(tiny_target):
     assert st.num_plain_steps == sum(plain_calls)
     for r, p, n in zip(reqs + [late], prompts + [prompts[0]], [90] * 3 + [5]):
         assert r.output_ids == greedy_reference(tiny_target, p, n)
+
+
+def test_all_locked_follows_the_batch_version(tiny_target):
+    """The engine remembers a wholly locked running batch by the scheduler's batch version: a finish keeps the rest
+    locked, a request admitted into the batch is not."""
+    eng = _engine(tiny_target, makespan_guard=True, makespan_lock=True)
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=100, ignore_eos=True)) for p in _prompts()]
+    eng._admit(True, [])
+    for r in reqs:
+        r.ar_locked = True
+    assert eng._all_locked(list(eng.scheduler.running))
+    eng.abort(reqs[2])  # a finish: a new batch version, the two left still locked
+    assert eng._all_locked(list(eng.scheduler.running))
+    late = eng.add_request(_prompts()[0], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    eng._admit(True, [])
+    assert late in eng.scheduler.running and not eng._all_locked(list(eng.scheduler.running))
 
 
 def test_makespan_lock_needs_each_requests_record_and_ends_at_a_reload(tiny_target):
