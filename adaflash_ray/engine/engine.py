@@ -1300,7 +1300,8 @@ class SpecEngine:
         sources = None
         lazy = False  # this γ = 0 step's records join the pending run (flush_records) instead of each row's lists
         if spec:
-            if batch.plain or not any(lens):  # every row γ = 0 (an AR step of the policy or the planner)
+            zero = batch.plain or not any(lens)  # every row γ = 0 (an AR step of the policy, the planner or the lock)
+            if zero:
                 sources = ["none"] * n
                 run = self._ar_run
                 if self.lazy_ar_records:
@@ -1317,7 +1318,7 @@ class SpecEngine:
                     [(planner.lookup if k else "dflash") if g else "none" for g, k in zip(lens, look)]
             if not lazy and self._ar_run is not None:
                 self.flush_records()
-            if batch.plain:  # every row γ = 0 by construction
+            if zero:
                 self.stats.record_ar_steps(n)
             else:
                 self.stats.record_steps(lens, acc, sources)
