@@ -341,11 +341,12 @@ def test_would_force_after_sees_the_forced_steps_own_record(reference_rows):
     assert ends > 0  # reference runs whose last step the look ahead before the record got wrong
 
 def test_makespan_guard_rule(tiny_target):
-    """``makespan_guard``: a verdict for AR where the most tokens left x the AR step ms is below 0.8 x the most
-    (tokens left / own committed per drafting step) x the drafting step ms (the guard's averages at the bucket); the
-    verdict forces 16 AR steps, then 8 policy steps, then the next verdict (32 while it repeats); none before the guard
-    has both kinds' samples, nor while a request waits or is held back; ValueError without the throughput guard."""
-    from adaflash_ray.engine.engine import MAKESPAN_BACKOFF, MAKESPAN_TRIAL
+    """``makespan_guard``: a verdict for AR where the most tokens left x the AR step ms is below (1 - MAKESPAN_MARGIN)
+    x the most (tokens left / own committed per drafting step) x the drafting step ms (the guard's averages at the
+    bucket); a verdict not below MAKESPAN_DECISIVE x that forces 16 AR steps, then 8 policy steps, then the next
+    verdict (32 while it repeats); none before the guard has both kinds' samples, nor while a request waits or is held
+    back; ValueError without the throughput guard."""
+    from adaflash_ray.engine.engine import MAKESPAN_BACKOFF, MAKESPAN_DECISIVE, MAKESPAN_MARGIN, MAKESPAN_TRIAL
 
     with pytest.raises(ValueError, match="makespan_guard needs the throughput guard"):
         _engine(tiny_target, throughput_guard=False, makespan_guard=True)
@@ -368,14 +369,16 @@ def test_makespan_guard_rule(tiny_target):
     reqs[1].spec_tokens = 24
     assert not eng._makespan_prefers_ar(running, 3)
     eng.num_held = 0
-    # one request at 1.5 per drafting step: (steps + 4) / (tokens + 4 x 3) = 24 / 42 -> 8/7 x tokens left ms, above
-    # AR's 1 x but within the margin (1 < 0.8 x 8/7 fails): no verdict for AR
-    reqs[1].spec_tokens = 30
-    assert not eng._makespan_prefers_ar(running, 3) and eng._ms_forced_left == 0
-    # at 1.2 per drafting step: 24 / 36 -> 4/3 x tokens left ms: AR's is below 0.8 x that
-    reqs[1].spec_tokens = 24
+    # one request at 1.6 per drafting step: (steps + 4) / (tokens + 4 x 3) = 24 / 44 -> 12/11 x tokens left ms, above
+    # AR's 1 x but within the margin: no verdict for AR
     left = [r.params.max_new_tokens - len(r.output_ids) for r in running]
-    assert max(left) * 1.0 < 0.8 * left[1] * 24 / 36 * 2.0 < max(left) * 1.1
+    assert max(left) * 1.0 > (1 - MAKESPAN_MARGIN) * left[1] * 24 / 44 * 2.0 > 0.95 * max(left)
+    reqs[1].spec_tokens = 32
+    assert not eng._makespan_prefers_ar(running, 3) and eng._ms_forced_left == 0
+    # at 1.5 per drafting step: 24 / 42 -> 8/7 x tokens left ms: AR's is below (1 - margin) x that, not decisively
+    reqs[1].spec_tokens = 30
+    spec_h = left[1] * 24 / 42 * 2.0
+    assert MAKESPAN_DECISIVE * spec_h < max(left) * 1.0 < (1 - MAKESPAN_MARGIN) * spec_h
     got = [eng._makespan_prefers_ar(running, 3) for _ in range(MAKESPAN_BACKOFF + MAKESPAN_TRIAL + 2)]
     assert got == [True] * MAKESPAN_BACKOFF + [False] * MAKESPAN_TRIAL + [True, True]  # the back-off, a trial, again
     assert eng._ms_forced_left == 2 * MAKESPAN_BACKOFF - 2 and eng._ms_factor == 4

@@ -62,11 +62,13 @@ _FLOAT_WIDTH = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.flo
 #: batch's horizon weighs 0, and a request's committed-per-step rate starts from DRAIN_PRIOR pseudo-steps of 1 token
 OBJECTIVES = ("throughput", "drain")
 DRAIN_MARGIN, DRAIN_PRIOR = 0.1, 4
-#: SpecEngine ``makespan_guard``: AR is preferred when its horizon is below (1 - MAKESPAN_MARGIN) x drafting's (a wide
-#: margin: a request's early record, a few steps, undersells the drafts it will get, and AR steps do not update it); a
-#: verdict for AR forces MAKESPAN_BACKOFF AR steps (doubling while the verdict holds, at most PROBE_MAX_FACTOR x), then
-#: MAKESPAN_TRIAL steps are the policy's again (fresh records) before the next verdict
-MAKESPAN_MARGIN, MAKESPAN_BACKOFF, MAKESPAN_TRIAL = 0.2, 16, 8
+#: SpecEngine ``makespan_guard``: AR is preferred when its horizon is below (1 - MAKESPAN_MARGIN) x drafting's (a
+#: margin: a request's early record, a few steps, may undersell the drafts it will get, and AR steps do not update it;
+#: a wider one leaves a wave whose slowest request gains little from its drafts drafting at a drafting step's cost -
+#: scripts/gpu_makespan_sweep.sh sweeps it on bench cells); a verdict for AR forces MAKESPAN_BACKOFF AR steps (doubling while the
+#: verdict holds, at most PROBE_MAX_FACTOR x), then MAKESPAN_TRIAL steps are the policy's again (fresh records) before
+#: the next verdict
+MAKESPAN_MARGIN, MAKESPAN_BACKOFF, MAKESPAN_TRIAL = 0.1, 16, 8
 #: a verdict for AR whose AR horizon is below MAKESPAN_DECISIVE x drafting's skips the trial after its back-off (the
 #: requests' records cannot close that gap in a few steps: the verdict is taken again at once) - drafting's horizon by
 #: the requests with a record of their own, not by the history's prior for those without one; the guard keeps the own
@@ -74,7 +76,7 @@ MAKESPAN_MARGIN, MAKESPAN_BACKOFF, MAKESPAN_TRIAL = 0.2, 16, 8
 #: MAKESPAN_HISTORY_MIN_STEPS steps at the policy's γ (none fixing its own draft_len), and with at least
 #: MAKESPAN_HISTORY_MIN of them a request without a record of its own is priced at their 1 / (n + 1) quantile (n: the
 #: running requests without one - the expected slowest of n draws), so the first verdict of a wave needs no trial either
-MAKESPAN_DECISIVE, MAKESPAN_HISTORY, MAKESPAN_HISTORY_MIN, MAKESPAN_HISTORY_MIN_STEPS = 0.7, 256, 16, 8
+MAKESPAN_DECISIVE, MAKESPAN_HISTORY, MAKESPAN_HISTORY_MIN, MAKESPAN_HISTORY_MIN_STEPS = 0.85, 256, 16, 8
 #: a verdict for AR over a wave none of whose requests has a record yet is decisive by the history alone (no trial,
 #: and under makespan_lock the wave is locked at once) in at most MAKESPAN_HISTORY_WAVES waves since the history last
 #: grew (a wave: the requests of one admission): the next one drafts its trial, so the history - which a locked wave
