@@ -4,13 +4,20 @@ engine with a drafter, and what changes it: how many graphs the runner holds, an
 A diagnostic for the plain AR step of a locked wave (``SpecEngine`` ``makespan_lock``): in the bench's profile its
 ``launch`` phase took ~0.1 ms of host time where the AR engine's took ~0.01 ms, for the same kernels. Per key it
 prints the median and p90 µs of ``replay()`` alone (the device synchronised before and after each call) over
-``--launches`` calls. Random weights of a real shape (no checkpoint); CUDA only.
+``--launches`` calls, and the node types of a fresh capture of the same step (``keep_graph=True``:
+``cudaGraphGetNodes`` / ``cudaGraphNodeGetType`` through ctypes - kernel, memcpy, memset, host, event nodes...).
+Random weights of a real shape (no checkpoint); CUDA only. ``--recipe``: the engines as the bench builds them
+(``SpecEngine.from_config`` with that recipe's engine settings: prefill buckets, fused kernels, guards), else the
+constructor's defaults (scripts/profile_step_phases.py's engines).
 
     python scripts/graph_launch_probe.py --shape smollm2-135m --batch 64 --launches 200
+    python scripts/graph_launch_probe.py --recipe recipes/smollm2_135m_gpu.yaml --new-tokens 128
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import ctypes
 import gc
 import json
 import os
@@ -25,7 +32,8 @@ from profile_step_phases import _engine  # noqa: E402
 
 from adaflash_ray.config import LengthHeadConfig  # noqa: E402
 from adaflash_ray.engine import SamplingParams  # noqa: E402
-from adaflash_ray.engine.graph_upload import upload_graph  # noqa: E402
+from adaflash_ray.engine.engine import MAKESPAN_HISTORY_MIN, SpecEngine  # noqa: E402
+from adaflash_ray.engine.graph_upload import cudart_paths, upload_graph  # noqa: E402
 from adaflash_ray.engine.length_policy import length_policy  # noqa: E402
 from adaflash_ray.shapes import build_random_drafter, build_random_target, shape_config  # noqa: E402
 
@@ -44,6 +52,64 @@ def _launch_us(graph: torch.cuda.CUDAGraph, n: int) -> dict:
             "min": round(out[0], 1)}
 
 
+#: cudaGraphNodeType values (CUDA runtime API), by name
+NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "child_graph", 5: "empty", 6: "wait_event",
+              7: "event_record", 8: "ext_semas_signal", 9: "ext_semas_wait", 10: "mem_alloc", 11: "mem_free",
+              12: "batch_mem_op", 13: "conditional"}
+
+
+def _cudart():
+    with open("/proc/self/maps") as f:
+        for path in cudart_paths(f.read(), torch.version.cuda):
+            try:
+                return ctypes.CDLL(path)
+            except OSError:
+                continue
+    return None
+
+
+def _node_types(graph: torch.cuda.CUDAGraph) -> dict | None:
+    """Counts of the node types of a graph captured with ``keep_graph=True`` (None where the runtime is not found)."""
+    rt = _cudart()
+    if rt is None:
+        return None
+    handle = ctypes.c_void_p(graph.raw_cuda_graph())
+    n = ctypes.c_size_t(0)
+    if rt.cudaGraphGetNodes(handle, None, ctypes.byref(n)) != 0:
+        return None
+    nodes = (ctypes.c_void_p * n.value)()
+    if rt.cudaGraphGetNodes(handle, nodes, ctypes.byref(n)) != 0:
+        return None
+    out = collections.Counter()
+    for node in nodes:
+        t = ctypes.c_int(-1)
+        rt.cudaGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(t))
+        out[NODE_TYPES.get(t.value, str(t.value))] += 1
+    return dict(out)
+
+
+def _recipe_engine(method: str, cfg, target, drafter, head, batch: int, seq: int) -> SpecEngine:
+    """``method`` (ar / lock / dflash) built as the bench builds it (``SpecEngine.from_config``), the lock's cost
+    tables and history set as scripts/profile_step_phases.py sets them (AR's verdict from the first step)."""
+    from adaflash_ray.engine.runner import _buckets
+
+    if method == "ar":
+        return SpecEngine.from_config(cfg, models=(target, None, None), policy="fixed", max_batch_size=batch,
+                                      max_seq_len=seq, calibrate=False)
+    if method == "dflash":
+        return SpecEngine.from_config(cfg, models=(target, drafter, None), policy="fixed", max_batch_size=batch,
+                                      max_seq_len=seq, calibrate=False, throughput_guard=False)
+    eng = SpecEngine.from_config(cfg, models=(target, drafter, head), policy="cost", max_batch_size=batch,
+                                 max_seq_len=seq, calibrate=False, throughput_guard=True, makespan_guard=True,
+                                 makespan_lock=True, draft_sources=None)
+    bs, nb = _buckets(batch), drafter.block_size - 1
+    eng.policy.set_costs(bs, torch.full((len(bs), nb), 1e4), torch.ones(len(bs)))
+    eng.guard.set_buckets(bs)
+    eng._ms_history.extend([1.0] * MAKESPAN_HISTORY_MIN)
+    eng._ms_history_added += MAKESPAN_HISTORY_MIN
+    return eng
+
+
 def _keys(runner, batch: int) -> list:
     """The captured keys at ``batch`` rows, one per kind (spec / plain / AR-like), the widest span first."""
     seen, keys = set(), []
@@ -60,11 +126,19 @@ def probe(method: str, target, drafter, head, ns) -> dict:
     vocab = target.config.vocab_size
     prompts = [torch.randint(10, vocab, (ns.prompt_len,), generator=g).tolist() for _ in range(ns.batch)]
     sp = SamplingParams(max_new_tokens=ns.new_tokens, ignore_eos=True)
-    eng = _engine(method, target, drafter, head, ns.batch, ns.prompt_len + ns.new_tokens + 64)
+    seq = ns.prompt_len + ns.new_tokens + 64
+    if ns.recipe:
+        eng = _recipe_engine(method, ns.cfg, target, drafter, head, ns.batch, seq)
+    else:
+        eng = _engine(method, target, drafter, head, ns.batch, seq)
     mode = "ar" if method == "ar" else "spec"
     eng.generate(prompts, sp, mode=mode)
+    if method == "lock":  # a second wave: the first gave the throughput guard its samples; this one runs plain steps
+        eng._ms_history_waves = 0
+        eng.generate(prompts, sp, mode=mode)
     runner = eng.runner
-    row = {"method": method, "graphs_after_run": len(runner.graphs), "keys": {}}
+    row = {"method": method, "graphs_after_run": len(runner.graphs), "kinds": dict(eng.stats.kind_steps),
+           "plain_steps": eng.stats.num_plain_steps, "keys": {}}
     keys = _keys(runner, ns.batch)
     for k in keys:
         row["keys"][repr(k)] = {"after_run": _launch_us(runner.graphs[k], ns.launches)}
@@ -84,10 +158,12 @@ def probe(method: str, target, drafter, head, ns) -> dict:
     torch.cuda.synchronize()
     for k in keys:
         row["keys"][repr(k)]["others_freed"] = _launch_us(runner.graphs[k], ns.launches)
-    for k in keys:  # a fresh capture of the same step into the runner's pool
-        fresh = torch.cuda.CUDAGraph()
+    for k in keys:  # a fresh capture of the same step into the runner's pool, its graph kept: the node types
+        fresh = torch.cuda.CUDAGraph(keep_graph=True)
         with torch.cuda.graph(fresh, pool=runner._pool):
             runner._step_fn(*k)
+        row["keys"][repr(k)]["nodes"] = _node_types(fresh)
+        fresh.instantiate()
         upload_graph(fresh)
         row["keys"][repr(k)]["fresh_capture"] = _launch_us(fresh, ns.launches)
     return row
@@ -102,13 +178,20 @@ def main() -> None:
     p.add_argument("--launches", type=int, default=200)
     p.add_argument("--methods", nargs="+", default=["ar", "lock", "dflash"])
     p.add_argument("--no-precapture", action="store_true")
+    p.add_argument("--recipe", default=None, help="build the engines as the bench does, from this recipe")
     p.add_argument("--out", default=None, help="write the rows as JSON here too")
     ns = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("graph_launch_probe needs CUDA (it times CUDA graph launches)")
     torch.set_num_threads(1)
+    if ns.recipe:
+        from adaflash_ray.config import load_recipe
+
+        ns.cfg = load_recipe(ns.recipe)
     target = build_random_target(shape_config(ns.shape), "cuda", torch.bfloat16)
     drafter = build_random_drafter(target, num_layers=2, block_size=16)
+    if ns.recipe:  # the recipe's fused-kernel switch, as from_config sets it before the runner fuses
+        target.fused_kernels = ns.cfg.engine.fused_kernels
     head = length_policy("cost").build_head(target.config.hidden_size, LengthHeadConfig(policy="cost"), 16)
     head = head.to("cuda", torch.bfloat16).requires_grad_(False)
     rows = []
