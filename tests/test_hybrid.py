@@ -321,7 +321,7 @@ def test_sampled_lookup_drafts_follow_the_target(where):
                         lookup_corpus_tokens=256)  # the 16 sequences and their separators fit
     # keep the corpus fixed: every request sees the same proposal law
     if where == "device":
-        engine.runner.lookup.add_sequence = lambda tokens: None
+        engine.runner.lookup.add_sequences = lambda sequences: None
     else:
         engine.lookup.finish = lambda tokens: None
     reqs = engine.generate([prompt] * num, SamplingParams(max_new_tokens=4, temperature=temp))
@@ -1514,6 +1514,39 @@ def test_lookup_only_plan_equals_the_array_plan(with_costs):
         assert {"suffix", "none"} <= seen and ("propose", False) in seen
         if "dflash" in sources:
             assert ("propose", True) in seen
+
+
+def test_device_corpus_learns_a_steps_finished_requests_together(tiny_target):
+    """With the device lookup, the requests that finish in one engine step join the corpus ring in one
+    ``add_sequences`` call at the step's end (prompt + output each, in finish order); the ring then holds what one
+    add per request would have written, and nothing is left pending after ``step`` returns."""
+    from adaflash_ray.engine.device_lookup import DeviceLookup
+
+    prompts, budgets = _prompts(), [12, 12, 20]
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
+    eng = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=64, calibrate=False,
+                     draft_sources=("dflash", "suffix"), lookup_device="device", lookup_corpus_tokens=1024)
+    look = eng.runner.lookup
+    calls, real = [], look.add_sequences
+
+    def add(seqs):
+        calls.append([list(q) for q in seqs])
+        real(seqs)
+    look.add_sequences = add
+    ref = DeviceLookup(1, 8, 4, "cpu", max_ngram=look.max_ngram, corpus_tokens=1024)
+    for p, n in zip(prompts, budgets):
+        eng.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+    finished_per_step = []
+    while eng.has_unfinished():
+        done = eng.step("ar")
+        assert eng._corpus_pending == []
+        if done:
+            finished_per_step.append([r.prompt_ids + r.output_ids for r in done])
+    assert calls == finished_per_step and [len(c) for c in calls] == [2, 1]  # two ended in the same step
+    for seqs in calls:
+        for q in seqs:
+            ref.add_sequence(q)
+    assert look.corpus.tolist() == ref.corpus.tolist() and look._head == ref._head
 
 
 def test_planner_records_run_while_the_next_step_is_launched(tiny_target):

@@ -358,6 +358,27 @@ def test_device_corpus_ring_latest_match_and_bounded_eviction():
         DeviceLookup(1, 8, 2, "cpu", max_ngram=3, corpus_tokens=3)
 
 
+def test_device_corpus_batched_adds_equal_one_add_per_sequence():
+    """``DeviceLookup.add_sequences`` of a batch leaves the ring, its head and the written count as one
+    ``add_sequence`` per sequence does - batches that fit, that wrap the ring's end, that hold a sequence longer than
+    the ring and that are longer than the ring as a whole - and an empty batch changes nothing."""
+    import random
+
+    from adaflash_ray.engine.device_lookup import DeviceLookup
+
+    rng = random.Random(1)
+    size = 40
+    one, batched = (DeviceLookup(2, 16, 4, "cpu", max_ngram=3, corpus_tokens=size) for _ in range(2))
+    for lengths in ([5, 3], [], [12, 9, 7], [2], [60], [8, 8, 8, 8, 8, 8], [1, 45, 3], [30, 30]):
+        seqs = [[rng.randrange(50) for _ in range(n)] for n in lengths]
+        for q in seqs:
+            one.add_sequence(q)
+        batched.add_sequences(seqs)
+        assert batched.corpus.tolist() == one.corpus.tolist(), lengths
+        assert batched._head == one._head == int(batched.corpus_head) and \
+            batched.num_corpus_written == one.num_corpus_written, lengths
+
+
 # ----------------------------------------------------------------------------------- the lookup's Triton kernels
 def compare_lookup_kernels(device: str, cases: int = 60, seed: int = 0) -> int:
     """Random states (vocabularies of 3-20 tokens, n-gram ranges, occurrence caps, proposal lengths, corpus rings

@@ -22,7 +22,8 @@ Rules (prompt lookup decoding, Saxena 2023; vLLM's ``ngram`` speculator) - the s
 Suffix lookup (``suffix``; SuffixDecoding, Oliaro et al., arXiv 2411.04975) adds a corpus of earlier requests: a
 ring buffer :attr:`DeviceLookup.corpus` of ``corpus_tokens`` token ids, each finished request's prompt + output
 appended followed by :data:`SEPARATOR` (which matches nothing), the oldest tokens overwritten first (the copy to the
-device happens when a request finishes, :meth:`DeviceLookup.add_sequence`). The corpus match follows the same rules
+device happens at the end of the engine step in which requests finished, all of them in one
+:meth:`DeviceLookup.add_sequences`). The corpus match follows the same rules
 (a continuation ends at its sequence's separator); between the row's own context and the corpus the longer match
 wins, the context's at equal length (as :class:`~adaflash_ray.drafting.lookup.SuffixState`). Two differences from
 the host :class:`~adaflash_ray.drafting.lookup.SuffixCorpus`, which stays the offline baseline (``lookup_tau``): the
@@ -182,7 +183,7 @@ class DeviceLookup:
                        if corpus_tokens else None)  # [C]
         self.corpus_head = torch.zeros(1, dtype=torch.long, device=device)
         self._head = 0  # host copy of corpus_head
-        # add_sequence's host staging ring (allocated at the first add) and the tokens staged since the last wait
+        # add_sequences' host staging ring (allocated at the first add) and the tokens staged since the last wait
         self._staging: torch.Tensor | None = None
         self._staged = 0
         self.num_corpus_written = 0  # tokens (separators included) ever written to the ring
@@ -285,24 +286,38 @@ class DeviceLookup:
 
     # ------------------------------------------------------------------ corpus (host side)
     def add_sequence(self, tokens: Sequence[int]) -> None:
-        """Append a finished request's tokens + :data:`SEPARATOR` to the corpus ring, overwriting the oldest; a
-        sequence longer than the ring keeps its last ``corpus_tokens - 1`` tokens. The tokens go through a host
-        staging ring laid out as the device ring (pinned on CUDA): one or two slice copies, asynchronous on CUDA - no
-        index tensor, no wait for the device (a finishing request's host work stays short). Before the staging ring
-        would overwrite tokens whose copy may still be in flight (``corpus_tokens`` written since the last wait), the
-        stream is synchronised once. Raises ValueError without a corpus."""
+        """Append a finished request's tokens + :data:`SEPARATOR` to the corpus ring: :meth:`add_sequences` of one."""
+        self.add_sequences([tokens])
+
+    def add_sequences(self, sequences: Sequence[Sequence[int]]) -> None:
+        """Append finished requests' tokens, each followed by :data:`SEPARATOR`, to the corpus ring in order,
+        overwriting the oldest; a sequence longer than the ring keeps its last ``corpus_tokens - 1`` tokens. The ring
+        ends as it would after one append per sequence, but the whole batch goes through a host staging ring laid out
+        as the device ring (pinned on CUDA) in one or two slice copies and one head update, asynchronous on CUDA -
+        no index tensor, no wait for the device: a step in which many requests finish pays a few launches, not a few
+        per request. Of a batch longer than the ring only its last ``corpus_tokens`` tokens are written (the earlier
+        ones would be overwritten within the batch). Before the staging ring would overwrite tokens whose copy may
+        still be in flight (``corpus_tokens`` written since the last wait), the stream is synchronised once. Raises
+        ValueError without a corpus."""
         if self.corpus is None:
             raise ValueError("this DeviceLookup has no corpus (corpus_tokens=0)")
         c = self.corpus_tokens
-        seq = list(tokens)[-(c - 1):] + [SEPARATOR]
+        stream: list[int] = []
+        for tokens in sequences:
+            stream += list(tokens)[-(c - 1):]
+            stream.append(SEPARATOR)
+        total = len(stream)
+        if not total:
+            return
+        seq = stream[-c:]  # a batch longer than the ring: its last c tokens, written where the full batch ends
         n = len(seq)
+        h = (self._head + total - n) % c
         cuda = self.corpus.is_cuda
         if self._staging is None:
             self._staging = torch.empty(c, dtype=torch.long, pin_memory=cuda)
         if cuda and self._staged + n > c:
             torch.cuda.current_stream(self.corpus.device).synchronize()
             self._staged = 0
-        h = self._head
         first = min(n, c - h)
         stage = self._staging.numpy()
         stage[h:h + first] = seq[:first]
@@ -313,14 +328,13 @@ class DeviceLookup:
         self._head = (h + n) % c
         self.corpus_head.fill_(self._head)
         self._staged += n
-        self.num_corpus_written += n
+        self.num_corpus_written += total
 
     def reset_corpus(self, sequences: Sequence[Sequence[int]] = ()) -> None:
-        """Empty the ring (every cell :data:`SEPARATOR`), then :meth:`add_sequence` each of ``sequences``."""
+        """Empty the ring (every cell :data:`SEPARATOR`), then :meth:`add_sequences` of ``sequences``."""
         if self.corpus is None:
             raise ValueError("this DeviceLookup has no corpus (corpus_tokens=0)")
         self.corpus.fill_(SEPARATOR)
         self._head, self.num_corpus_written = 0, 0
         self.corpus_head.zero_()
-        for s in sequences:
-            self.add_sequence(s)
+        self.add_sequences(sequences)

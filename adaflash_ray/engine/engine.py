@@ -434,6 +434,8 @@ class SpecEngine:
         # γ = 0 step records in O(1) instead of four appends per row; False: every step writes its records at once
         self.lazy_ar_records = True
         self._ar_run: tuple[list[Request], int, int] | None = None
+        # finished requests' prompt + output for the device corpus ring, written together at the end of the step
+        self._corpus_pending: list[list[int]] = []
         # the last planned step's planner record (HybridPlanner.record_later), run while the device computes the next
         # step (ModelRunner.step's overlap) or at the next flush point (_flush_planner_record)
         self._planner_record = None
@@ -681,7 +683,16 @@ class SpecEngine:
     def step(self, mode: str = "spec") -> list[Request]:
         """Admit + prefill new requests, then one decode step for all running ones (one device -> host
         transfer); returns the requests finished now. ``mode="ar"`` decodes one token per step (no
-        drafter work; a request decoded in AR mode should stay in AR mode)."""
+        drafter work; a request decoded in AR mode should stay in AR mode). The requests finished in the step
+        (at their prefill or their last decode step) join the device lookup's corpus ring together at its end."""
+        try:
+            return self._step(mode)
+        finally:
+            if self._corpus_pending:
+                pending, self._corpus_pending = self._corpus_pending, []
+                self.runner.lookup.add_sequences(pending)
+
+    def _step(self, mode: str) -> list[Request]:
         spec = mode == "spec" and (self.drafter is not None or self.lookup is not None)
         finished: list[Request] = []
         self._admit(spec, finished)
@@ -1392,9 +1403,9 @@ class SpecEngine:
                 req.last_hidden = self.runner.last_hidden(req.slot, n).to(torch.bfloat16).cpu()
             self.scheduler.finish(req, reason)
             finished.append(req)
-            if self.lookup_on_device:  # the device corpus ring learns the finished sequence (one host -> device copy)
+            if self.lookup_on_device:  # the device corpus ring learns the finished sequence at the step's end
                 if self.runner.lookup.corpus is not None:
-                    self.runner.lookup.add_sequence(req.prompt_ids + req.output_ids)
+                    self._corpus_pending.append(req.prompt_ids + req.output_ids)
             elif self.lookup is not None:  # a suffix corpus learns the finished sequence (prompt lookup ignores it)
                 self.lookup.finish(req.prompt_ids + req.output_ids)
                 req.lookup_state = None
