@@ -23,7 +23,7 @@ EOF
 trap 'rm -f "$site/sitecustomize.py"' EXIT
 export BENCH_METHODS="${BENCH_METHODS:-ar adaflash-cost-makespan-lock}"
 real_out=$OUT
-mkdir -p /root/sweep_out
+rm -rf /root/sweep_out && mkdir -p /root/sweep_out  # this call's outputs only
 for v in ${SWEEP:-0.2,0.7 0.1,0.7 0.1,0.85}; do
   tag="_m${v/,/_}"
   OUT=/root/sweep_out MS_MARGIN="${v%,*}" MS_DECISIVE="${v#*,}" BENCH_TAG="$tag" bash scripts/gpu_main_job.sh e \

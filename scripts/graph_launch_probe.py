@@ -1,8 +1,8 @@
 """The host time of one CUDA graph launch (``torch.cuda.CUDAGraph.replay``) per step key, in an AR engine and in an
 engine with a drafter, and what changes it: how many graphs the runner holds, an upload again, a fresh capture.
 
-A diagnostic for the plain AR step of a locked wave (``SpecEngine`` ``makespan_lock``): in the bench's profile its
-``launch`` phase took ~0.1 ms of host time where the AR engine's took ~0.01 ms, for the same kernels. Per key it
+A diagnostic for the host cost of a step's launch: the plain AR step of a locked wave (``SpecEngine``
+``makespan_lock``) against the AR engine's step of the same kernels, and the drafting steps. Per key it
 prints the median and p90 µs of ``replay()`` alone (the device synchronised before and after each call) over
 ``--launches`` calls, and the node types of a fresh capture of the same step (``keep_graph=True``:
 ``cudaGraphGetNodes`` / ``cudaGraphNodeGetType`` through ctypes - kernel, memcpy, memset, host, event nodes...).

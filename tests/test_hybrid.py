@@ -1517,9 +1517,9 @@ def test_lookup_only_plan_equals_the_array_plan(with_costs):
 
 
 def test_device_corpus_learns_a_steps_finished_requests_together(tiny_target):
-    """With the device lookup, the requests that finish in one engine step join the corpus ring in one
-    ``add_sequences`` call at the step's end (prompt + output each, in finish order); the ring then holds what one
-    add per request would have written, and nothing is left pending after ``step`` returns."""
+    """With the device lookup, the requests that finish in one engine step's decode join the corpus ring in one
+    ``add_sequences`` call before the step's time is taken (prompt + output each, in finish order); the ring then
+    holds what one add per request would have written, and nothing is left pending after ``step`` returns."""
     from adaflash_ray.engine.device_lookup import DeviceLookup
 
     prompts, budgets = _prompts(), [12, 12, 20]

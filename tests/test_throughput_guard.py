@@ -734,7 +734,7 @@ def test_makespan_horizon_follows_the_shrinking_wave(tiny_target):
             r.spec_steps, r.spec_tokens = 20, 60
         reqs[1].spec_tokens = 24
         return eng._makespan_prefers_ar(running, 3)
-    assert wave(None)  # its tail priced at the full batch's 2 ms: AR's 99 ms < 0.8 x 132
-    assert not wave(1.1)  # the tail at 1.1 ms a step: 99 ms against 0.8 x (33 x 1.1 + 66) - drafting
+    assert wave(None)  # its tail priced at the full batch's 2 ms: AR's 99 ms < (1 - margin) = 0.9 x 132
+    assert not wave(1.1)  # the tail at 1.1 ms a step: 99 ms against 0.9 x (33 x 1.1 + 66) - drafting
     assert not wave(None, one_row_table=0.55)  # no samples at bucket 1: the planner's table scales 2 ms to 1.1
     assert wave(None, one_row_table=1.0)

@@ -63,11 +63,11 @@ _FLOAT_WIDTH = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.flo
 OBJECTIVES = ("throughput", "drain")
 DRAIN_MARGIN, DRAIN_PRIOR = 0.1, 4
 #: SpecEngine ``makespan_guard``: AR is preferred when its horizon is below (1 - MAKESPAN_MARGIN) x drafting's (a
-#: margin: a request's early record, a few steps, may undersell the drafts it will get, and AR steps do not update it;
-#: a wider one leaves a wave whose slowest request gains little from its drafts drafting at a drafting step's cost -
-#: scripts/gpu_makespan_sweep.sh sweeps it on bench cells); a verdict for AR forces MAKESPAN_BACKOFF AR steps (doubling while the
-#: verdict holds, at most PROBE_MAX_FACTOR x), then MAKESPAN_TRIAL steps are the policy's again (fresh records) before
-#: the next verdict
+#: margin: a request's early record, a few steps, may undersell the drafts it will get, and AR steps do not update it; a
+#: wider one leaves a wave whose slowest request gains little from its drafts drafting at a drafting step's cost -
+#: scripts/gpu_makespan_sweep.sh sweeps it on bench cells); a verdict for AR forces MAKESPAN_BACKOFF AR steps (doubling
+#: while the verdict holds, at most PROBE_MAX_FACTOR x), then MAKESPAN_TRIAL steps are the policy's again (fresh
+#: records) before the next verdict
 MAKESPAN_MARGIN, MAKESPAN_BACKOFF, MAKESPAN_TRIAL = 0.1, 16, 8
 #: a verdict for AR whose AR horizon is below MAKESPAN_DECISIVE x drafting's skips the trial after its back-off (the
 #: requests' records cannot close that gap in a few steps: the verdict is taken again at once) - drafting's horizon by
@@ -683,19 +683,13 @@ class SpecEngine:
     def step(self, mode: str = "spec") -> list[Request]:
         """Admit + prefill new requests, then one decode step for all running ones (one device -> host
         transfer); returns the requests finished now. ``mode="ar"`` decodes one token per step (no
-        drafter work; a request decoded in AR mode should stay in AR mode). The requests finished in the step
-        (at their prefill or their last decode step) join the device lookup's corpus ring together at its end."""
-        try:
-            return self._step(mode)
-        finally:
-            if self._corpus_pending:
-                pending, self._corpus_pending = self._corpus_pending, []
-                self.runner.lookup.add_sequences(pending)
-
-    def _step(self, mode: str) -> list[Request]:
+        drafter work; a request decoded in AR mode should stay in AR mode). With the device lookup, the requests
+        finished at their prefill join its corpus ring together before the decode step, those finished by the decode
+        step together at its end (inside its timing)."""
         spec = mode == "spec" and (self.drafter is not None or self.lookup is not None)
         finished: list[Request] = []
         self._admit(spec, finished)
+        self._flush_corpus()
         if not self.scheduler.running:
             self._flush_planner_record()  # no step to overlap it with: the planner is up to date between batches
             return finished
@@ -708,6 +702,7 @@ class SpecEngine:
         res = self._run(batch)
         caught_up = self.runner.step_catch_up
         self._postprocess(batch, res, finished)
+        self._flush_corpus()
         seconds = self.clock() - t0
         st = self.stats
         gc1 = _GC_PAUSES.snapshot()
@@ -880,6 +875,13 @@ class SpecEngine:
         if batch_size is None:
             batch_size = max(r.slot for r in self.scheduler.running) + 1
         return self.source_guard.would_force(batch_size)
+
+    def _flush_corpus(self) -> None:
+        """Write the finished requests waiting for the device corpus ring (``_commit`` collects them) in one
+        :meth:`~adaflash_ray.engine.device_lookup.DeviceLookup.add_sequences`."""
+        if self._corpus_pending:
+            pending, self._corpus_pending = self._corpus_pending, []
+            self.runner.lookup.add_sequences(pending)
 
     def _schedule(self, spec: bool) -> _Batch:
         """The running requests' γ for this step - the policy's (or the request's own), capped by the tokens left -
@@ -1403,7 +1405,7 @@ class SpecEngine:
                 req.last_hidden = self.runner.last_hidden(req.slot, n).to(torch.bfloat16).cpu()
             self.scheduler.finish(req, reason)
             finished.append(req)
-            if self.lookup_on_device:  # the device corpus ring learns the finished sequence at the step's end
+            if self.lookup_on_device:  # the device corpus ring learns it with the phase's others (_flush_corpus)
                 if self.runner.lookup.corpus is not None:
                     self._corpus_pending.append(req.prompt_ids + req.output_ids)
             elif self.lookup is not None:  # a suffix corpus learns the finished sequence (prompt lookup ignores it)
