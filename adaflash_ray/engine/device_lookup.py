@@ -22,8 +22,8 @@ Rules (prompt lookup decoding, Saxena 2023; vLLM's ``ngram`` speculator) - the s
 Suffix lookup (``suffix``; SuffixDecoding, Oliaro et al., arXiv 2411.04975) adds a corpus of earlier requests: a
 ring buffer :attr:`DeviceLookup.corpus` of ``corpus_tokens`` token ids, each finished request's prompt + output
 appended followed by :data:`SEPARATOR` (which matches nothing), the oldest tokens overwritten first (the copy to the
-device happens at the end of the engine step in which requests finished, all of them in one
-:meth:`DeviceLookup.add_sequences`). The corpus match follows the same rules
+device happens in the engine step in which requests finished: a phase's finished requests - the prefill's, the
+decode's - in one :meth:`DeviceLookup.add_sequences`). The corpus match follows the same rules
 (a continuation ends at its sequence's separator); between the row's own context and the corpus the longer match
 wins, the context's at equal length (as :class:`~adaflash_ray.drafting.lookup.SuffixState`). Two differences from
 the host :class:`~adaflash_ray.drafting.lookup.SuffixCorpus`, which stays the offline baseline (``lookup_tau``): the

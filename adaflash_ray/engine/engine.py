@@ -434,7 +434,8 @@ class SpecEngine:
         # γ = 0 step records in O(1) instead of four appends per row; False: every step writes its records at once
         self.lazy_ar_records = True
         self._ar_run: tuple[list[Request], int, int] | None = None
-        # finished requests' prompt + output for the device corpus ring, written together at the end of the step
+        # finished requests' prompt + output for the device corpus ring, written together after the step's prefill and
+        # after its decode (_flush_corpus)
         self._corpus_pending: list[list[int]] = []
         # the last planned step's planner record (HybridPlanner.record_later), run while the device computes the next
         # step (ModelRunner.step's overlap) or at the next flush point (_flush_planner_record)
