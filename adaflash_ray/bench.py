@@ -30,8 +30,9 @@ tokens/s / AR tokens/s (same domain and concurrency), and ``lossless`` (every re
 for token) with ``match_rate`` (fraction of requests identical) and, for each mismatching request, the AR target's top-2
 logit margin at the first divergence (a near tie there is bf16 rounding, not a bug). At concurrency c each domain runs
 max(--num-prompts, c) prompts so the batch fills. ``--warmup repeat`` (default on CUDA) runs every timed engine run
-untimed first - at least ``WARMUP_MIN_PASSES`` times, then again while a pass still captured CUDA graphs, up to
-``WARMUP_PASSES`` passes - so captures rarely land in a timed run (``step_timing.num_captures`` counts those that did:
+untimed first - at least ``WARMUP_MIN_PASSES`` times, then again while a pass still captured CUDA graphs (a step's
+or a prefill's: :func:`captured_graphs`), up to ``WARMUP_PASSES`` passes - so captures rarely land in a timed run
+(``step_timing.num_captures`` / ``num_prefill_captures`` count those that did:
 an adaptive method's choices and the slot compaction's batch buckets differ from run to run, so one clean pass does not
 mean the next one is).
 
@@ -134,6 +135,13 @@ NO_SOURCE_GUARD = "-no-source-guard"
 #: (SpecEngine ``source_guard_reference_rows``), against the default's runs of a few steps
 LONG_REFERENCE = "-long-reference"
 LONG_REFERENCE_ROWS = 32
+
+
+def captured_graphs(stats: SpecStats) -> bool:
+    """Whether a run (its :class:`SpecStats`) captured a CUDA graph - a step's (``num_captures``) or a prefill's
+    (``num_prefill_captures``, ``ModelRunner`` ``prefill_buckets``): the warm-up goes on while one did, since a capture
+    inside a timed run costs that run tens of ms."""
+    return bool(stats.num_captures or stats.num_prefill_captures)
 
 
 def base_method(method: str) -> str:
@@ -496,7 +504,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                 if warmup == "repeat":  # the same run untimed first, again while a pass captured CUDA graphs (an
                     # adaptive method's choices, and the slot compaction's batch buckets, differ from run to run)
                     for i in range(WARMUP_PASSES):
-                        if one_run(method)[3].num_captures == 0 and i + 1 >= WARMUP_MIN_PASSES:
+                        if not captured_graphs(one_run(method)[3]) and i + 1 >= WARMUP_MIN_PASSES:
                             break
                 if precapture and warmup != "none":
                     precaptured[method] = engine_for(method).precapture_graphs(PRECAPTURE_S)

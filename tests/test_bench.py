@@ -451,3 +451,16 @@ def test_model_mode_on_a_sim_clock(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2 and what in capsys.readouterr().err, argv
+
+
+def test_warmup_goes_on_while_a_step_or_a_prefill_captured():
+    """The bench's warm-up condition: a run that captured a step graph or a prefill graph asks for another pass."""
+    from adaflash_ray.bench import captured_graphs
+    from adaflash_ray.engine import SpecStats
+
+    st = SpecStats()
+    assert not captured_graphs(st)
+    st.num_prefill_captures = 1
+    assert captured_graphs(st)
+    st.num_prefill_captures, st.num_captures = 0, 2
+    assert captured_graphs(st)
