@@ -28,11 +28,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_step_phases import _engine  # noqa: E402
+from profile_step_phases import _engine, drafting_never_pays  # noqa: E402
 
 from adaflash_ray.config import LengthHeadConfig  # noqa: E402
 from adaflash_ray.engine import SamplingParams  # noqa: E402
-from adaflash_ray.engine.engine import MAKESPAN_HISTORY_MIN, SpecEngine  # noqa: E402
+from adaflash_ray.engine.engine import SpecEngine  # noqa: E402
 from adaflash_ray.engine.graph_upload import cudart_paths, upload_graph  # noqa: E402
 from adaflash_ray.engine.length_policy import length_policy  # noqa: E402
 from adaflash_ray.shapes import build_random_drafter, build_random_target, shape_config  # noqa: E402
@@ -91,8 +91,6 @@ def _node_types(graph: torch.cuda.CUDAGraph) -> dict | None:
 def _recipe_engine(method: str, cfg, target, drafter, head, batch: int, seq: int) -> SpecEngine:
     """``method`` (ar / lock / dflash) built as the bench builds it (``SpecEngine.from_config``), the lock's cost
     tables and history set as scripts/profile_step_phases.py sets them (AR's verdict from the first step)."""
-    from adaflash_ray.engine.runner import _buckets
-
     if method == "ar":
         return SpecEngine.from_config(cfg, models=(target, None, None), policy="fixed", max_batch_size=batch,
                                       max_seq_len=seq, calibrate=False)
@@ -102,12 +100,7 @@ def _recipe_engine(method: str, cfg, target, drafter, head, batch: int, seq: int
     eng = SpecEngine.from_config(cfg, models=(target, drafter, head), policy="cost", max_batch_size=batch,
                                  max_seq_len=seq, calibrate=False, throughput_guard=True, makespan_guard=True,
                                  makespan_lock=True, draft_sources=None)
-    bs, nb = _buckets(batch), drafter.block_size - 1
-    eng.policy.set_costs(bs, torch.full((len(bs), nb), 1e4), torch.ones(len(bs)))
-    eng.guard.set_buckets(bs)
-    eng._ms_history.extend([1.0] * MAKESPAN_HISTORY_MIN)
-    eng._ms_history_added += MAKESPAN_HISTORY_MIN
-    return eng
+    return drafting_never_pays(eng, batch)
 
 
 def _keys(runner, batch: int) -> list:

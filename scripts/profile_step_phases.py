@@ -82,13 +82,20 @@ def _engine(method: str, target, drafter, head, batch: int, seq: int) -> SpecEng
     lock = method == "lock"
     eng = SpecEngine(target, drafter, head, policy="cost", ar_steps=True, throughput_guard=method != "gamma0",
                      draft_sources=sources, lookup_device=where, makespan_guard=lock, makespan_lock=lock, **kw)
-    bs, nb = _buckets(batch), drafter.block_size - 1
+    return drafting_never_pays(eng, batch)
+
+
+def drafting_never_pays(eng: SpecEngine, batch: int) -> SpecEngine:
+    """Set ``eng``'s (``cost`` policy) tables so that drafting never pays at any bucket up to ``batch`` rows, nor do
+    lookups; with the makespan lock, seed the finished requests' history at one token per drafting step (as the
+    makespan tests do): AR's verdict, and the lock, from a wave's first step. Returns ``eng``."""
+    bs, nb = _buckets(batch), eng.drafter.block_size - 1
     eng.policy.set_costs(bs, torch.full((len(bs), nb), 1e4), torch.ones(len(bs)))  # drafting never pays
     if eng.planner is not None:  # nor do lookups: width 1 (the AR step) costs 1 ms, every wider step 1e4
         eng.planner.set_costs(bs, [[1e4] * nb] * len(bs), [[1.0] + [1e4] * eng.runner.max_draft] * len(bs))
     if eng.guard is not None:
         eng.guard.set_buckets(bs)
-    if lock:  # a history of one token per drafting step (as the makespan tests seed it): AR's verdict from step 1
+    if eng.makespan_lock:  # a history of one token per drafting step: AR's verdict from step 1
         eng._ms_history.extend([1.0] * MAKESPAN_HISTORY_MIN)
         eng._ms_history_added += MAKESPAN_HISTORY_MIN
     return eng
