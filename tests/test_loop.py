@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -20,7 +21,8 @@ import pytest
 import torch
 
 from adaflash_ray.config import DistillConfig
-from adaflash_ray.distill.loop import CheckpointSink, DirectorySource, StreamSource, TrainerLoop, main, version_table
+from adaflash_ray.distill.loop import (CheckpointSink, DirectorySource, ReplayPool, StreamSource, TrainerLoop, main,
+                                       version_table)
 from adaflash_ray.distill.spill import spill_path, write_parquet
 from adaflash_ray.models import load_drafter_checkpoint, tensors_sha256
 from adaflash_ray.trajectory import Trajectory
@@ -236,6 +238,52 @@ def test_streaming_warm_start_trains_as_the_text_arrives():
     with pytest.raises(ValueError, match="stream ended after 0 trajectories"):  # every worker failed
         TrainerLoop(FakeCore([]), _dc(batch_size=2), seed=2).warm_start(
             StreamSource(lambda w: ([], True)), FakeSink([]), train_s=5.0)
+
+
+def test_replay_pool_follows_the_scanning_rules_step_by_step():
+    """ReplayPool against the list the loop used to scan every step (the same rules, O(pool) per step): over random
+    adds, version changes, steps, caps and hand-backs, every step takes the oldest fresh entries first and then only
+    trained entries still in the list, as many as it can, and afterwards both hold the same entries with the same
+    uses in the same arrival order."""
+    rng, draw = random.Random(5), random.Random(6)
+    for max_reuse, lag in [(1, 0), (2, 1), (4, 2)]:
+        pool, ref = ReplayPool(max_reuse, lag), []  # ref: [name, version, uses] in arrival order
+        version, n_added = 0, 0
+        for _ in range(400):
+            op = rng.random()
+            if op < 0.35:
+                for _ in range(rng.randrange(1, 6)):
+                    v = max(0, version - rng.randrange(0, 3))
+                    pool.add(f"t{n_added}", v, f"h{n_added}")
+                    ref.append([f"t{n_added}", v, 0])
+                    n_added += 1
+            elif op < 0.45:
+                version += 1
+            elif op < 0.9:
+                pool.prune(version)
+                ref = [e for e in ref if e[2] < max_reuse and version - e[1] <= lag]
+                n = rng.randrange(1, 8)
+                chosen = pool.choose(n, draw)
+                fresh = [e for e in ref if e[2] == 0][:n]
+                assert [e[0] for e in chosen[:len(fresh)]] == [e[0] for e in fresh]
+                used = {e[0] for e in ref if e[2] > 0}
+                drawn = [e[0] for e in chosen[len(fresh):]]
+                assert len(set(drawn)) == len(drawn) == min(len(used), n - len(fresh)) and set(drawn) <= used
+                names = {e[0] for e in chosen}
+                for e in ref:
+                    e[2] += e[0] in names
+                ref = [e for e in ref if e[2] < max_reuse]
+            elif op < 0.97:
+                cap = rng.randrange(0, 12)
+                pool.cap(cap)
+                ref = ref[max(0, len(ref) - cap):]
+            else:
+                handed = pool.take_fresh()
+                assert [(e[0], e[3]) for e in handed] == [(e[0], "h" + e[0][1:]) for e in ref if e[2] == 0]
+                ref = [e for e in ref if e[2] > 0]
+            live = [e for e in ref if e[2] < max_reuse]
+            assert len(pool) == len(live)
+            assert [(e[0], e[1], e[2]) for e in pool._entries.values()] == [tuple(e) for e in live]
 
 
 def test_loop_replays_up_to_max_reuse_then_publishes_what_it_trained():

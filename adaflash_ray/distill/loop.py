@@ -15,7 +15,9 @@ block position) and, last, one JSON object (``out``, ``final_version``, ``train_
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import random
 import time
 import uuid
@@ -28,7 +30,7 @@ import torch
 from adaflash_ray.models import tensors_sha256
 from adaflash_ray.trajectory import Trajectory, within_version_lag
 
-__all__ = ["TrajectorySource", "WeightSink", "TrainerLoop", "DirectorySource", "MemorySource", "CheckpointSink",
+__all__ = ["TrajectorySource", "WeightSink", "ReplayPool", "TrainerLoop", "DirectorySource", "MemorySource", "CheckpointSink",
            "length_grouped", "version_table", "decode_for_training", "train_from_files", "generate_files", "main"]
 
 Item = tuple  # (handle, version): a leased trajectory as the source names it, and the drafter version it carries
@@ -65,6 +67,95 @@ class WeightSink(Protocol):
     def publish(self, version: int, parent_version: int, step: int, tensors: dict[str, torch.Tensor],
                 sha256: str, config: dict) -> tuple[list[dict], dict[str, float]]: ...
     def close(self) -> None: ...
+
+
+class ReplayPool:
+    """The trainer's replay pool: leased trajectories not yet trained (``fresh``) and trained ones kept for reuse,
+    each entry ``[trajectory, version, uses, handle]``, in order of arrival. Every operation a step makes costs
+    O(batch), not O(pool): the warm start pools its whole set (tens of thousands of trajectories) and a scan per
+    step would cost milliseconds of host time between optimizer steps.
+
+    Rules (those of :meth:`TrainerLoop.run`): an entry leaves once trained ``max_reuse`` times, or once its version
+    lag exceeds ``max_version_lag`` (:func:`~adaflash_ray.trajectory.within_version_lag`, checked by :meth:`prune`);
+    :meth:`choose` takes the fresh entries first, oldest first, then draws uniformly without replacement among the
+    trained ones; :meth:`cap` drops the oldest arrivals beyond ``capacity``.
+
+    Args:
+        max_reuse: the uses after which an entry leaves (>= 1).
+        max_version_lag: the staleness rule's bound (drafter versions).
+    """
+
+    def __init__(self, max_reuse: int, max_version_lag: int):
+        self.max_reuse, self.max_version_lag = max_reuse, max_version_lag
+        self._entries: dict[int, list] = {}  # arrival seq -> entry; a dict keeps the order of arrival
+        self._fresh: collections.deque[int] = collections.deque()  # seqs never trained, oldest first (may be stale)
+        self._used: list[int] = []  # seqs trained 1 .. max_reuse-1 times (any order: drawn at random)
+        self._used_at: dict[int, int] = {}  # seq -> its index in _used (O(1) removal)
+        self._unchecked: list[int] = []  # seqs added since the last prune (their lag not yet checked)
+        self._pruned_version: int | None = None
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, trajectory, version: int, handle) -> None:
+        """A newly leased trajectory, never trained."""
+        seq, self._next = self._next, self._next + 1
+        self._entries[seq] = [trajectory, version, 0, handle]
+        self._fresh.append(seq)
+        self._unchecked.append(seq)
+
+    def _remove(self, seq: int) -> list:
+        e = self._entries.pop(seq)
+        if seq in self._used_at:  # swap-remove from the trained ones; a fresh seq is skipped where it is read
+            i, last = self._used_at.pop(seq), self._used.pop()
+            if last != seq:
+                self._used[i], self._used_at[last] = last, i
+        return e
+
+    def prune(self, latest_version: int) -> None:
+        """Drop the entries past the version lag at ``latest_version``: all of them when the version changed
+        since the last prune, else only those added since."""
+        if latest_version != self._pruned_version:
+            seqs, self._pruned_version = list(self._entries), latest_version
+        else:
+            seqs = [q for q in self._unchecked if q in self._entries]
+        self._unchecked = []
+        for q in seqs:
+            if not within_version_lag(latest_version, self._entries[q][1], self.max_version_lag):
+                self._remove(q)
+
+    def choose(self, n: int, rng: random.Random) -> list[list]:
+        """Up to ``n`` entries for one step - fresh ones first, oldest first, then trained ones drawn with ``rng``
+        - each counted as used once more (an entry used ``max_reuse`` times leaves the pool)."""
+        chosen = []
+        while self._fresh and len(chosen) < n:
+            q = self._fresh.popleft()
+            if q in self._entries and self._entries[q][2] == 0:
+                chosen.append(q)
+        drawn = rng.sample(self._used, min(len(self._used), n - len(chosen)))
+        out = []
+        for q in chosen + drawn:
+            e = self._entries[q]
+            e[2] += 1
+            out.append(e)
+            if e[2] >= self.max_reuse:
+                self._remove(q)
+            elif q not in self._used_at:
+                self._used_at[q] = len(self._used)
+                self._used.append(q)
+        return out
+
+    def cap(self, capacity: int) -> None:
+        """Keep the ``capacity`` latest arrivals."""
+        for q in list(itertools.islice(iter(self._entries), max(0, len(self._entries) - capacity))):
+            self._remove(q)
+
+    def take_fresh(self) -> list[list]:
+        """Remove and return the entries never trained (e.g. to hand their leases back), oldest first."""
+        out = [self._remove(q) for q in self._fresh if q in self._entries and self._entries[q][2] == 0]
+        self._fresh.clear()
+        return out
 
 
 class TrainerLoop:
@@ -132,7 +223,7 @@ class TrainerLoop:
         cfg_dict = core.drafter_model_config().as_dict()
         t_start = time.time()
         pool_cap = replay_pool or getattr(dc, "replay_pool", None) or 4 * dc.batch_size * dc.max_reuse
-        pool: list[list] = []  # [trajectory, version, uses, handle]: leased on-policy data, and recent data for reuse
+        pool = ReplayPool(dc.max_reuse, dc.max_version_lag)  # leased on-policy data, and recent data for reuse
         pending_ids: list[str] = []  # first trained since the last save
         rng = random.Random(self.seed + self.rank + 7919 * self.version)
         seen = set(self.fresh_ids)
@@ -144,20 +235,17 @@ class TrainerLoop:
 
         def hand_back_untrained() -> None:
             """Before a commit: what this rank holds leased but never trained goes back to the source."""
-            nonlocal pool
-            unused = [p for p in pool if p[2] == 0]
+            unused = pool.take_fresh()
             if unused:
                 source.release([p[3] for p in unused])
                 seen.difference_update(p[0].request_id for p in unused)  # a redelivery is then new to it
-                pool = [p for p in pool if p[2] > 0]
 
         warm = self.warm_set if getattr(dc, "warm_replay", False) else []
         if getattr(dc, "warm_replay", False) and not warm and self.rank == 0:  # e.g. resumed past the warm start
             print(f"[rank {self.rank}] distill.warm_replay: no warm-start text kept (a resumed run skips the warm "
                   "start), so short on-policy batches wait for data", flush=True)
         while not time_up and core.all_ranks(self.version < num_versions and not self._should_stop()):
-            pool = [p for p in pool
-                    if p[2] < dc.max_reuse and within_version_lag(self.version, p[1], dc.max_version_lag)]
+            pool.prune(self.version)
             replay = bool(warm) and not source.exhausted()  # may fill a short batch with warm-start text
             wait_s = 60.0  # for a batch when no step is possible without one
             if dc.max_train_s is not None and t_first_step is not None:  # a starved trainer still times out
@@ -175,7 +263,8 @@ class TrainerLoop:
             self.num_duplicates_skipped += len(fresh) - len(keep)
             fresh, items = [fresh[i] for i in keep], [items[i] for i in keep]
             seen.update(t.request_id for t in fresh)
-            pool.extend([t, it[1], 0, it[0]] for t, it in zip(fresh, items))
+            for t, it in zip(fresh, items):
+                pool.add(t, it[1], it[0])
             if not core.all_ranks(len(pool) >= dc.batch_size or bool(fresh) or replay):
                 timed_out = (dc.max_train_s is not None and t_first_step is not None
                              and not core.all_ranks(time.time() - t_first_step < dc.max_train_s))
@@ -192,20 +281,14 @@ class TrainerLoop:
                         self._on_metrics(m)
                 continue  # some rank has nothing to train on yet: every rank waits for data
             # what was never trained first (oldest first), then replays of recent data
-            chosen = [p for p in pool if p[2] == 0][:dc.batch_size]
-            others = [p for p in pool if p[2] > 0]
-            chosen += rng.sample(others, min(len(others), dc.batch_size - len(chosen)))
-            for p in chosen:
-                if p[2] == 0:
-                    pending_ids.append(p[0].request_id)
-                p[2] += 1
+            chosen = pool.choose(dc.batch_size, rng)
+            pending_ids.extend(p[0].request_id for p in chosen if p[2] == 1)
             filler = rng.sample(warm, min(len(warm), dc.batch_size - len(chosen))) if replay else []
             self.num_warm_replayed += len(filler)
             trajs = [p[0] for p in chosen] + filler
             versions = [p[1] for p in chosen]
             del fresh
-            if len(pool) > pool_cap:
-                pool = pool[-pool_cap:]
+            pool.cap(pool_cap)
             recent_s = min(step_times[-5:]) if step_times else 0.0
             if dc.prefetch and recent_s > 0 and not self._may_publish_next(t_first_step, recent_s):
                 # the next batch gathers in the source during this step (returns by the step's end)
