@@ -265,6 +265,23 @@ def test_app_builder_args_and_bad_recipe_exit_code():
     assert r.returncode == 2 and "serve.port" in r.stderr and not r.stdout
 
 
+@pytest.mark.parametrize("override,needle", [("drafter.init_path={ckpt}", "bad config.json"),
+                                             ("drafter.init_path={ckpt}/missing", "config.json not found"),
+                                             ("model.name=no-such-model", "unknown target 'no-such-model'")])
+def test_bad_drafter_checkpoint_or_target_exits_2_before_ray(tmp_path, override, needle):
+    """A corrupt / missing ``drafter.init_path`` or an unknown target is refused naming it, exit 2 before Ray starts,
+    not a replica constructor failing through Serve's retries and an exit 1 that names no cause."""
+    (tmp_path / "config.json").write_text("{not json")
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 10)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "adaflash_ray.serve", "--recipe", "recipes/cpu_tiny.yaml",
+                        "--set", override.format(ckpt=tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and needle in r.stderr and not r.stdout, r.stderr[-2000:]
+    assert "Started a local Ray" not in r.stderr and time.monotonic() - t0 < 60
+
+
 # ------------------------------------------------------------------------------------ persisted learning
 def _start_server(args: list[str], port: int) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
