@@ -713,6 +713,23 @@ def test_disconnect_frees_the_slot_and_queue_full_is_429(server):
     r = requests.post(server["url"] + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4},
                       headers=HDR, timeout=60)
     assert r.status_code == 429 and r.headers["Retry-After"] == "1" and r.json()["error"]["code"] == "queue_full"
+    # a burst beyond what Serve lets into the replica at once (max_ongoing_requests) and its own queue: every
+    # request still reaches the replica and gets its OpenAI 429, none Serve's plain-text 503 "backpressure"
+    burst = []
+
+    def post():
+        b = requests.post(server["url"] + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4},
+                          headers=HDR, timeout=120)
+        burst.append((b.status_code, b.headers.get("Retry-After"), b.text[:200]))
+
+    threads = [threading.Thread(target=post) for _ in range(3 * (MAX_BATCH + MAX_QUEUED + 16))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert len(burst) == len(threads)
+    bad = [b for b in burst if b[0] != 429 or b[1] != "1" or json.loads(b[2])["error"]["code"] != "queue_full"]
+    assert not bad, bad[:3]
     t0 = time.monotonic()
     while (st := _status(server))["queue"]["running"] < MAX_BATCH and time.monotonic() - t0 < 60:
         time.sleep(0.2)  # the engine thread admits the queued requests between two steps
