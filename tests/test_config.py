@@ -235,6 +235,13 @@ def test_a_key_given_twice_is_refused_naming_it(tmp_path):
     assert load_recipe(merged).engine.max_batch_size == 4  # anchors still load
 
 
+def test_seed_out_of_the_generators_range_is_refused():
+    """A seed beyond 32 bits overflowed torch.manual_seed in the actors, after Ray and the run directory started."""
+    assert load_recipe(None, [f"seed={2**32 - 1}"]).seed == 2**32 - 1
+    for bad in (2**32, 99999999999999999999999, -1):
+        with pytest.raises(RecipeError, match="seed: Input should be"):
+            load_recipe(None, [f"seed={bad}"])
+
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
 def test_dump_round_trip(tmp_path, path):
