@@ -282,6 +282,30 @@ def test_bad_drafter_checkpoint_or_target_exits_2_before_ray(tmp_path, override,
     assert "Started a local Ray" not in r.stderr and time.monotonic() - t0 < 60
 
 
+def test_a_port_another_server_listens_on_exits_2():
+    """Serve's proxy binds with SO_REUSEPORT: beside another Serve proxy (here a listener with the same option) it
+    started and printed "serving", the kernel splitting the connections between the two servers. Refused up front."""
+    port = _free_port()
+    other = socket.socket()
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    other.bind(("127.0.0.1", port))
+    other.listen()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen([sys.executable, "-m", "adaflash_ray.serve", "--recipe", "recipes/cpu_tiny.yaml",
+                             "--port", str(port), "--set", "ray.include_dashboard=false"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # it started serving on the shared port: stop it
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=180)
+        pytest.fail(f"started on a port in use: {out!r}")
+    finally:
+        other.close()
+    assert proc.returncode == 2 and f"serve.port: 127.0.0.1:{port}" in err and "in use" in err and not out, err[-2000:]
+
+
 # ------------------------------------------------------------------------------------ persisted learning
 def _start_server(args: list[str], port: int) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

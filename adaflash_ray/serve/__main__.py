@@ -14,8 +14,8 @@ With ``serve.distill: true`` live distillation writes its run directory (``serve
 metrics.jsonl. ``--resume RUN_DIR`` serves again from that directory's config.yaml (plus any --set): the trainers
 resume from its saved state and every replica starts at the latest version it learned.
 Exit 2: a bad recipe / override (the message names the field), a target model that is neither a directory nor a
-registry model or a ``drafter.init_path`` checkpoint that is unreadable or does not fit the target / the recipe
-(both checked here on the local Ray only), a --resume directory that is not a live distillation run, or a
+registry model, a ``drafter.init_path`` checkpoint that is unreadable or does not fit the target / the recipe, or a
+``serve.host:serve.port`` something already listens on (these three checked here on the local Ray only), a --resume directory that is not a live distillation run, or a
 serve.run_dir that already holds trainer state without --resume - all found before Ray starts; 1: startup failed.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -55,6 +56,25 @@ def _init_ray(cfg: RunConfig) -> bool:
              dashboard_host=cfg.ray.dashboard_host,
              num_cpus=cfg.ray.num_cpus or max(int(need + 0.999), os.cpu_count() or 1), log_to_driver=True)
     return True
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on (e.g. "Address already in use"), or None if it can (or ``port`` is 0).
+
+    Serve's proxy binds with SO_REUSEPORT, so beside another server's Serve proxy it starts without an error and the
+    kernel splits the connections between the two servers; a plain bind (SO_REUSEADDR only, as a restart right after a
+    stop needs) fails while anything listens there."""
+    if port == 0:
+        return None
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except OSError:
+        return None  # an unresolvable host: Serve's own error names it
+    try:
+        with socket.create_server(addr, family=family):
+            return None
+    except OSError as e:
+        return os.strerror(e.errno) if e.errno else str(e)
 
 
 def drain(timeout_s: float) -> int:
@@ -102,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
             raise RecipeError(f"serve.run_dir {cfg.serve.run_dir} holds a run's trainer state: continue it with "
                               f"--resume {cfg.serve.run_dir}, or pick a new directory")
         if not (cfg.ray.address or os.environ.get("RAY_ADDRESS")):
+            busy = port_in_use(cfg.serve.host, cfg.serve.port)
+            if busy:
+                raise RecipeError(f"serve.port: {cfg.serve.host}:{cfg.serve.port} cannot be listened on ({busy}): "
+                                  "is another server running there? pick another --port")
             # on the local Ray the replicas load these from this machine: a bad one would fail their constructors
             # after Serve's retries, the cause only in Serve's log (on a cluster the replicas' nodes hold them)
             model_dir = Path(ensure_target(cfg.model.path or cfg.model.name))
