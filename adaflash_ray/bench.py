@@ -59,6 +59,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import subprocess
 import sys
@@ -862,9 +863,18 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--device {ns.device!r}: expected cpu, cuda or cuda:N")
         if ns.device.startswith("cuda") and not torch.cuda.is_available():
             parser.error(f"--device {ns.device}: no CUDA device on this machine")
+    if ns.corpus_prompts is not None and ns.corpus_prompts < 0:
+        parser.error(f"--corpus-prompts must be >= 0, got {ns.corpus_prompts}")
+    if not ns.temperature >= 0 or not math.isfinite(ns.temperature):
+        parser.error(f"--temperature must be a finite number >= 0, got {ns.temperature}")
     for flag, path in (("--out", ns.out), ("--plot", ns.plot)):
         if path is not None and Path(path).is_dir():
             parser.error(f"{flag} {path}: is a directory; give a file path (missing parent folders are created)")
+        try:  # made before anything runs: a folder that cannot be made fails now, not after the timed runs
+            if path is not None:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            parser.error(f"{flag} {path}: cannot make its folder ({e.strerror or e})")
     if ns.profile is not None:
         if ns.shape is not None or ns.weight_sync:
             parser.error("--profile profiles the model mode's cells: not with --shape or --weight-sync")
@@ -923,8 +933,6 @@ def main(argv: list[str] | None = None) -> int:
             if bad:
                 raise ValueError(f"unknown method(s) {bad}; known: {', '.join(known)}")
             methods = sorted(dict.fromkeys(methods), key=lambda m: m != "ar")  # AR first: the reference
-            if ns.temperature < 0:
-                raise ValueError(f"--temperature must be >= 0, got {ns.temperature}")
             if ns.temperature > 0 and HF_METHOD in methods:
                 raise ValueError(f"--temperature > 0: {HF_METHOD} is greedy only; leave it out of --methods")
             conc = ns.concurrency or ([1, 8, 32, 64] if on_cuda else [1, 8])

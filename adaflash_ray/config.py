@@ -648,7 +648,7 @@ class RunConfig(_Section):
     """The whole run: one field per section; every field has the CPU default recipe's value."""
 
     name: str = "cpu_smollm2"
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**32 - 1)  # 32-bit: every torch generator seeded from it (trainers: x 1_000_003) fits
     model: ModelConfig = Field(default_factory=ModelConfig)
     drafter: DrafterConfig = Field(default_factory=DrafterConfig)
     length_head: LengthHeadConfig = Field(default_factory=LengthHeadConfig)
@@ -866,6 +866,27 @@ def _resolve_recipe_path(path: str | Path) -> Path:
     return p
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the last silently: a second
+    ``engine:`` section would drop every key of the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *base``: merged keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.setdefault(key, key_node)
+            except TypeError:  # an unhashable key: construct_mapping's own error says so
+                break
+            if first is not key_node:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {first.start_mark.line + 1})",
+                    key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
     """Load a YAML recipe, apply ``--set`` overrides and validate it.
 
@@ -878,7 +899,8 @@ def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     Returns:
         The validated RunConfig.
     Raises:
-        RecipeError (a ValueError): missing file, malformed YAML, top level not a mapping, an override
+        RecipeError (a ValueError): missing file, malformed YAML (a key given twice in one mapping included), top
+            level not a mapping, an override
             naming a non-field or a non-mapping parent, or validation failures - one line per failing
             field, ``<file>: <dotted.path>: <reason>``.
     """
@@ -896,7 +918,7 @@ def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         except UnicodeDecodeError:
             raise RecipeError(f"{source}: not a text (UTF-8 YAML) file") from None
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
         except yaml.YAMLError as e:
             raise RecipeError(f"{source}: malformed YAML: {e}") from None
         if data is None:

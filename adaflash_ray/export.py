@@ -44,7 +44,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from adaflash_ray.models.checkpoint import LENGTH_HEAD_FILE, CheckpointError, load_drafter_checkpoint, tensors_sha256
+from adaflash_ray.models.checkpoint import (LENGTH_HEAD_FILE, CheckpointError, load_drafter_checkpoint, share_like_mkdir,
+                                           tensors_sha256)
 from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
 
 __all__ = ["ExportError", "export_drafter", "exported_config", "launch_commands", "main"]
@@ -184,6 +185,7 @@ def export_drafter(ckpt_dir: str | Path, out_dir: str | Path, *, max_position_em
             save_file(head_t, str(tmp / LENGTH_HEAD_FILE),
                       metadata={"format": "pt", "sha256": head_sha, "policy": policy, **source})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        share_like_mkdir(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

@@ -222,6 +222,27 @@ def test_malformed_yaml(tmp_path):
     assert load_recipe(_write(tmp_path, "", "empty.yaml")) == RunConfig()
 
 
+def test_a_key_given_twice_is_refused_naming_it(tmp_path):
+    """PyYAML keeps the last of two equal keys: a second ``engine:`` section silently dropped the first one's keys."""
+    two = _write(tmp_path, "engine:\n  max_batch_size: 4\nengine:\n  max_new_tokens: 8\n", "two.yaml")
+    with pytest.raises(RecipeError, match=r"two\.yaml: malformed YAML: duplicate key 'engine' \(first at line 1\)"):
+        load_recipe(two)
+    inner = _write(tmp_path, "distill:\n  lr: 0.1\n  alpha: 0.3\n  lr: 0.2\n", "inner.yaml")
+    with pytest.raises(RecipeError, match=r"duplicate key 'lr' \(first at line 2\)"):
+        load_recipe(inner)
+    merged = _write(tmp_path, "engine: &e {max_batch_size: 4, max_new_tokens: 8}\nbuffer: {capacity: 32}\n",
+                    "merge.yaml")
+    assert load_recipe(merged).engine.max_batch_size == 4  # anchors still load
+
+
+def test_seed_out_of_the_generators_range_is_refused():
+    """A seed beyond 32 bits overflowed torch.manual_seed in the actors, after Ray and the run directory started."""
+    assert load_recipe(None, [f"seed={2**32 - 1}"]).seed == 2**32 - 1
+    for bad in (2**32, 99999999999999999999999, -1):
+        with pytest.raises(RecipeError, match="seed: Input should be"):
+            load_recipe(None, [f"seed={bad}"])
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
 def test_dump_round_trip(tmp_path, path):
     cfg = load_recipe(path, ["seed=7", "distill.lr=1e-4"])

@@ -19,6 +19,8 @@ import ast
 import importlib.util
 import json
 import logging
+import os
+import stat
 from dataclasses import dataclass
 from enum import Enum
 from numbers import Integral
@@ -190,6 +192,14 @@ def test_export_loads_back_with_the_same_values(tmp_path, head):
     for k, v in t0.items():
         assert t1[k].dtype == torch.bfloat16 and torch.equal(t1[k], v.to(torch.bfloat16)), k
     assert meta["sha256"] == res["sha256"]
+    # the checkpoint and the export are readable by another user (a server in a container), as a plain mkdir /
+    # open makes them: not tempfile.mkdtemp's 0700 and safetensors' 0600
+    mask = os.umask(0)
+    os.umask(mask)
+    for d in (src, tmp_path / "out"):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o777 & ~mask, d
+        assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in d.iterdir()} == \
+            {f.name: 0o666 & ~mask for f in d.iterdir()}, d
     with pytest.raises(ExportError, match="not empty"):
         export_drafter(src, tmp_path / "out", max_position_embeddings=4096)
     export_drafter(src, tmp_path / "out", max_position_embeddings=4096, overwrite=True)

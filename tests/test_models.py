@@ -279,6 +279,17 @@ def test_drafter_checkpoint_corruption(tmp_path, drafter_and_tensors):
     (ckpt / "config.json").write_text(json.dumps(d))
     with pytest.raises(CheckpointError, match="target_layer_ids"):
         load_drafter_checkpoint(ckpt)
+    # valid JSON of the wrong shape or types: a CheckpointError naming the field, not a TypeError / AttributeError
+    # or a "576 != 576" mismatch later
+    for bad, field in (([1, 2], "JSON object"), ({"hidden_size": str(d["hidden_size"])}, "hidden_size"),
+                       ({"num_hidden_layers": True}, "num_hidden_layers"), ({"rms_norm_eps": -1}, "rms_norm_eps"),
+                       ({"dflash_config": {**json.loads(good)["dflash_config"], "target_layer_ids": []}},
+                        "target_layer_ids"),
+                       ({"dflash_config": {**json.loads(good)["dflash_config"], "block_size": 1}}, "block_size"),
+                       ({"dflash_config": [1]}, "dflash_config")):
+        (ckpt / "config.json").write_text(json.dumps(bad if isinstance(bad, list) else {**json.loads(good), **bad}))
+        with pytest.raises(CheckpointError, match=field):
+            load_drafter_checkpoint(ckpt)
     (ckpt / "config.json").unlink()
     with pytest.raises(CheckpointError, match="config.json not found"):
         load_drafter_checkpoint(ckpt)

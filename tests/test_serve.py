@@ -265,6 +265,47 @@ def test_app_builder_args_and_bad_recipe_exit_code():
     assert r.returncode == 2 and "serve.port" in r.stderr and not r.stdout
 
 
+@pytest.mark.parametrize("override,needle", [("drafter.init_path={ckpt}", "bad config.json"),
+                                             ("drafter.init_path={ckpt}/missing", "config.json not found"),
+                                             ("model.name=no-such-model", "unknown target 'no-such-model'")])
+def test_bad_drafter_checkpoint_or_target_exits_2_before_ray(tmp_path, override, needle):
+    """A corrupt / missing ``drafter.init_path`` or an unknown target is refused naming it, exit 2 before Ray starts,
+    not a replica constructor failing through Serve's retries and an exit 1 that names no cause."""
+    (tmp_path / "config.json").write_text("{not json")
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 10)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "adaflash_ray.serve", "--recipe", "recipes/cpu_tiny.yaml",
+                        "--set", override.format(ckpt=tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and needle in r.stderr and not r.stdout, r.stderr[-2000:]
+    assert "Started a local Ray" not in r.stderr and time.monotonic() - t0 < 60
+
+
+def test_a_port_another_server_listens_on_exits_2():
+    """Serve's proxy binds with SO_REUSEPORT: beside another Serve proxy (here a listener with the same option) it
+    started and printed "serving", the kernel splitting the connections between the two servers. Refused up front."""
+    port = _free_port()
+    other = socket.socket()
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    other.bind(("127.0.0.1", port))
+    other.listen()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen([sys.executable, "-m", "adaflash_ray.serve", "--recipe", "recipes/cpu_tiny.yaml",
+                             "--port", str(port), "--set", "ray.include_dashboard=false"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # it started serving on the shared port: stop it
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=180)
+        pytest.fail(f"started on a port in use: {out!r}")
+    finally:
+        other.close()
+    assert proc.returncode == 2 and f"serve.port: 127.0.0.1:{port}" in err and "in use" in err and not out, err[-2000:]
+
+
 # ------------------------------------------------------------------------------------ persisted learning
 def _start_server(args: list[str], port: int) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -696,6 +737,23 @@ def test_disconnect_frees_the_slot_and_queue_full_is_429(server):
     r = requests.post(server["url"] + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4},
                       headers=HDR, timeout=60)
     assert r.status_code == 429 and r.headers["Retry-After"] == "1" and r.json()["error"]["code"] == "queue_full"
+    # a burst beyond what Serve lets into the replica at once (max_ongoing_requests) and its own queue: every
+    # request still reaches the replica and gets its OpenAI 429, none Serve's plain-text 503 "backpressure"
+    burst = []
+
+    def post():
+        b = requests.post(server["url"] + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4},
+                          headers=HDR, timeout=120)
+        burst.append((b.status_code, b.headers.get("Retry-After"), b.text[:200]))
+
+    threads = [threading.Thread(target=post) for _ in range(3 * (MAX_BATCH + MAX_QUEUED + 16))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert len(burst) == len(threads)
+    bad = [b for b in burst if b[0] != 429 or b[1] != "1" or json.loads(b[2])["error"]["code"] != "queue_full"]
+    assert not bad, bad[:3]
     t0 = time.monotonic()
     while (st := _status(server))["queue"]["running"] < MAX_BATCH and time.monotonic() - t0 < 60:
         time.sleep(0.2)  # the engine thread admits the queued requests between two steps

@@ -59,6 +59,28 @@ def _legacy_sha256(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def _umask() -> int:
+    """The process umask, read without changing it (``/proc/self/status``; 0o022 where that is unavailable)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def share_like_mkdir(directory: Path) -> None:
+    """Give a directory made by ``tempfile.mkdtemp`` (mode 0700) and the files in it (safetensors writes 0600) the
+    modes a plain ``mkdir`` / ``open`` gives (0777 / 0666 less the umask), as every other file of a run has: a
+    server running as another user (SGLang / vLLM in a container) can then read the checkpoint."""
+    mask = _umask()
+    for f in directory.iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~mask)
+    directory.chmod(0o777 & ~mask)
+
+
 def save_drafter_checkpoint(path: str | Path, cfg: DrafterModelConfig, tensors: dict[str, torch.Tensor],
                             metadata: dict | None = None) -> str:
     """Write ``config.json`` + ``model.safetensors`` atomically (temp dir then rename).
@@ -75,6 +97,7 @@ def save_drafter_checkpoint(path: str | Path, cfg: DrafterModelConfig, tensors: 
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
               metadata=meta)
     (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    share_like_mkdir(tmp)
     if path.exists():
         import shutil
         shutil.rmtree(path)
@@ -152,4 +175,4 @@ def check_tensors_fit(expected: dict[str, torch.Tensor], tensors: dict[str, torc
 
 
 __all__ = ["CheckpointError", "LENGTH_HEAD_FILE", "tensors_sha256", "save_drafter_checkpoint", "load_drafter_checkpoint",
-           "check_tensors_fit"]
+           "check_tensors_fit", "share_like_mkdir"]

@@ -107,12 +107,18 @@ class DrafterModelConfig:
         num_target_layers}`` first, then the top level.
 
         Raises:
-            ValueError: a missing field, or an architecture this drafter does not implement, named by its field
+            ValueError: a missing field, a field of the wrong type or range (a width given as the string ``"576"``,
+                ``block_size`` < 2, a non-positive ``rms_norm_eps``, ``target_layer_ids`` not a non-empty list of
+                integers), or an architecture this drafter does not implement, named by its field
                 (:func:`unsupported_architecture`): sliding-window layers, causal attention, attention biases,
                 an activation other than SiLU, rope scaling, or a DFlash variant (convolution, selector, Domino
                 projector, output multiplier, logit soft-capping).
         """
+        if not isinstance(d, dict):
+            raise ValueError(f"DFlash config.json must be a JSON object, got {type(d).__name__}")
         dc = d.get("dflash_config") or {}
+        if not isinstance(dc, dict):
+            raise ValueError(f"DFlash config.json: dflash_config must be an object, got {type(dc).__name__}")
         if dc.get("block_size", d.get("block_size")) is None:
             raise ValueError("DFlash config.json has no block_size (neither dflash_config.block_size nor block_size)")
         problems = unsupported_architecture(d)
@@ -128,7 +134,7 @@ class DrafterModelConfig:
             rope = d.get("rope_parameters") or {}
             if n_target is None:
                 raise KeyError("num_target_layers")
-            return cls(
+            cfg = cls(
                 hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
                 num_hidden_layers=d["num_hidden_layers"], num_attention_heads=n_heads,
                 num_key_value_heads=d.get("num_key_value_heads", n_heads),
@@ -143,6 +149,29 @@ class DrafterModelConfig:
             )
         except KeyError as e:
             raise ValueError(f"DFlash config.json is missing field {e.args[0]!r}") from e
+        cfg._check_types()
+        return cfg
+
+    def _check_types(self) -> None:
+        """Raise ValueError naming the first field read from a ``config.json`` with the wrong JSON type or range
+        (a bool is not an integer)."""
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name, low in (("hidden_size", 1), ("intermediate_size", 1), ("num_hidden_layers", 1),
+                          ("num_attention_heads", 1), ("num_key_value_heads", 1), ("head_dim", 1), ("vocab_size", 1),
+                          ("block_size", 2), ("target_hidden_size", 1), ("num_target_layers", 1)):
+            v = getattr(self, name)
+            if not is_int(v) or v < low:
+                raise ValueError(f"DFlash config.json: {name} must be an integer >= {low}, got {v!r}")
+        ids = self.target_layer_ids
+        if not ids or not all(is_int(i) for i in ids):
+            raise ValueError(f"DFlash config.json: target_layer_ids must be a non-empty list of integers, got {ids!r}")
+        if self.mask_token_id is not None and not is_int(self.mask_token_id):
+            raise ValueError(f"DFlash config.json: mask_token_id must be an integer or null, got {self.mask_token_id!r}")
+        eps = self.rms_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+            raise ValueError(f"DFlash config.json: rms_norm_eps must be a positive number, got {eps!r}")
 
     def check_target(self, tcfg: TargetConfig) -> None:
         """Raise ValueError if this drafter cannot serve ``tcfg`` (vocabulary, width, layers)."""

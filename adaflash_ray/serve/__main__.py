@@ -13,14 +13,17 @@ With ``serve.distill: true`` live distillation writes its run directory (``serve
 ``<logging.run_root>/<name>-serve-<time>``, printed on stderr): config.yaml, checkpoints/v<N>, trainer_state,
 metrics.jsonl. ``--resume RUN_DIR`` serves again from that directory's config.yaml (plus any --set): the trainers
 resume from its saved state and every replica starts at the latest version it learned.
-Exit 2: a bad recipe / override (the message names the field), a --resume directory that is not a live
-distillation run, or a serve.run_dir that already holds trainer state without --resume; 1: startup failed.
+Exit 2: a bad recipe / override (the message names the field), a target model that is neither a directory nor a
+registry model, a ``drafter.init_path`` checkpoint that is unreadable or does not fit the target / the recipe, or a
+``serve.host:serve.port`` something already listens on (these three checked here on the local Ray only), a --resume directory that is not a live distillation run, or a
+serve.run_dir that already holds trainer state without --resume - all found before Ray starts; 1: startup failed.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -33,6 +36,9 @@ from ray import serve  # noqa: E402
 
 from adaflash_ray.config import (RecipeError, RunConfig, add_recipe_args, check_serve_config,  # noqa: E402
                                  config_from_args)
+from adaflash_ray.data import MissingDataPackageError, ensure_target  # noqa: E402
+from adaflash_ray.inputs import check_drafter_checkpoint  # noqa: E402
+from adaflash_ray.models import CheckpointError  # noqa: E402
 from adaflash_ray.serve.app import APP_NAME, build_app  # noqa: E402
 from adaflash_ray.serve.protocol import served_model_id  # noqa: E402
 
@@ -50,6 +56,25 @@ def _init_ray(cfg: RunConfig) -> bool:
              dashboard_host=cfg.ray.dashboard_host,
              num_cpus=cfg.ray.num_cpus or max(int(need + 0.999), os.cpu_count() or 1), log_to_driver=True)
     return True
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on (e.g. "Address already in use"), or None if it can (or ``port`` is 0).
+
+    Serve's proxy binds with SO_REUSEPORT, so beside another server's Serve proxy it starts without an error and the
+    kernel splits the connections between the two servers; a plain bind (SO_REUSEADDR only, as a restart right after a
+    stop needs) fails while anything listens there."""
+    if port == 0:
+        return None
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except OSError:
+        return None  # an unresolvable host: Serve's own error names it
+    try:
+        with socket.create_server(addr, family=family):
+            return None
+    except OSError as e:
+        return os.strerror(e.errno) if e.errno else str(e)
 
 
 def drain(timeout_s: float) -> int:
@@ -96,7 +121,17 @@ def main(argv: list[str] | None = None) -> int:
                 and (Path(cfg.serve.run_dir) / "trainer_state" / "latest").is_file()):
             raise RecipeError(f"serve.run_dir {cfg.serve.run_dir} holds a run's trainer state: continue it with "
                               f"--resume {cfg.serve.run_dir}, or pick a new directory")
-    except RecipeError as e:
+        if not (cfg.ray.address or os.environ.get("RAY_ADDRESS")):
+            busy = port_in_use(cfg.serve.host, cfg.serve.port)
+            if busy:
+                raise RecipeError(f"serve.port: {cfg.serve.host}:{cfg.serve.port} cannot be listened on ({busy}): "
+                                  "is another server running there? pick another --port")
+            # on the local Ray the replicas load these from this machine: a bad one would fail their constructors
+            # after Serve's retries, the cause only in Serve's log (on a cluster the replicas' nodes hold them)
+            model_dir = Path(ensure_target(cfg.model.path or cfg.model.name))
+            if cfg.drafter.init_path:
+                check_drafter_checkpoint(cfg.drafter.init_path, model_dir, cfg.drafter)
+    except (RecipeError, CheckpointError, MissingDataPackageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     stop = threading.Event()

@@ -486,8 +486,11 @@ def build_app(cfg: RunConfig) -> serve.Application:
     server = AdaFlashServer.options(
         num_replicas=s.num_replicas,
         ray_actor_options={"num_cpus": s.cpus_per_replica, "num_gpus": s.gpus_per_replica},
+        # 16 beyond the replica's own limit (batch + queue) answer its 429 at once; the rest wait in Serve's
+        # unbounded queue for one of them, so every request past the limit gets the replica's OpenAI 429 +
+        # Retry-After (a bounded Serve queue answers a burst with its plain-text 503 "backpressure" instead)
         max_ongoing_requests=c.engine.max_batch_size + s.max_queued_requests + 16,
-        max_queued_requests=max(16, s.max_queued_requests),
+        max_queued_requests=-1,
         graceful_shutdown_timeout_s=s.drain_timeout_s,
         health_check_timeout_s=60,
     )
