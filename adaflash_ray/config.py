@@ -648,7 +648,8 @@ class RunConfig(_Section):
     """The whole run: one field per section; every field has the CPU default recipe's value."""
 
     name: str = "cpu_smollm2"
-    seed: int = Field(0, ge=0, le=2**32 - 1)  # 32-bit: every torch generator seeded from it (trainers: x 1_000_003) fits
+    # 32-bit: every torch generator seeded from it (the trainers' x 1_000_003 included) fits
+    seed: int = Field(0, ge=0, le=2**32 - 1)
     model: ModelConfig = Field(default_factory=ModelConfig)
     drafter: DrafterConfig = Field(default_factory=DrafterConfig)
     length_head: LengthHeadConfig = Field(default_factory=LengthHeadConfig)

@@ -15,8 +15,9 @@ metrics.jsonl. ``--resume RUN_DIR`` serves again from that directory's config.ya
 resume from its saved state and every replica starts at the latest version it learned.
 Exit 2: a bad recipe / override (the message names the field), a target model that is neither a directory nor a
 registry model, a ``drafter.init_path`` checkpoint that is unreadable or does not fit the target / the recipe, or a
-``serve.host:serve.port`` something already listens on (these three checked here on the local Ray only), a --resume directory that is not a live distillation run, or a
-serve.run_dir that already holds trainer state without --resume - all found before Ray starts; 1: startup failed.
+``serve.host:serve.port`` something already listens on (these three checked here on the local Ray only), a
+--resume directory that is not a live distillation run, or a serve.run_dir that already holds trainer state
+without --resume - all found before Ray starts; 1: startup failed.
 """
 from __future__ import annotations
 
