@@ -65,6 +65,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from rich.console import Console
@@ -278,6 +279,16 @@ def _compare(target, prompts, outs: list[list[int]], ref: list[list[int]]) -> di
             "mismatch_margins": margins, "max_mismatch_margin": max(margins) if margins else None}
 
 
+def repeat_order(methods: Sequence[str], k: int) -> list[str]:
+    """The order of the timed runs of repeat ``k`` (0-based) of a cell: ``methods`` rotated left by ``k`` - over
+    ``len(methods)`` repeats every method takes every place once. A run can be faster or slower for the place it takes
+    (what ran just before it), so a fixed order would give every repeat of one method the same bias."""
+    if not methods:
+        return []
+    k %= len(methods)
+    return list(methods[k:]) + list(methods[:k])
+
+
 def _run_engine(engine: SpecEngine, prompts, max_new: int, mode: str, device: str,
                 temperature: float = 0.0, admit_min: int = 1) -> tuple[list, float]:
     """Fresh stats, one timed ``generate`` (``admit_min`` as :meth:`SpecEngine.generate`'s); returns (requests, wall
@@ -369,13 +380,14 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
     none is running): fewer, larger prefills when requests refill a batch (:meth:`SpecEngine.generate`).
 
     ``repeats``: timed runs per engine cell, round-robin over the methods of a (domain, concurrency) - repeat k of
-    every method before repeat k+1 of any, so a drift of the machine reaches them alike; the row is the one with the
-    median tokens/s (all in ``repeat_tokens_per_s``). ``corpus_prompts``: held-out prompts per domain (not timed; default: as many as the
-    cell's) whose AR outputs seed the ``suffix`` / ``hybrid`` corpus; the corpus is reset to exactly those before
-    every timed run (after any warm-up pass over the same prompts), so it never holds a timed request's own output,
-    and fills as the timed requests finish. ``temperature`` > 0: every timed request samples (the engine's lossless
-    rejection sampling; ``lossless`` / ``match_rate`` are then None - outputs differ from AR's by chance, the
-    distribution is what the engine's tests check); the suffix corpus seeds stay AR greedy outputs.
+    every method before repeat k+1 of any, so a drift of the machine reaches them alike, each round's order rotated
+    by one (:func:`repeat_order`); the row is the one with the median tokens/s (all in ``repeat_tokens_per_s``).
+    ``corpus_prompts``: held-out prompts per domain (not timed; default: as many as the cell's) whose AR outputs seed
+    the ``suffix`` / ``hybrid`` corpus; the corpus is reset to exactly those before every timed run (after any
+    warm-up pass over the same prompts), so it never holds a timed request's own output, and fills as the timed
+    requests finish. ``temperature`` > 0: every timed request samples (the engine's lossless rejection sampling;
+    ``lossless`` / ``match_rate`` are then None - outputs differ from AR's by chance, the distribution is what the
+    engine's tests check); the suffix corpus seeds stay AR greedy outputs.
 
     ``profile_dir``: after the timed runs of every cell of a concurrency (one engine per method serves all its domains:
     the instrumented runs must not change what a later cell's timed runs start from, nor the rows' engine state),
@@ -485,7 +497,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                 done = engine_for("ar").generate(sp, SamplingParams(max_new_tokens=max_new_tokens), mode="ar")
                 seeds[domain] = [p + r.output_ids for p, r in zip(sp, done)]
             # the timed runs of the engine methods, round-robin: repeat k of every method before repeat k+1 of any, so
-            # a drift of the machine (clocks, other processes) reaches every method alike
+            # a drift of the machine (clocks, other processes) reaches every method alike; each round in a rotated
+            # order (repeat_order), so no method always runs first or always after the same other one
             runs_by: dict[str, list] = {}
             precaptured: dict[str, dict] = {}
             engine_methods = [m for m in methods if m != HF_METHOD]
@@ -513,8 +526,8 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
             if gc_freeze:  # after the warm-up: the collector's oldest generation stays out of the timed steps
                 freeze_gc_heap()
             try:
-                for _ in range(max(repeats, 1)):
-                    for method in engine_methods:
+                for k in range(max(repeats, 1)):
+                    for method in repeat_order(engine_methods, k):
                         runs_by[method].append(one_run(method))
             finally:  # the next cell's engines (or the caller) find a plain heap: nothing of this cell stays frozen
                 if gc_freeze:

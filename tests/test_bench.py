@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from adaflash_ray.bench import DOMAINS, HF_METHOD, POOLED, _compare, domain_prompts, main
+from adaflash_ray.bench import DOMAINS, HF_METHOD, POOLED, _compare, domain_prompts, main, repeat_order
 from adaflash_ray.data import EVAL_SOURCES, ensure_target, load_tokenizer
 from adaflash_ray.shapes import SHAPES, UNSUPPORTED_SHAPES, build_random_target, decode_weight_bytes
 
@@ -364,6 +364,18 @@ def test_lookup_device_option_reaches_the_engines(monkeypatch, flags, want):
     monkeypatch.setattr(bench_mod, "bench", fake_bench)
     assert main(["--methods", "ar", "hybrid", "--concurrency", "1", "--num-prompts", "1", *flags]) == 2
     assert seen["engine_kwargs"] == want
+
+
+def test_repeat_order_gives_every_method_every_place():
+    """The timed repeats of a cell run in rotated orders: over as many repeats as methods, each method runs once in
+    each place; repeat 0 keeps the given order (AR first)."""
+    methods = ["ar", "adaflash-cost", "hybrid"]
+    rounds = [repeat_order(methods, k) for k in range(len(methods))]
+    assert rounds[0] == methods and all(sorted(r) == sorted(methods) for r in rounds)
+    for place in range(len(methods)):
+        assert sorted(r[place] for r in rounds) == sorted(methods)
+    assert repeat_order(methods, 4) == rounds[1] and repeat_order([], 3) == []
+    assert repeat_order(["ar", "x"], 1) == ["x", "ar"]
 
 
 @pytest.mark.slow
