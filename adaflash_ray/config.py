@@ -647,6 +647,8 @@ class LoggingConfig(_Section):
 class RunConfig(_Section):
     """The whole run: one field per section; every field has the CPU default recipe's value."""
 
+    # the run's name: the default run directories are <logging.run_root>/<name>-<time> (adaflash_ray.inputs) and
+    # <logging.run_root>/<name>-serve-<time> (adaflash_ray.serve.app), so it must stay one path component
     name: str = "cpu_smollm2"
     # 32-bit: every torch generator seeded from it (the trainers' x 1_000_003 included) fits
     seed: int = Field(0, ge=0, le=2**32 - 1)
@@ -661,6 +663,16 @@ class RunConfig(_Section):
     serve: ServeConfig = Field(default_factory=ServeConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_one_path_component(cls, name: str) -> str:
+        """Refuse a run name that would put the run directory outside ``logging.run_root``: empty, ``.`` / ``..``,
+        or holding a path separator (``/`` or ``\\``, either OS's) or a NUL; ValueError (pydantic adds ``name``)."""
+        if name in ("", ".", "..") or any(c in name for c in ("/", "\\", "\0")):
+            raise ValueError(f"the run name becomes a directory name under logging.run_root, so it must be non-empty, "
+                             f"not '.' or '..', and hold no '/', '\\' or NUL (got {name!r})")
+        return name
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> RunConfig:

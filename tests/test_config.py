@@ -185,6 +185,20 @@ def test_set_overrides_keep_types():
     assert cfg.distill.num_versions == 3  # untouched recipe values stay
 
 
+def test_run_name_is_one_path_component(tmp_path):
+    """The run name is joined into <logging.run_root>/<name>-<time> (the main job and Serve's live distillation), so
+    a name with a path separator or a NUL, ``.`` / ``..`` or nothing is refused at load, naming the field; dots
+    inside a name are fine."""
+    for bad in ("../../etc", "a/b", "/abs", "a\\b", "..", "."):
+        with pytest.raises(RecipeError, match=r": name: the run name .*must be non-empty") as e:
+            load_recipe(None, [f"name={bad}"])
+        assert repr(bad) in str(e.value), str(e.value)
+    for text in ('name: ""\n', 'name: "a\\0b"\n'):  # YAML's escape: a NUL in the name
+        with pytest.raises(RecipeError, match=r"r\.yaml: name: the run name"):
+            load_recipe(_write(tmp_path, text))
+    assert load_recipe(None, ["name=run.v2-..x"]).name == "run.v2-..x"
+
+
 def test_set_errors_name_the_problem():
     with pytest.raises(RecipeError, match=r"'model\.nmae' is not a field of model"):
         load_recipe(None, ["model.nmae=x"])
