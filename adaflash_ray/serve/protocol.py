@@ -363,7 +363,8 @@ def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, m
             stop_strings.append(s)
     bad = [t for t in stop_ids if not 0 <= t < vocab_size]
     if bad:
-        raise APIError(400, f"'stop_token_ids' must be in [0, {vocab_size}), got {bad[:4]}.", param="stop_token_ids")
+        raise APIError(400, f"'stop_token_ids' must be in [0, {vocab_size}), got {bad[:4]}.", param="stop_token_ids",
+                       code="invalid_value")
 
     batch: list[list[int]] = []
     if kind == "completion":
@@ -377,7 +378,8 @@ def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, m
                 p_ids = [int(t) for t in p]
                 bad = [t for t in p_ids if not 0 <= t < vocab_size]
                 if bad:
-                    raise APIError(400, f"prompt token ids must be in [0, {vocab_size}), got {bad[:4]}.", param=where)
+                    raise APIError(400, f"prompt token ids must be in [0, {vocab_size}), got {bad[:4]}.", param=where,
+                                   code="invalid_value")
             if not p_ids:
                 raise APIError(400, f"'{where}' is empty.", param=where)
             batch.append(p_ids)
