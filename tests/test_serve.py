@@ -111,6 +111,38 @@ def test_parse_request_names_the_field(tok):
     assert spec.prompt_ids == list(want) and tok.decode(want).endswith("<|im_start|>assistant\n")
 
 
+def test_token_ids_out_of_range_are_invalid_value(tok):
+    """Token ids outside the vocabulary (``stop_token_ids``, a stop id in ``stop``, a prompt of ids) are a 400 with
+    code ``invalid_value``, as every other out-of-range request value."""
+    kw = dict(tokenizer=tok, model_ids={MODEL}, context_limit=64, default_max_tokens=16, default_temperature=0.0,
+              vocab_size=49152, record_default=True)
+    for extra, param in (({"stop_token_ids": [10 ** 6]}, "stop_token_ids"),
+                         ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop": ["x", 49152]}, "stop_token_ids"),
+                         ({"prompt": [3, 49152]}, "prompt"), ({"prompt": [[3], [-2]]}, "prompt.1")):
+        with pytest.raises(APIError) as e:
+            parse_request("completion", {"model": MODEL, "prompt": "hi", **extra}, **kw)
+        assert (e.value.status, e.value.param, e.value.code) == (400, param, "invalid_value"), (extra, e.value.message)
+        assert e.value.body()["error"]["code"] == "invalid_value"
+
+
+def test_context_length_error_names_the_batch_prompt(tok):
+    """A batch of prompts with one over the context limit: the 400 names that prompt by its index (``prompt.1``, as
+    the other per-prompt errors do), in ``param`` and in the message; a single prompt stays ``prompt``."""
+    kw = dict(tokenizer=tok, model_ids={MODEL}, context_limit=64, default_max_tokens=16, default_temperature=0.0,
+              vocab_size=49152, record_default=True)
+    with pytest.raises(APIError) as e:
+        parse_request("completion", {"model": MODEL, "prompt": ["hi", "hi " * 80, "yo"]}, **kw)
+    assert (e.value.status, e.value.param, e.value.code) == (400, "prompt.1", "context_length_exceeded")
+    assert "index 1" in e.value.message and "'prompt.1'" in e.value.message, e.value.message
+    with pytest.raises(APIError) as e:  # fits alone, not with max_tokens: the budget is at fault, the prompt named
+        parse_request("completion", {"model": MODEL, "prompt": [[5] * 10, [5] * 40], "max_tokens": 30}, **kw)
+    assert (e.value.param, e.value.code) == ("max_tokens", "context_length_exceeded")
+    assert "index 1" in e.value.message, e.value.message
+    with pytest.raises(APIError) as e:
+        parse_request("completion", {"model": MODEL, "prompt": "hi " * 80}, **kw)
+    assert e.value.param == "prompt" and "index" not in e.value.message
+
+
 def test_text_with_a_lone_surrogate_is_a_400_naming_the_field(tok):
     """A JSON ``"\\ud800"`` escape decodes to a lone UTF-16 surrogate, which no tokenizer encodes: every text field
     of the request refuses it with a 400 naming the field (an element of a batch or of ``stop`` by its index), and the

@@ -317,7 +317,8 @@ def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, m
     Raises:
         APIError: 400 naming the field (known but unsupported at a non-neutral value, out of range - the ranges
             of :meth:`SamplingParams.validate` -, NaN or ±inf for a number, text with a lone UTF-16 surrogate,
-            a prompt over the context limit: code ``context_length_exceeded``), 404 for an unknown model.
+            a prompt over the context limit: code ``context_length_exceeded``, a batch's prompt named by its index,
+            ``prompt.<i>``), 404 for an unknown model.
     """
     if not isinstance(raw, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
@@ -362,7 +363,8 @@ def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, m
             stop_strings.append(s)
     bad = [t for t in stop_ids if not 0 <= t < vocab_size]
     if bad:
-        raise APIError(400, f"'stop_token_ids' must be in [0, {vocab_size}), got {bad[:4]}.", param="stop_token_ids")
+        raise APIError(400, f"'stop_token_ids' must be in [0, {vocab_size}), got {bad[:4]}.", param="stop_token_ids",
+                       code="invalid_value")
 
     batch: list[list[int]] = []
     if kind == "completion":
@@ -376,18 +378,25 @@ def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, m
                 p_ids = [int(t) for t in p]
                 bad = [t for t in p_ids if not 0 <= t < vocab_size]
                 if bad:
-                    raise APIError(400, f"prompt token ids must be in [0, {vocab_size}), got {bad[:4]}.", param=where)
+                    raise APIError(400, f"prompt token ids must be in [0, {vocab_size}), got {bad[:4]}.", param=where,
+                                   code="invalid_value")
             if not p_ids:
                 raise APIError(400, f"'{where}' is empty.", param=where)
             batch.append(p_ids)
         if max_n is not None and len(batch) * n > max_n:
             raise APIError(400, f"{len(batch)} prompts x 'n' {n} = {len(batch) * n} completions; a replica runs at "
                            f"most {max_n} requests at a time.", param="prompt")
-        ids = max(batch, key=len)  # the context checks below: the longest prompt
+        # the context checks below: the longest prompt (the first of equals), named by its index in a batch
+        longest = max(range(len(batch)), key=lambda i: len(batch[i]))
+        ids = batch[longest]
+        if batched:
+            param, what = f"prompt.{longest}", f"prompt at index {longest} ('prompt.{longest}')"
+        else:
+            what = "prompt"
         budget = body.max_tokens
         budget_param = "max_tokens"
     else:
-        param = "messages"
+        param = what = "messages"
         ids = _chat_prompt_ids(body, tokenizer)
         if body.max_tokens is not None and body.max_completion_tokens is not None \
                 and body.max_tokens != body.max_completion_tokens:
@@ -396,15 +405,15 @@ def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, m
         budget = body.max_completion_tokens or body.max_tokens
         budget_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     if len(ids) >= context_limit:
-        raise APIError(400, f"This model's maximum context length is {context_limit} tokens; the {param} has "
+        raise APIError(400, f"This model's maximum context length is {context_limit} tokens; the {what} has "
                        f"{len(ids)} tokens, which leaves no room for a completion.", param=param,
                        code="context_length_exceeded")
     if budget is None:  # the default budget, but at least min_tokens, within the context left
         budget = min(max(default_max_tokens, body.min_tokens or 0), context_limit - len(ids))
     elif len(ids) + budget > context_limit:
         raise APIError(400, f"This model's maximum context length is {context_limit} tokens. However, you requested "
-                       f"{len(ids) + budget} tokens ({len(ids)} in the {param}, {budget} for the completion). "
-                       f"Reduce the {param} or '{budget_param}'.", param=budget_param,
+                       f"{len(ids) + budget} tokens ({len(ids)} in the {what}, {budget} for the completion). "
+                       f"Reduce the {what} or '{budget_param}'.", param=budget_param,
                        code="context_length_exceeded")
     sampling = _sampling_params(kind, body, budget, budget_param, default_temperature)
     return GenSpec(kind=kind, model=body.model, prompt_ids=batch[0] if batch else ids, sampling=sampling,
