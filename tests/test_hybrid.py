@@ -2241,6 +2241,22 @@ def test_block_only_stretch_skips_the_acceptance_head_until_its_last_step(tiny_t
     assert [r.output_ids for r in reqs] == [greedy_reference(tiny_target, p, 40) for p in prompts]
 
 
+def test_pending_estimate_follows_the_planners_estimate(tiny_target):
+    """The estimate a block proposed without the head carries is the planner's recent one plus the bonus token: the same
+    list while the planner keeps its estimate (a block-only stretch), a new one as soon as the planner's changes;
+    all ones before the planner has an estimate."""
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
+    eng = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=96, calibrate=False,
+                     draft_sources=("dflash", "ngram"))
+    eng.planner._block_est = None
+    assert eng._pending_estimate() == [1.0] * 7
+    eng.planner._block_est = [0.0, 0.5, 0.8, 1.0]
+    first = eng._pending_estimate()
+    assert first == [1.5, 1.8, 2.0, 2.0, 2.0, 2.0, 2.0] and eng._pending_estimate() is first
+    eng.planner._block_est = [0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75]
+    assert eng._pending_estimate() == [1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 2.75]
+
+
 @pytest.mark.parametrize("lookup_device", ["host", "device"])
 def test_block_only_reference_run_computes_the_head_on_its_last_step(tiny_target, lookup_device):
     """The source guard's reference run (block-only steps until its bucket has ``min_samples`` of them recorded) is

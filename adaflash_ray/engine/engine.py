@@ -498,6 +498,7 @@ class SpecEngine:
             _buckets(max_batch_size), reference_rows=source_guard_reference_rows,
             reference_stop=SOURCE_GUARD_REFERENCE_STOP if source_guard_reference_rows else 0.0) if source_on else None
         self._last_regime: bool | None = None  # the source guard's previous drafting step: True planned, False not
+        self._pending_kept: tuple | None = None  # (the planner's _block_est, _pending_estimate's list of it)
         # a block-only step whose next step is forced block-only too skips the acceptance head (its blocks are
         # verified at the full γ whatever it says): such a stretch then costs what the drafter alone does
         # (ADAFLASH_BLOCK_ONLY_HEAD=1: the head on every block-only step, for an A/B on the GPU)
@@ -975,12 +976,16 @@ class SpecEngine:
         step's, :meth:`_block_only`): the planner's moving average of its recent blocks' estimates
         (``HybridPlanner._block_est``; :meth:`_block_only` skips no head before there is one - the 1.0 for every γ,
         nothing accepted, is a fallback only). Only read if the forced stretch ends sooner than foreseen (a
-        batch-size bucket change, a new batch, a reload) and a planned step meets the block."""
+        batch-size bucket change, a new batch, a reload) and a planned step meets the block. Kept while the planner's
+        estimate is the same list (a block-only stretch records no plan: one list for all its steps and rows)."""
         bs = self.drafter.block_size
         est = self.planner._block_est
         if est is None:
             return [1.0] * (bs - 1)
-        return [1.0 + est[min(g, len(est) - 1)] for g in range(1, bs)]
+        kept = self._pending_kept
+        if kept is None or kept[0] is not est:
+            kept = self._pending_kept = (est, [1.0 + est[min(g, len(est) - 1)] for g in range(1, bs)])
+        return kept[1]
 
     def _running_state(self) -> _Running:
         """The running batch's requests, slots and fixed γ, read again only after the scheduler's batch changed
