@@ -473,18 +473,22 @@ def test_device_lookup_kernel_option(monkeypatch):
 
 
 def test_device_history_write_committed_widths():
-    """DeviceLookup.write_committed: a width-1 step (AR / γ = 0: its own one-scatter path) writes the token after the
-    anchor; a wider step writes committed[:accepted + 1] and leaves the cells past it; both clamp at the last cell."""
+    """DeviceLookup.write_committed: a width-1 step (AR / γ = 0) writes the token after the anchor; a wider step
+    writes its W columns from there (committed[:accepted + 1], then the rejected drafts past the context); the history
+    has max_draft + 1 cells past max_seq_len, so a row at the last position writes every column to a cell of its own."""
     import torch
 
     from adaflash_ray.engine.device_lookup import DeviceLookup
 
     lk = DeviceLookup(3, 8, 4, torch.device("cpu"))
+    assert lk.history.shape == (3, 8 + 4 + 1)
     lk.history.fill_(-7)
     pos = torch.tensor([0, 2, 7])
     lk.write_committed(3, pos, torch.tensor([[11], [12], [13]]), torch.zeros(3, dtype=torch.long))
-    assert lk.history[0, 1] == 11 and lk.history[1, 3] == 12 and lk.history[2, 7] == 13  # 7 + 1 clamps to 7
+    assert lk.history[0, 1] == 11 and lk.history[1, 3] == 12 and lk.history[2, 8] == 13  # past the context
     assert (lk.history != -7).sum() == 3
     lk.write_committed(2, torch.tensor([1, 3]), torch.tensor([[21, 22, 23], [31, 32, 33]]), torch.tensor([1, 2]))
-    assert lk.history[0, :5].tolist() == [-7, 11, 21, 22, -7]  # position 4 (past accepted) kept
+    assert lk.history[0, :5].tolist() == [-7, 11, 21, 22, 23]  # position 4: past accepted, the rejected draft
     assert lk.history[1, 3:7].tolist() == [12, 31, 32, 33]
+    lk.write_committed(3, torch.tensor([0, 0, 7]), torch.arange(15).view(3, 5) + 100, torch.tensor([0, 0, 4]))
+    assert lk.history[2, 8:13].tolist() == [110, 111, 112, 113, 114]  # T - 1 + W = 12: the last cell, no overlap

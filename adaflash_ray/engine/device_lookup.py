@@ -2,8 +2,8 @@
 shapes, CUDA-graph safe).
 
 The host lookups (:mod:`adaflash_ray.drafting.lookup`) cost Python time per request per step; here the runner keeps
-every slot's tokens on the device (:attr:`DeviceLookup.history` ``[num_slots, max_seq_len]`` int64, the prompt
-written at prefill and the committed tokens in every step at their absolute positions) and, at the END of a step
+every slot's tokens on the device (:attr:`DeviceLookup.history` ``[num_slots, max_seq_len + max_draft + 1]`` int64,
+the prompt written at prefill and the committed tokens in every step at their absolute positions) and, at the END of a step
 whose :class:`~adaflash_ray.engine.runner.StepKey` has ``lookup`` on, proposes every row's next lookup draft from
 its new context (prompt + committed output up to and including the new anchor). The proposals travel to the host
 in the step's one device -> host transfer (:data:`NUM_META` + ``max_draft`` columns of the runner's ``out``) and
@@ -177,7 +177,9 @@ class DeviceLookup:
             raise ValueError(f"corpus_tokens {corpus_tokens}: need 0 or >= max_ngram + 2 = {max_ngram + 2}")
         self.max_draft, self.max_ngram, self.min_ngram = max_draft, max_ngram, min_ngram
         self.max_occurrences, self.corpus_tokens = max_occurrences, corpus_tokens
-        self.history = torch.zeros(num_slots, max_seq_len, dtype=torch.long, device=device)  # [S, T]
+        # [S, T + max_draft + 1]: a step writes all its W <= max_draft + 1 committed columns from the anchor on, past
+        # position T - 1 too (write_committed), so no two columns of a row ever meet in one cell
+        self.history = torch.zeros(num_slots, max_seq_len + max_draft + 1, dtype=torch.long, device=device)
         self.drafts = torch.zeros(num_slots, max_draft, dtype=torch.long, device=device)  # latest proposals [S, D]
         self.corpus = (torch.full((corpus_tokens,), SEPARATOR, dtype=torch.long, device=device)
                        if corpus_tokens else None)  # [C]
@@ -237,18 +239,14 @@ class DeviceLookup:
 
     def write_committed(self, b: int, pos: torch.Tensor, committed: torch.Tensor, accepted: torch.Tensor) -> None:
         """Step: row r (slot r, r < b) commits ``committed[r, :accepted[r] + 1]`` at positions ``pos[r] + 1 ..``
-        (the anchor sits at ``pos[r]``); entries past ``accepted`` leave the history as it is. ``pos`` /
-        ``accepted`` ``[B]``, ``committed`` ``[B, W]`` int64. Graph-safe. At ``W = 1`` (an AR or γ = 0 step:
-        ``accepted`` is 0) one scatter of the single token, without the masked gather of wider steps."""
+        (the anchor sits at ``pos[r]``). All ``W`` columns are written, one scatter: the cells past ``accepted``
+        take the step's rejected drafts, past the row's context like the cells a slot's earlier request left - no
+        proposal reads past its context's length, and the next step writes its tokens over them. ``pos`` /
+        ``accepted`` ``[B]`` (``pos`` <= ``max_seq_len`` - 1), ``committed`` ``[B, W]`` int64, ``W`` <= ``max_draft``
+        + 1. Graph-safe."""
         w = committed.shape[1]
-        if w == 1:
-            self.history[:b].scatter_(1, (pos[:, None] + 1).clamp(max=self.history.shape[1] - 1), committed)
-            return
-        ar = torch.arange(w, device=pos.device)
-        tgt = (pos[:, None] + 1 + ar).clamp(max=self.history.shape[1] - 1)  # [B, W]
-        hist = self.history[:b]
-        vals = torch.where(ar[None] <= accepted[:, None], committed, hist.gather(1, tgt))
-        hist.scatter_(1, tgt, vals)
+        tgt = pos[:, None] + 1 if w == 1 else pos[:, None] + torch.arange(1, w + 1, device=pos.device)  # [B, W]
+        self.history[:b].scatter_(1, tgt.clamp(max=self.history.shape[1] - 1), committed)
 
     # ------------------------------------------------------------------ proposals
     def propose(self, context: torch.Tensor, lengths: torch.Tensor) -> LookupProposals:
