@@ -883,18 +883,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag, path in (("--out", ns.out), ("--plot", ns.plot)):
         if path is not None and Path(path).is_dir():
             parser.error(f"{flag} {path}: is a directory; give a file path (missing parent folders are created)")
-        try:  # made before anything runs: a folder that cannot be made fails now, not after the timed runs
-            if path is not None:
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            parser.error(f"{flag} {path}: cannot make its folder ({e.strerror or e})")
-    if ns.profile is not None:
-        if ns.shape is not None or ns.weight_sync:
-            parser.error("--profile profiles the model mode's cells: not with --shape or --weight-sync")
-        try:  # made before any cell runs: a bad folder fails now, not after the timed runs
-            Path(ns.profile).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            parser.error(f"--profile {ns.profile}: cannot make the folder ({e.strerror or e})")
+    if ns.profile is not None and (ns.shape is not None or ns.weight_sync):
+        parser.error("--profile profiles the model mode's cells: not with --shape or --weight-sync")
     if ns.sim_costs is not None:
         if ns.shape is not None or ns.weight_sync or HF_METHOD in (ns.methods or []):
             parser.error(f"--sim-costs prices the model mode's engine steps: not with --shape, --weight-sync or "
@@ -905,8 +895,6 @@ def main(argv: list[str] | None = None) -> int:
             load_cost_table(ns.sim_costs)
         except ValueError as e:
             parser.error(f"--sim-costs: {e}")
-    console = Console(stderr=False, width=None if sys.stdout.isatty() else 200)
-    log = (lambda msg: print(msg, file=sys.stderr))
     if ns.weight_sync:
         if ns.shape is None or min(ns.sync_layers) < 1 or ns.sync_receivers < 1:
             parser.error("--weight-sync needs --shape, --sync-layers >= 1 and --sync-receivers >= 1")
@@ -916,6 +904,17 @@ def main(argv: list[str] | None = None) -> int:
             shape_config(ns.shape)  # a bad name fails here, before Ray starts
         except ShapeError as e:
             parser.error(f"--shape {ns.shape!r}: {e}")
+    # the output folders last, once every argument passed (a refused command makes none), before anything runs (a
+    # folder that cannot be made fails now, not after the timed runs)
+    for flag, path, folder in (("--out", ns.out, False), ("--plot", ns.plot, False), ("--profile", ns.profile, True)):
+        try:
+            if path is not None:
+                (Path(path) if folder else Path(path).parent).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            parser.error(f"{flag} {path}: cannot make {'the' if folder else 'its'} folder ({e.strerror or e})")
+    console = Console(stderr=False, width=None if sys.stdout.isatty() else 200)
+    log = (lambda msg: print(msg, file=sys.stderr))
+    if ns.weight_sync:
         from adaflash_ray.actors.weight_sync_bench import bench_weight_sync
 
         try:

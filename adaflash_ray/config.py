@@ -889,23 +889,29 @@ def _resolve_recipe_path(path: str | Path) -> Path:
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the last silently: a second
-    ``engine:`` section would drop every key of the first)."""
+    ``engine:`` section would drop every key of the first). Merges (``<<: *base``) may override what they merge.
+    Each mapping is checked the first time the constructor flattens it, before its merges are spliced into it
+    (``SafeConstructor.flatten_mapping`` flattens a merged mapping in place, possibly before that mapping itself is
+    built)."""
 
-    def construct_mapping(self, node, deep=False):
-        seen: dict[Any, Any] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *base``: merged keys may be overridden
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            try:
-                first = seen.setdefault(key, key_node)
-            except TypeError:  # an unhashable key: construct_mapping's own error says so
-                break
-            if first is not key_node:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first at line {first.start_mark.line + 1})",
-                    key_node.start_mark)
-        return super().construct_mapping(node, deep=deep)
+    def flatten_mapping(self, node):
+        checked = self.__dict__.setdefault("_unique_checked", set())
+        if id(node) not in checked:
+            checked.add(id(node))
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node)
+                try:
+                    first = seen.setdefault(key, key_node)
+                except TypeError:  # an unhashable key: construct_mapping's own error says so
+                    break
+                if first is not key_node:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (first at line {first.start_mark.line + 1})",
+                        key_node.start_mark)
+        super().flatten_mapping(node)
 
 
 def load_recipe(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:

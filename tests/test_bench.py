@@ -194,6 +194,19 @@ def test_bad_arguments_fail_up_front(args, msg, capsys):
     assert e.value.code == 2 and msg in capsys.readouterr().err
 
 
+def test_a_refused_command_makes_no_output_folder(tmp_path, capsys):
+    """The output folders are made once every argument passed: a command refused for another argument leaves none."""
+    from adaflash_ray.bench import main
+
+    out, prof = tmp_path / "o" / "a" / "b.json", tmp_path / "p"
+    with pytest.raises(SystemExit) as e:
+        main(["--out", str(out), "--shape", "tiny", "--profile", str(prof)])
+    assert e.value.code == 2 and "not with --shape" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--out", str(out), "--plot", str(tmp_path / "q" / "c.png"), "--sim-costs", str(tmp_path / "none.json")])
+    assert not (tmp_path / "o").exists() and not prof.exists() and not (tmp_path / "q").exists()
+
+
 @pytest.mark.slow
 def test_model_mode_draft_source_methods(capsys):
     """ngram / suffix / hybrid rows on the real SmolLM2 (CPU float32), on the pooled domain: lossless against AR, a

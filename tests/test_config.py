@@ -262,6 +262,16 @@ def test_a_key_given_twice_is_refused_naming_it(tmp_path):
     merged = _write(tmp_path, "engine: &e {max_batch_size: 4, max_new_tokens: 8}\nbuffer: {capacity: 32}\n",
                     "merge.yaml")
     assert load_recipe(merged).engine.max_batch_size == 4  # anchors still load
+    # a merge may override what it merges, also where the merged mapping merges too and is merged before it is built
+    nested = _write(tmp_path, "engine: &e\n  <<: {max_batch_size: 4, max_new_tokens: 8}\n  max_batch_size: 6\n"
+                    "serve:\n  <<: {port: 8123}\n  port: 8124\n", "nested.yaml")
+    cfg = load_recipe(nested)
+    assert (cfg.engine.max_batch_size, cfg.engine.max_new_tokens, cfg.serve.port) == (6, 8, 8124)
+    import yaml
+
+    from adaflash_ray.config import _UniqueKeyLoader
+    text = "defaults:\n  engine: &e\n    <<: {max_batch_size: 4}\n    max_batch_size: 8\nother:\n  <<: *e\n"
+    assert yaml.load(text, Loader=_UniqueKeyLoader) == yaml.safe_load(text)  # noqa: S506 - a SafeLoader
 
 
 def test_seed_out_of_the_generators_range_is_refused():

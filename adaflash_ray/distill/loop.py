@@ -71,9 +71,10 @@ class WeightSink(Protocol):
 
 class ReplayPool:
     """The trainer's replay pool: leased trajectories not yet trained (``fresh``) and trained ones kept for reuse,
-    each entry ``[trajectory, version, uses, handle]``, in order of arrival. Every operation a step makes costs
-    O(batch), not O(pool): the warm start pools its whole set (tens of thousands of trajectories) and a scan per
-    step would cost milliseconds of host time between optimizer steps.
+    each entry ``[trajectory, version, uses, handle]``, in order of arrival. A step's operations cost O(batch), not
+    O(pool) - but the first :meth:`prune` after a version change, which scans the pool once: the warm start pools its
+    whole set (tens of thousands of trajectories), and a scan per step would cost milliseconds of host time between
+    optimizer steps.
 
     Rules (those of :meth:`TrainerLoop.run`): an entry leaves once trained ``max_reuse`` times, or once its version
     lag exceeds ``max_version_lag`` (:func:`~adaflash_ray.trajectory.within_version_lag`, checked by :meth:`prune`);
