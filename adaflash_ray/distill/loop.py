@@ -30,8 +30,9 @@ import torch
 from adaflash_ray.models import tensors_sha256
 from adaflash_ray.trajectory import Trajectory, within_version_lag
 
-__all__ = ["TrajectorySource", "WeightSink", "ReplayPool", "TrainerLoop", "DirectorySource", "MemorySource", "CheckpointSink",
-           "length_grouped", "version_table", "decode_for_training", "train_from_files", "generate_files", "main"]
+__all__ = ["TrajectorySource", "WeightSink", "ReplayPool", "TrainerLoop", "DirectorySource", "MemorySource",
+           "CheckpointSink", "length_grouped", "version_table", "decode_for_training", "train_from_files",
+           "generate_files", "main"]
 
 Item = tuple  # (handle, version): a leased trajectory as the source names it, and the drafter version it carries
 
