@@ -286,7 +286,8 @@ def test_drafter_checkpoint_corruption(tmp_path, drafter_and_tensors):
                        ({"dflash_config": {**json.loads(good)["dflash_config"], "target_layer_ids": []}},
                         "target_layer_ids"),
                        ({"dflash_config": {**json.loads(good)["dflash_config"], "block_size": 1}}, "block_size"),
-                       ({"dflash_config": [1]}, "dflash_config")):
+                       ({"dflash_config": [1]}, "dflash_config"), ({"num_attention_heads": 0}, "num_attention_heads"),
+                       ({"hidden_size": "576", "head_dim": None}, "hidden_size")):
         (ckpt / "config.json").write_text(json.dumps(bad if isinstance(bad, list) else {**json.loads(good), **bad}))
         with pytest.raises(CheckpointError, match=field):
             load_drafter_checkpoint(ckpt)

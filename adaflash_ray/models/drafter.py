@@ -131,6 +131,9 @@ class DrafterModelConfig:
                              f"num_target_layers {d['num_target_layers']}")
         try:
             n_heads = d["num_attention_heads"]
+            for name, v in (("num_attention_heads", n_heads), ("hidden_size", d["hidden_size"])):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:  # head_dim's default divides by them
+                    raise ValueError(f"DFlash config.json: {name} must be an integer >= 1, got {v!r}")
             rope = d.get("rope_parameters") or {}
             if n_target is None:
                 raise KeyError("num_target_layers")
