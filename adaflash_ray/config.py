@@ -894,10 +894,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     (``SafeConstructor.flatten_mapping`` flattens a merged mapping in place, possibly before that mapping itself is
     built)."""
 
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._checked: set[int] = set()  # ids of the mapping nodes whose own keys were checked
+
     def flatten_mapping(self, node):
-        checked = self.__dict__.setdefault("_unique_checked", set())
-        if id(node) not in checked:
-            checked.add(id(node))
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
             seen: dict[Any, Any] = {}
             for key_node, _ in node.value:
                 if key_node.tag == "tag:yaml.org,2002:merge":
