@@ -36,7 +36,10 @@ def test_freeze_moves_the_live_heap_to_the_permanent_generation(unfrozen):
     assert gc.get_freeze_count() == 0
     keep = [[i] for i in range(1000)]  # 1,001 live containers at least
     out = gc_pauses.freeze_gc_heap()
-    assert out["frozen"] == gc.get_freeze_count() >= len(keep) and out["seconds"] >= 0
+    # the count it returns is the permanent generation's then: a thread of an earlier test (Ray's) may free a frozen
+    # object before the count is read again here
+    now = gc.get_freeze_count()
+    assert out["frozen"] - 100 <= now <= out["frozen"] and now >= len(keep) and out["seconds"] >= 0
     assert not any(o is keep[0] for o in gc.get_objects())  # the permanent generation is left out of every one
     gc.unfreeze()
     assert gc.get_freeze_count() == 0 and any(o is keep[0] for o in gc.get_objects())
