@@ -44,8 +44,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from adaflash_ray.models.checkpoint import (LENGTH_HEAD_FILE, CheckpointError, load_drafter_checkpoint, share_like_mkdir,
-                                           tensors_sha256)
+from adaflash_ray.models.checkpoint import (LENGTH_HEAD_FILE, CheckpointError, load_drafter_checkpoint,
+                                           share_like_mkdir, tensors_sha256)
 from adaflash_ray.models.drafter import DFlashDrafter, DrafterModelConfig
 
 __all__ = ["ExportError", "export_drafter", "exported_config", "launch_commands", "main"]

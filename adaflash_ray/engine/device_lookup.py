@@ -3,8 +3,8 @@ shapes, CUDA-graph safe).
 
 The host lookups (:mod:`adaflash_ray.drafting.lookup`) cost Python time per request per step; here the runner keeps
 every slot's tokens on the device (:attr:`DeviceLookup.history` ``[num_slots, max_seq_len + max_draft + 1]`` int64,
-the prompt written at prefill and the committed tokens in every step at their absolute positions) and, at the END of a step
-whose :class:`~adaflash_ray.engine.runner.StepKey` has ``lookup`` on, proposes every row's next lookup draft from
+the prompt written at prefill and the committed tokens in every step at their absolute positions) and, at the END of
+a step whose :class:`~adaflash_ray.engine.runner.StepKey` has ``lookup`` on, proposes every row's next lookup draft from
 its new context (prompt + committed output up to and including the new anchor). The proposals travel to the host
 in the step's one device -> host transfer (:data:`NUM_META` + ``max_draft`` columns of the runner's ``out``) and
 stay on the device (:attr:`DeviceLookup.drafts`), so the next step verifies them without copying them back in.

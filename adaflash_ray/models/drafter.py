@@ -171,7 +171,8 @@ class DrafterModelConfig:
         if not ids or not all(is_int(i) for i in ids):
             raise ValueError(f"DFlash config.json: target_layer_ids must be a non-empty list of integers, got {ids!r}")
         if self.mask_token_id is not None and not is_int(self.mask_token_id):
-            raise ValueError(f"DFlash config.json: mask_token_id must be an integer or null, got {self.mask_token_id!r}")
+            raise ValueError(f"DFlash config.json: mask_token_id must be an integer or null, "
+                             f"got {self.mask_token_id!r}")
         eps = self.rms_norm_eps
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
             raise ValueError(f"DFlash config.json: rms_norm_eps must be a positive number, got {eps!r}")
