@@ -125,6 +125,77 @@ def test_token_ids_out_of_range_are_invalid_value(tok):
         assert e.value.body()["error"]["code"] == "invalid_value"
 
 
+def test_every_client_error_has_a_machine_readable_code(tok):
+    """Every 4xx a bad request gets carries a non-null OpenAI ``code`` beside the ``param`` it names:
+    ``invalid_value`` for a value out of range, of the wrong form or in conflict with another field,
+    ``unsupported_parameter`` for a request key the endpoint does not implement, ``missing_required_parameter``,
+    ``model_not_found`` for the 404 unknown model; also an engine's refusal of a request that passed validation."""
+    import asyncio
+    import functools
+    from types import SimpleNamespace
+
+    from adaflash_ray.serve.responses import ResponseWriter
+    from adaflash_ray.serve.runtime import RequestStream
+
+    kw = dict(tokenizer=tok, model_ids={MODEL}, context_limit=64, default_max_tokens=16, default_temperature=0.0,
+              vocab_size=49152, record_default=True, max_n=4)
+    # a chat template that raises on one of its variables (jinja's raise_exception)
+    strict = SimpleNamespace(apply_chat_template=functools.partial(
+        tok.apply_chat_template, chat_template="{% if strict %}{{ raise_exception('strict mode') }}{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"))
+    comp, chat = {"model": MODEL, "prompt": "hi"}, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    tool = [{"type": "function", "function": {"name": "f"}}]
+    cases = [  # (kind, body, status, param, code)
+        ("completion", {**comp, "stop": [str(i) for i in range(17)]}, 400, "stop", "invalid_value"),
+        ("completion", {**comp, "stop": [""]}, 400, "stop", "invalid_value"),
+        ("completion", {**comp, "stop": ""}, 400, "stop", "invalid_value"),
+        ("completion", {**comp, "n": 5}, 400, "n", "invalid_value"),
+        ("completion", {**comp, "n": 0}, 400, "n", "invalid_value"),
+        ("completion", {**comp, "prompt": ""}, 400, "prompt", "invalid_value"),
+        ("completion", {**comp, "prompt": []}, 400, "prompt", "invalid_value"),
+        ("completion", {**comp, "prompt": ["hi", ""]}, 400, "prompt.1", "invalid_value"),
+        ("completion", {**comp, "prompt": ["a", "b", "c"], "n": 2}, 400, "prompt", "invalid_value"),
+        ("completion", {**comp, "stream_options": {"include_usage": True}}, 400, "stream_options", "invalid_value"),
+        ("completion", {**comp, "max_tokens": "5"}, 400, "max_tokens", "invalid_value"),
+        ("completion", {**comp, "echo": True}, 400, "echo", "unsupported_parameter"),
+        ("completion", {"model": MODEL}, 400, "prompt", "missing_required_parameter"),
+        ("completion", {**comp, "model": "gpt-4"}, 404, "model", "model_not_found"),
+        ("chat", {**chat, "max_tokens": 4, "max_completion_tokens": 5}, 400, "max_completion_tokens",
+         "invalid_value"),
+        ("chat", {**chat, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
+        ("chat", {**chat, "stream": False, "stream_options": {}}, 400, "stream_options", "invalid_value"),
+        ("chat", {**chat, "chat_template_kwargs": [1]}, 400, "chat_template_kwargs", "invalid_value"),
+        ("chat", {**chat, "chat_template_kwargs": {"strict": True}}, 400, "chat_template_kwargs", "invalid_value"),
+        ("chat", {**chat, "chat_template_kwargs": {"tokenize": False}}, 400, "chat_template_kwargs.tokenize",
+         "unsupported_parameter"),
+        ("chat", {**chat, "tools": tool}, 400, "tools", "unsupported_parameter"),
+        ("chat", {**chat, "messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]}, 400,
+         "messages.0.tool_calls", "unsupported_parameter"),
+        ("chat", {**chat, "messages": []}, 400, "messages", "invalid_value"),
+        ("chat", {"model": MODEL}, 400, "messages", "missing_required_parameter"),
+    ]
+    for kind, body, status, param, code in cases:
+        with pytest.raises(APIError) as e:
+            parse_request(kind, body, **{**kw, "tokenizer": strict} if "chat_template_kwargs" in body else kw)
+        got = (e.value.status, e.value.param, e.value.code)
+        assert got == (status, param, code), (kind, body, got, e.value.message)
+        assert e.value.body()["error"]["code"] == code
+    # a request the engine refuses after validation (its add_request's ValueError): a 400 invalid_value too
+    spec = parse_request("completion", comp, **kw)
+
+    async def refused():
+        rs = RequestStream(False)
+        rs.queue.put_nowait(("error", ValueError("empty prompt")))
+        rs.queue.put_nowait(("done", "error"))
+        loop = SimpleNamespace(abort=lambda rs, reason="aborted": None)
+        with pytest.raises(APIError) as e:
+            await ResponseWriter(spec, [rs], loop=loop, tokenizer=tok, eos_ids=[2]).body()
+        return e.value
+
+    err = asyncio.run(refused())
+    assert (err.status, err.param, err.code) == (400, "prompt", "invalid_value"), err.message
+
+
 def test_context_length_error_names_the_batch_prompt(tok):
     """A batch of prompts with one over the context limit: the 400 names that prompt by its index (``prompt.1``, as
     the other per-prompt errors do), in ``param`` and in the message; a single prompt stays ``prompt``."""

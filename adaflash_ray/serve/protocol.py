@@ -318,7 +318,11 @@ def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, m
         APIError: 400 naming the field (known but unsupported at a non-neutral value, out of range - the ranges
             of :meth:`SamplingParams.validate` -, NaN or ±inf for a number, text with a lone UTF-16 surrogate,
             a prompt over the context limit: code ``context_length_exceeded``, a batch's prompt named by its index,
-            ``prompt.<i>``), 404 for an unknown model.
+            ``prompt.<i>``), 404 for an unknown model. Every one carries a machine-readable ``code``:
+            ``unsupported_parameter`` (a known parameter not implemented), ``missing_required_parameter``,
+            ``context_length_exceeded``, ``model_not_found`` (the 404), ``invalid_json`` (a body that is not an
+            object), else ``invalid_value`` (a value out of range, of the wrong type or form, or in conflict with
+            another field).
     """
     if not isinstance(raw, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
@@ -347,18 +351,21 @@ def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, m
                        type="not_found_error", param="model", code="model_not_found")
     n = body.n or 1
     if max_n is not None and n > max_n:
-        raise APIError(400, f"'n' is {n}; a replica runs at most {max_n} requests at a time.", param="n")
+        raise APIError(400, f"'n' is {n}; a replica runs at most {max_n} requests at a time.", param="n",
+                       code="invalid_value")
     if body.stream_options is not None and not body.stream:
-        raise APIError(400, "'stream_options' is only allowed when 'stream' is true.", param="stream_options")
+        raise APIError(400, "'stream_options' is only allowed when 'stream' is true.", param="stream_options",
+                       code="invalid_value")
     stop_strings, stop_ids = [], list(body.stop_token_ids or [])
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > 16:
-        raise APIError(400, f"'stop' has {len(stops)} entries; at most 16 are supported.", param="stop")
+        raise APIError(400, f"'stop' has {len(stops)} entries; at most 16 are supported.", param="stop",
+                       code="invalid_value")
     for s in stops:
         if isinstance(s, int):
             stop_ids.append(s)
         elif s == "":
-            raise APIError(400, "'stop' strings must be non-empty.", param="stop")
+            raise APIError(400, "'stop' strings must be non-empty.", param="stop", code="invalid_value")
         else:
             stop_strings.append(s)
     bad = [t for t in stop_ids if not 0 <= t < vocab_size]
@@ -381,11 +388,11 @@ def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, m
                     raise APIError(400, f"prompt token ids must be in [0, {vocab_size}), got {bad[:4]}.", param=where,
                                    code="invalid_value")
             if not p_ids:
-                raise APIError(400, f"'{where}' is empty.", param=where)
+                raise APIError(400, f"'{where}' is empty.", param=where, code="invalid_value")
             batch.append(p_ids)
         if max_n is not None and len(batch) * n > max_n:
             raise APIError(400, f"{len(batch)} prompts x 'n' {n} = {len(batch) * n} completions; a replica runs at "
-                           f"most {max_n} requests at a time.", param="prompt")
+                           f"most {max_n} requests at a time.", param="prompt", code="invalid_value")
         # the context checks below: the longest prompt (the first of equals), named by its index in a batch
         longest = max(range(len(batch)), key=lambda i: len(batch[i]))
         ids = batch[longest]
@@ -401,7 +408,7 @@ def parse_request(kind: Literal["completion", "chat"], raw: Any, *, tokenizer, m
         if body.max_tokens is not None and body.max_completion_tokens is not None \
                 and body.max_tokens != body.max_completion_tokens:
             raise APIError(400, "'max_tokens' and 'max_completion_tokens' differ; send one of them.",
-                           param="max_completion_tokens")
+                           param="max_completion_tokens", code="invalid_value")
         budget = body.max_completion_tokens or body.max_tokens
         budget_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     if len(ids) >= context_limit:
@@ -449,7 +456,8 @@ def _chat_prompt_ids(body: ChatBody, tokenizer) -> list[int]:
         if not kwargs:
             raise
         raise APIError(400, f"The chat template failed with 'chat_template_kwargs' {json.dumps(kwargs)[:80]}: "
-                       f"{type(e).__name__}: {str(e)[:200]}", param="chat_template_kwargs") from None
+                       f"{type(e).__name__}: {str(e)[:200]}", param="chat_template_kwargs",
+                       code="invalid_value") from None
     return [int(t) for t in enc["input_ids"]]
 
 
@@ -461,7 +469,7 @@ def _sampling_params(kind: str, body: _Common, budget: int, budget_param: str,
     two spellings of "the chosen token's log-probability and the k most likely alternatives")."""
     if kind == "chat":
         if body.top_logprobs and not body.logprobs:
-            raise APIError(400, "'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true.", param="top_logprobs", code="invalid_value")
         logprobs, logprobs_param = (body.top_logprobs or 0) if body.logprobs else None, "top_logprobs"
     else:
         logprobs, logprobs_param = body.logprobs, "logprobs"

@@ -141,8 +141,9 @@ class ResponseWriter:
                 else:
                     finished = True
                     err = item[1]
-                    raise APIError(400, str(err), param="prompt") if isinstance(err, ValueError) else \
-                        APIError(500, str(err), type="server_error")
+                    if isinstance(err, ValueError):  # the engine refused the request (add_request's checks)
+                        raise APIError(400, str(err), param="prompt", code="invalid_value")
+                    raise APIError(500, str(err), type="server_error")
         finally:
             if not finished:
                 self.loop.abort(rs)
