@@ -975,6 +975,51 @@ def test_source_guard_back_off_has_the_prefill_propose_the_first_block(tiny_targ
     assert [p[1] for p in prefills] == [True, False]
 
 
+def test_prefill_before_a_block_only_step_makes_no_lookup_proposals(tiny_target):
+    """With the device lookup, a prefill whose next step is the source guard's block-only step proposes the first
+    block and no lookup drafts (that step verifies the blocks and proposes no lookups; the admitted slots' device
+    proposals are marked stale); a prefill before a planned step makes them. Either way the prompt, its first token
+    and the step's tokens fill the slot's token history. Greedy output exact in both."""
+    drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
+    eng = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=96, calibrate=False,
+                     draft_sources=("dflash", "ngram"), lookup_device="device")
+    eng.guard = None
+    calls, prefill = [], eng.runner.prefill
+
+    def recorded(slots, prompts, params, spec, lookup=False, append=True):
+        res = prefill(slots, prompts, params, spec, lookup, append)
+        calls.append((bool(spec), bool(lookup), res.lookup is not None))
+        return res
+
+    eng.runner.prefill = recorded
+    prompts = _prompts(2)
+    for bk in eng.source_guard.buckets:
+        bk.forced_left = 10**6
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=10, ignore_eos=True)) for p in prompts]
+    eng.step()
+    # (on CPU the runner prefills the prompts one at a time: the call and its two inner ones)
+    assert calls and set(calls) == {(True, False, False)}, calls
+    assert not eng._dev_valid[[r.slot for r in reqs]].any()
+    hist = eng.runner.lookup.history
+    for r, p in zip(reqs, prompts):  # the prompt and its first token (and the first step's tokens after them)
+        assert hist[r.slot, :len(p)].tolist() == p
+        assert hist[r.slot, len(p):len(p) + len(r.output_ids)].tolist() == r.output_ids
+    while eng.has_unfinished():
+        eng.step()
+    assert [r.output_ids for r in reqs] == [greedy_reference(tiny_target, p, 10) for p in prompts]
+    for bk in eng.source_guard.buckets:  # no back-off: the prefill makes the first lookup proposals
+        bk.forced_left = 0
+    calls.clear()
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=10, ignore_eos=True)) for p in prompts]
+    eng.step()
+    assert calls and set(calls) == {(True, True, True)}, calls
+    for r, p in zip(reqs, prompts):
+        assert hist[r.slot, :len(p) + len(r.output_ids)].tolist() == p + r.output_ids
+    while eng.has_unfinished():
+        eng.step()
+    assert [r.output_ids for r in reqs] == [greedy_reference(tiny_target, p, 10) for p in prompts]
+
+
 @pytest.mark.parametrize("lookup_device", ["host", "device"])
 def test_source_guard_first_block_only_step_verifies_the_lookup_where_no_block_is_pending(lookup_device):
     """Planned steps that leave the drafter's block idle (the block guard's ``block_off``, always on here) and a

@@ -230,12 +230,11 @@ class DeviceLookup:
     def write_prompts(self, slots: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor,
                       first: torch.Tensor) -> None:
         """Prefill: slot ``slots[i]`` holds ``ids[i, :lengths[i]]`` then ``first[i]`` (the first output token).
-        ``ids`` ``[N, P]`` int64 (right-padded), ``slots`` / ``lengths`` / ``first`` ``[N]`` int64."""
-        n, plen = ids.shape
-        pos = torch.arange(plen + 1, device=ids.device).expand(n, plen + 1)
-        vals = torch.cat([ids, torch.zeros_like(first)[:, None]], 1)
-        vals = torch.where(pos == lengths[:, None], first[:, None], vals)
-        self.history[slots[:, None].expand_as(pos), pos.clamp(max=self.history.shape[1] - 1)] = vals
+        ``ids`` ``[N, P]`` int64 (right-padded, ``P <= max_seq_len``), ``slots`` / ``lengths`` / ``first`` ``[N]``
+        int64. Two writes: the padded rows whole (the padding past a prompt lands in cells no proposal reads - past its
+        context - and the step writes its tokens over them), then each first token at its prompt's length."""
+        self.history[slots, :ids.shape[1]] = ids
+        self.history[slots, lengths] = first
 
     def write_committed(self, b: int, pos: torch.Tensor, committed: torch.Tensor, accepted: torch.Tensor) -> None:
         """Step: row r (slot r, r < b) commits ``committed[r, :accepted[r] + 1]`` at positions ``pos[r] + 1 ..``
