@@ -20,7 +20,7 @@
 # Call c (carry [".gpu_stage3"]):    ADAFLASH_COMMIT=<sha> bash scripts/gpu_main_job.sh c   # start the main job
 #                                    (on a one-GPU machine it adds the fractional placement: both groups share it)
 # Call d (no carry):                 bash scripts/gpu_main_job.sh d   # wait for it; collect its results
-# A drafter brought home earlier (carry [".gpu_drafter"], or DRAFTER_STAGE=<folder> carrying that one; a call of its own):
+# A drafter brought home earlier (carry [".gpu_drafter"] - or DRAFTER_STAGE=<folder>, carried -; a call of its own):
 #                                    bash scripts/gpu_main_job.sh drafter  # -> /root/dr/vN, no main job needed
 # Call e (no carry):                 bash scripts/gpu_main_job.sh e   # bench the final drafter
 #                                    (BENCH_METHODS="ar dflash suffix hybrid ..." BENCH_CONC="1 8 64" BENCH_REPEATS=2
