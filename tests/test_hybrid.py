@@ -978,8 +978,9 @@ def test_source_guard_back_off_has_the_prefill_propose_the_first_block(tiny_targ
 def test_prefill_before_a_block_only_step_makes_no_lookup_proposals(tiny_target):
     """With the device lookup, a prefill whose next step is the source guard's block-only step proposes the first
     block and no lookup drafts (that step verifies the blocks and proposes no lookups; the admitted slots' device
-    proposals are marked stale); a prefill before a planned step makes them. Either way the prompt, its first token
-    and the step's tokens fill the slot's token history. Greedy output exact in both."""
+    proposals are marked stale); a prefill before a planned step makes them - also under the back-off when a request
+    fixes its own γ (no block-only step then). Either way the prompt, its first token and the step's tokens fill the
+    slot's token history. Greedy output exact throughout."""
     drafter, head = make_drafter(tiny_target, block_size=8, layers=1, policy="cost", seed=5)
     eng = SpecEngine(tiny_target, drafter, head, policy="cost", max_batch_size=2, max_seq_len=96, calibrate=False,
                      draft_sources=("dflash", "ngram"), lookup_device="device")
@@ -999,7 +1000,6 @@ def test_prefill_before_a_block_only_step_makes_no_lookup_proposals(tiny_target)
     eng.step()
     # (on CPU the runner prefills the prompts one at a time: the call and its two inner ones)
     assert calls and set(calls) == {(True, False, False)}, calls
-    assert not eng._dev_valid[[r.slot for r in reqs]].any()
     hist = eng.runner.lookup.history
     for r, p in zip(reqs, prompts):  # the prompt and its first token (and the first step's tokens after them)
         assert hist[r.slot, :len(p)].tolist() == p
@@ -1015,6 +1015,20 @@ def test_prefill_before_a_block_only_step_makes_no_lookup_proposals(tiny_target)
     assert calls and set(calls) == {(True, True, True)}, calls
     for r, p in zip(reqs, prompts):
         assert hist[r.slot, :len(p) + len(r.output_ids)].tolist() == p + r.output_ids
+    while eng.has_unfinished():
+        eng.step()
+    assert [r.output_ids for r in reqs] == [greedy_reference(tiny_target, p, 10) for p in prompts]
+    # the back-off on again, but a request fixes its own γ: the next step is planned (_schedule asks no source guard
+    # then), so the prefill makes the lookup proposals
+    for bk in eng.source_guard.buckets:
+        bk.forced_left = 10**6
+    calls.clear()
+    guard_steps = eng.stats.num_source_guard_steps
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=10, ignore_eos=True, draft_len=d))
+            for p, d in zip(prompts, (3, None))]
+    eng.step()
+    assert calls and set(calls) == {(True, True, True)}, calls
+    assert eng.stats.num_source_guard_steps == guard_steps
     while eng.has_unfinished():
         eng.step()
     assert [r.output_ids for r in reqs] == [greedy_reference(tiny_target, p, 10) for p in prompts]

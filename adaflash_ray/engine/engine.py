@@ -804,9 +804,11 @@ class SpecEngine:
             or (not self.defer_first_block and not self._next_step_forced() and
                 (self._next_step_block_only() or self.planner.wants_block() if self.planner is not None
                  else self.policy is None or self.policy.admit_proposes(running_before))))
-        # the first lookup proposals, unless the next step is a block-only step (the source guard's): its rows verify
-        # the blocks proposed here and make none (the proposals are then made by the first planned step after it)
-        dev_lookup = spec and self.lookup_on_device and not (propose and self._next_step_block_only())
+        # the first lookup proposals, unless the next step is a block-only step (the source guard's; never while a
+        # request fixes its γ, as _schedule): its rows verify the blocks proposed here and make none (the proposals
+        # are then made by the first planned step after it)
+        dev_lookup = spec and self.lookup_on_device and not (
+            propose and not self._running_state().any_own and self._next_step_block_only())
         res = self.runner.prefill([r.slot for r in admitted], [r.prompt_ids for r in admitted],
                                   [r.params for r in admitted], propose, lookup=dev_lookup,
                                   append=propose or not spec or self.propose_first)
