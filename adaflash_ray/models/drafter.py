@@ -30,6 +30,11 @@ from adaflash_ray.models.layers import (AttentionProjections, DecoderLayerParams
 from adaflash_ray.models.target import KVCache, TargetConfig, set_fused_kernels
 
 
+def _is_int(v) -> bool:
+    """A JSON integer (a bool is not one)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass
 class DrafterModelConfig:
     """Architecture of a DFlash drafter. ``target_hidden_size`` is the width of each captured
@@ -132,7 +137,7 @@ class DrafterModelConfig:
         try:
             n_heads = d["num_attention_heads"]
             for name, v in (("num_attention_heads", n_heads), ("hidden_size", d["hidden_size"])):
-                if not isinstance(v, int) or isinstance(v, bool) or v < 1:  # head_dim's default divides by them
+                if not _is_int(v) or v < 1:  # head_dim's default divides by them (before _check_types)
                     raise ValueError(f"DFlash config.json: {name} must be an integer >= 1, got {v!r}")
             rope = d.get("rope_parameters") or {}
             if n_target is None:
@@ -158,19 +163,16 @@ class DrafterModelConfig:
     def _check_types(self) -> None:
         """Raise ValueError naming the first field read from a ``config.json`` with the wrong JSON type or range
         (a bool is not an integer)."""
-        def is_int(v) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
         for name, low in (("hidden_size", 1), ("intermediate_size", 1), ("num_hidden_layers", 1),
                           ("num_attention_heads", 1), ("num_key_value_heads", 1), ("head_dim", 1), ("vocab_size", 1),
                           ("block_size", 2), ("target_hidden_size", 1), ("num_target_layers", 1)):
             v = getattr(self, name)
-            if not is_int(v) or v < low:
+            if not _is_int(v) or v < low:
                 raise ValueError(f"DFlash config.json: {name} must be an integer >= {low}, got {v!r}")
         ids = self.target_layer_ids
-        if not ids or not all(is_int(i) for i in ids):
+        if not ids or not all(_is_int(i) for i in ids):
             raise ValueError(f"DFlash config.json: target_layer_ids must be a non-empty list of integers, got {ids!r}")
-        if self.mask_token_id is not None and not is_int(self.mask_token_id):
+        if self.mask_token_id is not None and not _is_int(self.mask_token_id):
             raise ValueError(f"DFlash config.json: mask_token_id must be an integer or null, "
                              f"got {self.mask_token_id!r}")
         eps = self.rms_norm_eps
