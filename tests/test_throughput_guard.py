@@ -738,3 +738,72 @@ def test_makespan_horizon_follows_the_shrinking_wave(tiny_target):
     assert not wave(1.1)  # the tail at 1.1 ms a step: 99 ms against 0.9 x (33 x 1.1 + 66) - drafting
     assert not wave(None, one_row_table=0.55)  # no samples at bucket 1: the planner's table scales 2 ms to 1.1
     assert wave(None, one_row_table=1.0)
+
+
+def test_prior_spares_the_ar_reference_only_where_decisive():
+    """``set_prior``: while a bucket's policy runs at >= PRIOR_DECISIVE x the prior's AR rate, no AR reference (first
+    or refresh) is forced there and ``step_costs`` answers the prior's AR ms; once the policy falls below, the
+    reference runs at once (its AR samples are missing). ``would_force`` still equals the next ``force_ar`` over a
+    random sequence; a bucket without a prior is unchanged; bad priors raise."""
+    import random
+
+    from adaflash_ray.engine.throughput_guard import PRIOR_DECISIVE
+
+    g = ThroughputGuard([1, 4], min_samples=3, backoff_steps=2, ar_refresh_steps=9, min_rows=0)
+    g.set_prior([2.0, 2.0])  # one token a row per 2 ms: 0.5 tokens / ms
+    for _ in range(20):
+        assert not g.would_force(4) and not g.force_ar(4)
+        g.record(4, True, 2, 1.0)  # 2 tokens / ms = 4 x the prior's rate
+    st = g.state()["4"]
+    assert st["num_ar_samples"] == 0 and st["num_forced"] == 0 and st["prior_decisive"] and st["prior_ar_ms"] == 2.0
+    assert g.step_costs(4) == (2.0, pytest.approx(1.0), pytest.approx(2.0))
+    for _ in range(40):  # the policy slows to 1 token in 1.8 ms: 1.11 x the prior's rate, below PRIOR_DECISIVE
+        if g.force_ar(4):
+            g.record(4, False, 1, 0.5)
+        else:
+            g.record(4, True, 1, 1.8)
+    st = g.state()["4"]
+    assert not st["prior_decisive"] and st["num_ar_samples"] >= 3 and st["num_forced"] >= 3
+    assert 1.8 * PRIOR_DECISIVE > 2.0  # the boundary the test relies on
+    assert g.step_costs(4)[0] == pytest.approx(0.5)  # measured AR ms again
+    plain = ThroughputGuard([1], min_samples=3, min_rows=0)  # no prior: the reference after min_samples policy steps
+    for _ in range(3):
+        assert not plain.force_ar(1)
+        plain.record(1, True, 8, 1.0)
+    assert plain.force_ar(1) and plain.step_costs(1) is None
+    rng = random.Random(11)
+    h = ThroughputGuard([1, 4], min_samples=3, backoff_steps=2, ar_refresh_steps=9, min_rows=0)
+    h.set_prior([1.0, 3.0])
+    forced = 0
+    for _ in range(800):
+        b = rng.choice([1, 4])
+        ahead = h.would_force(b)
+        now = h.force_ar(b)
+        assert now == ahead
+        forced += now
+        h.record(b, not now, 1 if now else rng.choice([1, 2, 4]), 1.0 if now else rng.choice([1.0, 2.0]))
+    assert forced > 0 and h.state()["4"]["num_forced"] < h.state()["1"]["num_forced"]  # 4's prior AR rate is lower
+    for bad in ([1.0], [1.0, 0.0], [1.0, float("nan")], [1.0, float("inf")]):
+        with pytest.raises(ValueError, match="set_prior"):
+            h.set_prior(bad)
+
+
+@pytest.mark.parametrize("ar_prior", [True, False])
+def test_cost_table_prior_spares_ar_references_where_drafting_is_far_ahead(tiny_target, ar_prior):
+    """An engine whose cost table says AR steps cost 5 ms while every realised step takes 1 ms (a fake clock):
+    drafting commits >= 1 token a row per ms, >= PRIOR_DECISIVE x the table's AR rate, so with the prior (the
+    default) no AR reference step is forced; without it (``ar_prior`` False, as ``ADAFLASH_AR_PRIOR=0``) the guard
+    takes its 3-step reference at the full bucket. Greedy output equals AR's either way."""
+    prompts = _prompts()
+    eng = _engine(tiny_target)
+    eng.ar_prior = ar_prior
+    eng.clock = eng.runner.clock = FakeClock(eng, ar_ms=1.0, draft_ms=1.0)
+    eng.set_cost_table({"batch_sizes": [1, 2, 3], "costs_ms": [[1.0] * 7] * 3, "ar_costs_ms": [5.0] * 3})
+    eng.guard.min_rows = 0
+    reqs = eng.generate(prompts, SamplingParams(max_new_tokens=100, ignore_eos=True))
+    state = eng.guard.state()
+    assert state["3"]["prior_ar_ms"] == (5.0 if ar_prior else None)
+    assert state["3"]["num_forced"] == (0 if ar_prior else 3)
+    assert (eng.stats.num_guard_steps == 0) == ar_prior
+    for r, p in zip(reqs, prompts):
+        assert r.output_ids == greedy_reference(tiny_target, p, 100)

@@ -260,6 +260,8 @@ class SpecEngine:
             bucket and forces AR steps where the policy is slower; False = off (``self.guard`` None). Without
             ``ar_steps`` (an engine that must always draft: the main job's inference workers) or with another policy
             (lookup-only sources included) there is none. A step with a request's own ``draft_len`` is never forced.
+            The cost table's AR costs are its prior (:meth:`ThroughputGuard.set_prior`): a bucket whose policy runs at
+            least ``PRIOR_DECISIVE`` x the table's AR rate gets no forced AR reference steps.
         block_guard: with the throughput guard, the hybrid with the drafter and a lookup source also gets a second
             one (``self.block_guard``) over the planner's own steps: steps that propose the drafter's next block
             against steps that do not (lookups and any pending block only), so a block whose proposes cost more than
@@ -503,6 +505,9 @@ class SpecEngine:
         # verified at the full γ whatever it says): such a stretch then costs what the drafter alone does
         # (ADAFLASH_BLOCK_ONLY_HEAD=1: the head on every block-only step, for an A/B on the GPU)
         self.skip_block_only_estimates = os.environ.get("ADAFLASH_BLOCK_ONLY_HEAD", "0") != "1"
+        # the throughput guard's AR references are spared where the policy runs far above the cost table's AR rate
+        # (ThroughputGuard.set_prior; ADAFLASH_AR_PRIOR=0: every reference measured, for an A/B on the GPU)
+        self.ar_prior = os.environ.get("ADAFLASH_AR_PRIOR", "1") != "0"
         if makespan_guard and self.guard is None:
             raise ValueError("makespan_guard needs the throughput guard (the cost policy, alone or in the hybrid, with "
                              "throughput_guard and ar_steps on): its step costs come from that guard")
@@ -1757,6 +1762,8 @@ class SpecEngine:
         for guard in (self.guard, self.block_guard, self.source_guard):  # the guards' buckets: the table's batch sizes
             if guard is not None:
                 guard.set_buckets(batch_sizes)
+        if self.guard is not None and self.ar_prior:  # the table's AR costs: no AR reference where drafting is far ahead
+            self.guard.set_prior(ar_rows)
         if self.planner is not None:
             self.cost_table["lookup_costs_ms"] = lookup_rows
         return self.cost_table

@@ -30,6 +30,12 @@ older than ``ar_refresh_steps`` of its steps, gets the missing AR steps forced i
 γ = 0 still has an AR reference, and context growth does not leave a stale one). A new batch resets the back-off
 (factor 1, nothing forced); a drafter reload also forgets the policy's averages (they measured the old drafter).
 
+A prior AR cost per bucket (:meth:`ThroughputGuard.set_prior`: the AR step ms of the start-up cost table, one token a
+row) spares the forced AR reference where it cannot change a verdict: while the policy's realised rate is at least
+:data:`PRIOR_DECISIVE` x the prior's AR rate, a reference run (the first, or a refresh) is not forced - the table
+would have to be that far wrong about AR for the comparison to back off - and :meth:`ThroughputGuard.step_costs`
+answers the prior AR ms there. Below that the reference runs as without a prior.
+
 Host-side, a few float operations per step; the step times come from the engine's one ``perf_counter`` pair per step
 (the step ends in its device -> host transfer, so on CUDA that is the real elapsed time).
 """
@@ -39,6 +45,9 @@ import bisect
 from dataclasses import dataclass
 
 from adaflash_ray.engine.length_policy import PROBE_MAX_FACTOR
+
+#: a policy rate at least this many times a bucket's prior AR rate needs no measured AR reference (module docstring)
+PRIOR_DECISIVE = 1.25
 
 
 @dataclass
@@ -76,6 +85,7 @@ class _Bucket:
     run_steps: int = 0
     num_backoffs: int = 0
     num_forced: int = 0  # forced steps taken (back-offs and AR samples)
+    prior_ms: float | None = None  # the AR step's ms by the cost table (set_prior), None = none
 
 
 class ThroughputGuard:
@@ -127,6 +137,29 @@ class ThroughputGuard:
         self.buckets = [_Bucket(_Rate(), _Rate()) for _ in batch_sizes]
         self._bucket_of: dict[int, _Bucket] = {}  # batch size -> its bucket (_bucket), as steps meet them
 
+    def set_prior(self, ar_ms: list[float] | None) -> None:
+        """The AR step's ms per bucket (one per ``batch_sizes`` entry; the cost table's AR costs) that a policy far
+        faster than it needs no forced AR reference against (module docstring); None = no prior (every bucket's
+        reference is measured).
+        Raises:
+            ValueError: not one positive finite value per bucket."""
+        if ar_ms is not None:
+            ar_ms = [float(a) for a in ar_ms]
+            if len(ar_ms) != len(self.buckets) or not all(0 < a < float("inf") for a in ar_ms):
+                raise ValueError(f"set_prior needs {len(self.buckets)} positive AR step costs (ms), one per bucket "
+                                 f"{self.batch_sizes}, got {ar_ms}")
+        for i, bk in enumerate(self.buckets):
+            bk.prior_ms = ar_ms[i] if ar_ms is not None else None
+
+    @staticmethod
+    def _decisive(bk: _Bucket) -> bool:
+        """Whether ``bk``'s policy runs at least :data:`PRIOR_DECISIVE` x its prior AR rate (one token a row per
+        ``prior_ms``): then no measured AR reference could make the guard back off there."""
+        if bk.prior_ms is None:
+            return False
+        rate = bk.policy.per_ms
+        return rate is not None and rate * bk.prior_ms >= PRIOR_DECISIVE
+
     def _bucket(self, batch_size: int) -> _Bucket:
         """The bucket of ``batch_size``: the first at or above it, else the last."""
         bk = self._bucket_of.get(batch_size)
@@ -141,6 +174,8 @@ class ThroughputGuard:
         ``min_samples`` of its own."""
         if bk.policy.num_samples < self.min_samples:
             return 0
+        if self._decisive(bk):  # the prior's verdict: no reference run (nor a refresh: once the policy falls below
+            return 0  # PRIOR_DECISIVE x, its AR samples' age since_ar, still counting, asks for one at once)
         if bk.ar.num_samples < self.min_samples or (bk.ref_rows < self.reference_rows
                                                     and not self._reference_decided(bk)):
             return max(self.min_samples - bk.ar.num_samples, 1)
@@ -178,8 +213,8 @@ class ThroughputGuard:
         bk = self._bucket(batch_size)
         if num_rows is None or bk.forced_left > 0:
             return self.would_force(batch_size)
-        if bk.policy.num_samples < self.min_samples:  # the record sets since_ar to 0: no refresh is due after it
-            return False
+        if bk.policy.num_samples < self.min_samples or self._decisive(bk):  # the record sets since_ar to 0: no
+            return False  # refresh is due after it (nor any reference where the prior decides)
         return bk.ar.num_samples + 1 < self.min_samples or bk.ref_rows + max(num_rows, 1) < self.reference_rows
 
     def force_ar(self, batch_size: int) -> bool:
@@ -228,10 +263,13 @@ class ThroughputGuard:
     def step_costs(self, batch_size: int) -> tuple[float, float, float] | None:
         """``(AR ms, policy ms, policy tokens per row)`` of ``batch_size``'s bucket - the moving averages of an AR
         step's and a policy step's wall ms and of a policy step's committed tokens per row - once each kind has
-        ``min_samples`` samples there; else None."""
+        ``min_samples`` samples there (the AR ms: the prior's where the policy is decisive and the AR samples are
+        fewer, :meth:`set_prior`); else None."""
         bk = self._bucket(batch_size)
-        if bk.ar.num_samples < self.min_samples or bk.policy.num_samples < self.min_samples:
+        if bk.policy.num_samples < self.min_samples:
             return None
+        if bk.ar.num_samples < self.min_samples:
+            return (bk.prior_ms, bk.policy.ms, bk.policy.tokens) if self._decisive(bk) else None
         return bk.ar.ms, bk.policy.ms, bk.policy.tokens
 
     def new_batch(self) -> None:
@@ -251,10 +289,11 @@ class ThroughputGuard:
 
     def state(self) -> dict[str, dict]:
         """Per bucket (its batch size, as a string): ``ar_tokens_per_ms``, ``policy_tokens_per_ms`` (committed tokens
-        per row per ms; None before a sample), ``num_ar_samples``, ``num_policy_samples``, ``forced_left``, ``factor``, ``num_backoffs``,
-        ``num_forced`` - JSON-ready."""
+        per row per ms; None before a sample), ``num_ar_samples``, ``num_policy_samples``, ``forced_left``, ``factor``,
+        ``num_backoffs``, ``num_forced``, ``prior_ar_ms`` (:meth:`set_prior`; None: none), ``prior_decisive`` (the
+        policy at least :data:`PRIOR_DECISIVE` x the prior's AR rate now) - JSON-ready."""
         return {str(b): {"ar_tokens_per_ms": bk.ar.per_ms, "policy_tokens_per_ms": bk.policy.per_ms,
                          "num_ar_samples": bk.ar.num_samples, "num_policy_samples": bk.policy.num_samples,
                          "forced_left": bk.forced_left, "factor": bk.factor, "num_backoffs": bk.num_backoffs,
-                         "num_forced": bk.num_forced}
+                         "num_forced": bk.num_forced, "prior_ar_ms": bk.prior_ms, "prior_decisive": self._decisive(bk)}
                 for b, bk in zip(self.batch_sizes, self.buckets)}
