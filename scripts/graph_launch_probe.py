@@ -12,6 +12,7 @@ constructor's defaults (scripts/profile_step_phases.py's engines).
 
     python scripts/graph_launch_probe.py --shape smollm2-135m --batch 64 --launches 200
     python scripts/graph_launch_probe.py --recipe recipes/smollm2_135m_gpu.yaml --new-tokens 128
+    python scripts/graph_launch_probe.py --methods dflash --batch 8 --extra-graphs 100 500 2000   # launch vs graphs held
 """
 from __future__ import annotations
 
@@ -159,7 +160,32 @@ def probe(method: str, target, drafter, head, ns) -> dict:
         fresh.instantiate()
         upload_graph(fresh)
         row["keys"][repr(k)]["fresh_capture"] = _launch_us(fresh, ns.launches)
+    if ns.extra_graphs and keys:  # the first key's launch as the process holds more uploaded graphs
+        row["extra_graphs"] = {"key": repr(keys[0]),
+                               "launch_us": extra_graphs(runner, keys[0], [0] + ns.extra_graphs, ns.launches)}
     return row
+
+
+def extra_graphs(runner, key, counts: list[int], launches: int) -> dict:
+    """Does a graph launch get slower as the process holds more uploaded graphs? Captures copies of ``key``'s step
+    into the runner's pool (each uploaded, as a precapture does) until it holds each of ``counts`` extra graphs, and
+    after each count times the launch of ``key``'s own graph and of the first extra one (the oldest upload).
+    ``{count: {"step_graph": ..., "oldest_extra": ...}}`` (:func:`_launch_us`'s dicts). The replays run the step:
+    the runner's caches change (a probe's engine, not used for decoding after it)."""
+    extra, out = [], {}
+    for total in sorted(set(counts)):
+        while len(extra) < total:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=runner._pool):
+                runner._step_fn(*key)
+            upload_graph(graph)
+            extra.append(graph)
+        out[str(total)] = {"step_graph": _launch_us(runner.graphs[key], launches),
+                           "oldest_extra": _launch_us(extra[0], launches) if extra else None}
+    del extra
+    gc.collect()
+    torch.cuda.synchronize()
+    return out
 
 
 def main() -> None:
@@ -171,6 +197,8 @@ def main() -> None:
     p.add_argument("--launches", type=int, default=200)
     p.add_argument("--methods", nargs="+", default=["ar", "lock", "dflash"])
     p.add_argument("--no-precapture", action="store_true")
+    p.add_argument("--extra-graphs", type=int, nargs="*", default=[],
+                   help="also time a launch while the runner holds this many more uploaded graphs (e.g. 100 500 2000)")
     p.add_argument("--recipe", default=None, help="build the engines as the bench does, from this recipe")
     p.add_argument("--out", default=None, help="write the rows as JSON here too")
     ns = p.parse_args()
