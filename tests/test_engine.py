@@ -654,7 +654,7 @@ def test_lazy_ar_records_equal_the_eager_ones(tiny_target):
                 at_abort = (list(reqs[2].draft_lens), list(reqs[2].step_sources))  # complete when it ends
             engine.step()
             if lazy and step == 10:
-                assert engine._ar_run is not None and engine._ar_run[1] > 1  # a pending run of several steps
+                assert engine._ar_reqs is not None and engine._ar_steps > 1  # a pending run of several steps
         runs.append([(r.output_ids, r.draft_lens, r.num_accepted, r.step_sources, r.step_versions, r.first_version,
                       r.finish_reason) for r in reqs] + [dict(engine.stats.draft_len_hist), engine.stats.num_generated,
                                                            at_abort])

@@ -431,11 +431,16 @@ class SpecEngine:
         # False: every row commits through _commit (the same outputs; tests compare the two)
         self.fast_commit = True
         # a run of spec steps where every row had γ = 0 (the cost policy's or the planner's AR steps), not yet in the
-        # requests' per-step records: the rows (the running list those steps had), the steps, the drafter version.
-        # flush_records() writes them (before any other step's records, a finish, an abort, a drafter reload), so a
-        # γ = 0 step records in O(1) instead of four appends per row; False: every step writes its records at once
+        # requests' per-step records: the running list the run's last step had (None: no run), its steps so far,
+        # its drafter version, and per request the run's step count when it joined (an admission joins an open run).
+        # flush_records() writes them all (before any other step's records, an abort, a drafter reload), a finish
+        # only the finished request's (_flush_one), so a γ = 0 step records in O(1) instead of four appends per row
+        # and a request's finish in O(1) instead of the whole batch's; False: every step writes its records at once
         self.lazy_ar_records = True
-        self._ar_run: tuple[list[Request], int, int] | None = None
+        self._ar_reqs: list[Request] | None = None
+        self._ar_steps = 0
+        self._ar_version = 0
+        self._ar_from: dict[Request, int] = {}
         # finished requests' prompt + output for the device corpus ring, written together after the step's prefill and
         # after its decode (_flush_corpus)
         self._corpus_pending: list[list[int]] = []
@@ -659,7 +664,7 @@ class SpecEngine:
         steps). Its ``finish_reason`` becomes "abort". Returns False if it had already finished."""
         if req.status == Status.FINISHED:
             return False
-        if self._ar_run is not None:
+        if self._ar_reqs is not None:
             self.flush_records()
         if req.status == Status.WAITING:
             self.scheduler.waiting.remove(req)
@@ -673,18 +678,36 @@ class SpecEngine:
         (``draft_lens`` / ``num_accepted`` 0, ``step_sources`` "none", ``step_versions`` the run's drafter version, and
         ``first_version`` where unset): a running request's records are complete after this; a finished one's always
         are."""
-        run, self._ar_run = self._ar_run, None
-        if run is None:
+        if self._ar_reqs is None:
             return
-        reqs, k, version = run
-        zeros, nones, versions = [0] * k, ["none"] * k, [version] * k
-        for req in reqs:
-            req.draft_lens += zeros
-            req.num_accepted += zeros
-            req.step_sources += nones
-            req.step_versions += versions
-            if req.first_version is None:
-                req.first_version = version
+        k, version, joined = self._ar_steps, self._ar_version, self._ar_from
+        self._ar_reqs, self._ar_from = None, {}
+        cols: dict[int, tuple] = {}  # the record columns of each length, shared by the requests that joined together
+        for req, start in joined.items():
+            n = k - start
+            if n > 0:
+                if n not in cols:
+                    cols[n] = ([0] * n, ["none"] * n, [version] * n)
+                self._write_ar_records(req, *cols[n], version)
+
+    @staticmethod
+    def _write_ar_records(req: Request, zeros: list[int], nones: list[str], versions: list[int], version: int) -> None:
+        """Append a run of γ = 0 steps to ``req``'s per-step records (the columns of one length)."""
+        req.draft_lens += zeros
+        req.num_accepted += zeros
+        req.step_sources += nones
+        req.step_versions += versions
+        if req.first_version is None:
+            req.first_version = version
+
+    def _flush_one(self, req: Request) -> None:
+        """Write ``req``'s part of the pending γ = 0 run (a finish: the others' stay pending); the run closes when
+        no request is left in it."""
+        start = self._ar_from.pop(req, None)
+        if start is not None and (n := self._ar_steps - start) > 0:
+            self._write_ar_records(req, [0] * n, ["none"] * n, [self._ar_version] * n, self._ar_version)
+        if not self._ar_from:
+            self._ar_reqs = None
 
     # ------------------------------------------------------------------ stepping
     def step(self, mode: str = "spec") -> list[Request]:
@@ -1333,12 +1356,20 @@ class SpecEngine:
             zero = batch.plain or not any(lens)  # every row γ = 0 (an AR step of the policy, the planner or the lock)
             if zero:
                 sources = ["none"] * n
-                run = self._ar_run
                 if self.lazy_ar_records:
-                    if run is not None and (run[0] is not reqs or run[2] != version):
-                        self.flush_records()  # another batch (admission, finish, compaction) or drafter version
-                        run = None
-                    self._ar_run = (reqs, 1 if run is None else run[1] + 1, version)
+                    if self._ar_reqs is not None and self._ar_version != version:
+                        self.flush_records()  # the run's steps had another drafter version
+                    if self._ar_reqs is None:  # a new run: every running request joins at its start
+                        self._ar_steps, self._ar_version = 0, version
+                        self._ar_from = dict.fromkeys(reqs, 0)
+                    elif self._ar_reqs is not reqs:  # another batch (admission, finish, compaction): the requests
+                        k = self._ar_steps  # admitted since join the run at this step
+                        joined = self._ar_from
+                        for r in reqs:
+                            if r not in joined:
+                                joined[r] = k
+                    self._ar_reqs = reqs
+                    self._ar_steps += 1
                     lazy = True
             elif batch.choices is not None:
                 sources = [c.source if g else "none" for c, g in zip(batch.choices, lens)]
@@ -1346,7 +1377,7 @@ class SpecEngine:
                 look = batch.lookup_rows or batch.host_drafts
                 sources = ["dflash" if g else "none" for g in lens] if look is None else \
                     [(planner.lookup if k else "dflash") if g else "none" for g, k in zip(lens, look)]
-            if not lazy and self._ar_run is not None:
+            if not lazy and self._ar_reqs is not None:
                 self.flush_records()
             if zero:
                 self.stats.record_ar_steps(n)
@@ -1412,8 +1443,8 @@ class SpecEngine:
         req.output_ids.extend(tokens)
         self.stats.num_generated += len(tokens)
         if reason is not None:
-            if self._ar_run is not None:  # the finished request's records complete
-                self.flush_records()
+            if self._ar_reqs is not None:  # the finished request's records complete (the others' stay pending)
+                self._flush_one(req)
             if self.record and self.record_features:  # positions < num_tokens-1, before the slot is reused
                 n = req.num_tokens - 1
                 req.features = self.runner.features(req.slot, n).to(torch.bfloat16).cpu()
