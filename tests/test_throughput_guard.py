@@ -742,9 +742,10 @@ def test_makespan_horizon_follows_the_shrinking_wave(tiny_target):
 
 def test_prior_spares_the_ar_reference_only_where_decisive():
     """``set_prior``: while a bucket's policy runs at >= PRIOR_DECISIVE x the prior's AR rate, no AR reference (first
-    or refresh) is forced there and ``step_costs`` answers the prior's AR ms; once the policy falls below, the
-    reference runs at once (its AR samples are missing). ``would_force`` still equals the next ``force_ar`` over a
-    random sequence; a bucket without a prior is unchanged; bad priors raise."""
+    or refresh) is forced there, and ``step_costs`` stays None (the prior is no measurement); once the policy falls
+    below, the reference runs at once (its AR samples are missing). ``would_force`` still equals the next
+    ``force_ar`` over a random sequence; a bucket without a prior (or an infinite one) is unchanged; bad priors
+    raise."""
     import random
 
     from adaflash_ray.engine.throughput_guard import PRIOR_DECISIVE
@@ -756,7 +757,7 @@ def test_prior_spares_the_ar_reference_only_where_decisive():
         g.record(4, True, 2, 1.0)  # 2 tokens / ms = 4 x the prior's rate
     st = g.state()["4"]
     assert st["num_ar_samples"] == 0 and st["num_forced"] == 0 and st["prior_decisive"] and st["prior_ar_ms"] == 2.0
-    assert g.step_costs(4) == (2.0, pytest.approx(1.0), pytest.approx(2.0))
+    assert g.step_costs(4) is None
     for _ in range(40):  # the policy slows to 1 token in 1.8 ms: 1.11 x the prior's rate, below PRIOR_DECISIVE
         if g.force_ar(4):
             g.record(4, False, 1, 0.5)
@@ -783,9 +784,11 @@ def test_prior_spares_the_ar_reference_only_where_decisive():
         forced += now
         h.record(b, not now, 1 if now else rng.choice([1, 2, 4]), 1.0 if now else rng.choice([1.0, 2.0]))
     assert forced > 0 and h.state()["4"]["num_forced"] < h.state()["1"]["num_forced"]  # 4's prior AR rate is lower
-    for bad in ([1.0], [1.0, 0.0], [1.0, float("nan")], [1.0, float("inf")]):
+    for bad in ([1.0], [1.0, 0.0], [1.0, float("nan")], [1.0, -2.0]):
         with pytest.raises(ValueError, match="set_prior"):
             h.set_prior(bad)
+    h.set_prior([1.0, float("inf")])  # an AR step the table calls never worth it: no prior for that bucket
+    assert h.state()["4"]["prior_ar_ms"] is None and not h.state()["4"]["prior_decisive"]
 
 
 @pytest.mark.parametrize("ar_prior", [True, False])
@@ -793,7 +796,8 @@ def test_cost_table_prior_spares_ar_references_where_drafting_is_far_ahead(tiny_
     """An engine whose cost table says AR steps cost 5 ms while every realised step takes 1 ms (a fake clock):
     drafting commits >= 1 token a row per ms, >= PRIOR_DECISIVE x the table's AR rate, so with the prior (the
     default) no AR reference step is forced; without it (``ar_prior`` False, as ``ADAFLASH_AR_PRIOR=0``) the guard
-    takes its 3-step reference at the full bucket. Greedy output equals AR's either way."""
+    takes its 3-step reference at the full bucket. Greedy output equals AR's either way. An engine with the makespan
+    guard (whose horizons read measured AR steps) gets no prior."""
     prompts = _prompts()
     eng = _engine(tiny_target)
     eng.ar_prior = ar_prior
@@ -807,3 +811,7 @@ def test_cost_table_prior_spares_ar_references_where_drafting_is_far_ahead(tiny_
     assert (eng.stats.num_guard_steps == 0) == ar_prior
     for r, p in zip(reqs, prompts):
         assert r.output_ids == greedy_reference(tiny_target, p, 100)
+    ms = _engine(tiny_target, makespan_guard=True)  # its horizons read measured AR steps: no prior
+    ms.ar_prior = ar_prior
+    ms.set_cost_table({"batch_sizes": [1, 2, 3], "costs_ms": [[1.0] * 7] * 3, "ar_costs_ms": [5.0] * 3})
+    assert all(b["prior_ar_ms"] is None for b in ms.guard.state().values())

@@ -260,8 +260,9 @@ class SpecEngine:
             bucket and forces AR steps where the policy is slower; False = off (``self.guard`` None). Without
             ``ar_steps`` (an engine that must always draft: the main job's inference workers) or with another policy
             (lookup-only sources included) there is none. A step with a request's own ``draft_len`` is never forced.
-            The cost table's AR costs are its prior (:meth:`ThroughputGuard.set_prior`): a bucket whose policy runs at
-            least ``PRIOR_DECISIVE`` x the table's AR rate gets no forced AR reference steps.
+            The cost table's AR costs are its prior (:meth:`ThroughputGuard.set_prior`; not with ``makespan_guard``,
+            whose horizons read the measured AR steps): a bucket whose policy runs at least ``PRIOR_DECISIVE`` x the
+            table's AR rate gets no forced AR reference steps.
         block_guard: with the throughput guard, the hybrid with the drafter and a lookup source also gets a second
             one (``self.block_guard``) over the planner's own steps: steps that propose the drafter's next block
             against steps that do not (lookups and any pending block only), so a block whose proposes cost more than
@@ -1793,7 +1794,9 @@ class SpecEngine:
         for guard in (self.guard, self.block_guard, self.source_guard):  # the guards' buckets: the table's batch sizes
             if guard is not None:
                 guard.set_buckets(batch_sizes)
-        if self.guard is not None and self.ar_prior:  # the table's AR costs: no AR reference where drafting is far ahead
+        # the table's AR costs: no AR reference where drafting is far ahead - unless the makespan guard reads the
+        # measured AR steps for its horizons (ThroughputGuard.step_costs: none where the prior spared them)
+        if self.guard is not None and self.ar_prior and not self.makespan_guard:
             self.guard.set_prior(ar_rows)
         if self.planner is not None:
             self.cost_table["lookup_costs_ms"] = lookup_rows

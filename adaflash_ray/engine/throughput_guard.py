@@ -32,9 +32,11 @@ older than ``ar_refresh_steps`` of its steps, gets the missing AR steps forced i
 
 A prior AR cost per bucket (:meth:`ThroughputGuard.set_prior`: the AR step ms of the start-up cost table, one token a
 row) spares the forced AR reference where it cannot change a verdict: while the policy's realised rate is at least
-:data:`PRIOR_DECISIVE` x the prior's AR rate, a reference run (the first, or a refresh) is not forced - the table
-would have to be that far wrong about AR for the comparison to back off - and :meth:`ThroughputGuard.step_costs`
-answers the prior AR ms there. Below that the reference runs as without a prior.
+:data:`PRIOR_DECISIVE` x the prior's AR rate, a reference run (the first, or a refresh) is not forced - realised AR
+steps would have to run below ``1 / (PRIOR_DECISIVE x (1 - margin))`` (~0.8) x the table's AR ms for the comparison
+to back off. Below that the reference runs as without a prior. The prior is never a measurement:
+:meth:`ThroughputGuard.step_costs` (the makespan guard's AR ms) answers from measured AR steps only (a table's AR
+ms, timed at a short context, runs below the realised ones).
 
 Host-side, a few float operations per step; the step times come from the engine's one ``perf_counter`` pair per step
 (the step ends in its device -> host transfer, so on CUDA that is the real elapsed time).
@@ -140,21 +142,22 @@ class ThroughputGuard:
     def set_prior(self, ar_ms: list[float] | None) -> None:
         """The AR step's ms per bucket (one per ``batch_sizes`` entry; the cost table's AR costs) that a policy far
         faster than it needs no forced AR reference against (module docstring); None = no prior (every bucket's
-        reference is measured).
+        reference is measured), an infinite entry none for its bucket. Kept until the next :meth:`set_buckets`.
         Raises:
-            ValueError: not one positive finite value per bucket."""
+            ValueError: not one value per bucket, or a value not > 0 (NaN included)."""
         if ar_ms is not None:
             ar_ms = [float(a) for a in ar_ms]
-            if len(ar_ms) != len(self.buckets) or not all(0 < a < float("inf") for a in ar_ms):
-                raise ValueError(f"set_prior needs {len(self.buckets)} positive AR step costs (ms), one per bucket "
+            if len(ar_ms) != len(self.buckets) or not all(a > 0 for a in ar_ms):
+                raise ValueError(f"set_prior needs {len(self.buckets)} AR step costs > 0 ms, one per bucket "
                                  f"{self.batch_sizes}, got {ar_ms}")
         for i, bk in enumerate(self.buckets):
-            bk.prior_ms = ar_ms[i] if ar_ms is not None else None
+            bk.prior_ms = ar_ms[i] if ar_ms is not None and ar_ms[i] < float("inf") else None
 
     @staticmethod
     def _decisive(bk: _Bucket) -> bool:
         """Whether ``bk``'s policy runs at least :data:`PRIOR_DECISIVE` x its prior AR rate (one token a row per
-        ``prior_ms``): then no measured AR reference could make the guard back off there."""
+        ``prior_ms``): then a measured AR reference makes the guard back off only where realised AR steps run below
+        ~0.8 x the table's ms (module docstring), so none is forced."""
         if bk.prior_ms is None:
             return False
         rate = bk.policy.per_ms
@@ -263,13 +266,11 @@ class ThroughputGuard:
     def step_costs(self, batch_size: int) -> tuple[float, float, float] | None:
         """``(AR ms, policy ms, policy tokens per row)`` of ``batch_size``'s bucket - the moving averages of an AR
         step's and a policy step's wall ms and of a policy step's committed tokens per row - once each kind has
-        ``min_samples`` samples there (the AR ms: the prior's where the policy is decisive and the AR samples are
-        fewer, :meth:`set_prior`); else None."""
+        ``min_samples`` samples there (measured steps only: a bucket whose reference the prior spared has none);
+        else None."""
         bk = self._bucket(batch_size)
-        if bk.policy.num_samples < self.min_samples:
+        if bk.ar.num_samples < self.min_samples or bk.policy.num_samples < self.min_samples:
             return None
-        if bk.ar.num_samples < self.min_samples:
-            return (bk.prior_ms, bk.policy.ms, bk.policy.tokens) if self._decisive(bk) else None
         return bk.ar.ms, bk.policy.ms, bk.policy.tokens
 
     def new_batch(self) -> None:
