@@ -594,6 +594,11 @@ class ServeConfig(_Section):
     max_body_bytes: int = Field(1 << 20, ge=1024)  # request body limit -> 413
     api_key: str | None = None  # or $ADAFLASH_API_KEY; set -> "Authorization: Bearer <key>" required (401)
     drain_timeout_s: float = Field(60.0, gt=0)  # SIGTERM / Ctrl-C waits this long for in-flight requests
+    # seconds a generation may wait on its engine, from the moment the replica queues it; past it the request is
+    # aborted in the engine and answered 504 "timeout" (a stream already started ends with that error event).
+    # None = no limit: a total bound short enough to catch a hung engine would also cut a long, healthy generation
+    # (max_tokens on a slow replica), so each deployment sets it from its own max_tokens and tokens/s.
+    request_timeout_s: float | None = Field(None, gt=0)
     distill: bool = False  # live distillation: trainer group + weight registry beside the replicas
     # live distillation's run directory (checkpoints/v<N>, trainer_state, metrics.jsonl, config.yaml); None =
     # <logging.run_root>/<name>-serve-<time>. A coordinator started on a directory holding trainer state resumes.

@@ -243,6 +243,18 @@ def test_text_with_a_lone_surrogate_is_a_400_naming_the_field(tok):
     assert spec.prompt_ids == tok.encode("\U0001F600 ok", add_special_tokens=False)
 
 
+class _Request:
+    """The part of a Starlette request the replica's handlers read: a JSON body, sent in one chunk."""
+
+    headers = {"content-type": "application/json"}
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    async def stream(self):
+        yield self.data
+
+
 def test_too_deeply_nested_body_is_invalid_json():
     """A body nesting arrays deeper than json.loads recurses (RecursionError) is a 400 invalid_json, as a body that
     is not JSON at all; a body within the limit decodes."""
@@ -252,22 +264,93 @@ def test_too_deeply_nested_body_is_invalid_json():
     from adaflash_ray.serve.app import AdaFlashServer
 
     server = SimpleNamespace(cfg=SimpleNamespace(serve=SimpleNamespace(max_body_bytes=1 << 20)))
-
-    class _Request:
-        headers = {"content-type": "application/json"}
-
-        def __init__(self, data: bytes):
-            self.data = data
-
-        async def stream(self):
-            yield self.data
-
     body = AdaFlashServer.func_or_class._body
     for data in (b"[" * 100_000 + b"]" * 100_000, b'{"a": ' * 50_000 + b"1" + b"}" * 50_000, b"{not json"):
         with pytest.raises(APIError) as e:
             asyncio.run(body(server, _Request(data)))
         assert (e.value.status, e.value.code) == (400, "invalid_json"), e.value.message
     assert asyncio.run(body(server, _Request(b'{"prompt": [[[1]]]}'))) == {"prompt": [[[1]]]}
+
+
+def test_request_timeout_aborts_the_request_of_a_hung_engine_and_answers_504(tok):
+    """``serve.request_timeout_s``: through the replica's own handlers, on an engine stuck inside its step, a plain
+    request is answered 504 ``timeout`` (OpenAI error JSON) and a stream already started ends with that error event
+    and ``[DONE]``, each at its own deadline, measured from its own submission; once the step returns, both requests
+    are aborted in the engine (counted "timeout") and the replica serves the next request."""
+    import asyncio
+    import types
+    from types import SimpleNamespace
+
+    from adaflash_ray.config import load_recipe
+    from adaflash_ray.engine import SpecEngine
+    from adaflash_ray.serve.app import AdaFlashServer, _api_error
+    from adaflash_ray.serve.runtime import EngineLoop
+    from conftest import make_drafter, make_tiny_target
+
+    timeout = 0.5
+    target = make_tiny_target(vocab_size=len(tok))  # a tiny random model that takes the tokenizer's ids
+    drafter, head = make_drafter(target, block_size=4)
+    engine = SpecEngine(target, drafter, head, max_batch_size=2, max_seq_len=128)
+    gate, aborted = threading.Event(), []
+    real_step, real_abort = engine.step, engine.abort
+
+    def hung_step(mode="spec"):  # stuck until the test lets it go
+        gate.wait(30)
+        return real_step(mode)
+
+    def abort(req):
+        aborted.append(req.request_id)
+        return real_abort(req)
+
+    engine.step, engine.abort = hung_step, abort
+    cfg = load_recipe("recipes/cpu_tiny.yaml", [f"serve.request_timeout_s={timeout}"])
+    srv = SimpleNamespace(cfg=cfg, api_key=None, draining=False, buffer=None, engine=engine, tokenizer=tok,
+                          model_id=MODEL, context_limit=100, vocab_size=len(tok), eos_ids=[])
+    for name in ("_auth", "_body", "_retry", "_spec", "_submit", "_generate"):
+        setattr(srv, name, types.MethodType(getattr(AdaFlashServer.func_or_class, name), srv))
+    comp = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "stream": True}
+
+    async def plain():
+        t0 = time.perf_counter()
+        with pytest.raises(APIError) as e:
+            await srv._generate("completion", _Request(json.dumps(comp).encode()))
+        return await _api_error(None, e.value), time.perf_counter() - t0
+
+    async def streamed():
+        await asyncio.sleep(0.3)  # its deadline is its own, not the first request's
+        t0 = time.perf_counter()
+        resp = await srv._generate("chat", _Request(json.dumps(chat).encode()))
+        return [c async for c in resp.body_iterator], time.perf_counter() - t0
+
+    async def main():
+        srv.loop = EngineLoop(engine, asyncio.get_running_loop(), max_batch_size=2, max_waiting=2)
+        try:
+            # without a timeout both would wait as long as the engine hangs: fail after a few seconds instead
+            (resp, t_plain), (chunks, t_stream) = await asyncio.wait_for(asyncio.gather(plain(), streamed()),
+                                                                         timeout + 5)
+            assert not aborted  # the step has not returned: nothing reached the engine yet
+            gate.set()
+            for _ in range(200):
+                if srv.loop.num_in_flight == 0:
+                    break
+                await asyncio.sleep(0.05)
+            after = await srv._generate("completion", _Request(json.dumps({**comp, "max_tokens": 4}).encode()))
+            return resp, t_plain, chunks, t_stream, after, dict(srv.loop.counts)
+        finally:
+            gate.set()
+            srv.loop.shutdown()
+
+    resp, t_plain, chunks, t_stream, after, counts = asyncio.run(main())
+    err = json.loads(resp.body)["error"]
+    assert resp.status_code == 504 and set(err) == {"message", "type", "param", "code"}, err
+    assert err["code"] == "timeout" and "serve.request_timeout_s" in err["message"], err
+    assert timeout - 0.01 <= t_plain < timeout + 3 and timeout - 0.01 <= t_stream < timeout + 3, (t_plain, t_stream)
+    assert chunks[-1] == "data: [DONE]\n\n" and json.loads(chunks[0][6:])["choices"][0]["delta"]["role"]
+    assert json.loads(chunks[-2][6:])["error"]["code"] == "timeout", chunks
+    assert len(aborted) == 2 and counts["timeout"] == 2, (aborted, counts)
+    body = json.loads(after.body)
+    assert after.status_code == 200 and body["usage"]["completion_tokens"] == 4, body
 
 
 def test_unknown_fields_are_ignored_known_unsupported_refused(tok, caplog):

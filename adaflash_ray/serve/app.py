@@ -382,9 +382,17 @@ class AdaFlashServer:
                               "queue_full") from None
 
     async def _generate(self, kind: str, request: Request) -> Response:
+        """The generation route's response: JSON, or SSE with ``"stream": true``.
+
+        Raises:
+            APIError: the request's 4xx / 503 (:meth:`_spec`, :meth:`_submit`), 400 / 500 from the engine, or 504
+                ``timeout`` when it waited on the engine ``serve.request_timeout_s`` seconds from its submission
+                (its engine requests aborted). A stream, once started, ends with the engine's errors and the 504 as
+                its last event before ``[DONE]`` instead.
+        """
         spec = await self._spec(kind, request)
         writer = ResponseWriter(spec, self._submit(spec), loop=self.loop, tokenizer=self.tokenizer,
-                                eos_ids=self.eos_ids)
+                                eos_ids=self.eos_ids, timeout_s=self.cfg.serve.request_timeout_s)
         headers = {VERSION_HEADER: str(self.engine.drafter_version)}
         if spec.ignored:  # unknown request fields, ignored with a logged warning (vLLM's behaviour)
             # a header carries latin-1 only: other characters of a field name as their backslash escapes

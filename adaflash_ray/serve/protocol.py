@@ -63,7 +63,7 @@ class APIError(Exception):
     """An HTTP error answered as OpenAI error JSON.
 
     Args:
-        status: HTTP status (400, 401, 404, 413, 415, 429, 503, 500).
+        status: HTTP status (400, 401, 404, 413, 415, 429, 503, 500, 504).
         message: human-readable, names the field and the limit.
         type: OpenAI error type (``invalid_request_error``, ``authentication_error``, ...).
         param: the request field at fault, or None.

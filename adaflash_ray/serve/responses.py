@@ -16,13 +16,15 @@ chunks, then ``data: [DONE]``) in OpenAI's shapes (https://platform.openai.com/d
   finishing chunk when streaming) and ``ignored_fields`` (the unknown request fields that were ignored).
 
 A stop string ends its choice at once (its engine request is aborted); a consumer that stops reading (client gone)
-aborts every choice's request.
+aborts every choice's request; a request still waiting on its engine ``timeout_s`` seconds after it was queued has
+every choice's request aborted and is answered 504 ``timeout``.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import AsyncIterator
+import time
+from typing import AsyncIterator, Callable
 
 from adaflash_ray.serve.logprobs import LogprobFormatter
 from adaflash_ray.serve.protocol import APIError, GenSpec, TextStream
@@ -33,10 +35,16 @@ __all__ = ["ResponseWriter"]
 class _Choices:
     """The choices' event streams merged in arrival order: ``async for index, event in it``. Each stream runs in
     its own task, so the choices advance together; the first error any stream raises is raised here.
-    :meth:`cancel` (also on leaving the iteration early) cancels every stream, which aborts its engine request."""
+    :meth:`cancel` (also on leaving the iteration early) cancels every stream, which aborts its engine request.
 
-    def __init__(self, streams: list[AsyncIterator]):
+    ``deadline`` (a ``time.perf_counter()`` value, None: none): events already queued are still delivered, but
+    waiting for the next one ends there - ``on_timeout()`` is called (before any stream is cancelled) and the
+    exception it returns is raised here."""
+
+    def __init__(self, streams: list[AsyncIterator], deadline: float | None = None,
+                 on_timeout: Callable[[], Exception] | None = None):
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.deadline, self.on_timeout = deadline, on_timeout
         self.tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
 
     async def _pump(self, index: int, events: AsyncIterator) -> None:
@@ -48,11 +56,19 @@ class _Choices:
             return
         self.queue.put_nowait((index, None, None))
 
+    async def _next(self) -> tuple:
+        if self.deadline is None or not self.queue.empty():
+            return await self.queue.get()
+        try:
+            return await asyncio.wait_for(self.queue.get(), max(self.deadline - time.perf_counter(), 0.0))
+        except asyncio.TimeoutError:
+            raise self.on_timeout() from None
+
     async def __aiter__(self):
         left = len(self.tasks)
         try:
             while left:
-                index, event, err = await self.queue.get()
+                index, event, err = await self._next()
                 if err is not None:
                     raise err
                 if event is None:
@@ -75,11 +91,16 @@ class ResponseWriter:
         streams: one :class:`~adaflash_ray.serve.runtime.RequestStream` per choice, already submitted.
         loop: the :class:`~adaflash_ray.serve.runtime.EngineLoop` (to abort a request). tokenizer: a Hugging Face
             tokenizer. eos_ids: the target's EOS ids (their text is never returned).
+        timeout_s: seconds from the first choice's submission (``RequestStream.t_submit``) after which the
+            response stops waiting on the engine: every choice's request is aborted (reason "timeout") and
+            :meth:`body` raises / :meth:`sse` ends with an :class:`APIError` 504, code ``timeout``; None: no limit.
     Must be built on the running event loop (it starts one task per choice).
     """
 
-    def __init__(self, spec: GenSpec, streams: list, *, loop, tokenizer, eos_ids: list[int]):
+    def __init__(self, spec: GenSpec, streams: list, *, loop, tokenizer, eos_ids: list[int],
+                 timeout_s: float | None = None):
         self.spec, self.streams, self.loop, self.tok, self.eos_ids = spec, streams, loop, tokenizer, eos_ids
+        self.timeout_s = timeout_s
         self.chat = spec.kind == "chat"
         self.base = {"id": ("chatcmpl-" if self.chat else "cmpl-") + spec.request_id, "created": spec.created,
                      "model": spec.model}
@@ -87,7 +108,15 @@ class ResponseWriter:
         self.ext = {"ignored_fields": spec.ignored} if spec.ignored else {}
         k = spec.sampling.logprobs
         self.fmts = [None if k is None else LogprobFormatter(tokenizer, spec.kind, k) for _ in streams]
-        self.choices = _Choices([self._events(rs) for rs in streams])
+        deadline = None if timeout_s is None else min(rs.t_submit for rs in streams) + timeout_s
+        self.choices = _Choices([self._events(rs) for rs in streams], deadline, self._timed_out)
+
+    def _timed_out(self) -> APIError:
+        """Abort every choice's engine request (counted as "timeout"); the 504 to answer."""
+        for rs in self.streams:
+            self.loop.abort(rs, "timeout")
+        return APIError(504, f"The request did not finish within serve.request_timeout_s = {self.timeout_s:g} s; "
+                             "it was aborted.", type="server_error", code="timeout")
 
     def usage(self, num_tokens: int) -> dict:
         """OpenAI's usage: each prompt counted once (whatever ``n``), ``num_tokens`` = the completion tokens of all

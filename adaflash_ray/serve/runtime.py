@@ -136,8 +136,9 @@ class EngineLoop:
         return streams
 
     def abort(self, rs: RequestStream, reason: str = "aborted") -> None:
-        """Cancel a request ("aborted": the client is gone; "stop_string": the text hit a stop string); its KV
-        slot is freed before the next engine step. Counted in ``counts[reason]``."""
+        """Cancel a request ("aborted": the client is gone; "stop_string": the text hit a stop string; "timeout":
+        it waited past ``serve.request_timeout_s``); its KV slot is freed before the next engine step (an engine
+        stuck inside a step applies it once the step returns). Counted in ``counts[reason]``."""
         if rs.aborted:
             return
         rs.aborted, rs.abort_reason = True, reason
