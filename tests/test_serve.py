@@ -991,3 +991,40 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(server):
               if ln.startswith("data: {")]
     assert finish[-1] == "length"  # the whole budget was delivered
     assert server["proc"].wait(120) == 0
+
+
+@pytest.mark.parametrize("hops", range(5))
+def test_a_cancel_reaches_a_consumer_waiting_with_a_deadline(hops):
+    """A response consumer waiting for its next event under ``serve.request_timeout_s``'s deadline and cancelled (a
+    client gone) is cancelled, whenever the cancel lands against an event's arrival (``hops`` loop turns after it):
+    ``asyncio.wait_for`` before Python 3.12 returns the event and drops such a cancel, and the request's streams would
+    then never be aborted."""
+    import asyncio
+
+    from adaflash_ray.serve.responses import _Choices
+
+    async def main():
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def stream():
+            while True:
+                yield await q.get()
+
+        choices = _Choices([stream()], deadline=time.perf_counter() + 60,
+                           on_timeout=lambda: AssertionError("the deadline is a minute away"))
+
+        async def consume():
+            async for _ in choices:
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.01)
+        q.put_nowait("token")
+        for _ in range(hops):
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        return task.cancelled(), [t.done() for t in choices.tasks]
+
+    cancelled, pumps_done = asyncio.run(main())
+    assert cancelled and all(pumps_done)

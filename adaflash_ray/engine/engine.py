@@ -434,7 +434,8 @@ class SpecEngine:
         # a run of spec steps where every row had γ = 0 (the cost policy's or the planner's AR steps), not yet in the
         # requests' per-step records: the running list the run's last step had (None: no run), its steps so far,
         # its drafter version, and per request the run's step count when it joined (an admission joins an open run).
-        # flush_records() writes them all (before any other step's records, an abort, a drafter reload), a finish
+        # flush_records() writes them all (before any other step's records, an abort, and at the first γ = 0 step of
+        # another drafter version: a reload does not flush, the version check does), a finish
         # only the finished request's (_flush_one), so a γ = 0 step records in O(1) instead of four appends per row
         # and a request's finish in O(1) instead of the whole batch's; False: every step writes its records at once
         self.lazy_ar_records = True

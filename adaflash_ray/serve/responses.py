@@ -16,8 +16,9 @@ chunks, then ``data: [DONE]``) in OpenAI's shapes (https://platform.openai.com/d
   finishing chunk when streaming) and ``ignored_fields`` (the unknown request fields that were ignored).
 
 A stop string ends its choice at once (its engine request is aborted); a consumer that stops reading (client gone)
-aborts every choice's request; a request still waiting on its engine ``timeout_s`` seconds after it was queued has
-every choice's request aborted and is answered 504 ``timeout``.
+aborts every choice's request; a response being read that still waits on its engine ``timeout_s`` seconds after its
+request was queued has every choice's request aborted and is answered 504 ``timeout`` (the deadline is checked while a
+consumer reads: a stream the server never starts reading is not timed).
 """
 from __future__ import annotations
 
@@ -59,10 +60,18 @@ class _Choices:
     async def _next(self) -> tuple:
         if self.deadline is None or not self.queue.empty():
             return await self.queue.get()
+        # not asyncio.wait_for: before Python 3.12 it can swallow a cancel (a client gone) that arrives as its inner
+        # get completes (CPython gh-86296), and the consumer would then never abort its requests
+        get = asyncio.ensure_future(self.queue.get())
         try:
-            return await asyncio.wait_for(self.queue.get(), max(self.deadline - time.perf_counter(), 0.0))
-        except asyncio.TimeoutError:
-            raise self.on_timeout() from None
+            done, _ = await asyncio.wait({get}, timeout=max(self.deadline - time.perf_counter(), 0.0))
+        except asyncio.CancelledError:
+            get.cancel()
+            raise
+        if get in done:
+            return get.result()
+        get.cancel()  # a cancelled Queue.get takes no item
+        raise self.on_timeout()
 
     async def __aiter__(self):
         left = len(self.tasks)
