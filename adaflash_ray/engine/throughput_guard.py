@@ -33,8 +33,8 @@ older than ``ar_refresh_steps`` of its steps, gets the missing AR steps forced i
 A prior AR cost per bucket (:meth:`ThroughputGuard.set_prior`: the AR step ms of the start-up cost table, one token a
 row) spares the forced AR reference where it cannot change a verdict: while the policy's realised rate is at least
 :data:`PRIOR_DECISIVE` x the prior's AR rate, a reference run (the first, or a refresh) is not forced - realised AR
-steps would have to run below ``1 / (PRIOR_DECISIVE x (1 - margin))`` (~0.8) x the table's AR ms for the comparison
-to back off. Below that the reference runs as without a prior. The prior is never a measurement:
+steps would have to run below ``(1 - margin) / PRIOR_DECISIVE`` (~0.78) x the table's AR ms for the comparison to
+back off. Below that the reference runs as without a prior. The prior is never a measurement:
 :meth:`ThroughputGuard.step_costs` (the makespan guard's AR ms) answers from measured AR steps only (a table's AR
 ms, timed at a short context, runs below the realised ones).
 
@@ -157,7 +157,7 @@ class ThroughputGuard:
     def _decisive(bk: _Bucket) -> bool:
         """Whether ``bk``'s policy runs at least :data:`PRIOR_DECISIVE` x its prior AR rate (one token a row per
         ``prior_ms``): then a measured AR reference makes the guard back off only where realised AR steps run below
-        ~0.8 x the table's ms (module docstring), so none is forced."""
+        ~0.78 x the table's ms (module docstring), so none is forced."""
         if bk.prior_ms is None:
             return False
         rate = bk.policy.per_ms
