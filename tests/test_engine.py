@@ -623,7 +623,8 @@ def test_lazy_ar_records_equal_the_eager_ones(tiny_target):
     """The cost policy's γ = 0 steps recorded as a pending run (``lazy_ar_records``, written by flush_records) give
     every request the same per-step records - draft lengths, accepted counts, sources, drafter versions, first
     version - as writing them each step, through AR stretches, probes, drafting stretches, finishes at different
-    steps, admissions into a running batch, a drafter reload and an abort; and the same outputs and stats."""
+    steps, admissions into a running batch, a request that ends at its prefill and one aborted while it waits
+    inside a pending run, a drafter reload and an abort; and the same outputs and stats."""
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in [4, 11, 25, 7, 9]]
     budgets = [150, 90, 120, 60, 100]
@@ -652,13 +653,23 @@ def test_lazy_ar_records_equal_the_eager_ones(tiny_target):
             elif step == 56:
                 assert reqs[2] in engine.scheduler.running and engine.abort(reqs[2])
                 at_abort = (list(reqs[2].draft_lens), list(reqs[2].step_sources))  # complete when it ends
+            elif step == 44:  # mid AR stretch: one request that ends at its prefill, one aborted while it waits
+                assert not lazy or engine._ar_reqs is not None  # inside a pending run
+                extra = [engine.add_request(prompts[0], SamplingParams(max_new_tokens=1, ignore_eos=True)),
+                         engine.add_request(prompts[1], SamplingParams(max_new_tokens=30, ignore_eos=True))]
+            elif step == 45:
+                waited = extra[1] in engine.scheduler.waiting
+                assert engine.abort(extra[1])
             engine.step()
             if lazy and step == 10:
                 assert engine._ar_reqs is not None and engine._ar_steps > 1  # a pending run of several steps
         runs.append([(r.output_ids, r.draft_lens, r.num_accepted, r.step_sources, r.step_versions, r.first_version,
-                      r.finish_reason) for r in reqs] + [dict(engine.stats.draft_len_hist), engine.stats.num_generated,
-                                                           at_abort])
+                      r.finish_reason) for r in reqs + extra] + [dict(engine.stats.draft_len_hist),
+                                                                 engine.stats.num_generated, at_abort, waited])
     assert runs[0] == runs[1]
+    assert runs[0][5][0] == greedy_reference(tiny_target, prompts[0], 1)
+    assert runs[0][5][1] == [] and runs[0][5][6] == "length"  # the prefill's token only: no decode step recorded
+    assert runs[0][6][6] == "abort" and runs[0][-1]  # the second one was aborted while it waited
     assert ar_cheap[0].eq(100.0).all() and draft_cheap[0].eq(1.0).all()  # set_costs kept copies, wrote none back
     recs = runs[0][:5]
     assert all(len(r[1]) == len(r[2]) == len(r[3]) == len(r[4]) > 0 for r in recs)
