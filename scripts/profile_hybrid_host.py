@@ -80,8 +80,7 @@ def build(method: str, target, drafter, head, batch: int, seq: int, corpus: Suff
     for g in (eng.guard, eng.block_guard):
         if g is not None:
             g.set_buckets(bs)
-    if eng.guard is not None and eng.ar_prior:  # the AR costs as the guard's prior, as set_cost_table sets them
-        eng.guard.set_prior(ar)
+    eng._guard_prior(ar)  # the AR costs as the guard's prior, as set_cost_table sets it
     return eng
 
 

@@ -95,8 +95,7 @@ def drafting_never_pays(eng: SpecEngine, batch: int) -> SpecEngine:
         eng.planner.set_costs(bs, [[1e4] * nb] * len(bs), [[1.0] + [1e4] * eng.runner.max_draft] * len(bs))
     if eng.guard is not None:
         eng.guard.set_buckets(bs)
-        if eng.ar_prior:  # the AR costs as the guard's prior, as set_cost_table sets them
-            eng.guard.set_prior([1.0] * len(bs))
+        eng._guard_prior([1.0] * len(bs))  # the AR costs as the guard's prior, as set_cost_table sets it
     if eng.makespan_lock:  # a history of one token per drafting step: AR's verdict from step 1
         eng._ms_history.extend([1.0] * MAKESPAN_HISTORY_MIN)
         eng._ms_history_added += MAKESPAN_HISTORY_MIN

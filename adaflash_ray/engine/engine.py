@@ -1795,13 +1795,18 @@ class SpecEngine:
         for guard in (self.guard, self.block_guard, self.source_guard):  # the guards' buckets: the table's batch sizes
             if guard is not None:
                 guard.set_buckets(batch_sizes)
-        # the table's AR costs: no AR reference where drafting is far ahead - unless the makespan guard reads the
-        # measured AR steps for its horizons (ThroughputGuard.step_costs: none where the prior spared them)
-        if self.guard is not None and self.ar_prior and not self.makespan_guard:
-            self.guard.set_prior(ar_rows)
+        self._guard_prior(ar_rows)
         if self.planner is not None:
             self.cost_table["lookup_costs_ms"] = lookup_rows
         return self.cost_table
+
+    def _guard_prior(self, ar_ms: list[float]) -> None:
+        """The throughput guard's prior (:meth:`ThroughputGuard.set_prior`): a cost table's AR costs per bucket of the
+        guard, so no AR reference is forced where drafting is far ahead - unless ``ADAFLASH_AR_PRIOR=0`` or the
+        makespan guard reads the measured AR steps for its horizons (``ThroughputGuard.step_costs``: none where the
+        prior spared them). Call after the guard's buckets were set (they drop the prior)."""
+        if self.guard is not None and self.ar_prior and not self.makespan_guard:
+            self.guard.set_prior(ar_ms)
 
     def _check_timing_args(self, batch_size: int, width: int, context_len: int) -> None:
         if not 1 <= batch_size <= self.runner.num_slots:
