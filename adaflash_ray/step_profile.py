@@ -25,9 +25,13 @@ methods under the same instrumentation, not with the bench's timed rows.
 """
 from __future__ import annotations
 
+import collections
 import cProfile
 import io
 import pstats
+import statistics
+import sys
+import threading
 import time
 from collections import defaultdict
 
@@ -38,12 +42,16 @@ from adaflash_ray.engine import SamplingParams, SpecEngine, SpecStats
 PHASES = ("admit", "schedule", "pre_launch_wait", "launch", "runner_rest", "postprocess", "other")
 
 
-def _phase_run(eng: SpecEngine, prompts: list[list[int]], sp: SamplingParams, mode: str) -> dict:
-    """One run with every decode step timed by phase and its forward timed on the device (see the module doc)."""
+def _phase_run(eng: SpecEngine, prompts: list[list[int]], sp: SamplingParams,
+               mode: str) -> tuple[dict, collections.Counter]:
+    """One run with every decode step timed by phase and its forward timed on the device (see the module doc):
+    ``({"<kind> <rows>x<width>": {count, <phase> ms, device, launch_p50 / launch_p90 / launch_max ms}}, the step
+    keys launched by count)``."""
     runner = eng.runner
     cuda = runner.is_cuda
     cur: dict = {}
     steps: list[dict] = []
+    keys: collections.Counter = collections.Counter()  # the step keys the runs launched, by count
     orig_step, orig_admit, orig_sched, orig_post = eng.step, eng._admit, eng._schedule, eng._postprocess
     orig_run, orig_rstep = runner._run, runner.step
     # the instance attributes replaced below (a caller's own wrappers): set again afterwards, the rest deleted
@@ -71,6 +79,7 @@ def _phase_run(eng: SpecEngine, prompts: list[list[int]], sp: SamplingParams, mo
         orig_run(key)
         dt = time.perf_counter() - t0
         cur["launch"] = cur.get("launch", 0.0) + dt
+        keys[key] += 1
         if cuda:
             ev[1].record()
             cur.setdefault("events", []).append(ev)
@@ -106,7 +115,9 @@ def _phase_run(eng: SpecEngine, prompts: list[list[int]], sp: SamplingParams, mo
         for o, n, f in own:
             setattr(o, n, f)
     agg: dict[tuple, dict] = defaultdict(lambda: defaultdict(float))
+    launches: dict[tuple, list[float]] = defaultdict(list)
     for s in steps:
+        launches[(s["kind"], *s["shape"])].append(s.get("launch", 0.0))
         device = sum(a.elapsed_time(b) / 1e3 for a, b in s.pop("events", [])) if cuda else s.get("device", 0.0)
         row = agg[(s["kind"], *s["shape"])]
         row["count"] += 1
@@ -120,8 +131,12 @@ def _phase_run(eng: SpecEngine, prompts: list[list[int]], sp: SamplingParams, mo
         n = row.pop("count")
         ms = {k: round(1e3 * v / n, 4) for k, v in row.items()}
         ms["other"] = round(ms["wall"] - sum(ms[p] for p in PHASES[:-1]), 4)
+        spread = sorted(launches[(kind, b, w)])
+        ms["launch_p50"] = round(1e3 * spread[len(spread) // 2], 4)
+        ms["launch_p90"] = round(1e3 * spread[int(0.9 * (len(spread) - 1))], 4)
+        ms["launch_max"] = round(1e3 * spread[-1], 4)
         out[f"{kind} {b}x{w}"] = {"count": int(n), **ms}
-    return out
+    return out, keys
 
 
 def kernel_run(eng: SpecEngine, prompts, sp: SamplingParams, mode: str, top: int) -> dict:
@@ -172,6 +187,33 @@ def _cprofile_run(eng: SpecEngine, prompts, sp: SamplingParams, mode: str, top: 
     return buf.getvalue()
 
 
+def bare_launches(eng: SpecEngine, keys: collections.Counter, num_keys: int = 3, launches: int = 50) -> dict:
+    """The host time of ``graph.replay()`` alone for the ``num_keys`` step keys launched most (``keys``), the device
+    synchronised before and after each call, ``launches`` calls each: ``{repr(key): {count, median_us, p90_us,
+    max_us}}`` ({} without CUDA graphs). Against a phase run's ``launch`` it says whether a slow launch is the call
+    itself or the process around it (other threads taking the GIL that the replay releases, ...). The replays run
+    their steps again on stale inputs: the engine's caches change (a profile's last use of its engine)."""
+    runner = eng.runner
+    if not runner.is_cuda or not runner.use_graphs:
+        return {}
+    out = {}
+    for key, count in keys.most_common(num_keys):
+        graph = runner.graphs.get(key)
+        if graph is None:
+            continue
+        ts = []
+        for _ in range(launches):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            graph.replay()
+            ts.append(1e6 * (time.perf_counter() - t0))
+        torch.cuda.synchronize()
+        ts.sort()
+        out[repr(key)] = {"count": count, "median_us": round(statistics.median(ts), 1),
+                          "p90_us": round(ts[int(0.9 * (len(ts) - 1))], 1), "max_us": round(ts[-1], 1)}
+    return out
+
+
 def profile_run(eng: SpecEngine, prompts: list[list[int]], max_new_tokens: int, mode: str = "spec",
                 top: int = 30) -> dict:
     """Phases, kernels and host profile of ``eng`` generating ``prompts`` greedily (``mode``: ``"spec"`` or
@@ -180,5 +222,9 @@ def profile_run(eng: SpecEngine, prompts: list[list[int]], max_new_tokens: int, 
     {num_steps, per_step, us_per_step, top: [[name, count per step, µs per step]]}, "cprofile": str}``. The
     engine's stats are reset by each run."""
     sp = SamplingParams(max_new_tokens=max_new_tokens)
-    return {"phases": _phase_run(eng, prompts, sp, mode), "kernels": kernel_run(eng, prompts, sp, mode, top),
-            "cprofile": _cprofile_run(eng, prompts, sp, mode, top)}
+    phases, keys = _phase_run(eng, prompts, sp, mode)
+    process = {"threads": sorted(t.name for t in threading.enumerate()), "switch_interval_s": sys.getswitchinterval(),
+               "graphs_held": len(eng.runner.graphs) if eng.runner.use_graphs else 0}
+    return {"phases": phases, "kernels": kernel_run(eng, prompts, sp, mode, top),
+            "cprofile": _cprofile_run(eng, prompts, sp, mode, top), "process": process,
+            "bare_launches": bare_launches(eng, keys)}

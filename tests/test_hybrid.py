@@ -2021,7 +2021,11 @@ def test_step_profile_accounts_every_decode_step(tiny_target):
         assert kind in ("ar", "gamma0", "probe", "draft") and 1 <= rows <= 2 and 1 <= width <= 16  # no regime label
         assert 0 < p["device"] <= p["wall"] and p["launch"] == pytest.approx(p["device"], abs=1e-3)  # CPU: eager
         assert p["other"] >= -1e-3 and p["wall"] == pytest.approx(sum(p[k] for k in PHASES), abs=1e-3)
+        assert 0 < p["launch_p50"] <= p["launch_p90"] <= p["launch_max"], p  # the launch's spread over the steps
+        assert p["launch_max"] * p["count"] >= p["launch"] * p["count"] - 1e-3  # the mean is no more than the max
     assert any(k.startswith("draft") for k in phases)
+    assert doc["bare_launches"] == {} and doc["process"]["graphs_held"] == 0  # CPU: no graphs
+    assert "MainThread" in doc["process"]["threads"]
     assert not {"step", "_admit", "_schedule", "_postprocess"} & set(vars(engine))
     assert not {"_run", "step"} & set(vars(engine.runner))
     assert kernels["per_step"] > 0 and kernels["us_per_step"] > 0, kernels  # aten ops per step (which: torch's)
@@ -2040,7 +2044,7 @@ def test_step_profile_gives_back_the_callers_own_wrappers(tiny_target):
     def mine(*a, **k):
         return runner_step(*a, **k)
     engine.runner.step = mine
-    doc = _phase_run(engine, _prompts(), SamplingParams(max_new_tokens=6), "spec")
+    doc, _ = _phase_run(engine, _prompts(), SamplingParams(max_new_tokens=6), "spec")
     assert doc and engine.runner.step is mine and "_run" not in vars(engine.runner)
     assert not {"step", "_admit", "_schedule", "_postprocess"} & set(vars(engine))
 
@@ -2074,7 +2078,7 @@ def test_step_profile_labels_the_source_guards_regimes():
             planned.append(batch.choices is not None)
         return real(batch)
     eng._run = run
-    doc = _phase_run(eng, [prompt], SamplingParams(max_new_tokens=40), "spec")
+    doc, _ = _phase_run(eng, [prompt], SamplingParams(max_new_tokens=40), "spec")
     counts = {label: sum(p["count"] for k, p in doc.items() if k.split(" ")[0].endswith(label))
               for label in (":planned", ":block-only")}
     assert counts[":planned"] == planned.count(True) > 0 and counts[":block-only"] == planned.count(False) > 0
