@@ -187,31 +187,31 @@ def _cprofile_run(eng: SpecEngine, prompts, sp: SamplingParams, mode: str, top: 
     return buf.getvalue()
 
 
+def replay_us(graph: torch.cuda.CUDAGraph, launches: int) -> dict:
+    """``{median, p90, min, max}`` µs of ``graph.replay()``'s host call over ``launches`` calls, the device
+    synchronised before and after each (the graph's step runs each time)."""
+    ts = []
+    for _ in range(launches):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        ts.append(1e6 * (time.perf_counter() - t0))
+    torch.cuda.synchronize()
+    ts.sort()
+    return {"median": round(statistics.median(ts), 1), "p90": round(ts[int(0.9 * (len(ts) - 1))], 1),
+            "min": round(ts[0], 1), "max": round(ts[-1], 1)}
+
+
 def bare_launches(eng: SpecEngine, keys: collections.Counter, num_keys: int = 3, launches: int = 50) -> dict:
-    """The host time of ``graph.replay()`` alone for the ``num_keys`` step keys launched most (``keys``), the device
-    synchronised before and after each call, ``launches`` calls each: ``{repr(key): {count, median_us, p90_us,
-    max_us}}`` ({} without CUDA graphs). Against a phase run's ``launch`` it says whether a slow launch is the call
+    """:func:`replay_us` of the ``num_keys`` step keys launched most (``keys``): ``{repr(key): {count, median, p90,
+    min, max}}`` ({} without CUDA graphs). Against a phase run's ``launch`` it says whether a slow launch is the call
     itself or the process around it (other threads taking the GIL that the replay releases, ...). The replays run
     their steps again on stale inputs: the engine's caches change (a profile's last use of its engine)."""
     runner = eng.runner
     if not runner.is_cuda or not runner.use_graphs:
         return {}
-    out = {}
-    for key, count in keys.most_common(num_keys):
-        graph = runner.graphs.get(key)
-        if graph is None:
-            continue
-        ts = []
-        for _ in range(launches):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            graph.replay()
-            ts.append(1e6 * (time.perf_counter() - t0))
-        torch.cuda.synchronize()
-        ts.sort()
-        out[repr(key)] = {"count": count, "median_us": round(statistics.median(ts), 1),
-                          "p90_us": round(ts[int(0.9 * (len(ts) - 1))], 1), "max_us": round(ts[-1], 1)}
-    return out
+    return {repr(key): {"count": count, **replay_us(runner.graphs[key], launches)}
+            for key, count in keys.most_common(num_keys) if key in runner.graphs}
 
 
 def profile_run(eng: SpecEngine, prompts: list[list[int]], max_new_tokens: int, mode: str = "spec",

@@ -37,20 +37,12 @@ from adaflash_ray.engine.engine import SpecEngine  # noqa: E402
 from adaflash_ray.engine.graph_upload import cudart_paths, upload_graph  # noqa: E402
 from adaflash_ray.engine.length_policy import length_policy  # noqa: E402
 from adaflash_ray.shapes import build_random_drafter, build_random_target, shape_config  # noqa: E402
+from adaflash_ray.step_profile import replay_us  # noqa: E402
 
 
 def _launch_us(graph: torch.cuda.CUDAGraph, n: int) -> dict:
-    """Median / p90 / min µs of ``graph.replay()``'s host call, the device idle before each."""
-    out = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        graph.replay()
-        out.append(1e6 * (time.perf_counter() - t0))
-    torch.cuda.synchronize()
-    out.sort()
-    return {"median": round(statistics.median(out), 1), "p90": round(out[int(0.9 * (len(out) - 1))], 1),
-            "min": round(out[0], 1)}
+    """Median / p90 / min / max µs of ``graph.replay()``'s host call, the device idle before each."""
+    return replay_us(graph, n)
 
 
 #: cudaGraphNodeType values (CUDA runtime API), by name
