@@ -22,9 +22,7 @@ import ctypes
 import gc
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
