@@ -604,8 +604,12 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
             for row in rows:
                 if row["domain"] == domain and row["concurrency"] == conc:
                     row["speedup_vs_ar"] = row["tokens_per_s"] / ar_tps if ar_tps else None
-        for method, domain, ps, domain_seeds in to_profile:
-            _profile_cell(engine_for(method), method, domain, conc, ps, domain_seeds, max_new_tokens, profile_dir, log)
+        # every cell's host phases before any cell's kernels: torch.profiler slows every later graph launch
+        docs = [_profile_cell(engine_for(m), m, d, conc, ps, seeds_, max_new_tokens, ("phases", "cprofile"))
+                for m, d, ps, seeds_ in to_profile]
+        for doc, (m, d, ps, seeds_) in zip(docs, to_profile):
+            doc.update(_profile_cell(engine_for(m), m, d, conc, ps, seeds_, max_new_tokens, ("kernels",)))
+            _write_profile(doc, m, d, conc, profile_dir, log)
         engines.clear()  # free this concurrency's KV caches and graphs before the next
         eng = reqs = None
         if device.startswith("cuda"):
@@ -622,20 +626,25 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
 
 
 def _profile_cell(eng: SpecEngine, method: str, domain: str, conc: int, prompts, seeds, max_new_tokens: int,
-                  profile_dir: str, log) -> None:
-    """``profile_run`` of one bench cell's engine (the corpus reset to the held-out seeds before each of its runs)."""
+                  parts: tuple[str, ...]) -> dict:
+    """``profile_run`` of one bench cell's engine, its ``parts`` (the corpus reset to the held-out seeds before each
+    of its runs)."""
     from adaflash_ray.step_profile import profile_run
     if base_method(method) in ("suffix", "hybrid"):
         orig = eng.generate
 
-        def generate(*a, **k):  # each of the profile's three runs starts from the held-out corpus, as a timed run
+        def generate(*a, **k):  # each of the profile's runs starts from the held-out corpus, as a timed run
             eng.reset_corpus(seeds)
             return orig(*a, **k)
         eng.generate = generate
     try:
-        doc = profile_run(eng, prompts, max_new_tokens, "ar" if method == "ar" else "spec")
+        return profile_run(eng, prompts, max_new_tokens, "ar" if method == "ar" else "spec", parts=parts)
     finally:
         eng.__dict__.pop("generate", None)
+
+
+def _write_profile(doc: dict, method: str, domain: str, conc: int, profile_dir: str, log) -> None:
+    """One cell's profile as ``<profile_dir>/<domain>_c<conc>_<method>.json``, its three commonest step shapes logged."""
     Path(profile_dir).mkdir(parents=True, exist_ok=True)
     path = Path(profile_dir) / f"{domain}_c{conc}_{method}.json"
     path.write_text(json.dumps({"method": method, "domain": domain, "concurrency": conc, **doc}, indent=1))

@@ -1,7 +1,7 @@
 """Where an engine run's decode steps spend their time, by step kind and shape: host phases, device time, kernels.
 
-:func:`profile_run` runs one ``SpecEngine.generate`` three times over the same requests (after the caller's timed
-runs: its graphs are captured):
+:func:`profile_run` runs one ``SpecEngine.generate`` up to three times over the same requests (after the caller's
+timed runs: its graphs are captured), the kernels last (torch.profiler slows every later graph launch in the process):
 
 1. **phases**: per decode step its kind (``ar`` / ``gamma0`` / ``probe`` / ``draft``, :data:`~adaflash_ray.engine.stats.
    STEP_KINDS`; a hybrid's drafting steps under its source guard also say ``:planned`` or ``:block-only``) and the
@@ -16,9 +16,10 @@ runs: its graphs are captured):
    ``postprocess`` (``SpecEngine._postprocess``) and ``other``; and the **device** time of the forward (CUDA events
    around ``ModelRunner._run``; on CPU the same host time as ``launch``).
    A step whose wall time is well above its device time is host-bound: the GPU idles for the difference.
-2. **kernels** (torch.profiler): per decode step the device kernels by name, count and µs (CUDA), or the outermost
+   Then the host time of a bare ``replay()`` of the most launched step graphs (:func:`bare_launches`).
+2. **cprofile**: the host functions by own time (cProfile over the whole run, prefills included).
+3. **kernels** (torch.profiler): per decode step the device kernels by name, count and µs (CUDA), or the outermost
    aten ops (CPU); prefills included.
-3. **cprofile**: the host functions by own time (cProfile over the whole run, prefills included).
 
 Times are means per step in ms (µs for kernels). Instrumentation adds a little host time to every step; compare
 methods under the same instrumentation, not with the bench's timed rows.
@@ -215,16 +216,36 @@ def bare_launches(eng: SpecEngine, keys: collections.Counter, num_keys: int = 3,
 
 
 def profile_run(eng: SpecEngine, prompts: list[list[int]], max_new_tokens: int, mode: str = "spec",
-                top: int = 30) -> dict:
-    """Phases, kernels and host profile of ``eng`` generating ``prompts`` greedily (``mode``: ``"spec"`` or
-    ``"ar"``), three runs (module doc). Returns ``{"phases": {"<kind> <rows>x<width>": {count, wall, admit,
-    schedule, pre_launch_wait, launch, runner_rest, postprocess, other, device} (ms per step)}, "kernels":
-    {num_steps, per_step, us_per_step, top: [[name, count per step, µs per step]]}, "cprofile": str}``. The
-    engine's stats are reset by each run."""
+                top: int = 30, parts: tuple[str, ...] = ("phases", "cprofile", "kernels")) -> dict:
+    """Phases, host profile and kernels of ``eng`` generating ``prompts`` greedily (``mode``: ``"spec"`` or
+    ``"ar"``), one run each of ``parts`` (module doc), the kernels last. Returns ``{"phases": {"<kind> <rows>x<width>":
+    {count, wall, admit, schedule, pre_launch_wait, launch, runner_rest, postprocess, other, device, launch_p50,
+    launch_p90, launch_max} (ms per step)}, "process": {threads, switch_interval_s, graphs_held}, "bare_launches":
+    (:func:`bare_launches`, after the phase run's keys), "cprofile": str, "kernels": {num_steps, per_step,
+    us_per_step, top: [[name, count per step, µs per step]]}}`` for the parts run. The engine's stats are reset by
+    each run.
+
+    torch.profiler's CUDA activity (CUPTI) stays attached to the process once it has run and makes every later graph
+    launch slower (a step's ``replay()`` call about 0.03 -> 0.24 ms on an H100): a caller profiling several engines in
+    one process runs every engine's ``phases`` and ``cprofile`` before any engine's ``kernels``.
+
+    Raises:
+        ValueError: an unknown part.
+    """
+    unknown = set(parts) - {"phases", "cprofile", "kernels"}
+    if unknown:
+        raise ValueError(f"unknown profile part(s) {sorted(unknown)}; expected phases, cprofile, kernels")
     sp = SamplingParams(max_new_tokens=max_new_tokens)
-    phases, keys = _phase_run(eng, prompts, sp, mode)
-    process = {"threads": sorted(t.name for t in threading.enumerate()), "switch_interval_s": sys.getswitchinterval(),
-               "graphs_held": len(eng.runner.graphs) if eng.runner.use_graphs else 0}
-    return {"phases": phases, "kernels": kernel_run(eng, prompts, sp, mode, top),
-            "cprofile": _cprofile_run(eng, prompts, sp, mode, top), "process": process,
-            "bare_launches": bare_launches(eng, keys)}
+    doc: dict = {}
+    if "phases" in parts:
+        doc["phases"], keys = _phase_run(eng, prompts, sp, mode)
+        doc["process"] = {"threads": sorted(t.name for t in threading.enumerate()),
+                          "switch_interval_s": sys.getswitchinterval(),
+                          "graphs_held": len(eng.runner.graphs) if eng.runner.use_graphs else 0}
+    if "cprofile" in parts:
+        doc["cprofile"] = _cprofile_run(eng, prompts, sp, mode, top)
+    if "phases" in parts:  # replays on stale inputs: after the runs that decode
+        doc["bare_launches"] = bare_launches(eng, keys)
+    if "kernels" in parts:
+        doc["kernels"] = kernel_run(eng, prompts, sp, mode, top)
+    return doc

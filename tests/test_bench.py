@@ -394,7 +394,8 @@ def test_repeat_order_gives_every_method_every_place():
 @pytest.mark.slow
 def test_profile_runs_after_every_timed_run_of_the_concurrency(monkeypatch, capsys, tmp_path):
     """An engine serves every domain of its concurrency: the profile's instrumented runs of a cell come after the timed
-    runs of all that concurrency's cells (they would feed the next domain's planner and guards), one per cell."""
+    runs of all that concurrency's cells (they would feed the next domain's planner and guards), one per cell; every
+    cell's host phases before any cell's kernels (torch.profiler slows every later graph launch), one file per cell."""
     import adaflash_ray.bench as bench_mod
 
     events = []
@@ -404,15 +405,26 @@ def test_profile_runs_after_every_timed_run_of_the_concurrency(monkeypatch, caps
         events.append("timed")
         return run_engine(engine, prompts, *a, **k)
 
+    def profile_cell(eng, method, domain, conc, prompts, seeds, max_new_tokens, parts):
+        events.append(("profile", method, domain, conc, parts))
+        return {part: f"{part} of {domain}" for part in parts}
+
     monkeypatch.setattr(bench_mod, "_run_engine", timed)
-    monkeypatch.setattr(bench_mod, "_profile_cell", lambda eng, method, domain, conc, *a: events.append(
-        ("profile", method, domain, conc)))
+    monkeypatch.setattr(bench_mod, "_profile_cell", profile_cell)
+    monkeypatch.setattr(bench_mod, "_write_profile", lambda doc, method, domain, conc, *a: events.append(
+        ("write", method, domain, conc, sorted(doc.items()))))
     rc = main(["--recipe", str(ROOT / "recipes" / "cpu_tiny.yaml"), "--methods", "ar", "--concurrency", "1", "2",
                "--domains", "code", "qa", "--num-prompts", "1", "--max-new-tokens", "2", "--warmup", "none",
                "--profile", str(tmp_path / "prof")])
     assert rc == 0 and len(_last_json(capsys)["rows"]) == 4
-    assert events == (["timed"] * 2 + [("profile", "ar", d, 1) for d in ("code", "qa")]
-                      + ["timed"] * 2 + [("profile", "ar", d, 2) for d in ("code", "qa")])
+    host, kernels = ("phases", "cprofile"), ("kernels",)
+    expected = []
+    for c in (1, 2):
+        expected += ["timed"] * 2 + [("profile", "ar", d, c, host) for d in ("code", "qa")]
+        for d in ("code", "qa"):
+            expected += [("profile", "ar", d, c, kernels),
+                         ("write", "ar", d, c, [(p, f"{p} of {d}") for p in ("cprofile", "kernels", "phases")])]
+    assert events == expected
 
 
 @pytest.mark.slow

@@ -2026,6 +2026,9 @@ def test_step_profile_accounts_every_decode_step(tiny_target):
     assert any(k.startswith("draft") for k in phases)
     assert doc["bare_launches"] == {} and doc["process"]["graphs_held"] == 0  # CPU: no graphs
     assert "MainThread" in doc["process"]["threads"]
+    assert set(profile_run(engine, _prompts(), 2, parts=("kernels",))) == {"kernels"}
+    with pytest.raises(ValueError, match=r"unknown profile part\(s\) \['phase'\]"):
+        profile_run(engine, _prompts(), 2, parts=("phase",))
     assert not {"step", "_admit", "_schedule", "_postprocess"} & set(vars(engine))
     assert not {"_run", "step"} & set(vars(engine.runner))
     assert kernels["per_step"] > 0 and kernels["us_per_step"] > 0, kernels  # aten ops per step (which: torch's)
