@@ -599,6 +599,13 @@ class ServeConfig(_Section):
     # None = no limit: a total bound short enough to catch a hung engine would also cut a long, healthy generation
     # (max_tokens on a slow replica), so each deployment sets it from its own max_tokens and tokens/s.
     request_timeout_s: float | None = Field(None, gt=0)
+    # seconds the replica's engine thread may go without progress while requests are in flight (one step, or a
+    # command between steps such as a drafter swap, that has not returned: a stuck device call) before the replica
+    # reports itself unhealthy: /health answers 503 and check_health raises, so Serve replaces the replica (about
+    # this + 3 health-check periods after the step began; the period drops below 10 s for a timeout under 20 s).
+    # None = off. Set it above the longest healthy step (a long prompt's prefill on a loaded replica); an idle
+    # engine is never stalled.
+    engine_stall_timeout_s: float | None = Field(None, gt=0)
     distill: bool = False  # live distillation: trainer group + weight registry beside the replicas
     # live distillation's run directory (checkpoints/v<N>, trainer_state, metrics.jsonl, config.yaml); None =
     # <logging.run_root>/<name>-serve-<time>. A coordinator started on a directory holding trainer state resumes.

@@ -321,14 +321,15 @@ def test_non_finite_and_non_text_inputs_are_refused(tmp_path):
         load_recipe(binary)
 
 
-def test_serve_request_timeout_is_positive_or_none():
-    """``serve.request_timeout_s``: None (no limit) by default, a positive number of seconds when set; 0 or a
-    negative value is refused naming the field."""
-    assert load_recipe("recipes/cpu_tiny.yaml").serve.request_timeout_s is None
-    assert load_recipe("recipes/cpu_tiny.yaml", ["serve.request_timeout_s=0.5"]).serve.request_timeout_s == 0.5
-    for bad in ("0", "-1", "-0.5"):
-        with pytest.raises(RecipeError, match=r"serve\.request_timeout_s: Input should be greater than 0"):
-            load_recipe("recipes/cpu_tiny.yaml", [f"serve.request_timeout_s={bad}"])
+def test_serve_timeouts_are_positive_or_none():
+    """``serve.request_timeout_s`` and ``serve.engine_stall_timeout_s``: None (off) by default, a positive number of
+    seconds when set; 0 or a negative value is refused naming the field."""
+    for field in ("request_timeout_s", "engine_stall_timeout_s"):
+        assert getattr(load_recipe("recipes/cpu_tiny.yaml").serve, field) is None
+        assert getattr(load_recipe("recipes/cpu_tiny.yaml", [f"serve.{field}=0.5"]).serve, field) == 0.5
+        for bad in ("0", "-1", "-0.5"):
+            with pytest.raises(RecipeError, match=rf"serve\.{field}: Input should be greater than 0"):
+                load_recipe("recipes/cpu_tiny.yaml", [f"serve.{field}={bad}"])
 
 
 def test_a_bool_or_quoted_integer_is_not_a_number(tmp_path):

@@ -2,10 +2,12 @@
 
 Commands are applied between steps only, per-step events carry exactly the tokens the requests end with, aborts
 free the slot through ``SpecEngine.abort``, and a failed step reaches every waiter - queued and running requests
-and queued commands - and every later call."""
+and queued commands - and every later call; ``stalled_for`` measures only a step that has not returned while
+requests are open."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -234,3 +236,40 @@ def test_step_events_carry_no_shape_counters(tiny_target):
     assert sum(engine.stats.shape_steps.values()) == engine.stats.num_engine_steps > 0
     assert sum(s.num_engine_steps for s in events) == engine.stats.num_engine_steps
     assert sum(s.num_generated for s in events) == engine.stats.num_generated
+
+
+def test_stalled_for_measures_a_hung_step_only_while_requests_are_open(tiny_target):
+    """``stalled_for``: 0 while idle however far ``now`` is (the idle thread marks progress every ``idle_wait_s``);
+    while a step hangs with a request open, the time since the step began (the thread's last progress), growing
+    with ``now``; every returned step moves the mark; 0 again once the request finished and after shutdown."""
+    engine = _engine(tiny_target, max_batch_size=1)
+    entered, gate = threading.Event(), threading.Event()
+    real, calls = engine.step, []
+
+    def step(mode="spec"):
+        calls.append(mode)
+        if len(calls) == 3:  # the third step hangs until the test lets it go
+            entered.set()
+            gate.wait(60)
+        return real(mode)
+
+    engine.step = step
+    service = EngineService(engine, name="test", idle_wait_s=0.05)
+    idle_mark = service.last_progress
+    time.sleep(0.3)
+    assert service.last_progress > idle_mark  # the idle loop marks progress
+    assert service.stalled_for() == 0.0 and service.stalled_for(time.monotonic() + 1e3) == 0.0
+    h = service.submit([1, 2, 3], SamplingParams(max_new_tokens=40, ignore_eos=True))
+    try:
+        assert entered.wait(60)
+        mark = service.last_progress  # the second step's return = the hung step's start
+        assert service.stalled_for(mark + 2.5) == pytest.approx(2.5) and service.stalled_for(mark - 1) == 0.0
+        time.sleep(0.3)
+        assert 0.3 <= service.stalled_for() < 60 and service.last_progress == mark
+    finally:
+        gate.set()
+    assert len(h.future.result(timeout=120).output_ids) == 40
+    assert len(calls) > 3 and service.last_progress > mark
+    assert service.stalled_for(time.monotonic() + 1e3) == 0.0  # nothing open: idle again
+    service.shutdown()
+    assert service.dead is not None and service.stalled_for(time.monotonic() + 1e3) == 0.0

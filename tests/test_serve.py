@@ -419,16 +419,91 @@ def test_served_model_id_and_serve_config_checks():
         app({"recipe": "recipes/qwen3_coder_30b_a3b.yaml", "set": ["serve.gpus_per_replica=1"]})
 
 
-def test_check_health_raises_once_the_engine_died():
-    """Serve's replica health check: healthy while the engine thread runs, raises (naming why) once it died."""
-    from types import SimpleNamespace
+def test_check_health_and_health_fail_once_the_engine_stalls_or_died():
+    """Serve's replica health check and ``/health`` on a real EngineLoop (tiny random engine, no Ray) with
+    ``serve.engine_stall_timeout_s`` 0.5: healthy while idle however long; a step that hangs with a request in
+    flight is healthy under the timeout, past it check_health raises naming the stall and /health answers 503 with
+    the OpenAI error body - never with the watchdog off (None); healthy again once the step returns; a step that
+    raises fails both for good, naming the engine's exception."""
+    import asyncio
+    from types import MethodType, SimpleNamespace
 
+    from adaflash_ray.engine import SamplingParams, SpecEngine
     from adaflash_ray.serve.app import AdaFlashServer
+    from adaflash_ray.serve.runtime import EngineLoop
+    from conftest import make_drafter, make_tiny_target
 
+    target = make_tiny_target()
+    drafter, head = make_drafter(target, block_size=4)
+    engine = SpecEngine(target, drafter, head, max_batch_size=2, max_seq_len=128)
+    entered, gate, mode = threading.Event(), threading.Event(), {"hang": True, "fail": False}
+    real_step = engine.step
+
+    def step(m="spec"):
+        entered.set()
+        if mode["hang"]:  # stuck until the test lets it go
+            gate.wait(30)
+        if mode["fail"]:
+            raise RuntimeError("CUDA error: boom")
+        return real_step(m)
+
+    engine.step = step
     cls = AdaFlashServer.func_or_class
-    cls.check_health(SimpleNamespace(loop=SimpleNamespace(dead=None)))
-    with pytest.raises(RuntimeError, match="CUDA error: boom"):
-        cls.check_health(SimpleNamespace(loop=SimpleNamespace(dead=RuntimeError("CUDA error: boom"))))
+    params = [SamplingParams(max_new_tokens=8, ignore_eos=True)]
+
+    async def health(srv) -> tuple[int, dict]:
+        resp = await MethodType(cls.health, srv)()
+        return resp.status_code, json.loads(resp.body)
+
+    async def main():
+        lp = EngineLoop(engine, asyncio.get_running_loop(), max_batch_size=2, max_waiting=2, stall_timeout_s=0.5)
+        srv = SimpleNamespace(loop=lp, draining=False, replica="r0")
+        check = MethodType(cls.check_health, srv)
+        try:
+            await asyncio.sleep(0.6)
+            check()  # idle past the timeout: not a stall
+            assert lp.health_error(time.monotonic() + 1e3) is None
+            assert await health(srv) == (200, {"status": "ok", "replica": "r0"})
+            [rs] = lp.submit([[1, 2, 3]], params, record=False)
+            assert await asyncio.to_thread(entered.wait, 30)
+            mark = lp.service.last_progress  # the hung step began here
+            assert lp.health_error(mark + 0.4) is None  # a step under the timeout is fine
+            assert lp.health_error(mark + 0.6) == ("engine step has not returned for 0.6 s with 1 requests in flight "
+                                                   "(serve.engine_stall_timeout_s = 0.5 s)")
+            await asyncio.sleep(0.6)
+            with pytest.raises(RuntimeError, match=r"engine step has not returned for \d+\.\d s with 1 requests"):
+                check()
+            status, body = await health(srv)
+            assert status == 503 and set(body["error"]) == {"message", "type", "param", "code"}, body
+            assert body["error"]["type"] == "server_error"
+            assert body["error"]["message"].startswith("engine step has not returned for "), body
+            lp.stall_timeout_s = None  # the watchdog off: the same hang is not reported
+            check()
+            assert lp.health_error(mark + 1e3) is None and (await health(srv))[0] == 200
+            lp.stall_timeout_s = 0.5
+            mode["hang"] = False
+            gate.set()
+            items = [await asyncio.wait_for(rs.queue.get(), 30)]
+            while items[-1][0] != "done":
+                items.append(await asyncio.wait_for(rs.queue.get(), 30))
+            assert items[-1] == ("done", "length") and sum(len(i[1]) for i in items[:-1]) == 8, items
+            check()  # the step returned: healthy again
+            assert lp.health_error(time.monotonic() + 1e3) is None and (await health(srv))[0] == 200
+            mode["fail"] = True
+            lp.submit([[4, 5]], params, record=False)
+            for _ in range(600):
+                if lp.dead is not None:
+                    break
+                await asyncio.sleep(0.05)
+            with pytest.raises(RuntimeError, match=r"engine thread died: .*CUDA error: boom"):
+                check()
+            status, body = await health(srv)
+            assert status == 503 and "CUDA error: boom" in body["error"]["message"], body
+        finally:
+            gate.set()
+            lp.shutdown()
+
+    asyncio.run(main())
 
 
 def test_app_builder_args_and_bad_recipe_exit_code():
@@ -441,6 +516,11 @@ def test_app_builder_args_and_bad_recipe_exit_code():
     cfg = built._bound_deployment.init_args[0]
     assert cfg["serve"]["num_replicas"] == 2 and cfg["serve"]["max_queued_requests"] == 3
     assert built._bound_deployment._deployment_config.num_replicas == 2
+    # health checks every 10 s, or twice per serve.engine_stall_timeout_s when that is shorter (at least every 1 s)
+    for stall, period in (([], 10.0), (["serve.engine_stall_timeout_s=100"], 10.0),
+                          (["serve.engine_stall_timeout_s=5"], 2.5), (["serve.engine_stall_timeout_s=0.5"], 1.0)):
+        dc = app({"set": stall})._bound_deployment._deployment_config
+        assert (dc.health_check_period_s, dc.health_check_timeout_s) == (period, 60), stall
     assert app({"set": ["serve.distill=true"]})._bound_deployment.init_args[1] is not None  # the coordinator
     with pytest.raises(ValueError, match="bogus"):
         app({"bogus": "1"})

@@ -17,13 +17,15 @@ that step (one step may commit several), the requests that finished, and the ste
 subscribers run before the finished requests' futures resolve, so a waiter sees what they did (a shipped
 trajectory, a pushed token). A step that raises - or a subscriber that raises - stops the thread:
 :attr:`EngineService.dead` becomes an :class:`EngineDead` that every queued and running request's future
-and every queued command's future receives, and that every later call raises.
+and every queued command's future receives, and that every later call raises. A step that never returns (a stuck
+device call) stops nothing: :meth:`EngineService.stalled_for` measures it, for a watchdog to act on.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -105,6 +107,9 @@ class EngineService:
         self._in_engine: dict[str, RequestHandle] = {}  # queued in the engine, not finished (engine thread only)
         self._subscribers: list[Callable[[StepEvent], None]] = []
         self._stop = False
+        # time.monotonic() when the engine thread last made progress: a step or command returned, or the idle wait
+        # woke (at least every idle_wait_s); written by the engine thread only, read by stalled_for
+        self.last_progress = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -175,6 +180,19 @@ class EngineService:
         with self._cond:
             return len(self._open)
 
+    def stalled_for(self, now: float | None = None) -> float:
+        """Seconds since the engine thread last made progress (a step, its subscribers or a command returned, or
+        the idle wait woke) while requests are open (:attr:`num_open`): how long the step or command in progress has
+        run. 0.0 with no open request (an idle engine never stalls) and once the thread stopped (:attr:`dead` says
+        why). Up to ``idle_wait_s`` too high in the moment between a submission and the idle thread waking for it.
+
+        Args:
+            now: a ``time.monotonic()`` reading; None = now.
+        """
+        if self.dead is not None or not self.num_open:
+            return 0.0
+        return max((time.monotonic() if now is None else now) - self.last_progress, 0.0)
+
     @property
     def num_running(self) -> int:
         """Requests holding a KV slot now (a snapshot read from another thread)."""
@@ -200,14 +218,17 @@ class EngineService:
                 with self._cond:
                     while not (self._stop or self._commands or eng.has_unfinished()):
                         self._cond.wait(timeout=self.idle_wait_s)
+                        self.last_progress = time.monotonic()
                     if self._stop:
                         break
                     self._applying = list(self._commands)
                     self._commands.clear()
                 while self._applying:
                     self._apply(self._applying.pop(0))
+                    self.last_progress = time.monotonic()
                 if eng.has_unfinished():
                     self._step()
+                    self.last_progress = time.monotonic()
         except BaseException as e:  # every waiter gets the failure instead of hanging
             log.exception("%s: engine step failed", self.name)
             dead = EngineDead(f"{self.name}: engine step failed: {e!r}")

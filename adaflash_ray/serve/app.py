@@ -257,7 +257,7 @@ class AdaFlashServer:
         self.spec_metrics.set_drafter_version(self.engine.drafter_version)
         self.loop = EngineLoop(self.engine, loop, c.engine.max_batch_size, c.serve.max_queued_requests,
                                on_finished=self._record if coordinator is not None else None,
-                               metrics=self.spec_metrics)
+                               metrics=self.spec_metrics, stall_timeout_s=c.serve.engine_stall_timeout_s)
         tags = {"replica": self.replica}
         self.m_tps = ray_metrics.Gauge("adaflash_serve_tokens_per_s", "committed tokens/s (10 s window)",
                                        tag_keys=("replica",))
@@ -408,20 +408,27 @@ class AdaFlashServer:
     # ------------------------------------------------------------------ routes
     @api.get("/health")
     async def health(self) -> JSONResponse:
-        if self.loop.dead is not None:
-            return JSONResponse(error_body(f"engine failed: {self.loop.dead!r}", "server_error"), status_code=503)
+        """200 ``{"status": "ok", "replica"}``; 503 ``"draining"`` while draining; 503 with the OpenAI error body
+        (type ``server_error``) once the engine thread died or stalled (:meth:`EngineLoop.health_error`)."""
+        problem = self.loop.health_error()
+        if problem is not None:
+            return JSONResponse(error_body(problem, "server_error"), status_code=503)
         return JSONResponse({"status": "draining" if self.draining else "ok", "replica": self.replica},
                             status_code=503 if self.draining else 200)
 
     def check_health(self) -> None:
-        """Ray Serve's replica health check (every ``health_check_period_s``): raises once the engine thread died,
-        so Serve marks the replica UNHEALTHY and replaces it instead of leaving it answering 503.
+        """Ray Serve's replica health check (every ``health_check_period_s``, :func:`build_app`): raises once the
+        engine thread died, or - with ``serve.engine_stall_timeout_s`` - once its step (or a command between steps)
+        has not returned for longer than that with requests in flight, so Serve marks the replica UNHEALTHY after
+        3 failed checks in a row and replaces it instead of leaving it answering 503 or holding requests forever.
 
         Raises:
-            RuntimeError: naming the engine thread's exception.
+            RuntimeError: naming the engine thread's exception, or the stall ("engine step has not returned for
+                X s with N requests in flight").
         """
-        if self.loop.dead is not None:
-            raise RuntimeError(f"engine thread died: {self.loop.dead!r}")
+        problem = self.loop.health_error()
+        if problem is not None:
+            raise RuntimeError(problem)
 
     def _model_card(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "adaflash_ray",
@@ -491,6 +498,7 @@ def build_app(cfg: RunConfig) -> serve.Application:
     d = c.model_dump(mode="json")
     coordinator = DistillCoordinator.bind(d) if c.serve.distill else None
     s = c.serve
+    stall = s.engine_stall_timeout_s
     server = AdaFlashServer.options(
         num_replicas=s.num_replicas,
         ray_actor_options={"num_cpus": s.cpus_per_replica, "num_gpus": s.gpus_per_replica},
@@ -500,6 +508,11 @@ def build_app(cfg: RunConfig) -> serve.Application:
         max_ongoing_requests=c.engine.max_batch_size + s.max_queued_requests + 16,
         max_queued_requests=-1,
         graceful_shutdown_timeout_s=s.drain_timeout_s,
+        # check_health only reads counters: one that does not answer within a minute means a replica process stuck
+        # as a whole (the GIL held). Checked every 10 s (Serve's default), or twice per serve.engine_stall_timeout_s
+        # when that is shorter (at least every 1 s): a hung engine's replica is replaced about the stall timeout
+        # + 3 periods after its step began (3 failed checks in a row)
+        health_check_period_s=10.0 if stall is None else min(10.0, max(1.0, stall / 2)),
         health_check_timeout_s=60,
     )
     return server.bind(d, coordinator)

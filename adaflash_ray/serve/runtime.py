@@ -81,11 +81,15 @@ class EngineLoop:
             (``counts["record_errors"]``), never failing the request.
         metrics: an :class:`adaflash_ray.actors.spec_metrics.SpecMetrics` (or anything with its ``on_step`` /
             ``timed_submit``), fed with every step event and submission; None: no exported metrics.
+        stall_timeout_s: ``serve.engine_stall_timeout_s``: seconds the engine thread may go without progress while
+            requests are in flight before :meth:`health_error` reports a stall; None: never reported.
     """
 
     def __init__(self, engine: SpecEngine, loop: asyncio.AbstractEventLoop, max_batch_size: int, max_waiting: int,
-                 on_finished: Callable[[Request], None] | None = None, metrics=None):
+                 on_finished: Callable[[Request], None] | None = None, metrics=None,
+                 stall_timeout_s: float | None = None):
         self.engine, self.loop, self.on_finished = engine, loop, on_finished
+        self.stall_timeout_s = stall_timeout_s
         self.max_in_flight = max_batch_size + max_waiting
         self._lock = threading.Lock()
         self.num_in_flight = 0  # submitted and not yet done (event-loop side counter)
@@ -105,6 +109,21 @@ class EngineLoop:
     def dead(self) -> EngineDead | None:
         """The service's failure once its thread has stopped, else None."""
         return self.service.dead
+
+    def health_error(self, now: float | None = None) -> str | None:
+        """Why this replica cannot serve, or None: the engine thread died, or (``stall_timeout_s`` set) it has made
+        no progress for longer than ``stall_timeout_s`` while requests are in flight - a step or command between
+        steps stuck, e.g. in a device call (:meth:`EngineService.stalled_for`). An idle engine is never stalled, nor
+        one whose step runs shorter than the timeout. ``now``: a ``time.monotonic()`` reading; None = now."""
+        if self.dead is not None:
+            return f"engine thread died: {self.dead!r}"
+        if self.stall_timeout_s is None:
+            return None
+        stalled = self.service.stalled_for(now)
+        if stalled <= self.stall_timeout_s:
+            return None
+        return (f"engine step has not returned for {stalled:.1f} s with {self.service.num_open} requests in flight "
+                f"(serve.engine_stall_timeout_s = {self.stall_timeout_s:g} s)")
 
     # ------------------------------------------------------------------ event-loop side
     def submit(self, prompts: list[list[int]], params: list[SamplingParams], record: bool) -> list[RequestStream]:
