@@ -603,8 +603,9 @@ class ServeConfig(_Section):
     # command between steps such as a drafter swap, that has not returned: a stuck device call) before the replica
     # reports itself unhealthy: /health answers 503 and check_health raises, so Serve replaces the replica (about
     # this + 3 health-check periods after the step began; the period drops below 10 s for a timeout under 20 s).
-    # None = off. Set it above the longest healthy step (a long prompt's prefill on a loaded replica); an idle
-    # engine is never stalled.
+    # None = off. Set it above the longest healthy step or command: a long prompt's prefill on a loaded replica, a
+    # step that captures CUDA graphs, a drafter swap rebuilding every running request's context. An idle engine is
+    # never stalled.
     engine_stall_timeout_s: float | None = Field(None, gt=0)
     distill: bool = False  # live distillation: trainer group + weight registry beside the replicas
     # live distillation's run directory (checkpoints/v<N>, trainer_state, metrics.jsonl, config.yaml); None =

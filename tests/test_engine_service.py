@@ -239,37 +239,39 @@ def test_step_events_carry_no_shape_counters(tiny_target):
 
 
 def test_stalled_for_measures_a_hung_step_only_while_requests_are_open(tiny_target):
-    """``stalled_for``: 0 while idle however far ``now`` is (the idle thread marks progress every ``idle_wait_s``);
-    while a step hangs with a request open, the time since the step began (the thread's last progress), growing
-    with ``now``; every returned step moves the mark; 0 again once the request finished and after shutdown."""
+    """``stalled_for``: 0 while idle however far ``now`` is, and for a request just submitted to an idle thread (it
+    waits for work: ``busy_since`` None); while a step hangs with a request open, the time since that step began,
+    growing with ``now``; each step sets its own start; 0 again once the request finished and after shutdown."""
     engine = _engine(tiny_target, max_batch_size=1)
     entered, gate = threading.Event(), threading.Event()
-    real, calls = engine.step, []
+    real, calls, starts = engine.step, [], []
+    service = None
 
     def step(mode="spec"):
         calls.append(mode)
+        starts.append(service.busy_since)
         if len(calls) == 3:  # the third step hangs until the test lets it go
             entered.set()
             gate.wait(60)
         return real(mode)
 
     engine.step = step
-    service = EngineService(engine, name="test", idle_wait_s=0.05)
-    idle_mark = service.last_progress
-    time.sleep(0.3)
-    assert service.last_progress > idle_mark  # the idle loop marks progress
-    assert service.stalled_for() == 0.0 and service.stalled_for(time.monotonic() + 1e3) == 0.0
+    service = EngineService(engine, name="test", idle_wait_s=30.0)  # an idle wait far longer than the steps
+    time.sleep(0.2)
+    assert service.busy_since is None and service.stalled_for(time.monotonic() + 1e3) == 0.0
     h = service.submit([1, 2, 3], SamplingParams(max_new_tokens=40, ignore_eos=True))
     try:
         assert entered.wait(60)
-        mark = service.last_progress  # the second step's return = the hung step's start
+        mark = service.busy_since  # the hung step's start
+        assert mark == starts[2] and starts[0] < starts[1] < starts[2]  # each step sets its own start
         assert service.stalled_for(mark + 2.5) == pytest.approx(2.5) and service.stalled_for(mark - 1) == 0.0
         time.sleep(0.3)
-        assert 0.3 <= service.stalled_for() < 60 and service.last_progress == mark
+        assert 0.3 <= service.stalled_for() < 60 and service.busy_since == mark
     finally:
         gate.set()
     assert len(h.future.result(timeout=120).output_ids) == 40
-    assert len(calls) > 3 and service.last_progress > mark
-    assert service.stalled_for(time.monotonic() + 1e3) == 0.0  # nothing open: idle again
+    assert len(calls) > 3 and starts[-1] > mark
+    time.sleep(0.2)
+    assert service.busy_since is None and service.stalled_for(time.monotonic() + 1e3) == 0.0  # idle again
     service.shutdown()
     assert service.dead is not None and service.stalled_for(time.monotonic() + 1e3) == 0.0

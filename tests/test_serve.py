@@ -466,7 +466,7 @@ def test_check_health_and_health_fail_once_the_engine_stalls_or_died():
             assert await health(srv) == (200, {"status": "ok", "replica": "r0"})
             [rs] = lp.submit([[1, 2, 3]], params, record=False)
             assert await asyncio.to_thread(entered.wait, 30)
-            mark = lp.service.last_progress  # the hung step began here
+            mark = lp.service.busy_since  # the hung step began here
             assert lp.health_error(mark + 0.4) is None  # a step under the timeout is fine
             assert lp.health_error(mark + 0.6) == ("engine step has not returned for 0.6 s with 1 requests in flight "
                                                    "(serve.engine_stall_timeout_s = 0.5 s)")

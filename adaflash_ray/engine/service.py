@@ -107,9 +107,9 @@ class EngineService:
         self._in_engine: dict[str, RequestHandle] = {}  # queued in the engine, not finished (engine thread only)
         self._subscribers: list[Callable[[StepEvent], None]] = []
         self._stop = False
-        # time.monotonic() when the engine thread last made progress: a step or command returned, or the idle wait
-        # woke (at least every idle_wait_s); written by the engine thread only, read by stalled_for
-        self.last_progress = time.monotonic()
+        # time.monotonic() when the engine thread began the step or command it runs now; None while it waits for
+        # work. Written by the engine thread only (one assignment: atomic), read by stalled_for
+        self.busy_since: float | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -181,17 +181,18 @@ class EngineService:
             return len(self._open)
 
     def stalled_for(self, now: float | None = None) -> float:
-        """Seconds since the engine thread last made progress (a step, its subscribers or a command returned, or
-        the idle wait woke) while requests are open (:attr:`num_open`): how long the step or command in progress has
-        run. 0.0 with no open request (an idle engine never stalls) and once the thread stopped (:attr:`dead` says
-        why). Up to ``idle_wait_s`` too high in the moment between a submission and the idle thread waking for it.
+        """Seconds the step (with its subscribers) or command the engine thread runs now has run (:attr:`busy_since`)
+        while requests are open (:attr:`num_open`). 0.0 while the thread waits for work (a request just submitted
+        included), with no open request (an idle engine never stalls) and once the thread stopped (:attr:`dead`
+        says why).
 
         Args:
             now: a ``time.monotonic()`` reading; None = now.
         """
-        if self.dead is not None or not self.num_open:
+        since = self.busy_since
+        if since is None or self.dead is not None or not self.num_open:
             return 0.0
-        return max((time.monotonic() if now is None else now) - self.last_progress, 0.0)
+        return max((time.monotonic() if now is None else now) - since, 0.0)
 
     @property
     def num_running(self) -> int:
@@ -218,17 +219,17 @@ class EngineService:
                 with self._cond:
                     while not (self._stop or self._commands or eng.has_unfinished()):
                         self._cond.wait(timeout=self.idle_wait_s)
-                        self.last_progress = time.monotonic()
                     if self._stop:
                         break
                     self._applying = list(self._commands)
                     self._commands.clear()
                 while self._applying:
+                    self.busy_since = time.monotonic()
                     self._apply(self._applying.pop(0))
-                    self.last_progress = time.monotonic()
                 if eng.has_unfinished():
+                    self.busy_since = time.monotonic()
                     self._step()
-                    self.last_progress = time.monotonic()
+                self.busy_since = None
         except BaseException as e:  # every waiter gets the failure instead of hanging
             log.exception("%s: engine step failed", self.name)
             dead = EngineDead(f"{self.name}: engine step failed: {e!r}")
