@@ -393,7 +393,10 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
     the instrumented runs must not change what a later cell's timed runs start from, nor the rows' engine state),
     each engine method runs each cell's requests again under
     :func:`adaflash_ray.step_profile.profile_run` (host phases and device time by step kind and shape, kernels,
-    cProfile), written to ``<profile_dir>/<domain>_c<concurrency>_<method>.json`` (not in the rows).
+    cProfile), written to ``<profile_dir>/<domain>_c<concurrency>_<method>.json`` (not in the rows). Every cell's
+    host phases run before any cell's kernels, and the kernels (torch.profiler, which slows every later graph launch
+    in the process) at the last concurrency only: earlier ones say ``"kernels": null`` and why. A cell's kernel run
+    starts from the engine state the concurrency's last phase run left.
 
     ``sim_costs``: a GPU bench JSON (or a file of one cost table): every engine runs on a
     :class:`~adaflash_ray.engine.sim_clock.SimClock` of that run's cost table at the same concurrency (no calibration
@@ -604,12 +607,20 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
             for row in rows:
                 if row["domain"] == domain and row["concurrency"] == conc:
                     row["speedup_vs_ar"] = row["tokens_per_s"] / ar_tps if ar_tps else None
-        # every cell's host phases before any cell's kernels: torch.profiler slows every later graph launch
-        docs = [_profile_cell(engine_for(m), m, d, conc, ps, seeds_, max_new_tokens, ("phases", "cprofile"))
-                for m, d, ps, seeds_ in to_profile]
+        # every cell's host phases before any cell's kernels, and kernels at the last concurrency only: torch.profiler
+        # (CUPTI) slows every later graph launch in the process, a later concurrency's timed rows included
+        docs = []
+        for m, d, ps, seeds_ in to_profile:
+            docs.append(_profile_cell(engine_for(m), m, d, conc, ps, seeds_, max_new_tokens, ("phases", "cprofile")))
+            _write_profile(docs[-1], m, d, conc, profile_dir, log)  # on disk before the next cell's runs
+        last = conc == concurrency[-1]
         for doc, (m, d, ps, seeds_) in zip(docs, to_profile):
-            doc.update(_profile_cell(engine_for(m), m, d, conc, ps, seeds_, max_new_tokens, ("kernels",)))
-            _write_profile(doc, m, d, conc, profile_dir, log)
+            if last:
+                doc.update(_profile_cell(engine_for(m), m, d, conc, ps, seeds_, max_new_tokens, ("kernels",)))
+            else:
+                doc["kernels"] = None
+                doc["kernels_skipped"] = "torch.profiler runs at the last concurrency only (it slows later launches)"
+            _write_profile(doc, m, d, conc, profile_dir, log, quiet=True)
         engines.clear()  # free this concurrency's KV caches and graphs before the next
         eng = reqs = None
         if device.startswith("cuda"):
@@ -643,11 +654,15 @@ def _profile_cell(eng: SpecEngine, method: str, domain: str, conc: int, prompts,
         eng.__dict__.pop("generate", None)
 
 
-def _write_profile(doc: dict, method: str, domain: str, conc: int, profile_dir: str, log) -> None:
-    """One cell's profile as ``<profile_dir>/<domain>_c<conc>_<method>.json``, its three commonest step shapes logged."""
+def _write_profile(doc: dict, method: str, domain: str, conc: int, profile_dir: str, log,
+                   quiet: bool = False) -> None:
+    """One cell's profile as ``<profile_dir>/<domain>_c<conc>_<method>.json`` (written again as parts are added),
+    its three commonest step shapes logged unless ``quiet``."""
     Path(profile_dir).mkdir(parents=True, exist_ok=True)
     path = Path(profile_dir) / f"{domain}_c{conc}_{method}.json"
     path.write_text(json.dumps({"method": method, "domain": domain, "concurrency": conc, **doc}, indent=1))
+    if quiet:
+        return
     top = sorted(doc["phases"].items(), key=lambda kv: -kv[1]["count"])[:3]
     log(f"  profile {domain} c={conc} {method}: " + "; ".join(
         f"{k} n={v['count']} wall {v['wall']:.3f} device {v['device']:.3f} ms" for k, v in top) + f" -> {path}")

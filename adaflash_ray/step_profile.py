@@ -207,7 +207,8 @@ def bare_launches(eng: SpecEngine, keys: collections.Counter, num_keys: int = 3,
     """:func:`replay_us` of the ``num_keys`` step keys launched most (``keys``): ``{repr(key): {count, median, p90,
     min, max}}`` ({} without CUDA graphs). Against a phase run's ``launch`` it says whether a slow launch is the call
     itself or the process around it (other threads taking the GIL that the replay releases, ...). The replays run
-    their steps again on stale inputs: the engine's caches change (a profile's last use of its engine)."""
+    their steps again on stale inputs: they write KV / history positions past the requests' ends, which a later
+    request writes before it reads them (the bench's next runs on the engine)."""
     runner = eng.runner
     if not runner.is_cuda or not runner.use_graphs:
         return {}
@@ -226,8 +227,8 @@ def profile_run(eng: SpecEngine, prompts: list[list[int]], max_new_tokens: int, 
     each run.
 
     torch.profiler's CUDA activity (CUPTI) stays attached to the process once it has run and makes every later graph
-    launch slower (a step's ``replay()`` call about 0.03 -> 0.24 ms on an H100): a caller profiling several engines in
-    one process runs every engine's ``phases`` and ``cprofile`` before any engine's ``kernels``.
+    launch several times slower: a caller profiling several engines in one process runs every engine's ``phases``
+    and ``cprofile`` before any engine's ``kernels``, and times nothing after them.
 
     Raises:
         ValueError: an unknown part.

@@ -394,8 +394,9 @@ def test_repeat_order_gives_every_method_every_place():
 @pytest.mark.slow
 def test_profile_runs_after_every_timed_run_of_the_concurrency(monkeypatch, capsys, tmp_path):
     """An engine serves every domain of its concurrency: the profile's instrumented runs of a cell come after the timed
-    runs of all that concurrency's cells (they would feed the next domain's planner and guards), one per cell; every
-    cell's host phases before any cell's kernels (torch.profiler slows every later graph launch), one file per cell."""
+    runs of all that concurrency's cells (they would feed the next domain's planner and guards), one per cell, each
+    cell's file written as soon as its host phases ran; every cell's host phases before any cell's kernels, and the
+    kernels (torch.profiler slows every later graph launch) at the last concurrency only, after every timed run."""
     import adaflash_ray.bench as bench_mod
 
     events = []
@@ -411,19 +412,24 @@ def test_profile_runs_after_every_timed_run_of_the_concurrency(monkeypatch, caps
 
     monkeypatch.setattr(bench_mod, "_run_engine", timed)
     monkeypatch.setattr(bench_mod, "_profile_cell", profile_cell)
-    monkeypatch.setattr(bench_mod, "_write_profile", lambda doc, method, domain, conc, *a: events.append(
-        ("write", method, domain, conc, sorted(doc.items()))))
+    monkeypatch.setattr(bench_mod, "_write_profile", lambda doc, method, domain, conc, *a, **k: events.append(
+        ("write", method, domain, conc, sorted(doc))))
     rc = main(["--recipe", str(ROOT / "recipes" / "cpu_tiny.yaml"), "--methods", "ar", "--concurrency", "1", "2",
                "--domains", "code", "qa", "--num-prompts", "1", "--max-new-tokens", "2", "--warmup", "none",
                "--profile", str(tmp_path / "prof")])
     assert rc == 0 and len(_last_json(capsys)["rows"]) == 4
-    host, kernels = ("phases", "cprofile"), ("kernels",)
+    host = ("phases", "cprofile")
     expected = []
     for c in (1, 2):
-        expected += ["timed"] * 2 + [("profile", "ar", d, c, host) for d in ("code", "qa")]
+        expected += ["timed"] * 2
         for d in ("code", "qa"):
-            expected += [("profile", "ar", d, c, kernels),
-                         ("write", "ar", d, c, [(p, f"{p} of {d}") for p in ("cprofile", "kernels", "phases")])]
+            expected += [("profile", "ar", d, c, host), ("write", "ar", d, c, ["cprofile", "phases"])]
+        for d in ("code", "qa"):
+            if c == 2:
+                expected.append(("profile", "ar", d, c, ("kernels",)))
+                expected.append(("write", "ar", d, c, ["cprofile", "kernels", "phases"]))
+            else:
+                expected.append(("write", "ar", d, c, ["cprofile", "kernels", "kernels_skipped", "phases"]))
     assert events == expected
 
 
