@@ -207,8 +207,8 @@ def bare_launches(eng: SpecEngine, keys: collections.Counter, num_keys: int = 3,
     """:func:`replay_us` of the ``num_keys`` step keys launched most (``keys``): ``{repr(key): {count, median, p90,
     min, max}}`` ({} without CUDA graphs). Against a phase run's ``launch`` it says whether a slow launch is the call
     itself or the process around it (other threads taking the GIL that the replay releases, ...). The replays run
-    their steps again on stale inputs: they write KV / history positions past the requests' ends, which a later
-    request writes before it reads them (the bench's next runs on the engine)."""
+    their steps again on stale inputs: they write KV and history positions of the finished requests' freed slots,
+    which a later request in a slot writes before it reads them (the bench's next runs on the engine)."""
     runner = eng.runner
     if not runner.is_cuda or not runner.use_graphs:
         return {}
