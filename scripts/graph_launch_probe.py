@@ -13,6 +13,7 @@ constructor's defaults (scripts/profile_step_phases.py's engines).
     python scripts/graph_launch_probe.py --shape smollm2-135m --batch 64 --launches 200
     python scripts/graph_launch_probe.py --recipe recipes/smollm2_135m_gpu.yaml --new-tokens 128
     python scripts/graph_launch_probe.py --methods dflash --batch 8 --extra-graphs 100 500 2000   # launch vs graphs held
+    python scripts/graph_launch_probe.py --methods ar --batch 8 --after-profiler   # launch after torch.profiler
 """
 from __future__ import annotations
 
@@ -153,7 +154,22 @@ def probe(method: str, target, drafter, head, ns) -> dict:
     if ns.extra_graphs and keys:  # the first key's launch as the process holds more uploaded graphs
         row["extra_graphs"] = {"key": repr(keys[0]),
                                "launch_us": extra_graphs(runner, keys[0], [0] + ns.extra_graphs, ns.launches)}
+    # the last method's last measurement: torch.profiler may slow every later launch in the process
+    if ns.after_profiler and keys and method == ns.methods[-1]:
+        row["after_profiler"] = after_profiler(runner, keys[0], ns.launches)
     return row
+
+
+def after_profiler(runner, key, launches: int) -> dict:
+    """Does torch.profiler's CUDA activity slow later graph launches? ``key``'s launch before, under and after one
+    torch.profiler run of a few replays of it (:func:`_launch_us`'s dicts; the replays run the step again)."""
+    from torch.profiler import ProfilerActivity, profile
+    graph = runner.graphs[key]
+    out = {"before": _launch_us(graph, launches)}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+        out["under"] = _launch_us(graph, launches)
+    out["after"] = _launch_us(graph, launches)
+    return out
 
 
 def extra_graphs(runner, key, counts: list[int], launches: int) -> dict:
@@ -189,6 +205,9 @@ def main() -> None:
     p.add_argument("--no-precapture", action="store_true")
     p.add_argument("--extra-graphs", type=int, nargs="*", default=[],
                    help="also time a launch while the runner holds this many more uploaded graphs (e.g. 100 500 2000)")
+    p.add_argument("--after-profiler", action="store_true",
+                   help="at the end (the last method), time its first key's launch before, under and after one "
+                        "torch.profiler run")
     p.add_argument("--recipe", default=None, help="build the engines as the bench does, from this recipe")
     p.add_argument("--out", default=None, help="write the rows as JSON here too")
     ns = p.parse_args()
