@@ -797,21 +797,21 @@ def test_cost_table_prior_spares_ar_references_where_drafting_is_far_ahead(tiny_
     drafting commits >= 1 token a row per ms, >= PRIOR_DECISIVE x the table's AR rate, so with the prior (the
     default) no AR reference step is forced; without it (``ar_prior`` False, as ``ADAFLASH_AR_PRIOR=0``) the guard
     takes its 3-step reference at the full bucket. Greedy output equals AR's either way. An engine with the makespan
-    guard (whose horizons read measured AR steps) gets no prior."""
+    guard gets the prior too: its horizons read measured AR steps only, so where the prior spared them it takes no
+    verdict (no makespan step) - and forces none."""
     prompts = _prompts()
-    eng = _engine(tiny_target)
-    eng.ar_prior = ar_prior
-    eng.clock = eng.runner.clock = FakeClock(eng, ar_ms=1.0, draft_ms=1.0)
-    eng.set_cost_table({"batch_sizes": [1, 2, 3], "costs_ms": [[1.0] * 7] * 3, "ar_costs_ms": [5.0] * 3})
-    eng.guard.min_rows = 0
-    reqs = eng.generate(prompts, SamplingParams(max_new_tokens=100, ignore_eos=True))
-    state = eng.guard.state()
-    assert state["3"]["prior_ar_ms"] == (5.0 if ar_prior else None)
-    assert state["3"]["num_forced"] == (0 if ar_prior else 3)
-    assert (eng.stats.num_guard_steps == 0) == ar_prior
-    for r, p in zip(reqs, prompts):
-        assert r.output_ids == greedy_reference(tiny_target, p, 100)
-    ms = _engine(tiny_target, makespan_guard=True)  # its horizons read measured AR steps: no prior
-    ms.ar_prior = ar_prior
-    ms.set_cost_table({"batch_sizes": [1, 2, 3], "costs_ms": [[1.0] * 7] * 3, "ar_costs_ms": [5.0] * 3})
-    assert all(b["prior_ar_ms"] is None for b in ms.guard.state().values())
+    for makespan in (False, True):
+        eng = _engine(tiny_target, makespan_guard=makespan)
+        eng.ar_prior = ar_prior
+        eng.clock = eng.runner.clock = FakeClock(eng, ar_ms=1.0, draft_ms=1.0)
+        eng.set_cost_table({"batch_sizes": [1, 2, 3], "costs_ms": [[1.0] * 7] * 3, "ar_costs_ms": [5.0] * 3})
+        eng.guard.min_rows = 0
+        reqs = eng.generate(prompts, SamplingParams(max_new_tokens=100, ignore_eos=True))
+        state = eng.guard.state()
+        assert state["3"]["prior_ar_ms"] == (5.0 if ar_prior else None)
+        assert state["3"]["num_forced"] == (0 if ar_prior else 3)
+        assert (eng.stats.num_guard_steps == 0) == ar_prior
+        if makespan and ar_prior:  # no measured AR step at any bucket: the makespan guard has no AR price
+            assert all(eng.guard.step_costs(b) is None for b in (1, 2, 3)) and eng.stats.num_makespan_steps == 0
+        for r, p in zip(reqs, prompts):
+            assert r.output_ids == greedy_reference(tiny_target, p, 100)

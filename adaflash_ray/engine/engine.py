@@ -1802,10 +1802,11 @@ class SpecEngine:
 
     def _guard_prior(self, ar_ms: list[float]) -> None:
         """The throughput guard's prior (:meth:`ThroughputGuard.set_prior`): a cost table's AR costs per bucket of the
-        guard, so no AR reference is forced where drafting is far ahead - unless ``ADAFLASH_AR_PRIOR=0`` or the
-        makespan guard reads the measured AR steps for its horizons (``ThroughputGuard.step_costs``: none where the
-        prior spared them). Call after the guard's buckets were set (they drop the prior)."""
-        if self.guard is not None and self.ar_prior and not self.makespan_guard:
+        guard, so no AR reference is forced where drafting is far ahead - unless ``ADAFLASH_AR_PRIOR=0``. The makespan
+        guard prices AR by measured steps only (``ThroughputGuard.step_costs``): at a bucket whose references the
+        prior spared it takes no verdict (drafting runs there at >= ``PRIOR_DECISIVE`` x the table's AR rate). Call
+        after the guard's buckets were set (they drop the prior)."""
+        if self.guard is not None and self.ar_prior:
             self.guard.set_prior(ar_ms)
 
     def _check_timing_args(self, batch_size: int, width: int, context_len: int) -> None:
