@@ -815,3 +815,86 @@ def test_cost_table_prior_spares_ar_references_where_drafting_is_far_ahead(tiny_
             assert all(eng.guard.step_costs(b) is None for b in (1, 2, 3)) and eng.stats.num_makespan_steps == 0
         for r, p in zip(reqs, prompts):
             assert r.output_ids == greedy_reference(tiny_target, p, 100)
+
+
+def _drive(eng, running, reqs, steps: int) -> tuple[int, int]:
+    """``steps`` steps of a wave at 3 rows driven through the makespan guard and the throughput guard: an AR step
+    (makespan verdict or forced reference) commits 1 token a row in 1 ms, a drafting step 3 a row in 2 ms.
+    Returns (forced AR references, makespan AR steps)."""
+    forced = verdicts = 0
+    for _ in range(steps):
+        if eng._makespan_prefers_ar(running, 3):
+            verdicts += 1
+            eng.guard.record(3, False, 3, 1.0, 3)
+        elif eng.guard.force_ar(3):
+            forced += 1
+            eng.guard.record(3, False, 3, 1.0, 3)
+        else:
+            eng.guard.record(3, True, 9, 2.0, 3)
+    return forced, verdicts
+
+
+@pytest.mark.parametrize("prior", [None, [1.0, 1.0, 1.0]])
+def test_makespan_guard_asks_for_the_reference_a_decisive_prior_spares(tiny_target, prior):
+    """Drafting at 1.5 x AR's rate on average (3 tokens a row in 2 ms against 1 in 1 ms: decisive against a table AR
+    of 1 ms) while one request of three drafts 1 token a step: AR wins the wave's makespan. With the prior the
+    throughput guard forces no reference of its own, yet the makespan guard - pricing AR by the table's ms where
+    nothing was measured - asks for it: the same 3 forced reference steps, then AR verdicts and the lock, as without
+    a prior."""
+    from adaflash_ray.engine.engine import MAKESPAN_TRIAL
+    eng = _engine(tiny_target, makespan_guard=True, makespan_lock=True)
+    eng.guard.set_prior(prior)
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=100, ignore_eos=True)) for p in _prompts()]
+    eng._admit(True, [])
+    running = list(eng.scheduler.running)
+    eng._ms_trial = MAKESPAN_TRIAL
+    for r in reqs:  # two requests at 3 tokens a drafting step, one at 1 (the slow tail)
+        r.spec_steps, r.spec_tokens = 20, 60
+    reqs[1].spec_tokens = 20
+    forced, verdicts = _drive(eng, running, reqs, 300)
+    assert forced == 3 and verdicts > 250 and all(r.ar_locked for r in reqs)
+    assert eng.guard.state()["3"]["prior_decisive"] == (prior is not None)
+
+
+def test_makespan_guard_asks_for_nothing_where_the_table_says_ar_cannot_win(tiny_target):
+    """The same wave with every request drafting 3 tokens a step: even at the table's (optimistic) AR price AR's
+    horizon is longer, so no reference is asked for and none forced under a decisive prior; no verdict, no lock."""
+    from adaflash_ray.engine.engine import MAKESPAN_TRIAL
+    eng = _engine(tiny_target, makespan_guard=True, makespan_lock=True)
+    eng.guard.set_prior([1.0, 1.0, 1.0])
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=100, ignore_eos=True)) for p in _prompts()]
+    eng._admit(True, [])
+    eng._ms_trial = MAKESPAN_TRIAL
+    for r in reqs:
+        r.spec_steps, r.spec_tokens = 20, 60
+    assert _drive(eng, list(eng.scheduler.running), reqs, 300) == (0, 0)
+    assert not any(r.ar_locked for r in reqs) and eng.guard.step_costs(3) is None
+
+
+def test_stale_ar_costs_are_no_price_and_the_makespan_guard_asks_for_a_refresh(tiny_target):
+    """AR measured once at 1 ms, then ``ar_refresh_steps`` decisive drafting steps under the prior (no refresh of
+    the throughput guard's own): ``step_costs`` answers None rather than the stale 1 ms; the makespan guard of a wave
+    AR could win asks for the refresh, which is forced (min_samples steps) and gives a fresh price."""
+    from adaflash_ray.engine.engine import MAKESPAN_TRIAL
+    eng = _engine(tiny_target, makespan_guard=True, makespan_lock=True)
+    g = eng.guard
+    for _ in range(g.min_samples):
+        g.record(3, True, 9, 2.0, 3)
+        g.record(3, False, 3, 1.0, 3)
+    g.set_prior([1.0, 1.0, 1.0])
+    assert g.step_costs(3) == (1.0, 2.0, 3.0)
+    for _ in range(g.ar_refresh_steps):
+        assert not g.force_ar(3)  # decisive: no refresh of its own
+        g.record(3, True, 9, 2.0, 3)
+    assert g.step_costs(3) is None and g.buckets[2].since_ar == g.ar_refresh_steps
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=100, ignore_eos=True)) for p in _prompts()]
+    eng._admit(True, [])
+    eng._ms_trial = MAKESPAN_TRIAL
+    for r in reqs:
+        r.spec_steps, r.spec_tokens = 20, 60
+    reqs[1].spec_tokens = 20
+    assert not eng._makespan_prefers_ar(list(eng.scheduler.running), 3)  # no price yet: a request, no verdict
+    got = [g.force_ar(3) for _ in range(g.min_samples)]
+    for _ in got:
+        g.record(3, False, 3, 1.6, 3)  # the refresh: AR now costs 1.6 ms
+    assert got == [True] * g.min_samples and g.step_costs(3)[0] > 1.0

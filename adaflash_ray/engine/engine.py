@@ -260,9 +260,9 @@ class SpecEngine:
             bucket and forces AR steps where the policy is slower; False = off (``self.guard`` None). Without
             ``ar_steps`` (an engine that must always draft: the main job's inference workers) or with another policy
             (lookup-only sources included) there is none. A step with a request's own ``draft_len`` is never forced.
-            The cost table's AR costs are its prior (:meth:`ThroughputGuard.set_prior`; not with ``makespan_guard``,
-            whose horizons read the measured AR steps): a bucket whose policy runs at least ``PRIOR_DECISIVE`` x the
-            table's AR rate gets no forced AR reference steps.
+            The cost table's AR costs are its prior (:meth:`ThroughputGuard.set_prior`): a bucket whose policy runs
+            at least ``PRIOR_DECISIVE`` x the table's AR rate gets no forced AR reference steps - unless the
+            makespan guard, whose horizons read measured AR steps only, asks for them (:meth:`_guard_prior`).
         block_guard: with the throughput guard, the hybrid with the drafter and a lookup source also gets a second
             one (``self.block_guard``) over the planner's own steps: steps that propose the drafter's next block
             against steps that do not (lookups and any pending block only), so a block whose proposes cost more than
@@ -1164,29 +1164,14 @@ class SpecEngine:
             self._ms_trial += 1
             return False
         costs = self.guard.step_costs(batch_size)
-        if costs is None:
+        if costs is None:  # no measured AR price: ask for one only where the table's (optimistic) could lose the wave
+            optimistic = self.guard.prior_costs(batch_size)
+            if optimistic is not None:
+                ar_h, spec_h, _, _ = self._makespan_horizons(running, batch_size, *optimistic)
+                if ar_h < (1.0 - MAKESPAN_MARGIN) * spec_h:
+                    self.guard.request_reference(batch_size)
             return False
-        ar_ms, spec_ms, spec_tokens = costs
-        prior = DRAIN_PRIOR * max(spec_tokens, 1.0)  # DRAIN_PRIOR pseudo-steps at the bucket's mean tokens per row
-        ar_steps, spec_steps = [], []  # per request: its steps left decoding AR / drafting (by its own record)
-        unknown_left = []  # the tokens left of the requests without a drafting record
-        use_history = len(self._ms_history) >= MAKESPAN_HISTORY_MIN
-        for r in running:
-            left = r.params.max_new_tokens - len(r.output_ids)
-            ar_steps.append(left)
-            if use_history and r.spec_steps == 0:
-                unknown_left.append(left)
-            else:
-                spec_steps.append(left * (r.spec_steps + DRAIN_PRIOR) / (r.spec_tokens + prior))
-        ar_runs, spec_runs = self._rows_ms(batch_size, len(running), ar_ms, spec_ms)
-        # drafting's horizon by the requests' own records (and the bucket's prior)
-        known_h = _wave_ms(spec_steps, spec_runs)
-        if unknown_left:  # the slowest of n unknown requests at the history's 1 / (n + 1) quantile, the others at
-            unknown_left.sort(reverse=True)  # its median; at least 1 token per step
-            slow = max(self._ms_history_quantile(len(unknown_left)), 1.0)
-            typical = max(self._ms_history_quantile(1), 1.0)
-            spec_steps += [unknown_left[0] / slow] + [x / typical for x in unknown_left[1:]]
-        ar_h, spec_h = _wave_ms(ar_steps, ar_runs), _wave_ms(spec_steps, spec_runs)
+        ar_h, spec_h, known_h, unknown_left = self._makespan_horizons(running, batch_size, *costs)
         if ar_h < (1.0 - MAKESPAN_MARGIN) * spec_h:
             self._ms_forced_left = MAKESPAN_BACKOFF * self._ms_factor - 1  # this step is the back-off's first
             self._ms_factor = min(2 * self._ms_factor, PROBE_MAX_FACTOR)
@@ -1207,6 +1192,32 @@ class SpecEngine:
             return True
         self._ms_factor = 1
         return False
+
+    def _makespan_horizons(self, running: list[Request], batch_size: int, ar_ms: float, spec_ms: float,
+                           spec_tokens: float) -> tuple[float, float, float, list[int]]:
+        """The makespan guard's horizons of the running wave at ``batch_size`` (ms): ``(AR's, drafting's, drafting's
+        by the requests' own records alone, the tokens left of the requests without a record)`` for an AR step of
+        ``ar_ms``, a drafting step of ``spec_ms`` committing ``spec_tokens`` a row (:meth:`_makespan_prefers_ar`)."""
+        prior = DRAIN_PRIOR * max(spec_tokens, 1.0)  # DRAIN_PRIOR pseudo-steps at the bucket's mean tokens per row
+        ar_steps, spec_steps = [], []  # per request: its steps left decoding AR / drafting (by its own record)
+        unknown_left = []  # the tokens left of the requests without a drafting record
+        use_history = len(self._ms_history) >= MAKESPAN_HISTORY_MIN
+        for r in running:
+            left = r.params.max_new_tokens - len(r.output_ids)
+            ar_steps.append(left)
+            if use_history and r.spec_steps == 0:
+                unknown_left.append(left)
+            else:
+                spec_steps.append(left * (r.spec_steps + DRAIN_PRIOR) / (r.spec_tokens + prior))
+        ar_runs, spec_runs = self._rows_ms(batch_size, len(running), ar_ms, spec_ms)
+        # drafting's horizon by the requests' own records (and the bucket's prior)
+        known_h = _wave_ms(spec_steps, spec_runs)
+        if unknown_left:  # the slowest of n unknown requests at the history's 1 / (n + 1) quantile, the others at
+            unknown_left.sort(reverse=True)  # its median; at least 1 token per step
+            slow = max(self._ms_history_quantile(len(unknown_left)), 1.0)
+            typical = max(self._ms_history_quantile(1), 1.0)
+            spec_steps += [unknown_left[0] / slow] + [x / typical for x in unknown_left[1:]]
+        return _wave_ms(ar_steps, ar_runs), _wave_ms(spec_steps, spec_runs), known_h, unknown_left
 
     def _rows_ms(self, batch_size: int, rows_now: int, ar_ms: float, spec_ms: float):
         """``(ar_runs, spec_runs)``: the wall ms of an AR / a drafting step of k running requests as :func:`_wave_ms`
@@ -1803,9 +1814,10 @@ class SpecEngine:
     def _guard_prior(self, ar_ms: list[float]) -> None:
         """The throughput guard's prior (:meth:`ThroughputGuard.set_prior`): a cost table's AR costs per bucket of the
         guard, so no AR reference is forced where drafting is far ahead - unless ``ADAFLASH_AR_PRIOR=0``. The makespan
-        guard prices AR by measured steps only (``ThroughputGuard.step_costs``): at a bucket whose references the
-        prior spared it takes no verdict (drafting runs there at >= ``PRIOR_DECISIVE`` x the table's AR rate). Call
-        after the guard's buckets were set (they drop the prior)."""
+        guard prices AR by measured steps only (``ThroughputGuard.step_costs``); where the prior spared them it asks
+        for a reference (``request_reference``) only if the wave could lose to AR at the table's AR price, which runs
+        below the realised one (:meth:`_makespan_prefers_ar`). Call after the guard's buckets were set (they drop the
+        prior)."""
         if self.guard is not None and self.ar_prior:
             self.guard.set_prior(ar_ms)
 

@@ -35,8 +35,10 @@ row) spares the forced AR reference where it cannot change a verdict: while the 
 :data:`PRIOR_DECISIVE` x the prior's AR rate, a reference run (the first, or a refresh) is not forced - realised AR
 steps would have to run below ``(1 - margin) / PRIOR_DECISIVE`` (~0.78) x the table's AR ms for the comparison to
 back off. Below that the reference runs as without a prior. The prior is never a measurement:
-:meth:`ThroughputGuard.step_costs` (the makespan guard's AR ms) answers from measured AR steps only (a table's AR
-ms, timed at a short context, runs below the realised ones).
+:meth:`ThroughputGuard.step_costs` (the makespan guard's AR ms) answers from measured AR steps only, and not from
+stale ones (a table's AR ms, timed at a short context, runs below the realised ones); where the prior spared them
+the makespan guard prices AR by the table's ms (:meth:`ThroughputGuard.prior_costs`, optimistic for AR) and, if AR
+could then win, asks for the reference (:meth:`ThroughputGuard.request_reference`).
 
 Host-side, a few float operations per step; the step times come from the engine's one ``perf_counter`` pair per step
 (the step ends in its device -> host transfer, so on CUDA that is the real elapsed time).
@@ -88,6 +90,7 @@ class _Bucket:
     num_backoffs: int = 0
     num_forced: int = 0  # forced steps taken (back-offs and AR samples)
     prior_ms: float | None = None  # the AR step's ms by the cost table (set_prior), None = none
+    requested: bool = False  # a reference asked for (request_reference) that the prior would have spared
 
 
 class ThroughputGuard:
@@ -177,8 +180,8 @@ class ThroughputGuard:
         ``min_samples`` of its own."""
         if bk.policy.num_samples < self.min_samples:
             return 0
-        if self._decisive(bk):  # the prior's verdict: no reference run (nor a refresh: once the policy falls below
-            return 0  # PRIOR_DECISIVE x, its AR samples' age since_ar, still counting, asks for one at once)
+        if self._decisive(bk) and not bk.requested:  # the prior's verdict: no reference run (nor a refresh: once
+            return 0  # the policy falls below PRIOR_DECISIVE x, its AR samples' age since_ar asks for one at once)
         if bk.ar.num_samples < self.min_samples or (bk.ref_rows < self.reference_rows
                                                     and not self._reference_decided(bk)):
             return max(self.min_samples - bk.ar.num_samples, 1)
@@ -216,8 +219,8 @@ class ThroughputGuard:
         bk = self._bucket(batch_size)
         if num_rows is None or bk.forced_left > 0:
             return self.would_force(batch_size)
-        if bk.policy.num_samples < self.min_samples or self._decisive(bk):  # the record sets since_ar to 0: no
-            return False  # refresh is due after it (nor any reference where the prior decides)
+        if bk.policy.num_samples < self.min_samples or (self._decisive(bk) and not bk.requested):  # the record
+            return False  # sets since_ar to 0: no refresh is due after it (nor any reference where the prior decides)
         return bk.ar.num_samples + 1 < self.min_samples or bk.ref_rows + max(num_rows, 1) < self.reference_rows
 
     def force_ar(self, batch_size: int) -> bool:
@@ -247,6 +250,7 @@ class ThroughputGuard:
             bk.ref_rows += rows
             bk.run_tokens, bk.run_ms, bk.run_steps = bk.run_tokens + tokens, bk.run_ms + ms, bk.run_steps + 1
             bk.since_ar = 0
+            bk.requested = False  # the asked-for run goes on by force_ar's count
             return
         bk.policy.add(tokens, ms, min(self.decay, rows / self.min_rows) if self.min_rows else self.decay)
         bk.trial += 1
@@ -266,12 +270,26 @@ class ThroughputGuard:
     def step_costs(self, batch_size: int) -> tuple[float, float, float] | None:
         """``(AR ms, policy ms, policy tokens per row)`` of ``batch_size``'s bucket - the moving averages of an AR
         step's and a policy step's wall ms and of a policy step's committed tokens per row - once each kind has
-        ``min_samples`` samples there (measured steps only: a bucket whose reference the prior spared has none);
-        else None."""
+        ``min_samples`` samples there and the AR ones are younger than ``ar_refresh_steps`` of its steps (measured
+        steps only: a bucket whose reference the prior spared has none, nor a fresh one); else None."""
         bk = self._bucket(batch_size)
-        if bk.ar.num_samples < self.min_samples or bk.policy.num_samples < self.min_samples:
+        if bk.ar.num_samples < self.min_samples or bk.policy.num_samples < self.min_samples or \
+                (self.ar_refresh_steps and bk.since_ar >= self.ar_refresh_steps):
             return None
         return bk.ar.ms, bk.policy.ms, bk.policy.tokens
+
+    def prior_costs(self, batch_size: int) -> tuple[float, float, float] | None:
+        """:meth:`step_costs` with the prior's AR ms (the cost table's, below the realised ones: optimistic for AR)
+        in place of the measured, where the bucket has a prior and ``min_samples`` policy samples; else None."""
+        bk = self._bucket(batch_size)
+        if bk.prior_ms is None or bk.policy.num_samples < self.min_samples:
+            return None
+        return bk.prior_ms, bk.policy.ms, bk.policy.tokens
+
+    def request_reference(self, batch_size: int) -> None:
+        """Ask for ``batch_size``'s bucket's AR reference (or refresh) that its prior spares: :meth:`force_ar` forces
+        it as it would without a prior, where one is due (too few or too old AR samples)."""
+        self._bucket(batch_size).requested = True
 
     def new_batch(self) -> None:
         """A new batch: back-offs end (factor 1); the averages stay (they measure this engine's steps)."""
