@@ -817,7 +817,7 @@ def test_cost_table_prior_spares_ar_references_where_drafting_is_far_ahead(tiny_
             assert r.output_ids == greedy_reference(tiny_target, p, 100)
 
 
-def _drive(eng, running, reqs, steps: int) -> tuple[int, int]:
+def _drive(eng, running, steps: int) -> tuple[int, int]:
     """``steps`` steps of a wave at 3 rows driven through the makespan guard and the throughput guard: an AR step
     (makespan verdict or forced reference) commits 1 token a row in 1 ms, a drafting step 3 a row in 2 ms.
     Returns (forced AR references, makespan AR steps)."""
@@ -851,7 +851,7 @@ def test_makespan_guard_asks_for_the_reference_a_decisive_prior_spares(tiny_targ
     for r in reqs:  # two requests at 3 tokens a drafting step, one at 1 (the slow tail)
         r.spec_steps, r.spec_tokens = 20, 60
     reqs[1].spec_tokens = 20
-    forced, verdicts = _drive(eng, running, reqs, 300)
+    forced, verdicts = _drive(eng, running, 300)
     assert forced == 3 and verdicts > 250 and all(r.ar_locked for r in reqs)
     assert eng.guard.state()["3"]["prior_decisive"] == (prior is not None)
 
@@ -867,7 +867,7 @@ def test_makespan_guard_asks_for_nothing_where_the_table_says_ar_cannot_win(tiny
     eng._ms_trial = MAKESPAN_TRIAL
     for r in reqs:
         r.spec_steps, r.spec_tokens = 20, 60
-    assert _drive(eng, list(eng.scheduler.running), reqs, 300) == (0, 0)
+    assert _drive(eng, list(eng.scheduler.running), 300) == (0, 0)
     assert not any(r.ar_locked for r in reqs) and eng.guard.step_costs(3) is None
 
 
@@ -894,7 +894,11 @@ def test_stale_ar_costs_are_no_price_and_the_makespan_guard_asks_for_a_refresh(t
         r.spec_steps, r.spec_tokens = 20, 60
     reqs[1].spec_tokens = 20
     assert not eng._makespan_prefers_ar(list(eng.scheduler.running), 3)  # no price yet: a request, no verdict
-    got = [g.force_ar(3) for _ in range(g.min_samples)]
-    for _ in got:
-        g.record(3, False, 3, 1.6, 3)  # the refresh: AR now costs 1.6 ms
-    assert got == [True] * g.min_samples and g.step_costs(3)[0] > 1.0
+    costs = []
+    for _ in range(g.min_samples):  # the refresh: AR now costs 1.6 ms
+        assert g.force_ar(3)
+        g.record(3, False, 3, 1.6, 3)
+        costs.append(g.step_costs(3))
+    assert costs[:-1] == [None] * (g.min_samples - 1)  # the stale average restarted: no blend of old and new
+    assert costs[-1] == pytest.approx((1.6, 2.0, 3.0)) and not g.buckets[2].requested  # served: the request cleared
+    assert not g.force_ar(3)  # nothing more forced

@@ -46,7 +46,7 @@ Host-side, a few float operations per step; the step times come from the engine'
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from adaflash_ray.engine.length_policy import PROBE_MAX_FACTOR
 
@@ -78,6 +78,9 @@ class _Rate:
 class _Bucket:
     ar: _Rate
     policy: _Rate
+    # the AR averages since the last refresh began (step_costs: a price with no stale samples blended in; the same
+    # as ``ar`` until a bucket's first refresh)
+    ar_fresh: _Rate = field(default_factory=_Rate)
     forced_left: int = 0  # AR steps still forced here
     factor: int = 1  # the next back-off's length in units of backoff_steps
     trial: int = 0  # policy steps since the last back-off (the condition is re-checked after min_samples of them ...)
@@ -246,7 +249,11 @@ class ThroughputGuard:
         rows = max(num_rows, 1)
         tokens = tokens / rows
         if not policy_step:
-            bk.ar.add(tokens, ms, min(self.decay, rows / self.reference_rows) if self.reference_rows else self.decay)
+            w = min(self.decay, rows / self.reference_rows) if self.reference_rows else self.decay
+            bk.ar.add(tokens, ms, w)
+            if self.ar_refresh_steps and bk.since_ar >= self.ar_refresh_steps:  # a refresh's first sample: the
+                bk.ar_fresh = _Rate()  # makespan guard's AR price starts over (step_costs)
+            bk.ar_fresh.add(tokens, ms, w)
             bk.ref_rows += rows
             bk.run_tokens, bk.run_ms, bk.run_steps = bk.run_tokens + tokens, bk.run_ms + ms, bk.run_steps + 1
             bk.since_ar = 0
@@ -271,12 +278,13 @@ class ThroughputGuard:
         """``(AR ms, policy ms, policy tokens per row)`` of ``batch_size``'s bucket - the moving averages of an AR
         step's and a policy step's wall ms and of a policy step's committed tokens per row - once each kind has
         ``min_samples`` samples there and the AR ones are younger than ``ar_refresh_steps`` of its steps (measured
-        steps only: a bucket whose reference the prior spared has none, nor a fresh one); else None."""
+        steps only: a bucket whose reference the prior spared has none). The AR ms is the average since the last
+        refresh began, none until it has ``min_samples`` samples (no stale samples blended in)."""
         bk = self._bucket(batch_size)
-        if bk.ar.num_samples < self.min_samples or bk.policy.num_samples < self.min_samples or \
+        if bk.ar_fresh.num_samples < self.min_samples or bk.policy.num_samples < self.min_samples or \
                 (self.ar_refresh_steps and bk.since_ar >= self.ar_refresh_steps):
             return None
-        return bk.ar.ms, bk.policy.ms, bk.policy.tokens
+        return bk.ar_fresh.ms, bk.policy.ms, bk.policy.tokens
 
     def prior_costs(self, batch_size: int) -> tuple[float, float, float] | None:
         """:meth:`step_costs` with the prior's AR ms (the cost table's, below the realised ones: optimistic for AR)
@@ -303,7 +311,7 @@ class ThroughputGuard:
         for bk in self.buckets:
             bk.policy = _Rate()
             if reference:
-                bk.ar, bk.since_ar = _Rate(), 0
+                bk.ar, bk.ar_fresh, bk.since_ar = _Rate(), _Rate(), 0
                 self._new_run(bk)
 
     def state(self) -> dict[str, dict]:
