@@ -1153,8 +1153,9 @@ class SpecEngine:
     def _makespan_prefers_ar(self, running: list[Request], batch_size: int) -> bool:
         """Under ``makespan_guard``: whether this step at ``batch_size`` is an AR step (the constructor's
         ``makespan_guard``: a back-off's forced step, or a verdict for AR that starts one). False while requests wait
-        (queued or held back), in a trial, or before the throughput guard has ``min_samples`` steps of each kind at
-        this bucket."""
+        (queued or held back), in a trial, or while the throughput guard has no AR price at this bucket
+        (``ThroughputGuard.step_costs``: too few steps of a kind, or AR's stale) - then, where its prior spared the
+        reference, it asks for one (``request_reference``) if AR at the table's ms could win the wave."""
         if self.scheduler.waiting or self.num_held:
             return False
         if self._ms_forced_left > 0:
