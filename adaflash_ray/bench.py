@@ -574,6 +574,7 @@ def bench(cfg: RunConfig, drafter_path: str | None, *, methods: list[str], concu
                     # the prefill settings the engine ran with (the recipe's, unset = on CUDA, or the bench's flags)
                     row["prefill_buckets"] = engine_for(method).runner.prefill_buckets
                     row["defer_first_block"] = engine_for(method).defer_first_block
+                    row["async_scheduling"] = engine_for(method).async_scheduling
                     if method in precaptured:  # graphs captured after this cell's warm-up, before its timed runs
                         row["precaptured"] = precaptured[method]
                     # the measured step costs the policy / planner chose by, beside step_timing's realised ones
@@ -832,6 +833,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--defer-first-block", action=argparse.BooleanOptionalAction, default=None,
                    help="prefills never propose the first block (SpecEngine defer_first_block; default: the "
                         "recipe's engine.defer_first_block, unset = on CUDA)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plain AR steps launched before the step in flight is read (SpecEngine async_scheduling; "
+                        "default: the recipe's engine.async_scheduling, unset = on with CUDA graphs)")
     p.add_argument("--no-precapture", action="store_true",
                    help="CUDA: do not capture every step shape after the warm-up passes (the timed runs then capture "
                         "the graphs of shapes the warm-up did not meet, as a server that captures lazily)")
@@ -983,7 +987,9 @@ def main(argv: list[str] | None = None) -> int:
                                        **({"prefill_buckets": ns.prefill_buckets}
                                           if ns.prefill_buckets is not None else {}),
                                        **({"defer_first_block": ns.defer_first_block}
-                                          if ns.defer_first_block is not None else {})}
+                                          if ns.defer_first_block is not None else {}),
+                                       **({"async_scheduling": ns.async_scheduling}
+                                          if ns.async_scheduling is not None else {})}
                         or None, log=log,
                         repeats=ns.repeats, corpus_prompts=ns.corpus_prompts, temperature=ns.temperature,
                         admit_min=ns.admit_min, precapture=not ns.no_precapture, profile_dir=ns.profile,

@@ -304,6 +304,10 @@ class EngineConfig(_Section):
     # (graphed catch-up) and the new requests' first step verifies no block (SpecEngine defer_first_block).
     # None = on where model.device is cuda (on CPU the propose in the prefill stays)
     defer_first_block: bool | None = None
+    # a plain AR step (AR mode without a drafter, makespan_lock's locked waves) is launched before the step in flight
+    # is read, so the host's work on each result overlaps the next step (SpecEngine async_scheduling). None = on with
+    # CUDA graphs
+    async_scheduling: bool | None = None
     # the hybrid (length_head.draft_sources with dflash and a lookup) proposes the drafter's block in the step that
     # verifies it, only where the planner chooses it (SpecEngine propose_first; its lookups then run on the device,
     # on CPU too); false = the block proposed one step ahead

@@ -27,6 +27,7 @@
 #                                    BENCH_TIMEOUT=150: other methods, concurrencies, repeats, per-call timeout)
 #                                    (WEIGHT_SYNC=1: also time the Qwen3-8B-shape weight broadcast)
 #                                    (BENCH_DRAFTER=/root/dr/vN: a drafter of the `drafter` call, no main job on this
+#                                    (BENCH_DRAFTER=untrained: the recipe's untrained drafter, no drafter call needed)
 #                                    machine: the GPU recipe, the model from the GGUF parts - carry [".gpu_stage3"])
 # The main job runs in its own process session: it outlives call c (600 s at most), and call d waits for it.
 # Results land in $OUT: main_job_files.tar.gz (run_summary.json: summary + device + commit, metrics.jsonl,
@@ -284,6 +285,8 @@ EOF
       export ADAFLASH_COMMIT="${ADAFLASH_COMMIT:-unknown}"
       prepare_model || exit 1
       ck="$BENCH_DRAFTER" recipe=recipes/smollm2_135m_gpu.yaml
+      # BENCH_DRAFTER=untrained: the recipe's freshly initialised drafter (no drafter call needed; its cost policy
+      # answers γ = 0 nearly everywhere - the γ = 0 overhead against AR)
     else
       export ADAFLASH_COMMIT="$(cat "$JOB/commit" 2>/dev/null || echo unknown)"  # the device copy's git HEAD lags
       v=$(python3 -c "import json; print(json.load(open('$RUN_DIR/summary.json'))['serving_version'])") || exit 1
@@ -304,7 +307,8 @@ EOF
     for c in ${BENCH_CONC:-1 64}; do
       n=$c; [ "$c" = 1 ] && n=8; [ "$c" = 8 ] && n=16
       o="$OUT/bench_c$c${BENCH_TAG:-}"
-      timeout "${BENCH_TIMEOUT:-170}" python3 -m adaflash_ray.bench --recipe "$recipe" --drafter "$ck" \
+      dr=(--drafter "$ck"); [ "$ck" = untrained ] && dr=()
+      timeout "${BENCH_TIMEOUT:-170}" python3 -m adaflash_ray.bench --recipe "$recipe" "${dr[@]}" \
         --methods "${m[@]}" --concurrency "$c" --domains "${dom[@]}" --num-prompts "$n" \
         --repeats "${BENCH_REPEATS:-1}" --temperature "${BENCH_TEMPERATURE:-0}" --max-new-tokens 256 \
         ${BENCH_EXTRA:-} --out "$o.json" --plot "$o.png" > "$o.log" 2>&1

@@ -114,6 +114,21 @@ REQUEST_CAL_PRIOR = 1.0
 #: than this fraction of the planned steps' rate (a random or untrained drafter: no long runs of it)
 SOURCE_GUARD_REFERENCE_STOP = 0.7
 _slot_of = attrgetter("slot")
+
+
+def _rows_of(batch: _Batch, keep: list[int]) -> _Batch:
+    """``batch`` cut to its rows ``keep`` (indices into its requests) - a plain or AR step's batch: γ 0, no choices."""
+    slots = batch.slots if batch.slots is not None else [r.slot for r in batch.requests]
+    return batch._replace(requests=[batch.requests[i] for i in keep], draft_lens=[0] * len(keep),
+                          slots=[slots[i] for i in keep])
+
+
+def _result_rows(res: StepResult, keep: list[int]) -> StepResult:
+    """A plain step's :class:`StepResult` cut to its rows ``keep``."""
+    pick = (lambda xs: None if xs is None else [xs[i] for i in keep])
+    return StepResult(committed=pick(res.committed), num_accepted=pick(res.num_accepted),
+                      next_draft_lens=pick(res.next_draft_lens), logprobs=pick(res.logprobs),
+                      top_logprobs=pick(res.top_logprobs))
 log = logging.getLogger(__name__)
 
 
@@ -354,6 +369,16 @@ class SpecEngine:
             and their first step verifies no block - one step without the drafter's drafts per request, for an eager
             propose and context append less in every prefill. False: the block proposed at admission whenever the
             next step would use it.
+        async_scheduling: overlap the host's work on a plain AR step's result with the device's next step (the
+            overlap scheduling of vLLM's ``async_scheduling`` and SGLang's overlap scheduler): where a step is the
+            AR engine's own (``mode="ar"`` without a drafter or lookup source, or ``makespan_lock``'s plain step) and
+            the next one will be too - no request waits, no compaction is due, not ``record`` -, :meth:`step`
+            launches the next step before it reads this one's tokens (:meth:`ModelRunner.launch_plain`: each row's
+            anchor token is read on the device), so each call returns the step launched by the call before, and
+            the host's scheduling, commit and records cost no device time. A request that a stop token ends has
+            one more row computed in the step already launched, which is dropped (its tokens are never committed);
+            one its budget ends is left out of the next launch. The outputs are the synchronous engine's, token
+            for token. None = on with CUDA graphs.
     Raises:
         ValueError: bad ``draft_sources`` (:func:`~adaflash_ray.engine.hybrid.check_draft_sources`), ``"dflash"``
             among them without the ``cost`` policy, an unknown ``lookup_device`` or ``objective``;
@@ -375,7 +400,7 @@ class SpecEngine:
                  request_calibration: bool = False, makespan_guard: bool = False, makespan_lock: bool = False,
                  prefill_buckets: bool = False,
                  source_guard: bool = True, source_guard_reference_rows: int = 0,
-                 defer_first_block: bool = False):
+                 defer_first_block: bool = False, async_scheduling: bool | None = None):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {list(OBJECTIVES)}, got {objective!r}")
         self.objective = objective
@@ -536,6 +561,11 @@ class SpecEngine:
         # the scheduler's batch version whose running requests were all locked (makespan_lock; None: none): the
         # plain steps' check is then one comparison, not a look at every row
         self._locked_version: int | None = None
+        self.async_scheduling = self.runner.use_graphs if async_scheduling is None else bool(async_scheduling)
+        # async_scheduling: the plain step launched and not read yet (its batch and ModelRunner.PendingStep), and the
+        # requests a step read outside step() finished (step returns them next)
+        self._inflight: tuple | None = None
+        self._drained: list[Request] = []
         self._ms_quantiles: dict[int, float] = {}  # n -> the history's 1 / (n + 1) quantile
         self._ms_rows: dict[tuple, list[tuple]] = {}  # _rows_ms's runs of counts (bucket, table row) per key
         self._last_planned_propose: bool | None = None  # the block guard's previous planned step (None: none yet)
@@ -585,7 +615,8 @@ class SpecEngine:
                 guard, else off (and with it makespan_lock: ``cfg.engine.makespan_lock`` unless the engine records
                 features); source_guard, source_guard_reference_rows, argmax_drafts: default ``cfg.engine``'s;
                 prefill_buckets,
-                defer_first_block: default ``cfg.engine``'s, where None = on when ``cfg.model.device`` is CUDA).
+                defer_first_block: default ``cfg.engine``'s, where None = on when ``cfg.model.device`` is CUDA;
+                async_scheduling: default ``cfg.engine``'s).
         Raises:
             ValueError / CheckpointError: as the constructor and the model builders.
         """
@@ -602,6 +633,7 @@ class SpecEngine:
         kwargs.setdefault("source_guard_reference_rows", cfg.engine.source_guard_reference_rows)
         kwargs.setdefault("objective", cfg.engine.objective)
         kwargs.setdefault("argmax_drafts", cfg.engine.argmax_drafts)
+        kwargs.setdefault("async_scheduling", cfg.engine.async_scheduling)
         for key, value in prefill_settings(cfg).items():
             kwargs.setdefault(key, value)
         if lh.draft_sources is not None and "draft_sources" not in kwargs:
@@ -719,23 +751,56 @@ class SpecEngine:
         finished at their prefill join its corpus ring together before the decode step, those finished by the decode
         step together at its end (inside its timing)."""
         spec = mode == "spec" and (self.drafter is not None or self.lookup is not None)
-        finished: list[Request] = []
-        self._admit(spec, finished)
-        self._flush_corpus()
-        if not self.scheduler.running:
-            self._flush_planner_record()  # no step to overlap it with: the planner is up to date between batches
-            return finished
-        if self.compact_slots and not self.scheduler.waiting:
-            self._compact()
+        finished, self._drained = self._drained, []
+        if self._inflight is None:
+            self._admit(spec, finished)
+            self._flush_corpus()
+            if not self.scheduler.running:
+                self._flush_planner_record()  # no step to overlap it with: the planner is up to date between batches
+                return finished
+            if self.compact_slots and not self.scheduler.waiting:
+                self._compact()
         self.num_steps += 1
         gc0 = _GC_PAUSES.snapshot()
         t0 = self.clock()
-        batch = self._schedule(spec)
-        res = self._run(batch)
-        caught_up = self.runner.step_catch_up
-        self._postprocess(batch, res, finished)
+        if self._inflight is None:
+            batch = self._schedule(spec)
+            if not self._overlaps(batch):
+                res = self._run(batch)
+                runner = self.runner
+                caught_up = runner.step_catch_up
+                self._postprocess(batch, res, finished)
+                self._flush_corpus()
+                return self._after_step(batch, res, finished, self.clock() - t0, gc0, runner.step_shape, caught_up,
+                                        runner.step_captured, runner.step_first_replay)
+            self._inflight = (batch, self._launch(batch, chained=False))
+        batch, pending = self._inflight
+        self._inflight = None
+        if self._chains(spec):  # the next plain step goes to the device before this one's tokens are read
+            nxt = self._schedule(spec)
+            keep = [i for i, r in enumerate(nxt.requests) if r.remaining > 1]  # the rest end with this step
+            if len(keep) < len(nxt.requests):
+                nxt = _rows_of(nxt, keep)
+            self._inflight = (nxt, self._launch(nxt, chained=True))
+            self.stats.num_overlapped_steps += 1
+        res = self.runner.finish_plain(pending)
+        live = [i for i, r in enumerate(batch.requests) if r.status == Status.RUNNING]
+        if len(live) < len(batch.requests):  # ended by a stop token in the step before (or aborted): rows dropped
+            batch, res = _rows_of(batch, live), _result_rows(res, live)
+        if live:
+            self._postprocess(batch, res, finished)
         self._flush_corpus()
-        seconds = self.clock() - t0
+        if self._inflight is not None and not self.scheduler.running:  # every row of the launched step has ended
+            self.runner.finish_plain(self._inflight[1])
+            self._inflight = None
+        if not live:  # every row ended before it (aborted between the calls): no step to account for
+            return finished
+        return self._after_step(batch, res, finished, self.clock() - t0, gc0, pending.shape, (0, 0.0),
+                                pending.captured, pending.first_replay)
+
+    def _after_step(self, batch: _Batch, res: StepResult, finished: list[Request], seconds: float, gc0, shape,
+                    caught_up: tuple[int, float], captured: bool, first_replay: bool) -> list[Request]:
+        """A step's stats and guard records (the step's wall ``seconds``, its device ``shape``, catch-up, capture)."""
         st = self.stats
         gc1 = _GC_PAUSES.snapshot()
         if gc1[0] != gc0[0]:  # Python's collector paused inside this step (its pauses are in ``seconds``)
@@ -748,18 +813,17 @@ class SpecEngine:
             kind = "draft"
         else:
             kind = "probe" if batch.propose and self.drafter is not None else "gamma0"
-        st.record_engine_step(kind, seconds, self.runner.step_shape)
+        st.record_engine_step(kind, seconds, shape)
         if caught_up[0]:
             st.num_catch_ups += 1
             st.catch_up_positions += caught_up[0]
             st.catch_up_seconds += caught_up[1]
-        captured = self.runner.step_captured
         st.num_captures += bool(captured)
-        st.num_first_replays += self.runner.step_first_replay and not captured
+        st.num_first_replays += first_replay and not captured
         if batch.plain:
             st.plain_seconds += seconds
         if batch.choices is not None and not captured and not caught_up[0]:  # a planned step, no one-off work in it
-            self.planner.observe_step(*self.runner.step_shape,
+            self.planner.observe_step(*shape,
                                       (batch.propose or batch.propose_first) and self.drafter is not None,
                                       1e3 * seconds)
         if self.makespan_guard:
@@ -795,6 +859,53 @@ class SpecEngine:
             # a block-only step (the source guard's) leaves its block for the next: no planned step's regime
             self._last_planned_propose = None if batch.choices is None and batch.propose else propose
         return finished
+
+    def _overlaps(self, batch: _Batch) -> bool:
+        """Whether ``batch`` runs as an overlapped plain step (``async_scheduling``): the lock's plain step, or the AR
+        engine's step (AR mode without a drafter or lookup source); not while recording trajectories."""
+        return self.async_scheduling and not self.record and \
+            (batch.plain or not batch.spec and self.drafter is None and self.lookup is None)
+
+    def _chains(self, spec: bool) -> bool:
+        """Whether the next step can be launched before the one in flight is read: it is a plain step for the same
+        running requests (none waits or is held; under the lock, all still locked), at least one of them has tokens
+        left after the step in flight, and no compaction is due (a compaction moves slots; the chained step reads
+        each row's last token where the step before left it)."""
+        sched = self.scheduler
+        if not self.async_scheduling or sched.waiting or not sched.running:
+            return False
+        if spec:  # the lock's plain step (_schedule's own test)
+            if not (self.makespan_lock and not self.num_held and self._all_locked(sched.running)):
+                return False
+        elif self.drafter is not None or self.lookup is not None:
+            return False
+        stay = [r.slot for r in sched.running if r.remaining > 1]
+        if not stay:
+            return False
+        bucket = self.runner.batch_bucket
+        return not (self.compact_slots and bucket(len(stay)) < bucket(max(stay) + 1))
+
+    def _launch(self, batch: _Batch, chained: bool):
+        """Launch ``batch``'s plain step (:meth:`ModelRunner.launch_plain`): after the step in flight (``chained``:
+        each row one position on, its anchor token read on the device), else from the requests' last tokens."""
+        reqs = batch.requests
+        slots = batch.slots if batch.slots is not None else [r.slot for r in reqs]
+        if chained:
+            return self.runner.launch_plain(slots, [len(r.prompt_ids) + len(r.output_ids) for r in reqs])
+        return self.runner.launch_plain(slots, [len(r.prompt_ids) + len(r.output_ids) - 1 for r in reqs],
+                                        [r.output_ids[-1] for r in reqs])
+
+    def drain(self) -> None:
+        """Read the plain step still in flight (``async_scheduling``), if any, and commit its tokens; the requests
+        it finished come back from the next :meth:`step`. Called before anything that reads or rewrites the slots'
+        device state outside a step (timing, calibration, precapture)."""
+        if self._inflight is None:
+            return
+        (batch, pending), self._inflight = self._inflight, None
+        res = self.runner.finish_plain(pending)
+        live = [i for i, r in enumerate(batch.requests) if r.status == Status.RUNNING]
+        if live:
+            self._postprocess(_rows_of(batch, live), _result_rows(res, live), self._drained)
 
     def _admit(self, spec: bool, finished: list[Request]) -> None:
         """Move waiting requests into free KV slots and prefill them: each commits its first token, and (with
@@ -1666,11 +1777,13 @@ class SpecEngine:
     def time_verify(self, batch_size: int, width: int, num_iters: int = 20, context_len: int = 128) -> float:
         """Median ms of one target verify forward (``batch_size`` x ``width`` after ``context_len`` tokens),
         through a CUDA graph on GPU. For benchmarks on an idle engine (overwrites slot contents)."""
+        self.drain()
         self._check_timing_args(batch_size, width, context_len)
         return self.runner.time_verify(batch_size, width, context_len, num_iters)
 
     def time_propose(self, batch_size: int, num_iters: int = 20, context_len: int = 128) -> float:
         """Median ms of one drafter propose (one block of block_size) + the length policy."""
+        self.drain()
         if self.drafter is None:
             raise ValueError("engine has no drafter")
         self._check_timing_args(batch_size, self.drafter.block_size, context_len)
@@ -1688,6 +1801,7 @@ class SpecEngine:
         ``{"graphs": step graphs captured now, "grid": the shapes it covers, "catch_up_graphs": catch-up graphs
         captured now, "seconds": wall time, "stopped": why it stopped early or None, "uploaded": graphs of the runner
         uploaded at capture so far (:attr:`ModelRunner.num_uploaded`: 0 where uploads are not available)}``."""
+        self.drain()
         t0 = time.perf_counter()
         grid = self.runner.graph_grid()
         n, why = self.runner.precapture(grid, max_seconds)
@@ -1720,6 +1834,7 @@ class SpecEngine:
             ValueError: the policy is not ``cost``, or a batch size is outside [1, max_batch_size].
             filelock.Timeout: another engine held the device's lock for over ``lock_timeout_s``.
         """
+        self.drain()
         if not isinstance(self.policy, CostLength):
             raise ValueError(f"calibrate_costs needs the cost policy, not {getattr(self.policy, 'name', None)!r}")
         runner, bs = self.runner, self.drafter.block_size

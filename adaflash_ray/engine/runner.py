@@ -84,6 +84,22 @@ class StepResult:
     block_match: list[tuple[int, int]] | None = None
 
 
+@dataclass
+class PendingStep:
+    """A plain step launched by :meth:`ModelRunner.launch_plain` and not read yet: its slots (host ints and index
+    array), the pinned host rows its result is copied into, the CUDA event after that copy (None on CPU: the copy has
+    run), its logprobs setting, the (rows, width) the device runs and whether it captured or first replayed a graph."""
+
+    slots: list[int]
+    idx: np.ndarray
+    host: torch.Tensor
+    event: object
+    logprobs: int
+    shape: tuple[int, int]
+    captured: bool
+    first_replay: bool
+
+
 class StepKey(NamedTuple):
     """The shape and mode of one step: what a captured CUDA graph is keyed by (fields in ``_step_fn``'s order).
 
@@ -281,6 +297,11 @@ class ModelRunner:
         self._ints_host = torch.zeros(num_slots, 7 + nd, dtype=torch.long, pin_memory=pin)
         self._floats_host = torch.zeros(num_slots, len(NEUTRAL_FLOATS), dtype=torch.float32, pin_memory=pin)
         self._uniforms_host = torch.zeros(num_slots, num_unif, dtype=torch.float32, pin_memory=pin)
+        # launch_plain's two alternating sets of (staging buffers, pinned result rows), made on first use; the rows
+        # the last plain launch computed (a chained launch reads its committed tokens)
+        self._plain_bufs: list = [None, None]
+        self._plain_parity = 0
+        self._plain_rows = 0
         self.generator = None if self.is_cuda else torch.Generator(device=dev).manual_seed(seed)
         if self.is_cuda:
             torch.cuda.manual_seed(seed)
@@ -370,6 +391,7 @@ class ModelRunner:
         prompts go in one right-padded batch (pad entries lie beyond each prompt and are overwritten later); on CPU
         one prompt at a time (no padding waste, unless ``prefill_buckets`` pads it to its length bucket).
         """
+        self._plain_rows = 0  # a prefill writes out rows too: no plain launch chains past it
         if not self.is_cuda and len(prompts) > 1:
             return _concat([self.prefill([s], [p], [sp], spec, lookup, append)
                             for s, p, sp in zip(slots, prompts, params)])
@@ -827,6 +849,7 @@ class ModelRunner:
             elif spec and g and not has_drafter:
                 raise ValueError(f"request {i}: γ {g} without host drafts needs a drafter's pending block")
         self.step_catch_up, self.step_captured, self.step_first_replay = (0, 0.0), False, False
+        self._plain_rows = 0  # out now holds this step's rows: no plain launch chains to it
         if has_drafter and spec and (propose or append or propose_first):  # a context left behind comes back first
             stale = [(s, self.ctx_len[s], p) for s, p in zip(slots, anchor_pos) if self.ctx_len[s] < p]
             if stale:
@@ -841,16 +864,8 @@ class ModelRunner:
             w = _round_up(w, self._width_buckets)
         self.step_shape = (b, w)  # the rows and verify width the device runs (buckets on CUDA)
         span = self._span(max(anchor_pos) + w + (self.block_size if spec and (propose or propose_first) else 0))
-        idx = np.asarray(slots)
-        ints, floats = self._ints_host.numpy(), self._floats_host.numpy()
-        num_generated = np.asarray(anchor_pos) + 1 - self.sampling.prompt_len[idx]
-        row_floats, top_k, min_left, seeded, flags = self.sampling.step_inputs(slots, num_generated,
-                                                                               self._uniforms_host.numpy())
-        if flags.sample:
-            self._ensure_sampling()
-        ints[:b] = 0
-        floats[:b] = NEUTRAL_FLOATS
-        ints[idx, 0], ints[idx, 1], ints[idx, 2] = anchors, anchor_pos, draft_lens
+        bufs = (self._ints_host, self._floats_host, self._uniforms_host)
+        idx, ints, flags = self._host_inputs(slots, anchors, anchor_pos, draft_lens, b, bufs)
         if use_host:  # the host's drafts ride in the same input buffer: still one host -> device copy of ints
             for s, h in zip(slots, host_drafts):
                 if h is not None:
@@ -859,13 +874,7 @@ class ModelRunner:
         if use_dev:  # the device lookup's proposals stay on the device: only the flag travels
             ints[idx[np.asarray(lookup_rows, dtype=bool)], 3] = 2
             use_host = True
-        c = self._topk_col
-        ints[idx, c], ints[idx, c + 1], ints[idx, c + 2] = top_k, min_left, seeded
-        floats[idx] = row_floats
-        self.in_ints[:b].copy_(self._ints_host[:b], non_blocking=True)
-        self.in_floats[:b].copy_(self._floats_host[:b], non_blocking=True)
-        if flags.seeded:
-            self.in_uniforms[:b].copy_(self._uniforms_host[:b], non_blocking=True)
+        self._copy_inputs(b, flags, bufs)
         if plain:  # the AR engine's own step: no capture, no history
             key = StepKey(b, w, span, False, False, False, flags, False, False, plain=True)
         elif spec and not (propose or append or use_host or propose_first) and w == 1:
@@ -886,6 +895,85 @@ class ModelRunner:
             for s, p, a in zip(slots, anchor_pos, res.num_accepted):
                 self.ctx_len[s] = p + a + 1
         return res
+
+    def _host_inputs(self, slots: list[int], anchors, anchor_pos: list[int], draft_lens, b: int,
+                     bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[np.ndarray, np.ndarray, SamplingFlags]:
+        """Write one step's per-row inputs (anchor token, position, γ, sampling settings; rows ``0..b-1``, idle rows
+        neutral) into the host staging buffers ``bufs`` = (ints, floats, uniforms); returns (the slots as an index
+        array, the ints buffer as numpy for further columns, the step's sampling flags)."""
+        ints_h, floats_h, unif_h = bufs
+        idx = np.asarray(slots)
+        ints, floats = ints_h.numpy(), floats_h.numpy()
+        num_generated = np.asarray(anchor_pos) + 1 - self.sampling.prompt_len[idx]
+        row_floats, top_k, min_left, seeded, flags = self.sampling.step_inputs(slots, num_generated, unif_h.numpy())
+        if flags.sample:
+            self._ensure_sampling()
+        ints[:b] = 0
+        floats[:b] = NEUTRAL_FLOATS
+        ints[idx, 0], ints[idx, 1], ints[idx, 2] = anchors, anchor_pos, draft_lens
+        c = self._topk_col
+        ints[idx, c], ints[idx, c + 1], ints[idx, c + 2] = top_k, min_left, seeded
+        floats[idx] = row_floats
+        return idx, ints, flags
+
+    def _copy_inputs(self, b: int, flags: SamplingFlags, bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """The host -> device copies of rows ``0..b-1`` of the staging buffers ``bufs`` into the graphs' inputs."""
+        ints_h, floats_h, unif_h = bufs
+        self.in_ints[:b].copy_(ints_h[:b], non_blocking=True)
+        self.in_floats[:b].copy_(floats_h[:b], non_blocking=True)
+        if flags.seeded:
+            self.in_uniforms[:b].copy_(unif_h[:b], non_blocking=True)
+
+    # ------------------------------------------------------------------ overlapped plain steps
+    @torch.no_grad()
+    def launch_plain(self, slots: list[int], anchor_pos: list[int], anchors: list[int] | None = None) -> PendingStep:
+        """Launch one plain AR step (:meth:`step` with ``plain``: width 1, no history kept) without waiting for it:
+        its result's host copy is queued behind it (a pinned buffer; CUDA event) and :meth:`finish_plain` reads it.
+        ``anchors`` None chains the step to the plain step launched before it: each row's anchor token is that
+        step's committed token in the same slot, read on the device (``out[:, 0]``), so the host can launch this
+        step before it knows the last one's tokens - the overlap scheduling of vLLM (``async_scheduling``) and
+        SGLang (its overlap scheduler): the host's work on one step's result runs while the device computes the next.
+        ``anchor_pos`` must then be the positions after that step (one token a row). Two sets of staging buffers
+        alternate, so a launch never rewrites the inputs or the result buffer of the step still in flight (at most
+        one: the caller finishes a step before it launches the one after next).
+        Raises ValueError for a chained launch over more rows than the step before computed."""
+        b = max(slots) + 1
+        if self.is_cuda:
+            b = _round_up(b, self._batch_buckets)
+        if anchors is None and b > self._plain_rows:
+            raise ValueError(f"launch_plain: a chained step over {b} rows after a plain step of {self._plain_rows}")
+        self._plain_parity ^= 1
+        k = self._plain_parity
+        if self._plain_bufs[k] is None:
+            pin = self.is_cuda
+            staging = (torch.zeros_like(self._ints_host, pin_memory=pin),
+                       torch.zeros_like(self._floats_host, pin_memory=pin),
+                       torch.zeros_like(self._uniforms_host, pin_memory=pin))
+            self._plain_bufs[k] = (staging, torch.zeros(self.out.numel(), dtype=self.out.dtype, pin_memory=pin))
+        bufs, out_host = self._plain_bufs[k]
+        self.step_catch_up, self.step_captured, self.step_first_replay = (0, 0.0), False, False
+        self.step_shape = (b, 1)
+        idx, _, flags = self._host_inputs(slots, 0 if anchors is None else anchors, anchor_pos, 0, b, bufs)
+        self._copy_inputs(b, flags, bufs)
+        if anchors is None:  # the step before's committed tokens, where the rows are (slots do not move between)
+            self.in_ints[:b, 0].copy_(self.out[:b, 0])
+        self._run(StepKey(b, 1, self._span(max(anchor_pos) + 1), False, False, False, flags, False, False, plain=True))
+        self._plain_rows = b
+        cols = self._num_out_cols(1, False, flags.logprobs)
+        host = out_host[: b * cols].view(b, cols)
+        host.copy_(self.out[:b, :cols], non_blocking=True)
+        event = None
+        if self.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return PendingStep(list(slots), idx, host, event, flags.logprobs, (b, 1), self.step_captured,
+                           self.step_first_replay)
+
+    def finish_plain(self, pending: PendingStep) -> StepResult:
+        """Wait for a step of :meth:`launch_plain` and decode its result (:meth:`step`'s, for its slots)."""
+        if pending.event is not None:
+            pending.event.synchronize()
+        return self._result(pending.slots, pending.host.numpy()[pending.idx], 1, False, False, pending.logprobs)
 
     @torch.no_grad()
     def catch_up_context(self, spans: list[tuple[int, int, int]]) -> None:

@@ -78,6 +78,9 @@ class SpecStats:
     num_makespan_steps: int = 0  # AR steps SpecEngine makespan_guard forced (the batch's last request ends sooner)
     num_plain_steps: int = 0  # of those, steps of requests makespan_lock locked: the AR engine's own step, no history
     plain_seconds: float = 0.0  # their wall time (inside the gamma0 kind's)
+    # plain steps launched before the step in flight was read (SpecEngine async_scheduling): their anchor tokens read
+    # on the device
+    num_overlapped_steps: int = 0
     num_first_replays: int = 0  # steps that replayed a step graph for the first time and captured no graph
     # Python's garbage collections inside decode steps (gc_pauses.PAUSES; their time is in the steps' times):
     num_gc: int = 0
@@ -241,7 +244,8 @@ class SpecStats:
         ``num_prefill_captures`` (prefills that did),
         ``num_guard_steps``, ``num_source_guard_steps``, ``num_drain_steps``, ``num_makespan_steps``,
         ``num_plain_steps``, ``plain`` (``{"count", "total_ms", "mean_ms"}`` of those plain steps, part of ``gamma0``),
-        ``num_first_replays`` (steps that replayed a CUDA graph for the first time: ModelRunner ``step_first_replay``),
+        ``num_overlapped_steps`` (plain steps launched before the step in flight was read: SpecEngine
+        ``async_scheduling``), ``num_first_replays`` (steps that replayed a CUDA graph for the first time: ModelRunner ``step_first_replay``),
         ``gc`` (``{"count", "total_ms", "mean_ms"}`` of Python's garbage collections inside decode steps, their pauses
         part of the steps' times, with ``num_full``: those of the oldest generation), ``steps_by_shape``
         (:meth:`step_ms_by_shape`)."""
@@ -255,7 +259,7 @@ class SpecStats:
                 "num_guard_steps": self.num_guard_steps, "num_source_guard_steps": self.num_source_guard_steps,
                 "num_drain_steps": self.num_drain_steps, "num_makespan_steps": self.num_makespan_steps,
                 "num_plain_steps": self.num_plain_steps, "plain": _time_row(self.num_plain_steps, self.plain_seconds),
-                "num_first_replays": self.num_first_replays,
+                "num_overlapped_steps": self.num_overlapped_steps, "num_first_replays": self.num_first_replays,
                 "gc": {**_time_row(self.num_gc, self.gc_seconds), "num_full": self.num_gc_full}}
 
     def source_accept_len(self, source: str) -> float:
