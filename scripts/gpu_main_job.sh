@@ -27,8 +27,8 @@
 #                                    BENCH_TIMEOUT=150: other methods, concurrencies, repeats, per-call timeout)
 #                                    (WEIGHT_SYNC=1: also time the Qwen3-8B-shape weight broadcast)
 #                                    (BENCH_DRAFTER=/root/dr/vN: a drafter of the `drafter` call, no main job on this
-#                                    (BENCH_DRAFTER=untrained: the recipe's untrained drafter, no drafter call needed)
 #                                    machine: the GPU recipe, the model from the GGUF parts - carry [".gpu_stage3"])
+#                                    (BENCH_DRAFTER=untrained: the recipe's untrained drafter, no drafter call needed)
 # The main job runs in its own process session: it outlives call c (600 s at most), and call d waits for it.
 # Results land in $OUT: main_job_files.tar.gz (run_summary.json: summary + device + commit, metrics.jsonl,
 # tau_vs_version.png, config.yaml, the log), the serving drafter as drafter_vN.tar.part*,
