@@ -5,7 +5,8 @@ On tiny random targets (CPU: the launch runs at once, but the chained step still
 buffer the step before wrote): the outputs, finish reasons and logprobs equal the synchronous engine's for greedy,
 seeded sampled and stop-token requests through fewer slots than requests; a stop token inside a chain drops the row
 already launched; an abort or ``drain`` with a step in flight loses nothing; the makespan lock's plain steps overlap
-too; a chained launch after any other step is refused.
+too; a chained launch over a slot the plain launch before did not run, or after any other step, prefill or slot
+move, is refused.
 
 Run: python -m pytest -q tests/test_async_scheduling.py   (CPU, ~1 min)
 """
@@ -66,6 +67,7 @@ def test_overlapped_ar_steps_equal_the_synchronous_engines():
         assert reqs[i].output_ids == ref[i][:params[i].max_new_tokens]
     assert eng.stats.num_overlapped_steps > 0 and sync_eng.stats.num_overlapped_steps == 0
     assert eng.stats.num_generated == sync_eng.stats.num_generated
+    assert eng.num_steps == sync_eng.num_steps and eng.stats.kind_steps == sync_eng.stats.kind_steps
 
 
 def test_a_stop_token_in_a_chain_drops_the_launched_row():
@@ -116,11 +118,15 @@ def test_abort_and_drain_with_a_step_in_flight():
     assert late.output_ids == refs[1][:12]
 
 
-def test_makespan_lock_plain_steps_overlap():
+@pytest.mark.parametrize("stops", [False, True])
+def test_makespan_lock_plain_steps_overlap(stops):
     """Under ``makespan_lock`` (a random drafter whose verdicts lock the wave), the locked plain steps are chained
-    too: the outputs are the target's greedy outputs and equal the synchronous engine's step for step."""
+    too: the outputs are the target's greedy outputs and equal the synchronous engine's, and so are the counts of
+    plain, makespan and engine steps and the throughput guard's records (batch bucket, tokens, rows) - also where the
+    wave's last rows end by stop tokens while a chained step is in flight (that step is dropped, not counted)."""
     target = make_tiny_target("llama", seed=1)
     prompts = _prompts((4, 11, 25), seed=3)
+    refs = [greedy_reference(target, p, 90) for p in prompts]
     out = {}
     for on in (False, True):
         drafter, head = make_drafter(target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
@@ -128,17 +134,60 @@ def test_makespan_lock_plain_steps_overlap():
                          probe_every=4, makespan_guard=True, makespan_lock=True, async_scheduling=on)
         eng.guard.min_rows = 0
         eng.runner.length_policy.set_costs([1, 2, 3], torch.ones(3, 7), torch.full((3,), 100.0))
-        reqs = [eng.add_request(p, SamplingParams(max_new_tokens=90, ignore_eos=True)) for p in prompts]
+        records = []
+        real_record = eng.guard.record
+        eng.guard.record = lambda bs, policy, tokens, ms, rows=None: (records.append((bs, policy, tokens, rows)),
+                                                                       real_record(bs, policy, tokens, ms, rows))
+        reqs = [eng.add_request(p, SamplingParams(max_new_tokens=90, stop_token_ids=[r[60]] if stops else None,
+                                                  ignore_eos=not stops)) for p, r in zip(prompts, refs)]
         while eng.has_unfinished():
             eng.step()
         assert eng._inflight is None
-        out[on] = (eng, reqs)
-    (sync_eng, sync_reqs), (eng, reqs) = out[False], out[True]
-    for r, p in zip(reqs, prompts):
-        assert r.output_ids == greedy_reference(target, p, 90)
+        out[on] = (eng, reqs, records)
+    (sync_eng, sync_reqs, sync_records), (eng, reqs, records) = out[False], out[True]
+    if not stops:
+        for r, ref in zip(reqs, refs):
+            assert r.output_ids == ref
     _same(reqs, sync_reqs)
-    assert eng.stats.num_plain_steps == sync_eng.stats.num_plain_steps > 10
-    assert eng.stats.num_overlapped_steps > 0
+    st, sync_st = eng.stats, sync_eng.stats
+    assert st.num_plain_steps == sync_st.num_plain_steps > 10
+    assert (st.num_makespan_steps, st.kind_steps, eng.num_steps) == \
+        (sync_st.num_makespan_steps, sync_st.kind_steps, sync_eng.num_steps)
+    assert records == sync_records
+    assert st.num_overlapped_steps > 0
+
+
+def test_a_drain_or_an_abort_of_every_row_loses_no_request():
+    """A drain that reads a wave's last step keeps its finished requests for the next step (``has_unfinished`` stays
+    True until then, so a ``while has_unfinished(): step()`` loop returns each request once and counts every step);
+    aborting every running request with a step in flight lets the next call admit a new request at once."""
+    target = make_tiny_target("llama", seed=3)
+    prompts = _prompts((5, 8, 13), seed=5)
+    counts = {}
+    for on in (False, True):
+        eng = SpecEngine(target, None, None, policy="fixed", max_batch_size=3, max_seq_len=200, async_scheduling=on)
+        reqs = [eng.add_request(p, SamplingParams(max_new_tokens=10)) for p in prompts]
+        finished = []
+        while eng.has_unfinished():
+            finished += eng.step("ar")
+            if eng._inflight is not None and all(r.remaining == 1 for r in reqs):
+                eng.drain()  # the wave's last step read outside step()
+                assert eng.has_unfinished()
+        assert sorted(map(id, finished)) == sorted(map(id, reqs))
+        counts[on] = (eng.num_steps, eng.stats.kind_steps)
+    assert counts[True] == counts[False]
+    eng = SpecEngine(target, None, None, policy="fixed", max_batch_size=3, max_seq_len=200, async_scheduling=True)
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=30)) for p in prompts]
+    while eng._inflight is None:
+        eng.step("ar")
+    for r in reqs:
+        eng.abort(r)
+    late = eng.add_request(prompts[0], SamplingParams(max_new_tokens=4))
+    eng.step("ar")
+    assert len(late.output_ids) == 2  # admitted (its prefill's token) and decoded in the same call
+    while eng.has_unfinished():
+        eng.step("ar")
+    assert late.output_ids == greedy_reference(target, prompts[0], 4)
 
 
 def test_chained_launch_needs_a_plain_launch_before_it():
@@ -152,7 +201,7 @@ def test_chained_launch_needs_a_plain_launch_before_it():
     with pytest.raises(ValueError, match="chained step"):
         runner.launch_plain([0], [5])
     pending = runner.launch_plain([0], [4], [reqs[0].output_ids[-1]])
-    with pytest.raises(ValueError, match="chained step over 2 rows after a plain step of 1"):
+    with pytest.raises(ValueError, match=r"chained step over slots \[1\]"):
         runner.launch_plain([0, 1], [5, 5])
     chained = runner.launch_plain([0], [5])
     first, second = runner.finish_plain(pending), runner.finish_plain(chained)

@@ -117,10 +117,12 @@ _slot_of = attrgetter("slot")
 
 
 def _rows_of(batch: _Batch, keep: list[int]) -> _Batch:
-    """``batch`` cut to its rows ``keep`` (indices into its requests) - a plain or AR step's batch: γ 0, no choices."""
+    """``batch`` cut to its rows ``keep`` (non-empty indices into its requests) - a plain or AR step's batch: γ 0, no
+    choices; its batch size that of the rows kept (the throughput guard's bucket)."""
     slots = batch.slots if batch.slots is not None else [r.slot for r in batch.requests]
-    return batch._replace(requests=[batch.requests[i] for i in keep], draft_lens=[0] * len(keep),
-                          slots=[slots[i] for i in keep])
+    kept = [slots[i] for i in keep]
+    return batch._replace(requests=[batch.requests[i] for i in keep], draft_lens=[0] * len(keep), slots=kept,
+                          batch_size=max(kept) + 1)
 
 
 def _result_rows(res: StepResult, keep: list[int]) -> StepResult:
@@ -377,8 +379,11 @@ class SpecEngine:
             anchor token is read on the device), so each call returns the step launched by the call before, and
             the host's scheduling, commit and records cost no device time. A request that a stop token ends has
             one more row computed in the step already launched, which is dropped (its tokens are never committed);
-            one its budget ends is left out of the next launch. The outputs are the synchronous engine's, token
-            for token. None = on with CUDA graphs.
+            one its budget ends is left out of the next launch. Greedy and seeded outputs are the synchronous
+            engine's token for token (up to near-ties a different batch shape can flip: a compaction comes one step
+            later); unseeded sampling follows the same distribution with other draws. A request that arrives while
+            a step is in flight is admitted after that step is read (in AR mode the chain goes on while no slot is
+            free). None = on with CUDA graphs.
     Raises:
         ValueError: bad ``draft_sources`` (:func:`~adaflash_ray.engine.hybrid.check_draft_sources`), ``"dflash"``
             among them without the ``cost`` policy, an unknown ``lookup_device`` or ``objective``;
@@ -691,7 +696,9 @@ class SpecEngine:
         return req
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        """Whether a request waits or runs, or a finished one is still to be returned by :meth:`step` (one
+        :meth:`drain` read)."""
+        return self.scheduler.num_unfinished > 0 or bool(self._drained)
 
     def abort(self, req: Request) -> bool:
         """Cancel a request: a waiting one leaves the queue, a running one frees its KV slot now (between
@@ -749,9 +756,13 @@ class SpecEngine:
         transfer); returns the requests finished now. ``mode="ar"`` decodes one token per step (no
         drafter work; a request decoded in AR mode should stay in AR mode). With the device lookup, the requests
         finished at their prefill join its corpus ring together before the decode step, those finished by the decode
-        step together at its end (inside its timing)."""
+        step together at its end (inside its timing). With ``async_scheduling`` and a plain step in flight, the call
+        launches the next plain step (when nothing else is due: no admission, no compaction) and then reads the one in
+        flight, returning what that one finished; otherwise it reads the step in flight first and runs as above."""
         spec = mode == "spec" and (self.drafter is not None or self.lookup is not None)
         finished, self._drained = self._drained, []
+        if self._inflight is not None and not self._chains(spec):
+            self._read_inflight(finished)  # an admission, a compaction or another kind of step comes next
         if self._inflight is None:
             self._admit(spec, finished)
             self._flush_corpus()
@@ -773,30 +784,59 @@ class SpecEngine:
                 self._flush_corpus()
                 return self._after_step(batch, res, finished, self.clock() - t0, gc0, runner.step_shape, caught_up,
                                         runner.step_captured, runner.step_first_replay)
-            self._inflight = (batch, self._launch(batch, chained=False))
-        batch, pending = self._inflight
+            self._inflight = (batch, self._launch(batch, chained=False), True)
+        batch, pending, counted = self._inflight
         self._inflight = None
+        captured = pending.captured
         if self._chains(spec):  # the next plain step goes to the device before this one's tokens are read
-            nxt = self._schedule(spec)
-            keep = [i for i, r in enumerate(nxt.requests) if r.remaining > 1]  # the rest end with this step
-            if len(keep) < len(nxt.requests):
-                nxt = _rows_of(nxt, keep)
-            self._inflight = (nxt, self._launch(nxt, chained=True))
+            stay = [r for r in self.scheduler.running if r.remaining > 1]  # the rest end with the step in flight
+            slots = list(map(_slot_of, stay))
+            nxt = _Batch(stay, [0] * len(stay), spec, not spec, append=not spec, batch_size=max(slots) + 1,
+                         slots=slots, plain=spec)
+            launched = self._launch(nxt, chained=True)
+            # a graph this launch captured cost this call's time: the step read now carries it
+            captured, launched.captured = captured or launched.captured, False
+            self._inflight = (nxt, launched, False)
             self.stats.num_overlapped_steps += 1
-        res = self.runner.finish_plain(pending)
-        live = [i for i, r in enumerate(batch.requests) if r.status == Status.RUNNING]
-        if len(live) < len(batch.requests):  # ended by a stop token in the step before (or aborted): rows dropped
-            batch, res = _rows_of(batch, live), _result_rows(res, live)
-        if live:
-            self._postprocess(batch, res, finished)
-        self._flush_corpus()
+        done = self._finish_plain(batch, pending, counted, finished)
         if self._inflight is not None and not self.scheduler.running:  # every row of the launched step has ended
             self.runner.finish_plain(self._inflight[1])
             self._inflight = None
-        if not live:  # every row ended before it (aborted between the calls): no step to account for
+        if done is None:  # every row ended before it (aborted between the calls): no step to account for
+            self.num_steps -= 1
             return finished
-        return self._after_step(batch, res, finished, self.clock() - t0, gc0, pending.shape, (0, 0.0),
-                                pending.captured, pending.first_replay)
+        batch, res = done
+        return self._after_step(batch, res, finished, self.clock() - t0, gc0, pending.shape, (0, 0.0), captured,
+                                pending.first_replay)
+
+    def _finish_plain(self, batch: _Batch, pending, counted: bool, finished: list[Request]):
+        """Read a launched plain step and commit the tokens of its rows still running (a row ended by a stop token
+        in the step before, or aborted since, is dropped); counts a chained lock step (``counted`` False: no
+        ``_schedule`` counted it). Returns its (batch, result) cut to those rows, or None if none was left."""
+        res = self.runner.finish_plain(pending)
+        live = [i for i, r in enumerate(batch.requests) if r.status == Status.RUNNING]
+        if not live:
+            return None
+        if len(live) < len(batch.requests):
+            batch, res = _rows_of(batch, live), _result_rows(res, live)
+        if batch.plain and not counted:
+            self.stats.num_makespan_steps += 1
+            self.stats.num_plain_steps += 1
+        self._postprocess(batch, res, finished)
+        self._flush_corpus()
+        return batch, res
+
+    def _read_inflight(self, finished: list[Request]) -> None:
+        """Read the plain step in flight now (the wait for it is its time), committing its tokens; the requests it
+        finishes go to ``finished``."""
+        (batch, pending, counted), self._inflight = self._inflight, None
+        gc0 = _GC_PAUSES.snapshot()
+        t0 = self.clock()
+        done = self._finish_plain(batch, pending, counted, finished)
+        if done is not None:
+            self.num_steps += 1
+            self._after_step(*done, finished, self.clock() - t0, gc0, pending.shape, (0, 0.0), pending.captured,
+                             pending.first_replay)
 
     def _after_step(self, batch: _Batch, res: StepResult, finished: list[Request], seconds: float, gc0, shape,
                     caught_up: tuple[int, float], captured: bool, first_replay: bool) -> list[Request]:
@@ -868,20 +908,22 @@ class SpecEngine:
 
     def _chains(self, spec: bool) -> bool:
         """Whether the next step can be launched before the one in flight is read: it is a plain step for the same
-        running requests (none waits or is held; under the lock, all still locked), at least one of them has tokens
-        left after the step in flight, and no compaction is due (a compaction moves slots; the chained step reads
-        each row's last token where the step before left it)."""
+        running requests (AR mode: no request waits for a free slot, or for one the step in flight frees by a
+        request's budget; under the lock: all still locked, none waits or is held), at least one of them has tokens
+        left after the step in flight, and no compaction is due (a
+        compaction moves slots; the chained step reads each row's last token where the step before left it)."""
         sched = self.scheduler
-        if not self.async_scheduling or sched.waiting or not sched.running:
+        if not self.async_scheduling or not sched.running or sched.waiting and sched.free_slots:
             return False
-        if spec:  # the lock's plain step (_schedule's own test)
-            if not (self.makespan_lock and not self.num_held and self._all_locked(sched.running)):
+        if spec:  # the lock's plain step (_schedule's own test: none waits or is held)
+            if not (self.makespan_lock and not sched.waiting and not self.num_held and
+                    self._all_locked(sched.running)):
                 return False
         elif self.drafter is not None or self.lookup is not None:
             return False
         stay = [r.slot for r in sched.running if r.remaining > 1]
-        if not stay:
-            return False
+        if not stay or sched.waiting and len(stay) < len(sched.running):
+            return False  # nothing left to run, or a request waits for the slot the step in flight frees
         bucket = self.runner.batch_bucket
         return not (self.compact_slots and bucket(len(stay)) < bucket(max(stay) + 1))
 
@@ -897,15 +939,10 @@ class SpecEngine:
 
     def drain(self) -> None:
         """Read the plain step still in flight (``async_scheduling``), if any, and commit its tokens; the requests
-        it finished come back from the next :meth:`step`. Called before anything that reads or rewrites the slots'
-        device state outside a step (timing, calibration, precapture)."""
-        if self._inflight is None:
-            return
-        (batch, pending), self._inflight = self._inflight, None
-        res = self.runner.finish_plain(pending)
-        live = [i for i, r in enumerate(batch.requests) if r.status == Status.RUNNING]
-        if live:
-            self._postprocess(_rows_of(batch, live), _result_rows(res, live), self._drained)
+        it finished come back from the next :meth:`step` (:meth:`has_unfinished` is True until then). Called before
+        anything that reads or rewrites the slots' device state outside a step (timing, calibration, precapture)."""
+        if self._inflight is not None:
+            self._read_inflight(self._drained)
 
     def _admit(self, spec: bool, finished: list[Request]) -> None:
         """Move waiting requests into free KV slots and prefill them: each commits its first token, and (with

@@ -298,10 +298,10 @@ class ModelRunner:
         self._floats_host = torch.zeros(num_slots, len(NEUTRAL_FLOATS), dtype=torch.float32, pin_memory=pin)
         self._uniforms_host = torch.zeros(num_slots, num_unif, dtype=torch.float32, pin_memory=pin)
         # launch_plain's two alternating sets of (staging buffers, pinned result rows), made on first use; the rows
-        # the last plain launch computed (a chained launch reads its committed tokens)
+        # the slots of the last plain launch (a chained launch reads their committed tokens)
         self._plain_bufs: list = [None, None]
         self._plain_parity = 0
-        self._plain_rows = 0
+        self._plain_slots: frozenset[int] = frozenset()
         self.generator = None if self.is_cuda else torch.Generator(device=dev).manual_seed(seed)
         if self.is_cuda:
             torch.cuda.manual_seed(seed)
@@ -391,7 +391,7 @@ class ModelRunner:
         prompts go in one right-padded batch (pad entries lie beyond each prompt and are overwritten later); on CPU
         one prompt at a time (no padding waste, unless ``prefill_buckets`` pads it to its length bucket).
         """
-        self._plain_rows = 0  # a prefill writes out rows too: no plain launch chains past it
+        self._plain_slots = frozenset()  # a prefill writes out rows too: no plain launch chains past it
         if not self.is_cuda and len(prompts) > 1:
             return _concat([self.prefill([s], [p], [sp], spec, lookup, append)
                             for s, p, sp in zip(slots, prompts, params)])
@@ -849,7 +849,7 @@ class ModelRunner:
             elif spec and g and not has_drafter:
                 raise ValueError(f"request {i}: γ {g} without host drafts needs a drafter's pending block")
         self.step_catch_up, self.step_captured, self.step_first_replay = (0, 0.0), False, False
-        self._plain_rows = 0  # out now holds this step's rows: no plain launch chains to it
+        self._plain_slots = frozenset()  # out now holds this step's rows: no plain launch chains to it
         if has_drafter and spec and (propose or append or propose_first):  # a context left behind comes back first
             stale = [(s, self.ctx_len[s], p) for s, p in zip(slots, anchor_pos) if self.ctx_len[s] < p]
             if stale:
@@ -936,12 +936,14 @@ class ModelRunner:
         ``anchor_pos`` must then be the positions after that step (one token a row). Two sets of staging buffers
         alternate, so a launch never rewrites the inputs or the result buffer of the step still in flight (at most
         one: the caller finishes a step before it launches the one after next).
-        Raises ValueError for a chained launch over more rows than the step before computed."""
+        Raises ValueError for a chained launch over a slot the plain launch before it did not run (or with another
+        step, prefill or slot move between them)."""
         b = max(slots) + 1
         if self.is_cuda:
             b = _round_up(b, self._batch_buckets)
-        if anchors is None and b > self._plain_rows:
-            raise ValueError(f"launch_plain: a chained step over {b} rows after a plain step of {self._plain_rows}")
+        if anchors is None and not self._plain_slots.issuperset(slots):
+            raise ValueError(f"launch_plain: a chained step over slots {sorted(set(slots) - self._plain_slots)} the "
+                             "plain step before did not run (none, or another step came between)")
         self._plain_parity ^= 1
         k = self._plain_parity
         if self._plain_bufs[k] is None:
@@ -958,7 +960,7 @@ class ModelRunner:
         if anchors is None:  # the step before's committed tokens, where the rows are (slots do not move between)
             self.in_ints[:b, 0].copy_(self.out[:b, 0])
         self._run(StepKey(b, 1, self._span(max(anchor_pos) + 1), False, False, False, flags, False, False, plain=True))
-        self._plain_rows = b
+        self._plain_slots = frozenset(slots)
         cols = self._num_out_cols(1, False, flags.logprobs)
         host = out_host[: b * cols].view(b, cols)
         host.copy_(self.out[:b, :cols], non_blocking=True)
@@ -1089,6 +1091,7 @@ class ModelRunner:
             raise ValueError(f"move_slots: src {src} and dst {dst} must be disjoint slot lists of one length")
         if not src:
             return
+        self._plain_slots = frozenset()  # the rows moved: no plain launch chains past it
         si = torch.tensor(src, device=self.device)
         di = torch.tensor(dst, device=self.device)
         for cache in (self.kv, self.ctx):  # [L, S, T, H, D]
