@@ -207,3 +207,36 @@ def test_chained_launch_needs_a_plain_launch_before_it():
     first, second = runner.finish_plain(pending), runner.finish_plain(chained)
     ref = greedy_reference(target, [1, 2, 3], 4)
     assert first.committed == [[ref[2]]] and second.committed == [[ref[3]]]
+
+
+def test_cost_policy_gamma0_steps_overlap():
+    """The ``cost`` policy's γ = 0 steps (a cost table under which drafting never pays: AR steps that keep the
+    feature history, a probe every few steps) are chained too, probes and the throughput guard's forced steps read in
+    between: the outputs are the target's greedy outputs, the probes, proposes and feature history the synchronous
+    engine's."""
+    target = make_tiny_target("llama", seed=1)
+    prompts = _prompts((4, 11, 25), seed=3)
+    refs = [greedy_reference(target, p, 60) for p in prompts]
+    out = {}
+    for on in (False, True):
+        drafter, head = make_drafter(target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
+        eng = SpecEngine(target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=200, calibrate=False,
+                         probe_every=4, async_scheduling=on)
+        eng.guard.min_rows = 0
+        eng.runner.length_policy.set_costs([1, 2, 3], torch.full((3, 7), 100.0), torch.ones(3))
+        reqs = [eng.add_request(p, SamplingParams(max_new_tokens=60, ignore_eos=True)) for p in prompts]
+        while eng.has_unfinished():
+            eng.step()
+        assert eng._inflight is None and eng._prescheduled is None
+        out[on] = (eng, reqs)
+    (sync_eng, sync_reqs), (eng, reqs) = out[False], out[True]
+    for r, ref in zip(reqs, refs):
+        assert r.output_ids == ref
+    _same(reqs, sync_reqs)
+    st, sync_st = eng.stats, sync_eng.stats
+    assert st.kind_steps == sync_st.kind_steps and st.kind_steps["gamma0"] > 20 and st.kind_steps["probe"] > 2
+    assert [r.draft_lens for r in reqs] == [r.draft_lens for r in sync_reqs]
+    assert st.num_overlapped_steps > 10
+    n = len(prompts[0]) + 59  # the feature history the drafter's catch-up reads, position for position
+    assert torch.equal(eng.runner.feat_hist[:, :n], sync_eng.runner.feat_hist[:, :n]) or \
+        torch.allclose(eng.runner.feat_hist[:, :n], sync_eng.runner.feat_hist[:, :n], atol=1e-5)

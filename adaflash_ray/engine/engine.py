@@ -571,6 +571,7 @@ class SpecEngine:
         # requests a step read outside step() finished (step returns them next)
         self._inflight: tuple | None = None
         self._drained: list[Request] = []
+        self._prescheduled: _Batch | None = None  # a step scheduled while one was in flight, not launched with it
         self._ms_quantiles: dict[int, float] = {}  # n -> the history's 1 / (n + 1) quantile
         self._ms_rows: dict[tuple, list[tuple]] = {}  # _rows_ms's runs of counts (bucket, table row) per key
         self._last_planned_propose: bool | None = None  # the block guard's previous planned step (None: none yet)
@@ -775,7 +776,14 @@ class SpecEngine:
         gc0 = _GC_PAUSES.snapshot()
         t0 = self.clock()
         if self._inflight is None:
-            batch = self._schedule(spec)
+            batch, self._prescheduled = self._prescheduled, None
+            if batch is not None:  # scheduled with the step before in flight: kept if its rows are the running ones
+                live = [i for i, r in enumerate(batch.requests) if r.status == Status.RUNNING]
+                batch = _rows_of(batch, live) if live else None
+                if batch is not None and {id(r) for r in batch.requests} != set(map(id, self.scheduler.running)):
+                    batch = None  # an admission since: scheduled again
+            if batch is None:
+                batch = self._schedule(spec)
             if not self._overlaps(batch):
                 res = self._run(batch)
                 runner = self.runner
@@ -791,13 +799,21 @@ class SpecEngine:
         if self._chains(spec):  # the next plain step goes to the device before this one's tokens are read
             stay = [r for r in self.scheduler.running if r.remaining > 1]  # the rest end with the step in flight
             slots = list(map(_slot_of, stay))
-            nxt = _Batch(stay, [0] * len(stay), spec, not spec, append=not spec, batch_size=max(slots) + 1,
-                         slots=slots, plain=spec)
-            launched = self._launch(nxt, chained=True)
-            # a graph this launch captured cost this call's time: the step read now carries it
-            captured, launched.captured = captured or launched.captured, False
-            self._inflight = (nxt, launched, False)
-            self.stats.num_overlapped_steps += 1
+            if spec and not batch.plain:  # the cost policy's γ = 0 step: scheduled (its guard and probe counts) now
+                nxt, nxt_counted = self._schedule(spec), True
+                keep = [i for i, r in enumerate(nxt.requests) if r.remaining > 1]
+                nxt = _rows_of(nxt, keep) if len(keep) < len(nxt.requests) else nxt
+            else:
+                nxt, nxt_counted = _Batch(stay, [0] * len(stay), spec, not spec, append=not spec,
+                                          batch_size=max(slots) + 1, slots=slots, plain=spec), False
+            if self._overlaps(nxt):
+                launched = self._launch(nxt, chained=True)
+                # a graph this launch captured cost this call's time: the step read now carries it
+                captured, launched.captured = captured or launched.captured, False
+                self._inflight = (nxt, launched, nxt_counted)
+                self.stats.num_overlapped_steps += 1
+            else:  # the look ahead and the schedule disagree: the next call runs it as scheduled
+                self._prescheduled = nxt
         done = self._finish_plain(batch, pending, counted, finished)
         if self._inflight is not None and not self.scheduler.running:  # every row of the launched step has ended
             self.runner.finish_plain(self._inflight[1])
@@ -904,7 +920,18 @@ class SpecEngine:
         """Whether ``batch`` runs as an overlapped plain step (``async_scheduling``): the lock's plain step, or the AR
         engine's step (AR mode without a drafter or lookup source); not while recording trajectories."""
         return self.async_scheduling and not self.record and \
-            (batch.plain or not batch.spec and self.drafter is None and self.lookup is None)
+            (batch.plain or not batch.spec and self.drafter is None and self.lookup is None or self._gamma0(batch))
+
+    def _gamma0(self, batch: _Batch) -> bool:
+        """Whether ``batch`` is the ``cost`` policy's γ = 0 step of an engine without draft sources or makespan guard
+        (every row γ = 0, no propose, no context append: the AR step that keeps the feature history)."""
+        return batch.spec and not batch.plain and not (batch.propose or batch.append or batch.propose_first) and \
+            batch.choices is None and batch.host_drafts is None and batch.lookup_rows is None and \
+            not batch.lookup and not any(batch.draft_lens) and self._gamma0_engine()
+
+    def _gamma0_engine(self) -> bool:
+        return isinstance(self.policy, CostLength) and self.planner is None and self.lookup is None and \
+            not self.makespan_guard
 
     def _chains(self, spec: bool) -> bool:
         """Whether the next step can be launched before the one in flight is read: it is a plain step for the same
@@ -915,9 +942,9 @@ class SpecEngine:
         sched = self.scheduler
         if not self.async_scheduling or not sched.running or sched.waiting and sched.free_slots:
             return False
-        if spec:  # the lock's plain step (_schedule's own test: none waits or is held)
+        if spec:  # the lock's plain step (_schedule's own test: none waits or is held), or the cost policy's γ = 0
             if not (self.makespan_lock and not sched.waiting and not self.num_held and
-                    self._all_locked(sched.running)):
+                    self._all_locked(sched.running)) and not self._next_gamma0():
                 return False
         elif self.drafter is not None or self.lookup is not None:
             return False
@@ -927,15 +954,31 @@ class SpecEngine:
         bucket = self.runner.batch_bucket
         return not (self.compact_slots and bucket(len(stay)) < bucket(max(stay) + 1))
 
+    def _next_gamma0(self) -> bool:
+        """Whether :meth:`_schedule` will answer the cost policy's γ = 0 step next (:meth:`_gamma0`): every running
+        request pending at γ = 0, none with its own γ, and the throughput guard forcing an AR step or the policy not
+        probing - looked ahead, changing nothing."""
+        if not self._gamma0_engine():
+            return False
+        cur = self._running_state()
+        if cur.any_own or any(r.next_draft_len for r in cur.requests):
+            return False
+        if self.guard is not None and self.guard.would_force(cur.batch_size):
+            return True
+        n = len(cur.requests)
+        return not self.policy.would_propose(True, [0] * n, [False] * n)
+
     def _launch(self, batch: _Batch, chained: bool):
         """Launch ``batch``'s plain step (:meth:`ModelRunner.launch_plain`): after the step in flight (``chained``:
         each row one position on, its anchor token read on the device), else from the requests' last tokens."""
         reqs = batch.requests
         slots = batch.slots if batch.slots is not None else [r.slot for r in reqs]
+        history = not batch.plain and batch.spec
         if chained:
-            return self.runner.launch_plain(slots, [len(r.prompt_ids) + len(r.output_ids) for r in reqs])
+            return self.runner.launch_plain(slots, [len(r.prompt_ids) + len(r.output_ids) for r in reqs],
+                                            history=history)
         return self.runner.launch_plain(slots, [len(r.prompt_ids) + len(r.output_ids) - 1 for r in reqs],
-                                        [r.output_ids[-1] for r in reqs])
+                                        [r.output_ids[-1] for r in reqs], history=history)
 
     def drain(self) -> None:
         """Read the plain step still in flight (``async_scheduling``), if any, and commit its tokens; the requests

@@ -70,6 +70,10 @@ class LengthPolicy:
         (``SamplingParams.draft_len``)."""
         return True
 
+    def would_propose(self, spec: bool, pending_draft_lens: list[int], own_draft_len: list[bool]) -> bool:
+        """What :meth:`propose_now` would answer now, changing nothing (a look ahead)."""
+        return True
+
     def after_step(self, spec: bool, proposed: bool, next_draft_lens: list[int]) -> None:
         """The step's outcome: ``spec`` False for an AR-mode step; with ``proposed``, ``next_draft_lens`` is the
         policy's γ per request for the next step."""
@@ -211,6 +215,12 @@ class CostLength(LengthPolicy):
             self.steps_since_probe += 1
             return False
         self.steps_since_probe, self.probe_interval = 0, self.probe_every
+        return True
+
+    def would_propose(self, spec: bool, pending_draft_lens: list[int], own_draft_len: list[bool]) -> bool:
+        """What :meth:`propose_now` would answer now, changing nothing (a look ahead)."""
+        if spec and self.ar_chosen and not any(pending_draft_lens) and not any(own_draft_len):
+            return self.steps_since_probe >= self.probe_interval
         return True
 
     def after_step(self, spec: bool, proposed: bool, next_draft_lens: list[int]) -> None:

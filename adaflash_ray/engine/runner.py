@@ -926,8 +926,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ overlapped plain steps
     @torch.no_grad()
-    def launch_plain(self, slots: list[int], anchor_pos: list[int], anchors: list[int] | None = None) -> PendingStep:
-        """Launch one plain AR step (:meth:`step` with ``plain``: width 1, no history kept) without waiting for it:
+    def launch_plain(self, slots: list[int], anchor_pos: list[int], anchors: list[int] | None = None,
+                     history: bool = False) -> PendingStep:
+        """Launch one plain AR step (:meth:`step` with ``plain``: width 1, no history kept; ``history``: the
+        ``cost`` policy's γ = 0 step instead, which writes the target features into the feature history for the
+        drafter's later catch-up) without waiting for it:
         its result's host copy is queued behind it (a pinned buffer; CUDA event) and :meth:`finish_plain` reads it.
         ``anchors`` None chains the step to the plain step launched before it: each row's anchor token is that
         step's committed token in the same slot, read on the device (``out[:, 0]``), so the host can launch this
@@ -959,7 +962,9 @@ class ModelRunner:
         self._copy_inputs(b, flags, bufs)
         if anchors is None:  # the step before's committed tokens, where the rows are (slots do not move between)
             self.in_ints[:b, 0].copy_(self.out[:b, 0])
-        self._run(StepKey(b, 1, self._span(max(anchor_pos) + 1), False, False, False, flags, False, False, plain=True))
+        span = self._span(max(anchor_pos) + 1)
+        self._run(StepKey(b, 1, span, False, self.drafter is not None, False, flags, False, False) if history else
+                  StepKey(b, 1, span, False, False, False, flags, False, False, plain=True))
         self._plain_slots = frozenset(slots)
         cols = self._num_out_cols(1, False, flags.logprobs)
         host = out_host[: b * cols].view(b, cols)
