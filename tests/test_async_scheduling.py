@@ -35,6 +35,15 @@ def _run(target, prompts, params, async_scheduling, max_batch_size=3, mode="ar",
     return eng, reqs, finished
 
 
+def _cost_engine(target, async_scheduling, **kw):
+    """The ``cost`` policy with a random drafter and the throughput guard (every step counts: ``min_rows`` 0)."""
+    drafter, head = make_drafter(target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
+    eng = SpecEngine(target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=200, calibrate=False,
+                     probe_every=4, async_scheduling=async_scheduling, **kw)
+    eng.guard.min_rows = 0
+    return eng
+
+
 def _same(a, b):
     assert [r.output_ids for r in a] == [r.output_ids for r in b]
     assert [r.finish_reason for r in a] == [r.finish_reason for r in b]
@@ -129,10 +138,7 @@ def test_makespan_lock_plain_steps_overlap(stops):
     refs = [greedy_reference(target, p, 90) for p in prompts]
     out = {}
     for on in (False, True):
-        drafter, head = make_drafter(target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
-        eng = SpecEngine(target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=200, calibrate=False,
-                         probe_every=4, makespan_guard=True, makespan_lock=True, async_scheduling=on)
-        eng.guard.min_rows = 0
+        eng = _cost_engine(target, on, makespan_guard=True, makespan_lock=True)
         eng.runner.length_policy.set_costs([1, 2, 3], torch.ones(3, 7), torch.full((3,), 100.0))
         records = []
         real_record = eng.guard.record
@@ -219,10 +225,7 @@ def test_cost_policy_gamma0_steps_overlap():
     refs = [greedy_reference(target, p, 60) for p in prompts]
     out = {}
     for on in (False, True):
-        drafter, head = make_drafter(target, block_size=8, layers=1, policy="cost", seed=5, head_prior=True)
-        eng = SpecEngine(target, drafter, head, policy="cost", max_batch_size=3, max_seq_len=200, calibrate=False,
-                         probe_every=4, async_scheduling=on)
-        eng.guard.min_rows = 0
+        eng = _cost_engine(target, on)
         eng.runner.length_policy.set_costs([1, 2, 3], torch.full((3, 7), 100.0), torch.ones(3))
         reqs = [eng.add_request(p, SamplingParams(max_new_tokens=60, ignore_eos=True)) for p in prompts]
         while eng.has_unfinished():
