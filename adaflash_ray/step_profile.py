@@ -221,7 +221,9 @@ def profile_run(eng: SpecEngine, prompts: list[list[int]], max_new_tokens: int, 
     """Phases, host profile and kernels of ``eng`` generating ``prompts`` greedily (``mode``: ``"spec"`` or
     ``"ar"``), one run each of ``parts`` (module doc), the kernels last. Returns ``{"phases": {"<kind> <rows>x<width>":
     {count, wall, admit, schedule, pre_launch_wait, launch, runner_rest, postprocess, other, device, launch_p50,
-    launch_p90, launch_max} (ms per step)}, "process": {threads, switch_interval_s, graphs_held}, "bare_launches":
+    launch_p90, launch_max} (ms per step)}, "async_scheduling": the engine's (the phase run's steps are synchronous
+    whatever it is: :attr:`SpecEngine.async_scheduling` off for that run), "process": {threads, switch_interval_s,
+    graphs_held}, "bare_launches":
     (:func:`bare_launches`, after the phase run's keys), "cprofile": str, "kernels": {num_steps, per_step,
     us_per_step, top: [[name, count per step, µs per step]]}}`` for the parts run. The engine's stats are reset by
     each run.
@@ -237,9 +239,16 @@ def profile_run(eng: SpecEngine, prompts: list[list[int]], max_new_tokens: int, 
     if unknown:
         raise ValueError(f"unknown profile part(s) {sorted(unknown)}; expected phases, cprofile, kernels")
     sp = SamplingParams(max_new_tokens=max_new_tokens)
-    doc: dict = {}
+    doc: dict = {"async_scheduling": eng.async_scheduling}
     if "phases" in parts:
-        doc["phases"], keys = _phase_run(eng, prompts, sp, mode)
+        # the phases time each step's own host work and device time in sequence: synchronous steps (an overlapped
+        # step's host work runs while the next step's device work does, and the phase hooks would serialise them)
+        eng.drain()
+        eng.async_scheduling, was = False, eng.async_scheduling
+        try:
+            doc["phases"], keys = _phase_run(eng, prompts, sp, mode)
+        finally:
+            eng.async_scheduling = was
         doc["process"] = {"threads": sorted(t.name for t in threading.enumerate()),
                           "switch_interval_s": sys.getswitchinterval(),
                           "graphs_held": len(eng.runner.graphs) if eng.runner.use_graphs else 0}

@@ -2026,7 +2026,11 @@ def test_step_profile_accounts_every_decode_step(tiny_target):
     assert any(k.startswith("draft") for k in phases)
     assert doc["bare_launches"] == {} and doc["process"]["graphs_held"] == 0  # CPU: no graphs
     assert "MainThread" in doc["process"]["threads"]
-    assert set(profile_run(engine, _prompts(), 2, parts=("kernels",))) == {"kernels"}
+    assert set(profile_run(engine, _prompts(), 2, parts=("kernels",))) == {"kernels", "async_scheduling"}
+    ar = SpecEngine(tiny_target, None, None, max_batch_size=2, max_seq_len=160, policy="fixed", async_scheduling=True)
+    ar_doc = profile_run(ar, _prompts(), 12, mode="ar", parts=("phases",))  # synchronous steps, the flag restored
+    assert ar_doc["async_scheduling"] and ar.async_scheduling and ar.stats.num_overlapped_steps == 0
+    assert sum(p["count"] for p in ar_doc["phases"].values()) == ar.stats.num_engine_steps > 0
     with pytest.raises(ValueError, match=r"unknown profile part\(s\) \['phase'\]"):
         profile_run(engine, _prompts(), 2, parts=("phase",))
     assert not {"step", "_admit", "_schedule", "_postprocess"} & set(vars(engine))
