@@ -797,13 +797,13 @@ class SpecEngine:
         self._inflight = None
         captured = pending.captured
         if self._chains(spec):  # the next plain step goes to the device before this one's tokens are read
-            stay = [r for r in self.scheduler.running if r.remaining > 1]  # the rest end with the step in flight
-            slots = list(map(_slot_of, stay))
             if spec and not batch.plain:  # the cost policy's γ = 0 step: scheduled (its guard and probe counts) now
                 nxt, nxt_counted = self._schedule(spec), True
-                keep = [i for i, r in enumerate(nxt.requests) if r.remaining > 1]
+                keep = [i for i, r in enumerate(nxt.requests) if r.remaining > 1]  # the rest end in the step in flight
                 nxt = _rows_of(nxt, keep) if len(keep) < len(nxt.requests) else nxt
             else:
+                stay = [r for r in self.scheduler.running if r.remaining > 1]  # the rest end with the step in flight
+                slots = list(map(_slot_of, stay))
                 nxt, nxt_counted = _Batch(stay, [0] * len(stay), spec, not spec, append=not spec,
                                           batch_size=max(slots) + 1, slots=slots, plain=spec), False
             if self._overlaps(nxt):
