@@ -125,6 +125,12 @@ def _rows_of(batch: _Batch, keep: list[int]) -> _Batch:
                           batch_size=max(kept) + 1)
 
 
+def _running_rows(batch: _Batch) -> list[int]:
+    """The rows of ``batch`` whose requests still run (an overlapped step's batch was fixed before the step before
+    it was read: a stop token or an abort may have ended some since)."""
+    return [i for i, r in enumerate(batch.requests) if r.status == Status.RUNNING]
+
+
 def _result_rows(res: StepResult, keep: list[int]) -> StepResult:
     """A plain step's :class:`StepResult` cut to its rows ``keep``."""
     pick = (lambda xs: None if xs is None else [xs[i] for i in keep])
@@ -762,7 +768,7 @@ class SpecEngine:
         flight, returning what that one finished; otherwise it reads the step in flight first and runs as above."""
         spec = mode == "spec" and (self.drafter is not None or self.lookup is not None)
         finished, self._drained = self._drained, []
-        if self._inflight is not None and not self._chains(spec):
+        if self._inflight is not None and self._chains(spec) is None:
             self._read_inflight(finished)  # an admission, a compaction or another kind of step comes next
         if self._inflight is None:
             self._admit(spec, finished)
@@ -778,7 +784,7 @@ class SpecEngine:
         if self._inflight is None:
             batch, self._prescheduled = self._prescheduled, None
             if batch is not None:  # scheduled with the step before in flight: kept if its rows are the running ones
-                live = [i for i, r in enumerate(batch.requests) if r.status == Status.RUNNING]
+                live = _running_rows(batch)
                 batch = _rows_of(batch, live) if live else None
                 if batch is not None and {id(r) for r in batch.requests} != set(map(id, self.scheduler.running)):
                     batch = None  # an admission since: scheduled again
@@ -796,13 +802,13 @@ class SpecEngine:
         batch, pending, counted = self._inflight
         self._inflight = None
         captured = pending.captured
-        if self._chains(spec):  # the next plain step goes to the device before this one's tokens are read
+        stay = self._chains(spec)
+        if stay is not None:  # the next plain step goes to the device before this one's tokens are read
             if spec and not batch.plain:  # the cost policy's γ = 0 step: scheduled (its guard and probe counts) now
                 nxt, nxt_counted = self._schedule(spec), True
                 keep = [i for i, r in enumerate(nxt.requests) if r.remaining > 1]  # the rest end in the step in flight
                 nxt = _rows_of(nxt, keep) if len(keep) < len(nxt.requests) else nxt
             else:
-                stay = [r for r in self.scheduler.running if r.remaining > 1]  # the rest end with the step in flight
                 slots = list(map(_slot_of, stay))
                 nxt, nxt_counted = _Batch(stay, [0] * len(stay), spec, not spec, append=not spec,
                                           batch_size=max(slots) + 1, slots=slots, plain=spec), False
@@ -830,7 +836,7 @@ class SpecEngine:
         in the step before, or aborted since, is dropped); counts a chained lock step (``counted`` False: no
         ``_schedule`` counted it). Returns its (batch, result) cut to those rows, or None if none was left."""
         res = self.runner.finish_plain(pending)
-        live = [i for i, r in enumerate(batch.requests) if r.status == Status.RUNNING]
+        live = _running_rows(batch)
         if not live:
             return None
         if len(live) < len(batch.requests):
@@ -933,26 +939,27 @@ class SpecEngine:
         return isinstance(self.policy, CostLength) and self.planner is None and self.lookup is None and \
             not self.makespan_guard
 
-    def _chains(self, spec: bool) -> bool:
-        """Whether the next step can be launched before the one in flight is read: it is a plain step for the same
+    def _chains(self, spec: bool) -> list[Request] | None:
+        """The running requests that stay after the step in flight (the rest end with it by their budget) where the
+        next step can be launched before that one is read, else None. It can where it is a plain step for the same
         running requests (AR mode: no request waits for a free slot, or for one the step in flight frees by a
         request's budget; under the lock: all still locked, none waits or is held), at least one of them has tokens
-        left after the step in flight, and no compaction is due (a
-        compaction moves slots; the chained step reads each row's last token where the step before left it)."""
+        left after the step in flight, and no compaction is due (a compaction moves slots; the chained step reads
+        each row's last token where the step before left it)."""
         sched = self.scheduler
         if not self.async_scheduling or not sched.running or sched.waiting and sched.free_slots:
-            return False
+            return None
         if spec:  # the lock's plain step (_schedule's own test: none waits or is held), or the cost policy's γ = 0
             if not (self.makespan_lock and not sched.waiting and not self.num_held and
                     self._all_locked(sched.running)) and not self._next_gamma0():
-                return False
+                return None
         elif self.drafter is not None or self.lookup is not None:
-            return False
-        stay = [r.slot for r in sched.running if r.remaining > 1]
+            return None
+        stay = [r for r in sched.running if r.remaining > 1]
         if not stay or sched.waiting and len(stay) < len(sched.running):
-            return False  # nothing left to run, or a request waits for the slot the step in flight frees
-        bucket = self.runner.batch_bucket
-        return not (self.compact_slots and bucket(len(stay)) < bucket(max(stay) + 1))
+            return None  # nothing left to run, or a request waits for the slot the step in flight frees
+        bucket, top = self.runner.batch_bucket, max(map(_slot_of, stay)) + 1
+        return None if self.compact_slots and bucket(len(stay)) < bucket(top) else stay
 
     def _next_gamma0(self) -> bool:
         """Whether :meth:`_schedule` will answer the cost policy's γ = 0 step next (:meth:`_gamma0`): every running
