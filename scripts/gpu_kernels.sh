@@ -25,7 +25,8 @@
 #                                     sdpa (kernels on, ADAFLASH_FUSED_ATTENTION=off), auto (kernels on, the engine's
 #                                     one kernel: split-K iff its calibration measured it faster at each batch bucket),
 #                                     linear (auto + ADAFLASH_FUSED_LINEAR=on: kernels/norm_linear.py), linear-all
-#                                     (ADAFLASH_FUSED_LINEAR=all), linear-decode (=decode: all up to 16 token rows)
+#                                     (ADAFLASH_FUSED_LINEAR=all), linear-decode (=decode: all up to 16 token rows),
+#                                     separate (auto with ADAFLASH_ROTARY_ATTENTION=separate)
 #   attention_micro.json              one layer's attention (Qwen3-8B and SmolLM2 shapes, batch 1 / 8 / 64, width 1 / 16):
 #                                     SDPA + mask vs the split-K kernel (its launch; one pass; split + merge), ms per call
 #   summary.json                      AR step / verify ratio / propose ms and share off vs on, kernels per layer
@@ -104,8 +105,10 @@ bench() {  # bench SHAPE MODE MAX_S ARGS...: MODE off (kernels off) | sdpa (kern
   [ "$mode" = linear ] && linear=on
   [ "$mode" = linear-all ] && linear=all
   [ "$mode" = linear-decode ] && linear=decode  # all for <= 16 token rows (decode / verify), off above
+  local rotary=fused  # | separate (auto, the rotary + cache write in its own kernel before the split-K attention)
+  [ "$mode" = separate ] && rotary=separate
   run_step "$max" "bench_${shape}_$mode" env ADAFLASH_FUSED_KERNELS="$kern" ADAFLASH_FUSED_ATTENTION="$split" \
-    ADAFLASH_FUSED_LINEAR="$linear" \
+    ADAFLASH_FUSED_LINEAR="$linear" ADAFLASH_ROTARY_ATTENTION="$rotary" \
     python3 -m adaflash_ray.bench --shape "$shape" \
     "$@" --out "$K/bench_${shape}_$mode.json" > "$K/bench_${shape}_$mode.log" 2>&1
   grep -E "ar |dflash|floor" "$K/bench_${shape}_$mode.log" | head -8
@@ -114,11 +117,13 @@ Q=(--concurrency 1 8 64 --max-new-tokens 32 --num-iters 10)
 S=(--concurrency 1 8 64 --max-new-tokens 32 --num-iters 10)
 bench qwen3-8b sdpa 120 "${Q[@]}"
 bench qwen3-8b auto 120 "${Q[@]}"
+bench qwen3-8b separate 120 "${Q[@]}"
 bench qwen3-8b linear 120 "${Q[@]}"
 bench qwen3-8b linear-all 120 "${Q[@]}"
 bench qwen3-8b linear-decode 120 "${Q[@]}"
 bench smollm2-135m sdpa 50 "${S[@]}"
 bench smollm2-135m auto 50 "${S[@]}"
+bench smollm2-135m separate 50 "${S[@]}"
 bench smollm2-135m linear 50 "${S[@]}"
 bench smollm2-135m linear-all 50 "${S[@]}"
 bench smollm2-135m linear-decode 50 "${S[@]}"
@@ -170,7 +175,7 @@ import json, os, sys
 k, commit = sys.argv[1:]
 doc = {"commit": commit, "steps": open(os.path.join(k, "steps.txt")).read().splitlines()}
 for shape in ("qwen3-8b", "smollm2-135m"):
-    for tag in ("off", "sdpa", "auto", "linear", "linear-all"):
+    for tag in ("off", "sdpa", "auto", "separate", "linear", "linear-all", "linear-decode"):
         p = os.path.join(k, f"bench_{shape}_{tag}.json")
         if not os.path.exists(p):
             continue

@@ -241,6 +241,96 @@ def test_decode_attention_row_is_the_same_bits_in_every_forward_gpu(shape):
                     assert torch.equal(got[j], ar[start + j]), (seed, batch, start, width, span, splits, j)
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+@pytest.mark.parametrize("batch,width,span", [(1, 1, 600), (1, 16, 600), (8, 1, 1024), (64, 16, 600), (3, 2, 37)])
+def test_rotary_decode_attention_gpu(shape, batch, width, span):
+    """The one-launch rotary + cache write + split-K attention against its reference (and the two-kernel path) in
+    bf16, in the launch its shape gets and in both launches (one pass; split with the last program's merge); the
+    ticket counters are all 0 after each launch."""
+    from adaflash_ray.kernels import decode_attention as da
+    from adaflash_ray.kernels.rotary_cache import rotary_qkv_cache
+    from adaflash_ray.models.layers import Rotary
+
+    _, _, _, hq, hkv, d, qk = shape
+    g = torch.Generator(device="cuda").manual_seed(batch * width + span)
+    slots = batch + 1
+    kc = torch.randn(slots, 1024, hkv, d, device="cuda", generator=g).bfloat16()
+    vc = torch.randn(slots, 1024, hkv, d, device="cuda", generator=g).bfloat16()
+    rows = torch.randperm(slots, device="cuda", generator=g)[:batch]
+    pos = torch.randint(0, span - width + 1, (batch, 1), device="cuda", generator=g) + torch.arange(width, device="cuda")
+    qkv = torch.randn(batch, width, (hq + 2 * hkv) * d, device="cuda", generator=g).bfloat16()
+    cos, sin = Rotary(d, 1e6).to("cuda").cos_sin(pos)
+    qn = (1 + 0.1 * torch.randn(d, device="cuda", generator=g)).bfloat16() if qk else None
+    kn = (1 + 0.1 * torch.randn(d, device="cuda", generator=g)).bfloat16() if qk else None
+    kr, vr = kc.clone(), vc.clone()
+    ref = da.rotary_decode_attention_ref(qkv, cos, sin, qn, kn, 1e-6, kr, vr, rows, pos, span, hq, hkv)
+    k2, v2 = kc.clone(), vc.clone()
+    two = da.decode_attention(rotary_qkv_cache(qkv, cos, sin, qn, kn, 1e-6, k2, v2, rows, pos, hq, hkv), k2, v2, rows,
+                              pos, span)
+    for splits in (None, 1, 3):
+        k1, v1 = kc.clone(), vc.clone()
+        out = da.rotary_decode_attention(qkv, cos, sin, qn, kn, 1e-6, k1, v1, rows, pos, span, hq, hkv,
+                                         num_splits=splits)
+        assert out.shape == ref.shape == (batch, width, hq * d)
+        scale = ref.float().abs().max().item()
+        assert (out.float() - ref.float()).abs().max().item() <= 0.02 * scale
+        assert (out.float() - two.float()).abs().max().item() <= 0.02 * scale
+        _close_bf16(k1, kr)
+        torch.testing.assert_close(v1, vr, rtol=0, atol=0)  # values are copied
+        if not qk:  # no qk-norm: the same operations as the two kernels, bit for bit
+            assert torch.equal(k1, k2) and torch.equal(out, two), splits
+        assert int(da._COUNTERS[torch.device("cuda", torch.cuda.current_device())].abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+def test_rotary_decode_attention_row_is_the_same_bits_in_every_forward_gpu(shape):
+    """As the split-K kernel's test, with the step's own keys written by the kernel: 16 AR steps (width 1, each
+    writing its key) give bitwise the rows of one width-16 verify (writing all 16), of a width-8 verify in a batch
+    of 64 over a longer span, and of every launch (one pass; split + the last program's merge)."""
+    from adaflash_ray.kernels.decode_attention import rotary_decode_attention
+    from adaflash_ray.models.layers import Rotary
+
+    _, _, _, hq, hkv, d, qk = shape
+    rot = Rotary(d, 1e6).to("cuda")
+    for seed, p, scale in ((1, 300, 1.0), (2, 61, 6.0)):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        kc0 = torch.randn(64, 1024, hkv, d, device="cuda", generator=g).bfloat16()
+        vc0 = torch.randn(64, 1024, hkv, d, device="cuda", generator=g).bfloat16()
+        qkv = (scale * torch.randn(1, 16, (hq + 2 * hkv) * d, device="cuda", generator=g)).bfloat16()
+        qn = (1 + 0.1 * torch.randn(d, device="cuda", generator=g)).bfloat16() if qk else None
+        kn = (1 + 0.1 * torch.randn(d, device="cuda", generator=g)).bfloat16() if qk else None
+
+        def rows_at(batch, start, width, span, splits=None):  # positions p+start.. of every slot, the same tokens
+            kc, vc = kc0.clone(), vc0.clone()
+            if start:  # the earlier positions' keys as the AR steps wrote them
+                rotary_decode_attention(qkv[:, :start].expand(batch, -1, -1).contiguous(),
+                                        *rot.cos_sin((p + torch.arange(start, device="cuda")).expand(batch, start)),
+                                        qn, kn, 1e-6, kc, vc, torch.arange(batch, device="cuda"),
+                                        (p + torch.arange(start, device="cuda")).expand(batch, start).contiguous(),
+                                        p + start, hq, hkv)
+            pos = (p + start + torch.arange(width, device="cuda")).expand(batch, width).contiguous()
+            cos, sin = rot.cos_sin(pos)
+            x = qkv[:, start:start + width].expand(batch, -1, -1).contiguous()
+            return rotary_decode_attention(x, cos, sin, qn, kn, 1e-6, kc, vc, torch.arange(batch, device="cuda"),
+                                           pos, span, hq, hkv, num_splits=splits)[0]
+
+        ar, kc, vc = [], kc0.clone(), vc0.clone()
+        for j in range(16):  # the AR steps, one cache
+            pos = torch.tensor([[p + j]], device="cuda")
+            cos, sin = rot.cos_sin(pos)
+            ar.append(rotary_decode_attention(qkv[:, j:j + 1].contiguous(), cos, sin, qn, kn, 1e-6, kc, vc,
+                                              torch.arange(1, device="cuda"), pos, p + j + 1, hq, hkv)[0, 0])
+        for batch, start, width, span in [(1, 0, 16, p + 16), (64, 0, 8, 1024), (3, 4, 8, p + 12), (1, 0, 1, 1024)]:
+            for splits in (None, 1, 4):
+                got = rows_at(batch, start, width, span, splits)
+                for j in range(width):
+                    assert torch.equal(got[j], ar[start + j]), (seed, batch, start, width, span, splits, j)
+
+
 def _small_target(shape_name: str, layers: int, device: str, dtype: torch.dtype):
     from adaflash_ray.shapes import SHAPES as REAL, build_random_target
 
@@ -271,14 +361,17 @@ def _prefill_then_verify(target, batch, prompt, width, device, seed=0):
 @pytest.mark.parametrize("batch,width", [(1, 1), (4, 16)])
 def test_target_fused_forward_gpu(shape_name, batch, width, monkeypatch):
     """Two-layer random target of the real shape: fused vs reference forward (prefill + verify over the cache), with
-    SDPA or split-K attention, and with the add + norm fused into the q/k/v and gate/up GEMMs."""
+    SDPA or split-K attention (the rotary in the attention's launch or in its own), and with the add + norm fused
+    into the q/k/v and gate/up GEMMs."""
     target = _small_target(shape_name, 2, "cuda", torch.bfloat16)
     target.fuse_projections()  # what the engine does on CUDA; auto turns the kernels on
     assert target.fused_kernels_active
     runs = []
-    for split_k, linear in ((False, "off"), (True, "off"), (True, "on"), (True, "all"), (True, "decode")):
+    for split_k, linear, rotary in ((False, "off", "fused"), (True, "off", "fused"), (True, "off", "separate"),
+                                    (True, "on", "fused"), (True, "all", "fused"), (True, "decode", "fused")):
         target.fused_attention = split_k
         monkeypatch.setenv("ADAFLASH_FUSED_LINEAR", linear)
+        monkeypatch.setenv("ADAFLASH_ROTARY_ATTENTION", rotary)
         runs.append(_prefill_then_verify(target, batch, 40, width, "cuda"))
     monkeypatch.setenv("ADAFLASH_FUSED_LINEAR", "off")
     target.use_fused_kernels("off")
@@ -395,6 +488,58 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
             q = torch.randn(b, hkv, wd * (hq // hkv), hd, generator=g)
             close(decode_attention(q, kc, vc, rows, pos, span, num_splits=splits),
                   decode_attention_ref(q, kc, vc, rows, pos, span))
+    # rotary + cache write + split-K attention in one launch, against the reference and the two kernels
+    from adaflash_ray.kernels import decode_attention as da
+    for hq, hkv, hd, qk in ((9, 3, 64, False), (8, 2, 32, True)):
+        for b, wd, span, splits in ((2, 1, 40, None), (3, 4, 70, 3), (1, 16, 100, 2), (2, 5, 130, 1)):
+            if wd * hq // hkv > 128:
+                continue
+            qkv = torch.randn(b, wd, (hq + 2 * hkv) * hd, generator=g)
+            pos = torch.randint(0, span - wd + 1, (b, 1), generator=g) + torch.arange(wd)
+            cos, sin = Rotary(hd, 1e4).cos_sin(pos)
+            qn = 1 + 0.1 * torch.randn(hd, generator=g) if qk else None
+            kn = 1 + 0.1 * torch.randn(hd, generator=g) if qk else None
+            kc, vc = torch.randn(5, 160, hkv, hd, generator=g), torch.randn(5, 160, hkv, hd, generator=g)
+            kr, vr, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+            rows = torch.randperm(5, generator=g)[:b]
+            out = da.rotary_decode_attention(qkv, cos, sin, qn, kn, 1e-6, kc, vc, rows, pos, span, hq, hkv,
+                                             num_splits=splits)
+            close(out, da.rotary_decode_attention_ref(qkv, cos, sin, qn, kn, 1e-6, kr, vr, rows, pos, span, hq, hkv))
+            close(kc, kr); close(vc, vr, 0.0)
+            two = decode_attention(rotary_qkv_cache(qkv, cos, sin, qn, kn, 1e-6, k2, v2, rows, pos, hq, hkv), k2, v2,
+                                   rows, pos, span, num_splits=splits)
+            assert qk or (torch.equal(out, two) and torch.equal(kc, k2))  # no qk-norm: the two kernels' operations
+            assert int(da._COUNTERS[torch.device("cpu")].abs().sum()) == 0  # each launch leaves its tickets at 0
+    try:
+        da.rotary_decode_attention(qkv[:, :1], cos[:, :1], sin[:, :1], qn, kn, 1e-6, kc, vc, rows, pos[:, :1], 5,
+                                   hq + 1, hkv)
+        raise AssertionError("a qkv of the wrong width accepted")
+    except ValueError as e:
+        assert "heads 9/2" in str(e), e
+    # the step's own keys: 5 AR steps (width 1, each writing its key) give bitwise the rows of a width-5 verify
+    # (writing all 5), of a verify of 3 after two AR steps, in a batch of 4 over a longer span, in both launches
+    # (widths <= 5 at rep 3: one 16-row tile, as above)
+    hq, hkv, hd = 9, 3, 64
+    rot = Rotary(hd, 1e4)
+    kc0, vc0 = torch.randn(4, 256, hkv, hd, generator=g), torch.randn(4, 256, hkv, hd, generator=g)
+    qkv = 3 * torch.randn(1, 6, (hq + 2 * hkv) * hd, generator=g)
+    p0 = 120
+    def fused_rows(kc, vc, batch, start, width, span, splits):
+        pos = (p0 + start + torch.arange(width)).expand(batch, width).contiguous()
+        x = qkv[:, start:start + width].expand(batch, -1, -1).contiguous()
+        return da.rotary_decode_attention(x, *rot.cos_sin(pos), None, None, 0.0, kc, vc, torch.arange(batch), pos,
+                                          span, hq, hkv, num_splits=splits)[0]
+    kc, vc = kc0.clone(), vc0.clone()
+    ar = [fused_rows(kc, vc, 1, j, 1, p0 + j + 1, None)[0] for j in range(5)]
+    for batch, start, width, span, splits in ((1, 0, 5, p0 + 5, None), (4, 0, 5, 256, 1), (4, 0, 5, 256, 3),
+                                              (2, 2, 3, p0 + 70, 2)):
+        kc, vc = kc0.clone(), vc0.clone()
+        if start:
+            for j in range(start):
+                fused_rows(kc, vc, batch, j, 1, p0 + j + 1, None)
+        got = fused_rows(kc, vc, batch, start, width, span, splits)
+        for j in range(width):
+            assert torch.equal(got[j], ar[start + j]), ("fused", batch, start, width, span, splits, j)
     # a query row's result is the same bits alone (the AR step: batch 1, width 1, span p + 1) as beside other rows,
     # inside a verify block, over a longer span and in either launch (one pass, or split + merge): widths 1-5 with
     # rep 3 keep one 16-row tile (numpy's matmul, the interpreter's dot, may round a 32-row tile's rows otherwise)
@@ -540,6 +685,8 @@ def _arg_type(name: str, dtype: str = "*bf16") -> str:
         return "*fp32"
     if name in ("rows_ptr", "pos_ptr"):
         return "*i64"
+    if name == "cnt_ptr":
+        return "*i32"
     if name in ("eps", "qk_scale"):
         return "fp32"
     return dtype if name.endswith("_ptr") else "i32"
@@ -578,6 +725,11 @@ def test_kernels_compile_for_sm90(tmp_path):
                     cases.append((da._split_kernel, {"HKV": hkv, "REP": rep, "D": d, "BLOCK_M": bm, "BLOCK_N": 64,
                                                      "PARTIALS": partials, "SUB": sub}, da.launch_settings(partials)))
             cases.append((da._merge_kernel, {"HKV": hkv, "REP": rep, "D": d, "BLOCK_M": bm, "BLOCK_N": 64}, 4))
+            for partials in (False, True):
+                for sub in (1, 2):
+                    cases.append((da._rotary_attention_kernel,
+                                  {"HKV": hkv, "REP": rep, "D": d, "BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_W": 16,
+                                   "PARTIALS": partials, "SUB": sub, "QK_NORM": qk}, da.launch_settings(partials)))
     # norm + linear as launched (norm_linear.norm_linear) at K = 4096 (vector loads: ALIGNED): the tiled form's every
     # row tile and the GEMV form's (one row; 2-16 rows), both epilogues and the plain linear layer
     for epi in (dict(HAS_DELTA=True, SWIGLU=False), dict(HAS_DELTA=True, SWIGLU=True),
@@ -606,7 +758,10 @@ def test_kernels_compile_for_sm90(tmp_path):
                                capture_output=True, text=True, timeout=120)
             assert r.returncode == 0, r.stderr[-2000:]
             # two 32-row tiles of head_dim 128 in 4 warps fill the register file: a few bytes may spill there
-            limit = 16 if kernel is da._split_kernel and consts["D"] >= 128 and consts["SUB"] == 2 else 0
+            # (32 with the rotary's registers in the one-launch kernel)
+            limit = 0
+            if kernel in (da._split_kernel, da._rotary_attention_kernel) and consts["D"] >= 128 and consts["SUB"] == 2:
+                limit = 16 if kernel is da._split_kernel else 32
             spilled = [int(n) for n in re.findall(r"(\d+) bytes spill stores", r.stderr)]
             assert spilled and max(spilled) <= limit, (kernel.fn.__name__, consts, r.stderr[-600:])
 
@@ -695,3 +850,18 @@ def test_fused_linear_modes(monkeypatch):
     monkeypatch.setenv(nl.ENV_VAR, "sometimes")
     with pytest.raises(ValueError, match="ADAFLASH_FUSED_LINEAR='sometimes'.*decode"):
         nl.mode()
+
+
+def test_rotary_attention_mode(monkeypatch):
+    """ADAFLASH_ROTARY_ATTENTION: fused (the default, also when unset or empty) or separate; another value is a clear
+    error naming both."""
+    from adaflash_ray.models.layers import ROTARY_ATTENTION_ENV, rotary_attention_fused
+
+    monkeypatch.delenv(ROTARY_ATTENTION_ENV, raising=False)
+    assert rotary_attention_fused()
+    for raw, want in (("", True), ("Fused", True), (" separate ", False)):
+        monkeypatch.setenv(ROTARY_ATTENTION_ENV, raw)
+        assert rotary_attention_fused() == want, raw
+    monkeypatch.setenv(ROTARY_ATTENTION_ENV, "both")
+    with pytest.raises(ValueError, match="ADAFLASH_ROTARY_ATTENTION='both'.*fused or separate"):
+        rotary_attention_fused()

@@ -229,7 +229,9 @@ class AttentionProjections(nn.Module):
         attended; slot_ids None = batch row b is slot b (keys read in place as ``cache[:B, :span]``), else ``[B]``
         slots whose keys are gathered (a copy). ``split_k``: attention by
         :func:`adaflash_ray.kernels.decode_attention.decode_attention` (rows are slots, W <= 16, keys ``0..p`` for
-        the query at position p) instead of SDPA with ``mask``. ``qkv``: the q/k/v projection of the normed input
+        the query at position p) instead of SDPA with ``mask``; with :func:`rotary_attention_fused` the rotary,
+        the cache write and the split-K attention are one launch
+        (:func:`adaflash_ray.kernels.decode_attention.rotary_decode_attention`). ``qkv``: the q/k/v projection of the normed input
         ``[B, W, (Hq + 2 Hkv) D]`` already computed (e.g. by :func:`adaflash_ray.kernels.norm_linear.norm_linear`;
         ``x`` is then unused). ``o_linear``: o_proj by :func:`adaflash_ray.kernels.norm_linear.linear` (one Triton
         launch) instead of ``nn.Linear``. Returns ``[B, W, H]``."""
@@ -241,13 +243,20 @@ class AttentionProjections(nn.Module):
         qn = None if self.q_norm is None else self.q_norm.weight
         kn = None if self.k_norm is None else self.k_norm.weight
         eps = 0.0 if self.q_norm is None else self.q_norm.eps
-        qg = rotary_qkv_cache(qkv, cos, sin, qn, kn, eps, k_cache, v_cache, rows, positions,
-                              self.num_heads, self.num_kv_heads)  # [B, Hkv, W*rep, D]
-        if split_k:
+        if split_k and rotary_attention_fused():
+            from adaflash_ray.kernels.decode_attention import rotary_decode_attention
+
+            out = rotary_decode_attention(qkv, cos, sin, qn, kn, eps, k_cache, v_cache, rows, positions, span,
+                                          self.num_heads, self.num_kv_heads)
+        elif split_k:
             from adaflash_ray.kernels.decode_attention import decode_attention
 
+            qg = rotary_qkv_cache(qkv, cos, sin, qn, kn, eps, k_cache, v_cache, rows, positions,
+                                  self.num_heads, self.num_kv_heads)  # [B, Hkv, W*rep, D]
             out = decode_attention(qg, k_cache, v_cache, rows, positions, span)
         else:
+            qg = rotary_qkv_cache(qkv, cos, sin, qn, kn, eps, k_cache, v_cache, rows, positions,
+                                  self.num_heads, self.num_kv_heads)
             if slot_ids is None:
                 k, v = k_cache[:b, :span], v_cache[:b, :span]
             else:
@@ -270,6 +279,23 @@ class DecoderLayerParams(nn.Module):
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
         self.mlp = SwiGLU(hidden_size, intermediate_size)
+
+
+ROTARY_ATTENTION_ENV = "ADAFLASH_ROTARY_ATTENTION"
+
+
+def rotary_attention_fused() -> bool:
+    """Whether a split-K forward runs the rotary + cache write and the attention as one launch
+    (:func:`adaflash_ray.kernels.decode_attention.rotary_decode_attention`; the default) or as two kernels
+    (``rotary_qkv_cache`` then ``decode_attention``): ``ADAFLASH_ROTARY_ATTENTION`` = ``fused`` / unset or
+    ``separate`` (A/B timings without a code change). Read when a forward runs (a CUDA graph keeps what its capture
+    read). Raises ValueError on another value."""
+    import os
+
+    raw = os.environ.get(ROTARY_ATTENTION_ENV, "fused").strip().lower()
+    if raw not in ("fused", "separate", ""):
+        raise ValueError(f"{ROTARY_ATTENTION_ENV}={raw!r}: expected fused or separate")
+    return raw != "separate"
 
 
 def fuse_layers(layers) -> None:
