@@ -59,14 +59,16 @@ __all__ = ["ENV_VAR", "GEMV_MAX_ROWS", "MODES", "gemv_launch", "layer_mode", "li
 #: GEMMs after a norm (``on``), and :func:`linear` for o_proj and down_proj too (``all``: no cuBLAS GEMM, none of its
 #: split-K workspace memsets and reductions); ``decode``: ``all`` for a forward of at most :data:`GEMV_MAX_ROWS`
 #: token rows (batch x width: decode and verify steps, the GEMV form), ``off`` for larger ones (prefill, wide
-#: batches); read at each forward
+#: batches); ``residual``: only o_proj and down_proj (the GEMMs whose outputs join the residual stream) by
+#: :func:`linear` for a forward of at most :data:`GEMV_MAX_ROWS` token rows - the norms, q/k/v and gate/up stay
+#: ``add_rmsnorm`` + cuBLAS -, ``off`` above; read at each forward
 ENV_VAR = "ADAFLASH_FUSED_LINEAR"
-MODES = ("off", "on", "all", "decode")
+MODES = ("off", "on", "all", "decode", "residual")
 
 
 def mode() -> str:
-    """``"off"``, ``"on"``, ``"all"`` or ``"decode"`` from ``ADAFLASH_FUSED_LINEAR`` (unset: off; ``1`` / ``true``:
-    on). Raises ValueError on another value."""
+    """``"off"``, ``"on"``, ``"all"``, ``"decode"`` or ``"residual"`` from ``ADAFLASH_FUSED_LINEAR`` (unset: off;
+    ``1`` / ``true``: on). Raises ValueError on another value."""
     raw = os.environ.get(ENV_VAR, "off").strip().lower()
     if raw in ("on", "1", "true", "yes"):
         return "on"
@@ -78,11 +80,11 @@ def mode() -> str:
 
 
 def layer_mode(rows: int) -> str:
-    """The mode a forward of ``rows`` token rows runs in: :func:`mode`, with ``decode`` resolved to ``all`` (``rows``
-    <= :data:`GEMV_MAX_ROWS`) or ``off``."""
+    """The mode a forward of ``rows`` token rows runs in: :func:`mode`, with ``decode`` resolved to ``all`` and
+    ``residual`` kept (``rows`` <= :data:`GEMV_MAX_ROWS`), both ``off`` above."""
     m = mode()
-    if m == "decode":
-        return "all" if rows <= GEMV_MAX_ROWS else "off"
+    if m in ("decode", "residual"):
+        return ("all" if m == "decode" else m) if rows <= GEMV_MAX_ROWS else "off"
     return m
 
 

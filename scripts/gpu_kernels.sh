@@ -26,7 +26,8 @@
 #                                     one kernel: split-K iff its calibration measured it faster at each batch bucket),
 #                                     linear (auto + ADAFLASH_FUSED_LINEAR=on: kernels/norm_linear.py), linear-all
 #                                     (ADAFLASH_FUSED_LINEAR=all), linear-decode (=decode: all up to 16 token rows),
-#                                     separate (auto with ADAFLASH_ROTARY_ATTENTION=separate)
+#                                     separate (auto with ADAFLASH_ROTARY_ATTENTION=separate), linear-residual
+#                                     (=residual: o_proj / down_proj only, up to 16 token rows)
 #   attention_micro.json              one layer's attention (Qwen3-8B and SmolLM2 shapes, batch 1 / 8 / 64, width 1 / 16):
 #                                     SDPA + mask vs the split-K kernel (its launch; one pass; split + merge), ms per call
 #   summary.json                      AR step / verify ratio / propose ms and share off vs on, kernels per layer
@@ -105,6 +106,7 @@ bench() {  # bench SHAPE MODE MAX_S ARGS...: MODE off (kernels off) | sdpa (kern
   [ "$mode" = linear ] && linear=on
   [ "$mode" = linear-all ] && linear=all
   [ "$mode" = linear-decode ] && linear=decode  # all for <= 16 token rows (decode / verify), off above
+  [ "$mode" = linear-residual ] && linear=residual  # only o_proj / down_proj by it, <= 16 token rows
   local rotary=fused  # | separate (auto, the rotary + cache write in its own kernel before the split-K attention)
   [ "$mode" = separate ] && rotary=separate
   run_step "$max" "bench_${shape}_$mode" env ADAFLASH_FUSED_KERNELS="$kern" ADAFLASH_FUSED_ATTENTION="$split" \
@@ -121,12 +123,14 @@ bench qwen3-8b separate 120 "${Q[@]}"
 bench qwen3-8b linear 120 "${Q[@]}"
 bench qwen3-8b linear-all 120 "${Q[@]}"
 bench qwen3-8b linear-decode 120 "${Q[@]}"
+bench qwen3-8b linear-residual 120 "${Q[@]}"
 bench smollm2-135m sdpa 50 "${S[@]}"
 bench smollm2-135m auto 50 "${S[@]}"
 bench smollm2-135m separate 50 "${S[@]}"
 bench smollm2-135m linear 50 "${S[@]}"
 bench smollm2-135m linear-all 50 "${S[@]}"
 bench smollm2-135m linear-decode 50 "${S[@]}"
+bench smollm2-135m linear-residual 50 "${S[@]}"
 
 run_step 60 kernel_counts python3 - "$K/kernel_counts.json" <<'EOF'
 import json, os, sys
@@ -134,6 +138,7 @@ from adaflash_ray.shapes import count_forward_kernels
 rows = []
 for shape, fused, split_k, linear in (("qwen3-8b", True, False, "off"), ("qwen3-8b", True, True, "off"),
                                       ("qwen3-8b", True, True, "on"), ("qwen3-8b", True, True, "all"),
+                                      ("qwen3-8b", True, True, "residual"),
                                       ("smollm2-135m", True, False, "off"), ("smollm2-135m", True, True, "off"),
                                       ("smollm2-135m", True, True, "on"), ("smollm2-135m", True, True, "all"),
                                       ("smollm2-135m", True, True, "decode")):
@@ -175,7 +180,8 @@ import json, os, sys
 k, commit = sys.argv[1:]
 doc = {"commit": commit, "steps": open(os.path.join(k, "steps.txt")).read().splitlines()}
 for shape in ("qwen3-8b", "smollm2-135m"):
-    for tag in ("off", "sdpa", "auto", "separate", "linear", "linear-all", "linear-decode"):
+    for tag in ("off", "sdpa", "auto", "separate", "linear", "linear-all", "linear-decode",
+                "linear-residual"):
         p = os.path.join(k, f"bench_{shape}_{tag}.json")
         if not os.path.exists(p):
             continue

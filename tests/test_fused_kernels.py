@@ -368,7 +368,8 @@ def test_target_fused_forward_gpu(shape_name, batch, width, monkeypatch):
     assert target.fused_kernels_active
     runs = []
     for split_k, linear, rotary in ((False, "off", "fused"), (True, "off", "fused"), (True, "off", "separate"),
-                                    (True, "on", "fused"), (True, "all", "fused"), (True, "decode", "fused")):
+                                    (True, "on", "fused"), (True, "all", "fused"), (True, "decode", "fused"),
+                                    (True, "residual", "fused")):
         target.fused_attention = split_k
         monkeypatch.setenv("ADAFLASH_FUSED_LINEAR", linear)
         monkeypatch.setenv("ADAFLASH_ROTARY_ATTENTION", rotary)
@@ -577,7 +578,8 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     outs = []
     for mode, split_k, linear in (("off", False, "off"), ("auto", False, "off"), ("auto", True, "off"),
                                   ("auto", True, "on"), ("auto", False, "on"), ("auto", True, "all"),
-                                  ("auto", True, "decode")):  # decode: the 18-row prefill unfused, the 12-row verify all
+                                  ("auto", True, "decode"), ("auto", True, "residual")):
+        # decode: the 18-row prefill unfused, the 12-row verify all; residual: the verify's o_proj / down_proj only
         assert t.use_fused_kernels(mode) == (mode == "auto")
         t.fused_attention = split_k
         os.environ["ADAFLASH_FUSED_LINEAR"] = linear  # the add + norm fused into the q/k/v and gate/up GEMMs
@@ -845,10 +847,12 @@ def test_fused_linear_modes(monkeypatch):
         assert nl.mode() == want, raw
     monkeypatch.setenv(nl.ENV_VAR, "decode")
     assert [nl.layer_mode(r) for r in (1, nl.GEMV_MAX_ROWS, nl.GEMV_MAX_ROWS + 1, 4096)] == ["all", "all", "off", "off"]
+    monkeypatch.setenv(nl.ENV_VAR, " Residual")
+    assert [nl.layer_mode(r) for r in (1, nl.GEMV_MAX_ROWS, nl.GEMV_MAX_ROWS + 1)] == ["residual", "residual", "off"]
     monkeypatch.setenv(nl.ENV_VAR, "on")
     assert nl.layer_mode(4096) == "on" and nl.layer_mode(1) == "on"
     monkeypatch.setenv(nl.ENV_VAR, "sometimes")
-    with pytest.raises(ValueError, match="ADAFLASH_FUSED_LINEAR='sometimes'.*decode"):
+    with pytest.raises(ValueError, match="ADAFLASH_FUSED_LINEAR='sometimes'.*decode, residual"):
         nl.mode()
 
 

@@ -73,9 +73,13 @@ class SwiGLU(nn.Module):
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` with the SwiGLU product as one Triton kernel on the fused gate/up GEMM output
         (:func:`adaflash_ray.kernels.swiglu.swiglu`); needs :meth:`fuse` and Triton (CUDA or its interpreter)."""
+        return self.down_proj(self.act_fused(x))
+
+    def act_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """down_proj's input of :meth:`forward_fused`: ``silu(gate) * up`` from the fused gate/up GEMM ``[..., I]``."""
         from adaflash_ray.kernels.swiglu import swiglu
 
-        return self.down_proj(swiglu(F.linear(x, self._gate_up)))
+        return swiglu(F.linear(x, self._gate_up))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused():
@@ -315,7 +319,8 @@ def fused_layer_stack(layers, x: torch.Tensor, final_norm: RMSNorm, attend, want
     q/k/v projection, and the gate/up projection with the SwiGLU product
     (:func:`adaflash_ray.kernels.norm_linear.norm_linear`; needs :meth:`AttentionProjections.fuse` too); with
     ``all`` o_proj and down_proj run by the same kernel without the norm; ``decode`` is ``all`` for a forward of at
-    most 16 token rows (``B * T``) and ``off`` above (:func:`adaflash_ray.kernels.norm_linear.layer_mode`).
+    most 16 token rows (``B * T``) and ``off`` above; ``residual`` runs only o_proj and down_proj by that kernel (at
+    most 16 token rows; ``off`` above) (:func:`adaflash_ray.kernels.norm_linear.layer_mode`).
 
     Args:
         layers: the decoder layers. x: ``[B, T, H]`` input residual stream.
@@ -331,7 +336,7 @@ def fused_layer_stack(layers, x: torch.Tensor, final_norm: RMSNorm, attend, want
     from adaflash_ray.kernels.fused_norm import add_rmsnorm
 
     mode = nl.layer_mode(x.shape[0] * x.shape[1])
-    linear, all_linear = mode != "off", mode == "all"
+    linear, out_linear = mode in ("on", "all"), mode in ("all", "residual")
     delta = None
     for i, layer in enumerate(layers):
         ln, attn, mlp = layer.input_layernorm, layer.self_attn, layer.mlp
@@ -341,14 +346,14 @@ def fused_layer_stack(layers, x: torch.Tensor, final_norm: RMSNorm, attend, want
             x, h = add_rmsnorm(x, delta, ln.weight, ln.eps)
         if i - 1 in want:
             captured[i - 1] = x
-        a = attend(i, attn, None, qkv=qkv, o_linear=all_linear) if linear else attend(i, attn, h)
+        a = attend(i, attn, None if linear else h, qkv=qkv if linear else None, o_linear=out_linear)
         ln = layer.post_attention_layernorm
         if linear:
             x, act = nl.norm_linear(x, a, ln.weight, ln.eps, mlp._gate_up, swiglu=True)
-            delta = nl.linear(act, mlp.down_proj.weight) if all_linear else mlp.down_proj(act)
         else:
             x, h = add_rmsnorm(x, a, ln.weight, ln.eps)
-            delta = mlp.forward_fused(h)
+            act = mlp.act_fused(h)
+        delta = nl.linear(act, mlp.down_proj.weight) if out_linear else mlp.down_proj(act)
     x, last = add_rmsnorm(x, delta, final_norm.weight, final_norm.eps)
     if len(layers) - 1 in want:
         captured[len(layers) - 1] = x
