@@ -60,8 +60,8 @@ __all__ = ["ENV_VAR", "GEMV_MAX_ROWS", "MODES", "gemv_launch", "layer_mode", "li
 #: split-K workspace memsets and reductions); ``decode``: ``all`` for a forward of at most :data:`GEMV_MAX_ROWS`
 #: token rows (batch x width: decode and verify steps, the GEMV form), ``off`` for larger ones (prefill, wide
 #: batches); ``residual``: only o_proj and down_proj (the GEMMs whose outputs join the residual stream) by
-#: :func:`linear` for a forward of at most :data:`GEMV_MAX_ROWS` token rows - the norms, q/k/v and gate/up stay
-#: ``add_rmsnorm`` + cuBLAS -, ``off`` above; read at each forward
+#: :func:`linear` for a forward of at most :data:`GEMV_MAX_ROWS` token rows, the SwiGLU product in down_proj's
+#: loads - the norms, q/k/v and gate/up stay ``add_rmsnorm`` + cuBLAS -, ``off`` above; read at each forward
 ENV_VAR = "ADAFLASH_FUSED_LINEAR"
 MODES = ("off", "on", "all", "decode", "residual")
 
@@ -141,10 +141,19 @@ if HAVE_TRITON:
         return tl.rsqrt(ss / k + eps)
 
     @triton.jit
-    def _normed(x_ptr, d_ptr, nw_ptr, rows64, rmask, ks, kmask, rstd, stride_x, stride_d,
-                HAS_DELTA: tl.constexpr, NORM: tl.constexpr):
+    def _normed(x_ptr, d_ptr, nw_ptr, rows64, rmask, ks, kmask, rstd, stride_x, stride_d, k,
+                HAS_DELTA: tl.constexpr, NORM: tl.constexpr, SWIGLU_IN: tl.constexpr = False):
         """The rows' ``K`` chunk ``ks`` as the GEMM reads it: ``r * rstd * w_norm`` rounded to x's dtype (``r``
-        itself without the norm)."""
+        itself without the norm). ``SWIGLU_IN`` (no norm): x holds gate then up (``2K`` columns) and the chunk is
+        their SwiGLU product as adaflash_ray/kernels/swiglu.py rounds it (silu of the gate rounded, the product
+        rounded once)."""
+        if SWIGLU_IN:
+            msk = rmask[:, None] & kmask[None, :]
+            row = x_ptr + rows64[:, None] * stride_x + ks[None, :]
+            g = tl.load(row, mask=msk, other=0.0).to(tl.float32)
+            u = tl.load(row + k, mask=msk, other=0.0).to(tl.float32)
+            sg = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            return (sg * u).to(x_ptr.dtype.element_ty)
         r = _residual(x_ptr, d_ptr, rows64, ks, rmask[:, None] & kmask[None, :], stride_x, stride_d, HAS_DELTA)
         if NORM:
             # [1, BLOCK_K], loaded in x's layout (a 1-D load would take another, converted in every chunk)
@@ -175,13 +184,15 @@ if HAVE_TRITON:
                             stride_x, stride_d, stride_r, stride_w, stride_y,
                             HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            NORM_BLOCK_K: tl.constexpr, NORM: tl.constexpr = True, ALIGNED: tl.constexpr = False):
+                            NORM_BLOCK_K: tl.constexpr, NORM: tl.constexpr = True, ALIGNED: tl.constexpr = False,
+                            SWIGLU_IN: tl.constexpr = False):
         """A program per (``BLOCK_M`` row tile, ``BLOCK_N`` output features - with ``SWIGLU`` the gate rows of the
         weight and the matching up rows, so the epilogue is local), each weight row streamed along its contiguous
         ``K`` in ``BLOCK_K`` chunks. ``BLOCK_M`` 1 (the one-row GEMV form): float32 FMAs into a
         ``[BLOCK_N, BLOCK_K]`` accumulator summed over ``K`` once at the end (no tensor-core tile to fill);
         16 and more: ``tl.dot`` chunk by chunk. Pass 1 reads the rows (x and delta, not the weight) in
-        ``NORM_BLOCK_K`` chunks."""
+        ``NORM_BLOCK_K`` chunks. ``SWIGLU_IN``: the input is a gate/up output ``[m, 2K]``, multiplied in the loads
+        (:func:`_normed`; no norm)."""
         if ALIGNED:  # 16-byte vectors along K: the loads vectorise and the pipeliner can stage them
             k, stride_x, stride_d, stride_r, stride_w = _aligned(k, stride_x, stride_d, stride_r, stride_w)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -204,7 +215,8 @@ if HAVE_TRITON:
         for k0 in tl.range(0, k, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             kmask = ks < k
-            h = _normed(x_ptr, d_ptr, nw_ptr, rows64, rmask, ks, kmask, rstd, stride_x, stride_d, HAS_DELTA, NORM)
+            h = _normed(x_ptr, d_ptr, nw_ptr, rows64, rmask, ks, kmask, rstd, stride_x, stride_d, k, HAS_DELTA, NORM,
+                        SWIGLU_IN)
             wmask = cmask[:, None] & kmask[None, :]
             w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :], mask=wmask, other=0.0)
             if BLOCK_M == 1:
@@ -263,8 +275,8 @@ def norm_chunk(block_m: int, block_k: int, k: int) -> int:
 
 def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
                 weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False,
-                launch: tuple[int, int, int, int, int] | None = None, gemv: bool | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                launch: tuple[int, int, int, int, int] | None = None, gemv: bool | None = None,
+                swiglu_in: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused :func:`norm_linear_ref`: one Triton launch, in the GEMV form over output features for up to
     :data:`GEMV_MAX_ROWS` rows, else in the tiled form over (row tiles, output-column tiles).
 
@@ -277,6 +289,9 @@ def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.
             :func:`launch_tiles` and :data:`NUM_WARPS` / :data:`NUM_STAGES` (scripts/norm_linear_variants.py times
             the choices). gemv: the form (None: GEMV iff the rows are at most :data:`GEMV_MAX_ROWS`; True over
             more rows: 16-row tiles, or the launch's).
+        swiglu_in: ``x`` ``[..., 2K]`` is a gate/up GEMM output (gate, then up) and the GEMM's input is its SwiGLU
+            product (:func:`adaflash_ray.kernels.swiglu.swiglu_ref`, bit for bit the ``swiglu`` kernel's), computed
+            as the chunks load; no delta, no norm.
     Returns:
         ``(r, y)``: the new residual ``[..., K]`` (``x`` itself when delta is None) and ``[..., N]`` (``[..., N/2]``
         with swiglu), in x's dtype. No host synchronisation, allocations only of the outputs (CUDA-graph capturable).
@@ -287,8 +302,11 @@ def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.
     """
     if not HAVE_TRITON:
         raise RuntimeError("norm_linear needs triton (use norm_linear_ref)")
-    k = x.shape[-1]
+    k = x.shape[-1] // 2 if swiglu_in else x.shape[-1]
     n_w = weight.shape[0]
+    if (swiglu_in and (x.shape[-1] % 2 or norm_weight is not None or delta is not None)):
+        raise ValueError(f"norm_linear: swiglu_in takes gate/up rows (an even width, {x.shape[-1]}) and no "
+                         f"delta or norm")
     if ((norm_weight is not None and norm_weight.shape != (k,)) or weight.dim() != 2 or weight.shape[1] != k
             or (delta is not None and delta.shape != x.shape) or (bias is not None and bias.shape != (n_w,))
             or weight.dtype != x.dtype or (swiglu and n_w % 2) or (delta is not None and norm_weight is None)):
@@ -318,11 +336,14 @@ def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.
         HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=norm_weight is not None,
         ALIGNED=all(v % 8 == 0 for v in (k, x2.stride(0), d2.stride(0), r2.stride(0), w.stride(0))),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NORM_BLOCK_K=norm_block_k, num_warps=warps,
-        num_stages=stages)
+        num_stages=stages, SWIGLU_IN=swiglu_in)
     return r, y
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           swiglu_in: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` by the same kernel without the norm (one launch, no split-K workspace):
-    ``x`` ``[..., K]``, ``weight`` ``[N, K]`` in x's dtype -> ``[..., N]``. Raises as :func:`norm_linear`."""
-    return norm_linear(x, None, None, 0.0, weight, bias)[1]
+    ``x`` ``[..., K]``, ``weight`` ``[N, K]`` in x's dtype -> ``[..., N]``; ``swiglu_in``: ``x`` ``[..., 2K]`` is a
+    gate/up output and the input is its SwiGLU product (``F.linear(swiglu(x), weight, bias)`` in one launch). Raises
+    as :func:`norm_linear`."""
+    return norm_linear(x, None, None, 0.0, weight, bias, swiglu_in=swiglu_in)[1]

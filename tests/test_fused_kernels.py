@@ -132,6 +132,25 @@ def test_norm_linear_gpu(shape, rows, gemv, swiglu):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+@pytest.mark.parametrize("rows", [1, 4, 16, 40])
+def test_linear_swiglu_in_gpu(shape, rows):
+    """down_proj with the SwiGLU product in its loads == the swiglu kernel then the same linear kernel, bit for bit
+    (bf16, the GEMV form up to 16 rows, the tiled form above), and close to swiglu + cuBLAS."""
+    from adaflash_ray.kernels.norm_linear import linear
+    from adaflash_ray.kernels.swiglu import swiglu
+
+    _, hidden, inter, *_ = shape
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    gu = (2 * torch.randn(rows, 2 * inter, device="cuda", generator=g)).bfloat16()
+    w = (torch.randn(hidden, inter, device="cuda", generator=g) / inter ** 0.5).bfloat16()
+    out = linear(gu, w, swiglu_in=True)
+    assert torch.equal(out, linear(swiglu(gu), w))
+    _close_bf16(out, torch.nn.functional.linear(swiglu(gu), w), ulps=4.0)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
 @pytest.mark.parametrize("rows", [1, 16, 1024])
 def test_swiglu_gpu(shape, rows):
     from adaflash_ray.kernels.swiglu import swiglu, swiglu_ref
@@ -594,6 +613,14 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
 
     # residual add + RMSNorm + linear in one kernel (with a bias; with the SwiGLU epilogue), float32
     from adaflash_ray.kernels.norm_linear import linear, norm_linear, norm_linear_ref
+    for rows, kk in ((1, 96), (3, 40), (20, 64)):  # the SwiGLU product in the loads: the GEMV and tiled forms
+        gu, w = 3 * torch.randn(rows, 2 * kk, generator=g), torch.randn(50, kk, generator=g)
+        close(linear(gu, w, swiglu_in=True), torch.nn.functional.linear(swiglu(gu), w), 1e-5)
+    try:
+        linear(gu[:, 1:], w, swiglu_in=True)
+        raise AssertionError("an odd gate/up width accepted")
+    except ValueError as e:
+        assert "swiglu_in" in str(e), e
     x, w = torch.randn(7, 3, 100, generator=g), torch.randn(90, 100, generator=g)  # no norm: a plain linear layer
     close(linear(x, w), torch.nn.functional.linear(x, w), 1e-5)
     try:  # a residual to add needs the norm's pass, which writes it
@@ -735,7 +762,8 @@ def test_kernels_compile_for_sm90(tmp_path):
     # norm + linear as launched (norm_linear.norm_linear) at K = 4096 (vector loads: ALIGNED): the tiled form's every
     # row tile and the GEMV form's (one row; 2-16 rows), both epilogues and the plain linear layer
     for epi in (dict(HAS_DELTA=True, SWIGLU=False), dict(HAS_DELTA=True, SWIGLU=True),
-                dict(HAS_DELTA=False, SWIGLU=False, NORM=False)):
+                dict(HAS_DELTA=False, SWIGLU=False, NORM=False),
+                dict(HAS_DELTA=False, SWIGLU=False, NORM=False, SWIGLU_IN=True)):  # down_proj with the product
         launches = [(*norm_linear.launch_tiles(bm, 4096, epi["SWIGLU"]), norm_linear.NUM_WARPS, norm_linear.NUM_STAGES,
                      False) for bm in (16, 32, 64)]
         launches += [(*norm_linear.gemv_launch(rows, 4096, epi["SWIGLU"]), True) for rows in (1, 16)]

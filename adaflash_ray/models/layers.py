@@ -73,13 +73,9 @@ class SwiGLU(nn.Module):
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` with the SwiGLU product as one Triton kernel on the fused gate/up GEMM output
         (:func:`adaflash_ray.kernels.swiglu.swiglu`); needs :meth:`fuse` and Triton (CUDA or its interpreter)."""
-        return self.down_proj(self.act_fused(x))
-
-    def act_fused(self, x: torch.Tensor) -> torch.Tensor:
-        """down_proj's input of :meth:`forward_fused`: ``silu(gate) * up`` from the fused gate/up GEMM ``[..., I]``."""
         from adaflash_ray.kernels.swiglu import swiglu
 
-        return swiglu(F.linear(x, self._gate_up))
+        return self.down_proj(swiglu(F.linear(x, self._gate_up)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused():
@@ -319,8 +315,9 @@ def fused_layer_stack(layers, x: torch.Tensor, final_norm: RMSNorm, attend, want
     q/k/v projection, and the gate/up projection with the SwiGLU product
     (:func:`adaflash_ray.kernels.norm_linear.norm_linear`; needs :meth:`AttentionProjections.fuse` too); with
     ``all`` o_proj and down_proj run by the same kernel without the norm; ``decode`` is ``all`` for a forward of at
-    most 16 token rows (``B * T``) and ``off`` above; ``residual`` runs only o_proj and down_proj by that kernel (at
-    most 16 token rows; ``off`` above) (:func:`adaflash_ray.kernels.norm_linear.layer_mode`).
+    most 16 token rows (``B * T``) and ``off`` above; ``residual`` runs only o_proj and down_proj by that kernel, the
+    SwiGLU product in down_proj's loads (at most 16 token rows; ``off`` above)
+    (:func:`adaflash_ray.kernels.norm_linear.layer_mode`).
 
     Args:
         layers: the decoder layers. x: ``[B, T, H]`` input residual stream.
@@ -350,10 +347,13 @@ def fused_layer_stack(layers, x: torch.Tensor, final_norm: RMSNorm, attend, want
         ln = layer.post_attention_layernorm
         if linear:
             x, act = nl.norm_linear(x, a, ln.weight, ln.eps, mlp._gate_up, swiglu=True)
+            delta = nl.linear(act, mlp.down_proj.weight) if out_linear else mlp.down_proj(act)
         else:
             x, h = add_rmsnorm(x, a, ln.weight, ln.eps)
-            act = mlp.act_fused(h)
-        delta = nl.linear(act, mlp.down_proj.weight) if out_linear else mlp.down_proj(act)
+            if out_linear:  # the SwiGLU product computed as down_proj's kernel loads the gate/up output
+                delta = nl.linear(F.linear(h, mlp._gate_up), mlp.down_proj.weight, swiglu_in=True)
+            else:
+                delta = mlp.forward_fused(h)
     x, last = add_rmsnorm(x, delta, final_norm.weight, final_norm.eps)
     if len(layers) - 1 in want:
         captured[len(layers) - 1] = x
