@@ -22,7 +22,7 @@ import math
 import torch
 
 from adaflash_ray.kernels.reference import folded_attention, gqa_mask
-from adaflash_ray.kernels.triton_support import HAVE_TRITON, tl, triton
+from adaflash_ray.kernels.triton_support import HAVE_TRITON, ticket_counters, tl, triton
 
 __all__ = ["block_rows", "decode_attention", "decode_attention_ref", "default_num_splits",
            "rotary_decode_attention", "rotary_decode_attention_ref"]
@@ -413,7 +413,7 @@ def rotary_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     (row, KV head, row tiles) - merges the stored partials in key order, the split + merge arithmetic of
     :func:`decode_attention`: a query row is the same bits at every batch, width, span and split, and greedy spec
     decoding with it equals AR's output. Launches of this kernel must not overlap on two streams (they share the
-    per-device ticket counters, each left at 0 by its launch).
+    per-device ticket counters of :func:`adaflash_ray.kernels.triton_support.ticket_counters`).
 
     The keys and values are written before they are read (a verify row sees the block's earlier positions),
     rounded to the cache's dtype. Inputs as :func:`rotary_qkv_cache`'s (token-major ``qkv`` with a contiguous last
@@ -454,27 +454,10 @@ def rotary_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     qw = q_norm if qk_norm else cos  # unused pointers when there is no qk-norm
     kw = k_norm if qk_norm else cos
     _compile_rotary_variants(qkv, cos, qw, kw, k_cache, rep, hkv, block_n, max_width, qk_norm)
-    counters = _ticket_counters(qkv.device, b * hkv * _row_programs(m, d))
+    counters = ticket_counters(qkv.device, b * hkv * _row_programs(m, d))
     _launch_rotary(qkv, cos, sin, qw, kw, float(eps), k_cache, v_cache, rows, positions, span, rep, hkv,
                    num_splits, block_n, max_width, qk_norm, counters, out)
     return out
-
-
-_COUNTERS: dict = {}
-
-
-def _ticket_counters(device: torch.device, n: int) -> torch.Tensor:
-    """The per-device int32 ticket counters of :func:`rotary_decode_attention` (at least ``n``; all 0 between
-    launches). Grown (doubling) only outside a CUDA-graph capture; a capture that needs more than exist gets a
-    zeroed buffer of its own (a memset in the graph: correct, one node dearer)."""
-    have = _COUNTERS.get(device)
-    if have is not None and have.numel() >= n:
-        return have
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(n, dtype=torch.int32, device=device)
-    size = max(n, 2 * (have.numel() if have is not None else 512))
-    _COUNTERS[device] = torch.zeros(size, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
 
 
 _COMPILED_ROTARY: set = set()
@@ -502,7 +485,7 @@ def _compile_rotary_variants(qkv, cos, qw, kw, k_cache, rep: int, hkv: int, bloc
         x = qkv.new_zeros((1, w, (hkv * rep + 2 * hkv) * d))
         cs = cos.new_zeros((1, w, d))
         pos = torch.zeros((1, w), dtype=torch.int64, device=dev)  # key 0 only
-        counters = _ticket_counters(dev, hkv * _row_programs(w * rep, d))
+        counters = ticket_counters(dev, hkv * _row_programs(w * rep, d))
         for splits in (1, 2):
             _launch_rotary(x, cs, cs, qw, kw, 1e-6, kc, kc.clone(), rows, pos, 2 * block_n, rep, hkv, splits,
                            block_n, max_width, qk_norm, counters, x.new_empty((1, w, hkv * rep * d)))

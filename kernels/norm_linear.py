@@ -50,10 +50,10 @@ import torch
 import torch.nn.functional as F
 
 from adaflash_ray.kernels.fused_norm import residual_rows
-from adaflash_ray.kernels.triton_support import HAVE_TRITON, tl, triton
+from adaflash_ray.kernels.triton_support import HAVE_TRITON, ticket_counters, tl, triton
 
-__all__ = ["ENV_VAR", "GEMV_MAX_ROWS", "MODES", "gemv_launch", "layer_mode", "linear", "mode", "norm_linear",
-           "norm_linear_ref"]
+__all__ = ["ENV_VAR", "GEMV_MAX_ROWS", "MODES", "gemv_launch", "layer_mode", "linear", "linear_add_norm", "mode",
+           "norm_linear", "norm_linear_ref"]
 
 #: ``off`` (default) / ``on`` / ``all`` / ``decode``: whether the fused layer stack uses :func:`norm_linear` for the
 #: GEMMs after a norm (``on``), and :func:`linear` for o_proj and down_proj too (``all``: no cuBLAS GEMM, none of its
@@ -178,21 +178,56 @@ if HAVE_TRITON:
             out = (s * acc_up.to(dt).to(tl.float32)).to(dt)
         tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], out, mask=rmask[:, None] & cmask[None, :])
 
+    @triton.jit
+    def _add_norm_epilogue(acc, d_ptr, nw_ptr, r_ptr, y_ptr, cnt_ptr, rows64, rmask, cols, cmask, n, eps, stride_d,
+                           stride_r, stride_y, BLOCK_M: tl.constexpr, NORM_BLOCK_N: tl.constexpr):
+        """``r = residual + y`` (``y`` rounded to the output dtype first, as the unfused GEMM returns it; ``r``
+        rounded: :func:`_residual`'s add) stored for this program's columns; then the row tile's last program to
+        finish (an atomic ticket per row tile, reset by it) reads all ``n`` columns of ``r`` back and writes
+        ``RMSNorm(r) * w`` into ``y_ptr`` (:func:`_rows_rstd` / :func:`_normed`'s arithmetic)."""
+        dt = y_ptr.dtype.element_ty
+        msk = rmask[:, None] & cmask[None, :]
+        res = tl.load(d_ptr + rows64[:, None] * stride_d + cols[None, :], mask=msk, other=0.0)
+        r = (res.to(tl.float32) + acc.to(dt).to(tl.float32)).to(dt)
+        tl.store(r_ptr + rows64[:, None] * stride_r + cols[None, :], r, mask=msk)
+        tl.debug_barrier()  # every thread's columns stored before the ticket (released with it)
+        counter = cnt_ptr + tl.program_id(0)
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(1) - 1:
+            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for c0 in tl.range(0, n, NORM_BLOCK_N):
+                cs = c0 + tl.arange(0, NORM_BLOCK_N)
+                m2 = rmask[:, None] & (cs < n)[None, :]
+                rr = tl.load(r_ptr + rows64[:, None] * stride_r + cs[None, :], mask=m2, other=0.0,
+                             cache_modifier=".cg").to(tl.float32)
+                ss += tl.sum(rr * rr, axis=1)
+            rstd = tl.rsqrt(ss / n + eps)
+            for c0 in tl.range(0, n, NORM_BLOCK_N):
+                cs = c0 + tl.arange(0, NORM_BLOCK_N)
+                m2 = rmask[:, None] & (cs < n)[None, :]
+                rr = tl.load(r_ptr + rows64[:, None] * stride_r + cs[None, :], mask=m2, other=0.0,
+                             cache_modifier=".cg").to(tl.float32)
+                nw = tl.load(nw_ptr + cs[None, :], mask=(cs < n)[None, :], other=0.0).to(tl.float32)
+                tl.store(y_ptr + rows64[:, None] * stride_y + cs[None, :], (rr * rstd[:, None] * nw).to(dt), mask=m2)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
     # one compiled variant for every batch size and width (CUDA graphs: see adaflash_ray/kernels/triton_support.py)
     @triton.jit(do_not_specialize=["m", "n", "k", "stride_x", "stride_d", "stride_r", "stride_w", "stride_y"])
-    def _norm_linear_kernel(x_ptr, d_ptr, nw_ptr, w_ptr, b_ptr, r_ptr, y_ptr, m, n, k, eps,
+    def _norm_linear_kernel(x_ptr, d_ptr, nw_ptr, w_ptr, b_ptr, r_ptr, y_ptr, cnt_ptr, m, n, k, eps,
                             stride_x, stride_d, stride_r, stride_w, stride_y,
                             HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             NORM_BLOCK_K: tl.constexpr, NORM: tl.constexpr = True, ALIGNED: tl.constexpr = False,
-                            SWIGLU_IN: tl.constexpr = False):
+                            SWIGLU_IN: tl.constexpr = False, ADD_NORM: tl.constexpr = False):
         """A program per (``BLOCK_M`` row tile, ``BLOCK_N`` output features - with ``SWIGLU`` the gate rows of the
         weight and the matching up rows, so the epilogue is local), each weight row streamed along its contiguous
         ``K`` in ``BLOCK_K`` chunks. ``BLOCK_M`` 1 (the one-row GEMV form): float32 FMAs into a
         ``[BLOCK_N, BLOCK_K]`` accumulator summed over ``K`` once at the end (no tensor-core tile to fill);
         16 and more: ``tl.dot`` chunk by chunk. Pass 1 reads the rows (x and delta, not the weight) in
         ``NORM_BLOCK_K`` chunks. ``SWIGLU_IN``: the input is a gate/up output ``[m, 2K]``, multiplied in the loads
-        (:func:`_normed`; no norm)."""
+        (:func:`_normed`; no norm). ``ADD_NORM`` (no norm before): the output is added to the residual ``d_ptr``
+        into ``r_ptr`` and ``y_ptr`` receives its RMSNorm by ``nw_ptr`` (:func:`_add_norm_epilogue`, chunks of
+        ``NORM_BLOCK_K`` columns)."""
         if ALIGNED:  # 16-byte vectors along K: the loads vectorise and the pipeliner can stage them
             k, stride_x, stride_d, stride_r, stride_w = _aligned(k, stride_x, stride_d, stride_r, stride_w)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -202,7 +237,7 @@ if HAVE_TRITON:
         # pass 1: the rows' norm statistic (the programs of the first column group write r); NORM False: a plain
         # linear layer of x, no pass 1
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if NORM:
+        if NORM and not ADD_NORM:
             rstd = _rows_rstd(x_ptr, d_ptr, r_ptr, rows64, rmask, k, eps, stride_x, stride_d, stride_r,
                               tl.program_id(1) == 0, HAS_DELTA, BLOCK_M, NORM_BLOCK_K)
         # pass 2: the normed rows (rounded to x's dtype) against the weight rows, float32 accumulation
@@ -215,8 +250,8 @@ if HAVE_TRITON:
         for k0 in tl.range(0, k, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             kmask = ks < k
-            h = _normed(x_ptr, d_ptr, nw_ptr, rows64, rmask, ks, kmask, rstd, stride_x, stride_d, k, HAS_DELTA, NORM,
-                        SWIGLU_IN)
+            h = _normed(x_ptr, d_ptr, nw_ptr, rows64, rmask, ks, kmask, rstd, stride_x, stride_d, k, HAS_DELTA,
+                        NORM and not ADD_NORM, SWIGLU_IN)
             wmask = cmask[:, None] & kmask[None, :]
             w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_w + ks[None, :], mask=wmask, other=0.0)
             if BLOCK_M == 1:
@@ -233,7 +268,11 @@ if HAVE_TRITON:
         if BLOCK_M == 1:
             acc = tl.sum(acc2, axis=1)[None, :]
             acc_up = tl.sum(acc2_up, axis=1)[None, :]
-        _store_output(acc, acc_up, b_ptr, y_ptr, rows64, rmask, cols, cmask, n, stride_y, HAS_BIAS, SWIGLU)
+        if ADD_NORM:
+            _add_norm_epilogue(acc, d_ptr, nw_ptr, r_ptr, y_ptr, cnt_ptr, rows64, rmask, cols, cmask, n, eps, stride_d,
+                               stride_r, stride_y, BLOCK_M, NORM_BLOCK_K)
+        else:
+            _store_output(acc, acc_up, b_ptr, y_ptr, rows64, rmask, cols, cmask, n, stride_y, HAS_BIAS, SWIGLU)
 
 
 #: the launch's warps and pipeline stages: with 64-wide K tiles every row tile below compiles for sm_90 without
@@ -317,27 +356,77 @@ def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.
                          f"{None if bias is None else tuple(bias.shape)}, swiglu {swiglu}")
     n = n_w // 2 if swiglu else n_w
     x2, d2, r, r2 = residual_rows(x, delta)
+    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    _launch(x2, d2, norm_weight, weight, bias, r2, y.view(-1, n), n, k, eps, launch, gemv,
+            HAS_DELTA=delta is not None, SWIGLU=swiglu, NORM=norm_weight is not None, SWIGLU_IN=swiglu_in)
+    return r, y
+
+
+def _launch(x2, d2, norm_weight, weight, bias, r2, y2, n: int, k: int, eps: float, launch, gemv,
+            **flags) -> None:
+    """The kernel over rows ``x2`` ``[m, K or 2K]`` into ``y2`` ``[m, n]`` (the GEMV form up to
+    :data:`GEMV_MAX_ROWS` rows, else the tiled form; ``launch`` / ``gemv`` as :func:`norm_linear`'s)."""
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     m = x2.shape[0]
-    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if m == 0:
-        return r, y
+        return
+    swiglu = flags.get("SWIGLU", False)
     if m <= GEMV_MAX_ROWS if gemv is None else gemv:  # grid: (1 row tile, N / BLOCK_N feature groups)
         block_m, block_n, block_k, warps, stages = launch or gemv_launch(min(m, GEMV_MAX_ROWS), k, swiglu)
         norm_block_k = norm_chunk(block_m, block_k, k)
     else:
         block_m, block_n, block_k, warps, stages = launch or (*launch_tiles(m, k, swiglu), NUM_WARPS, NUM_STAGES)
         norm_block_k = block_k
+    if flags.get("ADD_NORM"):  # the epilogue's chunks run over the n output columns
+        norm_block_k = norm_chunk(block_m, 16, n)
     if 1 < block_m < 16:
         raise ValueError(f"norm_linear: a row tile of {block_m} (1, or 16 and more for tl.dot)")
-    _norm_linear_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    counters = ticket_counters(x2.device, grid[0]) if flags.get("ADD_NORM") else w
+    _norm_linear_kernel[grid](
         x2, d2, norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, r2,
-        y.view(-1, n), m, n, k, float(eps), x2.stride(0), d2.stride(0), r2.stride(0), w.stride(0), n,
-        HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, SWIGLU=swiglu, NORM=norm_weight is not None,
+        y2, counters, m, n, k, float(eps), x2.stride(0), d2.stride(0), r2.stride(0), w.stride(0), y2.stride(0),
+        HAS_BIAS=bias is not None, **{"HAS_DELTA": False, "SWIGLU": False, "NORM": False, **flags},
         ALIGNED=all(v % 8 == 0 for v in (k, x2.stride(0), d2.stride(0), r2.stride(0), w.stride(0))),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NORM_BLOCK_K=norm_block_k, num_warps=warps,
-        num_stages=stages, SWIGLU_IN=swiglu_in)
-    return r, y
+        num_stages=stages)
+
+
+def linear_add_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                    eps: float, swiglu_in: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``r = residual + F.linear(x, weight)`` and ``RMSNorm(r) * norm_weight`` in one launch (the GEMV / tiled
+    kernel of :func:`norm_linear` with the add + norm as its epilogue: the last program of a row tile to finish
+    reads the row back and norms it): what ``add_rmsnorm(residual, linear(x, weight), norm_weight, eps)`` returns
+    (the GEMM output rounded to x's dtype before the add, as there). A layer's o_proj / down_proj fused with the
+    next norm.
+
+    Args:
+        x: ``[..., K]`` (``[..., 2K]`` gate/up rows with ``swiglu_in``, :func:`linear`). weight: ``[N, K]`` in x's
+            dtype. residual: ``[..., N]``. norm_weight: ``[N]``. eps: the norm's epsilon.
+    Returns:
+        ``(r, h)`` ``[..., N]`` each in x's dtype. No host synchronisation; launches must not overlap on two
+        streams (:func:`adaflash_ray.kernels.triton_support.ticket_counters`).
+    Raises:
+        RuntimeError: Triton is not installed. ValueError: mismatched shapes or dtypes.
+    """
+    if not HAVE_TRITON:
+        raise RuntimeError("linear_add_norm needs triton")
+    k = x.shape[-1] // 2 if swiglu_in else x.shape[-1]
+    n = weight.shape[0]
+    if (weight.dim() != 2 or weight.shape[1] != k or (swiglu_in and x.shape[-1] % 2) or weight.dtype != x.dtype
+            or residual.shape != (*x.shape[:-1], n) or residual.dtype != x.dtype or norm_weight.shape != (n,)):
+        raise ValueError(f"linear_add_norm: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
+                         f"{weight.dtype}, residual {tuple(residual.shape)} {residual.dtype}, norm_weight "
+                         f"{tuple(norm_weight.shape)}, swiglu_in {swiglu_in}")
+    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    d2 = residual.reshape(-1, n)
+    d2 = d2 if d2.stride(-1) == 1 else d2.contiguous()
+    r = torch.empty(residual.shape, dtype=x.dtype, device=x.device)
+    h = torch.empty_like(r)
+    _launch(x2, d2, norm_weight, weight, None, r.view(-1, n), h.view(-1, n), n, k, eps, None, None,
+            SWIGLU_IN=swiglu_in, ADD_NORM=True)
+    return r, h
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

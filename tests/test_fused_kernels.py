@@ -133,9 +133,10 @@ def test_norm_linear_gpu(shape, rows, gemv, swiglu):
 @needs_gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
 @pytest.mark.parametrize("rows", [1, 4, 16, 40])
-def test_linear_swiglu_in_gpu(shape, rows):
+def test_linear_swiglu_in_and_add_norm_gpu(shape, rows):
     """down_proj with the SwiGLU product in its loads == the swiglu kernel then the same linear kernel, bit for bit
-    (bf16, the GEMV form up to 16 rows, the tiled form above), and close to swiglu + cuBLAS."""
+    (bf16, the GEMV form up to 16 rows, the tiled form above), and close to swiglu + cuBLAS; and with the residual
+    add + RMSNorm epilogue (linear_add_norm) against add_rmsnorm after the same GEMM."""
     from adaflash_ray.kernels.norm_linear import linear
     from adaflash_ray.kernels.swiglu import swiglu
 
@@ -146,6 +147,20 @@ def test_linear_swiglu_in_gpu(shape, rows):
     out = linear(gu, w, swiglu_in=True)
     assert torch.equal(out, linear(swiglu(gu), w))
     _close_bf16(out, torch.nn.functional.linear(swiglu(gu), w), ulps=4.0)
+    # with the residual add + RMSNorm as the epilogue: the residual bit for bit add_rmsnorm's on the same GEMM
+    # output, the norm within rounding (its sum runs in another order); the ticket counters left at 0
+    from adaflash_ray.kernels import triton_support as ts
+    from adaflash_ray.kernels.fused_norm import add_rmsnorm
+    from adaflash_ray.kernels.norm_linear import linear_add_norm
+
+    res = torch.randn(rows, hidden, device="cuda", generator=g).bfloat16()
+    nw = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=g)).bfloat16()
+    for x, sw in ((gu, True), (gu[:, :inter].contiguous(), False)):
+        r, h = linear_add_norm(x, w, res, nw, 1e-6, swiglu_in=sw)
+        r0, h0 = add_rmsnorm(res, linear(x, w, swiglu_in=sw), nw, 1e-6)
+        assert torch.equal(r, r0)
+        _close_bf16(h, h0)
+    assert int(ts._COUNTERS[torch.device("cuda", torch.cuda.current_device())].abs().sum()) == 0
 
 
 @pytest.mark.gpu
@@ -269,6 +284,7 @@ def test_rotary_decode_attention_gpu(shape, batch, width, span):
     bf16, in the launch its shape gets and in both launches (one pass; split with the last program's merge); the
     ticket counters are all 0 after each launch."""
     from adaflash_ray.kernels import decode_attention as da
+    from adaflash_ray.kernels import triton_support as ts
     from adaflash_ray.kernels.rotary_cache import rotary_qkv_cache
     from adaflash_ray.models.layers import Rotary
 
@@ -300,7 +316,7 @@ def test_rotary_decode_attention_gpu(shape, batch, width, span):
         torch.testing.assert_close(v1, vr, rtol=0, atol=0)  # values are copied
         if not qk:  # no qk-norm: the same operations as the two kernels, bit for bit
             assert torch.equal(k1, k2) and torch.equal(out, two), splits
-        assert int(da._COUNTERS[torch.device("cuda", torch.cuda.current_device())].abs().sum()) == 0
+        assert int(ts._COUNTERS[torch.device("cuda", torch.cuda.current_device())].abs().sum()) == 0
 
 
 @pytest.mark.gpu
@@ -407,11 +423,12 @@ def test_target_fused_forward_gpu(shape_name, batch, width, monkeypatch):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("split_k", [False, True])
-def test_fused_forward_in_cuda_graph_gpu(split_k):
+@pytest.mark.parametrize("split_k,linear", [(False, "off"), (True, "off"), (True, "residual")])
+def test_fused_forward_in_cuda_graph_gpu(split_k, linear, monkeypatch):
     """The fused decode / verify forward captured in CUDA graphs: replay == eager, bit for bit (no host syncs
     inside), including a batch size and width first met inside the capture (no Triton compile during capture:
     the engine captures new step shapes without a warm-up)."""
+    monkeypatch.setenv("ADAFLASH_FUSED_LINEAR", linear)  # residual: the GEMV epilogues' tickets in the graph
     target = _small_target("qwen3-8b", 2, "cuda", torch.bfloat16)
     assert target.use_fused_kernels("auto")
     target.fused_attention = split_k
@@ -510,6 +527,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
                   decode_attention_ref(q, kc, vc, rows, pos, span))
     # rotary + cache write + split-K attention in one launch, against the reference and the two kernels
     from adaflash_ray.kernels import decode_attention as da
+    from adaflash_ray.kernels import triton_support as ts
     for hq, hkv, hd, qk in ((9, 3, 64, False), (8, 2, 32, True)):
         for b, wd, span, splits in ((2, 1, 40, None), (3, 4, 70, 3), (1, 16, 100, 2), (2, 5, 130, 1)):
             if wd * hq // hkv > 128:
@@ -529,7 +547,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
             two = decode_attention(rotary_qkv_cache(qkv, cos, sin, qn, kn, 1e-6, k2, v2, rows, pos, hq, hkv), k2, v2,
                                    rows, pos, span, num_splits=splits)
             assert qk or (torch.equal(out, two) and torch.equal(kc, k2))  # no qk-norm: the two kernels' operations
-            assert int(da._COUNTERS[torch.device("cpu")].abs().sum()) == 0  # each launch leaves its tickets at 0
+            assert int(ts._COUNTERS[torch.device("cpu")].abs().sum()) == 0  # each launch leaves its tickets at 0
     try:
         da.rotary_decode_attention(qkv[:, :1], cos[:, :1], sin[:, :1], qn, kn, 1e-6, kc, vc, rows, pos[:, :1], 5,
                                    hq + 1, hkv)
@@ -621,6 +639,23 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
         raise AssertionError("an odd gate/up width accepted")
     except ValueError as e:
         assert "swiglu_in" in str(e), e
+    # the residual add + RMSNorm as the GEMM's epilogue (the last program of a row tile norms the row): 1, 3 and 20
+    # rows (GEMV and tiled forms), with and without the SwiGLU product in the loads, N not a power of two
+    from adaflash_ray.kernels import triton_support as ts
+    from adaflash_ray.kernels.norm_linear import linear_add_norm
+    for rows, kk, nn_, sw in ((1, 96, 72, False), (3, 40, 100, True), (20, 64, 48, False), (2, 32, 600, True)):
+        x = 2 * torch.randn(rows, (2 if sw else 1) * kk, generator=g)
+        w = torch.randn(nn_, kk, generator=g) / kk ** 0.5
+        res, nw = torch.randn(rows, nn_, generator=g), 1 + 0.1 * torch.randn(nn_, generator=g)
+        r, h = linear_add_norm(x, w, res, nw, 1e-6, swiglu_in=sw)
+        r0, h0 = add_rmsnorm_ref(res, torch.nn.functional.linear(swiglu(x) if sw else x, w), nw, 1e-6)
+        close(r, r0, 1e-5); close(h, h0, 1e-5)
+        assert int(ts._COUNTERS[torch.device("cpu")].abs().sum()) == 0
+    try:
+        linear_add_norm(x, w, res[:, 1:], nw, 1e-6, swiglu_in=sw)
+        raise AssertionError("a residual of the wrong width accepted")
+    except ValueError as e:
+        assert "residual (2, 599)" in str(e), e
     x, w = torch.randn(7, 3, 100, generator=g), torch.randn(90, 100, generator=g)  # no norm: a plain linear layer
     close(linear(x, w), torch.nn.functional.linear(x, w), 1e-5)
     try:  # a residual to add needs the norm's pass, which writes it
@@ -763,7 +798,9 @@ def test_kernels_compile_for_sm90(tmp_path):
     # row tile and the GEMV form's (one row; 2-16 rows), both epilogues and the plain linear layer
     for epi in (dict(HAS_DELTA=True, SWIGLU=False), dict(HAS_DELTA=True, SWIGLU=True),
                 dict(HAS_DELTA=False, SWIGLU=False, NORM=False),
-                dict(HAS_DELTA=False, SWIGLU=False, NORM=False, SWIGLU_IN=True)):  # down_proj with the product
+                dict(HAS_DELTA=False, SWIGLU=False, NORM=False, SWIGLU_IN=True),  # down_proj with the product
+                dict(HAS_DELTA=False, SWIGLU=False, NORM=False, ADD_NORM=True),  # o_proj + the residual add + norm
+                dict(HAS_DELTA=False, SWIGLU=False, NORM=False, SWIGLU_IN=True, ADD_NORM=True)):
         launches = [(*norm_linear.launch_tiles(bm, 4096, epi["SWIGLU"]), norm_linear.NUM_WARPS, norm_linear.NUM_STAGES,
                      False) for bm in (16, 32, 64)]
         launches += [(*norm_linear.gemv_launch(rows, 4096, epi["SWIGLU"]), True) for rows in (1, 16)]

@@ -234,7 +234,8 @@ class AttentionProjections(nn.Module):
         (:func:`adaflash_ray.kernels.decode_attention.rotary_decode_attention`). ``qkv``: the q/k/v projection of the normed input
         ``[B, W, (Hq + 2 Hkv) D]`` already computed (e.g. by :func:`adaflash_ray.kernels.norm_linear.norm_linear`;
         ``x`` is then unused). ``o_linear``: o_proj by :func:`adaflash_ray.kernels.norm_linear.linear` (one Triton
-        launch) instead of ``nn.Linear``. Returns ``[B, W, H]``."""
+        launch) instead of ``nn.Linear``; a callable: o_proj replaced by it (applied to the attention output
+        ``[B, W, Hq*D]``, its result returned). Returns ``[B, W, H]`` (or the callable's result)."""
         from adaflash_ray.kernels.rotary_cache import rotary_qkv_cache
 
         if qkv is None:
@@ -262,6 +263,8 @@ class AttentionProjections(nn.Module):
             else:
                 k, v = k_cache[slot_ids, :span].to(qkv.dtype), v_cache[slot_ids, :span].to(qkv.dtype)
             out = folded_attention(qg, k, v, mask, w)
+        if callable(o_linear):
+            return o_linear(out)
         if o_linear:
             from adaflash_ray.kernels.norm_linear import linear
 
@@ -316,8 +319,8 @@ def fused_layer_stack(layers, x: torch.Tensor, final_norm: RMSNorm, attend, want
     (:func:`adaflash_ray.kernels.norm_linear.norm_linear`; needs :meth:`AttentionProjections.fuse` too); with
     ``all`` o_proj and down_proj run by the same kernel without the norm; ``decode`` is ``all`` for a forward of at
     most 16 token rows (``B * T``) and ``off`` above; ``residual`` runs only o_proj and down_proj by that kernel, the
-    SwiGLU product in down_proj's loads (at most 16 token rows; ``off`` above)
-    (:func:`adaflash_ray.kernels.norm_linear.layer_mode`).
+    SwiGLU product in down_proj's loads and each one's residual add + next norm in its epilogue (at most 16 token
+    rows; ``off`` above) (:func:`adaflash_ray.kernels.norm_linear.layer_mode`).
 
     Args:
         layers: the decoder layers. x: ``[B, T, H]`` input residual stream.
@@ -333,7 +336,9 @@ def fused_layer_stack(layers, x: torch.Tensor, final_norm: RMSNorm, attend, want
     from adaflash_ray.kernels.fused_norm import add_rmsnorm
 
     mode = nl.layer_mode(x.shape[0] * x.shape[1])
-    linear, out_linear = mode in ("on", "all"), mode in ("all", "residual")
+    if mode == "residual":
+        return _residual_fused_stack(layers, x, final_norm, attend, want, captured)
+    linear, out_linear = mode in ("on", "all"), mode == "all"
     delta = None
     for i, layer in enumerate(layers):
         ln, attn, mlp = layer.input_layernorm, layer.self_attn, layer.mlp
@@ -350,11 +355,31 @@ def fused_layer_stack(layers, x: torch.Tensor, final_norm: RMSNorm, attend, want
             delta = nl.linear(act, mlp.down_proj.weight) if out_linear else mlp.down_proj(act)
         else:
             x, h = add_rmsnorm(x, a, ln.weight, ln.eps)
-            if out_linear:  # the SwiGLU product computed as down_proj's kernel loads the gate/up output
-                delta = nl.linear(F.linear(h, mlp._gate_up), mlp.down_proj.weight, swiglu_in=True)
-            else:
-                delta = mlp.forward_fused(h)
+            delta = mlp.forward_fused(h)
     x, last = add_rmsnorm(x, delta, final_norm.weight, final_norm.eps)
     if len(layers) - 1 in want:
         captured[len(layers) - 1] = x
     return x, last
+
+
+def _residual_fused_stack(layers, x, final_norm: RMSNorm, attend, want, captured):
+    """:func:`fused_layer_stack` with ``ADAFLASH_FUSED_LINEAR=residual``: o_proj and down_proj (the SwiGLU product
+    in its loads) by :func:`adaflash_ray.kernels.norm_linear.linear_add_norm`, each with the residual add and the
+    next RMSNorm as its epilogue; q/k/v and gate/up by cuBLAS. Five launches a decode layer with split-K attention."""
+    from adaflash_ray.kernels import norm_linear as nl
+    from adaflash_ray.kernels.fused_norm import add_rmsnorm
+
+    ln = layers[0].input_layernorm
+    x, h = add_rmsnorm(x, None, ln.weight, ln.eps)
+    for i, layer in enumerate(layers):
+        attn, mlp, ln = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+
+        def o_proj(out, attn=attn, res=x, ln=ln):  # [B, T, Hq*D] attention output -> (residual, normed)
+            return nl.linear_add_norm(out, attn.o_proj.weight, res, ln.weight, ln.eps)
+        x, h = attend(i, attn, h, o_linear=o_proj)
+        nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
+        x, h = nl.linear_add_norm(F.linear(h, mlp._gate_up), mlp.down_proj.weight, x, nxt.weight, nxt.eps,
+                                  swiglu_in=True)
+        if i in want:
+            captured[i] = x
+    return x, h
