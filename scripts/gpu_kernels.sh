@@ -7,7 +7,7 @@
 #     bash scripts/gpu_main_job.sh a && ADAFLASH_COMMIT=<sha> bash scripts/gpu_kernels.sh
 # It sources that script for its env_setup (PYTHONPATH onto the installed wheels). KERNELS_BUDGET_S (default 420) bounds
 # its own wall time: each step gets at most its own limit and what is left, in this order (most wanted first):
-# gpu tests (130 s; KERNELS_TESTS_K: a pytest -k filter), attention timing (60 s), Qwen3-8B shape bench with SDPA,
+# gpu tests (130 s or KERNELS_TESTS_S; KERNELS_TESTS_K: a pytest -k filter), attention timing (60 s), Qwen3-8B shape bench with SDPA,
 # with the calibrated split-K choice, and with that plus the fused norm + linear (120 s each), the same for the
 # SmolLM2 shape (50 s each), kernel counts
 # (60 s), drafter kernel counts (90 s), both shapes with the kernels off (50 s, 120 s). A step cut short
@@ -57,7 +57,7 @@ run_step() {  # run_step MAX_S NAME CMD...: at most MAX_S seconds (less if the b
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))" \
   2>&1 | tee "$K/versions.txt"
 
-run_step 130 tests bash -c "python3 -m pytest -q -m gpu tests/test_fused_kernels.py tests/test_drafter_kernels.py \
+run_step "${KERNELS_TESTS_S:-130}" tests bash -c "python3 -m pytest -q -m gpu tests/test_fused_kernels.py tests/test_drafter_kernels.py \
   -p no:cacheprovider ${KERNELS_TESTS_K:+-k '$KERNELS_TESTS_K'} > '$K/tests.log' 2>&1"
 tail -3 "$K/tests.log"
 
