@@ -453,23 +453,23 @@ def rotary_decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     qk_norm = q_norm is not None
     qw = q_norm if qk_norm else cos  # unused pointers when there is no qk-norm
     kw = k_norm if qk_norm else cos
-    _compile_rotary_variants(qkv, cos, qw, kw, k_cache, rep, hkv, block_n, max_width, qk_norm)
-    counters = ticket_counters(qkv.device, b * hkv * _row_programs(m, d))
+    _compile_rotary_variants(qkv, cos, qw, kw, k_cache, v_cache, rep, hkv, block_n, max_width, qk_norm)
     _launch_rotary(qkv, cos, sin, qw, kw, float(eps), k_cache, v_cache, rows, positions, span, rep, hkv,
-                   num_splits, block_n, max_width, qk_norm, counters, out)
+                   num_splits, block_n, max_width, qk_norm, out)
     return out
 
 
 _COMPILED_ROTARY: set = set()
 
 
-def _compile_rotary_variants(qkv, cos, qw, kw, k_cache, rep: int, hkv: int, block_n: int, max_width: int,
+def _compile_rotary_variants(qkv, cos, qw, kw, k_cache, v_cache, rep: int, hkv: int, block_n: int, max_width: int,
                              qk_norm: bool) -> None:
     """Compile every query-row tile that widths ``1..max_width`` need, with and without partials, once per
     (device, dtypes, Hkv, rep, D, qk-norm), by launching on scratch tensors (nothing of the caller's is written) and
     outside any CUDA-graph capture (see :func:`_compile_variants`)."""
     d = cos.shape[-1]
-    key = (qkv.device, qkv.dtype, k_cache.dtype, hkv, rep, d, block_n, max_width, qk_norm)
+    key = (qkv.device, qkv.dtype, k_cache.dtype, v_cache.dtype, cos.dtype, qw.dtype, kw.dtype, hkv, rep, d, block_n,
+           max_width, qk_norm)
     if key in _COMPILED_ROTARY or (qkv.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     _COMPILED_ROTARY.add(key)
@@ -485,10 +485,10 @@ def _compile_rotary_variants(qkv, cos, qw, kw, k_cache, rep: int, hkv: int, bloc
         x = qkv.new_zeros((1, w, (hkv * rep + 2 * hkv) * d))
         cs = cos.new_zeros((1, w, d))
         pos = torch.zeros((1, w), dtype=torch.int64, device=dev)  # key 0 only
-        counters = ticket_counters(dev, hkv * _row_programs(w * rep, d))
         for splits in (1, 2):
-            _launch_rotary(x, cs, cs, qw, kw, 1e-6, kc, kc.clone(), rows, pos, 2 * block_n, rep, hkv, splits,
-                           block_n, max_width, qk_norm, counters, x.new_empty((1, w, hkv * rep * d)))
+            _launch_rotary(x, cs, cs, qw, kw, 1e-6, kc, torch.zeros_like(kc, dtype=v_cache.dtype), rows, pos,
+                           2 * block_n, rep, hkv, splits, block_n, max_width, qk_norm,
+                           x.new_empty((1, w, hkv * rep * d)))
 
 
 def _launch_plan(b: int, hkv: int, m: int, d: int, span: int, num_splits: int, block_n: int, device, out):
@@ -510,12 +510,14 @@ def _launch_plan(b: int, hkv: int, m: int, d: int, span: int, num_splits: int, b
 
 
 def _launch_rotary(qkv, cos, sin, qw, kw, eps: float, k_cache, v_cache, rows, positions, span: int, rep: int,
-                   hkv: int, num_splits: int, block_n: int, max_width: int, qk_norm: bool, counters, out) -> None:
-    """The kernel of :func:`rotary_decode_attention` into ``out`` ``[B, W, Hq*D]``."""
+                   hkv: int, num_splits: int, block_n: int, max_width: int, qk_norm: bool, out) -> None:
+    """The kernel of :func:`rotary_decode_attention` into ``out`` ``[B, W, Hq*D]`` (ticket counters only for a
+    split launch: one per (row, KV head, row program))."""
     b, w, _ = qkv.shape
     d = cos.shape[-1]
     grid, num_tiles, per_program, partials, block_m, sub, acc, ml, qk_scale = _launch_plan(
         b, hkv, w * rep, d, span, num_splits, block_n, qkv.device, out)
+    counters = ticket_counters(qkv.device, grid[0] * grid[2]) if partials else rows  # rows: an unused pointer
     stages, warps = launch_settings(partials)
     _rotary_attention_kernel[grid](
         qkv, cos, sin, qw, kw, k_cache, v_cache, rows, positions, out, acc, ml, counters, span, w, num_tiles,

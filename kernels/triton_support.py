@@ -55,14 +55,17 @@ def triton_usable(device) -> bool:
 
 
 _COUNTERS: dict = {}
+#: the buffers replaced by larger ones: kept, since a CUDA graph captured earlier holds their address
+_RETIRED: list = []
 
 
 def ticket_counters(device, n: int):
     """The per-device int32 ticket counters (at least ``n``, all 0 between launches) of the kernels whose last
     program to finish does a final step (the merge of split-K attention partials, a row norm after a GEMV): each
     launch takes one counter per group, and that group's last program resets it to 0. Launches that use them must
-    not overlap (one stream). Grown (doubling) only outside a CUDA-graph capture; a capture that needs more than
-    exist gets a zeroed buffer of its own (a memset in the graph: correct, one node dearer)."""
+    not overlap (one stream). Grown (doubling) only outside a CUDA-graph capture, the smaller buffer kept alive
+    (graphs captured before hold its address); a capture that needs more than exist gets a zeroed buffer of its
+    own (a memset in the graph: correct, one node dearer)."""
     import torch
 
     device = torch.device(device)
@@ -72,5 +75,7 @@ def ticket_counters(device, n: int):
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return torch.zeros(n, dtype=torch.int32, device=device)
     size = max(n, 2 * (have.numel() if have is not None else 512))
+    if have is not None:
+        _RETIRED.append(have)
     _COUNTERS[device] = torch.zeros(size, dtype=torch.int32, device=device)
     return _COUNTERS[device]

@@ -42,7 +42,8 @@ def set_fused_kernels(model: nn.Module, layers, mode: str, device: torch.device,
 
     Raises:
         ValueError: ``mode`` (or the environment variable) not auto/off; turning the kernels on,
-            ``ADAFLASH_FUSED_LINEAR`` not one of :data:`adaflash_ray.kernels.norm_linear.MODES`.
+            ``ADAFLASH_FUSED_LINEAR`` not one of :data:`adaflash_ray.kernels.norm_linear.MODES` or
+            ``ADAFLASH_ROTARY_ATTENTION`` not fused / separate.
     """
     from adaflash_ray.kernels.triton_support import env_mode, triton_usable  # imports triton: only here
 
@@ -51,10 +52,13 @@ def set_fused_kernels(model: nn.Module, layers, mode: str, device: torch.device,
     mode = env_mode() or mode
     on = (mode == "auto" and triton_usable(device) and head_dim % 2 == 0
           and len({p.dtype for p in model.parameters()}) == 1)
-    if on:  # ADAFLASH_FUSED_LINEAR is read at each fused forward: a bad value is refused here, at load, not mid-run
+    if on:  # ADAFLASH_FUSED_LINEAR / _ROTARY_ATTENTION are read at each fused forward: a bad value is refused here,
+        # at load, not mid-run
         from adaflash_ray.kernels.norm_linear import mode as linear_mode
+        from adaflash_ray.models.layers import rotary_attention_fused
 
         linear_mode()
+        rotary_attention_fused()
     model.fused_kernels, model.fused_kernels_active = mode, False
     if on:
         fuse_layers(layers)
