@@ -26,8 +26,8 @@
 #                                     one kernel: split-K iff its calibration measured it faster at each batch bucket),
 #                                     linear (auto + ADAFLASH_FUSED_LINEAR=on: kernels/norm_linear.py), linear-all
 #                                     (ADAFLASH_FUSED_LINEAR=all), linear-decode (=decode: all up to 16 token rows),
-#                                     separate (auto with ADAFLASH_ROTARY_ATTENTION=separate), linear-residual
-#                                     (=residual: o_proj / down_proj only, up to 16 token rows)
+#                                     rotary (auto with ADAFLASH_ROTARY_ATTENTION=fused), linear-residual
+#                                     (=residual: o_proj / down_proj only, up to 16 token rows; with rotary)
 #   attention_micro.json              one layer's attention (Qwen3-8B and SmolLM2 shapes, batch 1 / 8 / 64, width 1 / 16):
 #                                     SDPA + mask vs the split-K kernel (its launch; one pass; split + merge), ms per call
 #   summary.json                      AR step / verify ratio / propose ms and share off vs on, kernels per layer
@@ -107,8 +107,9 @@ bench() {  # bench SHAPE MODE MAX_S ARGS...: MODE off (kernels off) | sdpa (kern
   [ "$mode" = linear-all ] && linear=all
   [ "$mode" = linear-decode ] && linear=decode  # all for <= 16 token rows (decode / verify), off above
   [ "$mode" = linear-residual ] && linear=residual  # only o_proj / down_proj by it, <= 16 token rows
-  local rotary=fused  # | separate (auto, the rotary + cache write in its own kernel before the split-K attention)
-  [ "$mode" = separate ] && rotary=separate
+  local rotary=separate  # | rotary (auto with the rotary + cache write in the split-K attention's launch)
+  [ "$mode" = rotary ] && rotary=fused
+  [ "$mode" = linear-residual ] && rotary=fused  # the five-launch layer: both
   run_step "$max" "bench_${shape}_$mode" env ADAFLASH_FUSED_KERNELS="$kern" ADAFLASH_FUSED_ATTENTION="$split" \
     ADAFLASH_FUSED_LINEAR="$linear" ADAFLASH_ROTARY_ATTENTION="$rotary" \
     python3 -m adaflash_ray.bench --shape "$shape" \
@@ -119,14 +120,14 @@ Q=(--concurrency 1 8 64 --max-new-tokens 32 --num-iters 10)
 S=(--concurrency 1 8 64 --max-new-tokens 32 --num-iters 10)
 bench qwen3-8b sdpa 120 "${Q[@]}"
 bench qwen3-8b auto 120 "${Q[@]}"
-bench qwen3-8b separate 120 "${Q[@]}"
+bench qwen3-8b rotary 120 "${Q[@]}"
 bench qwen3-8b linear 120 "${Q[@]}"
 bench qwen3-8b linear-all 120 "${Q[@]}"
 bench qwen3-8b linear-decode 120 "${Q[@]}"
 bench qwen3-8b linear-residual 120 "${Q[@]}"
 bench smollm2-135m sdpa 50 "${S[@]}"
 bench smollm2-135m auto 50 "${S[@]}"
-bench smollm2-135m separate 50 "${S[@]}"
+bench smollm2-135m rotary 50 "${S[@]}"
 bench smollm2-135m linear 50 "${S[@]}"
 bench smollm2-135m linear-all 50 "${S[@]}"
 bench smollm2-135m linear-decode 50 "${S[@]}"
@@ -137,12 +138,16 @@ import json, os, sys
 from adaflash_ray.shapes import count_forward_kernels
 rows = []
 for shape, fused, split_k, linear in (("qwen3-8b", True, False, "off"), ("qwen3-8b", True, True, "off"),
-                                      ("qwen3-8b", True, True, "on"), ("qwen3-8b", True, True, "all"),
-                                      ("qwen3-8b", True, True, "residual"),
+                                      ("qwen3-8b", True, True, "rotary"), ("qwen3-8b", True, True, "on"),
+                                      ("qwen3-8b", True, True, "all"), ("qwen3-8b", True, True, "residual"),
                                       ("smollm2-135m", True, False, "off"), ("smollm2-135m", True, True, "off"),
-                                      ("smollm2-135m", True, True, "on"), ("smollm2-135m", True, True, "all"),
-                                      ("smollm2-135m", True, True, "decode")):
-    os.environ["ADAFLASH_FUSED_LINEAR"] = linear  # kernels/norm_linear.py: read at each forward
+                                      ("smollm2-135m", True, True, "rotary"), ("smollm2-135m", True, True, "on"),
+                                      ("smollm2-135m", True, True, "all"), ("smollm2-135m", True, True, "decode"),
+                                      ("smollm2-135m", True, True, "residual")):
+    # kernels/norm_linear.py and the rotary switch: read at each forward (rotary: the one-launch rotary attention
+    # alone; residual: with it)
+    os.environ["ADAFLASH_FUSED_LINEAR"] = "off" if linear == "rotary" else linear
+    os.environ["ADAFLASH_ROTARY_ATTENTION"] = "fused" if linear in ("rotary", "residual") else "separate"
     for batch, width in ((1, 1), (1, 16), (64, 1)):
         r = count_forward_kernels(shape, fused=fused, split_k=split_k, batch=batch, width=width)
         r["fused_linear"] = linear
@@ -180,7 +185,7 @@ import json, os, sys
 k, commit = sys.argv[1:]
 doc = {"commit": commit, "steps": open(os.path.join(k, "steps.txt")).read().splitlines()}
 for shape in ("qwen3-8b", "smollm2-135m"):
-    for tag in ("off", "sdpa", "auto", "separate", "linear", "linear-all", "linear-decode",
+    for tag in ("off", "sdpa", "auto", "rotary", "linear", "linear-all", "linear-decode",
                 "linear-residual"):
         p = os.path.join(k, f"bench_{shape}_{tag}.json")
         if not os.path.exists(p):

@@ -423,12 +423,14 @@ def test_target_fused_forward_gpu(shape_name, batch, width, monkeypatch):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("split_k,linear", [(False, "off"), (True, "off"), (True, "residual")])
-def test_fused_forward_in_cuda_graph_gpu(split_k, linear, monkeypatch):
+@pytest.mark.parametrize("split_k,linear,rotary", [(False, "off", "separate"), (True, "off", "separate"),
+                                                   (True, "off", "fused"), (True, "residual", "fused")])
+def test_fused_forward_in_cuda_graph_gpu(split_k, linear, rotary, monkeypatch):
     """The fused decode / verify forward captured in CUDA graphs: replay == eager, bit for bit (no host syncs
     inside), including a batch size and width first met inside the capture (no Triton compile during capture:
     the engine captures new step shapes without a warm-up)."""
     monkeypatch.setenv("ADAFLASH_FUSED_LINEAR", linear)  # residual: the GEMV epilogues' tickets in the graph
+    monkeypatch.setenv("ADAFLASH_ROTARY_ATTENTION", rotary)  # fused: the split launch's tickets in the graph
     target = _small_target("qwen3-8b", 2, "cuda", torch.bfloat16)
     assert target.use_fused_kernels("auto")
     target.fused_attention = split_k
@@ -455,9 +457,11 @@ def test_fused_forward_in_cuda_graph_gpu(split_k, linear, monkeypatch):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-def test_engine_fused_lossless_gpu(model_type):
+@pytest.mark.parametrize("rotary", ["separate", "fused"])
+def test_engine_fused_lossless_gpu(model_type, rotary, monkeypatch):
     """The engine on CUDA graphs with the fused kernels (chosen at build: auto, target and drafter): a tiny random
     fp32 target, greedy spec output == AR output == the same engine with the kernels off (fp32: no near ties)."""
+    monkeypatch.setenv("ADAFLASH_ROTARY_ATTENTION", rotary)
     from conftest import make_drafter, make_tiny_target
 
     from adaflash_ray.engine import SamplingParams, SpecEngine
@@ -614,9 +618,12 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     pos = torch.arange(6).expand(3, 6); pos2 = 6 + torch.arange(4).expand(3, 4)
     outs = []
     for mode, split_k, linear in (("off", False, "off"), ("auto", False, "off"), ("auto", True, "off"),
-                                  ("auto", True, "on"), ("auto", False, "on"), ("auto", True, "all"),
-                                  ("auto", True, "decode"), ("auto", True, "residual")):
-        # decode: the 18-row prefill unfused, the 12-row verify all; residual: the verify's o_proj / down_proj only
+                                  ("auto", True, "rotary"), ("auto", True, "on"), ("auto", False, "on"),
+                                  ("auto", True, "all"), ("auto", True, "decode"), ("auto", True, "residual")):
+        # decode: the 18-row prefill unfused, the 12-row verify all; residual: the verify's o_proj / down_proj only;
+        # rotary (and residual): the rotary + cache write in the split-K attention's launch
+        os.environ["ADAFLASH_ROTARY_ATTENTION"] = "fused" if linear in ("rotary", "residual") else "separate"
+        linear = "off" if linear == "rotary" else linear
         assert t.use_fused_kernels(mode) == (mode == "auto")
         t.fused_attention = split_k
         os.environ["ADAFLASH_FUSED_LINEAR"] = linear  # the add + norm fused into the q/k/v and gate/up GEMMs
@@ -628,6 +635,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
         for a, b in zip(outs[0], other):
             close(a, b, 1e-5)
     os.environ.pop("ADAFLASH_FUSED_LINEAR")
+    os.environ.pop("ADAFLASH_ROTARY_ATTENTION")
 
     # residual add + RMSNorm + linear in one kernel (with a bias; with the SwiGLU epilogue), float32
     from adaflash_ray.kernels.norm_linear import linear, norm_linear, norm_linear_ref
@@ -922,13 +930,13 @@ def test_fused_linear_modes(monkeypatch):
 
 
 def test_rotary_attention_mode(monkeypatch):
-    """ADAFLASH_ROTARY_ATTENTION: fused (the default, also when unset or empty) or separate; another value is a clear
-    error naming both."""
+    """ADAFLASH_ROTARY_ATTENTION: fused or separate (the default, also when unset or empty); another value is a
+    clear error naming both."""
     from adaflash_ray.models.layers import ROTARY_ATTENTION_ENV, rotary_attention_fused
 
     monkeypatch.delenv(ROTARY_ATTENTION_ENV, raising=False)
-    assert rotary_attention_fused()
-    for raw, want in (("", True), ("Fused", True), (" separate ", False)):
+    assert not rotary_attention_fused()
+    for raw, want in (("", False), ("Fused", True), (" separate ", False)):
         monkeypatch.setenv(ROTARY_ATTENTION_ENV, raw)
         assert rotary_attention_fused() == want, raw
     monkeypatch.setenv(ROTARY_ATTENTION_ENV, "both")

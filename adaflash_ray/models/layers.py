@@ -289,16 +289,16 @@ ROTARY_ATTENTION_ENV = "ADAFLASH_ROTARY_ATTENTION"
 
 def rotary_attention_fused() -> bool:
     """Whether a split-K forward runs the rotary + cache write and the attention as one launch
-    (:func:`adaflash_ray.kernels.decode_attention.rotary_decode_attention`; the default) or as two kernels
-    (``rotary_qkv_cache`` then ``decode_attention``): ``ADAFLASH_ROTARY_ATTENTION`` = ``fused`` / unset or
-    ``separate`` (A/B timings without a code change). Read when a forward runs (a CUDA graph keeps what its capture
-    read). Raises ValueError on another value."""
+    (:func:`adaflash_ray.kernels.decode_attention.rotary_decode_attention`) or as two kernels (``rotary_qkv_cache``
+    then ``decode_attention``; the default until the one launch is timed on a GPU): ``ADAFLASH_ROTARY_ATTENTION`` =
+    ``fused`` or ``separate`` / unset. Read when a forward runs (a CUDA graph keeps what its capture read).
+    Raises ValueError on another value."""
     import os
 
-    raw = os.environ.get(ROTARY_ATTENTION_ENV, "fused").strip().lower()
+    raw = os.environ.get(ROTARY_ATTENTION_ENV, "separate").strip().lower()
     if raw not in ("fused", "separate", ""):
         raise ValueError(f"{ROTARY_ATTENTION_ENV}={raw!r}: expected fused or separate")
-    return raw != "separate"
+    return raw == "fused"
 
 
 def fuse_layers(layers) -> None:
