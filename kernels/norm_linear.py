@@ -230,6 +230,8 @@ if HAVE_TRITON:
         ``NORM_BLOCK_K`` columns)."""
         if ALIGNED:  # 16-byte vectors along K: the loads vectorise and the pipeliner can stage them
             k, stride_x, stride_d, stride_r, stride_w = _aligned(k, stride_x, stride_d, stride_r, stride_w)
+            if ADD_NORM:  # the epilogue's row pass too (the caller's ALIGNED then covers n and the output stride)
+                n, stride_y = n // 8 * 8, stride_y // 8 * 8
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask, cmask = rows < m, cols < n
@@ -387,7 +389,8 @@ def _launch(x2, d2, norm_weight, weight, bias, r2, y2, n: int, k: int, eps: floa
         x2, d2, norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, r2,
         y2, counters, m, n, k, float(eps), x2.stride(0), d2.stride(0), r2.stride(0), w.stride(0), y2.stride(0),
         HAS_BIAS=bias is not None, **{"HAS_DELTA": False, "SWIGLU": False, "NORM": False, **flags},
-        ALIGNED=all(v % 8 == 0 for v in (k, x2.stride(0), d2.stride(0), r2.stride(0), w.stride(0))),
+        ALIGNED=all(v % 8 == 0 for v in (k, x2.stride(0), d2.stride(0), r2.stride(0), w.stride(0))
+                    + ((n, y2.stride(0)) if flags.get("ADD_NORM") else ())),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NORM_BLOCK_K=norm_block_k, num_warps=warps,
         num_stages=stages)
 
