@@ -245,7 +245,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     # the add + norm fused into the q/k/v and gate/up GEMMs (kernels/norm_linear.py)
     dr.use_fused_kernels("auto")
     import os
-    for linear in ("on", "all", "decode"):
+    for linear in ("on", "all", "decode", "residual"):  # residual: o_proj / down_proj with the add + norm epilogue
         os.environ["ADAFLASH_FUSED_LINEAR"] = linear
         same(_drafter_calls(dr, "cpu", prompt=8), ref3)
     print("drafter interpreter ok")
