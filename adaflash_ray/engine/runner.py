@@ -319,7 +319,10 @@ class ModelRunner:
             if mode == "on":
                 self.split_k = True
             elif mode == "auto":
-                key = (tuple(self._batch_buckets), min(max_seq_len, 2048))
+                from adaflash_ray.models.layers import rotary_attention_fused
+
+                # the calibration times the rotary with the attention where the forward fuses them
+                key = (tuple(self._batch_buckets), min(max_seq_len, 2048), rotary_attention_fused())
                 if key not in target.attention_choices:
                     report = target.calibrate_attention(self.kv, self._batch_buckets, list(WIDTH_BUCKETS),
                                                         [256, min(max_seq_len, 2048)])

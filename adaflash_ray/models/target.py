@@ -241,8 +241,8 @@ class TargetModel(nn.Module):
         self.fused_attention: str | bool = "auto"
         #: (batch, width) -> split-K chosen, from :meth:`calibrate_attention`
         self.split_k_table: dict[tuple[int, int], bool] = {}
-        #: the engines' ``auto`` choices: (batch buckets, longest span timed) -> (calibration report, split-K for
-        #: every step)
+        #: the engines' ``auto`` choices: (batch buckets, longest span timed, rotary fused into the attention) ->
+        #: (calibration report, split-K for every step)
         self.attention_choices: dict[tuple, tuple[dict, bool]] = {}
 
     # ------------------------------------------------------------------ loading
@@ -464,18 +464,29 @@ class TargetModel(nn.Module):
         :meth:`forward` computes per layer; the mask itself is built once per forward and is not timed) and the
         split-K kernel - for every (batch, width) of ``batch_sizes`` x ``widths`` at each span of ``spans`` (keys
         read), each as a CUDA graph of ``reps`` calls replayed ``num_iters`` times (median), on layer 0 of
-        ``cache`` (its contents do not matter: timings only; nothing is written to it). Fills
-        :attr:`split_k_table`: split-K where it was faster at every span. Only with the fused kernels on a CUDA
-        device (the engine calls it at build when the mode is ``auto``).
+        ``cache`` (its contents do not matter: timings only; nothing is written to it). With
+        ``ADAFLASH_ROTARY_ATTENTION=fused`` (:func:`~adaflash_ray.models.layers.rotary_attention_fused`) each side
+        times what a forward runs then: ``rotary_qkv_cache`` + SDPA against the one-launch
+        ``rotary_decode_attention``, both writing the step's keys / values into layer 0 of ``cache`` at the timed
+        positions (the engine calibrates its fresh cache at build). Fills :attr:`split_k_table`: split-K where it
+        was faster at every span. Only with the fused kernels on a CUDA device (the engine calls it at build when
+        the mode is ``auto``).
 
         Returns ``{"batch,width": {"sdpa_ms": [per span], "split_k_ms": [per span], "split_k": bool}}``.
         Raises:
             RuntimeError: not on CUDA, or the fused kernels are off.
         """
-        from adaflash_ray.kernels.decode_attention import decode_attention
+        from adaflash_ray.kernels.decode_attention import decode_attention, rotary_decode_attention
         from adaflash_ray.kernels.reference import folded_attention
+        from adaflash_ray.kernels.rotary_cache import rotary_qkv_cache
+        from adaflash_ray.models.layers import rotary_attention_fused
 
         dev = self.lm_head.weight.device
+        rotary = rotary_attention_fused()
+        attn0 = self.model.layers[0].self_attn
+        qn = None if attn0.q_norm is None else attn0.q_norm.weight
+        kn = None if attn0.k_norm is None else attn0.k_norm.weight
+        eps = 0.0 if attn0.q_norm is None else attn0.q_norm.eps
         if dev.type != "cuda" or not self.fused_kernels_active:
             raise RuntimeError("calibrate_attention needs the fused kernels on a CUDA device")
         c = self.config
@@ -505,6 +516,15 @@ class TargetModel(nn.Module):
                     visible = torch.arange(span, device=dev)[None, None, :] <= pos[:, :, None]
                     mask = gqa_mask(visible, rep, q.dtype)
                     k, v = kc[:b, :span], vc[:b, :span]
+                    if rotary:  # the rotary + K/V write on both sides, as a forward runs them
+                        hq, hkv = c.num_attention_heads, c.num_key_value_heads
+                        qkv = torch.randn(b, w, (hq + 2 * hkv) * c.head_dim, device=dev, dtype=kc.dtype)
+                        cos, sin = self.rotary.cos_sin(pos)
+                        sdpa.append(timed(lambda: folded_attention(
+                            rotary_qkv_cache(qkv, cos, sin, qn, kn, eps, kc, vc, rows, pos, hq, hkv), k, v, mask, w)))
+                        split.append(timed(lambda: rotary_decode_attention(
+                            qkv, cos, sin, qn, kn, eps, kc, vc, rows, pos, span, hq, hkv)))
+                        continue
                     sdpa.append(timed(lambda: folded_attention(q, k, v, mask, w)))
                     split.append(timed(lambda: decode_attention(q, kc, vc, rows, pos, span)))
                 if sdpa:
