@@ -231,8 +231,8 @@ class AttentionProjections(nn.Module):
         :func:`adaflash_ray.kernels.decode_attention.decode_attention` (rows are slots, W <= 16, keys ``0..p`` for
         the query at position p) instead of SDPA with ``mask``; with :func:`rotary_attention_fused` the rotary,
         the cache write and the split-K attention are one launch
-        (:func:`adaflash_ray.kernels.decode_attention.rotary_decode_attention`). ``qkv``: the q/k/v projection of the normed input
-        ``[B, W, (Hq + 2 Hkv) D]`` already computed (e.g. by :func:`adaflash_ray.kernels.norm_linear.norm_linear`;
+        (:func:`adaflash_ray.kernels.decode_attention.rotary_decode_attention`). ``qkv``: the q/k/v projection of
+        the normed input ``[B, W, (Hq + 2 Hkv) D]`` already computed (e.g. by :func:`adaflash_ray.kernels.norm_linear.norm_linear`;
         ``x`` is then unused). ``o_linear``: o_proj by :func:`adaflash_ray.kernels.norm_linear.linear` (one Triton
         launch) instead of ``nn.Linear``; a callable: o_proj replaced by it (applied to the attention output
         ``[B, W, Hq*D]``, its result returned). Returns ``[B, W, H]`` (or the callable's result)."""
@@ -365,7 +365,8 @@ def fused_layer_stack(layers, x: torch.Tensor, final_norm: RMSNorm, attend, want
 def _residual_fused_stack(layers, x, final_norm: RMSNorm, attend, want, captured):
     """:func:`fused_layer_stack` with ``ADAFLASH_FUSED_LINEAR=residual``: o_proj and down_proj (the SwiGLU product
     in its loads) by :func:`adaflash_ray.kernels.norm_linear.linear_add_norm`, each with the residual add and the
-    next RMSNorm as its epilogue; q/k/v and gate/up by cuBLAS. Five launches a decode layer with split-K attention."""
+    next RMSNorm as its epilogue; q/k/v and gate/up by cuBLAS. With the one-launch rotary attention a layer is
+    q/k/v, attention, o_proj + add + norm, gate/up, down_proj + add + norm (the first layer's input norm before)."""
     from adaflash_ray.kernels import norm_linear as nl
     from adaflash_ray.kernels.fused_norm import add_rmsnorm
 
