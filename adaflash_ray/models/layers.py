@@ -232,10 +232,11 @@ class AttentionProjections(nn.Module):
         the query at position p) instead of SDPA with ``mask``; with :func:`rotary_attention_fused` the rotary,
         the cache write and the split-K attention are one launch
         (:func:`adaflash_ray.kernels.decode_attention.rotary_decode_attention`). ``qkv``: the q/k/v projection of
-        the normed input ``[B, W, (Hq + 2 Hkv) D]`` already computed (e.g. by :func:`adaflash_ray.kernels.norm_linear.norm_linear`;
-        ``x`` is then unused). ``o_linear``: o_proj by :func:`adaflash_ray.kernels.norm_linear.linear` (one Triton
-        launch) instead of ``nn.Linear``; a callable: o_proj replaced by it (applied to the attention output
-        ``[B, W, Hq*D]``, its result returned). Returns ``[B, W, H]`` (or the callable's result)."""
+        the normed input ``[B, W, (Hq + 2 Hkv) D]`` already computed (e.g. by
+        :func:`adaflash_ray.kernels.norm_linear.norm_linear`; ``x`` is then unused). ``o_linear``: o_proj by
+        :func:`adaflash_ray.kernels.norm_linear.linear` (one Triton launch) instead of ``nn.Linear``; a callable:
+        o_proj replaced by it (applied to the attention output ``[B, W, Hq*D]``, its result returned). Returns
+        ``[B, W, H]`` (or the callable's result)."""
         from adaflash_ray.kernels.rotary_cache import rotary_qkv_cache
 
         if qkv is None:
