@@ -521,7 +521,8 @@ def _launch_rotary(qkv, cos, sin, qw, kw, eps: float, k_cache, v_cache, rows, po
     stages, warps = launch_settings(partials)
     _rotary_attention_kernel[grid](
         qkv, cos, sin, qw, kw, k_cache, v_cache, rows, positions, out, acc, ml, counters, span, w, num_tiles,
-        per_program, w * rep, qkv.stride(1), k_cache.stride(0) // (hkv * d), v_cache.stride(0) // (hkv * d), qk_scale, eps,
+        per_program, w * rep, qkv.stride(1), k_cache.stride(0) // (hkv * d), v_cache.stride(0) // (hkv * d), qk_scale,
+        eps,
         HKV=hkv, REP=rep, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=triton.next_power_of_2(max_width),
         PARTIALS=partials, SUB=sub, QK_NORM=qk_norm, num_warps=warps, num_stages=stages)
 

@@ -294,7 +294,8 @@ def test_rotary_decode_attention_gpu(shape, batch, width, span):
     kc = torch.randn(slots, 1024, hkv, d, device="cuda", generator=g).bfloat16()
     vc = torch.randn(slots, 1024, hkv, d, device="cuda", generator=g).bfloat16()
     rows = torch.randperm(slots, device="cuda", generator=g)[:batch]
-    pos = torch.randint(0, span - width + 1, (batch, 1), device="cuda", generator=g) + torch.arange(width, device="cuda")
+    start = torch.randint(0, span - width + 1, (batch, 1), device="cuda", generator=g)
+    pos = start + torch.arange(width, device="cuda")
     qkv = torch.randn(batch, width, (hq + 2 * hkv) * d, device="cuda", generator=g).bfloat16()
     cos, sin = Rotary(d, 1e6).to("cuda").cos_sin(pos)
     qn = (1 + 0.1 * torch.randn(d, device="cuda", generator=g)).bfloat16() if qk else None
