@@ -60,8 +60,9 @@ __all__ = ["ENV_VAR", "GEMV_MAX_ROWS", "MODES", "gemv_launch", "layer_mode", "li
 #: split-K workspace memsets and reductions); ``decode``: ``all`` for a forward of at most :data:`GEMV_MAX_ROWS`
 #: token rows (batch x width: decode and verify steps, the GEMV form), ``off`` for larger ones (prefill, wide
 #: batches); ``residual``: only o_proj and down_proj (the GEMMs whose outputs join the residual stream) by
-#: :func:`linear` for a forward of at most :data:`GEMV_MAX_ROWS` token rows, the SwiGLU product in down_proj's
-#: loads - the norms, q/k/v and gate/up stay ``add_rmsnorm`` + cuBLAS -, ``off`` above; read at each forward
+#: :func:`linear_add_norm` for a forward of at most :data:`GEMV_MAX_ROWS` token rows - the SwiGLU product in
+#: down_proj's loads, the residual add + next RMSNorm in both epilogues; q/k/v and gate/up stay cuBLAS -, ``off``
+#: above; read at each forward
 ENV_VAR = "ADAFLASH_FUSED_LINEAR"
 MODES = ("off", "on", "all", "decode", "residual")
 
