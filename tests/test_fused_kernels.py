@@ -215,6 +215,19 @@ def test_rotary_qkv_cache_gpu(shape, batch, width):
 
 
 
+def _attention_case(hkv: int, d: int, batch: int, width: int, span: int, seed: int):
+    """A decode / verify attention case on the GPU: ``(generator, k_cache, v_cache, rows, positions)`` - bf16 caches
+    of ``batch + 1`` slots x 1024 positions, the batch's slots in random order, each row's ``width`` positions
+    starting at random below ``span - width``."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    slots = batch + 1
+    kc = torch.randn(slots, 1024, hkv, d, device="cuda", generator=g).bfloat16()
+    vc = torch.randn(slots, 1024, hkv, d, device="cuda", generator=g).bfloat16()
+    rows = torch.randperm(slots, device="cuda", generator=g)[:batch]
+    start = torch.randint(0, span - width + 1, (batch, 1), device="cuda", generator=g)
+    return g, kc, vc, rows, start + torch.arange(width, device="cuda")
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
@@ -223,13 +236,7 @@ def test_decode_attention_gpu(shape, batch, width, span):
     from adaflash_ray.kernels.decode_attention import decode_attention, decode_attention_ref
 
     _, _, _, hq, hkv, d, _ = shape
-    g = torch.Generator(device="cuda").manual_seed(batch * width)
-    slots = batch + 1
-    kc = torch.randn(slots, 1024, hkv, d, device="cuda", generator=g).bfloat16()
-    vc = torch.randn(slots, 1024, hkv, d, device="cuda", generator=g).bfloat16()
-    rows = torch.randperm(slots, device="cuda", generator=g)[:batch]
-    start = torch.randint(0, span - width + 1, (batch, 1), device="cuda", generator=g)
-    pos = start + torch.arange(width, device="cuda")
+    g, kc, vc, rows, pos = _attention_case(hkv, d, batch, width, span, batch * width)
     q = torch.randn(batch, hkv, width * (hq // hkv), d, device="cuda", generator=g).bfloat16()
     out = decode_attention(q, kc, vc, rows, pos, span)
     ref = decode_attention_ref(q, kc, vc, rows, pos, span)
@@ -289,13 +296,7 @@ def test_rotary_decode_attention_gpu(shape, batch, width, span):
     from adaflash_ray.models.layers import Rotary
 
     _, _, _, hq, hkv, d, qk = shape
-    g = torch.Generator(device="cuda").manual_seed(batch * width + span)
-    slots = batch + 1
-    kc = torch.randn(slots, 1024, hkv, d, device="cuda", generator=g).bfloat16()
-    vc = torch.randn(slots, 1024, hkv, d, device="cuda", generator=g).bfloat16()
-    rows = torch.randperm(slots, device="cuda", generator=g)[:batch]
-    start = torch.randint(0, span - width + 1, (batch, 1), device="cuda", generator=g)
-    pos = start + torch.arange(width, device="cuda")
+    g, kc, vc, rows, pos = _attention_case(hkv, d, batch, width, span, batch * width + span)
     qkv = torch.randn(batch, width, (hq + 2 * hkv) * d, device="cuda", generator=g).bfloat16()
     cos, sin = Rotary(d, 1e6).to("cuda").cos_sin(pos)
     qn = (1 + 0.1 * torch.randn(d, device="cuda", generator=g)).bfloat16() if qk else None
