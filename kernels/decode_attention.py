@@ -476,12 +476,7 @@ def _compile_rotary_variants(qkv, cos, qw, kw, k_cache, v_cache, rep: int, hkv: 
     dev = qkv.device
     kc = torch.zeros((1, 2 * block_n, hkv, d), dtype=k_cache.dtype, device=dev)
     rows = torch.zeros(1, dtype=torch.int64, device=dev)
-    done = set()
-    for w in range(1, max_width + 1):
-        variant = _row_tiling(w * rep, d)[::2]
-        if w * rep > 128 or variant in done:
-            continue
-        done.add(variant)
+    for w in _width_variants(rep, d, max_width):
         x = qkv.new_zeros((1, w, (hkv * rep + 2 * hkv) * d))
         cs = cos.new_zeros((1, w, d))
         pos = torch.zeros((1, w), dtype=torch.int64, device=dev)  # key 0 only
@@ -566,6 +561,18 @@ def _positions_packed(cache: torch.Tensor) -> bool:
     return cache.stride()[1:] == (hkv * d, d, 1) and cache.stride(0) % (hkv * d) == 0
 
 
+def _width_variants(rep: int, d: int, max_width: int) -> list[int]:
+    """The smallest width of each query-row tiling ``(block_m, sub)`` that widths ``1..max_width`` (at most 128
+    folded rows) need: one compiled kernel variant each."""
+    seen, widths = set(), []
+    for w in range(1, max_width + 1):
+        variant = _row_tiling(w * rep, d)[::2]
+        if w * rep <= 128 and variant not in seen:
+            seen.add(variant)
+            widths.append(w)
+    return widths
+
+
 def _compile_variants(qg, k_cache, v_cache, rows, positions, rep: int, block_n: int, max_width: int) -> None:
     """Compile every query-row tile that widths ``1..max_width`` need, in both launches (one pass; split + merge),
     once per (device, dtype, Hkv, rep, D), by launching each on the first row (outside any CUDA-graph capture: a
@@ -576,12 +583,7 @@ def _compile_variants(qg, k_cache, v_cache, rows, positions, rep: int, block_n: 
     if key in _COMPILED or (qg.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     _COMPILED.add(key)
-    done = set()
-    for w in range(1, max_width + 1):
-        variant = _row_tiling(w * rep, d)[::2]  # (block_m, sub): one compiled variant each
-        if w * rep > 128 or variant in done:
-            continue
-        done.add(variant)
+    for w in _width_variants(rep, d, max_width):
         pos = torch.zeros((1, w), dtype=positions.dtype, device=positions.device)  # key 0 only
         q = qg.new_zeros((1, hkv, w * rep, d))
         for splits in (1, 2):
